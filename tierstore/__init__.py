@@ -1,0 +1,61 @@
+"""tierstore: an asyncio tiered tensor store for PyTorch (GPU, pinned host memory, NVMe).
+
+>>> async with TierStore([DeviceTier("cpu", "1GiB"), HostTier("4GiB"), DiskTier("/tmp/ts", "100GiB")]) as store:
+...     await store.put("w", torch.ones(3))
+...     w = await store.get("w")
+"""
+
+from . import errors
+from .errors import (
+    CatalogError,
+    ChecksumError,
+    CorruptionError,
+    DiskFullError,
+    EntryHeldError,
+    InvalidKeyError,
+    InvalidTensorError,
+    KeyNotFoundError,
+    StoreClosedError,
+    StoreLockedError,
+    TierFullError,
+    TierStoreError,
+    UnknownTierError,
+)
+from .prefetching import PrefetchHandle, PrefetchResult
+from .protocols import EvictionPolicy, PrefetchPolicy
+from .store import TierStore
+from .sync import SyncTierStore
+from .tiers import DeviceTier, DiskTier, HostTier, MemoryTier, Tier
+from .units import format_bytes, parse_bytes
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CatalogError",
+    "ChecksumError",
+    "CorruptionError",
+    "DeviceTier",
+    "DiskFullError",
+    "DiskTier",
+    "EntryHeldError",
+    "EvictionPolicy",
+    "HostTier",
+    "InvalidKeyError",
+    "InvalidTensorError",
+    "KeyNotFoundError",
+    "MemoryTier",
+    "PrefetchHandle",
+    "PrefetchPolicy",
+    "PrefetchResult",
+    "StoreClosedError",
+    "StoreLockedError",
+    "SyncTierStore",
+    "Tier",
+    "TierFullError",
+    "TierStore",
+    "TierStoreError",
+    "UnknownTierError",
+    "errors",
+    "format_bytes",
+    "parse_bytes",
+]

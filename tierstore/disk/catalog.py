@@ -1,0 +1,264 @@
+"""The disk tier's catalog: an LMDB database of what lives in the data files.
+
+Two named databases: ``meta`` (format, chunk size, segment sizes) and ``entries`` (one JSON
+record per key, found by the key's digest; the key itself is inside the record). Nothing is
+pickled. Writes from many coroutines are grouped into one transaction each time the single
+writer thread comes free (group commit), so durable puts share an fsync of the catalog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lmdb
+
+from ..errors import CatalogError, DiskFullError, StoreClosedError
+from ..keys import key_digest
+from ..tensors import TensorMeta
+from .extents import Extent
+from .files import is_disk_full
+
+FORMAT = "tierstore-disk"
+FORMAT_VERSION = 1
+_META_KEY = b"format"
+_INITIAL_MAP_SIZE = 256 << 20
+
+
+@dataclass(frozen=True)
+class DiskRecord:
+    """What the catalog knows of one key: its tensor, where its bytes are, and their checksums."""
+
+    key: str
+    meta: TensorMeta
+    extent: Extent
+    version: int
+    checksums: tuple[int, ...]
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(
+            {
+                "key": self.key,
+                **self.meta.to_json(),
+                "nbytes": self.meta.nbytes,
+                "segment": self.extent.segment,
+                "offset": self.extent.offset,
+                "length": self.extent.length,
+                "version": self.version,
+                "checksums": list(self.checksums),
+            },
+            separators=(",", ":"),
+            ensure_ascii=False,
+        ).encode("utf-8")
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> DiskRecord:
+        """Parse a record; raises ``ValueError`` with the reason if it is malformed."""
+        try:
+            fields = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"not a JSON record ({exc})") from None
+        if not isinstance(fields, dict):
+            raise ValueError("not a JSON object")
+        try:
+            meta = TensorMeta.from_json(fields)
+            ints = [fields[name] for name in ("nbytes", "segment", "offset", "length", "version")]
+            checksums = fields["checksums"]
+            key = fields["key"]
+        except KeyError as exc:
+            raise ValueError(f"field {exc} is missing") from None
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints):
+            raise ValueError("nbytes, segment, offset, length and version must be non-negative ints")
+        if not isinstance(key, str) or not key:
+            raise ValueError("key must be a non-empty str")
+        if not isinstance(checksums, list) or not all(isinstance(c, int) for c in checksums):
+            raise ValueError("checksums must be a list of ints")
+        nbytes, segment, offset, length, version = ints
+        if nbytes != meta.nbytes:
+            raise ValueError(f"nbytes {nbytes} disagrees with dtype and shape ({meta.nbytes})")
+        if length < nbytes:
+            raise ValueError(f"extent of {length} bytes cannot hold {nbytes}")
+        return cls(key, meta, Extent(segment, offset, length), version, tuple(checksums))
+
+
+@dataclass(frozen=True)
+class CatalogLayout:
+    """The format settings fixed when a folder is created."""
+
+    chunk_size: int
+    alignment: int
+    segments: tuple[int, ...]
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(
+            {
+                "format": FORMAT,
+                "version": FORMAT_VERSION,
+                "chunk_size": self.chunk_size,
+                "alignment": self.alignment,
+                "segments": list(self.segments),
+            }
+        ).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, where: Path) -> CatalogLayout:
+        try:
+            fields = json.loads(raw)
+            if fields.get("format") != FORMAT:
+                raise CatalogError(f"{where} is not a tierstore disk folder (format {fields.get('format')!r})")
+            if fields.get("version") != FORMAT_VERSION:
+                raise CatalogError(f"{where} has format version {fields.get('version')}; this tierstore reads {FORMAT_VERSION}")
+            layout = cls(int(fields["chunk_size"]), int(fields["alignment"]), tuple(int(s) for s in fields["segments"]))
+        except CatalogError:
+            raise
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise CatalogError(f"the catalog's format record in {where} is unreadable: {exc!r}") from None
+        if layout.chunk_size <= 0 or layout.alignment <= 0 or any(s < 0 for s in layout.segments):
+            raise CatalogError(f"the catalog's format record in {where} has impossible values: {layout}")
+        return layout
+
+
+class Catalog:
+    """The LMDB catalog of one disk folder. ``open`` and the reads run on the caller's thread;
+    ``commit`` runs writes on one dedicated writer thread, grouped."""
+
+    def __init__(self, path: Path, durable: bool) -> None:
+        self.path = path
+        self.durable = durable
+        self._env: Any = None
+        self._entries: Any = None
+        self._meta: Any = None
+        self._writer: ThreadPoolExecutor | None = None
+        self._pending: list[tuple[list[tuple[str, DiskRecord | None]], asyncio.Future[None]]] = []
+        self._flushing: asyncio.Task[None] | None = None
+        self.layout: CatalogLayout | None = None
+
+    def open(self, create_layout: CatalogLayout | None) -> CatalogLayout:
+        """Open the database. A new one gets ``create_layout``; an existing one is validated."""
+        self.path.mkdir(mode=0o700, exist_ok=True)
+        try:
+            self._env = lmdb.open(
+                str(self.path),
+                map_size=_INITIAL_MAP_SIZE,
+                max_dbs=2,
+                sync=self.durable,
+                metasync=self.durable,
+                mode=0o600,
+                readahead=False,
+            )
+            self._meta = self._env.open_db(b"meta")
+            self._entries = self._env.open_db(b"entries")
+            with self._env.begin(db=self._meta) as txn:
+                raw = txn.get(_META_KEY)
+        except lmdb.Error as exc:
+            self.close()
+            raise CatalogError(f"the catalog in {self.path} cannot be opened: {exc}") from None
+        if raw is None:
+            if create_layout is None:
+                self.close()
+                raise CatalogError(f"{self.path} holds no tierstore catalog")
+            self._write_sync([], create_layout)
+            self.layout = create_layout
+        else:
+            self.layout = CatalogLayout.from_bytes(bytes(raw), self.path)
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierstore-catalog")
+        return self.layout
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
+        if self._env is not None:
+            self._env.close()
+            self._env = None
+
+    def records(self) -> Iterator[tuple[bytes, DiskRecord]]:
+        """Every record, validated; raises ``CatalogError`` naming the first bad one."""
+        with self._env.begin(db=self._entries) as txn:
+            for digest, raw in txn.cursor():
+                try:
+                    record = DiskRecord.from_bytes(bytes(raw))
+                except ValueError as exc:
+                    raise CatalogError(f"catalog record {bytes(digest).hex()} in {self.path} is corrupt: {exc}") from None
+                if key_digest(record.key) != bytes(digest):
+                    raise CatalogError(f"catalog record for {record.key!r} is filed under the wrong address")
+                yield bytes(digest), record
+
+    def count(self) -> int:
+        with self._env.begin(db=self._entries) as txn:
+            return int(txn.stat(self._entries)["entries"])
+
+    async def commit(self, changes: list[tuple[str, DiskRecord | None]], layout: CatalogLayout | None = None) -> None:
+        """Durably apply ``changes`` (key -> new record, or None to delete) in one transaction
+        shared with whatever other commits are waiting; returns once it is on disk."""
+        loop = asyncio.get_running_loop()
+        if layout is not None:  # rare (a new segment): its own transaction
+            if self._writer is None:
+                raise StoreClosedError(f"the catalog in {self.path} is closed")
+            await loop.run_in_executor(self._writer, self._write_sync, changes, layout)
+            self.layout = layout
+            return
+        if self._writer is None:
+            raise StoreClosedError(f"the catalog in {self.path} is closed")
+        done: asyncio.Future[None] = loop.create_future()
+        self._pending.append((changes, done))
+        if self._flushing is None or self._flushing.done():
+            self._flushing = asyncio.ensure_future(self._flush())
+        await asyncio.shield(done)
+
+    async def _flush(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._pending:
+            batch, self._pending = self._pending, []
+            changes = [change for group, _ in batch for change in group]
+            try:
+                await loop.run_in_executor(self._writer, self._write_sync, changes, None)
+            except BaseException as exc:
+                # One bad change must not fail its neighbours: retry each group on its own.
+                if len(batch) > 1:
+                    for group, done in batch:
+                        try:
+                            await loop.run_in_executor(self._writer, self._write_sync, group, None)
+                        except BaseException as single:
+                            _settle(done, single)
+                        else:
+                            _settle(done, None)
+                    continue
+                _settle(batch[0][1], exc)
+                continue
+            for _, done in batch:
+                _settle(done, None)
+
+    def _write_sync(self, changes: list[tuple[str, DiskRecord | None]], layout: CatalogLayout | None) -> None:
+        while True:
+            try:
+                with self._env.begin(write=True) as txn:
+                    for key, record in changes:
+                        digest = key_digest(key)
+                        if record is None:
+                            txn.delete(digest, db=self._entries)
+                        else:
+                            txn.put(digest, record.to_bytes(), db=self._entries)
+                    if layout is not None:
+                        txn.put(_META_KEY, layout.to_bytes(), db=self._meta)
+                return
+            except lmdb.MapFullError:
+                self._env.set_mapsize(self._env.info()["map_size"] * 2)
+            except lmdb.Error as exc:
+                if is_disk_full(exc) or "No space left" in str(exc):
+                    raise DiskFullError(28, f"the catalog in {self.path} cannot grow: {exc}") from None
+                raise CatalogError(f"the catalog in {self.path} failed to commit: {exc}") from None
+
+
+def _settle(done: asyncio.Future[None], exc: BaseException | None) -> None:
+    if done.done():
+        return
+    if exc is None:
+        done.set_result(None)
+    else:
+        done.set_exception(exc)

@@ -1,0 +1,238 @@
+"""Segment files of the disk tier and the chunked, checksummed I/O into and out of them.
+
+Everything here is synchronous and runs on the disk tier's worker threads. Data moves straight
+between a tensor's memory and the file (``os.pwrite`` / ``os.preadv`` on the tensor's buffer,
+``O_DIRECT`` where the file system supports it); only a chunk whose memory is not 4096-aligned
+goes through one of a few aligned staging buffers.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import queue
+from pathlib import Path
+
+import numpy as np
+import torch
+import xxhash
+
+from ..errors import CatalogError, DiskFullError
+from ..tensors import ALIGNMENT, aligned_empty, is_aligned
+from ..units import round_up
+
+_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+def checksum(data: memoryview | np.ndarray) -> int:
+    """The checksum recorded for one chunk (xxh3, 64 bits)."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS
+
+
+def disk_full(exc: OSError, what: str) -> DiskFullError:
+    return DiskFullError(exc.errno, f"{what}: {os.strerror(exc.errno or 0)}")
+
+
+def _as_numpy(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.numpy()
+
+
+class SegmentFiles:
+    """The open data files of one disk tier folder.
+
+    Parameters
+    ----------
+    folder:
+        Where the segment files live (``<root>/data``).
+    direct:
+        ``"auto"`` uses ``O_DIRECT`` when the file system accepts it, ``True`` requires it,
+        ``False`` uses the page cache.
+    staging_buffers, staging_size:
+        Aligned bounce buffers for chunks whose memory is not aligned (user tensors, small
+        buffers); at most one per worker thread is in use at a time.
+    """
+
+    def __init__(self, folder: Path, direct: bool | str, staging_buffers: int, staging_size: int, pinned: bool) -> None:
+        self.folder = folder
+        self._direct_setting = direct
+        self.direct = False
+        self._fds: list[int] = []
+        self._staging: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
+        self._staging_count = staging_buffers
+        self._staging_size = staging_size
+        self._pinned = pinned
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host memory held for staging (documented overhead beside the tiers' capacities)."""
+        return self._staging_count * self._staging_size if self.direct else 0
+
+    def path(self, segment: int) -> Path:
+        return self.folder / f"segment-{segment:06d}.bin"
+
+    def open(self, sizes: list[int]) -> None:
+        """Open the existing segments, checking each is there and whole."""
+        self._fds = []
+        try:
+            self.direct = self._probe_direct(sizes)
+            for segment, size in enumerate(sizes):
+                path = self.path(segment)
+                try:
+                    actual = path.stat().st_size
+                except FileNotFoundError:
+                    raise CatalogError(f"data file {path} is missing; the catalog says it holds {size} bytes") from None
+                if actual < size:
+                    raise CatalogError(f"data file {path} is truncated: {actual} of {size} bytes")
+                self._fds.append(self._open_fd(path, create=False))
+        except BaseException:
+            self.close()
+            raise
+        if self.direct:
+            for _ in range(self._staging_count):
+                self._staging.put(aligned_empty(self._staging_size, pin_memory=self._pinned))
+
+    def create(self, segment: int, size: int) -> None:
+        """Create (or recreate) segment file ``segment`` with ``size`` bytes reserved on disk."""
+        if segment != len(self._fds):
+            raise ValueError(f"segments are created in order: expected {len(self._fds)}, got {segment}")
+        path = self.path(segment)
+        fd = self._open_fd(path, create=True)
+        try:
+            os.ftruncate(fd, 0)
+            os.posix_fallocate(fd, 0, size)
+            os.fsync(fd)
+            _fsync_dir(self.folder)
+        except OSError as exc:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            if is_disk_full(exc):
+                raise disk_full(exc, f"cannot reserve {size} bytes for {path}") from None
+            raise
+        self._fds.append(fd)
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+        while not self._staging.empty():
+            self._staging.get()
+
+    def sync(self, segment: int) -> None:
+        """Make the data written to ``segment`` durable."""
+        os.fdatasync(self._fds[segment])
+
+    def write_chunk(self, segment: int, file_offset: int, src: torch.Tensor, start: int, length: int) -> int:
+        """Write ``src[start:start+length]`` at ``file_offset``; return the chunk's checksum."""
+        fd = self._fds[segment]
+        payload = _as_numpy(src[start : start + length])
+        digest = checksum(payload)
+        if not self.direct:
+            _pwrite_all(fd, memoryview(payload), file_offset)
+            return digest
+        padded = round_up(length, ALIGNMENT)
+        if is_aligned(src[start:]) and src.numel() >= start + padded:
+            _pwrite_all(fd, memoryview(_as_numpy(src[start : start + padded])), file_offset)
+            return digest
+        staging = self._staging.get()
+        try:
+            stage = _as_numpy(staging)
+            np.copyto(stage[:length], payload)
+            stage[length:padded] = 0
+            _pwrite_all(fd, memoryview(stage[:padded]), file_offset)
+        finally:
+            self._staging.put(staging)
+        return digest
+
+    def read_chunk(self, segment: int, file_offset: int, dst: torch.Tensor, start: int, length: int) -> int:
+        """Read ``length`` bytes at ``file_offset`` into ``dst[start:]``; return their checksum."""
+        fd = self._fds[segment]
+        target = _as_numpy(dst[start : start + length])
+        if not self.direct:
+            _pread_all(fd, memoryview(target), file_offset)
+            return checksum(target)
+        padded = round_up(length, ALIGNMENT)
+        if is_aligned(dst[start:]) and dst.numel() >= start + padded:
+            _pread_all(fd, memoryview(_as_numpy(dst[start : start + padded])), file_offset)
+            return checksum(target)
+        staging = self._staging.get()
+        try:
+            stage = _as_numpy(staging)
+            _pread_all(fd, memoryview(stage[:padded]), file_offset)
+            np.copyto(target, stage[:length])
+        finally:
+            self._staging.put(staging)
+        return checksum(target)
+
+    def read_raw(self, segment: int, file_offset: int, length: int) -> bytes:
+        """Bytes straight from the file through the page cache (for tools and tests)."""
+        with open(self.path(segment), "rb") as handle:
+            handle.seek(file_offset)
+            return handle.read(length)
+
+    def _open_fd(self, path: Path, create: bool) -> int:
+        flags = os.O_RDWR | (os.O_CREAT if create else 0) | getattr(os, "O_CLOEXEC", 0)
+        if self.direct:
+            flags |= os.O_DIRECT
+        return os.open(path, flags, 0o600)
+
+    def _probe_direct(self, sizes: list[int]) -> bool:
+        if self._direct_setting is False or not hasattr(os, "O_DIRECT"):
+            if self._direct_setting is True:
+                raise OSError(errno.EINVAL, "O_DIRECT is not available on this platform")
+            return False
+        probe = self.folder / ".direct-probe"
+        try:
+            fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+        except OSError as exc:
+            if self._direct_setting is True:
+                raise OSError(exc.errno, f"O_DIRECT is not supported under {self.folder}: {exc.strerror}") from None
+            return False
+        try:
+            block = aligned_empty(ALIGNMENT)
+            os.pwrite(fd, memoryview(block.numpy()), 0)
+            os.preadv(fd, [memoryview(block.numpy())], 0)
+            return True
+        except OSError as exc:
+            if self._direct_setting is True:
+                raise OSError(exc.errno, f"O_DIRECT I/O fails under {self.folder}: {exc.strerror}") from None
+            return False
+        finally:
+            os.close(fd)
+            probe.unlink(missing_ok=True)
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    total = len(data)
+    while done < total:
+        try:
+            written = os.pwrite(fd, data[done:], offset + done)
+        except OSError as exc:
+            if is_disk_full(exc):
+                raise disk_full(exc, "writing a data file") from None
+            raise
+        if written == 0:
+            raise DiskFullError(errno.ENOSPC, "writing a data file: no progress")
+        done += written
+
+
+def _pread_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    total = len(data)
+    while done < total:
+        got = os.preadv(fd, [data[done:]], offset + done)
+        if got == 0:
+            raise CatalogError(f"data file ends at byte {offset + done}, inside an extent; it was truncated")
+        done += got
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

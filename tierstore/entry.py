@@ -1,0 +1,77 @@
+"""The store's record of one key: its tensor metadata, version, and a copy per tier.
+
+All state of a key lives here. A *copy* is valid while its version equals the entry's version;
+a write gives the entry a new version (store-wide unique) and so invalidates every other copy
+at once. A memory copy that is no longer valid is dropped; a disk copy stays as the durable base
+until a write-back replaces it (copy-on-write).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import torch
+
+from .disk.extents import Extent
+from .tensors import TensorMeta
+
+
+@dataclass(eq=False)
+class Copy:
+    """One tier's copy of an entry: a buffer (memory tiers) or an extent (disk tier)."""
+
+    tier: int
+    version: int
+    buffer: torch.Tensor | None = None
+    extent: Extent | None = None
+    checksums: tuple[int, ...] = ()
+    #: Holds and in-flight transfers using this copy. While non-zero the copy cannot be evicted
+    #: or freed; it is out of its tier's eviction policy.
+    users: int = 0
+    #: Of ``users``, how many are holds (leases) taken through ``TierStore.hold``.
+    holds: int = 0
+    #: The copy is known to the tier's eviction policy (valid, unused, memory tier).
+    in_policy: bool = False
+    #: Replaced or invalidated; its space is released when the last user lets go.
+    retired: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this copy occupies on its tier."""
+        if self.buffer is not None:
+            return self.buffer.untyped_storage().nbytes()
+        return self.extent.length if self.extent is not None else 0
+
+
+@dataclass(eq=False)
+class Entry:
+    """Everything the store knows of one key."""
+
+    key: str
+    meta: TensorMeta
+    #: Version of the current value; 0 while the first write is still in flight (invisible).
+    version: int = 0
+    copies: dict[int, Copy] = field(default_factory=dict)
+    #: Promotions in flight, by target tier: later requesters wait for them.
+    loading: dict[int, asyncio.Future[None]] = field(default_factory=dict)
+    #: Puts in flight that may still create this entry.
+    pending_writes: int = 0
+    #: Serialises catalog changes of this key (write, write-back, delete) so they commit in order.
+    disk_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def visible(self) -> bool:
+        return self.version != 0
+
+    def valid(self, tier: int) -> Copy | None:
+        """This tier's copy if it holds the current value."""
+        copy = self.copies.get(tier)
+        return copy if copy is not None and copy.version == self.version else None
+
+    def valid_tiers(self) -> list[int]:
+        """Tiers holding the current value, fastest first."""
+        return sorted(t for t, c in self.copies.items() if c.version == self.version)
+
+    def held(self) -> bool:
+        return any(copy.holds for copy in self.copies.values())

@@ -1,0 +1,65 @@
+"""Exceptions raised by tierstore.
+
+Every error derives from :class:`TierStoreError`; most also derive from the builtin they refine
+(``KeyNotFoundError`` is a ``KeyError``, ``InvalidTensorError`` a ``TypeError`` ...), so callers can
+catch either. An operation that raises one of these leaves the store usable with nothing lost.
+"""
+
+from __future__ import annotations
+
+
+class TierStoreError(Exception):
+    """Base class of every tierstore error."""
+
+
+class KeyNotFoundError(TierStoreError, KeyError):
+    """The key is not in the store."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; a sentence reads better
+        return str(self.args[0]) if self.args else "key not found"
+
+
+class InvalidKeyError(TierStoreError, ValueError):
+    """The key is not a usable key (not a str, empty, not encodable as UTF-8, too long)."""
+
+
+class InvalidTensorError(TierStoreError, TypeError):
+    """The value is not a storable tensor (not a tensor, sparse, meta, quantized, nested ...)."""
+
+
+class UnknownTierError(TierStoreError, ValueError):
+    """A tier was named that the store does not have, or cannot serve the request."""
+
+
+class TierFullError(TierStoreError, MemoryError):
+    """No room can be made on a tier: the request is larger than its capacity, or every resident
+    entry is held. Nothing was changed."""
+
+
+class DiskFullError(TierStoreError, OSError):
+    """The file system under a disk tier is full (ENOSPC, EDQUOT or EFBIG). Nothing was changed;
+    the store stays usable and freeing entries makes room again."""
+
+
+class EntryHeldError(TierStoreError, RuntimeError):
+    """The operation needs an entry that is held (leased) and cannot proceed while it is."""
+
+
+class CorruptionError(TierStoreError):
+    """Stored bytes or metadata do not match what was written."""
+
+
+class ChecksumError(CorruptionError, OSError):
+    """The bytes read from disk do not match the checksum recorded when they were written."""
+
+
+class CatalogError(CorruptionError, OSError):
+    """The on-disk catalog or data files are unreadable, inconsistent or of an unknown format."""
+
+
+class StoreLockedError(TierStoreError, OSError):
+    """Another process has the store folder open."""
+
+
+class StoreClosedError(TierStoreError, RuntimeError):
+    """The store (or tier) is not open."""

@@ -1,0 +1,167 @@
+"""What the store knows about a tensor: dtype names, validation, byte views and aligned buffers.
+
+Tensors are stored as raw bytes plus ``TensorMeta`` (dtype name, shape, nbytes). Nothing is
+pickled; dtypes are written by name and read back through a fixed table.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .errors import InvalidTensorError
+from .units import round_up
+
+#: Alignment of the store's own buffers and disk extents (what O_DIRECT asks for).
+ALIGNMENT = 4096
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(dtype).removeprefix("torch."): dtype
+    for dtype in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.complex128,
+        torch.complex64,
+        torch.complex32,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint64,
+        torch.uint32,
+        torch.uint16,
+        torch.uint8,
+        torch.bool,
+        torch.float8_e4m3fn,
+        torch.float8_e4m3fnuz,
+        torch.float8_e5m2,
+        torch.float8_e5m2fnuz,
+        getattr(torch, "float8_e8m0fnu", torch.float8_e5m2),
+    )
+}
+_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in _DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name under which ``dtype`` is stored, e.g. ``"bfloat16"``."""
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise InvalidTensorError(f"tensors of dtype {dtype} cannot be stored") from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """The torch dtype stored under ``name``; raises ``ValueError`` for an unknown name."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype name {name!r}") from None
+
+
+def supported_dtypes() -> list[torch.dtype]:
+    """Every dtype the store can hold."""
+    return list(_NAMES)
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Dtype, shape and size of a stored tensor (always stored contiguous, C order)."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> TensorMeta:
+        return cls(tensor.dtype, tuple(tensor.shape))
+
+    def to_json(self) -> dict[str, object]:
+        return {"dtype": dtype_name(self.dtype), "shape": list(self.shape)}
+
+    @classmethod
+    def from_json(cls, record: dict[str, object]) -> TensorMeta:
+        dtype = dtype_from_name(str(record["dtype"]))
+        shape = record["shape"]
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise ValueError(f"bad shape {shape!r}")
+        return cls(dtype, tuple(shape))
+
+
+def check_tensor(tensor: object) -> torch.Tensor:
+    """Return ``tensor`` if the store can hold it, else raise ``InvalidTensorError``.
+
+    Accepted: dense (strided) tensors on the CPU or a CUDA device, of any dtype in
+    :func:`supported_dtypes`, contiguous or not (non-contiguous ones are stored as a contiguous
+    copy: their strides are not kept). Refused: non-tensors, sparse, meta, quantized, nested,
+    and tensors on other devices.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise InvalidTensorError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.is_nested:
+        raise InvalidTensorError("nested tensors cannot be stored")
+    if tensor.layout != torch.strided:
+        raise InvalidTensorError(f"only dense (strided) tensors can be stored, not {tensor.layout}")
+    if tensor.is_meta:
+        raise InvalidTensorError("meta tensors have no data to store")
+    if tensor.is_quantized:
+        raise InvalidTensorError("quantized tensors cannot be stored; store their int_repr() and scales")
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise InvalidTensorError(f"tensors on {tensor.device} cannot be stored (cpu and cuda only)")
+    dtype_name(tensor.dtype)
+    return tensor
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor's bytes (0-d and empty tensors included)."""
+    flat = tensor.detach().reshape(-1)
+    if flat.dtype == torch.uint8:
+        return flat
+    if flat.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=tensor.device)
+    return flat.view(torch.uint8)
+
+
+def from_bytes(raw: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
+    """View the first ``meta.nbytes`` bytes of a uint8 buffer as a tensor described by ``meta``."""
+    data = raw[: meta.nbytes]
+    if meta.nbytes == 0:
+        return torch.empty(meta.shape, dtype=meta.dtype, device=raw.device)
+    if meta.dtype != torch.uint8:
+        data = data.view(meta.dtype)
+    return data.view(meta.shape)
+
+
+def aligned_empty(nbytes: int, device: torch.device | str = "cpu", pin_memory: bool = False) -> torch.Tensor:
+    """A uint8 buffer of ``nbytes`` (rounded up to ``ALIGNMENT``) whose address is 4096-aligned.
+
+    CPU tensors are only 64-byte aligned, so we over-allocate and slice; the slice keeps the
+    storage alive. CUDA and pinned allocations are already page aligned.
+    """
+    size = round_up(max(nbytes, 1), ALIGNMENT)
+    device = torch.device(device)
+    if device.type != "cpu" or pin_memory:
+        return torch.empty(size, dtype=torch.uint8, device=device, pin_memory=pin_memory)
+    raw = torch.empty(size + ALIGNMENT, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % ALIGNMENT
+    return raw[start : start + size]
+
+
+def storage_nbytes(buffer: torch.Tensor) -> int:
+    """Bytes really allocated behind ``buffer`` (its whole storage, not just the view)."""
+    return buffer.untyped_storage().nbytes()
+
+
+def is_aligned(buffer: torch.Tensor, alignment: int = ALIGNMENT) -> bool:
+    """Whether ``buffer`` starts on an ``alignment`` boundary."""
+    return buffer.data_ptr() % alignment == 0

@@ -1,0 +1,310 @@
+"""``DiskTier``: tensors as checksummed extents in preallocated files, with an LMDB catalog."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import fcntl
+import os
+from functools import partial
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from ..disk.catalog import Catalog, CatalogLayout, DiskRecord
+from ..disk.extents import Extent, ExtentAllocator
+from ..disk.files import SegmentFiles
+from ..errors import CatalogError, ChecksumError, StoreClosedError, StoreLockedError, TierFullError
+from ..tensors import ALIGNMENT
+from ..units import format_bytes, parse_bytes, round_up
+from ..workers import Priority, WorkerPool
+from .base import Tier
+
+
+class DiskTier(Tier):
+    """The slowest tier: a folder on (ideally) NVMe.
+
+    Data lives in segment files under ``root/data`` that are reserved on disk in whole
+    (``posix_fallocate``) and created as the tier fills; each tensor is one aligned extent
+    inside a segment, moved with ``pwrite``/``preadv`` straight from and into the tensor's
+    memory (``O_DIRECT`` where supported) by a pool of ``io_threads`` threads, ``chunk_size``
+    bytes per request. Each chunk carries an xxh3 checksum that is verified on every read.
+    The LMDB catalog under ``root/catalog`` maps keys to extents. Updates are copy-on-write:
+    a new extent is written (and, if ``durable``, fsync'ed), then the catalog commits, then the
+    old extent is freed. Reopening the folder brings every entry back.
+
+    Parameters
+    ----------
+    root:
+        The folder; created by ``open`` if absent (unless ``create=False``). Keys never become
+        file names in it.
+    capacity:
+        Most bytes of segment files the tier may hold (int, or a string such as ``"100GiB"``).
+    durable:
+        If True (default) a write is on stable storage before it is acknowledged and survives a
+        crash or power loss. If False nothing is fsync'ed: the data and catalog still survive
+        the process being killed (the kernel holds the writes), but a power loss or OS crash may
+        lose recent writes; the catalog stays consistent and a record whose data did not reach
+        the disk fails its checksum on read rather than returning wrong bytes.
+    direct:
+        ``"auto"`` (default) uses ``O_DIRECT`` where the file system supports it; ``True``
+        requires it; ``False`` goes through the page cache.
+    segment_size:
+        Size of each data file (default ``min(capacity, 4GiB)``); no tensor can be larger.
+    """
+
+    kind: ClassVar[str] = "disk"
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        capacity: int | str,
+        durable: bool = True,
+        direct: bool | str = "auto",
+        segment_size: int | str | None = None,
+        io_threads: int = 4,
+        chunk_size: int | str = "4MiB",
+        create: bool = True,
+        name: str = "disk",
+    ) -> None:
+        super().__init__(capacity, name)
+        self.root = Path(root)
+        self.durable = bool(durable)
+        if direct not in (True, False, "auto"):
+            raise ValueError(f"direct must be True, False or 'auto', not {direct!r}")
+        self._direct = direct
+        default_segment = min(max(self.capacity, ALIGNMENT), 4 << 30)
+        self.segment_size = round_up(parse_bytes(segment_size) if segment_size is not None else default_segment, ALIGNMENT)
+        self.chunk_size = round_up(parse_bytes(chunk_size), ALIGNMENT)
+        if self.chunk_size <= 0 or self.segment_size <= 0:
+            raise ValueError("chunk_size and segment_size must be positive")
+        self.io_threads = io_threads
+        self.create = create
+        self.pool = WorkerPool(io_threads, name)
+        self._catalog: Catalog | None = None
+        self._files: SegmentFiles | None = None
+        self._allocator = ExtentAllocator()
+        self._lock_fd: int | None = None
+        self._grow_lock: asyncio.Lock | None = None
+        #: Records found on open, by key (the store adopts them as entries).
+        self.loaded: dict[str, DiskRecord] = {}
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        if self.is_open:
+            return
+        if not self.root.exists():
+            if not self.create:
+                raise FileNotFoundError(f"disk tier folder {self.root} does not exist (create=False)")
+            self.root.mkdir(mode=0o700, parents=True)
+        self._lock_folder()
+        try:
+            await asyncio.to_thread(self._open_sync)
+        except BaseException:
+            self._close_sync()
+            raise
+        self._grow_lock = asyncio.Lock()
+        self.pool.start()
+        await super().open()
+
+    def _open_sync(self) -> None:
+        (self.root / "data").mkdir(mode=0o700, exist_ok=True)
+        self._catalog = Catalog(self.root / "catalog", self.durable)
+        layout = self._catalog.open(CatalogLayout(self.chunk_size, ALIGNMENT, ()))
+        if layout.alignment != ALIGNMENT:
+            raise CatalogError(f"{self.root} was written with {layout.alignment}-byte alignment; this tierstore uses {ALIGNMENT}")
+        self.chunk_size = layout.chunk_size  # the folder's setting wins over the constructor's
+        if sum(layout.segments) > self.capacity:
+            raise ValueError(
+                f"{self.root} already holds {format_bytes(sum(layout.segments))} of segments, "
+                f"more than this DiskTier's capacity of {format_bytes(self.capacity)}"
+            )
+        self._files = SegmentFiles(
+            self.root / "data",
+            self._direct,
+            staging_buffers=self.io_threads,
+            staging_size=self.chunk_size,
+            pinned=torch.cuda.is_available(),
+        )
+        self._files.open(list(layout.segments))
+        records = {}
+        for _, record in self._catalog.records():
+            expected_chunks = max(1, -(-record.meta.nbytes // self.chunk_size))
+            if len(record.checksums) != expected_chunks:
+                raise CatalogError(f"catalog record for {record.key!r} has {len(record.checksums)} checksums, expected {expected_chunks}")
+            records[record.key] = record
+        try:
+            self._allocator = ExtentAllocator.rebuild(layout.segments, (r.extent for r in records.values()))
+        except ValueError as exc:
+            raise CatalogError(f"the catalog in {self.root} is inconsistent: {exc}") from None
+        self.loaded = records
+
+    async def aclose(self) -> None:
+        if not self.is_open:
+            return
+        self.pool.shutdown()
+        self._close_sync()
+        await super().aclose()
+
+    def _close_sync(self) -> None:
+        if self._files is not None:
+            self._files.close()
+            self._files = None
+        if self._catalog is not None:
+            self._catalog.close()
+            self._catalog = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing releases the flock
+            self._lock_fd = None
+
+    def _lock_folder(self) -> None:
+        fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise StoreLockedError(errno.EWOULDBLOCK, f"{self.root} is open in another process (pid {holder})") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+
+    # -- accounting -------------------------------------------------------------------------
+
+    @property
+    def used(self) -> int:
+        return self._allocator.used
+
+    @property
+    def reserved(self) -> int:
+        """Bytes of segment files created so far (reserved on the file system)."""
+        return self._allocator.size
+
+    @property
+    def direct_io(self) -> bool:
+        """Whether ``O_DIRECT`` is in use."""
+        return self._files is not None and self._files.direct
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host memory this tier holds for staging unaligned chunks."""
+        return self._files.staging_bytes if self._files is not None else 0
+
+    def extent_size(self, nbytes: int) -> int:
+        """Bytes an extent for ``nbytes`` occupies."""
+        return round_up(max(nbytes, 1), ALIGNMENT)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            **super().describe(),
+            "root": str(self.root),
+            "durable": self.durable,
+            "direct": self.direct_io,
+            "segment_size": self.segment_size,
+            "chunk_size": self.chunk_size,
+            "io_threads": self.io_threads,
+        }
+
+    # -- space --------------------------------------------------------------------------------
+
+    async def allocate(self, nbytes: int) -> Extent:
+        """Reserve an extent for ``nbytes``, creating a segment file if needed.
+
+        Raises ``TierFullError`` when the capacity is reached (or too fragmented) and
+        ``DiskFullError`` when the file system has no room for a new segment.
+        """
+        self._require_open()
+        length = self.extent_size(nbytes)
+        if length > self.segment_size:
+            raise TierFullError(
+                f"a tensor of {format_bytes(nbytes)} is larger than the disk tier's segment size "
+                f"({format_bytes(self.segment_size)}); open the DiskTier with a larger segment_size"
+            )
+        extent = self._allocator.allocate(length)
+        if extent is not None:
+            return extent
+        files, catalog = self._require_open(), self._require_catalog()
+        async with self._grow_lock or asyncio.Lock():
+            extent = self._allocator.allocate(length)
+            if extent is not None:
+                return extent
+            size = min(self.segment_size, (self.capacity - self._allocator.size) // ALIGNMENT * ALIGNMENT)
+            if size < length:
+                raise TierFullError(
+                    f"tier {self.name!r} is full: {format_bytes(length)} wanted, {format_bytes(self._allocator.free_bytes)} free "
+                    f"of {format_bytes(self.capacity)} (largest free extent {format_bytes(self._allocator.largest_free)})"
+                )
+            segment = len(self._allocator.segment_sizes)
+            await self.pool.run(partial(files.create, segment, size))
+            layout = CatalogLayout(self.chunk_size, ALIGNMENT, (*self._allocator.segment_sizes, size))
+            await catalog.commit([], layout=layout)
+            self._allocator.add_segment(size)
+            extent = self._allocator.allocate(length)
+            if extent is None:  # cannot happen: the new segment is at least `length` long
+                raise TierFullError(f"tier {self.name!r}: no extent of {length} bytes in a new segment of {size}")
+            return extent
+
+    def release(self, extent: Extent) -> None:
+        """Return an extent's space (the catalog no longer references it)."""
+        self._allocator.free(extent)
+
+    # -- data ---------------------------------------------------------------------------------
+
+    def _chunks(self, nbytes: int) -> list[tuple[int, int]]:
+        return [(start, min(self.chunk_size, nbytes - start)) for start in range(0, max(nbytes, 1), self.chunk_size)]
+
+    async def write(self, extent: Extent, src: torch.Tensor, nbytes: int, priority: Priority = Priority.DEMAND) -> tuple[int, ...]:
+        """Write the first ``nbytes`` of the CPU uint8 buffer ``src`` into ``extent``; durable on
+        return if the tier is. Returns the chunk checksums."""
+        files = self._require_open()
+        jobs = [
+            partial(files.write_chunk, extent.segment, extent.offset + start, src, start, length)
+            for start, length in self._chunks(nbytes)
+        ]
+        checksums = await self.pool.run_all(jobs, priority)
+        if self.durable:
+            await self.pool.run(partial(files.sync, extent.segment), priority)
+        return tuple(checksums)
+
+    async def read(self, record: DiskRecord, dst: torch.Tensor, priority: Priority = Priority.DEMAND) -> None:
+        """Read ``record``'s bytes into the CPU uint8 buffer ``dst``, verifying every checksum."""
+        files = self._require_open()
+        jobs = [
+            partial(self._read_verified, files, record, index, start, length, dst)
+            for index, (start, length) in enumerate(self._chunks(record.meta.nbytes))
+        ]
+        await self.pool.run_all(jobs, priority)
+
+    @staticmethod
+    def _read_verified(files: SegmentFiles, record: DiskRecord, index: int, start: int, length: int, dst: torch.Tensor) -> None:
+        extent = record.extent
+        got = files.read_chunk(extent.segment, extent.offset + start, dst, start, length)
+        if got != record.checksums[index]:
+            raise ChecksumError(
+                f"{record.key!r}: bytes {start}..{start + length} read from {files.path(extent.segment).name} "
+                f"at offset {extent.offset + start} fail their checksum; the data on disk is corrupt"
+            )
+
+    async def commit(self, changes: list[tuple[str, DiskRecord | None]]) -> None:
+        """Apply catalog changes (key -> record, or None to delete) durably, in one transaction."""
+        self._require_open()
+        await self._require_catalog().commit(changes)
+
+    def read_raw(self, extent: Extent, length: int) -> bytes:
+        """The bytes of an extent as they lie in the file (for tools and tests)."""
+        return self._require_open().read_raw(extent.segment, extent.offset, length)
+
+    def segment_path(self, segment: int) -> Path:
+        return self.root / "data" / f"segment-{segment:06d}.bin"
+
+    def _require_catalog(self) -> Catalog:
+        if self._catalog is None:
+            raise StoreClosedError(f"disk tier {self.name!r} at {self.root} is not open")
+        return self._catalog
+
+    def _require_open(self) -> SegmentFiles:
+        if self._files is None:
+            raise StoreClosedError(f"disk tier {self.name!r} at {self.root} is not open")
+        return self._files

@@ -1,0 +1,125 @@
+"""The two memory tiers: ``DeviceTier`` (a CUDA device, or the CPU as a stand-in) and ``HostTier``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..tensors import ALIGNMENT
+from ..units import round_up
+from .base import MemoryTier
+
+#: Buffers below this size are not page aligned (they would waste most of a page); disk
+#: transfers of them go through an aligned staging buffer.
+SMALL_BUFFER = ALIGNMENT
+
+
+def _cpu_allocation_size(nbytes: int) -> int:
+    if nbytes < SMALL_BUFFER:
+        return round_up(max(nbytes, 1), 64)
+    return round_up(nbytes, ALIGNMENT) + ALIGNMENT  # one page of slack to align the start
+
+
+def _new_cpu_buffer(size: int) -> torch.Tensor:
+    if size <= SMALL_BUFFER:
+        return torch.empty(size, dtype=torch.uint8)
+    raw = torch.empty(size, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % ALIGNMENT
+    return raw[start : start + size - ALIGNMENT]
+
+
+class DeviceTier(MemoryTier):
+    """The fastest tier: memory of a CUDA device, or the CPU standing in for one.
+
+    Parameters
+    ----------
+    device:
+        ``"cuda"``, ``"cuda:N"`` or ``"cpu"``. With ``"cpu"`` the tier behaves exactly like a
+        device tier (own capacity, own eviction) so the whole engine runs on machines without a
+        GPU. With CUDA, copies in and out run on dedicated streams and the loop awaits their events.
+    capacity:
+        Bytes the store may use on the device, an int or a string such as ``"8GiB"``.
+    """
+
+    def __init__(self, device: str | torch.device, capacity: int | str, name: str = "device") -> None:
+        super().__init__(capacity, name)
+        self._device = torch.device(device)
+        if self._device.type not in ("cpu", "cuda"):
+            raise ValueError(f"DeviceTier takes 'cuda', 'cuda:N' or 'cpu', not {device!r}")
+        if self._device.type == "cuda" and self._device.index is None:
+            self._device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+        self.copy_in_stream: Any = None
+        self.copy_out_stream: Any = None
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def is_cuda(self) -> bool:
+        return self._device.type == "cuda"
+
+    async def open(self) -> None:
+        if self.is_cuda:
+            if not torch.cuda.is_available():
+                raise RuntimeError(f"DeviceTier({str(self._device)!r}): CUDA is not available on this machine; use 'cpu'")
+            # Separate streams per direction so a write-back never waits behind a prefetch.
+            self.copy_in_stream = torch.cuda.Stream(self._device)
+            self.copy_out_stream = torch.cuda.Stream(self._device)
+        await super().open()
+
+    def allocation_size(self, nbytes: int) -> int:
+        if self.is_cuda:
+            return round_up(max(nbytes, 1), 512)  # the CUDA caching allocator's granularity
+        return _cpu_allocation_size(nbytes)
+
+    def _new_buffer(self, size: int) -> torch.Tensor:
+        if self.is_cuda:
+            return torch.empty(size, dtype=torch.uint8, device=self._device)
+        return _new_cpu_buffer(size)
+
+
+class HostTier(MemoryTier):
+    """Host (CPU) memory, page-locked where CUDA exists so device copies are asynchronous.
+
+    Parameters
+    ----------
+    capacity:
+        Bytes the store may use in host memory (an int or a string such as ``"32GiB"``).
+    pinned:
+        ``"auto"`` pins when ``torch.cuda.is_available()``; ``True`` requires it; ``False`` never pins.
+    """
+
+    def __init__(self, capacity: int | str, pinned: bool | str = "auto", name: str = "host") -> None:
+        super().__init__(capacity, name)
+        if pinned not in (True, False, "auto"):
+            raise ValueError(f"pinned must be True, False or 'auto', not {pinned!r}")
+        self._pinned_setting = pinned
+        self._pinned = False
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def pinned(self) -> bool:
+        return self._pinned
+
+    async def open(self) -> None:
+        cuda = torch.cuda.is_available()
+        if self._pinned_setting is True and not cuda:
+            raise RuntimeError("HostTier(pinned=True) needs CUDA; this machine has none (use 'auto')")
+        self._pinned = cuda and self._pinned_setting in (True, "auto")
+        await super().open()
+
+    def allocation_size(self, nbytes: int) -> int:
+        if self._pinned:
+            # torch's caching host allocator hands out power-of-two blocks; account what it takes.
+            return 1 << (round_up(max(nbytes, 1), ALIGNMENT) - 1).bit_length()
+        return _cpu_allocation_size(nbytes)
+
+    def _new_buffer(self, size: int) -> torch.Tensor:
+        if self._pinned:
+            return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        return _new_cpu_buffer(size)

@@ -1,0 +1,73 @@
+"""Access traces: every store access as one row of a columnar ``.npz`` file.
+
+Format (``numpy.load(path)`` reads it; ``pandas.DataFrame({k: f[k] for k in COLUMNS})`` too):
+
+============  =========  =====================================================================
+column        dtype      meaning
+============  =========  =====================================================================
+``time``      float64    seconds since the trace started
+``op``        uint8      index into ``ops`` (get, put, delete, prefetch, hold)
+``key``       int64      index into ``keys``
+``nbytes``    int64      size of the value
+``tier``      int8       tier the access asked for or landed on (index into ``tiers``), -1: none
+``before``    int8       fastest tier holding the value before the access, -1: none
+``hit``       int8       1 hit, 0 miss, -1 not a read
+``step``      int64      number of ``mark_step`` calls before the access
+============  =========  =====================================================================
+
+plus the tables ``keys`` (str), ``ops`` (str) and ``tiers`` (str). The simulator reads these
+files and plain CSV traces alike (see ``tierstore.sim``).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+OPS = ("get", "put", "delete", "prefetch", "hold")
+COLUMNS = ("time", "op", "key", "nbytes", "tier", "before", "hit", "step")
+
+
+class TraceRecorder:
+    """Collects access rows in memory and writes them to ``path`` on ``close``."""
+
+    def __init__(self, path: str | Path, tiers: list[str]) -> None:
+        self.path = Path(path)
+        self.tiers = list(tiers)
+        self._start = time.perf_counter()
+        self._key_ids: dict[str, int] = {}
+        self._rows: dict[str, list[float | int]] = {name: [] for name in COLUMNS}
+        self._step = 0
+
+    def record(self, op: str, key: str, nbytes: int, tier: int | None, hit: bool | None, before: int | None = None) -> None:
+        rows = self._rows
+        rows["time"].append(time.perf_counter() - self._start)
+        rows["op"].append(OPS.index(op))
+        rows["key"].append(self._key_ids.setdefault(key, len(self._key_ids)))
+        rows["nbytes"].append(nbytes)
+        rows["tier"].append(-1 if tier is None else tier)
+        rows["before"].append(-1 if before is None else before)
+        rows["hit"].append(-1 if hit is None else int(hit))
+        rows["step"].append(self._step)
+
+    def mark_step(self) -> None:
+        self._step += 1
+
+    def __len__(self) -> int:
+        return len(self._rows["time"])
+
+    def close(self) -> None:
+        """Write the trace (atomically: a temporary file renamed into place)."""
+        dtypes = {"time": np.float64, "op": np.uint8, "key": np.int64, "nbytes": np.int64,
+                  "tier": np.int8, "before": np.int8, "hit": np.int8, "step": np.int64}
+        arrays = {name: np.asarray(self._rows[name], dtype=dtypes[name]) for name in COLUMNS}
+        keys = np.empty(len(self._key_ids), dtype=object)
+        for key, index in self._key_ids.items():
+            keys[index] = key
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        partial = self.path.with_name(self.path.name + ".partial")
+        with open(partial, "wb") as handle:
+            np.savez(handle, **arrays, keys=keys.astype(str), ops=np.asarray(OPS), tiers=np.asarray(self.tiers, dtype=str))
+        partial.replace(self.path)

@@ -1,0 +1,63 @@
+"""Byte sizes: parse "512MiB" / "1.5GB" / 4096, and format them for people."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(size: int | float | str) -> int:
+    """Return ``size`` as a whole number of bytes.
+
+    Accepts a non-negative int, or a string such as ``"512MiB"``, ``"1.5 GB"``, ``"4096"``.
+    Decimal units (kB, MB, GB, TB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB) of 1024.
+    """
+    if isinstance(size, bool):
+        raise TypeError(f"a byte size must be an int or a string like '512MiB', not {size!r}")
+    if isinstance(size, int):
+        if size < 0:
+            raise ValueError(f"a byte size cannot be negative: {size}")
+        return size
+    if isinstance(size, float):
+        if size < 0 or size != size:
+            raise ValueError(f"a byte size must be a non-negative number: {size}")
+        return int(size)
+    if not isinstance(size, str):
+        raise TypeError(f"a byte size must be an int or a string like '512MiB', not {type(size).__name__}")
+    match = _PATTERN.match(size)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"cannot read {size!r} as a byte size; write e.g. 4096, '512MiB' or '2GB'")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_bytes(nbytes: float) -> str:
+    """Return ``nbytes`` in binary units, e.g. ``"1.5 GiB"``."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def round_up(value: int, multiple: int) -> int:
+    """Round ``value`` up to a multiple of ``multiple``."""
+    return -(-value // multiple) * multiple
