@@ -26,6 +26,7 @@ from .protocols import EvictionPolicy, PrefetchPolicy
 from .store import TierStore
 from .sync import SyncTierStore
 from .tiers import DeviceTier, DiskTier, HostTier, MemoryTier, Tier
+from .tensors import empty
 from .units import format_bytes, parse_bytes
 
 __version__ = "0.1.0"
@@ -55,6 +56,7 @@ __all__ = [
     "TierStore",
     "TierStoreError",
     "UnknownTierError",
+    "empty",
     "errors",
     "format_bytes",
     "parse_bytes",

@@ -24,6 +24,7 @@ from .entry import Copy, Entry
 from .errors import (
     CorruptionError,
     EntryHeldError,
+    InvalidTensorError,
     KeyNotFoundError,
     StoreClosedError,
     TierFullError,
@@ -263,29 +264,58 @@ class TierStore:
             if not entry.visible and entry.pending_writes == 0 and self._entries.get(key) is entry:
                 del self._entries[key]
 
-    async def get(self, key: str, tier: TierRef = None) -> torch.Tensor:
+    async def get(self, key: str, tier: TierRef = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """A copy of the value of ``key``, as a tensor on ``tier``'s device (default: the fastest
         tier). The value is promoted to that tier when room can be made (so the next read hits);
-        when not, it is read without being cached there."""
+        when not, it is read without being cached there.
+
+        ``out``: a contiguous tensor of the value's dtype and shape (on that device) to read into
+        instead of a new one; reusing it saves an allocation per read, and a 4096-aligned ``out``
+        (see ``tierstore.empty``) is read from disk with no intermediate copy.
+        """
         self._require_open()
         t = self._index(tier)
         entry = self._visible(key)
+        device = self._tiers[t].device if isinstance(self._tiers[t], MemoryTier) else torch.device("cpu")  # type: ignore[attr-defined]
+        if out is not None:
+            _check_out(out, entry.meta, device)
         copy = entry.valid(t)
         hit = copy is not None
         self._count(t, hit, entry)
         self._observe("get", key, entry.meta.nbytes, t, hit=hit)
         if t == self._disk_index:
-            return await self._read_uncached(entry, t)
+            return await self._read_uncached(entry, device, out)
         if copy is not None and copy.buffer is not None and entry.meta.nbytes <= INLINE_COPY_BYTES and copy.buffer.device.type == "cpu":
-            return from_bytes(copy.buffer, entry.meta).clone()
+            view = from_bytes(copy.buffer, entry.meta)
+            return out.copy_(view) if out is not None else view.clone()
         try:
             copy = await self._acquire(entry, t, Priority.DEMAND)
         except TierFullError:
-            return await self._read_uncached(entry, t)
+            return await self._read_uncached(entry, device, out)
         try:
-            return await self._clone(entry, copy, t)
+            return await self._clone(entry, copy, t, out)
         finally:
             self._unuse(entry, copy)
+
+    async def read(self, key: str) -> torch.Tensor:
+        """The value of ``key`` as a new CPU tensor, read from wherever it is, moving nothing
+        (for snapshots and inspection: no promotion, no eviction, no hit or miss counted)."""
+        self._require_open()
+        return await self._read_uncached(self._visible(key), torch.device("cpu"))
+
+    async def export_zarr(self, path: str | Path, overwrite: bool = False) -> int:
+        """Write every entry as a zarr v3 array under ``path`` (see ``tierstore.snapshot``)."""
+        from .snapshot import export_zarr
+
+        self._require_open()
+        return await export_zarr(self, path, overwrite)
+
+    async def import_zarr(self, path: str | Path, tier: TierRef = None) -> int:
+        """Put every array of the zarr group at ``path`` into the store."""
+        from .snapshot import import_zarr
+
+        self._require_open()
+        return await import_zarr(self, path, tier)
 
     async def delete(self, key: str) -> None:
         """Remove ``key`` from every tier (and from the disk catalog)."""
@@ -433,31 +463,30 @@ class TierStore:
 
         return from_memory
 
-    async def _clone(self, entry: Entry, copy: Copy, t: int) -> torch.Tensor:
-        """A fresh tensor with the value of ``copy`` (on ``t``'s device)."""
+    async def _clone(self, entry: Entry, copy: Copy, t: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The value of ``copy`` in ``out`` or a fresh tensor (on ``t``'s device)."""
         meta = entry.meta
-        device = self._tiers[t].device  # type: ignore[attr-defined]
-        out = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+        if out is None:
+            out = torch.empty(meta.shape, dtype=meta.dtype, device=self._tiers[t].device)  # type: ignore[attr-defined]
         if meta.nbytes:
             await self._copy(as_bytes(out), copy.buffer[: meta.nbytes], Priority.DEMAND)  # type: ignore[index]
         return out
 
-    async def _read_uncached(self, entry: Entry, t: int) -> torch.Tensor:
-        """Read the current value into a new tensor without caching it on a tier."""
+    async def _read_uncached(self, entry: Entry, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Read the current value into ``out`` or a new tensor on ``device``, caching it nowhere."""
         tiers = entry.valid_tiers()
         source = entry.valid(tiers[0]) if tiers else None
         if source is None:
             raise CorruptionError(f"{entry.key!r} has no valid copy on any tier")
-        tier = self._tiers[t]
-        device = tier.device if isinstance(tier, MemoryTier) else torch.device("cpu")
         meta = entry.meta
         self._use(entry, source)
         try:
-            if device.type == "cpu":
+            if out is None and device.type == "cpu":
                 buffer = aligned_empty(meta.nbytes)
                 await self._filler(entry, source)(buffer, Priority.DEMAND)
                 return from_bytes(buffer, meta)
-            out = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+            if out is None:
+                out = torch.empty(meta.shape, dtype=meta.dtype, device=device)
             await self._filler(entry, source)(as_bytes(out), Priority.DEMAND)
             return out
         finally:
@@ -828,6 +857,17 @@ class TierStore:
     def __repr__(self) -> str:
         state = "open" if self.is_open else "closed"
         return f"TierStore({self._tiers!r}, {state}, {len(self._entries)} keys)"
+
+
+def _check_out(out: object, meta: TensorMeta, device: torch.device) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise InvalidTensorError(f"out must be a tensor, not {type(out).__name__}")
+    if out.dtype != meta.dtype or tuple(out.shape) != meta.shape:
+        raise InvalidTensorError(f"out is {out.dtype} {tuple(out.shape)}; the value is {meta.dtype} {meta.shape}")
+    if not out.is_contiguous() or out.layout != torch.strided:
+        raise InvalidTensorError("out must be a contiguous dense tensor")
+    if out.device.type != device.type:
+        raise InvalidTensorError(f"out is on {out.device}; this read delivers to {device}")
 
 
 def _check_tiers(tiers: Sequence[Tier]) -> list[Tier]:

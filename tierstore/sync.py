@@ -112,8 +112,8 @@ class SyncTierStore:
     def put(self, key: str, tensor: torch.Tensor, tier: TierRef = None) -> None:
         run(self.store.put(key, tensor, tier))
 
-    def get(self, key: str, tier: TierRef = None) -> torch.Tensor:
-        return run(self.store.get(key, tier))
+    def get(self, key: str, tier: TierRef = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        return run(self.store.get(key, tier, out=out))
 
     def delete(self, key: str) -> None:
         run(self.store.delete(key))

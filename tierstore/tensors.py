@@ -157,6 +157,14 @@ def aligned_empty(nbytes: int, device: torch.device | str = "cpu", pin_memory: b
     return raw[start : start + size]
 
 
+def empty(shape: int | tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A CPU tensor whose memory starts on a 4096-byte boundary and is padded to a whole block:
+    ``store.put`` writes it to disk and ``store.get(..., out=)`` reads into it with no copy."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    meta = TensorMeta(dtype, shape)
+    return from_bytes(aligned_empty(meta.nbytes), meta)
+
+
 def storage_nbytes(buffer: torch.Tensor) -> int:
     """Bytes really allocated behind ``buffer`` (its whole storage, not just the view)."""
     return buffer.untyped_storage().nbytes()

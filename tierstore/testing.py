@@ -99,6 +99,20 @@ class TierTests:
         got = await store.get("s")
         assert same_bytes(got, value)
 
+    async def test_get_into_out(self, store: TierStore) -> None:
+        from .tensors import empty
+
+        value = sample(torch.float32, (3, 5000), seed=5)
+        await store.put("o", value)
+        for out in (torch.empty(3, 5000), empty((3, 5000))):
+            got = await store.get("o", out=out)
+            assert got is out and same_bytes(out, value)
+        with pytest.raises(InvalidTensorError):
+            await store.get("o", out=torch.empty(3, 5000, dtype=torch.float64))
+        with pytest.raises(InvalidTensorError):
+            await store.get("o", out=torch.empty(5000, 3).t())
+        assert same_bytes(await store.get("o"), value)
+
     async def test_value_lands_on_a_tier_as_written(self, store: TierStore) -> None:
         value = sample(torch.float32, (257,), seed=3)
         await store.put("raw", value)
@@ -232,3 +246,52 @@ class TierTests:
             await store.get("x", tier="nvme")
         with pytest.raises(UnknownTierError):
             await store.get("x", tier=17)
+
+
+def check_consistency(store: TierStore) -> None:
+    """Assert the store's invariants at a quiet moment (no operation in flight):
+
+    - each tier's accounting equals the bytes of the copies it holds, and never exceeds capacity;
+    - every visible entry has a valid copy somewhere; no copy is in use or retired;
+    - each eviction policy knows exactly the evictable copies of its tier.
+    """
+    from .tiers import MemoryTier
+
+    for index, tier in enumerate(store.tiers):
+        copies = [e.copies[index] for e in store._entries.values() if index in e.copies]
+        assert tier.used <= tier.capacity, f"{tier.name}: {tier.used} used > {tier.capacity} capacity"
+        held = sum(c.nbytes for c in copies)
+        if isinstance(tier, MemoryTier):
+            assert tier.live_bytes == held, f"{tier.name}: accounting {tier.live_bytes} != copies {held}"
+        else:
+            assert tier.used == held, f"{tier.name}: accounting {tier.used} != extents {held}"
+        for copy in copies:
+            assert copy.users == 0 and copy.holds == 0 and not copy.retired
+        policy = store._policies[index]
+        if policy is not None and hasattr(policy, "__len__"):
+            evictable = [e.key for e in store._entries.values() if index in e.copies and e.copies[index].in_policy]
+            assert len(policy) == len(evictable), f"{tier.name}: policy tracks {len(policy)}, {len(evictable)} evictable"
+    for entry in store._entries.values():
+        assert entry.visible and entry.valid_tiers(), f"{entry.key!r} has no valid copy"
+        assert not entry.loading
+        for index, copy in entry.copies.items():
+            if isinstance(store.tiers[index], MemoryTier):
+                assert copy.version == entry.version, f"{entry.key!r} keeps a stale copy on {store.tiers[index].name}"
+                assert copy.in_policy == (store._policies[index] is not None)
+
+
+async def settle(store: TierStore, timeout: float = 10.0) -> None:
+    """Wait until nothing is in flight in ``store`` (background prefetches, demotions, loads)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        busy = (
+            [t for t in store._background if not t.done()]
+            + [t for tasks in store._demotions for t in tasks if not t.done()]
+            + [f for e in store._entries.values() for f in e.loading.values()]
+        )
+        if not busy and not any(c.users for e in store._entries.values() for c in e.copies.values()):
+            return
+        if loop.time() > deadline:
+            raise TimeoutError(f"store still busy after {timeout}s: {busy[:5]}")
+        await asyncio.sleep(0.005)

@@ -169,6 +169,25 @@ class Catalog:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierstore-catalog")
         return self.layout
 
+    def open_readonly(self) -> CatalogLayout:
+        """Open for reading only (safe beside a process that has the folder open for writing)."""
+        if not (self.path / "data.mdb").exists():
+            raise CatalogError(f"{self.path} holds no tierstore catalog")
+        try:
+            self._env = lmdb.open(str(self.path), readonly=True, max_dbs=2, lock=True, readahead=False)
+            self._meta = self._env.open_db(b"meta", create=False)
+            self._entries = self._env.open_db(b"entries", create=False)
+            with self._env.begin(db=self._meta) as txn:
+                raw = txn.get(_META_KEY)
+        except lmdb.Error as exc:
+            self.close()
+            raise CatalogError(f"the catalog in {self.path} cannot be opened: {exc}") from None
+        if raw is None:
+            self.close()
+            raise CatalogError(f"{self.path} holds no tierstore catalog")
+        self.layout = CatalogLayout.from_bytes(bytes(raw), self.path)
+        return self.layout
+
     def close(self) -> None:
         if self._writer is not None:
             self._writer.shutdown(wait=True)

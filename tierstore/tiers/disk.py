@@ -14,7 +14,7 @@ import torch
 
 from ..disk.catalog import Catalog, CatalogLayout, DiskRecord
 from ..disk.extents import Extent, ExtentAllocator
-from ..disk.files import SegmentFiles
+from ..disk.files import SegmentFiles, checksum_of
 from ..errors import CatalogError, ChecksumError, StoreClosedError, StoreLockedError, TierFullError
 from ..tensors import ALIGNMENT
 from ..units import format_bytes, parse_bytes, round_up
@@ -82,6 +82,8 @@ class DiskTier(Tier):
         self.io_threads = io_threads
         self.create = create
         self.pool = WorkerPool(io_threads, name)
+        # Checksums of outgoing chunks are computed here, beside the writes (CRC-32C drops the GIL).
+        self.checksum_pool = WorkerPool(2, f"{name}-checksum")
         self._catalog: Catalog | None = None
         self._files: SegmentFiles | None = None
         self._allocator = ExtentAllocator()
@@ -107,6 +109,7 @@ class DiskTier(Tier):
             raise
         self._grow_lock = asyncio.Lock()
         self.pool.start()
+        self.checksum_pool.start()
         await super().open()
 
     def _open_sync(self) -> None:
@@ -145,6 +148,7 @@ class DiskTier(Tier):
         if not self.is_open:
             return
         self.pool.shutdown()
+        self.checksum_pool.shutdown()
         self._close_sync()
         await super().aclose()
 
@@ -259,11 +263,10 @@ class DiskTier(Tier):
         """Write the first ``nbytes`` of the CPU uint8 buffer ``src`` into ``extent``; durable on
         return if the tier is. Returns the chunk checksums."""
         files = self._require_open()
-        jobs = [
-            partial(files.write_chunk, extent.segment, extent.offset + start, src, start, length)
-            for start, length in self._chunks(nbytes)
-        ]
-        checksums = await self.pool.run_all(jobs, priority)
+        chunks = self._chunks(nbytes)
+        writes = [partial(files.write_chunk, extent.segment, extent.offset + start, src, start, length) for start, length in chunks]
+        sums = [partial(checksum_of, src, start, length) for start, length in chunks]
+        _, checksums = await asyncio.gather(self.pool.run_all(writes, priority), self.checksum_pool.run_all(sums, priority))
         if self.durable:
             await self.pool.run(partial(files.sync, extent.segment), priority)
         return tuple(checksums)

@@ -1,0 +1,1 @@
+"""Benchmarks behind ``tierstore bench`` and the scripts in ``benchmarks/``."""

@@ -1,0 +1,64 @@
+"""Shared pieces of the benchmarks: timing, medians, tables, JSON and the environment."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def environment(folder: Path | None = None) -> dict[str, Any]:
+    """What the numbers were measured on."""
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    if folder is not None:
+        best = None
+        for part in psutil.disk_partitions(all=True):
+            if str(folder.resolve()).startswith(part.mountpoint) and (best is None or len(part.mountpoint) > len(best.mountpoint)):
+                best = part
+        info["filesystem"] = {"folder": str(folder), "type": best.fstype if best else None, "device": best.device if best else None}
+    return info
+
+
+def table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:
+    """Rows as a fixed-width table; ``columns`` are (key, heading, format)."""
+    cells = [[heading for _, heading, _ in columns]]
+    for row in rows:
+        cells.append([("" if row.get(key) is None else format(row[key], fmt)) for key, _, fmt in columns])
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+    lines = []
+    for n, line in enumerate(cells):
+        lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True))))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=str))
