@@ -72,7 +72,7 @@ async def test_cancelled_gets_and_puts_leave_store_consistent(tmp_path: Path) ->
     rng = random.Random(7)
     async with TierStore(tiers(tmp_path)) as store:
         values = await fill_disk(store, 16)
-        for round_ in range(6):
+        for _ in range(6):
             tasks = []
             for key in values:
                 if rng.random() < 0.3:

@@ -25,8 +25,8 @@ from .prefetching import PrefetchHandle, PrefetchResult
 from .protocols import EvictionPolicy, PrefetchPolicy
 from .store import TierStore
 from .sync import SyncTierStore
-from .tiers import DeviceTier, DiskTier, HostTier, MemoryTier, Tier
 from .tensors import empty
+from .tiers import DeviceTier, DiskTier, HostTier, MemoryTier, Tier
 from .units import format_bytes, parse_bytes
 
 __version__ = "0.1.0"

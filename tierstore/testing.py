@@ -270,7 +270,8 @@ def check_consistency(store: TierStore) -> None:
         policy = store._policies[index]
         if policy is not None and hasattr(policy, "__len__"):
             evictable = [e.key for e in store._entries.values() if index in e.copies and e.copies[index].in_policy]
-            assert len(policy) == len(evictable), f"{tier.name}: policy tracks {len(policy)}, {len(evictable)} evictable"
+            tracked = len(policy)  # type: ignore[arg-type]
+            assert tracked == len(evictable), f"{tier.name}: policy tracks {tracked}, {len(evictable)} evictable"
     for entry in store._entries.values():
         assert entry.visible and entry.valid_tiers(), f"{entry.key!r} has no valid copy"
         assert not entry.loading

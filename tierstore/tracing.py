@@ -69,5 +69,6 @@ class TraceRecorder:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         partial = self.path.with_name(self.path.name + ".partial")
         with open(partial, "wb") as handle:
-            np.savez(handle, **arrays, keys=keys.astype(str), ops=np.asarray(OPS), tiers=np.asarray(self.tiers, dtype=str))
+            tables = {"keys": keys.astype(str), "ops": np.asarray(OPS), "tiers": np.asarray(self.tiers, dtype=str)}
+            np.savez(handle, **arrays, **tables)  # type: ignore[arg-type]
         partial.replace(self.path)

@@ -9,6 +9,7 @@ for before the cancellation propagates, so no thread ever writes into a buffer t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import queue
 import threading
@@ -104,7 +105,7 @@ class WorkerPool:
         for result in results:
             if isinstance(result, BaseException):
                 raise result
-        return results
+        return results  # type: ignore[return-value]  # exceptions were raised above
 
     def _serve(self) -> None:
         while True:
@@ -131,10 +132,8 @@ def _resolve(job: _Job, result: Any, exc: BaseException | None) -> None:
         else:
             job.future.set_result(result)
 
-    try:
+    with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting any more
         job.loop.call_soon_threadsafe(deliver)
-    except RuntimeError:  # the loop is closed: nobody is waiting any more
-        pass
 
 
 async def wait_uncancelled(awaitable: asyncio.Future[Any]) -> None:

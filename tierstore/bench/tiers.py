@@ -18,6 +18,7 @@ import shutil
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -46,13 +47,13 @@ class RawFile:
         return [(start, min(self.chunk, nbytes - start)) for start in range(0, nbytes, self.chunk)]
 
     def write(self, buffer: torch.Tensor, offset: int, fsync: bool) -> None:
-        view = memoryview(buffer.numpy())
+        view = buffer.numpy().data
         list(self.pool.map(lambda s: os.pwrite(self.fd, view[s[0] : s[0] + s[1]], offset + s[0]), self._spans(len(view))))
         if fsync:
             os.fdatasync(self.fd)
 
     def read(self, buffer: torch.Tensor, offset: int) -> None:
-        view = memoryview(buffer.numpy())
+        view = buffer.numpy().data
         list(self.pool.map(lambda s: os.preadv(self.fd, [view[s[0] : s[0] + s[1]]], offset + s[0]), self._spans(len(view))))
 
     def close(self) -> None:
@@ -170,7 +171,7 @@ async def measure_links(folder: Path, size: int, count: int, reps: int, progress
     total = count * size
     tensors = [torch.randn(size // 4) for _ in range(count)]
     timings: dict[str, list[float]] = {"disk->host": [], "host->disk": [], "host->device": [], "memcpy": []}
-    for rep in range(reps):
+    for _ in range(reps):
         shutil.rmtree(root, ignore_errors=True)
         tiers = [DeviceTier("cpu", 2 * total + 64 * MiB), HostTier(2 * total + 64 * MiB), DiskTier(root, 3 * total + 64 * MiB)]
         async with TierStore(tiers) as store:
@@ -180,10 +181,10 @@ async def measure_links(folder: Path, size: int, count: int, reps: int, progress
             timings["host->disk"].append(await _time(store.flush))
             for key, tensor in zip(keys, tensors, strict=True):
                 await store.put(key, tensor, tier="disk")
-            timings["disk->host"].append(await _time(lambda: _prefetch(store, keys, "host")))
-            timings["host->device"].append(await _time(lambda: _prefetch(store, keys, "device")))
+            timings["disk->host"].append(await _time(partial(_prefetch, store, keys, "host")))
+            timings["host->device"].append(await _time(partial(_prefetch, store, keys, "device")))
             targets = [torch.empty_like(t) for t in tensors]
-            timings["memcpy"].append(_raw_time(lambda: [d.copy_(s) for d, s in zip(targets, tensors, strict=True)]))
+            timings["memcpy"].append(_raw_time(partial(_copy_all, targets, tensors)))
         progress.update(1)
     shutil.rmtree(root, ignore_errors=True)
     for link, baseline in (("host->disk", None), ("disk->host", None), ("host->device", "memcpy")):
@@ -205,6 +206,11 @@ async def _in_flight(limit: int, coros: list[Any]) -> None:
             await coro
 
     await asyncio.gather(*(one(c) for c in coros))
+
+
+def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    for target, source in zip(targets, sources, strict=True):
+        target.copy_(source)
 
 
 async def _prefetch(store: TierStore, keys: list[str], tier: str) -> None:

@@ -13,9 +13,9 @@ import os
 import queue
 from pathlib import Path
 
+import crc32c
 import numpy as np
 import torch
-import crc32c
 
 from ..errors import CatalogError, DiskFullError
 from ..tensors import ALIGNMENT, aligned_empty, is_aligned
@@ -24,10 +24,10 @@ from ..units import round_up
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
-def checksum(data: memoryview | np.ndarray) -> int:
+def checksum(data: np.ndarray) -> int:
     """The checksum recorded for one chunk: CRC-32C (hardware accelerated; releases the GIL, so
     chunks are checked in parallel and beside the I/O)."""
-    return crc32c.crc32c(data)
+    return int(crc32c.crc32c(data.data))
 
 
 def checksum_of(buffer: torch.Tensor, start: int, length: int) -> int:
@@ -136,22 +136,22 @@ class SegmentFiles:
         fd = self._fds[segment]
         payload = _as_numpy(src[start : start + length])
         if not self.direct:
-            _pwrite_all(fd, memoryview(payload), file_offset)
+            _pwrite_all(fd, payload.data, file_offset)
             return
         padded = round_up(length, ALIGNMENT)
         direct = self._direct_span(src, start, length)
         if direct == padded:  # aligned, with room for the padding: straight from the tensor
-            _pwrite_all(fd, memoryview(_as_numpy(src[start : start + padded])), file_offset)
+            _pwrite_all(fd, (_as_numpy(src[start : start + padded])).data, file_offset)
             return
         if direct:
-            _pwrite_all(fd, memoryview(payload[:direct]), file_offset)
+            _pwrite_all(fd, (payload[:direct]).data, file_offset)
         rest = length - direct
         staging = self._staging.get()
         try:
             stage = _as_numpy(staging)
             np.copyto(stage[:rest], payload[direct:])
             stage[rest : padded - direct] = 0
-            _pwrite_all(fd, memoryview(stage[: padded - direct]), file_offset + direct)
+            _pwrite_all(fd, (stage[: padded - direct]).data, file_offset + direct)
         finally:
             self._staging.put(staging)
 
@@ -160,20 +160,20 @@ class SegmentFiles:
         fd = self._fds[segment]
         target = _as_numpy(dst[start : start + length])
         if not self.direct:
-            _pread_all(fd, memoryview(target), file_offset)
+            _pread_all(fd, target.data, file_offset)
             return checksum(target)
         padded = round_up(length, ALIGNMENT)
         direct = self._direct_span(dst, start, length)
         if direct == padded:
-            _pread_all(fd, memoryview(_as_numpy(dst[start : start + padded])), file_offset)
+            _pread_all(fd, (_as_numpy(dst[start : start + padded])).data, file_offset)
             return checksum(target)
         if direct:
-            _pread_all(fd, memoryview(target[:direct]), file_offset)
+            _pread_all(fd, (target[:direct]).data, file_offset)
         rest = length - direct
         staging = self._staging.get()
         try:
             stage = _as_numpy(staging)
-            _pread_all(fd, memoryview(stage[: padded - direct]), file_offset + direct)
+            _pread_all(fd, (stage[: padded - direct]).data, file_offset + direct)
             np.copyto(target[direct:], stage[:rest])
         finally:
             self._staging.put(staging)
@@ -217,8 +217,8 @@ class SegmentFiles:
             return False
         try:
             block = aligned_empty(ALIGNMENT)
-            os.pwrite(fd, memoryview(block.numpy()), 0)
-            os.preadv(fd, [memoryview(block.numpy())], 0)
+            os.pwrite(fd, block.numpy().data, 0)
+            os.preadv(fd, [block.numpy().data], 0)
             return True
         except OSError as exc:
             if self._direct_setting is True:
