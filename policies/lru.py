@@ -25,7 +25,9 @@ class LRU:
         self._order.pop(key, None)
 
     def victim(self) -> str | None:
-        return next(iter(self._order), None)
+        if not self._order:
+            return None
+        return self._order.popitem(last=False)[0]
 
     def reset(self) -> None:
         self._order.clear()

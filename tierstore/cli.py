@@ -31,6 +31,37 @@ _PASSTHROUGH = {"bench": "tier and link throughput vs raw pread/pwrite (benchmar
 _PASSTHROUGH_RUN = {"bench": _bench}
 
 
+def _simulate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .sim.links import LinkModel
+    from .sim.report import format_table, open_trace, parse_capacities, plot_curves, run_all
+
+    trace = open_trace(args.trace)
+    capacities = parse_capacities(args.capacity)
+    bench = Path(args.bench_json)
+    links = LinkModel.from_bench(bench) if bench.exists() else LinkModel()
+    if args.links:
+        links.override(args.links)
+    results = run_all(
+        trace, capacities, _names(args.eviction), _names(args.prefetch), links, sweep=args.sweep, think=args.think
+    )
+    print(format_table(results, trace))
+    if args.json:
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps([r.to_json() for r in results], indent=2))
+        print(f"\nJSON: {out}")
+    if args.plot:
+        plot_curves(results, trace, Path(args.plot))
+        print(f"plot: {args.plot}")
+    return 0
+
+
+def _names(text: str) -> list[str]:
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tierstore", description="Tiered tensor store for PyTorch.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -41,6 +72,19 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--limit", type=int, default=40, help="keys to list (default 40)")
     info.add_argument("--all", action="store_true", help="list every key")
     info.set_defaults(run=_info)
+
+    sim = commands.add_parser("simulate", help="replay a trace against capacities and policies (no tensors)")
+    sim.add_argument("trace", help="a .npz store trace, a key,size CSV, or e.g. optimizer:keys=64,steps=20,size=4MiB")
+    sim.add_argument("--capacity", required=True, help="tier capacities, fastest first: host=2GiB or device=1GiB,host=4GiB")
+    sim.add_argument("--eviction", default="lru", help="comma-separated: lru,fifo,lfu,arc,s3fifo,min (default lru)")
+    sim.add_argument("--prefetch", default="none", help="comma-separated: none,sequential,schedule (default none)")
+    sim.add_argument("--sweep", action="store_true", help="sweep the first tier from 5%% to 100%% of the working set")
+    sim.add_argument("--json", help="write one record per combination here")
+    sim.add_argument("--plot", help="write miss-ratio curves (PNG) here")
+    sim.add_argument("--links", help="link model overrides, e.g. disk->host=2.5GB/s@100us,host->device=20GB/s")
+    sim.add_argument("--bench-json", default="benchmarks/results/bench_tiers.json", help="take disk link speeds from this bench output if present")
+    sim.add_argument("--think", type=float, default=None, help="compute seconds per access (default: the trace's own timing, else 0)")
+    sim.set_defaults(run=_simulate)
 
     # Benchmarks parse their own options: `tierstore bench --help` shows them.
     for name, help_text in _PASSTHROUGH.items():
@@ -60,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.run(args))
-    except (TierStoreError, FileNotFoundError) as exc:
+    except (TierStoreError, FileNotFoundError, ValueError) as exc:
         print(f"tierstore {args.command}: {exc}", file=sys.stderr)
         return 1
 

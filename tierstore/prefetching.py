@@ -133,12 +133,28 @@ class PrefetchIssuer:
             self._store.counters.prefetch.cancelled += 1
         return result
 
+    def _would_push_out_sooner(self, entry: Entry, t: int) -> bool:
+        """With a future-seeing eviction policy (MIN), a prefetch that needs room must not evict
+        a key needed before the one it fetches."""
+        store = self._store
+        policy = store._policies[t]
+        next_use = getattr(store.prefetch_policy, "next_use", None)
+        furthest = getattr(policy, "furthest_next_use", None)
+        tier = store.tiers[t]
+        if next_use is None or furthest is None or tier.free >= entry.meta.nbytes:
+            return False
+        return bool(furthest() < next_use(entry.key))
+
     async def _fetch(self, entry: Entry, t: int, result: PrefetchResult) -> None:
         store = self._store
         counters = store.counters.prefetch
         if entry.valid(t) is not None:
             counters.already_there += 1
             result.already_there.append(entry.key)
+            return
+        if self._would_push_out_sooner(entry, t):
+            counters.dropped += 1
+            result.dropped.append(entry.key)
             return
         counters.issued += 1
         try:

@@ -18,10 +18,15 @@ class EvictionPolicy(Protocol):
 
     The store calls ``on_insert`` when a key becomes evictable on the tier (written, promoted,
     or released by its last holder), ``on_hit`` when an evictable key is read there,
-    ``on_remove`` when it stops being evictable (evicted, deleted, overwritten, held), and
-    ``victim`` when it needs room. ``victim`` names a key but does not forget it: the store
-    calls ``on_remove`` once it acts. Keys the policy is told about are always evictable, so a
-    policy never has to know about holds.
+    ``on_remove`` when it leaves for another reason than this policy's choice (deleted,
+    overwritten, or taken by a hold or a transfer), and ``victim`` when it needs room: ``victim``
+    chooses a key, forgets it as *evicted* (ghost-keeping policies remember it) and returns it,
+    or returns None when it tracks nothing. Keys the policy is told about are always evictable,
+    so a policy never has to know about holds; a hold ends with a fresh ``on_insert``.
+
+    Optional: ``set_capacity(nbytes)`` is called once with the tier's capacity, for policies that
+    size internal queues (ARC, S3-FIFO); ``next_use(key)`` (policies that see the future) returns
+    when the key is needed next, so prefetch and eviction can agree.
     """
 
     def on_insert(self, key: str, nbytes: int) -> None: ...
@@ -44,6 +49,9 @@ class PrefetchPolicy(Protocol):
     repeated phase (``store.mark_step()``); ``suggest`` right after each access, returning
     ``(key, tier)`` pairs (``tier`` a tier name, or None for the tier of the access) in the order
     they should be fetched. The store skips keys already there or on their way.
+
+    Optional: ``set_capacities({tier name: bytes})`` is called once with the tiers' sizes, so a
+    policy can size how far it looks ahead; ``next_use(key)`` exposes the future it sees.
     """
 
     def on_access(self, key: str, nbytes: int, tier: str, hit: bool) -> None: ...

@@ -87,6 +87,8 @@ class TierStore:
         self._disk_index = len(self._tiers) - 1 if isinstance(self._tiers[-1], DiskTier) else None
         self._policies: list[EvictionPolicy | None] = _make_policies(self._tiers, eviction if eviction is not None else LRU)
         self.prefetch_policy: PrefetchPolicy = prefetch if prefetch is not None else NoPrefetch()
+        if hasattr(self.prefetch_policy, "set_capacities"):
+            self.prefetch_policy.set_capacities({tier.name: tier.capacity for tier in self._tiers})
         self._trace_path = Path(trace) if trace is not None else None
         self.trace: TraceRecorder | None = None
         self.flush_on_close = flush_on_close
@@ -663,8 +665,8 @@ class TierStore:
             entry = self._entries.get(key)
             copy = entry.copies.get(t) if entry is not None else None
             if entry is None or copy is None or not copy.in_policy:
-                policy.on_remove(key)  # the policy knew a key the store no longer has here
-                continue
+                continue  # the policy knew a key the store no longer has here
+            copy.in_policy = False  # victim() has forgotten it already
             return entry, copy
 
     def _start_demotion(self, entry: Entry, t: int, copy: Copy, priority: Priority) -> asyncio.Task[None]:
@@ -891,6 +893,7 @@ def _check_tiers(tiers: Sequence[Tier]) -> list[Tier]:
 def _make_policies(tiers: list[Tier], eviction: Any) -> list[EvictionPolicy | None]:
     """One eviction policy per tier that can evict (all but the last)."""
     evicting = [tier.name for tier in tiers[:-1]]
+    capacities = {tier.name: tier.capacity for tier in tiers}
 
     def build(spec: Any, name: str) -> EvictionPolicy:
         if isinstance(spec, type) or (callable(spec) and not isinstance(spec, EvictionPolicy)):
@@ -899,6 +902,8 @@ def _make_policies(tiers: list[Tier], eviction: Any) -> list[EvictionPolicy | No
             policy = spec
         if not isinstance(policy, EvictionPolicy):
             raise TypeError(f"eviction policy for tier {name!r} does not implement EvictionPolicy: {policy!r}")
+        if hasattr(policy, "set_capacity"):
+            policy.set_capacity(capacities[name])
         return policy
 
     if isinstance(eviction, Mapping):

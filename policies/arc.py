@@ -1,0 +1,93 @@
+"""ARC (Megiddo and Modha, FAST 2003) counted in bytes: recency and frequency lists whose split
+adapts to ghost hits."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class ARC:
+    """Adaptive Replacement Cache. ``T1`` holds keys seen once recently, ``T2`` keys seen again;
+    ``B1``/``B2`` remember keys evicted from each. A miss on a ghost moves the target size ``p``
+    of ``T1`` towards the list that would have kept it. Sizes are bytes; ``set_capacity`` (the
+    store and the simulator call it) bounds the ghosts."""
+
+    name = "arc"
+
+    def __init__(self, capacity: int | None = None) -> None:
+        self.capacity = capacity
+        self.reset()
+
+    def set_capacity(self, nbytes: int) -> None:
+        self.capacity = nbytes
+
+    def reset(self) -> None:
+        self._t1: OrderedDict[str, int] = OrderedDict()
+        self._t2: OrderedDict[str, int] = OrderedDict()
+        self._b1: OrderedDict[str, int] = OrderedDict()
+        self._b2: OrderedDict[str, int] = OrderedDict()
+        self._bytes = {"t1": 0, "t2": 0, "b1": 0, "b2": 0}
+        self.p = 0.0
+
+    def _cap(self) -> int:
+        return self.capacity if self.capacity is not None else max(1, self._bytes["t1"] + self._bytes["t2"])
+
+    def _take(self, name: str, key: str) -> int | None:
+        size = getattr(self, f"_{name}").pop(key, None)
+        if size is not None:
+            self._bytes[name] -= size
+        return size
+
+    def _put(self, name: str, key: str, size: int) -> None:
+        getattr(self, f"_{name}")[key] = size
+        self._bytes[name] += size
+
+    def on_insert(self, key: str, nbytes: int) -> None:
+        self.on_remove(key)
+        cap = self._cap()
+        b1, b2 = self._bytes["b1"], self._bytes["b2"]
+        if self._take("b1", key) is not None:
+            self.p = min(cap, self.p + max(b2 / max(b1, 1), 1.0) * nbytes)
+            self._put("t2", key, nbytes)
+        elif self._take("b2", key) is not None:
+            self.p = max(0.0, self.p - max(b1 / max(b2, 1), 1.0) * nbytes)
+            self._put("t2", key, nbytes)
+        else:
+            self._put("t1", key, nbytes)
+        self._trim_ghosts(cap)
+
+    def on_hit(self, key: str) -> None:
+        size = self._take("t1", key)
+        if size is None:
+            size = self._take("t2", key)
+        if size is not None:
+            self._put("t2", key, size)
+
+    def on_remove(self, key: str) -> None:
+        if self._take("t1", key) is None:
+            self._take("t2", key)
+
+    def victim(self) -> str | None:
+        if self._t1 and (self._bytes["t1"] > self.p or not self._t2):
+            key, size = self._t1.popitem(last=False)
+            self._bytes["t1"] -= size
+            self._put("b1", key, size)
+        elif self._t2:
+            key, size = self._t2.popitem(last=False)
+            self._bytes["t2"] -= size
+            self._put("b2", key, size)
+        else:
+            return None
+        self._trim_ghosts(self._cap())
+        return key
+
+    def _trim_ghosts(self, cap: int) -> None:
+        while self._b1 and self._bytes["t1"] + self._bytes["b1"] > cap:
+            _, size = self._b1.popitem(last=False)
+            self._bytes["b1"] -= size
+        while self._b2 and sum(self._bytes.values()) > 2 * cap:
+            _, size = self._b2.popitem(last=False)
+            self._bytes["b2"] -= size
+
+    def __len__(self) -> int:
+        return len(self._t1) + len(self._t2)

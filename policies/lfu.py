@@ -1,0 +1,65 @@
+"""LFU: evict the key hit least often while resident (ties: least recently used)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class LFU:
+    """Least frequently used, O(1): keys in buckets by hit count, each bucket in LRU order.
+    Counts start at 1 on insertion and are forgotten when a key leaves."""
+
+    name = "lfu"
+
+    def __init__(self) -> None:
+        self._count: dict[str, int] = {}
+        self._buckets: dict[int, OrderedDict[str, None]] = {}
+        self._lowest = 0
+
+    def on_insert(self, key: str, nbytes: int) -> None:
+        self.on_remove(key)
+        self._count[key] = 1
+        self._buckets.setdefault(1, OrderedDict())[key] = None
+        self._lowest = 1
+
+    def on_hit(self, key: str) -> None:
+        count = self._count.get(key)
+        if count is None:
+            return
+        bucket = self._buckets[count]
+        del bucket[key]
+        if not bucket:
+            del self._buckets[count]
+            if self._lowest == count:
+                self._lowest = count + 1
+        self._count[key] = count + 1
+        self._buckets.setdefault(count + 1, OrderedDict())[key] = None
+
+    def on_remove(self, key: str) -> None:
+        count = self._count.pop(key, None)
+        if count is None:
+            return
+        bucket = self._buckets[count]
+        del bucket[key]
+        if not bucket:
+            del self._buckets[count]
+
+    def victim(self) -> str | None:
+        if not self._count:
+            return None
+        while self._lowest not in self._buckets:
+            self._lowest = min(self._buckets)
+        bucket = self._buckets[self._lowest]
+        key, _ = bucket.popitem(last=False)
+        if not bucket:
+            del self._buckets[self._lowest]
+        del self._count[key]
+        return key
+
+    def reset(self) -> None:
+        self._count.clear()
+        self._buckets.clear()
+        self._lowest = 0
+
+    def __len__(self) -> int:
+        return len(self._count)

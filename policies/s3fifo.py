@@ -1,0 +1,91 @@
+"""S3-FIFO (Yang et al., SOSP 2023): a small FIFO that filters one-hit wonders, a main FIFO
+with lazy promotion, and a ghost FIFO of recently evicted keys. Counted in bytes."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class S3FIFO:
+    """New keys enter the small queue (10% of capacity) unless the ghost queue remembers them;
+    a key evicted from small that was hit more than once moves to main; main evicts FIFO but
+    gives keys hit since their last pass another round."""
+
+    name = "s3fifo"
+
+    def __init__(self, capacity: int | None = None, small_fraction: float = 0.1) -> None:
+        self.capacity = capacity
+        self.small_fraction = small_fraction
+        self.reset()
+
+    def set_capacity(self, nbytes: int) -> None:
+        self.capacity = nbytes
+
+    def reset(self) -> None:
+        self._small: OrderedDict[str, int] = OrderedDict()
+        self._main: OrderedDict[str, int] = OrderedDict()
+        self._ghost: OrderedDict[str, int] = OrderedDict()
+        self._size: dict[str, int] = {}
+        self._freq: dict[str, int] = {}
+        self._small_bytes = self._main_bytes = self._ghost_bytes = 0
+
+    def on_insert(self, key: str, nbytes: int) -> None:
+        self.on_remove(key)
+        self._size[key], self._freq[key] = nbytes, 0
+        if self._ghost.pop(key, None) is not None:
+            self._ghost_bytes -= nbytes
+            self._main[key] = nbytes
+            self._main_bytes += nbytes
+        else:
+            self._small[key] = nbytes
+            self._small_bytes += nbytes
+
+    def on_hit(self, key: str) -> None:
+        if key in self._freq:
+            self._freq[key] = min(self._freq[key] + 1, 3)
+
+    def on_remove(self, key: str) -> None:
+        size = self._size.pop(key, None)
+        if size is None:
+            return
+        del self._freq[key]
+        if self._small.pop(key, None) is not None:
+            self._small_bytes -= size
+        else:
+            del self._main[key]
+            self._main_bytes -= size
+
+    def victim(self) -> str | None:
+        capacity = self.capacity or (self._small_bytes + self._main_bytes)
+        while self._small or self._main:
+            if self._small and (self._small_bytes >= self.small_fraction * capacity or not self._main):
+                key, size = self._small.popitem(last=False)
+                self._small_bytes -= size
+                if self._freq[key] > 1:  # hit while in small: promote to main
+                    self._freq[key] = 0
+                    self._main[key] = size
+                    self._main_bytes += size
+                    continue
+                self._forget(key)
+                self._ghost[key] = size
+                self._ghost_bytes += size
+                while self._ghost and self._ghost_bytes > capacity:
+                    _, old = self._ghost.popitem(last=False)
+                    self._ghost_bytes -= old
+                return key
+            key, size = self._main.popitem(last=False)
+            if self._freq[key] > 0:  # hit since its last pass: another round
+                self._freq[key] -= 1
+                self._main[key] = size
+                continue
+            self._main_bytes -= size
+            self._forget(key)
+            return key
+        return None
+
+    def _forget(self, key: str) -> None:
+        del self._size[key]
+        del self._freq[key]
+
+    def __len__(self) -> int:
+        return len(self._size)

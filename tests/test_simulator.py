@@ -1,0 +1,140 @@
+"""The simulator: trace formats, multi-tier replay, prefetch, the command line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tierstore import HostTier, TierStore
+from tierstore.cli import main
+from tierstore.sim import (
+    LinkModel,
+    load_trace,
+    loop_trace,
+    optimizer_trace,
+    scan_trace,
+    simulate,
+)
+
+
+def test_csv_with_header_and_extra_columns(tmp_path: Path) -> None:
+    path = tmp_path / "t.csv"
+    path.write_text("key,size,timestamp\na,10,1\nb,20,2\na,10,3\n# comment\nc,5,4\n")
+    trace = load_trace(path)
+    assert trace.keys == ["a", "b", "c"] and trace.ids.tolist() == [0, 1, 0, 2] and trace.sizes.tolist() == [10, 20, 10, 5]
+    result = simulate(trace, {"host": 30})
+    assert result.requests == 4 and result.misses == 3
+
+
+def test_csv_without_header_and_bad_lines(tmp_path: Path) -> None:
+    path = tmp_path / "t.csv"
+    path.write_text("x,1\ny,2\n")
+    assert load_trace(path).keys == ["x", "y"]
+    path.write_text("x,1\ny,lots\n")
+    with pytest.raises(ValueError, match="not a number"):
+        load_trace(path)
+    path.write_text("")
+    with pytest.raises(ValueError, match="no accesses"):
+        load_trace(path)
+
+
+async def test_a_live_store_trace_replays(tmp_path: Path) -> None:
+    path = tmp_path / "trace.npz"
+    async with TierStore([HostTier("1MiB")], trace=path) as store:
+        for step in range(3):
+            for i in range(5):
+                await store.put(f"k{i}", torch.full((256,), float(step)))
+                await store.get(f"k{i}")
+            store.mark_step()
+        await store.delete("k0")
+    with np.load(path) as data:  # one line of numpy reads the columns
+        assert set(data.files) >= {"time", "op", "key", "nbytes", "tier", "before", "hit", "step", "keys", "ops", "tiers"}
+        assert list(data["ops"][data["op"][:2]]) == ["put", "get"]
+    trace = load_trace(path)
+    assert len(trace) == 31 and trace.steps.max() == 3
+    result = simulate(trace, {"host": 4096}, "lru")
+    assert result.requests == 30
+
+
+def test_scan_and_loop_extremes() -> None:
+    scan = simulate(scan_trace(100, 10), {"host": 500}, "lru")
+    assert scan.misses == 100
+    loop = loop_trace(keys=10, loops=5, size=1)
+    assert simulate(loop, {"host": 9}, "lru").misses == 50  # LRU's worst case
+    assert simulate(loop, {"host": 9}, "min").misses < 50
+    assert simulate(loop, {"host": 10}, "lru").misses == 10
+
+
+def test_two_tiers_move_victims_down() -> None:
+    trace = loop_trace(keys=10, loops=3, size=100)
+    result = simulate(trace, {"device": 300, "host": 1000}, "lru")
+    assert result.misses == 30  # the device is too small for the loop
+    assert result.hits_by_tier["host"] == 20  # but the host holds it after the first pass
+    assert result.link_bytes["device->host"] > 0 and result.link_bytes["host->device"] == 2000
+
+
+def test_schedule_prefetch_with_min_removes_the_misses_of_lru() -> None:
+    trace = optimizer_trace(keys=32, steps=40, size=1 << 20)
+    capacity = trace.working_set // 2
+    lru = simulate(trace, {"host": capacity}, "lru", "none")
+    best = simulate(trace, {"host": capacity}, "min", "schedule")
+    assert lru.misses > 0 and best.prefetches > 0
+    assert best.misses <= 0.05 * lru.misses
+    # Both miss the same in the first step (cold, and nothing learned yet); after it, none.
+    first = simulate(optimizer_trace(keys=32, steps=1, size=1 << 20), {"host": capacity}, "lru", "none")
+    assert best.misses == first.misses
+    # With compute between accesses the prefetches hide their transfers; without, nothing can.
+    lru_timed = simulate(trace, {"host": capacity}, "lru", "none", think=1e-3)
+    best_timed = simulate(trace, {"host": capacity}, "min", "schedule", think=1e-3)
+    assert best_timed.stall_seconds < 0.1 * lru_timed.stall_seconds
+
+
+def test_link_model_parsing() -> None:
+    model = LinkModel()
+    model.override("disk->host=1GB/s@1ms, host->device=10GiB/s")
+    assert model.links["disk->host"] == (1e9, 1e-3)
+    assert model.seconds("disk->host", 10**9) == pytest.approx(1.001)
+    with pytest.raises(ValueError):
+        model.override("disk->host=fast")
+
+
+def test_command_line_sweep_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    csv = tmp_path / "t.csv"
+    trace = optimizer_trace(keys=16, steps=6, size=4096)
+    csv.write_text("".join(f"{trace.keys[i]},{s}\n" for i, s in zip(trace.ids.tolist(), trace.sizes.tolist(), strict=True)))
+    out, png = tmp_path / "r.json", tmp_path / "mrc.png"
+    code = main(["simulate", str(csv), "--capacity", "host=32KiB", "--eviction", "lru,fifo,min",
+                 "--prefetch", "none,sequential", "--sweep", "--json", str(out), "--plot", str(png)])
+    assert code == 0
+    records = json.loads(out.read_text())
+    assert {r["eviction"] for r in records} == {"lru", "fifo", "min"}
+    assert {"eviction", "prefetch", "capacity", "requests", "misses", "miss_ratio", "byte_miss_ratio"} <= set(records[0])
+    assert len({r["capacity"] for r in records}) > 5  # the sweep
+    assert png.stat().st_size > 1000
+    printed = capsys.readouterr().out
+    assert "miss ratio" in printed and "lru" in printed
+
+
+def test_command_line_synthetic_trace(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "optimizer:keys=8,steps=4,size=1024", "--capacity", "host=4KiB", "--eviction", "lru,min", "--prefetch", "none,schedule"]) == 0
+    assert "schedule" in capsys.readouterr().out
+
+
+def test_bad_inputs_get_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", str(tmp_path / "missing.csv"), "--capacity", "host=1MiB"]) != 0
+    assert main(["simulate", "optimizer:keys=4", "--capacity", "host=1MiB", "--eviction", "nope"]) != 0
+    assert main(["simulate", "optimizer:keys=4", "--capacity", "1MiB"]) != 0
+    err = capsys.readouterr().err
+    assert "nope" in err and "host=" in err
+
+
+def test_the_custom_policy_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    import runpy
+
+    runpy.run_path(str(Path(__file__).parent.parent / "examples" / "custom_policy.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "clock: miss ratio" in out and "resident on the first tier" in out

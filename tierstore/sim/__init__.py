@@ -1,0 +1,20 @@
+"""The policy simulator: replay access traces against tier capacities and policies, no tensors.
+
+Semantics (one place, used everywhere): each tier is a cache of byte capacity. A demand access
+to a key not resident on the fastest tier is a miss there and admits the key, evicting victims
+chosen by the tier's eviction policy until it fits; an object larger than the tier's capacity is
+not admitted (and evicts nothing). Victims of a tier that is not the last move one tier down
+(admitted there the same way); the slowest level, the disk, holds everything. A hit on a slower
+tier copies the key up and leaves it there. Prefetches admit keys the same way but are not
+requests; a demand access to a key whose prefetch is still in flight is a hit that stalls until
+the bytes arrive. Time: each access first spends ``think`` seconds of compute; each link carries
+one transfer at a time (latency + bytes / bandwidth); a demand miss stalls until its transfer ends. With one tier this is the textbook cache: LRU and FIFO match their definitions, and
+MIN (furthest next use) misses least when all objects have the same size.
+"""
+
+from .generators import loop_trace, optimizer_trace, scan_trace, zipf_trace
+from .links import LinkModel
+from .simulator import SimResult, simulate
+from .trace import Trace, load_trace
+
+__all__ = ["LinkModel", "SimResult", "Trace", "load_trace", "loop_trace", "optimizer_trace", "scan_trace", "simulate", "zipf_trace"]

@@ -1,0 +1,315 @@
+"""Replay a trace against tiers, an eviction policy and a prefetch policy (semantics: see the
+package docstring). No tensors move: only keys, sizes and a clock."""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .links import LinkModel
+from .trace import DELETE, Trace
+
+
+@dataclass
+class SimResult:
+    """One combination's outcome. Ratios are of demand requests at the fastest tier."""
+
+    eviction: str
+    prefetch: str
+    capacity: int
+    capacities: dict[str, int]
+    requests: int = 0
+    misses: int = 0
+    requested_bytes: int = 0
+    missed_bytes: int = 0
+    hits_by_tier: dict[str, int] = field(default_factory=dict)
+    link_bytes: dict[str, int] = field(default_factory=dict)
+    prefetches: int = 0
+    prefetches_dropped: int = 0
+    stall_seconds: float = 0.0
+    compute_seconds: float = 0.0
+    sim_seconds: float = 0.0
+
+    @property
+    def miss_ratio(self) -> float:
+        return self.misses / self.requests if self.requests else 0.0
+
+    @property
+    def byte_miss_ratio(self) -> float:
+        return self.missed_bytes / self.requested_bytes if self.requested_bytes else 0.0
+
+    @property
+    def accesses_per_second(self) -> float:
+        return self.requests / self.sim_seconds if self.sim_seconds else math.inf
+
+    def to_json(self) -> dict[str, Any]:
+        record = asdict(self)
+        record.update(miss_ratio=self.miss_ratio, byte_miss_ratio=self.byte_miss_ratio, accesses_per_second=self.accesses_per_second)
+        return record
+
+
+class _Oracle:
+    """The trace's future: when is key ``k`` next accessed after the current position."""
+
+    def __init__(self, trace: Trace) -> None:
+        order = np.argsort(trace.ids, kind="stable")
+        boundaries = np.flatnonzero(np.diff(trace.ids[order])) + 1
+        self.positions: dict[int, list[int]] = {}
+        for chunk in np.split(order, boundaries):
+            if len(chunk):
+                self.positions[int(trace.ids[chunk[0]])] = chunk.tolist()
+        self.now = 0
+
+    def __call__(self, key: int) -> float:
+        positions = self.positions.get(key)
+        if not positions:
+            return math.inf
+        i = bisect.bisect_right(positions, self.now)
+        return positions[i] if i < len(positions) else math.inf
+
+
+@dataclass
+class _Tier:
+    name: str
+    capacity: int
+    policy: Any
+    resident: dict[int, int] = field(default_factory=dict)
+    used: int = 0
+
+
+def simulate(
+    trace: Trace,
+    capacities: dict[str, int],
+    eviction: str | Callable[[], Any] = "lru",
+    prefetch: str | Any = "none",
+    links: LinkModel | None = None,
+    think: float | None = None,
+) -> SimResult:
+    """Replay ``trace``. ``capacities`` maps tier names to bytes, fastest first (the disk below
+    them holds everything). ``eviction`` is a policy name (lru, fifo, lfu, arc, s3fifo, min) or
+    a factory; ``prefetch`` a name (none, sequential, schedule) or a policy instance. ``think``
+    is compute time per access in seconds (default: the trace's own gaps, else 0)."""
+    from policies import EVICTION, MIN, NoPrefetch, ScheduleLearned, Sequential
+
+    if not capacities:
+        raise ValueError("give at least one tier capacity, e.g. {'host': 2 << 30}")
+    links = links or LinkModel()
+    oracle = _Oracle(trace)
+    eviction_name = eviction if isinstance(eviction, str) else getattr(eviction, "name", getattr(eviction, "__name__", "custom"))
+
+    def new_policy() -> Any:
+        if callable(eviction) and not isinstance(eviction, str):
+            policy = eviction()
+        elif eviction == "min":
+            policy = MIN(oracle)
+        elif eviction in EVICTION:
+            policy = EVICTION[eviction]()
+        else:
+            raise ValueError(f"unknown eviction policy {eviction!r}; choose from {sorted(EVICTION) + ['min']}")
+        if hasattr(policy, "set_capacity"):
+            policy.set_capacity(capacity)
+        return policy
+
+    tiers = []
+    for name, capacity in capacities.items():
+        tiers.append(_Tier(name, int(capacity), new_policy()))
+    if isinstance(prefetch, str):
+        known = {"none": NoPrefetch, "sequential": Sequential, "schedule": ScheduleLearned}
+        if prefetch not in known:
+            raise ValueError(f"unknown prefetch policy {prefetch!r}; choose from {sorted(known)}")
+        prefetcher: Any = known[prefetch]()
+        prefetch_name = prefetch
+    else:
+        prefetcher, prefetch_name = prefetch, getattr(prefetch, "name", type(prefetch).__name__)
+        prefetcher.reset()
+    if hasattr(prefetcher, "set_capacities"):
+        prefetcher.set_capacities({t.name: t.capacity for t in tiers})
+    result = SimResult(eviction_name, prefetch_name, tiers[0].capacity, {t.name: t.capacity for t in tiers})
+    result.hits_by_tier = {t.name: 0 for t in tiers}
+    started = time.perf_counter()
+    if len(tiers) == 1 and isinstance(prefetcher, NoPrefetch):
+        _run_single(trace, tiers[0], oracle, links, result, think)
+    else:
+        _Replay(trace, tiers, prefetcher, oracle, links, result, think).run()
+    result.sim_seconds = time.perf_counter() - started
+    return result
+
+
+def _run_single(trace: Trace, tier: _Tier, oracle: _Oracle, links: LinkModel, result: SimResult, think: float | None) -> None:
+    """The textbook one-tier cache without prefetch, kept tight (the simulator's speed)."""
+    resident, policy, capacity = tier.resident, tier.policy, tier.capacity
+    on_hit, on_insert, on_remove, victim = policy.on_hit, policy.on_insert, policy.on_remove, policy.victim
+    link = f"disk->{tier.name}"
+    bandwidth, latency = links.links.get(link, (2.5e9, 100e-6))
+    used = requests = misses = requested = missed = 0
+    track_time = hasattr(policy, "oracle")  # MIN reads the clock through its oracle
+    for position, (key, size, op) in enumerate(zip(trace.ids.tolist(), trace.sizes.tolist(), trace.ops.tolist(), strict=True)):
+        if track_time:
+            oracle.now = position
+        if op == DELETE:
+            if key in resident:
+                used -= resident.pop(key)
+                on_remove(key)
+            continue
+        requests += 1
+        requested += size
+        held = resident.get(key)
+        if held == size:
+            on_hit(key)
+            continue
+        if held is not None:  # size changed: the old bytes go
+            used -= resident.pop(key)
+            on_remove(key)
+        misses += 1
+        missed += size
+        if size > capacity:
+            continue
+        while used + size > capacity:
+            gone = victim()
+            used -= resident.pop(gone)
+        resident[key] = size
+        used += size
+        on_insert(key, size)
+    tier.used = used
+    result.requests, result.misses, result.requested_bytes, result.missed_bytes = requests, misses, requested, missed
+    result.hits_by_tier[tier.name] = requests - misses
+    result.link_bytes[link] = missed
+    result.stall_seconds = misses * latency + missed / bandwidth
+    result.compute_seconds = _compute_time(trace, think)
+
+
+def _compute_time(trace: Trace, think: float | None) -> float:
+    if think is not None:
+        return think * len(trace)
+    if trace.times is not None and len(trace.times) > 1:
+        return float(trace.times[-1] - trace.times[0])
+    return 0.0
+
+
+class _Replay:
+    """The general replay: several tiers, prefetches, and a clock with one queue per link."""
+
+    def __init__(self, trace: Trace, tiers: list[_Tier], prefetcher: Any, oracle: _Oracle, links: LinkModel, result: SimResult, think: float | None) -> None:
+        self.trace, self.tiers, self.prefetcher, self.oracle, self.links, self.result = trace, tiers, prefetcher, oracle, links, result
+        self.index = {tier.name: i for i, tier in enumerate(tiers)}
+        self.sizes = np.zeros(len(trace.keys), dtype=np.int64)
+        np.maximum.at(self.sizes, trace.ids, trace.sizes)
+        self.size_of = self.sizes.tolist()
+        self.clock = 0.0
+        self.link_free: dict[str, float] = {}
+        self.ready: dict[tuple[int, int], float] = {}
+        self.think = think
+
+    def run(self) -> None:
+        trace, result, tiers = self.trace, self.result, self.tiers
+        top = tiers[0]
+        times = trace.times.tolist() if trace.times is not None and self.think is None else None
+        step = int(trace.steps[0]) if len(trace) else 0
+        for position, (key, size, op, mark) in enumerate(
+            zip(trace.ids.tolist(), trace.sizes.tolist(), trace.ops.tolist(), trace.steps.tolist(), strict=True)
+        ):
+            self.oracle.now = position
+            if mark != step:
+                self.prefetcher.on_step()
+                step = mark
+            if times is not None and position:
+                self.clock += max(0.0, times[position] - times[position - 1])
+            elif self.think:
+                self.clock += self.think
+            if op == DELETE:
+                for tier in tiers:
+                    self._drop(tier, key)
+                continue
+            result.requests += 1
+            result.requested_bytes += size
+            hit = top.resident.get(key) == size
+            if hit:
+                top.policy.on_hit(key)
+                result.hits_by_tier[top.name] += 1
+                arrival = self.ready.pop((0, key), None)
+                if arrival is not None and arrival > self.clock:
+                    result.stall_seconds += arrival - self.clock
+                    self.clock = arrival
+            else:
+                result.misses += 1
+                result.missed_bytes += size
+                source = self._source(key, 1)
+                if source < len(tiers):
+                    tiers[source].policy.on_hit(key)
+                    result.hits_by_tier[tiers[source].name] += 1
+                end = self._transfer(source, 0, size)
+                result.stall_seconds += end - self.clock
+                self.clock = end
+                self._drop(top, key)
+                self._admit(0, key, size)
+            self.prefetcher.on_access(key, size, top.name, hit)
+            self._prefetch()
+        result.compute_seconds = _compute_time(trace, self.think)
+
+    def _source(self, key: int, start: int) -> int:
+        for j in range(start, len(self.tiers)):
+            if key in self.tiers[j].resident:
+                return j
+        return len(self.tiers)  # the disk
+
+    def _name(self, j: int) -> str:
+        return self.tiers[j].name if j < len(self.tiers) else "disk"
+
+    def _transfer(self, source: int, target: int, size: int) -> float:
+        link = f"{self._name(source)}->{self._name(target)}"
+        self.result.link_bytes[link] = self.result.link_bytes.get(link, 0) + size
+        start = max(self.clock, self.link_free.get(link, 0.0))
+        end = start + self.links.seconds(link, size)
+        self.link_free[link] = end
+        return end
+
+    def _drop(self, tier: _Tier, key: int) -> None:
+        size = tier.resident.pop(key, None)
+        if size is not None:
+            tier.used -= size
+            tier.policy.on_remove(key)
+
+    def _admit(self, t: int, key: int, size: int) -> bool:
+        tier = self.tiers[t]
+        if size > tier.capacity:
+            return False
+        while tier.used + size > tier.capacity:
+            victim = tier.policy.victim()
+            if victim is None:
+                return False
+            gone = tier.resident.pop(victim, None)
+            if gone is None:
+                continue
+            tier.used -= gone
+            self.ready.pop((t, victim), None)
+            if t + 1 < len(self.tiers) and victim not in self.tiers[t + 1].resident:
+                self._transfer(t, t + 1, gone)
+                self._admit(t + 1, victim, gone)
+        tier.resident[key] = size
+        tier.used += size
+        tier.policy.on_insert(key, size)
+        return True
+
+    def _prefetch(self) -> None:
+        for key, tier_name in self.prefetcher.suggest():
+            t = self.index.get(tier_name, 0) if tier_name is not None else 0
+            tier = self.tiers[t]
+            if key in tier.resident:
+                continue
+            size = self.size_of[key]
+            full = tier.used + size > tier.capacity
+            if full and hasattr(tier.policy, "furthest_next_use") and tier.policy.furthest_next_use() < self.oracle(key):
+                self.result.prefetches_dropped += 1  # it would push out something needed sooner
+                continue
+            source = self._source(key, t + 1)
+            if not self._admit(t, key, size):
+                self.result.prefetches_dropped += 1
+                continue
+            self.result.prefetches += 1
+            self.ready[(t, key)] = self._transfer(source, t, size)
