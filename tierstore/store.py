@@ -97,10 +97,15 @@ class TierStore:
         self._versions = itertools.count(1)
         self._freeing = [0] * len(self._tiers)
         self._demotions: list[set[asyncio.Task[None]]] = [set() for _ in self._tiers]
+        #: Buffers allocated on a tier and being filled (they become evictable copies when done).
+        self._incoming: list[set[asyncio.Future[None]]] = [set() for _ in self._tiers]
         self._background: set[asyncio.Task[Any]] = set()
         self._prefetched: set[tuple[str, int]] = set()
         self._issuer: PrefetchIssuer | None = None
         self.counters = StoreCounters()
+        #: Called as ``on_transfer(link, nbytes, start, end)`` after each transfer between tiers
+        #: (``time.perf_counter()`` times); the optimizer's timeline listens here.
+        self.on_transfer: Callable[[str, int, float, float], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.is_open = False
 
@@ -525,11 +530,16 @@ class TierStore:
         await self._make_room(t, tier.allocation_size(nbytes), priority)
         buffer = tier.allocate(nbytes)
         started = time.perf_counter()
+        arriving = asyncio.get_running_loop().create_future()
+        self._incoming[t].add(arriving)
         try:
             await fill(buffer, priority)
         except BaseException:
             tier.release(buffer)
             raise
+        finally:
+            self._incoming[t].discard(arriving)
+            arriving.set_result(None)
         self._count_link(source_tier, t, nbytes, time.perf_counter() - started)
         if version is None:
             live = self._live_entry(entry, meta)  # type: ignore[arg-type]
@@ -643,7 +653,7 @@ class TierStore:
             for task in mine:
                 if task.done() and not task.cancelled() and task.exception() is not None:
                     raise TierFullError(f"cannot make room on tier {tier.name!r}: {task.exception()}") from task.exception()
-            pending = self._demotions[t]
+            pending = self._demotions[t] | self._incoming[t]  # both end with room or a victim
             if not pending:
                 if tier.free >= size:
                     break
@@ -686,16 +696,23 @@ class TierStore:
 
     async def _demote(self, entry: Entry, t: int, copy: Copy, priority: Priority) -> None:
         """Move ``copy`` (already in use by us) off tier ``t``: write it back one tier down
-        unless a slower tier holds the value already, then drop it."""
+        unless a slower tier holds the value already, then drop it.
+
+        The task starts a moment after the copy was chosen; if a hold took the copy meanwhile,
+        or takes it during the write-back, the copy stays (a held buffer may be changing, and
+        a write hold makes it the only current value)."""
         try:
-            current = self._entries.get(entry.key) is entry and copy.version == entry.version
+            if copy.holds:
+                return
+            version = copy.version
+            current = self._entries.get(entry.key) is entry and version == entry.version
             if current and not any(s > t for s in entry.valid_tiers()):
                 if t + 1 >= len(self._tiers):
                     raise TierFullError(f"tier {self._names[t]!r} is the last tier; nothing can be evicted from it")
                 await self._write_back(entry, copy, priority)
-            if entry.copies.get(t) is copy:
+            if entry.copies.get(t) is copy and copy.holds == 0 and copy.version == version:
                 self._retire(entry, t, copy)
-            self.counters.tier(self._names[t]).evictions += 1
+                self.counters.tier(self._names[t]).evictions += 1
         finally:
             self._unuse(entry, copy)
 
@@ -844,6 +861,9 @@ class TierStore:
     def _count_link(self, source: int | None, target: int, nbytes: int, seconds: float) -> None:
         name = self._names[source] if source is not None else "caller"
         self.counters.link(name, self._names[target]).add(nbytes, seconds)
+        if self.on_transfer is not None:
+            end = time.perf_counter()
+            self.on_transfer(f"{name}->{self._names[target]}", nbytes, end - seconds, end)
 
     def _observe(self, op: str, key: str, nbytes: int, t: int | None, hit: bool | None, before: int | None = None) -> None:
         if self.trace is not None:

@@ -1,0 +1,8 @@
+"""Optimizers whose state is paged through a ``TierStore`` in time with the backward pass."""
+
+from .adam import TieredAdam, TieredAdamW
+from .generic import TieredOptimizer
+from .paging import OptimizerCapacityError, PagedOptimizer
+from .reports import MemoryReport, Timeline, TimeReport
+
+__all__ = ["MemoryReport", "OptimizerCapacityError", "PagedOptimizer", "TieredAdam", "TieredAdamW", "TieredOptimizer", "TimeReport", "Timeline"]

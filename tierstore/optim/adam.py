@@ -1,0 +1,196 @@
+"""``TieredAdam`` and ``TieredAdamW``: Adam with its fp32 master weights and moments paged
+through a ``TierStore``.
+
+Each parameter's state is one store entry of shape ``(rows, numel)`` in fp32: master weight,
+``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` with amsgrad), so one transfer moves all of
+it. The math is torch's own ``torch.optim.adam.adam`` (fused CPU kernel by default), so results
+match ``torch.optim.Adam``/``AdamW``: bit for bit with the same implementation (``fused=True``
+against torch's ``fused=True``, ``fused=False`` against its default), within fp32 rounding
+across implementations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import torch
+from torch.optim.adam import adam
+
+from ..sync import run
+from .paging import PagedOptimizer, ParamSlot
+
+
+class TieredAdam(PagedOptimizer):
+    """``torch.optim.Adam`` (L2 weight decay) with state paged through a store.
+
+    Takes torch's arguments (``lr``, ``betas``, ``eps``, ``weight_decay``, ``amsgrad``,
+    ``maximize``, ``foreach``, ``fused``, param groups) plus the store options of
+    ``PagedOptimizer`` (``store=``, ``offload=``, ``disk_root=``, ``step_in_backward=``,
+    ``max_grad_norm=``, ``gradient_accumulation_steps=`` ...). ``capturable`` and
+    ``differentiable`` are not supported.
+    """
+
+    decoupled_weight_decay = False
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        **paging: Any,
+    ) -> None:
+        if not float(lr) >= 0.0:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not eps >= 0.0:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"Invalid beta parameters: {betas}")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if capturable or differentiable:
+            raise ValueError("capturable and differentiable are not supported: the update runs on the host")
+        if fused and foreach:
+            raise ValueError("fused and foreach cannot both be True")
+        self._step_counts: dict[int, torch.Tensor] = {}
+        defaults = {
+            "lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "amsgrad": amsgrad,
+            "maximize": maximize, "foreach": foreach, "capturable": False, "differentiable": False,
+            "fused": fused, "decoupled_weight_decay": self.decoupled_weight_decay,
+        }
+        super().__init__(params, defaults, **paging)
+
+    # -- state layout ------------------------------------------------------------------------------
+
+    def _rows(self, slot: ParamSlot) -> int:
+        return 4 if self.param_groups[slot.group]["amsgrad"] else 3
+
+    def _state_bytes(self, slot: ParamSlot) -> int:
+        return self._rows(slot) * slot.numel * 4
+
+    def _initial(self, slot: ParamSlot) -> torch.Tensor:
+        packed = torch.zeros(self._rows(slot), slot.numel, dtype=torch.float32)
+        packed[0].copy_(slot.param.detach().reshape(-1))
+        return packed
+
+    @asynccontextmanager
+    async def _state(self, slot: ParamSlot) -> AsyncIterator[torch.Tensor]:
+        rows = self._rows(slot)
+        if not slot.paged:
+            if slot.resident is None or slot.resident["packed"].shape[0] != rows:
+                slot.resident = {"packed": self._initial(slot)}
+            yield slot.resident["packed"]
+            return
+        if slot.key not in self.store or self.store.info(slot.key)["shape"] != (rows, slot.numel):
+            await self.store.put(slot.key, self._initial(slot), tier=self.state_tier)
+        async with self.store.hold(slot.key, self.state_tier, write=True) as packed:
+            yield packed
+
+    # -- the math --------------------------------------------------------------------------------------
+
+    def _apply(self, slot: ParamSlot, state: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        master, exp_avg, exp_avg_sq = state[0], state[1], state[2]
+        amsgrad = group["amsgrad"]
+        grad = grad.reshape(-1)
+        if grad.dtype != torch.float32:
+            grad = grad.float()
+        step = self._step_counts.setdefault(slot.index, torch.tensor(0.0))
+        fused = group["fused"] if group["fused"] is not None else not group["foreach"]
+        beta1, beta2 = group["betas"]
+        adam(
+            [master], [grad], [exp_avg], [exp_avg_sq], [state[3]] if amsgrad else [], [step],
+            foreach=bool(group["foreach"]) and not fused, fused=bool(fused),
+            amsgrad=amsgrad, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+            eps=group["eps"], maximize=group["maximize"],
+            decoupled_weight_decay=group.get("decoupled_weight_decay", self.decoupled_weight_decay),
+        )
+        return master
+
+    # -- checkpoints -------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Torch's format: ``{"state": {index: {"step", "exp_avg", "exp_avg_sq"[, "max_exp_avg_sq"]}},
+        "param_groups": [...]}``, loadable by ``torch.optim.Adam``/``AdamW``. Parameters whose dtype
+        is not fp32 also carry their fp32 ``master`` weight (torch ignores it)."""
+        return run(self._state_dict())
+
+    async def _state_dict(self) -> dict[str, Any]:
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for slot in self._slots:
+            step = self._step_counts.get(slot.index)
+            if step is None:
+                continue
+            packed = slot.resident["packed"] if not slot.paged and slot.resident else await self.store.read(slot.key)
+            shape = slot.param.shape
+            entry = {"step": step.clone(), "exp_avg": packed[1].reshape(shape).clone(), "exp_avg_sq": packed[2].reshape(shape).clone()}
+            if packed.shape[0] > 3:
+                entry["max_exp_avg_sq"] = packed[3].reshape(shape).clone()
+            if slot.param.dtype != torch.float32:
+                entry["master"] = packed[0].reshape(shape).clone()
+            state[slot.index] = entry
+        return {"state": state, "param_groups": self._groups_for_saving()}
+
+    def _groups_for_saving(self) -> list[dict[str, Any]]:
+        groups, index = [], 0
+        for group in self.param_groups:
+            saved = {k: v for k, v in group.items() if k != "params"}
+            saved["params"] = list(range(index, index + len(group["params"])))
+            index += len(group["params"])
+            groups.append(saved)
+        return groups
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict saved by this class or by ``torch.optim.Adam``/``AdamW``."""
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        for saved, group in zip(groups, self.param_groups, strict=True):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError("loaded state dict contains a parameter group that doesn't match the size of optimizer's group")
+        for saved, group in zip(groups, self.param_groups, strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+            group.setdefault("decoupled_weight_decay", self.decoupled_weight_decay)
+        ids = [i for saved in groups for i in saved["params"]]
+        saved_state = {slot: state_dict["state"].get(ids[slot.index]) for slot in self._slots}
+        run(self._load_state(saved_state))
+
+    async def _load_state(self, saved_state: dict[ParamSlot, dict[str, Any] | None]) -> None:
+        self._step_counts.clear()
+        for slot, saved in saved_state.items():
+            if saved is None:
+                slot.resident = None
+                if slot.key in self.store:
+                    await self.store.delete(slot.key)
+                continue
+            packed = self._initial(slot)
+            names = ["master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"][: packed.shape[0]]
+            for row, name in enumerate(names):
+                if name in saved:
+                    packed[row].copy_(torch.as_tensor(saved[name]).detach().reshape(-1))
+            step = saved.get("step", 0)
+            self._step_counts[slot.index] = torch.tensor(float(step.item() if torch.is_tensor(step) else step))
+            if slot.paged:
+                await self.store.put(slot.key, packed, tier=self.state_tier)
+            else:
+                slot.resident = {"packed": packed}
+
+
+class TieredAdamW(TieredAdam):
+    """``torch.optim.AdamW`` (decoupled weight decay, default 1e-2) with state paged through a
+    store. Same arguments as ``TieredAdam``."""
+
+    decoupled_weight_decay = True
+
+    def __init__(self, params: Iterable[Any], lr: float | torch.Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, **kwargs: Any) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)

@@ -1,0 +1,187 @@
+"""``TieredOptimizer``: page the per-parameter state of any torch optimizer through a store.
+
+For each parameter the wrapper keeps an fp32 master weight and every state tensor the wrapped
+optimizer creates with the parameter's shape (momentum buffers, sums of squares ...) in the
+store; smaller state (step counters, scalars) stays in host memory. An update holds them on the
+host tier, points a private copy of the wrapped optimizer at them, and calls its ``step()``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator, Iterable
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import torch
+
+from ..sync import run
+from .paging import PagedOptimizer, ParamSlot
+
+_PAGING_OPTIONS = set(inspect.signature(PagedOptimizer.__init__).parameters) - {"self", "params", "defaults"}
+
+
+class TieredOptimizer(PagedOptimizer):
+    """``TieredOptimizer(params, torch.optim.SGD, lr=0.1, momentum=0.9, store=...)``.
+
+    ``optimizer_class`` is any ``torch.optim.Optimizer`` whose ``step()`` needs no closure;
+    keyword arguments go to it, except the store options of ``PagedOptimizer`` (``store=``,
+    ``offload=``, ``step_in_backward=``, ``max_grad_norm=`` ...). ``state_dict()`` is in the
+    wrapped optimizer's own format, so checkpoints move between the two.
+    """
+
+    def __init__(self, params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer], **kwargs: Any) -> None:
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, not {optimizer_class!r}")
+        paging = {k: kwargs.pop(k) for k in list(kwargs) if k in _PAGING_OPTIONS}
+        probe = optimizer_class([torch.zeros(1, requires_grad=True)], **kwargs)
+        self.optimizer_class = optimizer_class
+        self._options = kwargs
+        self._inner: dict[int, tuple[torch.optim.Optimizer, torch.Tensor]] = {}
+        self._paged_names: dict[int, list[str]] = {}
+        self._small_state: dict[int, dict[str, Any]] = {}
+        super().__init__(params, dict(probe.defaults), **paging)
+
+    # -- state layout ------------------------------------------------------------------------------
+
+    def _state_bytes(self, slot: ParamSlot) -> int:
+        names = self._paged_names.get(slot.index)
+        # Before the first step the state is unknown: assume two tensors (like Adam's moments).
+        return slot.numel * 4 * (1 + (len(names) if names is not None else 2))
+
+    def _key(self, slot: ParamSlot, name: str) -> str:
+        return f"{slot.key}/{name}"
+
+    @asynccontextmanager
+    async def _state(self, slot: ParamSlot) -> AsyncIterator[dict[str, Any]]:
+        box: dict[str, Any] = {"tensors": {}, "new": {}}
+        if not slot.paged:
+            if slot.resident is None:
+                slot.resident = {"master": slot.param.detach().float().cpu().reshape(-1).clone()}
+            box["master"] = slot.resident["master"]
+            box["tensors"] = {k: v for k, v in slot.resident.items() if k != "master"}
+            yield box
+            slot.resident.update(box["new"])
+            return
+        master_key = self._key(slot, "master")
+        if master_key not in self.store:
+            await self.store.put(master_key, slot.param.detach().float().cpu().reshape(-1), tier=self.state_tier)
+        async with AsyncExitStack() as stack:
+            box["master"] = await stack.enter_async_context(self.store.hold(master_key, self.state_tier, write=True))
+            for name in self._paged_names.get(slot.index, []):
+                box["tensors"][name] = await stack.enter_async_context(self.store.hold(self._key(slot, name), self.state_tier, write=True))
+            yield box
+        for name, tensor in box["new"].items():  # created or replaced by the wrapped optimizer
+            await self.store.put(self._key(slot, name), tensor, tier=self.state_tier)
+
+    # -- the math --------------------------------------------------------------------------------------
+
+    def _apply(self, slot: ParamSlot, box: dict[str, Any], grad: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        master: torch.Tensor = box["master"]
+        shadow = self._shadow(slot)
+        shadow.data = master.view(slot.param.shape)
+        shadow.grad = grad.float().reshape(slot.param.shape) if grad.dtype != torch.float32 else grad.reshape(slot.param.shape)
+        inner = self._inner_for(slot, shadow)
+        inner.param_groups[0].update({k: v for k, v in group.items() if k != "params"})
+        state = dict(self._small_state.get(slot.index, {}))
+        state.update({name: t.view(slot.param.shape) for name, t in box["tensors"].items()})
+        inner.state[shadow] = state
+        try:
+            inner.step()
+            if shadow.data.data_ptr() != master.data_ptr():  # the optimizer replaced the tensor
+                master.copy_(shadow.data.reshape(-1))
+            small, new = {}, {}
+            for name, value in inner.state[shadow].items():
+                if torch.is_tensor(value) and value.numel() == slot.numel and value.numel() > 1:
+                    held = box["tensors"].get(name)
+                    if held is None or value.data_ptr() != held.data_ptr():
+                        new[name] = value.detach().reshape(-1).float().clone()
+                else:
+                    small[name] = value
+            self._small_state[slot.index] = small
+            box["new"] = new
+            self._paged_names[slot.index] = sorted(set(box["tensors"]) | set(new))
+        finally:  # never keep views of store buffers past the hold
+            inner.state.clear()
+            shadow.grad = None
+            shadow.data = torch.empty(0)
+        return master
+
+    def _shadow(self, slot: ParamSlot) -> torch.Tensor:
+        if slot.index not in self._inner:
+            return torch.empty(0)
+        return self._inner[slot.index][1]
+
+    def _inner_for(self, slot: ParamSlot, shadow: torch.Tensor) -> torch.optim.Optimizer:
+        if slot.index not in self._inner:
+            inner = self.optimizer_class([shadow], **self._options)
+            inner.state.clear()  # some optimizers (Adagrad) build state eagerly; ours is restored per step
+            self._inner[slot.index] = (inner, shadow)
+        return self._inner[slot.index][0]
+
+    # -- checkpoints -------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's format: ``{"state": {index: {name: value}}, "param_groups": [...]}``."""
+        return run(self._state_dict())
+
+    async def _state_dict(self) -> dict[str, Any]:
+        state: dict[int, dict[str, Any]] = {}
+        for slot in self._slots:
+            if slot.index not in self._small_state and slot.index not in self._paged_names:
+                continue
+            entry = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in self._small_state.get(slot.index, {}).items()}
+            for name in self._paged_names.get(slot.index, []):
+                value: torch.Tensor | None
+                if slot.paged:
+                    value = await self.store.read(self._key(slot, name))
+                else:
+                    value = slot.resident.get(name) if slot.resident else None
+                if value is not None:
+                    entry[name] = value.reshape(slot.param.shape).clone()
+            state[slot.index] = entry
+        groups, index = [], 0
+        for group in self.param_groups:
+            saved = {k: v for k, v in group.items() if k != "params"}
+            saved["params"] = list(range(index, index + len(group["params"])))
+            index += len(group["params"])
+            groups.append(saved)
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict of this class or of the wrapped optimizer class."""
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups) or any(
+            len(s["params"]) != len(g["params"]) for s, g in zip(groups, self.param_groups, strict=True)
+        ):
+            raise ValueError("loaded state dict does not match the optimizer's parameter groups")
+        for saved, group in zip(groups, self.param_groups, strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        ids = [i for saved in groups for i in saved["params"]]
+        run(self._load_state({slot: state_dict["state"].get(ids[slot.index]) for slot in self._slots}))
+
+    async def _load_state(self, saved_state: dict[ParamSlot, dict[str, Any] | None]) -> None:
+        for slot, saved in saved_state.items():
+            self._small_state.pop(slot.index, None)
+            for name in self._paged_names.pop(slot.index, []):
+                if slot.paged and self._key(slot, name) in self.store:
+                    await self.store.delete(self._key(slot, name))
+            master = slot.param.detach().float().cpu().reshape(-1).clone()
+            slot.resident = None if slot.paged else {"master": master}
+            if slot.paged:
+                await self.store.put(self._key(slot, "master"), master, tier=self.state_tier)
+            if saved is None:
+                continue
+            small, names = {}, []
+            for name, value in saved.items():
+                if torch.is_tensor(value) and value.numel() == slot.numel and value.numel() > 1:
+                    tensor = value.detach().float().cpu().reshape(-1).clone()
+                    names.append(name)
+                    if slot.paged:
+                        await self.store.put(self._key(slot, name), tensor, tier=self.state_tier)
+                    else:
+                        slot.resident[name] = tensor  # type: ignore[index]
+                else:
+                    small[name] = value.clone() if torch.is_tensor(value) else value
+            self._small_state[slot.index] = small
+            self._paged_names[slot.index] = sorted(names)

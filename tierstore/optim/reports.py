@@ -1,0 +1,147 @@
+"""What the paged optimizers report: where the bytes are, where the time went, and a timeline
+of one step that Perfetto or chrome://tracing opens."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..units import format_bytes
+
+
+@dataclass
+class MemoryReport:
+    """Bytes per parameter and totals, by place.
+
+    ``device``: the model's weights and gradients (they stay on the device in their own dtype);
+    ``state_by_tier``: the optimizer's fp32 master weights and moments, by store tier;
+    ``resident_state``: state of parameters too small to page, kept in host memory.
+    """
+
+    parameters: int
+    paged_parameters: int
+    device_weight_bytes: int
+    device_grad_bytes: int
+    state_by_tier: dict[str, int]
+    resident_state_bytes: int
+    resident_parameters: int
+    state_bytes_per_param: float
+    tiers: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        n = max(self.parameters, 1)
+        lines = [
+            f"optimizer memory for {self.parameters:,} parameters ({self.paged_parameters:,} paged)",
+            f"  device : {self.device_weight_bytes / n:.1f} + {self.device_grad_bytes / n:.1f} bytes/param "
+            f"(weights + grads) = {format_bytes(self.device_weight_bytes + self.device_grad_bytes)}",
+        ]
+        for tier, nbytes in self.state_by_tier.items():
+            lines.append(f"  {tier:<7}: {nbytes / n:.1f} bytes/param of optimizer state = {format_bytes(nbytes)}")
+        if self.resident_parameters:
+            lines.append(
+                f"  host (not paged): {format_bytes(self.resident_state_bytes)} of state for {self.resident_parameters} "
+                "small tensors below min_offload_numel"
+            )
+        lines.append(
+            f"  state: {self.state_bytes_per_param:.0f} bytes/param (fp32 master + moments) off the device. Still on the "
+            "device: the weights and grads above, plus activations -- offloading optimizer state does not make "
+            "those fit (see tierstore.swap for activations and parameters)."
+        )
+        return "\n".join(lines)
+
+
+@dataclass
+class TimeReport:
+    """Where the last step's time went (seconds). Transfer times add up each transfer's own
+    duration, so overlapping transfers count in full; ``stall`` is what the training loop
+    waited in ``step()`` (and in ``clip_grad_norm_``)."""
+
+    step: int = 0
+    step_wall: float = 0.0
+    stall: float = 0.0
+    host_update: float = 0.0
+    grads_to_host: float = 0.0
+    weights_to_device: float = 0.0
+    disk_read: float = 0.0
+    disk_write: float = 0.0
+    disk_read_bytes: int = 0
+    disk_write_bytes: int = 0
+    updates: int = 0
+    mode: str = "after-backward"
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        return (
+            f"step {self.step} ({self.mode}): {self.step_wall * 1e3:.1f} ms wall, training loop stalled "
+            f"{self.stall * 1e3:.1f} ms\n"
+            f"  host updates {self.host_update * 1e3:.1f} ms ({self.updates} tensors) | grads to host "
+            f"{self.grads_to_host * 1e3:.1f} ms | weights to device {self.weights_to_device * 1e3:.1f} ms\n"
+            f"  disk read {self.disk_read * 1e3:.1f} ms ({format_bytes(self.disk_read_bytes)}) | disk write "
+            f"{self.disk_write * 1e3:.1f} ms ({format_bytes(self.disk_write_bytes)})"
+        )
+
+
+class Timeline:
+    """Spans of one step on named tracks, written as Chrome trace JSON."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._events: list[tuple[str, str, float, float, dict[str, Any]]] = []
+        self._origin = time.perf_counter()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._events = []
+
+    def add(self, name: str, track: str, start: float, end: float, **args: Any) -> None:
+        """Record a span (``start``/``end`` from ``time.perf_counter()``)."""
+        with self._lock:
+            self._events.append((name, track, start, end, args))
+
+    @contextmanager
+    def span(self, name: str, track: str = "compute") -> Iterator[None]:
+        """``with opt.timeline.span("forward"):`` marks the training loop's own work."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, track, start, time.perf_counter())
+
+    def events(self) -> list[tuple[str, str, float, float, dict[str, Any]]]:
+        with self._lock:
+            return list(self._events)
+
+    def write(self, path: str | Path) -> None:
+        """Write the spans as a Chrome trace (``{"traceEvents": [...]}``)."""
+        events = self.events()
+        tracks = sorted({track for _, track, *_ in events}, key=_track_order)
+        tid = {track: i for i, track in enumerate(tracks)}
+        trace: list[dict[str, Any]] = [
+            {"name": "thread_name", "ph": "M", "pid": 1, "tid": tid[t], "args": {"name": t}} for t in tracks
+        ]
+        trace += [
+            {"name": "thread_sort_index", "ph": "M", "pid": 1, "tid": tid[t], "args": {"sort_index": tid[t]}} for t in tracks
+        ]
+        for name, track, start, end, args in events:
+            trace.append({
+                "name": name, "cat": track, "ph": "X", "pid": 1, "tid": tid[track],
+                "ts": (start - self._origin) * 1e6, "dur": max(0.0, end - start) * 1e6, "args": args,
+            })
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
+
+
+def _track_order(track: str) -> tuple[int, str]:
+    order = ["compute", "train loop", "host update"]
+    return (order.index(track) if track in order else len(order), track)
