@@ -27,8 +27,17 @@ def _bench(argv: list[str]) -> int:
     return bench_main(argv)
 
 
-_PASSTHROUGH = {"bench": "tier and link throughput vs raw pread/pwrite (benchmarks/bench_tiers.py)"}
-_PASSTHROUGH_RUN = {"bench": _bench}
+def _demo(argv: list[str]) -> int:
+    from .demo import main as demo_main
+
+    return demo_main(argv)
+
+
+_PASSTHROUGH = {
+    "demo": "train a small GPT with its optimizer state paged through device, host and disk tiers",
+    "bench": "tier and link throughput vs raw pread/pwrite (benchmarks/bench_tiers.py)",
+}
+_PASSTHROUGH_RUN = {"demo": _demo, "bench": _bench}
 
 
 def _simulate(args: argparse.Namespace) -> int:

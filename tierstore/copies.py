@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import numpy as np
 import torch
 
 from .workers import Priority, WorkerPool
@@ -33,9 +34,9 @@ async def copy_bytes(
         raise ValueError(f"copy of {src.numel()} bytes into a buffer of {dst.numel()}")
     if dst.device.type == "cpu" and src.device.type == "cpu":
         if dst.numel() <= INLINE_COPY_BYTES:
-            dst.copy_(src)
+            cpu_copy(dst, src)
         else:
-            await pool.run(lambda: dst.copy_(src), priority)
+            await pool.run(lambda: cpu_copy(dst, src), priority)
         return
     device = dst.device if dst.device.type == "cuda" else src.device
     if stream is None:
@@ -47,6 +48,13 @@ async def copy_bytes(
         event = torch.cuda.Event()
         event.record(stream)
     await wait_event(event)
+
+
+def cpu_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy between CPU byte buffers with numpy: a single-threaded memcpy. ``torch.copy_`` would
+    start an OpenMP team on this (loop or worker) thread that competes with the training
+    thread's for the cores."""
+    np.copyto(dst.numpy(), src.numpy())
 
 
 async def wait_event(event: Any) -> None:

@@ -44,8 +44,8 @@ class EvictionPolicy(Protocol):
 class PrefetchPolicy(Protocol):
     """Watches accesses and suggests keys to bring up.
 
-    ``on_access`` is called for every demand access (get or hold) with the key, its size, the
-    tier asked for and whether it was a hit; ``on_step`` when the user marks the end of a
+    ``on_access`` is called for every demand access (get, hold, or put) with the key, its size,
+    the tier asked for (or landed on) and whether it was a hit (a put never is); ``on_step`` when the user marks the end of a
     repeated phase (``store.mark_step()``); ``suggest`` right after each access, returning
     ``(key, tier)`` pairs (``tier`` a tier name, or None for the tier of the access) in the order
     they should be fetched. The store skips keys already there or on their way.

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .copies import INLINE_COPY_BYTES, copy_bytes
+from .copies import INLINE_COPY_BYTES, copy_bytes, cpu_copy
 from .disk.catalog import DiskRecord
 from .entry import Copy, Entry
 from .errors import (
@@ -293,8 +293,10 @@ class TierStore:
         if t == self._disk_index:
             return await self._read_uncached(entry, device, out)
         if copy is not None and copy.buffer is not None and entry.meta.nbytes <= INLINE_COPY_BYTES and copy.buffer.device.type == "cpu":
-            view = from_bytes(copy.buffer, entry.meta)
-            return out.copy_(view) if out is not None else view.clone()
+            if out is None:
+                out = torch.empty(entry.meta.shape, dtype=entry.meta.dtype)
+            cpu_copy(as_bytes(out), copy.buffer[: entry.meta.nbytes])
+            return out
         try:
             copy = await self._acquire(entry, t, Priority.DEMAND)
         except TierFullError:
@@ -872,7 +874,7 @@ class TierStore:
                 valid = entry.valid_tiers() if entry is not None else []
                 before = valid[0] if valid else None
             self.trace.record(op, key, nbytes, t, hit, before)
-        if op in ("get", "hold") and t is not None and self._issuer is not None:
+        if op in ("get", "hold", "put") and t is not None and self._issuer is not None:
             self.prefetch_policy.on_access(key, nbytes, self._names[t], bool(hit))
             self._issuer.follow(self.prefetch_policy.suggest(), t)
 

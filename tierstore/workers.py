@@ -136,6 +136,52 @@ def _resolve(job: _Job, result: Any, exc: BaseException | None) -> None:
         job.loop.call_soon_threadsafe(deliver)
 
 
+class CallerPool:
+    """Jobs run by a thread that is waiting anyway: the training thread blocked in
+    ``optimizer.step()`` drains them with ``drain_until``.
+
+    Torch kernels on a fresh thread start a second OpenMP team that fights the training
+    thread's own (still spinning) team for the cores; running the optimizer's math on the
+    training thread avoids that and is as fast as ``torch.optim`` itself.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future[Any]] | None] = queue.SimpleQueue()
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._jobs.put((fn, loop, future))
+        await wait_uncancelled(future)  # a job handed out is always waited for
+        return future.result()
+
+    def drain_until(self, done: Any) -> None:
+        """Run jobs on this thread until ``done`` (a concurrent.futures.Future) completes."""
+        done.add_done_callback(lambda _: self._jobs.put(None))
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                if done.done():
+                    return
+                continue
+            fn, loop, future = item
+            try:
+                result = fn()
+            except BaseException as exc:  # delivered to the awaiting coroutine
+                loop.call_soon_threadsafe(_settle_future, future, None, exc)
+            else:
+                loop.call_soon_threadsafe(_settle_future, future, result, None)
+
+
+def _settle_future(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+    if future.done():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
+
+
 async def wait_uncancelled(awaitable: asyncio.Future[Any]) -> None:
     """Wait for ``awaitable`` to finish, absorbing cancellations meanwhile (cleanup paths use this
     so that buffers are never freed under a running transfer)."""

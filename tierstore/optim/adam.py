@@ -99,22 +99,31 @@ class TieredAdam(PagedOptimizer):
     # -- the math --------------------------------------------------------------------------------------
 
     def _apply(self, slot: ParamSlot, state: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
-        master, exp_avg, exp_avg_sq = state[0], state[1], state[2]
-        amsgrad = group["amsgrad"]
-        grad = grad.reshape(-1)
-        if grad.dtype != torch.float32:
-            grad = grad.float()
-        step = self._step_counts.setdefault(slot.index, torch.tensor(0.0))
-        fused = group["fused"] if group["fused"] is not None else not group["foreach"]
-        beta1, beta2 = group["betas"]
-        adam(
-            [master], [grad], [exp_avg], [exp_avg_sq], [state[3]] if amsgrad else [], [step],
-            foreach=bool(group["foreach"]) and not fused, fused=bool(fused),
-            amsgrad=amsgrad, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-            eps=group["eps"], maximize=group["maximize"],
-            decoupled_weight_decay=group.get("decoupled_weight_decay", self.decoupled_weight_decay),
-        )
-        return master
+        return self._apply_many([slot], [state], [grad])[0]
+
+    def _apply_many(self, slots: list[ParamSlot], states: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One call of torch's Adam per parameter group in the bucket (elementwise, so the same
+        numbers as a call per parameter or one for all)."""
+        by_group: dict[int, list[int]] = {}
+        for i, slot in enumerate(slots):
+            by_group.setdefault(slot.group, []).append(i)
+        for group_index, members in by_group.items():
+            group = self.param_groups[group_index]
+            amsgrad = group["amsgrad"]
+            fused = group["fused"] if group["fused"] is not None else not group["foreach"]
+            beta1, beta2 = group["betas"]
+            flat = [grads[i].reshape(-1) for i in members]
+            adam(
+                [states[i][0] for i in members], [g if g.dtype == torch.float32 else g.float() for g in flat],
+                [states[i][1] for i in members], [states[i][2] for i in members],
+                [states[i][3] for i in members] if amsgrad else [],
+                [self._step_counts.setdefault(slots[i].index, torch.tensor(0.0)) for i in members],
+                foreach=bool(group["foreach"]) and not fused, fused=bool(fused),
+                amsgrad=amsgrad, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+                eps=group["eps"], maximize=group["maximize"],
+                decoupled_weight_decay=group.get("decoupled_weight_decay", self.decoupled_weight_decay),
+            )
+        return [state[0] for state in states]
 
     # -- checkpoints -------------------------------------------------------------------------------------
 

@@ -6,10 +6,11 @@ to be brought up. The update itself (holds on the state and the gradient, the ma
 thread, the new weight copied back to the device) runs either
 
 - after backward (default): ``step()`` knows every gradient, so clipping by the global norm is
-  exact; gradients and states have been moving during backward, and the updates then run
-  pipelined, ``max_inflight`` at a time; or
-- in backward (``step_in_backward=True``): each update starts as soon as its gradient is ready
-  and ``step()`` only waits for the last ones. Faster, but the update cannot depend on other
+  exact; gradients and states have been moving during backward, and the updates then run in
+  buckets (several parameters per fused call), two buckets at a time so one's transfers overlap
+  the other's math; or
+- in backward (``step_in_backward=True``): a bucket's update starts as soon as its gradients are
+  ready and ``step()`` only waits for the last ones. Faster, but the update cannot depend on other
   gradients, so global-norm clipping is refused.
 
 Subclasses say what the state is (``_state``) and how to update it (``_apply``).
@@ -24,7 +25,7 @@ import time
 import weakref
 from abc import abstractmethod
 from collections.abc import Callable, Iterable
-from contextlib import AbstractAsyncContextManager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -37,7 +38,8 @@ from ..errors import TierFullError
 from ..store import TierStore
 from ..sync import SyncTierStore, loop_thread, run
 from ..tiers import DiskTier, HostTier, MemoryTier
-from ..workers import Priority, WorkerPool
+from ..units import parse_bytes
+from ..workers import CallerPool, Priority, WorkerPool
 from .reports import MemoryReport, Timeline, TimeReport
 
 #: Where the default disk store lives when no ``disk_root`` is given.
@@ -62,6 +64,9 @@ class ParamSlot:
     grad_task: asyncio.Task[None] | None = None
     arrival: int = 0
     norm: torch.Tensor | None = None
+    #: The gradient itself when the parameter is in host memory (the CPU stands in for the
+    #: device): copying it to the host tier would copy memory onto the same memory.
+    grad: torch.Tensor | None = None
     #: State of a parameter too small to page, kept in host memory.
     resident: dict[str, Any] | None = None
 
@@ -95,8 +100,15 @@ class PagedOptimizer(torch.optim.Optimizer):
         parameter whose gradient arrived another way.
     min_offload_numel:
         Parameters with fewer elements keep their state in host memory, outside the store.
+    key_prefix:
+        Store keys of this optimizer start with it (default ``"optim"``); keys already under
+        it when the optimizer starts are left over from an earlier run and are deleted.
     max_inflight:
-        Updates holding state on the host at once.
+        Buckets of updates holding state on the host at once (default 2: one loads while the
+        other computes).
+    bucket_bytes:
+        State and gradient bytes updated together in one call (default: what the state tier
+        can hold for ``max_inflight`` buckets, at most 64 MiB).
     """
 
     def __init__(
@@ -114,7 +126,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         max_grad_norm: float | None = None,
         gradient_accumulation_steps: int = 1,
         min_offload_numel: int = 4096,
-        max_inflight: int = 4,
+        max_inflight: int = 2,
+        bucket_bytes: int | str | None = None,
         key_prefix: str = "optim",
     ) -> None:
         if offload not in ("host", "disk"):
@@ -133,10 +146,20 @@ class PagedOptimizer(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.max_inflight = max_inflight
+        self.bucket_bytes = parse_bytes(bucket_bytes) if bucket_bytes is not None else 0
+        self._bucket: list[ParamSlot] = []
+        #: The order gradients arrived in last step: this step's updates will follow it.
+        self._last_order: list[ParamSlot] = []
+        self._prefetched_this_step = False
+        self._bucket_tasks: list[asyncio.Task[None]] = []
         self.state_tier = state_tier
         self._loop = loop_thread()
+        # Math runs on the training thread while it waits in step(); during backward (norms,
+        # step_in_backward updates) on a worker thread.
         self._compute = WorkerPool(1, "optimizer")
         self._compute.start()
+        self._caller = CallerPool()
+        self._in_step = False
         self.timeline = Timeline()
         self._last_timeline: list[Any] = []
         self._report = TimeReport(mode="in-backward" if step_in_backward else "after-backward")
@@ -151,29 +174,49 @@ class PagedOptimizer(torch.optim.Optimizer):
         try:
             super().__init__(params, defaults)
             self.store: TierStore = self._bind_store(store, offload, disk_root, host_capacity, disk_capacity)
-            self.inflight = self._concurrency()
+            self.bucket_bytes, self.inflight = self._plan()
             self._gate: asyncio.Semaphore = run(_make_semaphore(self.inflight))
         except BaseException:
             self._remove_hooks()  # a half-built optimizer must not keep listening to the model
             self._compute.shutdown()
             raise
 
-    def _concurrency(self) -> int:
-        """Updates at once: as many as ``max_inflight``, but never more than the state tier can
-        hold together (state and gradient held by each, plus room for one more gradient)."""
+    def _plan(self) -> tuple[int, int]:
+        """(bucket bytes, buckets at once). A bucket is parameters updated together (one fused
+        call, one thread hop): as many as ``bucket_bytes`` of state and gradients hold, in the
+        order the gradients arrive. Two buckets at once overlap one's transfers with the other's
+        math; the state tier must hold them both, plus room for one more gradient."""
         tier = self.store.tier(self.state_tier)
         if not isinstance(tier, MemoryTier) or not self._slots:
-            return self.max_inflight
-        grads = [tier.allocation_size(slot.numel * slot.param.element_size()) for slot in self._slots]
-        needs = [tier.allocation_size(self._state_bytes(slot)) * slot.paged + grad for slot, grad in zip(self._slots, grads, strict=True)]
+            return self.bucket_bytes or (64 << 20), self.max_inflight
+        needs = [self._need(slot, tier) for slot in self._slots]
+        grads = [tier.allocation_size(slot.numel * slot.param.element_size()) * (slot.param.device.type != "cpu") for slot in self._slots]
         largest = max(needs)
-        if largest + max(grads) > tier.capacity:
+        room = tier.capacity * 9 // 10 - max(grads)  # a tenth left for arrivals and state being created
+        if largest > room:
             worst = self._slots[needs.index(largest)]
             raise OptimizerCapacityError(
                 f"the {self.state_tier!r} tier ({tier.capacity:,} bytes) cannot hold the state and gradient of parameter "
                 f"{worst.index} ({worst.numel:,} elements: {largest:,} bytes) beside another gradient; give it more capacity"
             )
-        return max(1, min(self.max_inflight, (tier.capacity - max(grads)) // largest))
+        tiers = self.store.tiers
+        if tiers.index(tier) == len(tiers) - 1:
+            # Nothing pages below the state tier: no transfers to overlap, and a second bucket's
+            # bookkeeping would only slow the math. One bucket (four when updating in backward,
+            # so updates start while backward runs).
+            whole = sum(needs) // (4 if self.step_in_backward else 1)
+            return max(self.bucket_bytes or whole, largest), 1
+        inflight = max(1, min(self.max_inflight, room // largest))
+        # At least four buckets a step, so in-backward updates start early and transfers overlap;
+        # and buckets in flight take at most a quarter of the tier, whose rest caches state.
+        bucket = self.bucket_bytes or min(64 << 20, room // (4 * inflight), sum(needs) // 4)
+        return max(bucket, largest), inflight
+
+    def _need(self, slot: ParamSlot, tier: MemoryTier) -> int:
+        """Bytes an update of ``slot`` holds on the state tier (state and, for a parameter on a
+        device, its gradient)."""
+        grad = tier.allocation_size(slot.numel * slot.param.element_size()) if slot.param.device.type != "cpu" else 0
+        return grad + (tier.allocation_size(self._state_bytes(slot)) if slot.paged else 0)
 
     # -- construction --------------------------------------------------------------------------
 
@@ -205,20 +248,24 @@ class PagedOptimizer(torch.optim.Optimizer):
         if self.state_tier not in [tier.name for tier in store.tiers] or not isinstance(store.tier(self.state_tier), MemoryTier):
             raise ValueError(f"state_tier {self.state_tier!r} must name a memory tier of the store ({[t.name for t in store.tiers]})")
         store.on_transfer = self._on_transfer
+        stale = [key for key in store.keys() if key.startswith(f"{self._key_prefix}/")]
+        if stale:  # keys under our prefix belong to us: leftovers of an earlier run are not our state
+            run(_delete_all(store, stale))
         return store
 
     def _default_store(self, offload: str, disk_root: Any, host_capacity: Any, disk_capacity: Any) -> TierStore:
         from policies import MIN, ScheduleLearned
 
         state = sum(self._state_bytes(slot) for slot in self._slots if slot.paged)
-        grads = sum(slot.numel * slot.param.element_size() for slot in self._slots)
+        grads = sum(slot.numel * slot.param.element_size() for slot in self._slots if slot.param.device.type != "cpu")
         if offload == "host":
             return TierStore([HostTier(host_capacity if host_capacity is not None else state + grads + (64 << 20))])
         schedule = ScheduleLearned()
         host = host_capacity if host_capacity is not None else max(64 << 20, (state + grads) // 4)
         root = Path(disk_root) if disk_root is not None else DEFAULT_DISK_ROOT
         disk = disk_capacity if disk_capacity is not None else 2 * (state + grads) + (256 << 20)
-        return TierStore([HostTier(host), DiskTier(root, disk)], eviction=lambda: MIN(schedule), prefetch=schedule)
+        # Paged state is scratch (checkpoints go through state_dict): no fsync per write-back.
+        return TierStore([HostTier(host), DiskTier(root, disk, durable=False)], eviction=lambda: MIN(schedule), prefetch=schedule)
 
     # -- what subclasses provide ---------------------------------------------------------------
 
@@ -263,17 +310,38 @@ class PagedOptimizer(torch.optim.Optimizer):
         if event is not None:
             await wait_event(event)
         started = time.perf_counter()
-        await self.store.put(slot.grad_key, grad, tier=self.state_tier)
+        if grad.device.type == "cpu":
+            slot.grad = grad
+        else:
+            await self.store.put(slot.grad_key, grad, tier=self.state_tier)
         ended = time.perf_counter()
         self._report.grads_to_host += ended - started
         self.timeline.add(f"grad {slot.index}", "grads to host", started, ended, bytes=grad.nbytes)
         slot.arrival = next(self._arrivals)
+        if not self._prefetched_this_step:
+            self._prefetched_this_step = True
+            await self._prefetch_first_states()
         if self.max_grad_norm is not None:
             slot.norm = await self._grad_norm(slot, 2.0)
-        if slot.paged and slot.key in self.store:
-            await self.store.prefetch([slot.key], self.state_tier)
         if self.step_in_backward:
-            await self._update(slot, None)
+            self._add_to_bucket(slot, None)
+
+    async def _prefetch_first_states(self) -> None:
+        """When backward starts, bring up the states the first updates will need (the order is
+        last step's), up to half the state tier, behind every demand request. Later states come
+        with the store's prefetch policy, which follows the holds as the updates run."""
+        tier = self.store.tier(self.state_tier)
+        budget = tier.capacity // 2
+        keys = []
+        for slot in self._last_order:
+            if not slot.paged or slot.key not in self.store:
+                continue
+            budget -= self._state_bytes(slot)
+            if budget < 0:
+                break
+            keys.append(slot.key)
+        if keys:
+            await self.store.prefetch(keys, self.state_tier)
 
     # -- the step --------------------------------------------------------------------------------
 
@@ -285,7 +353,13 @@ class PagedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         started = time.perf_counter()
-        run(self._finish_step())
+        self._in_step = True
+        try:
+            finishing = asyncio.run_coroutine_threadsafe(self._finish_step(), self._loop)
+            self._caller.drain_until(finishing)
+            finishing.result()
+        finally:
+            self._in_step = False
         ended = time.perf_counter()
         self._report.stall += ended - started
         self.timeline.add("step() wait", "train loop", started, ended)
@@ -298,14 +372,22 @@ class PagedOptimizer(torch.optim.Optimizer):
             coef = self._clip_coef
             if coef is None and self.max_grad_norm is not None:
                 coef = _clip_coefficient(self.max_grad_norm, await self._total_norm(2.0))
-            if not self.step_in_backward:
-                taken = sorted((s for s in self._slots if s.grad_task is not None), key=lambda s: s.arrival)
-                await asyncio.gather(*(self._update(slot, coef) for slot in taken))
+            if self.step_in_backward:
+                self._launch_bucket(None)
+            else:
+                for slot in sorted((s for s in self._slots if s.grad_task is not None), key=lambda s: s.arrival):
+                    self._add_to_bucket(slot, coef)
+                self._launch_bucket(coef)
+            tasks, self._bucket_tasks = self._bucket_tasks, []
+            await asyncio.gather(*tasks)
+            self._last_order = sorted((s for s in self._slots if s.grad_task is not None), key=lambda s: s.arrival)
             self.store.mark_step()
         finally:
             for slot in self._slots:
-                slot.accumulations, slot.grad_task, slot.norm = 0, None, None
+                slot.accumulations, slot.grad_task, slot.norm, slot.grad = 0, None, None, None
             self._clip_coef = None
+            self._bucket = []
+            self._prefetched_this_step = False
             self._steps += 1
 
     async def _gather_grads(self) -> None:
@@ -346,36 +428,78 @@ class PagedOptimizer(torch.optim.Optimizer):
         return torch.linalg.vector_norm(torch.stack(norms), norm_type)
 
     async def _grad_norm(self, slot: ParamSlot, norm_type: float) -> torch.Tensor:
-        async with self.store.hold(slot.grad_key, self.state_tier) as grad:
-            return await self._compute.run(partial(torch.linalg.vector_norm, grad, norm_type))
+        async with self._grad(slot) as grad:
+            return await self._math(partial(torch.linalg.vector_norm, grad, norm_type))
 
-    async def _update(self, slot: ParamSlot, coef: torch.Tensor | None) -> None:
-        """One parameter's update; at most ``self.inflight`` hold state at once."""
-        async with self._gate:
-            await self._update_once(slot, coef)
+    def _grad(self, slot: ParamSlot) -> AbstractAsyncContextManager[torch.Tensor]:
+        """This step's gradient of ``slot`` on the host: held in the store, or the model's own."""
+        if slot.grad is not None:
+            return nullcontext(slot.grad)
+        return self.store.hold(slot.grad_key, self.state_tier)
 
-    async def _update_once(self, slot: ParamSlot, coef: torch.Tensor | None) -> None:
-        group = self.param_groups[slot.group]
-        async with self._state(slot) as state, self.store.hold(slot.grad_key, self.state_tier) as grad:
-            started = time.perf_counter()
-            on_device = slot.param.device.type != "cpu"
-            job = partial(self._apply_and_copy, slot, state, grad, group, coef, not on_device)
-            master = await self._compute.run(job, Priority.DEMAND)
-            ended = time.perf_counter()
-            self._report.host_update += ended - started
-            self._report.updates += 1
-            self.timeline.add(f"update {slot.index}", "host update", started, ended, elements=slot.numel)
-            if on_device:
-                await self._copy_to_device(slot, master)
-        await self.store.delete(slot.grad_key)
+    async def _math(self, fn: Callable[[], Any]) -> Any:
+        """Run torch math off the loop: on the training thread when it waits in step()."""
+        if self._in_step:
+            return await self._caller.run(fn)
+        return await self._compute.run(fn, Priority.DEMAND)
 
-    def _apply_and_copy(self, slot: ParamSlot, state: Any, grad: torch.Tensor, group: dict[str, Any], coef: Any, copy: bool) -> torch.Tensor:
+    def _add_to_bucket(self, slot: ParamSlot, coef: torch.Tensor | None) -> None:
+        """Add ``slot`` to the open bucket, first launching it if ``slot`` would overfill it."""
+        if self._bucket and self._bucket_size([*self._bucket, slot]) > self.bucket_bytes:
+            self._launch_bucket(coef)
+        self._bucket.append(slot)
+
+    def _bucket_size(self, slots: list[ParamSlot]) -> int:
+        tier = self.store.tier(self.state_tier)
+        return sum(self._need(slot, tier) for slot in slots) if isinstance(tier, MemoryTier) else 0
+
+    def _launch_bucket(self, coef: torch.Tensor | None) -> None:
+        if self._bucket:
+            bucket, self._bucket = self._bucket, []
+            self._bucket_tasks.append(asyncio.ensure_future(self._update(bucket, coef)))
+
+    async def _update(self, slots: list[ParamSlot], coef: torch.Tensor | None) -> None:
+        """Update a bucket of parameters: hold their states and gradients on the state tier,
+        run the math in one call, copy the new weights to the device. At most ``self.inflight``
+        buckets hold state at once."""
+        async with self._gate, AsyncExitStack() as stack:
+            states = await _enter_all(stack, [self._state(slot) for slot in slots])
+            grads = await _enter_all(stack, [self._grad(slot) for slot in slots])
+            copy_here = [slot.param.device.type == "cpu" for slot in slots]
+            job = partial(self._apply_and_copy, slots, states, grads, coef, copy_here)
+            masters, started, computed, ended = await self._math(job)
+            self._report.host_update += computed - started
+            self._report.updates += len(slots)
+            self._report.update_elements += sum(s.numel for s in slots)
+            self.timeline.add(f"update x{len(slots)}", "host update", started, computed, elements=sum(s.numel for s in slots))
+            if ended > computed:  # the CPU stands in for the device: this copy is the weights' trip
+                self._report.weights_to_device += ended - computed
+                self.timeline.add(f"weights x{len(slots)}", "weights to device", computed, ended)
+            for slot, master, here in zip(slots, masters, copy_here, strict=True):
+                if not here:
+                    await self._copy_to_device(slot, master)
+        for slot in slots:
+            if slot.grad is None:
+                await self.store.delete(slot.grad_key)
+
+    def _apply_and_copy(
+        self, slots: list[ParamSlot], states: list[Any], grads: list[torch.Tensor], coef: Any, copy_here: list[bool]
+    ) -> tuple[list[torch.Tensor], float, float, float]:
+        """The math of a bucket (training or worker thread), then the copy of new weights into
+        parameters that live in host memory; returns the masters and when each part ran."""
+        started = time.perf_counter()
         if coef is not None:
-            grad = grad.mul(coef.to(grad.device))
-        master = self._apply(slot, state, grad, group)
-        if copy:  # the parameter lives in host memory (the CPU stands in for the device)
-            slot.param.data.copy_(master.view_as(slot.param))
-        return master
+            grads = [grad.mul(coef.to(grad.device)) for grad in grads]
+        masters = self._apply_many(slots, states, grads)
+        computed = time.perf_counter()
+        for slot, master, here in zip(slots, masters, copy_here, strict=True):
+            if here:  # the parameter lives in host memory (the CPU stands in for the device)
+                slot.param.data.copy_(master.view_as(slot.param))
+        return masters, started, computed, time.perf_counter()
+
+    def _apply_many(self, slots: list[ParamSlot], states: list[Any], grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Update several parameters; subclasses that can batch the math override this."""
+        return [self._apply(slot, state, grad, self.param_groups[slot.group]) for slot, state, grad in zip(slots, states, grads, strict=True)]
 
     async def _copy_to_device(self, slot: ParamSlot, master: torch.Tensor) -> None:
         started = time.perf_counter()
@@ -403,7 +527,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         for slot in self._slots:
             if slot.grad_task is not None and slot.grad_key in self.store:
                 await self.store.delete(slot.grad_key)
-            slot.accumulations, slot.grad_task, slot.norm = 0, None, None
+            slot.accumulations, slot.grad_task, slot.norm, slot.grad = 0, None, None, None
 
     # -- reports ---------------------------------------------------------------------------------
 
@@ -499,6 +623,25 @@ def _clip_coefficient(max_norm: float, total: torch.Tensor) -> torch.Tensor:
     """Exactly what ``torch.nn.utils.clip_grads_with_norm_`` multiplies the gradients by."""
     clip_coef = max_norm / (total + 1e-6)
     return torch.clamp(clip_coef, max=1.0)
+
+
+async def _enter_all(stack: AsyncExitStack, managers: list[AbstractAsyncContextManager[Any]]) -> list[Any]:
+    """Enter several async context managers at once (their transfers overlap) into ``stack``;
+    if one fails, the ones entered are still exited with the stack."""
+
+    async def enter(manager: AbstractAsyncContextManager[Any]) -> Any:
+        return await stack.enter_async_context(manager)
+
+    results = await asyncio.gather(*(enter(m) for m in managers), return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
+
+
+async def _delete_all(store: TierStore, keys: list[str]) -> None:
+    for key in keys:
+        await store.delete(key)
 
 
 async def _make_semaphore(value: int) -> asyncio.Semaphore:

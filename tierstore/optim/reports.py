@@ -76,6 +76,7 @@ class TimeReport:
     disk_read_bytes: int = 0
     disk_write_bytes: int = 0
     updates: int = 0
+    update_elements: int = 0
     mode: str = "after-backward"
 
     def as_dict(self) -> dict[str, Any]:
@@ -85,7 +86,8 @@ class TimeReport:
         return (
             f"step {self.step} ({self.mode}): {self.step_wall * 1e3:.1f} ms wall, training loop stalled "
             f"{self.stall * 1e3:.1f} ms\n"
-            f"  host updates {self.host_update * 1e3:.1f} ms ({self.updates} tensors) | grads to host "
+            f"  host updates {self.host_update * 1e3:.1f} ms ({self.updates} tensors, "
+            f"{self.update_elements / max(self.host_update, 1e-9) / 1e9:.2f} G params/s) | grads to host "
             f"{self.grads_to_host * 1e3:.1f} ms | weights to device {self.weights_to_device * 1e3:.1f} ms\n"
             f"  disk read {self.disk_read * 1e3:.1f} ms ({format_bytes(self.disk_read_bytes)}) | disk write "
             f"{self.disk_write * 1e3:.1f} ms ({format_bytes(self.disk_write_bytes)})"

@@ -1,0 +1,215 @@
+"""Optimizer benchmark: host update throughput against torch's AdamW, and a training step of the
+demo model with state in host memory and on disk against torch's AdamW all in memory.
+
+Reproduce:  python benchmarks/bench_optim.py [--quick] [--json FILE] [--dir FOLDER]
+
+(a) ``TieredAdamW.step()`` on parameters whose gradients are set, state in a host tier, against
+    ``torch.optim.AdamW(fused=True)`` and ``(foreach=True)`` on the same tensors, in the same
+    process, alternating; parameters/s and GB/s (28 bytes moved per parameter: read weight,
+    grad and two moments, write weight and two moments) beside the memory bandwidth measured
+    in the same run (a large tensor copy, read + write bytes).
+(b) a training step (forward, backward, step) of the demo GPT: torch AdamW in memory; ours with
+    state in the host tier; ours with state paged to disk (host tier far smaller than the state),
+    after and in backward. For disk the goal compares against the larger of the compute time
+    (forward + backward, measured in the in-memory run) and the disk transfer time (bytes read and
+    written per step at the disk bandwidth measured in the same run with the raw pread/pwrite loop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from ..models import GPT, GPTConfig, synthetic_batches
+from ..optim import TieredAdamW
+from ..store import TierStore
+from ..tensors import aligned_empty
+from ..tiers import DiskTier, HostTier
+from .common import environment, median, table, write_json
+from .tiers import RawFile
+
+MiB = 1 << 20
+
+
+def memory_bandwidth(nbytes: int = 256 * MiB, reps: int = 5) -> float:
+    """GB/s of a STREAM-like triad ``a = b + 2 c`` on large tensors (3 x nbytes moved)."""
+    b = torch.empty(nbytes // 4).normal_()
+    c = torch.empty_like(b).normal_()
+    a = torch.empty_like(b)
+    times = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        torch.add(b, c, alpha=2.0, out=a)
+        times.append(time.perf_counter() - started)
+    return 3 * nbytes / median(times) / 1e9
+
+
+def disk_bandwidth(folder: Path, nbytes: int = 128 * MiB) -> tuple[float, float]:
+    """(read, write) GB/s of the raw O_DIRECT pread/pwrite loop on ``folder``'s file system."""
+    folder.mkdir(parents=True, exist_ok=True)
+    raw = RawFile(folder / "bw.raw", nbytes, direct=True, chunk=4 * MiB, threads=4)
+    buffer = aligned_empty(nbytes)
+    try:
+        raw.write(buffer, 0, fsync=False)
+        writes, reads = [], []
+        for _ in range(3):
+            started = time.perf_counter()
+            raw.write(buffer, 0, fsync=False)
+            writes.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            raw.read(buffer, 0)
+            reads.append(time.perf_counter() - started)
+    finally:
+        raw.close()
+        (folder / "bw.raw").unlink(missing_ok=True)
+    return nbytes / median(reads) / 1e9, nbytes / median(writes) / 1e9
+
+
+def update_throughput(numel: int, tensors: int, reps: int, progress: tqdm) -> list[dict[str, Any]]:
+    """Torch's AdamW step against ours on the same tensors: ours as a whole ``step()`` and as its
+    host update alone (the math on the store's buffers, from the time report)."""
+    torch.manual_seed(0)
+    base = [torch.nn.Parameter(torch.randn(numel)) for _ in range(tensors)]
+    grads = [torch.randn(numel) for _ in range(tensors)]
+    runs: dict[str, tuple[list[torch.nn.Parameter], Any]] = {}
+    for name, make in (
+        ("torch AdamW fused", lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True)),
+        ("torch AdamW foreach", lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True)),
+        ("TieredAdamW step()", lambda ps: TieredAdamW(ps, lr=1e-3, offload="host")),
+    ):
+        params = [torch.nn.Parameter(p.detach().clone()) for p in base]
+        runs[name] = (params, make(params))
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    times["TieredAdamW host update"] = []
+    for rep in range(reps + 1):
+        for name, (params, opt) in runs.items():
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g
+            started = time.perf_counter()
+            opt.step()
+            if rep:  # the first step creates the state
+                times[name].append(time.perf_counter() - started)
+                if isinstance(opt, TieredAdamW):
+                    times["TieredAdamW host update"].append(opt.time_report().host_update)
+        progress.update(1)
+    runs["TieredAdamW step()"][1].close()
+    total = numel * tensors
+    rows = []
+    for name, samples in times.items():
+        per_second = total / median(samples)
+        rows.append({"what": name, "params": total, "gparams_s": per_second / 1e9, "gbs": 28 * per_second / 1e9})
+    return rows
+
+
+def training_steps(args: argparse.Namespace, progress: tqdm) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    config = GPTConfig()
+    torch.manual_seed(0)
+    template = GPT(config)
+    state_bytes = 12 * sum(p.numel() for p in template.parameters())
+    variants: dict[str, Any] = {
+        "torch AdamW, in memory": lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3, fused=True),
+        "tierstore, state in host": lambda m: TieredAdamW(m.parameters(), lr=3e-3, offload="host"),
+    }
+    for mode in ("after", "in"):
+        label = f"tierstore, state on disk ({mode} backward)"
+        root = args.dir / f"optim-{mode}"
+        shutil.rmtree(root, ignore_errors=True)
+
+        def make(m: GPT, root: Path = root, mode: str = mode) -> TieredAdamW:
+            from policies import MIN, ScheduleLearned
+
+            schedule = ScheduleLearned()
+            store = TierStore([HostTier(state_bytes // 2), DiskTier(root, 4 * state_bytes, durable=False)],
+                              eviction=lambda: MIN(schedule), prefetch=schedule)
+            return TieredAdamW(m.parameters(), lr=3e-3, store=store, step_in_backward=mode == "in")
+
+        variants[label] = make
+    models = {name: copy.deepcopy(template) for name in variants}
+    optimizers = {name: make(models[name]) for name, make in variants.items()}
+    batches = synthetic_batches(config, args.batch, seed=1)
+    steps: dict[str, list[float]] = {name: [] for name in variants}
+    compute: list[float] = []
+    disk_bytes: dict[str, list[int]] = {name: [] for name in variants}
+    for step in range(args.steps):
+        tokens = next(batches)
+        for name in variants:
+            model, opt = models[name], optimizers[name]
+            before = _disk_bytes(opt)
+            started = time.perf_counter()
+            opt.zero_grad()
+            model.loss(tokens).backward()
+            if name.startswith("torch"):
+                compute.append(time.perf_counter() - started)
+            opt.step()
+            if step >= 3:  # warm-up: state creation, schedule learning
+                steps[name].append(time.perf_counter() - started)
+                disk_bytes[name].append(_disk_bytes(opt) - before)
+        progress.update(1)
+    for opt in optimizers.values():
+        if isinstance(opt, TieredAdamW):
+            opt.close()
+    rows = []
+    reference = median(steps["torch AdamW, in memory"])
+    for name in variants:
+        rows.append({"what": name, "step_ms": median(steps[name]) * 1e3, "ratio": median(steps[name]) / reference,
+                     "disk_mib": median([float(b) for b in disk_bytes[name]]) / MiB})
+    return rows, {"compute_ms": median(compute) * 1e3, "state_mib": state_bytes / MiB}
+
+
+def _disk_bytes(opt: Any) -> int:
+    if not isinstance(opt, TieredAdamW):
+        return 0
+    return sum(link.nbytes for name, link in opt.store.counters.links.items() if "disk" in name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench_optim", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer and smaller measurements")
+    parser.add_argument("--json", type=Path, default=Path("benchmarks/results/bench_optim.json"))
+    parser.add_argument("--dir", type=Path, default=Path(".tierstore/bench"), help="scratch folder for the disk tier")
+    args = parser.parse_args(argv)
+    args.steps = 12 if args.quick else 30
+    args.batch = 16
+    reps = 3 if args.quick else 7
+    numel, tensors = (1 << 20, 8) if args.quick else (4 << 20, 8)
+    with tqdm(total=reps + 1 + args.steps, desc="bench_optim", leave=False) as progress:
+        bandwidth = memory_bandwidth()
+        read_gbs, write_gbs = disk_bandwidth(args.dir)
+        updates = update_throughput(numel, tensors, reps, progress)
+        steps, facts = training_steps(args, progress)
+    for row in updates:
+        row["of_bandwidth"] = row["gbs"] / bandwidth
+    print(f"(a) host update throughput, {updates[0]['params'] / 1e6:.0f} M parameters; memory bandwidth {bandwidth:.1f} GB/s (triad)")
+    print(table(updates, [("what", "optimizer", "s"), ("gparams_s", "G params/s", ".2f"), ("gbs", "GB/s", ".1f"), ("of_bandwidth", "of bandwidth", ".0%")]))
+    fastest_torch = max(r["gparams_s"] for r in updates if r["what"].startswith("torch"))
+    ours = next(r for r in updates if r["what"] == "TieredAdamW host update")
+    print(f"\n(b) demo model step ({facts['state_mib']:.1f} MiB of Adam state; compute {facts['compute_ms']:.1f} ms; "
+          f"raw disk {read_gbs:.2f} GB/s read, {write_gbs:.2f} GB/s write)")
+    for row in steps:
+        transfer = row["disk_mib"] * MiB / 2 / (read_gbs * 1e9) + row["disk_mib"] * MiB / 2 / (write_gbs * 1e9)
+        row["bound_ms"] = max(facts["compute_ms"], transfer * 1e3)
+        row["vs_bound"] = row["step_ms"] / row["bound_ms"]
+    print(table(steps, [("what", "variant", "s"), ("step_ms", "step ms", ".1f"), ("ratio", "vs in-memory", ".2f"),
+                        ("disk_mib", "disk MiB/step", ".1f"), ("bound_ms", "max(compute, disk) ms", ".1f"), ("vs_bound", "vs bound", ".2f")]))
+    host = next(r for r in steps if r["what"] == "tierstore, state in host")
+    disk_best = min((r for r in steps if "disk" in r["what"]), key=lambda r: r["vs_bound"])
+    goals = {
+        "host update throughput >= 1.0 x the faster torch AdamW": ours["gparams_s"] >= fastest_torch,
+        "state in host: step <= 1.15 x torch in memory": host["ratio"] <= 1.15,
+        f"state on disk: step <= 1.2 x max(compute, disk transfer) ({disk_best['what']})": disk_best["vs_bound"] <= 1.2,
+    }
+    print()
+    for goal, met in goals.items():
+        print(f"  [{'met' if met else 'MISSED'}] {goal}")
+    write_json(args.json, {"benchmark": "bench_optim", "environment": environment(args.dir), "memory_bandwidth_gbs": bandwidth,
+                           "disk_read_gbs": read_gbs, "disk_write_gbs": write_gbs, "updates": updates, "steps": steps,
+                           "facts": facts, "goals": goals})
+    print(f"\nJSON: {args.json}")
+    return 0

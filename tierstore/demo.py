@@ -1,0 +1,175 @@
+"""``tierstore demo``: train a small GPT with its Adam state paged through device, host and disk
+tiers small enough to force paging, then report where the bytes and the time went.
+
+Reproduce:  tierstore demo [--steps 200] [--compare] [--timeline step.json] [--plot loss.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from .models import GPT, GPTConfig, synthetic_batches
+from .optim import TieredAdamW
+from .store import TierStore
+from .tiers import DeviceTier, DiskTier, HostTier
+from .units import format_bytes, parse_bytes
+
+DEFAULT_ROOT = Path(".tierstore") / "demo"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tierstore demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    model = parser.add_argument_group("model and training")
+    model.add_argument("--steps", type=int, default=200)
+    model.add_argument("--layers", type=int, default=4)
+    model.add_argument("--dim", type=int, default=128)
+    model.add_argument("--heads", type=int, default=4)
+    model.add_argument("--vocab", type=int, default=256)
+    model.add_argument("--seq", type=int, default=64)
+    model.add_argument("--batch", type=int, default=16)
+    model.add_argument("--lr", type=float, default=3e-3)
+    model.add_argument("--seed", type=int, default=0)
+    model.add_argument("--clip", type=float, default=1.0, help="clip gradients to this global norm (0: off)")
+    model.add_argument("--step-in-backward", action="store_true", help="update each tensor as soon as its gradient is ready (no clipping)")
+    tiers = parser.add_argument_group("tiers")
+    tiers.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where the model runs (the device tier's device)")
+    tiers.add_argument("--device-capacity", default="16MiB")
+    tiers.add_argument("--host-capacity", default="6MiB", help="small enough that most of the state pages to disk")
+    tiers.add_argument("--disk-capacity", default="1GiB")
+    tiers.add_argument("--root", type=Path, default=DEFAULT_ROOT, help=f"the disk tier's folder (default {DEFAULT_ROOT}, created if absent)")
+    out = parser.add_argument_group("output")
+    out.add_argument("--compare", action="store_true", help="also train with torch.optim.AdamW in memory and compare the losses")
+    out.add_argument("--timeline", type=Path, help="write the last step as a Chrome trace (Perfetto, chrome://tracing)")
+    out.add_argument("--plot", type=Path, help="write the loss curve(s) as a PNG")
+    out.add_argument("--json", type=Path, help="write losses and reports as JSON")
+    return parser
+
+
+def make_store(args: argparse.Namespace) -> TierStore:
+    """The demo's tiers, with learned prefetch and MIN eviction sharing one schedule."""
+    from policies import MIN, ScheduleLearned
+
+    schedule = ScheduleLearned()
+    # Paged optimizer state is scratch (checkpoints go through state_dict), so no fsync per write.
+    disk = DiskTier(args.root, args.disk_capacity, durable=False)
+    tiers = [DeviceTier(args.device, args.device_capacity), HostTier(args.host_capacity), disk]
+    return TierStore(tiers, eviction=lambda: MIN(schedule), prefetch=schedule)
+
+
+def train(model: GPT, optimizer: Any, args: argparse.Namespace, label: str, clip_with_torch: bool) -> tuple[list[float], list[float]]:
+    """Train for ``args.steps``; return per-step losses and step times (seconds)."""
+    batches = synthetic_batches(model.config, args.batch, seed=args.seed + 1, device=args.device)
+    timeline = getattr(optimizer, "timeline", None)
+    losses, times = [], []
+    progress = tqdm(range(args.steps), desc=label, unit="step", dynamic_ncols=True)
+    for _ in progress:
+        started = time.perf_counter()
+        tokens = next(batches)
+        optimizer.zero_grad()
+        with timeline.span("forward") if timeline else _nothing():
+            loss = model.loss(tokens)
+        with timeline.span("backward") if timeline else _nothing():
+            loss.backward()
+        if args.clip and clip_with_torch:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        optimizer.step()
+        losses.append(loss.item())
+        times.append(time.perf_counter() - started)
+        progress.set_postfix(loss=f"{losses[-1]:.3f}", ms=f"{times[-1] * 1e3:.0f}")
+    return losses, times
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.step_in_backward:
+        args.clip = 0.0
+    config = GPTConfig(vocab=args.vocab, seq=args.seq, dim=args.dim, layers=args.layers, heads=args.heads)
+    torch.manual_seed(args.seed)
+    model = GPT(config).to(args.device)
+    reference = copy.deepcopy(model) if args.compare else None
+    params = sum(p.numel() for p in model.parameters())
+    state = 12 * params
+    print(
+        f"GPT: {params:,} parameters ({config.layers} layers, dim {config.dim}); Adam state {format_bytes(state)} (fp32 master + 2 moments)\n"
+        f"tiers: device {args.device} {format_bytes(parse_bytes(args.device_capacity))} | host {format_bytes(parse_bytes(args.host_capacity))} | "
+        f"disk {args.root} {format_bytes(parse_bytes(args.disk_capacity))}"
+    )
+    optimizer = TieredAdamW(
+        model.parameters(), lr=args.lr, weight_decay=0.1, fused=True, store=make_store(args),
+        max_grad_norm=args.clip or None, step_in_backward=args.step_in_backward,
+    )
+    try:
+        print(f"updates {'during backward' if args.step_in_backward else 'after backward, pipelined'}, "
+              f"{optimizer.inflight} at a time; clipping {'off' if not args.clip else f'at norm {args.clip}'}\n")
+        losses, times = train(model, optimizer, args, "tiered", clip_with_torch=False)
+        memory, timing = optimizer.memory_report(), optimizer.time_report()
+        stats = optimizer.store.stats()
+        if args.timeline:
+            optimizer.write_timeline(args.timeline)
+    finally:
+        optimizer.close()
+    print()
+    print(memory)
+    print()
+    print("last step:", timing)
+    middle = sorted(times[len(times) // 10 :] or times)
+    print(f"\nstep time: median {middle[len(middle) // 2] * 1e3:.1f} ms; loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    moved = ", ".join(f"{name} {format_bytes(link['nbytes'])}" for name, link in stats["links"].items())
+    print(f"moved: {moved}")
+    result: dict[str, Any] = {"losses": losses, "step_seconds": times, "memory": memory.as_dict(), "last_step": timing.as_dict()}
+    if reference is not None:
+        ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=args.lr, weight_decay=0.1, fused=True)
+        ref_losses, ref_times = train(reference, ref_optimizer, args, "torch AdamW", clip_with_torch=True)
+        gap = max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))
+        agree = gap <= 1e-4 * max(1.0, max(abs(v) for v in ref_losses))
+        ref_middle = sorted(ref_times[len(ref_times) // 10 :] or ref_times)
+        print(f"\ncompare with torch.optim.AdamW in memory: largest loss difference {gap:.2e} over {args.steps} steps "
+              f"({'the curves agree' if agree else 'THE CURVES DIFFER'}); its median step {ref_middle[len(ref_middle) // 2] * 1e3:.1f} ms")
+        result["reference_losses"] = ref_losses
+        if not agree:
+            return 1
+    if args.timeline:
+        print(f"timeline of the last step: {args.timeline} (open in https://ui.perfetto.dev)")
+    if args.plot:
+        _plot(args.plot, losses, result.get("reference_losses"))
+        print(f"loss plot: {args.plot}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+def _plot(path: Path, losses: list[float], reference: list[float] | None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4))
+    axes.plot(losses, label="TieredAdamW (state paged to disk)", linewidth=2)
+    if reference is not None:
+        axes.plot(reference, "--", label="torch.optim.AdamW (in memory)", linewidth=1.2)
+    axes.set_xlabel("step")
+    axes.set_ylabel("loss")
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
