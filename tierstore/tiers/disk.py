@@ -22,6 +22,10 @@ from ..workers import Priority, WorkerPool
 from .base import Tier
 
 
+#: Size of the first segment file; each next one is twice the last, up to ``segment_size``.
+FIRST_SEGMENT = 16 << 20
+
+
 class DiskTier(Tier):
     """The slowest tier: a folder on (ideally) NVMe.
 
@@ -51,7 +55,8 @@ class DiskTier(Tier):
         ``"auto"`` (default) uses ``O_DIRECT`` where the file system supports it; ``True``
         requires it; ``False`` goes through the page cache.
     segment_size:
-        Size of each data file (default ``min(capacity, 4GiB)``); no tensor can be larger.
+        Largest data file (default ``min(capacity, 4GiB)``); no tensor can be larger. Files are
+        created as the tier fills, the first of 16 MiB, each next twice the last.
     """
 
     kind: ClassVar[str] = "disk"
@@ -234,7 +239,11 @@ class DiskTier(Tier):
             extent = self._allocator.allocate(length)
             if extent is not None:
                 return extent
-            size = min(self.segment_size, (self.capacity - self._allocator.size) // ALIGNMENT * ALIGNMENT)
+            remaining = (self.capacity - self._allocator.size) // ALIGNMENT * ALIGNMENT
+            # Segments grow geometrically from 16 MiB up to segment_size, so a small store
+            # reserves little disk and a large one has few files.
+            grown = min(self.segment_size, FIRST_SEGMENT << len(self._allocator.segment_sizes))
+            size = min(remaining, max(grown, length))
             if size < length:
                 raise TierFullError(
                     f"tier {self.name!r} is full: {format_bytes(length)} wanted, {format_bytes(self._allocator.free_bytes)} free "
