@@ -139,7 +139,8 @@ class Catalog:
         self.layout: CatalogLayout | None = None
 
     def open(self, create_layout: CatalogLayout | None) -> CatalogLayout:
-        """Open the database. A new one gets ``create_layout``; an existing one is validated."""
+        """Open the database. A new one gets ``create_layout`` (None: a new one is an error, as
+        when data files exist); an existing one is validated."""
         self.path.mkdir(mode=0o700, exist_ok=True)
         try:
             self._env = lmdb.open(
@@ -151,6 +152,7 @@ class Catalog:
                 mode=0o600,
                 readahead=False,
             )
+            self._check_length()
             self._meta = self._env.open_db(b"meta")
             self._entries = self._env.open_db(b"entries")
             with self._env.begin(db=self._meta) as txn:
@@ -158,10 +160,16 @@ class Catalog:
         except lmdb.Error as exc:
             self.close()
             raise CatalogError(f"the catalog in {self.path} cannot be opened: {exc}") from None
+        except CatalogError:
+            self.close()
+            raise
         if raw is None:
             if create_layout is None:
                 self.close()
-                raise CatalogError(f"{self.path} holds no tierstore catalog")
+                raise CatalogError(
+                    f"{self.path} holds no catalog, but the folder has data files: it was emptied or lost. "
+                    "Refusing to start over on top of them (move the folder away to start fresh)"
+                )
             self._write_sync([], create_layout)
             self.layout = create_layout
         else:
@@ -175,6 +183,7 @@ class Catalog:
             raise CatalogError(f"{self.path} holds no tierstore catalog")
         try:
             self._env = lmdb.open(str(self.path), readonly=True, max_dbs=2, lock=True, readahead=False)
+            self._check_length()
             self._meta = self._env.open_db(b"meta", create=False)
             self._entries = self._env.open_db(b"entries", create=False)
             with self._env.begin(db=self._meta) as txn:
@@ -182,11 +191,23 @@ class Catalog:
         except lmdb.Error as exc:
             self.close()
             raise CatalogError(f"the catalog in {self.path} cannot be opened: {exc}") from None
+        except CatalogError:
+            self.close()
+            raise
         if raw is None:
             self.close()
             raise CatalogError(f"{self.path} holds no tierstore catalog")
         self.layout = CatalogLayout.from_bytes(bytes(raw), self.path)
         return self.layout
+
+    def _check_length(self) -> None:
+        """A catalog file shorter than its own last page would fault (SIGBUS) when that page is
+        read through the memory map: refuse it on open instead."""
+        info, psize = self._env.info(), self._env.stat()["psize"]
+        needed = (info["last_pgno"] + 1) * psize
+        actual = (self.path / "data.mdb").stat().st_size
+        if actual < needed:
+            raise CatalogError(f"the catalog {self.path / 'data.mdb'} is truncated: {actual} of {needed} bytes")
 
     def close(self) -> None:
         if self._writer is not None:

@@ -24,6 +24,14 @@ from ..units import round_up
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
+class TruncatedSegment(CatalogError):
+    """A segment file is shorter than the catalog says (the tier names the entries in it)."""
+
+    def __init__(self, segment: int, message: str) -> None:
+        super().__init__(message)
+        self.segment = segment
+
+
 def checksum(data: np.ndarray) -> int:
     """The checksum recorded for one chunk: CRC-32C (hardware accelerated; releases the GIL, so
     chunks are checked in parallel and beside the I/O)."""
@@ -92,7 +100,7 @@ class SegmentFiles:
                 except FileNotFoundError:
                     raise CatalogError(f"data file {path} is missing; the catalog says it holds {size} bytes") from None
                 if actual < size:
-                    raise CatalogError(f"data file {path} is truncated: {actual} of {size} bytes")
+                    raise TruncatedSegment(segment, f"data file {path} is truncated: {actual} of {size} bytes")
                 self._fds.append(self._open_fd(path, create=False))
         except BaseException:
             self.close()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import errno
 import fcntl
 import os
 from functools import partial
@@ -14,13 +13,12 @@ import torch
 
 from ..disk.catalog import Catalog, CatalogLayout, DiskRecord
 from ..disk.extents import Extent, ExtentAllocator
-from ..disk.files import SegmentFiles, checksum_of
+from ..disk.files import SegmentFiles, TruncatedSegment, checksum_of
 from ..errors import CatalogError, ChecksumError, StoreClosedError, StoreLockedError, TierFullError
 from ..tensors import ALIGNMENT
 from ..units import format_bytes, parse_bytes, round_up
 from ..workers import Priority, WorkerPool
 from .base import Tier
-
 
 #: Size of the first segment file; each next one is twice the last, up to ``segment_size``.
 FIRST_SEGMENT = 16 << 20
@@ -120,7 +118,8 @@ class DiskTier(Tier):
     def _open_sync(self) -> None:
         (self.root / "data").mkdir(mode=0o700, exist_ok=True)
         self._catalog = Catalog(self.root / "catalog", self.durable)
-        layout = self._catalog.open(CatalogLayout(self.chunk_size, ALIGNMENT, ()))
+        existing = sorted((self.root / "data").glob("segment-*.bin"))
+        layout = self._catalog.open(CatalogLayout(self.chunk_size, ALIGNMENT, ()) if not existing else None)
         if layout.alignment != ALIGNMENT:
             raise CatalogError(f"{self.root} was written with {layout.alignment}-byte alignment; this tierstore uses {ALIGNMENT}")
         self.chunk_size = layout.chunk_size  # the folder's setting wins over the constructor's
@@ -136,7 +135,6 @@ class DiskTier(Tier):
             staging_size=self.chunk_size,
             pinned=torch.cuda.is_available(),
         )
-        self._files.open(list(layout.segments))
         records = {}
         for _, record in self._catalog.records():
             expected_chunks = max(1, -(-record.meta.nbytes // self.chunk_size))
@@ -147,6 +145,15 @@ class DiskTier(Tier):
             self._allocator = ExtentAllocator.rebuild(layout.segments, (r.extent for r in records.values()))
         except ValueError as exc:
             raise CatalogError(f"the catalog in {self.root} is inconsistent: {exc}") from None
+        try:
+            self._files.open(list(layout.segments))
+        except TruncatedSegment as exc:
+            inside = sorted(key for key, r in records.items() if r.extent.segment == exc.segment)
+            shown = ", ".join(repr(k) for k in inside[:10]) + (" ..." if len(inside) > 10 else "")
+            raise CatalogError(
+                f"{exc}; {len(inside)} entries live in it ({shown}); nothing was changed, the other "
+                f"{len(records) - len(inside)} entries are intact on disk"
+            ) from None
         self.loaded = records
 
     async def aclose(self) -> None:
@@ -175,7 +182,7 @@ class DiskTier(Tier):
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise StoreLockedError(errno.EWOULDBLOCK, f"{self.root} is open in another process (pid {holder})") from None
+            raise StoreLockedError(f"{self.root} is open in another process (pid {holder})") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock_fd = fd

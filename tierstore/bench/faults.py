@@ -1,0 +1,166 @@
+"""Fault benchmark: the long variants of the reliability tests, with a table of what was tried.
+
+Reproduce:  python benchmarks/bench_faults.py [--quick] [--kills N] [--corruptions N]
+            [--full-disk-rounds N] [--examples N] [--json FILE]
+
+- kill points: a writer doing random durable puts, overwrites and deletes is SIGKILLed at random
+  moments; after each kill every acknowledged operation is checked (tierstore.faults.crash);
+- corruptions: one byte flipped inside a random stored value, then every value read back; a
+  flipped value must raise ChecksumError, every other must read back exactly;
+- full disk: the file system fills (RLIMIT_FSIZE) under a put loop; each DiskFullError must leave
+  earlier values intact, and space freed by deletes must be reused;
+- hypothesis: the state machine of tests/test_state_machine.py, interleaving async operations,
+  holds, prefetches and cancellations on tiny tiers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import ChecksumError
+from ..faults.crash import kill_cycles
+from ..store import TierStore
+from ..tiers import DiskTier
+from .common import environment, table, write_json
+
+
+async def corruption_rounds(folder: Path, rounds: int) -> dict[str, Any]:
+    """Flip one byte inside a random value per round; count catches and wrong reads."""
+    rng = random.Random(0)
+    root = folder / "corrupt"
+    shutil.rmtree(root, ignore_errors=True)
+    values = {f"k{i}": torch.randint(0, 256, (rng.randrange(1, 300_000),), dtype=torch.uint8) for i in range(32)}
+    caught = wrong = 0
+    async with TierStore([DiskTier(root, "256MiB", chunk_size="64KiB")]) as store:
+        for key, value in values.items():
+            await store.put(key, value)
+    for _ in range(rounds):
+        async with TierStore([DiskTier(root, "256MiB", chunk_size="64KiB")]) as store:
+            victim = rng.choice(sorted(values))
+            extent = store._entries[victim].copies[0].extent
+            if extent is None:
+                raise RuntimeError(f"{victim!r} has no extent on disk")
+            where = extent.offset + rng.randrange(values[victim].numel())
+            path = store.tiers[0].segment_path(extent.segment)  # type: ignore[attr-defined]
+        with open(path, "r+b") as handle:
+            handle.seek(where)
+            byte = handle.read(1)[0]
+            handle.seek(where)
+            handle.write(bytes([byte ^ (1 << rng.randrange(8))]))
+        async with TierStore([DiskTier(root, "256MiB", chunk_size="64KiB")]) as store:
+            for key, value in values.items():
+                try:
+                    got = await store.get(key)
+                except ChecksumError:
+                    if key == victim:
+                        caught += 1
+                    else:
+                        wrong += 1
+                    continue
+                if key == victim or not torch.equal(got, value):
+                    wrong += 1
+            await store.put(victim, values[victim])  # repair for the next round
+    shutil.rmtree(root, ignore_errors=True)
+    return {"injected": rounds, "caught": caught, "wrong": wrong}
+
+
+def full_disk_rounds(folder: Path, rounds: int) -> dict[str, Any]:
+    """Fill the file system (RLIMIT_FSIZE of 24 to 56 MiB) under ``tierstore.faults.full_disk``."""
+    events = survived = 0
+    wrong = 0
+    for i in range(rounds):
+        root = folder / f"full{i}"
+        shutil.rmtree(root, ignore_errors=True)
+        limit = (24 + 8 * (i % 5)) << 20
+        result = subprocess.run([sys.executable, "-m", "tierstore.faults.full_disk", str(root), str(limit)],
+                                capture_output=True, text=True, timeout=600)
+        shutil.rmtree(root, ignore_errors=True)
+        if result.returncode != 0:
+            wrong += 1
+            continue
+        report = json.loads(result.stdout.strip().splitlines()[-1])
+        events += report["full"]
+        ok = report["intact"] and report["reused"] and report["reopened"]
+        survived += report["full"] if ok else 0
+        wrong += 0 if ok else 1
+    return {"rounds": rounds, "events": events, "survived": survived, "wrong": wrong}
+
+
+def hypothesis_examples(examples: int) -> dict[str, Any]:
+    tests = Path(__file__).resolve().parents[2] / "tests"
+    if not (tests / "test_state_machine.py").exists():
+        return {"examples": 0, "failures": 0, "note": "tests/ not found (run from a checkout)"}
+    sys.path.insert(0, str(tests))
+    from hypothesis import HealthCheck, settings
+    from hypothesis.stateful import run_state_machine_as_test
+    from test_state_machine import StoreMachine
+
+    failures = 0
+    try:
+        run_state_machine_as_test(
+            StoreMachine,
+            settings=settings(max_examples=examples, stateful_step_count=50, deadline=None, suppress_health_check=list(HealthCheck)),
+        )
+    except Exception as exc:  # reported in the table; the traceback names the failing steps
+        failures = 1
+        print(exc, file=sys.stderr)
+    return {"examples": examples, "failures": failures}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench_faults", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--kills", type=int)
+    parser.add_argument("--corruptions", type=int)
+    parser.add_argument("--full-disk-rounds", type=int)
+    parser.add_argument("--examples", type=int)
+    parser.add_argument("--dir", type=Path, default=None, help="scratch folder (default: a temporary one)")
+    parser.add_argument("--json", type=Path, default=Path("benchmarks/results/bench_faults.json"))
+    args = parser.parse_args(argv)
+    kills = args.kills or (30 if args.quick else 200)
+    corruptions = args.corruptions or (10 if args.quick else 100)
+    full_rounds = args.full_disk_rounds or (3 if args.quick else 10)
+    examples = args.examples or (50 if args.quick else 500)
+    folder = args.dir or Path(tempfile.mkdtemp(prefix="tierstore-faults-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    try:
+        print(f"kill points: {kills} ...", flush=True)
+        crash = kill_cycles(folder / "crash", kills, seed=11)
+        print(f"corruptions: {corruptions} ...", flush=True)
+        corrupt = asyncio.run(corruption_rounds(folder, corruptions))
+        print(f"full disk rounds: {full_rounds} ...", flush=True)
+        full = full_disk_rounds(folder, full_rounds)
+        print(f"hypothesis examples: {examples} ...", flush=True)
+        machine = hypothesis_examples(examples)
+    finally:
+        if args.dir is None:
+            shutil.rmtree(folder, ignore_errors=True)
+    rows = [
+        {"fault": "SIGKILL at random moments", "tried": f"{crash.kills} kill points", "checked": f"{crash.acknowledged_ops} acknowledged ops, {crash.in_flight_resolved} in flight", "lost_or_wrong": len(crash.errors)},
+        {"fault": "flipped byte in a data file", "tried": f"{corrupt['injected']} corruptions", "checked": f"{corrupt['caught']} caught by checksum", "lost_or_wrong": corrupt["wrong"] + corrupt["injected"] - corrupt["caught"]},
+        {"fault": "file system full (ENOSPC/EFBIG)", "tried": f"{full['rounds']} fills", "checked": f"{full['survived']} of {full['events']} events survived", "lost_or_wrong": full["wrong"]},
+        {"fault": "interleaved ops + cancellations", "tried": f"{machine['examples']} hypothesis examples", "checked": "invariants after every step", "lost_or_wrong": machine["failures"]},
+    ]
+    print()
+    print(table(rows, [("fault", "fault", "s"), ("tried", "tried", "s"), ("checked", "checked", "s"), ("lost_or_wrong", "lost or wrong", "d")]))
+    print(f"\n{time.perf_counter() - started:.0f} s")
+    for error in crash.errors[:5]:
+        print("  crash:", error)
+    write_json(args.json, {"benchmark": "bench_faults", "environment": environment(), "rows": rows, "crash_errors": crash.errors})
+    print(f"JSON: {args.json}")
+    return 0 if all(row["lost_or_wrong"] == 0 for row in rows) else 1
+
+

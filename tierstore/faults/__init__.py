@@ -1,0 +1,1 @@
+"""Fault injection for tests and ``benchmarks/bench_faults.py``: crashes, corruption, full disks."""
