@@ -102,9 +102,13 @@ class StoreMachine(RuleBasedStateMachine):
         results = run(_wait([task for _, _, task, _ in pending]))
         for (kind, key, _, value), result in zip(pending, results, strict=True):
             cancelled = isinstance(result, asyncio.CancelledError)
-            if isinstance(result, BaseException) and not cancelled:
+            # A put told to land on a tier full of held entries is refused, and changes nothing.
+            refused = kind == "put" and isinstance(result, TierFullError)
+            if isinstance(result, BaseException) and not (cancelled or refused):
                 raise AssertionError(f"{kind} {key!r} failed: {result!r}")
-            if kind == "put":
+            if kind == "put" and refused:
+                self.resolve(key, [self.model.get(key)])
+            elif kind == "put":
                 self.resolve(key, [value] + ([self.model[key]] if key in self.model else [None]) if cancelled else [value])
             elif kind == "delete":
                 self.resolve(key, [None, self.model[key]] if cancelled else [None])

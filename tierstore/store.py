@@ -306,6 +306,33 @@ class TierStore:
         finally:
             self._unuse(entry, copy)
 
+    async def pop(self, key: str, tier: TierRef = None) -> torch.Tensor:
+        """Remove ``key`` and return its value on ``tier``'s device (default: the fastest tier).
+
+        When the current value already sits on that tier, unheld and unused, its buffer leaves
+        the store and is returned as it is (no copy; the tier's accounting drops it); otherwise
+        the value is read from its fastest copy."""
+        self._require_open()
+        t = self._index(tier)
+        entry = self._visible(key)
+        if entry.held():
+            raise EntryHeldError(f"{key!r} is held; release it before popping it")
+        copy = entry.valid(t)
+        hit = copy is not None
+        self._count(t, hit, entry)
+        self._observe("get", key, entry.meta.nbytes, t, hit=hit)
+        tier_obj = self._tiers[t]
+        if copy is not None and copy.users == 0 and copy.buffer is not None and isinstance(tier_obj, MemoryTier):
+            buffer = copy.buffer
+            self._retire(entry, t, copy)  # releases the buffer into the tier's pool ...
+            tier_obj.forget(buffer)  # ... from which it leaves the tier, handed to the caller
+            value = from_bytes(buffer, entry.meta)
+        else:
+            device = tier_obj.device if isinstance(tier_obj, MemoryTier) else torch.device("cpu")
+            value = await self._read_uncached(entry, device)
+        await self._shielded(self._delete(entry))
+        return value
+
     async def read(self, key: str) -> torch.Tensor:
         """The value of ``key`` as a new CPU tensor, read from wherever it is, moving nothing
         (for snapshots and inspection: no promotion, no eviction, no hit or miss counted)."""

@@ -78,9 +78,9 @@ class TieredAdam(PagedOptimizer):
     def _state_bytes(self, slot: ParamSlot) -> int:
         return self._rows(slot) * slot.numel * 4
 
-    def _initial(self, slot: ParamSlot) -> torch.Tensor:
+    def _initial(self, slot: ParamSlot, weight: torch.Tensor) -> torch.Tensor:
         packed = torch.zeros(self._rows(slot), slot.numel, dtype=torch.float32)
-        packed[0].copy_(slot.param.detach().reshape(-1))
+        packed[0].copy_(weight.reshape(-1))
         return packed
 
     @asynccontextmanager
@@ -88,11 +88,11 @@ class TieredAdam(PagedOptimizer):
         rows = self._rows(slot)
         if not slot.paged:
             if slot.resident is None or slot.resident["packed"].shape[0] != rows:
-                slot.resident = {"packed": self._initial(slot)}
+                slot.resident = {"packed": self._initial(slot, await self._weight(slot))}
             yield slot.resident["packed"]
             return
         if slot.key not in self.store or self.store.info(slot.key)["shape"] != (rows, slot.numel):
-            await self.store.put(slot.key, self._initial(slot), tier=self.state_tier)
+            await self.store.put(slot.key, self._initial(slot, await self._weight(slot)), tier=self.state_tier)
         async with self.store.hold(slot.key, self.state_tier, write=True) as packed:
             yield packed
 
@@ -140,7 +140,7 @@ class TieredAdam(PagedOptimizer):
             if step is None:
                 continue
             packed = slot.resident["packed"] if not slot.paged and slot.resident else await self.store.read(slot.key)
-            shape = slot.param.shape
+            shape = slot.shape
             entry = {"step": step.clone(), "exp_avg": packed[1].reshape(shape).clone(), "exp_avg_sq": packed[2].reshape(shape).clone()}
             if packed.shape[0] > 3:
                 entry["max_exp_avg_sq"] = packed[3].reshape(shape).clone()
@@ -181,7 +181,7 @@ class TieredAdam(PagedOptimizer):
                 if slot.key in self.store:
                     await self.store.delete(slot.key)
                 continue
-            packed = self._initial(slot)
+            packed = self._initial(slot, await self._weight(slot))
             names = ["master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"][: packed.shape[0]]
             for row, name in enumerate(names):
                 if name in saved:

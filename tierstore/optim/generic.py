@@ -57,7 +57,7 @@ class TieredOptimizer(PagedOptimizer):
         box: dict[str, Any] = {"tensors": {}, "new": {}}
         if not slot.paged:
             if slot.resident is None:
-                slot.resident = {"master": slot.param.detach().float().cpu().reshape(-1).clone()}
+                slot.resident = {"master": (await self._weight(slot)).float().reshape(-1).clone()}
             box["master"] = slot.resident["master"]
             box["tensors"] = {k: v for k, v in slot.resident.items() if k != "master"}
             yield box
@@ -65,7 +65,7 @@ class TieredOptimizer(PagedOptimizer):
             return
         master_key = self._key(slot, "master")
         if master_key not in self.store:
-            await self.store.put(master_key, slot.param.detach().float().cpu().reshape(-1), tier=self.state_tier)
+            await self.store.put(master_key, (await self._weight(slot)).float().reshape(-1), tier=self.state_tier)
         async with AsyncExitStack() as stack:
             box["master"] = await stack.enter_async_context(self.store.hold(master_key, self.state_tier, write=True))
             for name in self._paged_names.get(slot.index, []):
@@ -79,12 +79,12 @@ class TieredOptimizer(PagedOptimizer):
     def _apply(self, slot: ParamSlot, box: dict[str, Any], grad: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
         master: torch.Tensor = box["master"]
         shadow = self._shadow(slot)
-        shadow.data = master.view(slot.param.shape)
-        shadow.grad = grad.float().reshape(slot.param.shape) if grad.dtype != torch.float32 else grad.reshape(slot.param.shape)
+        shadow.data = master.view(slot.shape)
+        shadow.grad = grad.float().reshape(slot.shape) if grad.dtype != torch.float32 else grad.reshape(slot.shape)
         inner = self._inner_for(slot, shadow)
         inner.param_groups[0].update({k: v for k, v in group.items() if k != "params"})
         state = dict(self._small_state.get(slot.index, {}))
-        state.update({name: t.view(slot.param.shape) for name, t in box["tensors"].items()})
+        state.update({name: t.view(slot.shape) for name, t in box["tensors"].items()})
         inner.state[shadow] = state
         try:
             inner.step()
@@ -138,7 +138,7 @@ class TieredOptimizer(PagedOptimizer):
                 else:
                     value = slot.resident.get(name) if slot.resident else None
                 if value is not None:
-                    entry[name] = value.reshape(slot.param.shape).clone()
+                    entry[name] = value.reshape(slot.shape).clone()
             state[slot.index] = entry
         groups, index = [], 0
         for group in self.param_groups:
@@ -166,7 +166,7 @@ class TieredOptimizer(PagedOptimizer):
             for name in self._paged_names.pop(slot.index, []):
                 if slot.paged and self._key(slot, name) in self.store:
                     await self.store.delete(self._key(slot, name))
-            master = slot.param.detach().float().cpu().reshape(-1).clone()
+            master = (await self._weight(slot)).float().reshape(-1).clone()
             slot.resident = None if slot.paged else {"master": master}
             if slot.paged:
                 await self.store.put(self._key(slot, "master"), master, tier=self.state_tier)

@@ -58,6 +58,9 @@ class ParamSlot:
     group: int
     param: torch.Tensor
     key: str
+    #: The parameter's shape (its data may be a placeholder while ``offload_parameters`` keeps
+    #: the weight in a store).
+    shape: torch.Size
     paged: bool
     hook: Any = None
     accumulations: int = 0
@@ -76,7 +79,7 @@ class ParamSlot:
 
     @property
     def numel(self) -> int:
-        return self.param.numel()
+        return self.shape.numel()
 
 
 class PagedOptimizer(torch.optim.Optimizer):
@@ -181,6 +184,13 @@ class PagedOptimizer(torch.optim.Optimizer):
             self._compute.shutdown()
             raise
 
+    async def _weight(self, slot: ParamSlot) -> torch.Tensor:
+        """The parameter's current value as a CPU tensor (from its store if it is offloaded)."""
+        offload = _offloaded(slot.param)
+        if offload is not None:
+            return await offload[0].read_weight(offload[1])
+        return slot.param.detach().cpu()
+
     def _plan(self) -> tuple[int, int]:
         """(bucket bytes, buckets at once). A bucket is parameters updated together (one fused
         call, one thread hop): as many as ``bucket_bytes`` of state and gradients hold, in the
@@ -226,9 +236,11 @@ class PagedOptimizer(torch.optim.Optimizer):
         for param in self.param_groups[group]["params"]:
             if param.is_complex():
                 raise TypeError("complex parameters are not supported by the tiered optimizers")
+            offload = _offloaded(param)
+            shape = offload[0].shape_of(offload[1]) if offload is not None else param.shape
             slot = ParamSlot(
                 index=len(self._slots), group=group, param=param, key=f"{self._key_prefix}/{len(self._slots)}",
-                paged=param.numel() >= self._min_offload_numel,
+                shape=shape, paged=shape.numel() >= self._min_offload_numel,
             )
             if param.requires_grad:
                 slot.hook = param.register_post_accumulate_grad_hook(partial(_hook, weakref.ref(self), slot))
@@ -465,7 +477,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         async with self._gate, AsyncExitStack() as stack:
             states = await _enter_all(stack, [self._state(slot) for slot in slots])
             grads = await _enter_all(stack, [self._grad(slot) for slot in slots])
-            copy_here = [slot.param.device.type == "cpu" for slot in slots]
+            offloads = [_offloaded(slot.param) for slot in slots]
+            copy_here = [slot.param.device.type == "cpu" and offload is None for slot, offload in zip(slots, offloads, strict=True)]
             job = partial(self._apply_and_copy, slots, states, grads, coef, copy_here)
             masters, started, computed, ended = await self._math(job)
             self._report.host_update += computed - started
@@ -475,8 +488,12 @@ class PagedOptimizer(torch.optim.Optimizer):
             if ended > computed:  # the CPU stands in for the device: this copy is the weights' trip
                 self._report.weights_to_device += ended - computed
                 self.timeline.add(f"weights x{len(slots)}", "weights to device", computed, ended)
-            for slot, master, here in zip(slots, masters, copy_here, strict=True):
-                if not here:
+            for slot, master, here, offload in zip(slots, masters, copy_here, offloads, strict=True):
+                if offload is not None:  # the weight lives in a store (offload_parameters)
+                    started = time.perf_counter()
+                    await offload[0].write_weight(offload[1], master.view(slot.shape).to(slot.param.dtype))
+                    self._report.weights_to_device += time.perf_counter() - started
+                elif not here:
                     await self._copy_to_device(slot, master)
         for slot in slots:
             if slot.grad is None:
@@ -494,7 +511,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         computed = time.perf_counter()
         for slot, master, here in zip(slots, masters, copy_here, strict=True):
             if here:  # the parameter lives in host memory (the CPU stands in for the device)
-                slot.param.data.copy_(master.view_as(slot.param))
+                slot.param.data.copy_(master.view(slot.shape))
         return masters, started, computed, time.perf_counter()
 
     def _apply_many(self, slots: list[ParamSlot], states: list[Any], grads: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -507,7 +524,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
-            slot.param.data.copy_(master.view_as(slot.param), non_blocking=True)
+            slot.param.data.copy_(master.view(slot.shape), non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
         await wait_event(event)
@@ -583,7 +600,7 @@ class PagedOptimizer(torch.optim.Optimizer):
                 for tier in self.store.where(slot.key)[:1]:
                     by_tier[tier] += size
         params = sum(slot.numel for slot in self._slots)
-        weights = sum(slot.numel * slot.param.element_size() for slot in self._slots)
+        weights = sum(slot.numel * slot.param.element_size() for slot in self._slots if _offloaded(slot.param) is None)
         grads = sum(slot.numel * slot.param.element_size() for slot in self._slots if slot.param.requires_grad)
         state = sum(self._state_bytes(slot) for slot in self._slots)
         tiers = {name: {"used": t["used"], "capacity": t["capacity"]} for name, t in self.store.stats()["tiers"].items()}
@@ -610,6 +627,12 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError(f"{type(self).__name__} cannot be pickled; save opt.state_dict() instead")
+
+
+def _offloaded(param: torch.Tensor) -> Any:
+    from ..swap.parameters import offloaded
+
+    return offloaded(param)
 
 
 def _hook(optimizer: weakref.ref[PagedOptimizer], slot: ParamSlot, param: torch.Tensor) -> None:

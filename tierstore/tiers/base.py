@@ -133,6 +133,19 @@ class MemoryTier(Tier):
         self._pool.setdefault(size, []).append(buffer)
         self._pooled_bytes += size
 
+    def forget(self, buffer: torch.Tensor) -> None:
+        """Take a just-released buffer back out of the pool: it leaves the tier (handed to a
+        caller), so it no longer counts against the capacity."""
+        size = buffer.untyped_storage().nbytes()
+        pooled = self._pool.get(size, [])
+        for i, candidate in enumerate(pooled):
+            if candidate is buffer:
+                del pooled[i]
+                self._pooled_bytes -= size
+                if not pooled:
+                    del self._pool[size]
+                return
+
     def _trim_pool(self, keep: int) -> None:
         """Drop pooled buffers, largest first, until at most ``keep`` bytes stay pooled."""
         for size in sorted(self._pool, reverse=True):

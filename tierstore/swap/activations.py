@@ -1,0 +1,244 @@
+"""Activation offloading: tensors saved for backward go to the store and come back in time.
+
+``offload_activations(store)`` returns a reusable context manager built on
+``torch.autograd.graph.saved_tensors_hooks``. In forward, each saved tensor of at least
+``min_bytes`` (and not a parameter) is put into the store on the loop thread while forward goes
+on (at most ``max_in_flight`` bytes being copied at once); the forward pass keeps only a small
+handle. In backward, each handle is popped back to the device tier; meanwhile the ones needed
+next are prefetched to it, in the order backward used them in the previous step (learned), or in
+reverse order of saving in the first step. Values come back bit for bit.
+
+Use one object for the whole run, entered once per step, so the order learned carries over::
+
+    offload = offload_activations(store, min_bytes=1 << 20)
+    for batch in data:
+        with offload:
+            loss = model(batch)
+        loss.backward()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..copies import wait_event
+from ..store import TierStore
+from ..sync import SyncTierStore, loop_thread, run
+from ..tiers import MemoryTier
+from ..units import parse_bytes
+from .report import SwapReport
+
+
+@dataclass(eq=False)
+class _Saved:
+    """What forward keeps instead of a saved tensor."""
+
+    index: int
+    key: str
+    nbytes: int
+    device: torch.device
+    tensor: torch.Tensor | None  # kept until its copy into the store is done
+    stored: Any = None  # concurrent future of the put
+    finalizer: Any = None
+    owner: Any = None  # the ActivationOffload that packed it
+
+
+class ActivationOffload:
+    """See the module docstring; make one with ``offload_activations``."""
+
+    def __init__(
+        self,
+        store: TierStore | SyncTierStore,
+        min_bytes: int | str = "1MiB",
+        tier: str = "host",
+        device_tier: str | None = None,
+        max_in_flight: int | str = "256MiB",
+        ahead: int | str = "64MiB",
+        prefix: str = "act",
+    ) -> None:
+        self.store = store.store if isinstance(store, SyncTierStore) else store
+        if not self.store.is_open:
+            run(self.store.open())
+        self.min_bytes = parse_bytes(min_bytes)
+        self.tier = tier
+        self.device_tier = device_tier
+        self.max_in_flight = parse_bytes(max_in_flight)
+        self.ahead = parse_bytes(ahead)
+        self.prefix = prefix
+        self.report = SwapReport("activations")
+        self._loop = loop_thread()
+        self._generation = itertools.count()
+        self._step = 0
+        self._counter = itertools.count()
+        self._saved: dict[int, _Saved] = {}
+        self._order: list[int] = []  # this step's unpack order (pack indices)
+        self._requested: set[int] = set()  # indices asked for already this step
+        self._learned: dict[int, list[int]] = {}  # previous step: index -> the indices after it
+        self._in_flight = 0
+        self._lock = threading.Condition()
+        self._hooks: Any = None
+
+    # -- the context ------------------------------------------------------------------------------
+
+    def __enter__(self) -> ActivationOffload:
+        if self._order:  # the previous step's backward order becomes what we prefetch along
+            order = self._order
+            self._learned = {index: order[position + 1 :] for position, index in enumerate(order)}
+        self._order = []
+        self._saved = {}
+        self._requested = set()
+        self._step = next(self._generation)
+        self._counter = itertools.count()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        _active.stack = [*getattr(_active, "stack", []), self]
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._hooks.__exit__(*exc_info)
+        self._hooks = None
+        _active.stack = getattr(_active, "stack", [])[:-1]
+
+    # -- forward -------------------------------------------------------------------------------------
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        if tensor.nbytes < self.min_bytes or _is_parameter(tensor) or tensor.device.type not in ("cpu", "cuda"):
+            self.report.kept += 1
+            return tensor
+        waited = self._wait_for_room(tensor.nbytes)
+        index = next(self._counter)
+        saved = _Saved(index, f"{self.prefix}/{self._step}/{index}", tensor.nbytes, tensor.device, tensor, owner=self)
+        event = None
+        if tensor.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        saved.stored = asyncio.run_coroutine_threadsafe(self._put(saved, event), self._loop)
+        saved.finalizer = weakref.finalize(saved, _forget, self._loop, self.store, saved.key, saved.stored)
+        self._saved[index] = saved
+        self.report.offloaded += 1
+        self.report.stall += waited
+        return saved
+
+    def _wait_for_room(self, nbytes: int) -> float:
+        """Block forward while more than ``max_in_flight`` bytes are still being copied."""
+        started = time.perf_counter()
+        with self._lock:
+            while self._in_flight and self._in_flight + nbytes > self.max_in_flight:
+                self._lock.wait()
+            self._in_flight += nbytes
+        return time.perf_counter() - started
+
+    async def _put(self, saved: _Saved, event: Any) -> None:
+        try:
+            if event is not None:
+                await wait_event(event)
+            started = time.perf_counter()
+            await self.store.put(saved.key, saved.tensor, tier=self.tier)  # type: ignore[arg-type]
+            self.report.add_moved(saved.nbytes, time.perf_counter() - started, out=True)
+        finally:
+            saved.tensor = None  # forward's copy may go: the store has it
+            with self._lock:
+                self._in_flight -= saved.nbytes
+                self._lock.notify_all()
+
+    # -- backward ------------------------------------------------------------------------------------
+
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        if not isinstance(saved, _Saved):
+            return saved
+        started = time.perf_counter()
+        self._order.append(saved.index)
+        self._prefetch_after(saved.index, saved.device)
+        saved.stored.result()  # the put has finished (usually long ago)
+        value = run(self.store.pop(saved.key, self._device_tier(saved.device)))
+        saved.finalizer.detach()
+        if value.device != saved.device:
+            value = value.to(saved.device)
+        elapsed = time.perf_counter() - started
+        self.report.stall += elapsed
+        self.report.add_moved(saved.nbytes, elapsed, out=False)
+        return value
+
+    def _prefetch_after(self, index: int, device: torch.device) -> None:
+        """Bring up the saved tensors backward will want next, within ``ahead`` bytes."""
+        following = self._learned.get(index)
+        if following is None:  # first step: assume the reverse of the order of saving
+            following = list(range(index - 1, -1, -1))
+        target = self._device_tier(device)
+        keys, budget = [], min(self.ahead, self.store.tier(target).capacity // 4)  # prefetches must not crowd out the work
+        for nxt in following:
+            saved = self._saved.get(nxt)
+            if saved is None or saved.stored is None or not saved.stored.done() or saved.finalizer.alive is False:
+                continue
+            if saved.nbytes > budget:
+                break
+            budget -= saved.nbytes
+            keys.append(saved.key)
+        if keys:
+            self._loop.call_soon_threadsafe(_start_prefetch, self.store, keys, target)
+            self.report.prefetched += len(keys)
+
+    def _device_tier(self, device: torch.device) -> str:
+        """The store tier on the activations' device (a DeviceTier), else the fastest tier."""
+        if self.device_tier is not None:
+            return self.device_tier
+        for tier in self.store.tiers:
+            if isinstance(tier, MemoryTier) and tier.device.type == device.type and tier.name != self.tier:
+                return tier.name
+        return self.store.tiers[0].name
+
+
+_active = threading.local()
+
+
+def active_activation_offload() -> ActivationOffload | None:
+    """The innermost ``ActivationOffload`` entered on this thread (``offload_parameters``
+    hands it the saved tensors that are not parameters)."""
+    stack = getattr(_active, "stack", [])
+    return stack[-1] if stack else None
+
+
+def offload_activations(
+    store: TierStore | SyncTierStore,
+    min_bytes: int | str = "1MiB",
+    tier: str = "host",
+    device_tier: str | None = None,
+    max_in_flight: int | str = "256MiB",
+    ahead: int | str = "64MiB",
+) -> ActivationOffload:
+    """Offload saved activations of at least ``min_bytes`` to ``tier`` of ``store`` (see the
+    module docstring); ``device_tier`` is where they come back (default: the store's device tier)."""
+    return ActivationOffload(store, min_bytes, tier, device_tier, max_in_flight, ahead)
+
+
+def _is_parameter(tensor: torch.Tensor) -> bool:
+    base = tensor._base if tensor._base is not None else tensor
+    return isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)
+
+
+def _start_prefetch(store: TierStore, keys: list[str], tier: str) -> None:
+    """On the loop: prefetch those of ``keys`` that exist and are not on ``tier`` already."""
+    t = store._index(tier)
+    wanted = [key for key in keys if (entry := store._entries.get(key)) is not None and entry.visible
+              and entry.valid(t) is None and t not in entry.loading]
+    if wanted:
+        asyncio.ensure_future(store.prefetch(wanted, tier))
+
+
+def _forget(loop: asyncio.AbstractEventLoop, store: TierStore, key: str, stored: Any) -> None:
+    """A saved tensor backward never used (its graph was freed): drop it from the store."""
+    async def drop() -> None:
+        await asyncio.wrap_future(stored)
+        if key in store:
+            await store.delete(key)
+
+    if not loop.is_closed():
+        loop.call_soon_threadsafe(lambda: asyncio.ensure_future(drop()))

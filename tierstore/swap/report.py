@@ -1,0 +1,46 @@
+"""What swapping moved and how long the training loop waited for it."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..units import format_bytes
+
+
+@dataclass
+class SwapReport:
+    """Counts and times since the offloader was made (or ``reset()``)."""
+
+    kind: str
+    offloaded: int = 0
+    kept: int = 0
+    prefetched: int = 0
+    bytes_out: int = 0
+    bytes_in: int = 0
+    seconds_out: float = 0.0
+    seconds_in: float = 0.0
+    #: Time the training loop (forward or backward) spent waiting on the store.
+    stall: float = 0.0
+
+    def add_moved(self, nbytes: int, seconds: float, out: bool) -> None:
+        if out:
+            self.bytes_out += nbytes
+            self.seconds_out += seconds
+        else:
+            self.bytes_in += nbytes
+            self.seconds_in += seconds
+
+    def reset(self) -> None:
+        for name, value in asdict(SwapReport(self.kind)).items():
+            setattr(self, name, value)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        return (
+            f"{self.kind}: {self.offloaded} offloaded ({format_bytes(self.bytes_out)} out, "
+            f"{format_bytes(self.bytes_in)} back), {self.kept} kept in place, {self.prefetched} prefetched; "
+            f"training loop waited {self.stall * 1e3:.1f} ms"
+        )
