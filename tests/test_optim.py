@@ -228,7 +228,7 @@ def test_bf16_model_keeps_fp32_master(tmp_path: Path) -> None:
     assert all(entry["master"].dtype == torch.float32 for entry in state.values())
     report = opt.memory_report()
     assert report.device_weight_bytes == 2 * report.parameters and report.state_bytes_per_param == pytest.approx(12)
-    assert "2.0 + 2.0 bytes/param" in str(report)
+    assert "2.0 + 2.0 bytes/param" in str(report) and "by store tier" in str(report)
     opt.close()
 
 

@@ -19,6 +19,7 @@ from tqdm import tqdm
 from .models import GPT, GPTConfig, synthetic_batches
 from .optim import TieredAdamW
 from .store import TierStore
+from .sync import run
 from .tiers import DeviceTier, DiskTier, HostTier
 from .units import format_bytes, parse_bytes
 
@@ -110,8 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         f"tiers: device {args.device} {format_bytes(parse_bytes(args.device_capacity))} | host {format_bytes(parse_bytes(args.host_capacity))} | "
         f"disk {args.root} {format_bytes(parse_bytes(args.disk_capacity))}"
     )
+    store = make_store(args)
     optimizer = TieredAdamW(
-        model.parameters(), lr=args.lr, weight_decay=0.1, fused=True, store=make_store(args),
+        model.parameters(), lr=args.lr, weight_decay=0.1, fused=True, store=store,
         max_grad_norm=args.clip or None, step_in_backward=args.step_in_backward,
     )
     try:
@@ -124,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             optimizer.write_timeline(args.timeline)
     finally:
         optimizer.close()
+        run(store.aclose(flush=False))  # the state is scratch: nothing to write back
     print()
     print(memory)
     print()

@@ -162,6 +162,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._compute = WorkerPool(1, "optimizer")
         self._compute.start()
         self._caller = CallerPool()
+        self._streams: dict[torch.device, Any] = {}
         self._in_step = False
         self.timeline = Timeline()
         self._last_timeline: list[Any] = []
@@ -521,7 +522,9 @@ class PagedOptimizer(torch.optim.Optimizer):
     async def _copy_to_device(self, slot: ParamSlot, master: torch.Tensor) -> None:
         started = time.perf_counter()
         device = slot.param.device
-        stream = torch.cuda.Stream(device)
+        stream = self._streams.get(device)
+        if stream is None:  # one side stream per device, reused for every copy
+            stream = self._streams[device] = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             slot.param.data.copy_(master.view(slot.shape), non_blocking=True)

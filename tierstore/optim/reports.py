@@ -41,20 +41,20 @@ class MemoryReport:
         n = max(self.parameters, 1)
         lines = [
             f"optimizer memory for {self.parameters:,} parameters ({self.paged_parameters:,} paged)",
-            f"  device : {self.device_weight_bytes / n:.1f} + {self.device_grad_bytes / n:.1f} bytes/param "
+            f"  model on the device: {self.device_weight_bytes / n:.1f} + {self.device_grad_bytes / n:.1f} bytes/param "
             f"(weights + grads) = {format_bytes(self.device_weight_bytes + self.device_grad_bytes)}",
+            f"  optimizer state, {self.state_bytes_per_param:.0f} bytes/param (fp32 master + moments), by store tier:",
         ]
         for tier, nbytes in self.state_by_tier.items():
-            lines.append(f"  {tier:<7}: {nbytes / n:.1f} bytes/param of optimizer state = {format_bytes(nbytes)}")
+            lines.append(f"    {tier:<8} {nbytes / n:5.1f} bytes/param = {format_bytes(nbytes)}")
         if self.resident_parameters:
             lines.append(
-                f"  host (not paged): {format_bytes(self.resident_state_bytes)} of state for {self.resident_parameters} "
-                "small tensors below min_offload_numel"
+                f"    not paged: {format_bytes(self.resident_state_bytes)} in host memory for {self.resident_parameters} "
+                "tensors below min_offload_numel"
             )
         lines.append(
-            f"  state: {self.state_bytes_per_param:.0f} bytes/param (fp32 master + moments) off the device. Still on the "
-            "device: the weights and grads above, plus activations -- offloading optimizer state does not make "
-            "those fit (see tierstore.swap for activations and parameters)."
+            "  Still on the device: the weights and grads above, plus activations -- offloading optimizer state "
+            "does not make those fit (tierstore.swap moves activations and parameters)."
         )
         return "\n".join(lines)
 
