@@ -95,7 +95,8 @@ def test_gradients_are_bitwise_identical_with_activation_offload(tmp_path: Path,
             torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
         model.zero_grad()
         twin.zero_grad()
-    assert offload.report.offloaded > 0 and offload.report.bytes_in == offload.report.bytes_out
+    report = offload.report
+    assert report.offloaded > 0 and report.bytes_in + report.bytes_early == report.bytes_out
     assert len(sync) == 0  # every saved tensor came back and left the store
     sync.close()
 

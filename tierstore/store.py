@@ -309,7 +309,8 @@ class TierStore:
     async def pop(self, key: str, tier: TierRef = None) -> torch.Tensor:
         """Remove ``key`` and return its value on ``tier``'s device (default: the fastest tier).
 
-        When the current value already sits on that tier, unheld and unused, its buffer leaves
+        When the current value already sits in that tier's device memory (on that tier, or on
+        a host tier when the CPU stands in for the device), unheld and unused, its buffer leaves
         the store and is returned as it is (no copy; the tier's accounting drops it); otherwise
         the value is read from its fastest copy."""
         self._require_open()
@@ -322,13 +323,26 @@ class TierStore:
         self._count(t, hit, entry)
         self._observe("get", key, entry.meta.nbytes, t, hit=hit)
         tier_obj = self._tiers[t]
-        if copy is not None and copy.users == 0 and copy.buffer is not None and isinstance(tier_obj, MemoryTier):
-            buffer = copy.buffer
-            self._retire(entry, t, copy)  # releases the buffer into the tier's pool ...
-            tier_obj.forget(buffer)  # ... from which it leaves the tier, handed to the caller
-            value = from_bytes(buffer, entry.meta)
+        device = tier_obj.device if isinstance(tier_obj, MemoryTier) else torch.device("cpu")
+        # A buffer already in the requested device's memory can be handed over: the asked tier's
+        # own copy, or (the CPU standing in for the device) a host copy in the same memory.
+        candidates = [copy] if copy is not None else []
+        candidates += [c for u in entry.valid_tiers() if (c := entry.valid(u)) is not None and c is not copy]
+        for candidate in candidates:
+            owner = self._tiers[candidate.tier]
+            if (
+                candidate.users == 0
+                and candidate.buffer is not None
+                and isinstance(owner, MemoryTier)
+                and owner.device == device
+                and not owner.pinned
+            ):
+                buffer = candidate.buffer
+                self._retire(entry, candidate.tier, candidate)  # releases the buffer into the pool ...
+                owner.forget(buffer)  # ... from which it leaves the tier, handed to the caller
+                value = from_bytes(buffer, entry.meta)
+                break
         else:
-            device = tier_obj.device if isinstance(tier_obj, MemoryTier) else torch.device("cpu")
             value = await self._read_uncached(entry, device)
         await self._shielded(self._delete(entry))
         return value

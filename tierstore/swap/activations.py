@@ -48,6 +48,7 @@ class _Saved:
     tensor: torch.Tensor | None  # kept until its copy into the store is done
     stored: Any = None  # concurrent future of the put
     finalizer: Any = None
+    taken: bool = False  # backward took the tensor itself before its copy finished
     owner: Any = None  # the ActivationOffload that packed it
 
 
@@ -143,6 +144,8 @@ class ActivationOffload:
             started = time.perf_counter()
             await self.store.put(saved.key, saved.tensor, tier=self.tier)  # type: ignore[arg-type]
             self.report.add_moved(saved.nbytes, time.perf_counter() - started, out=True)
+            if saved.taken and saved.key in self.store:  # backward did not wait for this copy
+                await self.store.delete(saved.key)
         finally:
             saved.tensor = None  # forward's copy may go: the store has it
             with self._lock:
@@ -157,7 +160,14 @@ class ActivationOffload:
         started = time.perf_counter()
         self._order.append(saved.index)
         self._prefetch_after(saved.index, saved.device)
-        saved.stored.result()  # the put has finished (usually long ago)
+        still_here = saved.tensor  # the copy is still in flight: the tensor never left
+        if still_here is not None and not saved.stored.done():
+            saved.taken = True
+            saved.finalizer.detach()
+            self.report.early += 1
+            self.report.bytes_early += saved.nbytes
+            return still_here
+        saved.stored.result()
         value = run(self.store.pop(saved.key, self._device_tier(saved.device)))
         saved.finalizer.detach()
         if value.device != saved.device:

@@ -18,6 +18,9 @@ class SwapReport:
     prefetched: int = 0
     bytes_out: int = 0
     bytes_in: int = 0
+    #: Saved tensors backward used before their copy out had finished (they never left).
+    early: int = 0
+    bytes_early: int = 0
     seconds_out: float = 0.0
     seconds_in: float = 0.0
     #: Time the training loop (forward or backward) spent waiting on the store.
@@ -41,6 +44,7 @@ class SwapReport:
     def __str__(self) -> str:
         return (
             f"{self.kind}: {self.offloaded} offloaded ({format_bytes(self.bytes_out)} out, "
-            f"{format_bytes(self.bytes_in)} back), {self.kept} kept in place, {self.prefetched} prefetched; "
+            f"{format_bytes(self.bytes_in)} back, {self.early} used before they left), {self.kept} kept in place, "
+            f"{self.prefetched} prefetched; "
             f"training loop waited {self.stall * 1e3:.1f} ms"
         )
