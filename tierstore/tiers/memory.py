@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ..tensors import ALIGNMENT
+from ..tensors import ALIGNMENT, advise_huge_pages
 from ..units import round_up
 from .base import MemoryTier
 
@@ -26,7 +26,7 @@ def _new_cpu_buffer(size: int) -> torch.Tensor:
         return torch.empty(size, dtype=torch.uint8)
     raw = torch.empty(size, dtype=torch.uint8)
     start = (-raw.data_ptr()) % ALIGNMENT
-    return raw[start : start + size - ALIGNMENT]
+    return advise_huge_pages(raw[start : start + size - ALIGNMENT])
 
 
 class DeviceTier(MemoryTier):
