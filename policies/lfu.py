@@ -26,19 +26,18 @@ class LFU:
         count = self._count.get(key)
         if count is None:
             return
-        bucket = self._buckets[count]
-        del bucket[key]
-        if not bucket:
-            del self._buckets[count]
-            if self._lowest == count:
-                self._lowest = count + 1
+        self._unlink(key, count)
+        if self._lowest == count and count not in self._buckets:
+            self._lowest = count + 1
         self._count[key] = count + 1
         self._buckets.setdefault(count + 1, OrderedDict())[key] = None
 
     def on_remove(self, key: str) -> None:
         count = self._count.pop(key, None)
-        if count is None:
-            return
+        if count is not None:
+            self._unlink(key, count)
+
+    def _unlink(self, key: str, count: int) -> None:
         bucket = self._buckets[count]
         del bucket[key]
         if not bucket:

@@ -31,6 +31,25 @@ async def fill(root: Path, count: int = 8, numel: int = 20_000) -> dict[str, tor
     return values
 
 
+def open_in_child(root: Path, expected: str) -> subprocess.CompletedProcess[str]:
+    """Open a store on ``root`` in a child process; it prints ``<expected>: <message>`` if that
+    error is raised."""
+    return run_python(
+        f"""
+        import asyncio, sys
+        from tierstore import DiskTier, TierStore, {expected}
+        async def main():
+            async with TierStore([DiskTier(sys.argv[1], "64MiB")]):
+                pass
+        try:
+            asyncio.run(main())
+        except {expected} as exc:
+            print("{expected}:", exc)
+        """,
+        str(root),
+    )
+
+
 def run_python(code: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True, timeout=300,
                           env={**os.environ, **(env or {})})
@@ -97,20 +116,7 @@ def test_a_damaged_catalog_gives_a_clear_error_not_a_crash(tmp_path: Path, damag
     else:
         os.truncate(catalog, 0)
     # In a child process: a fault deep in a memory map would kill it rather than the test run.
-    result = run_python(
-        """
-        import asyncio, sys
-        from tierstore import DiskTier, TierStore, CatalogError
-        async def main():
-            async with TierStore([DiskTier(sys.argv[1], "64MiB")]):
-                pass
-        try:
-            asyncio.run(main())
-        except CatalogError as exc:
-            print("CatalogError:", exc)
-        """,
-        str(tmp_path / "d"),
-    )
+    result = open_in_child(tmp_path / "d", "CatalogError")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "CatalogError:" in result.stdout
 
@@ -166,21 +172,8 @@ def test_a_full_file_system_fails_puts_cleanly_tmpfs(tmp_path: Path) -> None:
 async def test_a_second_process_gets_a_clear_error(tmp_path: Path) -> None:
     async with TierStore([disk(tmp_path / "d")]) as store:
         await store.put("x", torch.ones(3))
-        result = run_python(
-            """
-            import asyncio, sys
-            from tierstore import DiskTier, TierStore, StoreLockedError
-            async def main():
-                async with TierStore([DiskTier(sys.argv[1], "64MiB")]):
-                    pass
-            try:
-                asyncio.run(main())
-            except StoreLockedError as exc:
-                print("locked:", exc)
-            """,
-            str(tmp_path / "d"),
-        )
-        assert f"locked: {tmp_path / 'd'} is open in another process (pid {os.getpid()})" in result.stdout, result.stderr
+        result = open_in_child(tmp_path / "d", "StoreLockedError")
+        assert f"StoreLockedError: {tmp_path / 'd'} is open in another process (pid {os.getpid()})" in result.stdout, result.stderr
         assert torch.equal(await store.get("x"), torch.ones(3))
     with pytest.raises(StoreLockedError):  # and within one process, too
         async with TierStore([disk(tmp_path / "e")]), TierStore([disk(tmp_path / "e")]):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tierstore import DeviceTier, DiskTier, EntryHeldError, HostTier, TierFullError, TierStore
-from tierstore.testing import check_consistency
+from tierstore.testing import check_consistency, watch_capacity
 from tierstore.tiers import MemoryTier
 
 KiB = 1024
@@ -17,23 +17,6 @@ KiB = 1024
 
 def three_tiers(tmp_path: Path, device: str = "40KiB", host: str = "80KiB", disk: str = "8MiB") -> list:
     return [DeviceTier("cpu", device), HostTier(host), DiskTier(tmp_path / "disk", disk, chunk_size="16KiB")]
-
-
-def watch_capacity(store: TierStore) -> list[str]:
-    """Record any moment a memory tier allocates past its capacity."""
-    breaches: list[str] = []
-    for tier in store.tiers:
-        if isinstance(tier, MemoryTier):
-            allocate = tier.allocate
-
-            def checked(nbytes: int, tier: MemoryTier = tier, allocate=allocate) -> torch.Tensor:
-                buffer = allocate(nbytes)
-                if tier.used > tier.capacity:
-                    breaches.append(f"{tier.name}: {tier.used} > {tier.capacity}")
-                return buffer
-
-            tier.allocate = checked  # type: ignore[method-assign]
-    return breaches
 
 
 async def test_eviction_cascades_through_three_tiers(tmp_path: Path) -> None:

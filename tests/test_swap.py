@@ -14,7 +14,7 @@ from tierstore import DeviceTier, DiskTier, HostTier, SyncTierStore
 from tierstore.models import GPT, GPTConfig, synthetic_batches
 from tierstore.optim import TieredAdamW
 from tierstore.swap import offload_activations, offload_parameters
-from tierstore.tiers import MemoryTier
+from tierstore.testing import watch_capacity
 
 CONFIG = GPTConfig(vocab=64, seq=32, dim=64, layers=3, heads=2)
 
@@ -57,22 +57,6 @@ def grads(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
-def watch_capacity(sync: SyncTierStore) -> list[str]:
-    breaches: list[str] = []
-    for tier in sync.store.tiers:
-        if isinstance(tier, MemoryTier):
-            allocate = tier.allocate
-
-            def checked(nbytes: int, tier: MemoryTier = tier, allocate=allocate) -> torch.Tensor:
-                buffer = allocate(nbytes)
-                if tier.used > tier.capacity:
-                    breaches.append(f"{tier.name}: {tier.used} > {tier.capacity}")
-                return buffer
-
-            tier.allocate = checked  # type: ignore[method-assign]
-    return breaches
-
-
 @pytest.mark.parametrize("kind", ["transformer", "cnn", "checkpointed"])
 def test_gradients_are_bitwise_identical_with_activation_offload(tmp_path: Path, kind: str) -> None:
     torch.manual_seed(0)
@@ -107,7 +91,7 @@ def test_training_past_the_device_capacity_stays_within_it_and_matches(tmp_path:
     twin = copy.deepcopy(model)
     weights = sum(p.nbytes for p in model.parameters())
     sync = store(tmp_path, device=weights // 3, host="2MiB")
-    breaches = watch_capacity(sync)
+    breaches = watch_capacity(sync.store)
     params = offload_parameters(model, sync, tier="host")
     activations = offload_activations(sync, min_bytes=8192)
     opt = TieredAdamW(model.parameters(), lr=1e-2, store=sync, min_offload_numel=64, fused=True)

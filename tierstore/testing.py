@@ -12,6 +12,7 @@ import asyncio
 import random
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -300,3 +301,23 @@ async def settle(store: TierStore, timeout: float = 10.0) -> None:
         if loop.time() > deadline:
             raise TimeoutError(f"store still busy after {timeout}s: {busy[:5]}")
         await asyncio.sleep(0.005)
+
+
+def watch_capacity(store: TierStore) -> list[str]:
+    """Check every allocation of ``store``'s memory tiers from now on; returns the list the
+    breaches (a tier past its capacity) are appended to."""
+    from .tiers import MemoryTier
+
+    breaches: list[str] = []
+    for tier in store.tiers:
+        if isinstance(tier, MemoryTier):
+            allocate = tier.allocate
+
+            def checked(nbytes: int, tier: MemoryTier = tier, allocate: Any = allocate) -> torch.Tensor:
+                buffer = allocate(nbytes)
+                if tier.used > tier.capacity:
+                    breaches.append(f"{tier.name}: {tier.used} > {tier.capacity}")
+                return buffer
+
+            tier.allocate = checked  # type: ignore[method-assign]
+    return breaches

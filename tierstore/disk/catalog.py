@@ -142,27 +142,9 @@ class Catalog:
         """Open the database. A new one gets ``create_layout`` (None: a new one is an error, as
         when data files exist); an existing one is validated."""
         self.path.mkdir(mode=0o700, exist_ok=True)
-        try:
-            self._env = lmdb.open(
-                str(self.path),
-                map_size=_INITIAL_MAP_SIZE,
-                max_dbs=2,
-                sync=self.durable,
-                metasync=self.durable,
-                mode=0o600,
-                readahead=False,
-            )
-            self._check_length()
-            self._meta = self._env.open_db(b"meta")
-            self._entries = self._env.open_db(b"entries")
-            with self._env.begin(db=self._meta) as txn:
-                raw = txn.get(_META_KEY)
-        except lmdb.Error as exc:
-            self.close()
-            raise CatalogError(f"the catalog in {self.path} cannot be opened: {exc}") from None
-        except CatalogError:
-            self.close()
-            raise
+        raw = self._open_env(
+            map_size=_INITIAL_MAP_SIZE, sync=self.durable, metasync=self.durable, mode=0o600, readahead=False
+        )
         if raw is None:
             if create_layout is None:
                 self.close()
@@ -173,7 +155,7 @@ class Catalog:
             self._write_sync([], create_layout)
             self.layout = create_layout
         else:
-            self.layout = CatalogLayout.from_bytes(bytes(raw), self.path)
+            self.layout = CatalogLayout.from_bytes(raw, self.path)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierstore-catalog")
         return self.layout
 
@@ -181,11 +163,21 @@ class Catalog:
         """Open for reading only (safe beside a process that has the folder open for writing)."""
         if not (self.path / "data.mdb").exists():
             raise CatalogError(f"{self.path} holds no tierstore catalog")
+        raw = self._open_env(readonly=True, lock=True, readahead=False)
+        if raw is None:
+            self.close()
+            raise CatalogError(f"{self.path} holds no tierstore catalog")
+        self.layout = CatalogLayout.from_bytes(raw, self.path)
+        return self.layout
+
+    def _open_env(self, **options: Any) -> bytes | None:
+        """Open the LMDB environment and its two databases; return the format record, if any."""
         try:
-            self._env = lmdb.open(str(self.path), readonly=True, max_dbs=2, lock=True, readahead=False)
+            self._env = lmdb.open(str(self.path), max_dbs=2, **options)
             self._check_length()
-            self._meta = self._env.open_db(b"meta", create=False)
-            self._entries = self._env.open_db(b"entries", create=False)
+            create = not options.get("readonly", False)
+            self._meta = self._env.open_db(b"meta", create=create)
+            self._entries = self._env.open_db(b"entries", create=create)
             with self._env.begin(db=self._meta) as txn:
                 raw = txn.get(_META_KEY)
         except lmdb.Error as exc:
@@ -194,11 +186,7 @@ class Catalog:
         except CatalogError:
             self.close()
             raise
-        if raw is None:
-            self.close()
-            raise CatalogError(f"{self.path} holds no tierstore catalog")
-        self.layout = CatalogLayout.from_bytes(bytes(raw), self.path)
-        return self.layout
+        return bytes(raw) if raw is not None else None
 
     def _check_length(self) -> None:
         """A catalog file shorter than its own last page would fault (SIGBUS) when that page is

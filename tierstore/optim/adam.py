@@ -149,15 +149,6 @@ class TieredAdam(PagedOptimizer):
             state[slot.index] = entry
         return {"state": state, "param_groups": self._groups_for_saving()}
 
-    def _groups_for_saving(self) -> list[dict[str, Any]]:
-        groups, index = [], 0
-        for group in self.param_groups:
-            saved = {k: v for k, v in group.items() if k != "params"}
-            saved["params"] = list(range(index, index + len(group["params"])))
-            index += len(group["params"])
-            groups.append(saved)
-        return groups
-
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict saved by this class or by ``torch.optim.Adam``/``AdamW``."""
         groups = state_dict["param_groups"]

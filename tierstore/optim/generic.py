@@ -140,13 +140,7 @@ class TieredOptimizer(PagedOptimizer):
                 if value is not None:
                     entry[name] = value.reshape(slot.shape).clone()
             state[slot.index] = entry
-        groups, index = [], 0
-        for group in self.param_groups:
-            saved = {k: v for k, v in group.items() if k != "params"}
-            saved["params"] = list(range(index, index + len(group["params"])))
-            index += len(group["params"])
-            groups.append(saved)
-        return {"state": state, "param_groups": groups}
+        return {"state": state, "param_groups": self._groups_for_saving()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of this class or of the wrapped optimizer class."""

@@ -356,6 +356,16 @@ class PagedOptimizer(torch.optim.Optimizer):
         if keys:
             await self.store.prefetch(keys, self.state_tier)
 
+    def _groups_for_saving(self) -> list[dict[str, Any]]:
+        """``param_groups`` as torch saves them: hyperparameters, and parameter indices."""
+        groups, index = [], 0
+        for group in self.param_groups:
+            saved = {k: v for k, v in group.items() if k != "params"}
+            saved["params"] = list(range(index, index + len(group["params"])))
+            index += len(group["params"])
+            groups.append(saved)
+        return groups
+
     # -- the step --------------------------------------------------------------------------------
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
