@@ -113,6 +113,8 @@ class ActivationOffload:
     def _pack(self, tensor: torch.Tensor) -> Any:
         if tensor.nbytes < self.min_bytes or _is_parameter(tensor) or tensor.device.type not in ("cpu", "cuda"):
             self.report.kept += 1
+            if not _is_parameter(tensor):
+                self.report.bytes_kept += tensor.nbytes
             return tensor
         waited = self._wait_for_room(tensor.nbytes)
         index = next(self._counter)

@@ -15,6 +15,8 @@ class SwapReport:
     kind: str
     offloaded: int = 0
     kept: int = 0
+    #: Bytes of the tensors kept in place (too small, or parameters).
+    bytes_kept: int = 0
     prefetched: int = 0
     bytes_out: int = 0
     bytes_in: int = 0
