@@ -18,7 +18,7 @@ from .workers import Priority
 
 if TYPE_CHECKING:
     from .entry import Entry
-    from .store import TierStore
+    from .engine import Engine
 
 #: Promotions a prefetch runs at once (enough to keep the disk queue full).
 PREFETCH_CONCURRENCY = 4
@@ -60,7 +60,7 @@ class PrefetchHandle:
 class PrefetchIssuer:
     """Runs the store's prefetches: explicit batches and a queue of policy suggestions."""
 
-    def __init__(self, store: TierStore) -> None:
+    def __init__(self, store: Engine) -> None:
         self._store = store
         self._queue: deque[tuple[str, int]] = deque()
         self._queued: set[tuple[str, int]] = set()

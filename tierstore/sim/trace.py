@@ -14,8 +14,6 @@ from pathlib import Path
 
 import numpy as np
 
-from ..tracing import OPS
-
 ACCESS, DELETE = 0, 1
 
 
@@ -101,7 +99,3 @@ def _load_csv(path: Path) -> Trace:
     if not keys:
         raise ValueError(f"{path} holds no accesses")
     return Trace.from_accesses(keys, sizes)
-
-
-def ops_names() -> tuple[str, ...]:
-    return OPS

@@ -8,7 +8,7 @@ extents in files. Tiers only allocate, free and account; the store decides what 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
@@ -46,10 +46,6 @@ class Tier(ABC):
     async def aclose(self) -> None:
         """Release resources. The store calls it after all transfers have ended."""
         self.is_open = False
-
-    def describe(self) -> dict[str, Any]:
-        """Settings of this tier for reports."""
-        return {"name": self.name, "kind": self.kind, "capacity": self.capacity}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, capacity={format_bytes(self.capacity)!r})"
@@ -165,6 +161,3 @@ class MemoryTier(Tier):
     async def aclose(self) -> None:
         self.clear_pool()
         await super().aclose()
-
-    def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "device": str(self.device), "pinned": self.pinned}

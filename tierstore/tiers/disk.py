@@ -7,7 +7,7 @@ import fcntl
 import os
 from functools import partial
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
@@ -211,17 +211,6 @@ class DiskTier(Tier):
     def extent_size(self, nbytes: int) -> int:
         """Bytes an extent for ``nbytes`` occupies."""
         return round_up(max(nbytes, 1), ALIGNMENT)
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            **super().describe(),
-            "root": str(self.root),
-            "durable": self.durable,
-            "direct": self.direct_io,
-            "segment_size": self.segment_size,
-            "chunk_size": self.chunk_size,
-            "io_threads": self.io_threads,
-        }
 
     # -- space --------------------------------------------------------------------------------
 

@@ -1,0 +1,601 @@
+"""The residency machinery under ``TierStore``: entries, copies, moves between tiers, room.
+
+One event loop owns all state here; bytes move on worker threads (disk, large CPU copies) and
+CUDA side streams. The store keeps one ``Entry`` per key with a copy per tier; every change of
+residency goes through a few functions (install, retire, use/unuse) so the eviction policies,
+the accounting and the copies always agree. ``TierStore`` (store.py) puts the public verbs on
+top of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .copies import copy_bytes
+from .disk.catalog import DiskRecord
+from .entry import Copy, Entry
+from .errors import (
+    CorruptionError,
+    EntryHeldError,
+    KeyNotFoundError,
+    StoreClosedError,
+    TierFullError,
+    TierStoreError,
+    UnknownTierError,
+)
+from .keys import check_key
+from .prefetching import PrefetchIssuer
+from .protocols import EvictionPolicy, PrefetchPolicy
+from .stats import StoreCounters
+from .tensors import TensorMeta, aligned_empty, as_bytes, from_bytes
+from .tiers.base import MemoryTier, Tier
+from .tiers.disk import DiskTier
+from .tracing import TraceRecorder
+from .units import format_bytes
+from .workers import Priority, WorkerPool
+
+TierRef = int | str | Tier | None
+
+
+class Engine:
+    """State and moves of a tiered store (see the module docstring); use ``TierStore``."""
+
+    def __init__(self, tiers: Sequence[Tier], eviction: Any, prefetch: PrefetchPolicy | None, cpu_threads: int) -> None:
+        from policies import LRU, NoPrefetch
+
+        self._tiers: list[Tier] = _check_tiers(tiers)
+        self._names = [tier.name for tier in self._tiers]
+        self._disk_index = len(self._tiers) - 1 if isinstance(self._tiers[-1], DiskTier) else None
+        self._policies: list[EvictionPolicy | None] = _make_policies(self._tiers, eviction if eviction is not None else LRU)
+        self.prefetch_policy: PrefetchPolicy = prefetch if prefetch is not None else NoPrefetch()
+        if hasattr(self.prefetch_policy, "set_capacities"):
+            self.prefetch_policy.set_capacities({tier.name: tier.capacity for tier in self._tiers})
+        self.trace: TraceRecorder | None = None
+        self._cpu = WorkerPool(cpu_threads, "cpu")
+        self._entries: dict[str, Entry] = {}
+        self._versions = itertools.count(1)
+        self._freeing = [0] * len(self._tiers)
+        self._demotions: list[set[asyncio.Task[None]]] = [set() for _ in self._tiers]
+        #: Buffers allocated on a tier and being filled (they become evictable copies when done).
+        self._incoming: list[set[asyncio.Future[None]]] = [set() for _ in self._tiers]
+        self._background: set[asyncio.Task[Any]] = set()
+        self._prefetched: set[tuple[str, int]] = set()
+        self._issuer: PrefetchIssuer | None = None
+        self.counters = StoreCounters()
+        #: Called as ``on_transfer(link, nbytes, start, end)`` after each transfer between tiers
+        #: (``time.perf_counter()`` times); the optimizer's timeline listens here.
+        self.on_transfer: Callable[[str, int, float, float], None] | None = None
+        self.is_open = False
+
+    @property
+    def tiers(self) -> list[Tier]:
+        """The tiers, fastest first."""
+        return list(self._tiers)
+
+    def tier(self, ref: TierRef) -> Tier:
+        """A tier by name, index or object."""
+        return self._tiers[self._index(ref)]
+
+    # -- reading -------------------------------------------------------------------------------
+
+    async def _acquire(self, entry: Entry, t: int, priority: Priority) -> Copy:
+        """Make ``entry`` valid on tier ``t`` and take a use of that copy (caller must unuse)."""
+        await self._ensure(entry, t, priority)
+        copy = entry.valid(t)
+        if copy is None:  # _ensure returns only once valid; nothing awaited since
+            raise TierStoreError(f"internal error: {entry.key!r} vanished from {self._names[t]!r}")
+        self._use(entry, copy)
+        return copy
+
+    async def _ensure(self, entry: Entry, t: int, priority: Priority) -> None:
+        """Return once ``entry`` has a valid copy on tier ``t`` (one load at a time per tier)."""
+        while entry.valid(t) is None:
+            if self._entries.get(entry.key) is not entry or not entry.visible:
+                raise KeyNotFoundError(f"{entry.key!r} was deleted")
+            pending = entry.loading.get(t)
+            if pending is not None:
+                await asyncio.shield(pending)
+                continue
+            done = asyncio.get_running_loop().create_future()
+            entry.loading[t] = done
+            try:
+                await self._load(entry, t, priority)
+            finally:
+                if entry.loading.get(t) is done:
+                    del entry.loading[t]
+                done.set_result(None)
+
+    async def _load(self, entry: Entry, t: int, priority: Priority) -> None:
+        """Copy the current value of ``entry`` onto memory tier ``t`` from its fastest copy."""
+        sources = [s for s in entry.valid_tiers() if s != t]
+        if not sources:
+            raise CorruptionError(f"{entry.key!r} has no valid copy on any tier")
+        source = entry.valid(sources[0])
+        if source is None:
+            raise CorruptionError(f"{entry.key!r} has no valid copy on any tier")
+        version = entry.version
+        self._use(entry, source)
+        try:
+            fill = self._filler(entry, source)
+            await self._write_memory(entry, t, version, fill, priority, source_tier=sources[0])
+        finally:
+            self._unuse(entry, source)
+
+    def _filler(self, entry: Entry, source: Copy) -> Callable[[torch.Tensor, Priority], Awaitable[None]]:
+        """A coroutine function that fills a buffer with ``source``'s bytes."""
+        meta = entry.meta
+        if source.extent is not None:
+            record = DiskRecord(entry.key, meta, source.extent, source.version, source.checksums)
+
+            async def from_disk(buffer: torch.Tensor, priority: Priority) -> None:
+                if buffer.device.type == "cpu":
+                    await self._disk.read(record, buffer, priority)
+                    return
+                bounce = aligned_empty(meta.nbytes, pin_memory=torch.cuda.is_available())
+                await self._disk.read(record, bounce, priority)
+                await self._copy(buffer[: meta.nbytes], bounce[: meta.nbytes], priority)
+
+            return from_disk
+
+        async def from_memory(buffer: torch.Tensor, priority: Priority) -> None:
+            await self._copy(buffer[: meta.nbytes], source.buffer[: meta.nbytes], priority)  # type: ignore[index]
+
+        return from_memory
+
+    async def _clone(self, entry: Entry, copy: Copy, t: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The value of ``copy`` in ``out`` or a fresh tensor (on ``t``'s device)."""
+        meta = entry.meta
+        if out is None:
+            out = torch.empty(meta.shape, dtype=meta.dtype, device=self._tiers[t].device)  # type: ignore[attr-defined]
+        if meta.nbytes:
+            await self._copy(as_bytes(out), copy.buffer[: meta.nbytes], Priority.DEMAND)  # type: ignore[index]
+        return out
+
+    async def _read_uncached(self, entry: Entry, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Read the current value into ``out`` or a new tensor on ``device``, caching it nowhere."""
+        tiers = entry.valid_tiers()
+        source = entry.valid(tiers[0]) if tiers else None
+        if source is None:
+            raise CorruptionError(f"{entry.key!r} has no valid copy on any tier")
+        meta = entry.meta
+        self._use(entry, source)
+        try:
+            if out is None and device.type == "cpu":
+                buffer = aligned_empty(meta.nbytes)
+                await self._filler(entry, source)(buffer, Priority.DEMAND)
+                return from_bytes(buffer, meta)
+            if out is None:
+                out = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+            await self._filler(entry, source)(as_bytes(out), Priority.DEMAND)
+            return out
+        finally:
+            self._unuse(entry, source)
+
+    # -- writing -------------------------------------------------------------------------------
+
+    async def _put_memory(self, entry: Entry, t: int, src: torch.Tensor, meta: TensorMeta) -> None:
+        async def fill(buffer: torch.Tensor, priority: Priority) -> None:
+            await self._copy(buffer[: meta.nbytes], src, priority)
+
+        await self._write_memory(entry, t, None, fill, Priority.DEMAND, meta=meta, source_tier=None)
+
+    async def _write_memory(
+        self,
+        entry: Entry,
+        t: int,
+        version: int | None,
+        fill: Callable[[torch.Tensor, Priority], Awaitable[None]],
+        priority: Priority,
+        *,
+        meta: TensorMeta | None = None,
+        source_tier: int | None,
+    ) -> None:
+        """Allocate on memory tier ``t`` (evicting as needed), fill, and install.
+
+        ``version`` None means a put: the copy becomes the new value of the key. Otherwise the
+        copy is of ``version`` and is installed only if that is still the current value.
+        """
+        tier = self._tiers[t]
+        if not isinstance(tier, MemoryTier):
+            raise UnknownTierError(f"tier {tier.name!r} holds no buffers")
+        nbytes = (meta or entry.meta).nbytes
+        await self._make_room(t, tier.allocation_size(nbytes), priority)
+        buffer = tier.allocate(nbytes)
+        started = time.perf_counter()
+        arriving = asyncio.get_running_loop().create_future()
+        self._incoming[t].add(arriving)
+        try:
+            await fill(buffer, priority)
+        except BaseException:
+            tier.release(buffer)
+            raise
+        finally:
+            self._incoming[t].discard(arriving)
+            arriving.set_result(None)
+        self._count_link(source_tier, t, nbytes, time.perf_counter() - started)
+        if version is None:
+            live = self._live_entry(entry, meta)  # type: ignore[arg-type]
+            copy = Copy(t, 0, buffer=buffer)
+            self._new_version(live, keep=None, meta=meta)
+            copy.version = live.version
+            live.copies[t] = copy
+            self._policy_insert(live, copy)
+            return
+        if self._entries.get(entry.key) is not entry or entry.version != version or entry.valid(t) is not None:
+            tier.release(buffer)  # the value changed meanwhile: this copy is stale
+            return
+        copy = Copy(t, version, buffer=buffer)
+        entry.copies[t] = copy
+        self._policy_insert(entry, copy)
+
+    async def _write_back(self, entry: Entry, source: Copy, priority: Priority, target: int | None = None) -> None:
+        """Write ``source`` (a memory copy the caller uses) to ``target`` (default: one tier down)."""
+        below = source.tier + 1 if target is None else target
+        buffer = source.buffer
+        if buffer is None:
+            raise TierStoreError(f"internal error: write-back of {entry.key!r} from a copy without a buffer")
+        if below == self._disk_index:
+            if buffer.device.type != "cpu":
+                staged = aligned_empty(entry.meta.nbytes, pin_memory=torch.cuda.is_available())
+                await self._copy(staged[: entry.meta.nbytes], buffer[: entry.meta.nbytes], priority)
+                buffer = staged
+            await self._write_disk(entry, buffer, entry.meta, source.version, priority, source_tier=source.tier)
+        else:
+            await self._write_memory(entry, below, source.version, self._filler(entry, source), priority, source_tier=source.tier)
+        self.counters.tier(self._names[source.tier]).writebacks += 1
+
+    async def _write_disk(
+        self,
+        entry: Entry,
+        src: torch.Tensor,
+        meta: TensorMeta,
+        version: int | None,
+        priority: Priority,
+        source_tier: int | None = None,
+    ) -> None:
+        """Copy-on-write to the disk tier: new extent, data (+fsync), catalog commit, install, free
+        the old extent. ``version`` None is a put (a new value); otherwise a write-back of that
+        version, skipped if it is no longer current. Must run to completion (callers shield it)."""
+        disk = self._disk
+        d = self._tiers.index(disk)
+        while True:
+            if version is None:
+                entry = self._live_entry(entry, meta)
+            async with entry.disk_lock:
+                if self._entries.get(entry.key) is not entry:
+                    if version is None:
+                        continue  # deleted while we waited: write to the new entry
+                    return
+                if version is not None and entry.version != version:
+                    return
+                extent = await disk.allocate(meta.nbytes)
+                started = time.perf_counter()
+                try:
+                    checksums = await disk.write(extent, src, meta.nbytes, priority)
+                    if version is not None and (entry.version != version or self._entries.get(entry.key) is not entry):
+                        disk.release(extent)
+                        return
+                    record_version = version if version is not None else next(self._versions)
+                    record = DiskRecord(entry.key, meta, extent, record_version, checksums)
+                    await disk.commit([(entry.key, record)])
+                except BaseException:
+                    disk.release(extent)
+                    raise
+                self._count_link(source_tier, d, meta.nbytes, time.perf_counter() - started)
+                new = Copy(d, record_version, extent=extent, checksums=checksums)
+                old = entry.copies.get(d)
+                if old is not None:
+                    self._retire(entry, d, old)
+                entry.copies[d] = new
+                if version is None:
+                    self._new_version(entry, keep=new, meta=meta, version=record_version)
+                return
+
+    async def _delete(self, entry: Entry) -> None:
+        if self._disk_index is not None:
+            async with entry.disk_lock:
+                if self._entries.get(entry.key) is not entry:
+                    return
+                if entry.held():
+                    raise EntryHeldError(f"{entry.key!r} is held; release it before deleting")
+                if self._disk_index in entry.copies:
+                    await self._disk.commit([(entry.key, None)])
+                self._remove(entry)
+        elif self._entries.get(entry.key) is entry:
+            self._remove(entry)
+
+    # -- room ------------------------------------------------------------------------------------
+
+    async def _make_room(self, t: int, size: int, priority: Priority) -> None:
+        """Evict from tier ``t`` until ``size`` bytes are free; demotions run concurrently."""
+        tier = self._tiers[t]
+        if size > tier.capacity:
+            raise TierFullError(f"{format_bytes(size)} is more than tier {tier.name!r} holds ({format_bytes(tier.capacity)})")
+        mine: list[asyncio.Task[None]] = []
+        while tier.free < size:
+            deficit = size - tier.free - self._freeing[t]
+            while deficit > 0:
+                victim = self._next_victim(t)
+                if victim is None:
+                    break
+                entry, copy = victim
+                self._use(entry, copy)
+                deficit -= copy.nbytes
+                mine.append(self._start_demotion(entry, t, copy, priority))
+            for task in mine:
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    raise TierFullError(f"cannot make room on tier {tier.name!r}: {task.exception()}") from task.exception()
+            pending = self._demotions[t] | self._incoming[t]  # both end with room or a victim
+            if not pending:
+                if tier.free >= size:
+                    break
+                held = sum(c.nbytes for e in self._entries.values() if (c := e.copies.get(t)) is not None and c.users)
+                raise TierFullError(
+                    f"tier {tier.name!r} cannot make room for {format_bytes(size)}: {format_bytes(tier.free)} free, "
+                    f"{format_bytes(held)} held or in transfer"
+                )
+            await asyncio.wait(list(pending), return_when=asyncio.FIRST_COMPLETED)
+
+    def _next_victim(self, t: int) -> tuple[Entry, Copy] | None:
+        policy = self._policies[t]
+        if policy is None:
+            return None
+        while True:
+            key = policy.victim()
+            if key is None:
+                return None
+            entry = self._entries.get(key)
+            copy = entry.copies.get(t) if entry is not None else None
+            if entry is None or copy is None or not copy.in_policy:
+                continue  # the policy knew a key the store no longer has here
+            copy.in_policy = False  # victim() has forgotten it already
+            return entry, copy
+
+    def _start_demotion(self, entry: Entry, t: int, copy: Copy, priority: Priority) -> asyncio.Task[None]:
+        size = copy.nbytes
+        self._freeing[t] += size
+        task = asyncio.ensure_future(self._demote(entry, t, copy, priority))
+        self._demotions[t].add(task)
+
+        def finished(task: asyncio.Task[None]) -> None:
+            self._freeing[t] -= size
+            self._demotions[t].discard(task)
+            if not task.cancelled():
+                task.exception()  # retrieved: the requester reports it
+
+        task.add_done_callback(finished)
+        return task
+
+    async def _demote(self, entry: Entry, t: int, copy: Copy, priority: Priority) -> None:
+        """Move ``copy`` (already in use by us) off tier ``t``: write it back one tier down
+        unless a slower tier holds the value already, then drop it.
+
+        The task starts a moment after the copy was chosen; if a hold took the copy meanwhile,
+        or takes it during the write-back, the copy stays (a held buffer may be changing, and
+        a write hold makes it the only current value)."""
+        try:
+            if copy.holds:
+                return
+            version = copy.version
+            current = self._entries.get(entry.key) is entry and version == entry.version
+            if current and not any(s > t for s in entry.valid_tiers()):
+                if t + 1 >= len(self._tiers):
+                    raise TierFullError(f"tier {self._names[t]!r} is the last tier; nothing can be evicted from it")
+                await self._write_back(entry, copy, priority)
+            if entry.copies.get(t) is copy and copy.holds == 0 and copy.version == version:
+                self._retire(entry, t, copy)
+                self.counters.tier(self._names[t]).evictions += 1
+        finally:
+            self._unuse(entry, copy)
+
+    # -- residency bookkeeping (the only places that change copies) --------------------------------
+
+    def _new_version(self, entry: Entry, keep: Copy | None, meta: TensorMeta | None = None, version: int | None = None) -> None:
+        """Give ``entry`` a new value held only by ``keep``: other memory copies are retired; the
+        disk copy stays as the durable base until a write-back replaces it."""
+        entry.version = version if version is not None else next(self._versions)
+        if meta is not None:
+            entry.meta = meta
+        if keep is not None:
+            keep.version = entry.version
+        for t, copy in list(entry.copies.items()):
+            if copy is not keep and t != self._disk_index:
+                self._retire(entry, t, copy)
+
+    def _retire(self, entry: Entry, t: int, copy: Copy) -> None:
+        if entry.copies.get(t) is copy:
+            del entry.copies[t]
+        if copy.in_policy:
+            policy = self._policies[t]
+            if policy is not None:
+                policy.on_remove(entry.key)
+            copy.in_policy = False
+        copy.retired = True
+        self._prefetched.discard((entry.key, t))
+        if copy.users == 0:
+            self._free(copy)
+
+    def _free(self, copy: Copy) -> None:
+        tier = self._tiers[copy.tier]
+        if copy.buffer is not None and isinstance(tier, MemoryTier):
+            tier.release(copy.buffer)
+            copy.buffer = None
+        elif copy.extent is not None and isinstance(tier, DiskTier):
+            tier.release(copy.extent)
+            copy.extent = None
+
+    def _use(self, entry: Entry, copy: Copy) -> None:
+        if copy.in_policy:
+            policy = self._policies[copy.tier]
+            if policy is not None:
+                policy.on_remove(entry.key)
+            copy.in_policy = False
+        copy.users += 1
+
+    def _unuse(self, entry: Entry, copy: Copy) -> None:
+        copy.users -= 1
+        if copy.users:
+            return
+        if copy.retired:
+            self._free(copy)
+        elif entry.copies.get(copy.tier) is copy and copy.version == entry.version:
+            self._policy_insert(entry, copy)
+
+    def _policy_insert(self, entry: Entry, copy: Copy) -> None:
+        policy = self._policies[copy.tier]
+        if policy is not None and copy.buffer is not None and copy.users == 0 and not copy.in_policy:
+            policy.on_insert(entry.key, copy.nbytes)
+            copy.in_policy = True
+
+    def _remove(self, entry: Entry) -> None:
+        if self._entries.get(entry.key) is entry:
+            del self._entries[entry.key]
+        for t, copy in list(entry.copies.items()):
+            self._retire(entry, t, copy)
+        entry.version = 0
+
+    def _live_entry(self, entry: Entry, meta: TensorMeta) -> Entry:
+        """The entry a put should write to: ``entry`` unless it was deleted meanwhile."""
+        live = self._entries.get(entry.key)
+        if live is None:
+            live = self._entries[entry.key] = Entry(entry.key, meta)
+        return live
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    @property
+    def _disk(self) -> DiskTier:
+        tier = self._tiers[self._disk_index] if self._disk_index is not None else None
+        if not isinstance(tier, DiskTier):
+            raise UnknownTierError("this store has no disk tier")
+        return tier
+
+    def _index(self, ref: TierRef) -> int:
+        if ref is None:
+            return 0
+        if isinstance(ref, Tier):
+            for i, tier in enumerate(self._tiers):
+                if tier is ref:
+                    return i
+            raise UnknownTierError(f"{ref!r} is not a tier of this store")
+        if isinstance(ref, bool):
+            raise UnknownTierError(f"tier must be a name, an index or a Tier, not {ref!r}")
+        if isinstance(ref, int):
+            if 0 <= ref < len(self._tiers):
+                return ref
+            raise UnknownTierError(f"tier index {ref} is out of range (the store has {len(self._tiers)} tiers)")
+        if isinstance(ref, str):
+            try:
+                return self._names.index(ref)
+            except ValueError:
+                raise UnknownTierError(f"no tier named {ref!r}; the tiers are {self._names}") from None
+        raise UnknownTierError(f"tier must be a name, an index or a Tier, not {type(ref).__name__}")
+
+    def _visible(self, key: object) -> Entry:
+        key = check_key(key)
+        entry = self._entries.get(key)
+        if entry is None or not entry.visible:
+            raise KeyNotFoundError(f"no key {key!r} in the store")
+        return entry
+
+    def _require_open(self) -> None:
+        if not self.is_open:
+            raise StoreClosedError("the store is not open: use 'async with TierStore(...)' or 'await store.open()'")
+
+    async def _copy(self, dst: torch.Tensor, src: torch.Tensor, priority: Priority) -> None:
+        stream = None
+        for tier in self._tiers:
+            if getattr(tier, "is_cuda", False):
+                stream = tier.copy_in_stream if dst.device.type == "cuda" else tier.copy_out_stream  # type: ignore[attr-defined]
+                break
+        await copy_bytes(dst, src, pool=self._cpu, stream=stream, priority=priority)
+
+    @staticmethod
+    async def _shielded(coro: Awaitable[None]) -> None:
+        """Run ``coro`` to completion even if the caller is cancelled (it changes durable state)."""
+        task = asyncio.ensure_future(coro)
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            raise
+
+    def _count(self, t: int, hit: bool, entry: Entry) -> None:
+        counters = self.counters.tier(self._names[t])
+        if hit:
+            counters.hits += 1
+            if (entry.key, t) in self._prefetched:
+                self._prefetched.discard((entry.key, t))
+                self.counters.prefetch.useful += 1
+        else:
+            counters.misses += 1
+
+    def _count_link(self, source: int | None, target: int, nbytes: int, seconds: float) -> None:
+        name = self._names[source] if source is not None else "caller"
+        self.counters.link(name, self._names[target]).add(nbytes, seconds)
+        if self.on_transfer is not None:
+            end = time.perf_counter()
+            self.on_transfer(f"{name}->{self._names[target]}", nbytes, end - seconds, end)
+
+    def _observe(self, op: str, key: str, nbytes: int, t: int | None, hit: bool | None, before: int | None = None) -> None:
+        if self.trace is not None:
+            if before is None and op in ("get", "hold"):
+                entry = self._entries.get(key)
+                valid = entry.valid_tiers() if entry is not None else []
+                before = valid[0] if valid else None
+            self.trace.record(op, key, nbytes, t, hit, before)
+        if op in ("get", "hold", "put") and t is not None and self._issuer is not None:
+            self.prefetch_policy.on_access(key, nbytes, self._names[t], bool(hit))
+            self._issuer.follow(self.prefetch_policy.suggest(), t)
+
+
+def _check_tiers(tiers: Sequence[Tier]) -> list[Tier]:
+    tiers = list(tiers)
+    if not tiers:
+        raise ValueError("a TierStore needs at least one tier")
+    for tier in tiers:
+        if not isinstance(tier, Tier):
+            raise TypeError(f"tiers must be DeviceTier, HostTier or DiskTier objects, not {type(tier).__name__}")
+    names = [tier.name for tier in tiers]
+    if len(set(names)) != len(names):
+        raise ValueError(f"tier names must be unique: {names}")
+    for tier in tiers[:-1]:
+        if isinstance(tier, DiskTier):
+            raise ValueError("a DiskTier must be the last (slowest) tier")
+    if len({id(t) for t in tiers}) != len(tiers):
+        raise ValueError("the same tier object appears twice")
+    return tiers
+
+
+def _make_policies(tiers: list[Tier], eviction: Any) -> list[EvictionPolicy | None]:
+    """One eviction policy per tier that can evict (all but the last)."""
+    evicting = [tier.name for tier in tiers[:-1]]
+    capacities = {tier.name: tier.capacity for tier in tiers}
+
+    def build(spec: Any, name: str) -> EvictionPolicy:
+        if isinstance(spec, type) or (callable(spec) and not isinstance(spec, EvictionPolicy)):
+            policy = spec()
+        else:
+            policy = spec
+        if not isinstance(policy, EvictionPolicy):
+            raise TypeError(f"eviction policy for tier {name!r} does not implement EvictionPolicy: {policy!r}")
+        if hasattr(policy, "set_capacity"):
+            policy.set_capacity(capacities[name])
+        return policy
+
+    if isinstance(eviction, Mapping):
+        unknown = set(eviction) - {tier.name for tier in tiers}
+        if unknown:
+            raise UnknownTierError(f"eviction policies given for unknown tiers {sorted(unknown)}")
+        from policies import LRU
+
+        return [build(eviction.get(tier.name, LRU), tier.name) for tier in tiers[:-1]] + [None]
+    if isinstance(eviction, EvictionPolicy) and not isinstance(eviction, type) and len(evicting) > 1:
+        raise TypeError("one policy instance cannot serve several tiers: pass its class (or a factory, or a dict by tier name)")
+    return [build(eviction, tier.name) for tier in tiers[:-1]] + [None]
