@@ -17,8 +17,8 @@ from .errors import KeyNotFoundError, TierFullError
 from .workers import Priority
 
 if TYPE_CHECKING:
-    from .entry import Entry
     from .engine import Engine
+    from .entry import Entry
 
 #: Promotions a prefetch runs at once (enough to keep the disk queue full).
 PREFETCH_CONCURRENCY = 4

@@ -22,6 +22,7 @@ placeholder. ``detach()`` puts the weights back into the module.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -68,11 +69,9 @@ class _Unit:
     name: str
     module: nn.Module
     params: list[tuple[str, nn.Parameter]]
+    #: Bytes of its weights (their data is a zero-size placeholder while they are in the store).
+    nbytes: int = 0
     holds: dict[str, Any] = field(default_factory=dict)  # key -> the hold's context manager
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.numel() * p.element_size() for _, p in self.params)
 
 
 class ParameterOffload:
@@ -106,6 +105,7 @@ class ParameterOffload:
         self._unit_of: dict[int, int] = {}
         self._key_of: dict[int, str] = {}
         self._saving: list[Any] = []
+        self._releasing: list[Any] = []  # holds being let go on the loop
         self._hooks: list[Any] = []
         self._order: list[int] = []  # units in the order they were held this step
         self._learned: list[int] = []
@@ -118,7 +118,7 @@ class ParameterOffload:
         for name, sub in self.module.named_modules():
             own = [(f"{name}.{n}" if name else n, p) for n, p in sub.named_parameters(recurse=False)]
             if own:
-                self._units.append(_Unit(name or "<root>", sub, own))
+                self._units.append(_Unit(name or "<root>", sub, own, sum(p.nbytes for _, p in own)))
         run(self._store_all())
         self._unit_of = {id(param): index for index, unit in enumerate(self._units) for _, param in unit.params}
         self._key_of = {id(param): f"{self.prefix}/{name}" for unit in self._units for name, param in unit.params}
@@ -150,6 +150,8 @@ class ParameterOffload:
         self._hooks = []
         for index in range(len(self._units)):
             self._release(index)
+        for releasing in self._releasing:
+            releasing.result()
         for unit in self._units:
             for name, param in unit.params:
                 key = f"{self.prefix}/{name}"
@@ -192,54 +194,60 @@ class ParameterOffload:
     # -- around each unit --------------------------------------------------------------------------------
 
     def _hold(self, index: int) -> None:
+        """Hold the unit's weights on the device tier (one round trip to the loop for all)."""
         unit = self._units[index]
         started = time.perf_counter()
         self._order.append(index)
         self._prefetch_after(len(self._order) - 1, index)
+        todo = [(f"{self.prefix}/{name}", param) for name, param in unit.params if f"{self.prefix}/{name}" not in unit.holds]
+        if not todo:
+            return
+        managers = [self.store.hold(key, self.device_tier) for key, _ in todo]
+        values = run(_enter_all(managers))
         moved = 0
-        for name, param in unit.params:
-            key = f"{self.prefix}/{name}"
-            if key in unit.holds:
-                continue
-            manager = self.store.hold(key, self.device_tier)
-            value = run(manager.__aenter__())
+        for (key, param), manager, value in zip(todo, managers, values, strict=True):
             unit.holds[key] = manager
             param.data = value if value.device == param.device else value.to(param.device)
             moved += value.nbytes
         elapsed = time.perf_counter() - started
-        if moved:
-            self.report.stall += elapsed
-            self.report.add_moved(moved, elapsed, out=False)
+        self.report.stall += elapsed
+        self.report.add_moved(moved, elapsed, out=False)
 
     def _release(self, index: int, only: str | None = None) -> None:
+        """Put placeholders back and let the holds go (without waiting for the loop)."""
         unit = self._units[index]
+        managers = []
         for name, param in unit.params:
             if only is not None and name != only:
                 continue
-            key = f"{self.prefix}/{name}"
-            manager = unit.holds.pop(key, None)
+            manager = unit.holds.pop(f"{self.prefix}/{name}", None)
             if manager is not None:
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-                run(manager.__aexit__(None, None, None))
+                managers.append(manager)
+        if managers:
+            self._releasing = [f for f in self._releasing if not f.done()]
+            self._releasing.append(asyncio.run_coroutine_threadsafe(_exit_all(managers), self._loop))
 
     def _prefetch_after(self, position: int, index: int) -> None:
         """Prefetch the units that follow, in last step's order (or, in the first step, the
         next ones in module order), within ``ahead`` bytes (and a quarter of the device tier).
         Each unit is asked for once per pass: a cursor remembers how far requests went."""
+        following: list[tuple[int | None, int]]
         if self._learned and position + 1 < len(self._learned):
             following = list(enumerate(self._learned[position + 1 :], start=position + 1))
-        else:
-            following = [(-1, i) for i in range(index + 1, len(self._units))]
+        else:  # the first step: the next units in module order (no cursor: positions unknown)
+            following = [(None, i) for i in range(index + 1, len(self._units))]
         keys, budget = [], min(self.ahead, self.store.tier(self.device_tier).capacity // 4)
         for where, nxt in following:
             unit = self._units[nxt]
             if unit.nbytes > budget:
                 break
             budget -= unit.nbytes
-            if where >= 0 and where < self._cursor:
+            if where is not None and where < self._cursor:
                 continue  # already requested in this pass
             keys += [f"{self.prefix}/{name}" for name, _ in unit.params]
-            self._cursor = max(self._cursor, where + 1)
+            if where is not None:
+                self._cursor = max(self._cursor, where + 1)
         if keys:
             self._loop.call_soon_threadsafe(_start_prefetch, self.store, keys, self.device_tier)
             self.report.prefetched += len(keys)
@@ -262,6 +270,20 @@ class ParameterOffload:
     async def write_weight(self, key: str, value: torch.Tensor) -> None:
         """Store a parameter's new value (the optimizer calls this after its update)."""
         await self.store.put(key, value, tier=self.tier)
+
+
+async def _enter_all(managers: list[Any]) -> list[torch.Tensor]:
+    entered = await asyncio.gather(*(m.__aenter__() for m in managers), return_exceptions=True)
+    failed = [e for e in entered if isinstance(e, BaseException)]
+    if failed:  # let go of the ones that did enter, then report
+        await _exit_all([m for m, e in zip(managers, entered, strict=True) if not isinstance(e, BaseException)])
+        raise failed[0]
+    return entered  # type: ignore[return-value]
+
+
+async def _exit_all(managers: list[Any]) -> None:
+    for manager in managers:
+        await manager.__aexit__(None, None, None)
 
 
 def offload_parameters(
