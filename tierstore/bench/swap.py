@@ -5,8 +5,8 @@ Reproduce:  python benchmarks/bench_swap.py [--quick] [--json FILE] [--dir FOLDE
 
 Activations: forward + backward of the demo GPT (batch 32); per variant the median step time,
 the bytes of saved activations left on the device at the peak (everything without offload; none
-with save_on_cpu, which moves them all; for ours the small tensors kept in place plus what the
-device tier held at its fullest during backward), and the time the step waited on the store. Parameters: forward, backward and a
+with save_on_cpu, which moves them all; for ours the small tensors kept in place, plus the
+device tier at its fullest and the tensors brought back ahead of backward at their most), and the time the step waited on the store. Parameters: forward, backward and a
 TieredAdamW step with the weights in the store (host, or disk under a small host tier), against
 the same with the weights resident; the device tier holds a third of the weights.
 """
@@ -84,8 +84,10 @@ def activations(args: argparse.Namespace) -> list[dict[str, Any]]:
             loss = model.loss(tokens)
         kept = offload.report.bytes_kept - kept  # small tensors left on the device this step
         highest[0] = 0
+        offload.report.bytes_ahead_peak = 0
         loss.backward()
-        peaks.append(highest[0] + kept)
+        # on the device at the fullest: the tier, tensors popped ahead of backward, small ones kept
+        peaks.append(highest[0] + offload.report.bytes_ahead_peak + kept)
 
     variants = {"no offload": step_none, "torch save_on_cpu": step_save_on_cpu, "tierstore, to host": step_ours}
     times: dict[str, list[float]] = {name: [] for name in variants}

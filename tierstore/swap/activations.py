@@ -4,9 +4,9 @@
 ``torch.autograd.graph.saved_tensors_hooks``. In forward, each saved tensor of at least
 ``min_bytes`` (and not a parameter) is put into the store on the loop thread while forward goes
 on (at most ``max_in_flight`` bytes being copied at once); the forward pass keeps only a small
-handle. In backward, each handle is popped back to the device tier; meanwhile the ones needed
-next are prefetched to it, in the order backward used them in the previous step (learned), or in
-reverse order of saving in the first step. Values come back bit for bit.
+handle. In backward, each handle is popped back onto the device, and the ones needed next are
+popped ahead of time (within ``ahead`` bytes), in the order backward used them in the previous
+step (learned), or in reverse order of saving in the first step. Values come back bit for bit.
 
 Use one object for the whole run, entered once per step, so the order learned carries over::
 
@@ -49,6 +49,7 @@ class _Saved:
     stored: Any = None  # concurrent future of the put
     finalizer: Any = None
     taken: bool = False  # backward took the tensor itself before its copy finished
+    fetched: Any = None  # concurrent future of the pop that brings it back
     owner: Any = None  # the ActivationOffload that packed it
 
 
@@ -81,7 +82,7 @@ class ActivationOffload:
         self._counter = itertools.count()
         self._saved: dict[int, _Saved] = {}
         self._order: list[int] = []  # this step's unpack order (pack indices)
-        self._requested: set[int] = set()  # indices asked for already this step
+        self._ahead_bytes = 0  # bytes popped ahead of backward and not yet taken
         self._learned: dict[int, list[int]] = {}  # previous step: index -> the indices after it
         self._in_flight = 0
         self._lock = threading.Condition()
@@ -95,7 +96,7 @@ class ActivationOffload:
             self._learned = {index: order[position + 1 :] for position, index in enumerate(order)}
         self._order = []
         self._saved = {}
-        self._requested = set()
+        self._ahead_bytes = 0
         self._step = next(self._generation)
         self._counter = itertools.count()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -161,42 +162,50 @@ class ActivationOffload:
             return saved
         started = time.perf_counter()
         self._order.append(saved.index)
-        self._prefetch_after(saved.index, saved.device)
         still_here = saved.tensor  # the copy is still in flight: the tensor never left
-        if still_here is not None and not saved.stored.done():
+        if saved.fetched is None and still_here is not None and not saved.stored.done():
             saved.taken = True
             saved.finalizer.detach()
             self.report.early += 1
             self.report.bytes_early += saved.nbytes
+            self._fetch_ahead(saved.index, saved.device)
             return still_here
-        saved.stored.result()
-        value = run(self.store.pop(saved.key, self._device_tier(saved.device)))
+        if saved.fetched is None:
+            self._fetch(saved)
+        else:
+            self._ahead_bytes -= saved.nbytes
+        self._fetch_ahead(saved.index, saved.device)
+        value = saved.fetched.result()
         saved.finalizer.detach()
-        if value.device != saved.device:
-            value = value.to(saved.device)
         elapsed = time.perf_counter() - started
         self.report.stall += elapsed
         self.report.add_moved(saved.nbytes, elapsed, out=False)
         return value
 
-    def _prefetch_after(self, index: int, device: torch.device) -> None:
-        """Bring up the saved tensors backward will want next, within ``ahead`` bytes."""
+    def _fetch(self, saved: _Saved) -> None:
+        """Start popping ``saved`` back from the store onto its device (on the loop)."""
+        saved.fetched = asyncio.run_coroutine_threadsafe(_pop_when_stored(self.store, saved, self._device_tier(saved.device)), self._loop)
+
+    def _fetch_ahead(self, index: int, device: torch.device) -> None:
+        """Pop the saved tensors backward will want next, within ``ahead`` bytes (and a quarter
+        of the device tier): when backward asks for them they are already here, and asking
+        costs no round trip to the loop."""
         following = self._learned.get(index)
         if following is None:  # first step: assume the reverse of the order of saving
             following = list(range(index - 1, -1, -1))
-        target = self._device_tier(device)
-        keys, budget = [], min(self.ahead, self.store.tier(target).capacity // 4)  # prefetches must not crowd out the work
+        limit = min(self.ahead, self.store.tier(self._device_tier(device)).capacity // 4)
         for nxt in following:
             saved = self._saved.get(nxt)
-            if saved is None or saved.stored is None or not saved.stored.done() or saved.finalizer.alive is False:
+            if saved is None or saved.finalizer is None or not saved.finalizer.alive:
                 continue
-            if saved.nbytes > budget:
+            if saved.fetched is not None:
+                continue
+            if self._ahead_bytes + saved.nbytes > limit:
                 break
-            budget -= saved.nbytes
-            keys.append(saved.key)
-        if keys:
-            self._loop.call_soon_threadsafe(_start_prefetch, self.store, keys, target)
-            self.report.prefetched += len(keys)
+            self._ahead_bytes += saved.nbytes
+            self.report.bytes_ahead_peak = max(self.report.bytes_ahead_peak, self._ahead_bytes)
+            self._fetch(saved)
+            self.report.prefetched += 1
 
     def _device_tier(self, device: torch.device) -> str:
         """The store tier on the activations' device (a DeviceTier), else the fastest tier."""
@@ -236,13 +245,10 @@ def _is_parameter(tensor: torch.Tensor) -> bool:
     return isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)
 
 
-def _start_prefetch(store: TierStore, keys: list[str], tier: str) -> None:
-    """On the loop: prefetch those of ``keys`` that exist and are not on ``tier`` already."""
-    t = store._index(tier)
-    wanted = [key for key in keys if (entry := store._entries.get(key)) is not None and entry.visible
-              and entry.valid(t) is None and t not in entry.loading]
-    if wanted:
-        asyncio.ensure_future(store.prefetch(wanted, tier))
+async def _pop_when_stored(store: TierStore, saved: _Saved, tier: str) -> torch.Tensor:
+    await asyncio.wrap_future(saved.stored)
+    value = await store.pop(saved.key, tier)
+    return value if value.device == saved.device else value.to(saved.device)
 
 
 def _forget(loop: asyncio.AbstractEventLoop, store: TierStore, key: str, stored: Any) -> None:

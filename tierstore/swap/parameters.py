@@ -36,7 +36,7 @@ from ..store import TierStore
 from ..sync import SyncTierStore, loop_thread, run
 from ..tiers import MemoryTier
 from ..units import parse_bytes
-from .activations import _Saved, _start_prefetch, active_activation_offload
+from .activations import _Saved, active_activation_offload
 from .report import SwapReport
 
 # Keyed by identity (tensors compare elementwise, so a plain WeakKeyDictionary cannot hold them).
@@ -270,6 +270,15 @@ class ParameterOffload:
     async def write_weight(self, key: str, value: torch.Tensor) -> None:
         """Store a parameter's new value (the optimizer calls this after its update)."""
         await self.store.put(key, value, tier=self.tier)
+
+
+def _start_prefetch(store: TierStore, keys: list[str], tier: str) -> None:
+    """On the loop: prefetch those of ``keys`` that exist and are not on ``tier`` already."""
+    t = store._index(tier)
+    wanted = [key for key in keys if (entry := store._entries.get(key)) is not None and entry.visible
+              and entry.valid(t) is None and t not in entry.loading]
+    if wanted:
+        asyncio.ensure_future(store.prefetch(wanted, tier))
 
 
 async def _enter_all(managers: list[Any]) -> list[torch.Tensor]:

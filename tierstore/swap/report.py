@@ -17,6 +17,8 @@ class SwapReport:
     kept: int = 0
     #: Bytes of the tensors kept in place (too small, or parameters).
     bytes_kept: int = 0
+    #: Most bytes brought back ahead of backward and not yet used, at any one time.
+    bytes_ahead_peak: int = 0
     prefetched: int = 0
     bytes_out: int = 0
     bytes_in: int = 0
