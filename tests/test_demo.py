@@ -31,3 +31,12 @@ def test_demo_in_backward(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
             "--host-capacity", "512KiB", "--root", str(tmp_path / "store"), "--step-in-backward"]
     assert main(args) == 0
     assert "in-backward" in capsys.readouterr().out
+
+
+def test_demo_with_weights_and_activations_in_the_store(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["demo", "--steps", "4", "--layers", "2", "--dim", "64", "--seq", "32", "--vocab", "64", "--batch", "4",
+            "--host-capacity", "4MiB", "--device-capacity", "256KiB", "--root", str(tmp_path / "store"),
+            "--offload-params", "--offload-activations", "--compare"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "the curves agree" in out and "parameters: " in out and "activations: " in out

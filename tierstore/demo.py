@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--seed", type=int, default=0)
     model.add_argument("--clip", type=float, default=1.0, help="clip gradients to this global norm (0: off)")
     model.add_argument("--step-in-backward", action="store_true", help="update each tensor as soon as its gradient is ready (no clipping)")
+    model.add_argument("--offload-params", action="store_true", help="keep the weights in the store too; each layer visits the device tier only while it computes")
+    model.add_argument("--offload-activations", action="store_true", help="send activations saved for backward to the host tier")
     tiers = parser.add_argument_group("tiers")
     tiers.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where the model runs (the device tier's device)")
     tiers.add_argument("--device-capacity", default="16MiB")
@@ -65,8 +67,12 @@ def make_store(args: argparse.Namespace) -> TierStore:
     return TierStore(tiers, eviction=lambda: MIN(schedule), prefetch=schedule)
 
 
-def train(model: GPT, optimizer: Any, args: argparse.Namespace, label: str, clip_with_torch: bool) -> tuple[list[float], list[float]]:
-    """Train for ``args.steps``; return per-step losses and step times (seconds)."""
+def train(
+    model: GPT, optimizer: Any, args: argparse.Namespace, label: str, clip_with_torch: bool, swaps: tuple[Any, Any] = (None, None)
+) -> tuple[list[float], list[float]]:
+    """Train for ``args.steps``; return per-step losses and step times (seconds). ``swaps`` are
+    the parameter and activation offloaders, if used."""
+    params, activations = swaps
     batches = synthetic_batches(model.config, args.batch, seed=args.seed + 1, device=args.device)
     timeline = getattr(optimizer, "timeline", None)
     losses, times = [], []
@@ -75,13 +81,15 @@ def train(model: GPT, optimizer: Any, args: argparse.Namespace, label: str, clip
         started = time.perf_counter()
         tokens = next(batches)
         optimizer.zero_grad()
-        with timeline.span("forward") if timeline else _nothing():
+        with timeline.span("forward") if timeline else _nothing(), activations if activations else _nothing():
             loss = model.loss(tokens)
         with timeline.span("backward") if timeline else _nothing():
             loss.backward()
         if args.clip and clip_with_torch:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         optimizer.step()
+        if params is not None:
+            params.mark_step()
         losses.append(loss.item())
         times.append(time.perf_counter() - started)
         progress.set_postfix(loss=f"{losses[-1]:.3f}", ms=f"{times[-1] * 1e3:.0f}")
@@ -112,6 +120,14 @@ def main(argv: list[str] | None = None) -> int:
         f"disk {args.root} {format_bytes(parse_bytes(args.disk_capacity))}"
     )
     store = make_store(args)
+    swaps: tuple[Any, Any] = (None, None)
+    if args.offload_params or args.offload_activations:
+        from .swap import offload_activations, offload_parameters
+
+        swaps = (
+            offload_parameters(model, store, tier="host") if args.offload_params else None,
+            offload_activations(store, min_bytes="64KiB") if args.offload_activations else None,
+        )
     optimizer = TieredAdamW(
         model.parameters(), lr=args.lr, weight_decay=0.1, fused=True, store=store,
         max_grad_norm=args.clip or None, step_in_backward=args.step_in_backward,
@@ -119,18 +135,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(f"updates {'during backward' if args.step_in_backward else 'after backward, pipelined'}, "
               f"{optimizer.inflight} at a time; clipping {'off' if not args.clip else f'at norm {args.clip}'}\n")
-        losses, times = train(model, optimizer, args, "tiered", clip_with_torch=False)
+        losses, times = train(model, optimizer, args, "tiered", clip_with_torch=False, swaps=swaps)
         memory, timing = optimizer.memory_report(), optimizer.time_report()
+        swapped = [str(s.report) for s in swaps if s is not None]
         stats = optimizer.store.stats()
         if args.timeline:
             optimizer.write_timeline(args.timeline)
     finally:
         optimizer.close()
+        if swaps[0] is not None:
+            swaps[0].detach()
         run(store.aclose(flush=False))  # the state is scratch: nothing to write back
     print()
     print(memory)
     print()
     print("last step:", timing)
+    for line in swapped:
+        print(line)
     middle = sorted(times[len(times) // 10 :] or times)
     print(f"\nstep time: median {middle[len(middle) // 2] * 1e3:.1f} ms; loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     moved = ", ".join(f"{name} {format_bytes(link['nbytes'])}" for name, link in stats["links"].items())
