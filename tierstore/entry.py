@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .disk.extents import Extent
-from .tensors import TensorMeta
+from .tensors import TensorMeta, storage_nbytes
 
 
 @dataclass(eq=False)
@@ -40,7 +40,7 @@ class Copy:
     def nbytes(self) -> int:
         """Bytes this copy occupies on its tier."""
         if self.buffer is not None:
-            return self.buffer.untyped_storage().nbytes()
+            return storage_nbytes(self.buffer)
         return self.extent.length if self.extent is not None else 0
 
 

@@ -217,10 +217,6 @@ class Catalog:
                     raise CatalogError(f"catalog record for {record.key!r} is filed under the wrong address")
                 yield bytes(digest), record
 
-    def count(self) -> int:
-        with self._env.begin(db=self._entries) as txn:
-            return int(txn.stat(self._entries)["entries"])
-
     async def commit(self, changes: list[tuple[str, DiskRecord | None]], layout: CatalogLayout | None = None) -> None:
         """Durably apply ``changes`` (key -> new record, or None to delete) in one transaction
         shared with whatever other commits are waiting; returns once it is on disk."""

@@ -110,10 +110,6 @@ class ExtentAllocator:
                 allocator._add_free(segment, cursor, size - cursor)
         return allocator
 
-    def free_extents(self) -> list[Extent]:
-        """Every free extent (for checks and reports)."""
-        return [Extent(segment, offset, length) for length, segment, offset in self._by_size]
-
     def _add_free(self, segment: int, offset: int, length: int) -> None:
         bisect.insort(self._by_size, (length, segment, offset))
         self._starts[(segment, offset)] = length

@@ -13,6 +13,7 @@ from typing import ClassVar
 import torch
 
 from ..errors import TierFullError
+from ..tensors import storage_nbytes
 from ..units import format_bytes, parse_bytes
 
 
@@ -124,7 +125,7 @@ class MemoryTier(Tier):
 
     def release(self, buffer: torch.Tensor) -> None:
         """Return a buffer; it goes to the pool for reuse."""
-        size = buffer.untyped_storage().nbytes()
+        size = storage_nbytes(buffer)
         self._live_bytes -= size
         self._pool.setdefault(size, []).append(buffer)
         self._pooled_bytes += size
@@ -132,7 +133,7 @@ class MemoryTier(Tier):
     def forget(self, buffer: torch.Tensor) -> None:
         """Take a just-released buffer back out of the pool: it leaves the tier (handed to a
         caller), so it no longer counts against the capacity."""
-        size = buffer.untyped_storage().nbytes()
+        size = storage_nbytes(buffer)
         pooled = self._pool.get(size, [])
         for i, candidate in enumerate(pooled):
             if candidate is buffer:
