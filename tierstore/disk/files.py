@@ -11,7 +11,10 @@ from __future__ import annotations
 import errno
 import os
 import queue
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import crc32c
 import numpy as np
@@ -20,6 +23,9 @@ import torch
 from ..errors import CatalogError, DiskFullError
 from ..tensors import ALIGNMENT, aligned_empty, is_aligned
 from ..units import round_up
+
+if TYPE_CHECKING:
+    from .catalog import CatalogLayout, DiskRecord
 
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
@@ -55,6 +61,46 @@ def _as_numpy(tensor: torch.Tensor) -> np.ndarray:
     return tensor.numpy()
 
 
+class FileIO:
+    """The calls by which a disk tier changes its files and its catalog; plain ``os`` here.
+
+    A subclass sees each of them in the order they are made (from several threads), which is
+    how ``tierstore.faults.powercut`` records a workload and rebuilds the states a power cut
+    could leave. Reads are not routed through it.
+    """
+
+    def open(self, path: Path, flags: int, mode: int) -> int:
+        return os.open(path, flags, mode)
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+    def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
+        return os.pwrite(fd, data, offset)
+
+    def ftruncate(self, fd: int, length: int) -> None:
+        os.ftruncate(fd, length)
+
+    def fallocate(self, fd: int, offset: int, length: int) -> None:
+        os.posix_fallocate(fd, offset, length)
+
+    def fdatasync(self, fd: int) -> None:
+        os.fdatasync(fd)
+
+    def fsync(self, fd: int) -> None:
+        os.fsync(fd)
+
+    def fsync_dir(self, folder: Path) -> None:
+        _fsync_dir(folder)
+
+    def catalog_commit(
+        self, changes: Sequence[tuple[str, DiskRecord | None]], layout: CatalogLayout | None
+    ) -> AbstractContextManager[None]:
+        """A scope around one catalog transaction (``layout``: the new format record, if any):
+        entered before it starts, left normally once it is durable."""
+        return nullcontext()
+
+
 class SegmentFiles:
     """The open data files of one disk tier folder.
 
@@ -68,10 +114,15 @@ class SegmentFiles:
     staging_buffers, staging_size:
         Aligned bounce buffers for chunks whose memory is not aligned (user tensors, small
         buffers); at most one per worker thread is in use at a time.
+    io:
+        The file-system calls that change the files (default: ``os``, see ``FileIO``).
     """
 
-    def __init__(self, folder: Path, direct: bool | str, staging_buffers: int, staging_size: int, pinned: bool) -> None:
+    def __init__(
+        self, folder: Path, direct: bool | str, staging_buffers: int, staging_size: int, pinned: bool, io: FileIO | None = None
+    ) -> None:
         self.folder = folder
+        self.io = io if io is not None else FileIO()
         self._direct_setting = direct
         self.direct = False
         self._fds: list[int] = []
@@ -116,12 +167,12 @@ class SegmentFiles:
         path = self.path(segment)
         fd = self._open_fd(path, create=True)
         try:
-            os.ftruncate(fd, 0)
-            os.posix_fallocate(fd, 0, size)
-            os.fsync(fd)
-            _fsync_dir(self.folder)
+            self.io.ftruncate(fd, 0)
+            self.io.fallocate(fd, 0, size)
+            self.io.fsync(fd)
+            self.io.fsync_dir(self.folder)
         except OSError as exc:
-            os.close(fd)
+            self.io.close(fd)
             path.unlink(missing_ok=True)
             if is_disk_full(exc):
                 raise disk_full(exc, f"cannot reserve {size} bytes for {path}") from None
@@ -130,36 +181,37 @@ class SegmentFiles:
 
     def close(self) -> None:
         for fd in self._fds:
-            os.close(fd)
+            self.io.close(fd)
         self._fds = []
         while not self._staging.empty():
             self._staging.get()
 
     def sync(self, segment: int) -> None:
         """Make the data written to ``segment`` durable."""
-        os.fdatasync(self._fds[segment])
+        self.io.fdatasync(self._fds[segment])
 
     def write_chunk(self, segment: int, file_offset: int, src: torch.Tensor, start: int, length: int) -> None:
         """Write ``src[start:start+length]`` at ``file_offset`` (the caller checksums it)."""
         fd = self._fds[segment]
         payload = _as_numpy(src[start : start + length])
+        pwrite = self.io.pwrite
         if not self.direct:
-            _pwrite_all(fd, payload.data, file_offset)
+            _pwrite_all(fd, payload.data, file_offset, pwrite)
             return
         padded = round_up(length, ALIGNMENT)
         direct = self._direct_span(src, start, length)
         if direct == padded:  # aligned, with room for the padding: straight from the tensor
-            _pwrite_all(fd, (_as_numpy(src[start : start + padded])).data, file_offset)
+            _pwrite_all(fd, (_as_numpy(src[start : start + padded])).data, file_offset, pwrite)
             return
         if direct:
-            _pwrite_all(fd, (payload[:direct]).data, file_offset)
+            _pwrite_all(fd, (payload[:direct]).data, file_offset, pwrite)
         rest = length - direct
         staging = self._staging.get()
         try:
             stage = _as_numpy(staging)
             np.copyto(stage[:rest], payload[direct:])
             stage[rest : padded - direct] = 0
-            _pwrite_all(fd, (stage[: padded - direct]).data, file_offset + direct)
+            _pwrite_all(fd, (stage[: padded - direct]).data, file_offset + direct, pwrite)
         finally:
             self._staging.put(staging)
 
@@ -209,7 +261,7 @@ class SegmentFiles:
         flags = os.O_RDWR | (os.O_CREAT if create else 0) | getattr(os, "O_CLOEXEC", 0)
         if self.direct:
             flags |= os.O_DIRECT
-        return os.open(path, flags, 0o600)
+        return self.io.open(path, flags, 0o600)
 
     def _probe_direct(self, sizes: list[int]) -> bool:
         if self._direct_setting is False or not hasattr(os, "O_DIRECT"):
@@ -237,12 +289,12 @@ class SegmentFiles:
             probe.unlink(missing_ok=True)
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+def _pwrite_all(fd: int, data: memoryview, offset: int, pwrite: Callable[[int, memoryview, int], int] = os.pwrite) -> None:
     done = 0
     total = len(data)
     while done < total:
         try:
-            written = os.pwrite(fd, data[done:], offset + done)
+            written = pwrite(fd, data[done:], offset + done)
         except OSError as exc:
             if is_disk_full(exc):
                 raise disk_full(exc, "writing a data file") from None

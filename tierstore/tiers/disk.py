@@ -13,7 +13,7 @@ import torch
 
 from ..disk.catalog import Catalog, CatalogLayout, DiskRecord
 from ..disk.extents import Extent, ExtentAllocator
-from ..disk.files import SegmentFiles, TruncatedSegment, checksum_of
+from ..disk.files import FileIO, SegmentFiles, TruncatedSegment, checksum_of
 from ..errors import CatalogError, ChecksumError, StoreClosedError, StoreLockedError, TierFullError
 from ..tensors import ALIGNMENT
 from ..units import format_bytes, parse_bytes, round_up
@@ -55,6 +55,9 @@ class DiskTier(Tier):
     segment_size:
         Largest data file (default ``min(capacity, 4GiB)``); no tensor can be larger. Files are
         created as the tier fills, the first of 16 MiB, each next twice the last.
+    io:
+        The calls that change the data files and commit the catalog (default: ``os`` and
+        LMDB as they are); ``tierstore.faults.powercut`` passes a recorder here.
     """
 
     kind: ClassVar[str] = "disk"
@@ -70,9 +73,11 @@ class DiskTier(Tier):
         chunk_size: int | str = "4MiB",
         create: bool = True,
         name: str = "disk",
+        io: FileIO | None = None,
     ) -> None:
         super().__init__(capacity, name)
         self.root = Path(root)
+        self.io = io if io is not None else FileIO()
         self.durable = bool(durable)
         if direct not in (True, False, "auto"):
             raise ValueError(f"direct must be True, False or 'auto', not {direct!r}")
@@ -134,6 +139,7 @@ class DiskTier(Tier):
             staging_buffers=self.io_threads,
             staging_size=self.chunk_size,
             pinned=torch.cuda.is_available(),
+            io=self.io,
         )
         records = {}
         for _, record in self._catalog.records():
@@ -248,7 +254,8 @@ class DiskTier(Tier):
             segment = len(self._allocator.segment_sizes)
             await self.pool.run(partial(files.create, segment, size))
             layout = CatalogLayout(self.chunk_size, ALIGNMENT, (*self._allocator.segment_sizes, size))
-            await catalog.commit([], layout=layout)
+            with self.io.catalog_commit([], layout):
+                await catalog.commit([], layout=layout)
             self._allocator.add_segment(size)
             extent = self._allocator.allocate(length)
             if extent is None:  # cannot happen: the new segment is at least `length` long
@@ -298,7 +305,8 @@ class DiskTier(Tier):
     async def commit(self, changes: list[tuple[str, DiskRecord | None]]) -> None:
         """Apply catalog changes (key -> record, or None to delete) durably, in one transaction."""
         self._require_open()
-        await self._require_catalog().commit(changes)
+        with self.io.catalog_commit(changes, None):
+            await self._require_catalog().commit(changes)
 
     def read_raw(self, extent: Extent, length: int) -> bytes:
         """The bytes of an extent as they lie in the file (for tools and tests)."""
