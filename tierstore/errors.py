@@ -63,3 +63,8 @@ class StoreLockedError(TierStoreError, OSError):
 
 class StoreClosedError(TierStoreError, RuntimeError):
     """The store (or tier) is not open."""
+
+
+class NamespaceClaimedError(TierStoreError, RuntimeError):
+    """A key namespace is claimed by someone else (live in this process, or recorded by an
+    earlier run for another owner), or overlaps one that is; nothing was changed."""

@@ -2,16 +2,45 @@
 
 Keys are never used as file names. On disk a key is stored inside a catalog record, and the
 record is found by a fixed-size digest of the key, so any key of any length is safe.
+
+Keys under ``RESERVED_PREFIX`` hold the store's own records (the namespace index of
+``tierstore.namespaces``); the verbs refuse them unless the store itself asks, inside
+``reserved_keys()``.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 from .errors import InvalidKeyError
 
 #: Longest key accepted, in UTF-8 bytes. Generous, but bounded so a catalog record stays small.
 MAX_KEY_BYTES = 64 * 1024
+
+#: Keys the store keeps for itself; user verbs refuse them and ``keys()`` does not list them.
+RESERVED_PREFIX = "__tierstore__/"
+
+# A context variable, not a flag on the store: it is set only in the task doing the store's own
+# bookkeeping, so a user call running at the same time on the loop is still refused.
+_reserved_allowed: ContextVar[bool] = ContextVar("tierstore_reserved_keys", default=False)
+
+
+def is_reserved(key: str) -> bool:
+    """Whether ``key`` is one of the store's own (under ``RESERVED_PREFIX``)."""
+    return key.startswith(RESERVED_PREFIX)
+
+
+@contextmanager
+def reserved_keys() -> Iterator[None]:
+    """Let the verbs called (and awaited) inside accept reserved keys: for the store's own records."""
+    token = _reserved_allowed.set(True)
+    try:
+        yield
+    finally:
+        _reserved_allowed.reset(token)
 
 
 def check_key(key: object) -> str:
@@ -26,6 +55,8 @@ def check_key(key: object) -> str:
         raise InvalidKeyError(f"key {key!r:.80} is not valid UTF-8 ({exc.reason})") from None
     if len(encoded) > MAX_KEY_BYTES:
         raise InvalidKeyError(f"key is {len(encoded)} bytes long; the limit is {MAX_KEY_BYTES}")
+    if is_reserved(key) and not _reserved_allowed.get():
+        raise InvalidKeyError(f"keys under {RESERVED_PREFIX!r} are the store's own records: {key!r:.80}")
     return key
 
 
