@@ -1,20 +1,33 @@
 """A blocking facade over ``TierStore`` for plain scripts and PyTorch autograd hooks.
 
 The asynchronous store is the real one. ``SyncTierStore`` runs it on one named event-loop thread
-(shared by every sync store in the process) and submits coroutines with
-``asyncio.run_coroutine_threadsafe``, the pattern zarr uses for its sync API. Calling it from
-the loop thread itself would deadlock, so that raises; after ``fork`` (DataLoader workers) the
-child starts a fresh loop thread and cannot use stores opened by the parent.
+(shared by every sync store in the process) and submits coroutines to it, the pattern zarr uses
+for its sync API. Calling it from the loop thread itself would deadlock, so that raises; after
+``fork`` (DataLoader workers) the child starts a fresh loop thread and cannot use stores opened
+by the parent.
+
+The facade cannot drift from the async class: every public verb of ``TierStore`` that has no
+method written here is generated when this module is imported (same signature and docstring,
+run on the loop thread), and the docstrings of the methods written here are the async ones.
+``RENAMED`` lists the async names whose blocking counterpart has another name.
+
+A sync store still open when the interpreter exits is flushed and closed then (see
+``close_open_stores``): an acknowledged put is not lost because a script forgot ``close()``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures.thread  # noqa: F401  (imported before we register: see _register_exit_hook)
+import functools
+import inspect
 import os
 import sys
 import threading
-from collections.abc import Coroutine, Iterable, Iterator
+import traceback
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -23,16 +36,28 @@ from .prefetching import PrefetchHandle, PrefetchResult
 from .store import TierRef, TierStore
 from .tiers.base import Tier
 
+__all__ = ["RENAMED", "SyncPrefetch", "SyncTierStore", "close_open_stores", "loop_thread", "public_verbs", "run"]
+
 T = TypeVar("T")
+
+#: Async names of ``TierStore`` whose blocking counterpart on ``SyncTierStore`` is named otherwise.
+RENAMED: dict[str, str] = {"aclose": "close", "__aenter__": "__enter__", "__aexit__": "__exit__"}
+#: Dunder methods that are verbs of the store (``key in store``, ``len(store)``).
+_DUNDER_VERBS = ("__contains__", "__len__", "__aenter__", "__aexit__")
 
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
 _thread: threading.Thread | None = None
+# Strong references on purpose: an open store holds files and a folder lock that only close()
+# releases, and a store dropped without close() must still have its puts flushed at exit.
+_open_stores: dict[int, SyncTierStore] = {}
+_exit_hook_registered = False
 
 
 def _reset_after_fork() -> None:
-    global _loop, _thread, _lock
+    global _loop, _thread, _lock, _open_stores
     _loop, _thread, _lock = None, None, threading.Lock()
+    _open_stores = {}  # the parent's stores are not usable here; closing them is the parent's job
 
 
 if hasattr(os, "register_at_fork"):
@@ -52,12 +77,93 @@ def loop_thread() -> asyncio.AbstractEventLoop:
 
 
 def run(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-    """Run ``coro`` on the tierstore loop and wait for its result (not from the loop itself)."""
+    """Run ``coro`` on the tierstore loop and wait for its result (not from the loop itself).
+
+    Parameters
+    ----------
+    coro:
+        The coroutine to run.
+    timeout:
+        Seconds to wait, or None to wait as long as it takes.
+
+    Raises
+    ------
+    TimeoutError
+        ``timeout`` passed. The coroutine was cancelled and has finished cancelling before
+        this is raised, so it no longer uses anything the caller passed in (a put no longer
+        reads the caller's tensor). If it completed regardless, its result is returned instead.
+    KeyboardInterrupt
+        Likewise re-raised once the cancelled coroutine has finished.
+    RuntimeError
+        Called from the tierstore loop thread (it would wait for itself forever).
+    """
     loop = loop_thread()
     if threading.current_thread() is _thread:
         coro.close()
         raise RuntimeError("a blocking tierstore call was made from the tierstore loop thread; await the async API there")
-    return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
+    finished = threading.Event()
+    started: concurrent.futures.Future[asyncio.Task[T]] = concurrent.futures.Future()
+
+    def start() -> None:
+        task = loop.create_task(coro)
+        task.add_done_callback(lambda _: finished.set())
+        started.set_result(task)
+
+    loop.call_soon_threadsafe(start)
+    task = started.result()
+    try:
+        completed = finished.wait(timeout)
+    except KeyboardInterrupt:
+        _cancel_and_wait(loop, task, finished)
+        raise
+    if not completed:
+        _cancel_and_wait(loop, task, finished)
+        if task.cancelled():
+            raise TimeoutError(f"the tierstore call did not finish within {timeout} s and was cancelled")
+    return task.result()  # the task is done: reading its outcome from this thread is safe
+
+
+def _cancel_and_wait(loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any], finished: threading.Event) -> None:
+    """Cancel ``task`` and wait until it has finished (it may defer the cancellation until it
+    no longer uses the caller's memory)."""
+    loop.call_soon_threadsafe(task.cancel)
+    finished.wait()
+
+
+def _register_exit_hook() -> None:
+    """Have ``close_open_stores`` run when the interpreter exits, while it still can.
+
+    ``atexit`` handlers run too late: by then ``concurrent.futures`` has shut its thread pools
+    (the catalog's writer, ``asyncio.to_thread``) and refuses new work. ``threading`` runs its own
+    exit hooks earlier, in reverse order of registration, so registering after
+    ``concurrent.futures.thread`` (imported above) puts ours first. The loop thread is a daemon
+    and runs until the interpreter is finalized, after both.
+    """
+    global _exit_hook_registered
+    if _exit_hook_registered:
+        return
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # not CPython: the plain atexit hook is the best available
+        import atexit
+
+        atexit.register(close_open_stores)
+    else:
+        register(close_open_stores)
+    _exit_hook_registered = True
+
+
+def close_open_stores() -> None:
+    """Flush and close every ``SyncTierStore`` still open (run at interpreter exit).
+
+    Each store is closed even if another fails; a failure is printed to stderr with its
+    traceback, as Python reports any error at exit.
+    """
+    for store in list(_open_stores.values()):
+        try:
+            store.close()
+        except Exception:
+            print(f"tierstore: closing {store.store!r} at exit failed:", file=sys.stderr)
+            traceback.print_exc()
 
 
 class SyncPrefetch:
@@ -67,12 +173,15 @@ class SyncPrefetch:
         self._handle = handle
 
     def wait(self, timeout: float | None = None) -> PrefetchResult:
+        """Wait for the prefetch and return what it did (the prefetch goes on after a timeout)."""
         return run(self._handle.wait(), timeout)
 
     def cancel(self) -> None:
+        """Stop what has not started (what already arrived stays)."""
         loop_thread().call_soon_threadsafe(self._handle.cancel)
 
     def done(self) -> bool:
+        """Whether the prefetch has finished."""
         return self._handle.done()
 
 
@@ -80,7 +189,9 @@ class SyncTierStore:
     """The verbs of ``TierStore`` as blocking calls. Safe to use from any thread.
 
     ``SyncTierStore(tiers, **options)`` takes the same arguments as ``TierStore``; or wrap an
-    unopened store with ``SyncTierStore.wrap(store)``. Use it as ``with SyncTierStore(...) as s:``.
+    unopened store with ``SyncTierStore.wrap(store)``. Use it as ``with SyncTierStore(...) as s:``
+    or call ``open()`` and ``close()``; one still open at interpreter exit is flushed and closed
+    then. Each verb's docstring is the async verb's.
     """
 
     def __init__(self, tiers: Iterable[Tier] | None = None, *, store: TierStore | None = None, **options: Any) -> None:
@@ -90,18 +201,26 @@ class SyncTierStore:
 
     @classmethod
     def wrap(cls, store: TierStore) -> SyncTierStore:
+        """A blocking facade over ``store`` (not yet open)."""
         return cls(store=store)
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run any coroutine on the store's loop (e.g. a batch of async calls at once)."""
         return run(coro, timeout)
 
+    # -- lifecycle ----------------------------------------------------------------------------
+
     def open(self) -> SyncTierStore:
         run(self.store.open())
+        _register_exit_hook()
+        _open_stores[id(self)] = self
         return self
 
     def close(self, flush: bool | None = None) -> None:
-        run(self.store.aclose(flush))
+        try:
+            run(self.store.aclose(flush))
+        finally:
+            _open_stores.pop(id(self), None)
 
     def __enter__(self) -> SyncTierStore:
         return self.open()
@@ -109,20 +228,7 @@ class SyncTierStore:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def put(self, key: str, tensor: torch.Tensor, tier: TierRef = None) -> None:
-        run(self.store.put(key, tensor, tier))
-
-    def get(self, key: str, tier: TierRef = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        return run(self.store.get(key, tier, out=out))
-
-    def delete(self, key: str) -> None:
-        run(self.store.delete(key))
-
-    def prefetch(self, keys: Iterable[str], tier: TierRef = None) -> SyncPrefetch:
-        return SyncPrefetch(run(self.store.prefetch(list(keys), tier)))
-
-    def flush(self) -> None:
-        run(self.store.flush())
+    # -- verbs whose blocking form differs ----------------------------------------------------
 
     @contextmanager
     def hold(self, key: str, tier: TierRef = None, write: bool = False) -> Iterator[torch.Tensor]:
@@ -131,28 +237,124 @@ class SyncTierStore:
         try:
             yield tensor
         except BaseException:
-            run(manager.__aexit__(*sys.exc_info()))
-            raise
-        run(manager.__aexit__(None, None, None))
+            if not run(manager.__aexit__(*sys.exc_info())):
+                raise
+        else:
+            run(manager.__aexit__(None, None, None))
+
+    def prefetch(self, keys: Iterable[str], tier: TierRef = None) -> SyncPrefetch:
+        return SyncPrefetch(run(self.store.prefetch(list(keys), tier)))
+
+    # -- the rest forward as they are (written out for type checkers and readers) -------------
+
+    def put(self, key: str, tensor: torch.Tensor, tier: TierRef = None, *, durable: bool | None = None) -> None:
+        run(self.store.put(key, tensor, tier, durable=durable))
+
+    def get(self, key: str, tier: TierRef = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        return run(self.store.get(key, tier, out=out))
+
+    def read(self, key: str) -> torch.Tensor:
+        return run(self.store.read(key))
+
+    def pop(self, key: str, tier: TierRef = None) -> torch.Tensor:
+        return run(self.store.pop(key, tier))
+
+    def delete(self, key: str) -> None:
+        run(self.store.delete(key))
+
+    def flush(self) -> None:
+        run(self.store.flush())
+
+    def export_zarr(self, path: str | Path, overwrite: bool = False) -> int:
+        return run(self.store.export_zarr(path, overwrite))
+
+    def import_zarr(self, path: str | Path, tier: TierRef = None) -> int:
+        return run(self.store.import_zarr(path, tier))
 
     def mark_step(self) -> None:
-        run(_call(self.store.mark_step))
+        _on_loop(self.store.mark_step)
 
     def stats(self) -> dict[str, Any]:
-        return run(_call(self.store.stats))
+        return _on_loop(self.store.stats)
 
     def keys(self) -> list[str]:
-        return run(_call(self.store.keys))
+        return _on_loop(self.store.keys)
 
     def info(self, key: str) -> dict[str, Any]:
-        return run(_call(self.store.info, key))
+        return _on_loop(self.store.info, key)
+
+    def where(self, key: str) -> list[str]:
+        return _on_loop(self.store.where, key)
 
     def __contains__(self, key: object) -> bool:
-        return run(_call(self.store.__contains__, key))
+        return _on_loop(self.store.__contains__, key)
 
     def __len__(self) -> int:
-        return run(_call(self.store.__len__))
+        return _on_loop(self.store.__len__)
+
+    def __repr__(self) -> str:
+        return f"SyncTierStore({self.store!r})"
 
 
-async def _call(fn: Any, *args: Any) -> Any:
-    return fn(*args)
+def _on_loop(fn: Callable[..., T], *args: Any) -> T:
+    """Call a synchronous method of the store on the loop thread, which owns the store's state."""
+
+    async def call() -> T:
+        return fn(*args)
+
+    return run(call())
+
+
+def public_verbs(cls: type) -> dict[str, Any]:
+    """The public verbs of ``cls``: names not starting with ``_`` and the dunder verbs (``in``,
+    ``len``, ``async with``), each mapped to its class attribute."""
+    verbs = {}
+    for name in dir(cls):
+        if (not name.startswith("_") or name in _DUNDER_VERBS) and name in _defined(cls):
+            verbs[name] = inspect.getattr_static(cls, name)
+    return verbs
+
+
+def _defined(cls: type) -> set[str]:
+    """Names defined by ``cls`` or a base other than ``object``."""
+    return {name for klass in cls.__mro__ if klass is not object for name in vars(klass)}
+
+
+def _forwarder(name: str, member: Any) -> Any:
+    """A blocking member that runs ``TierStore.<name>`` on the loop, with its signature and doc."""
+    if isinstance(member, property):
+        prop = property(lambda self: _on_loop(getattr, self.store, name), doc=member.__doc__)
+        return prop
+    function = member.__func__ if isinstance(member, (staticmethod, classmethod)) else member
+    if inspect.iscoroutinefunction(function):
+
+        def forward(self: SyncTierStore, *args: Any, **kwargs: Any) -> Any:
+            return run(getattr(self.store, name)(*args, **kwargs))
+
+    else:
+
+        def forward(self: SyncTierStore, *args: Any, **kwargs: Any) -> Any:
+            return _on_loop(functools.partial(getattr(self.store, name), *args, **kwargs))
+
+    functools.update_wrapper(forward, function)
+    forward.__signature__ = inspect.signature(function)  # type: ignore[attr-defined]
+    forward.__qualname__ = f"SyncTierStore.{name}"
+    return forward
+
+
+def _mirror(sync_cls: type, async_cls: type) -> None:
+    """Give ``sync_cls`` every public verb of ``async_cls`` it lacks, and the async docstrings."""
+    mine = _defined(sync_cls)
+    for name, member in public_verbs(async_cls).items():
+        target = RENAMED.get(name, name)
+        if target not in mine:
+            setattr(sync_cls, target, _forwarder(name, member))
+            continue
+        own = inspect.getattr_static(sync_cls, target)
+        function = own.__func__ if isinstance(own, (staticmethod, classmethod)) else own
+        source = member.__func__ if isinstance(member, (staticmethod, classmethod)) else member
+        if getattr(function, "__doc__", "") is None and getattr(source, "__doc__", None):
+            function.__doc__ = source.__doc__
+
+
+_mirror(SyncTierStore, TierStore)
