@@ -4,13 +4,18 @@ adapts to ghost hits."""
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 
 class ARC:
     """Adaptive Replacement Cache. ``T1`` holds keys seen once recently, ``T2`` keys seen again;
     ``B1``/``B2`` remember keys evicted from each. A miss on a ghost moves the target size ``p``
     of ``T1`` towards the list that would have kept it. Sizes are bytes; ``set_capacity`` (the
-    store and the simulator call it) bounds the ghosts."""
+    store and the simulator call it) bounds the ghosts.
+
+    ``victim(evictable)`` takes the oldest evictable key of the list ARC's rule picks (``T1``
+    when it is over its target ``p`` or ``T2`` is empty), or of the other list when the picked
+    one has no evictable key. A skipped key keeps its list and its place in it."""
 
     name = "arc"
 
@@ -67,19 +72,18 @@ class ARC:
         if self._take("t1", key) is None:
             self._take("t2", key)
 
-    def victim(self) -> str | None:
-        if self._t1 and (self._bytes["t1"] > self.p or not self._t2):
-            key, size = self._t1.popitem(last=False)
-            self._bytes["t1"] -= size
-            self._put("b1", key, size)
-        elif self._t2:
-            key, size = self._t2.popitem(last=False)
-            self._bytes["t2"] -= size
-            self._put("b2", key, size)
-        else:
-            return None
-        self._trim_ghosts(self._cap())
-        return key
+    def victim(self, evictable: Callable[[str], bool] | None = None) -> str | None:
+        order = ("t1", "t2") if self._t1 and (self._bytes["t1"] > self.p or not self._t2) else ("t2", "t1")
+        for name in order:
+            queue: OrderedDict[str, int] = getattr(self, f"_{name}")
+            key = next((k for k in queue if evictable is None or evictable(k)), None)
+            if key is not None:
+                size = queue.pop(key)
+                self._bytes[name] -= size
+                self._put("b1" if name == "t1" else "b2", key, size)
+                self._trim_ghosts(self._cap())
+                return key
+        return None
 
     def _trim_ghosts(self, cap: int) -> None:
         while self._b1 and self._bytes["t1"] + self._bytes["b1"] > cap:

@@ -16,7 +16,9 @@ from typing import Any
 
 class MIN:
     """Belady's MIN. ``oracle`` is a callable ``key -> when it is next used`` (an absolute
-    position; ``math.inf`` for never), or an object with such a ``next_use`` method."""
+    position; ``math.inf`` for never), or an object with such a ``next_use`` method. The next
+    use is asked on insertion and on every hit. ``victim(evictable)`` takes the evictable key
+    used furthest in the future; a skipped key keeps its next use."""
 
     name = "min"
 
@@ -55,13 +57,20 @@ class MIN:
             heapq.heappop(self._heap)
         return None
 
-    def victim(self) -> str | None:
-        top = self._top()
-        if top is None:
-            return None
-        heapq.heappop(self._heap)
-        del self._next[top[1]]
-        return top[1]
+    def victim(self, evictable: Callable[[str], bool] | None = None) -> str | None:
+        skipped: list[tuple[float, int, str]] = []
+        chosen = None
+        while (top := self._top()) is not None:
+            row = heapq.heappop(self._heap)
+            if evictable is None or evictable(top[1]):
+                chosen = top[1]
+                break
+            skipped.append(row)
+        for row in skipped:
+            heapq.heappush(self._heap, row)
+        if chosen is not None:
+            del self._next[chosen]
+        return chosen
 
     def furthest_next_use(self) -> float:
         """When the victim-to-be is next needed (``-inf`` if nothing is tracked): a prefetch of a

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 
 class FIFO:
-    """First in, first out."""
+    """First in, first out. A key skipped by the ``evictable`` predicate keeps its place."""
 
     name = "fifo"
 
@@ -23,8 +24,11 @@ class FIFO:
     def on_remove(self, key: str) -> None:
         self._queue.pop(key, None)
 
-    def victim(self) -> str | None:
-        return self._queue.popitem(last=False)[0] if self._queue else None
+    def victim(self, evictable: Callable[[str], bool] | None = None) -> str | None:
+        key = next((k for k in self._queue if evictable is None or evictable(k)), None)
+        if key is not None:
+            del self._queue[key]
+        return key
 
     def reset(self) -> None:
         self._queue.clear()

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 
 class LFU:
     """Least frequently used, O(1): keys in buckets by hit count, each bucket in LRU order.
-    Counts start at 1 on insertion and are forgotten when a key leaves."""
+    Counts start at 1 on insertion and are forgotten when a key leaves. A key skipped by the
+    ``evictable`` predicate keeps its count and its place in its bucket."""
 
     name = "lfu"
 
@@ -43,15 +45,21 @@ class LFU:
         if not bucket:
             del self._buckets[count]
 
-    def victim(self) -> str | None:
+    def victim(self, evictable: Callable[[str], bool] | None = None) -> str | None:
         if not self._count:
             return None
-        while self._lowest not in self._buckets:
+        if self._lowest not in self._buckets:
             self._lowest = min(self._buckets)
-        bucket = self._buckets[self._lowest]
-        key, _ = bucket.popitem(last=False)
-        if not bucket:
-            del self._buckets[self._lowest]
+        key = _first(self._buckets[self._lowest], evictable)
+        count = self._lowest
+        if key is None:  # the least frequent keys are all excluded: look further up
+            for count in sorted(self._buckets):
+                key = _first(self._buckets[count], evictable)
+                if key is not None:
+                    break
+            else:
+                return None
+        self._unlink(key, count)
         del self._count[key]
         return key
 
@@ -62,3 +70,7 @@ class LFU:
 
     def __len__(self) -> int:
         return len(self._count)
+
+
+def _first(bucket: OrderedDict[str, None], evictable: Callable[[str], bool] | None) -> str | None:
+    return next((k for k in bucket if evictable is None or evictable(k)), None)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 
 class LRU:
-    """Least recently used. ``victim`` is the oldest key; a hit moves a key to the young end."""
+    """Least recently used. ``victim`` is the oldest evictable key; a hit moves a key to the young
+    end. A key skipped by the ``evictable`` predicate keeps its place in the order."""
 
     name = "lru"
 
@@ -24,10 +26,11 @@ class LRU:
     def on_remove(self, key: str) -> None:
         self._order.pop(key, None)
 
-    def victim(self) -> str | None:
-        if not self._order:
-            return None
-        return self._order.popitem(last=False)[0]
+    def victim(self, evictable: Callable[[str], bool] | None = None) -> str | None:
+        key = next((k for k in self._order if evictable is None or evictable(k)), None)
+        if key is not None:
+            del self._order[key]
+        return key
 
     def reset(self) -> None:
         self._order.clear()

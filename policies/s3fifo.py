@@ -4,12 +4,18 @@ with lazy promotion, and a ghost FIFO of recently evicted keys. Counted in bytes
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 
 class S3FIFO:
     """New keys enter the small queue (10% of capacity) unless the ghost queue remembers them;
     a key evicted from small that was hit more than once moves to main; main evicts FIFO but
-    gives keys hit since their last pass another round."""
+    gives keys hit since their last pass another round.
+
+    ``victim(evictable)`` runs the same passes over evictable keys only: a skipped key keeps
+    its queue, its place in it and its frequency (it is neither promoted nor given another
+    round while excluded). When the queue the rule picks has no evictable key, the other is
+    used."""
 
     name = "s3fifo"
 
@@ -55,16 +61,24 @@ class S3FIFO:
             del self._main[key]
             self._main_bytes -= size
 
-    def victim(self) -> str | None:
+    def victim(self, evictable: Callable[[str], bool] | None = None) -> str | None:
         capacity = self.capacity or (self._small_bytes + self._main_bytes)
-        while self._small or self._main:
-            if self._small and (self._small_bytes >= self.small_fraction * capacity or not self._main):
-                key, size = self._small.popitem(last=False)
+        small_blocked = main_blocked = False  # the queue holds no evictable key
+        while True:
+            small_ok = bool(self._small) and not small_blocked
+            main_ok = bool(self._main) and not main_blocked
+            if small_ok and (self._small_bytes >= self.small_fraction * capacity or not main_ok):
+                key = _first(self._small, evictable)
+                if key is None:
+                    small_blocked = True
+                    continue
+                size = self._small.pop(key)
                 self._small_bytes -= size
                 if self._freq[key] > 1:  # hit while in small: promote to main
                     self._freq[key] = 0
                     self._main[key] = size
                     self._main_bytes += size
+                    main_blocked = False
                     continue
                 self._forget(key)
                 self._ghost[key] = size
@@ -73,7 +87,13 @@ class S3FIFO:
                     _, old = self._ghost.popitem(last=False)
                     self._ghost_bytes -= old
                 return key
-            key, size = self._main.popitem(last=False)
+            if not main_ok:
+                return None
+            key = _first(self._main, evictable)
+            if key is None:
+                main_blocked = True
+                continue
+            size = self._main.pop(key)
             if self._freq[key] > 0:  # hit since its last pass: another round
                 self._freq[key] -= 1
                 self._main[key] = size
@@ -81,7 +101,6 @@ class S3FIFO:
             self._main_bytes -= size
             self._forget(key)
             return key
-        return None
 
     def _forget(self, key: str) -> None:
         del self._size[key]
@@ -89,3 +108,7 @@ class S3FIFO:
 
     def __len__(self) -> int:
         return len(self._size)
+
+
+def _first(queue: OrderedDict[str, int], evictable: Callable[[str], bool] | None) -> str | None:
+    return next((k for k in queue if evictable is None or evictable(k)), None)

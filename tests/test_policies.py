@@ -77,6 +77,70 @@ class PolicyTests:
                     tracked.discard(victim)
 
 
+    def test_excluded_keys_are_never_chosen_and_stay_tracked(self) -> None:
+        policy, rng, tracked = self.make(), random.Random(11), set()
+        for _ in range(3000):
+            key = f"k{rng.randrange(30)}"
+            action = rng.random()
+            if action < 0.35:
+                policy.on_insert(key, rng.randrange(1, 100))
+                tracked.add(key)
+            elif action < 0.65:
+                policy.on_hit(key)
+            elif action < 0.75:
+                policy.on_remove(key)
+                tracked.discard(key)
+            else:
+                excluded = {k for k in tracked if rng.random() < 0.5}
+                asked: list[str] = []
+
+                def evictable(k: str, excluded: set[str] = excluded, asked: list[str] = asked) -> bool:
+                    asked.append(k)
+                    return k not in excluded
+
+                victim = policy.victim(evictable)
+                assert set(asked) <= tracked  # only tracked keys are offered
+                assert (victim is None) == (not tracked - excluded)
+                if victim is not None:
+                    assert victim in tracked - excluded
+                    tracked.discard(victim)
+        while (victim := policy.victim()) is not None:  # the skipped keys are all still there
+            tracked.remove(victim)
+        assert not tracked
+
+    def test_nothing_evictable_means_no_victim_and_no_change(self) -> None:
+        policy = self.make()
+        for key in "abc":
+            policy.on_insert(key, 1)
+        policy.on_hit("b")
+        expected = _drain(self.make, [("insert", k) for k in "abc"] + [("hit", "b")])
+        assert policy.victim(lambda key: False) is None
+        assert [policy.victim() for _ in range(3)] == expected
+
+    def test_a_skipped_key_keeps_its_state(self) -> None:
+        # The same history, with and without a victim() that excluded "a" along the way: the
+        # keys that remain go in the same order afterwards.
+        history = [("insert", k) for k in "abcdef"] + [("hit", "a")] * 3 + [("hit", "c"), ("insert", "g")]
+        plain = self.make()
+        skipping = self.make()
+        for policy in (plain, skipping):
+            for action, key in history:
+                policy.on_insert(key, 1) if action == "insert" else policy.on_hit(key)
+        first = skipping.victim(lambda key: key != "a")
+        assert first != "a"
+        plain.on_remove(first)
+        rest = [skipping.victim() for _ in range(len(skipping))]
+        assert rest == [plain.victim() for _ in range(len(plain))]
+        assert None not in rest
+
+
+def _drain(make, history: list[tuple[str, str]]) -> list:
+    policy = make()
+    for action, key in history:
+        policy.on_insert(key, 1) if action == "insert" else policy.on_hit(key)
+    return [policy.victim() for _ in range(len(policy))]
+
+
 class TestLRU(PolicyTests):
     def make(self):
         return LRU()
@@ -87,6 +151,19 @@ class TestLRU(PolicyTests):
             policy.on_insert(key, 1)
         policy.on_hit("a")
         assert [policy.victim() for _ in range(3)] == ["b", "c", "a"]
+
+    def test_one_question_when_the_oldest_may_go(self) -> None:
+        policy, asked = LRU(), []
+        for i in range(1000):
+            policy.on_insert(i, 1)
+        assert policy.victim(lambda key: asked.append(key) or True) == 0 and asked == [0]
+
+    def test_a_skipped_key_keeps_its_place(self) -> None:
+        policy = LRU()
+        for key in "abc":
+            policy.on_insert(key, 1)
+        assert policy.victim(lambda key: key != "a") == "b"
+        assert [policy.victim() for _ in range(2)] == ["a", "c"]
 
 
 class TestFIFO(PolicyTests):
@@ -113,6 +190,41 @@ class TestLFU(PolicyTests):
             policy.on_hit(key)
         assert [policy.victim() for _ in range(4)] == ["d", "c", "a", "b"]
 
+    def test_a_hot_key_skipped_keeps_its_count(self) -> None:
+        # The engine used to take a key in use out of the policy and put it back, which reset
+        # its count: a key read 10 times must still outlast a key never read.
+        policy = LFU()
+        policy.on_insert("hot", 1)
+        for _ in range(10):
+            policy.on_hit("hot")
+        policy.on_insert("cold", 1)
+        policy.on_insert("other", 1)
+        assert policy.victim(lambda key: key not in ("cold", "other")) == "hot"  # only hot may go
+        policy.on_insert("hot", 1)
+        for _ in range(10):
+            policy.on_hit("hot")
+        assert policy.victim(lambda key: key == "cold") == "cold"  # hot skipped ...
+        policy.on_insert("cold", 1)
+        assert [policy.victim() for _ in range(3)] == ["other", "cold", "hot"]  # ... and still hot
+
+    def test_one_question_when_the_least_used_may_go(self) -> None:
+        policy, asked = LFU(), []
+        for i in range(1000):
+            policy.on_insert(i, 1)
+            policy.on_hit(i)
+        policy.on_insert(1000, 1)
+        assert policy.victim(lambda key: asked.append(key) or True) == 1000 and asked == [1000]
+
+    def test_skipping_the_least_used_bucket_goes_up_in_count_order(self) -> None:
+        policy = LFU()
+        for key, hits in (("a", 0), ("b", 3), ("c", 1), ("d", 1)):
+            policy.on_insert(key, 1)
+            for _ in range(hits):
+                policy.on_hit(key)
+        assert policy.victim(lambda key: key not in "ac") == "d"
+        assert policy.victim(lambda key: key != "a") == "c"
+        assert [policy.victim() for _ in range(2)] == ["a", "b"]
+
 
 class TestARC(PolicyTests):
     def make(self):
@@ -126,6 +238,22 @@ class TestARC(PolicyTests):
         for i in range(8):
             policy.on_insert(f"scan{i}", 1)
         assert policy.victim().startswith("scan")
+
+    def test_a_skipped_key_keeps_its_list_and_place(self) -> None:
+        policy = ARC(capacity=100)
+        for key in "abcd":
+            policy.on_insert(key, 1)
+        policy.on_hit("d")  # d in T2, a b c in T1 (T1 is over p = 0: T1 goes first)
+        assert policy.victim(lambda key: key not in "ab") == "c"
+        assert policy.victim(lambda key: key in "bd") == "b"
+        assert policy.victim(lambda key: key == "d") == "d"  # T1 has nothing evictable: T2
+        assert policy.victim() == "a" and policy.victim() is None
+
+    def test_one_question_when_the_oldest_may_go(self) -> None:
+        policy, asked = ARC(capacity=10_000), []
+        for i in range(1000):
+            policy.on_insert(i, 1)
+        assert policy.victim(lambda key: asked.append(key) or True) == 0 and asked == [0]
 
 
 class TestS3FIFO(PolicyTests):
@@ -142,6 +270,30 @@ class TestS3FIFO(PolicyTests):
         first = [policy.victim() for _ in range(5)]
         assert "hot" not in first
 
+    def test_a_skipped_key_is_neither_promoted_nor_evicted(self) -> None:
+        policy = S3FIFO(capacity=10)
+        for key in ("x", "hot", "y"):
+            policy.on_insert(key, 1)
+        policy.on_hit("hot")
+        policy.on_hit("hot")  # hit twice in small: it would be promoted on its pass
+        assert policy.victim(lambda key: key != "x") == "y"  # x skipped, hot promoted, y goes
+        assert policy.victim(lambda key: key == "x") == "x"  # x kept its place in small
+        policy.on_insert("z", 1)
+        assert policy.victim() == "z" and policy.victim() == "hot"  # hot went to main
+
+    def test_a_skipped_key_keeps_its_frequency_in_main(self) -> None:
+        policy = S3FIFO(capacity=10)
+        for key in ("m1", "m2"):
+            policy.on_insert(key, 1)
+            policy.on_hit(key)
+            policy.on_hit(key)
+        assert policy.victim(lambda key: False) is None
+        policy.on_insert("s", 1)
+        assert policy.victim() == "s"  # small first: m1 and m2 move to main with frequency 0
+        policy.on_hit("m1")
+        assert policy.victim(lambda key: key != "m2") == "m1"  # m1 gets another round, then goes
+        assert policy.victim() == "m2"
+
 
 class TestMIN(PolicyTests):
     def make(self):
@@ -154,6 +306,15 @@ class TestMIN(PolicyTests):
             policy.on_insert(key, 1)
         assert policy.furthest_next_use() == 50
         assert [policy.victim() for _ in range(3)] == ["b", "c", "a"]
+
+    def test_skipped_keys_keep_their_next_use(self) -> None:
+        future = {"a": 5, "b": 50, "c": 20}
+        policy = MIN(future.__getitem__)
+        for key in future:
+            policy.on_insert(key, 1)
+        assert policy.victim(lambda key: key != "b") == "c"
+        assert policy.furthest_next_use() == 50
+        assert [policy.victim() for _ in range(2)] == ["b", "a"]
 
 
 # -- references and optimality ----------------------------------------------------------------

@@ -1,9 +1,10 @@
 """The two policy protocols. Policies decide; the store moves bytes.
 
 Policies are plain, synchronous objects with no I/O and no torch. An ``EvictionPolicy``
-instance serves one tier: it is told which keys are resident and evictable there, and names a
-victim when the store needs room. A ``PrefetchPolicy`` sees the store's accesses and suggests
-what to bring up next; the store decides what to issue.
+instance serves one tier: it is told which keys are resident there and which of them were hit,
+and names a victim, among those the store says may go, when the store needs room. A
+``PrefetchPolicy`` sees the store's accesses and suggests what to bring up next; the store
+decides what to issue.
 """
 
 from __future__ import annotations
@@ -14,15 +15,33 @@ from typing import Protocol, runtime_checkable
 
 @runtime_checkable
 class EvictionPolicy(Protocol):
-    """Chooses victims among the evictable keys of one tier.
+    """Chooses victims among the resident copies of one tier.
 
-    The store calls ``on_insert`` when a key becomes evictable on the tier (written, promoted,
-    or released by its last holder), ``on_hit`` when an evictable key is read there,
-    ``on_remove`` when it leaves for another reason than this policy's choice (deleted,
-    overwritten, or taken by a hold or a transfer), and ``victim`` when it needs room: ``victim``
-    chooses a key, forgets it as *evicted* (ghost-keeping policies remember it) and returns it,
-    or returns None when it tracks nothing. Keys the policy is told about are always evictable,
-    so a policy never has to know about holds; a hold ends with a fresh ``on_insert``.
+    The store tells the policy about every copy on its tier and every access to it:
+
+    ``on_insert(key, nbytes)``
+        a copy of ``key`` was installed on the tier (written, promoted, or written back from a
+        faster tier); ``nbytes`` is what it occupies there. Inserting a tracked key again
+        starts it afresh.
+    ``on_hit(key)``
+        the resident copy served an access: a get or hold hit on this tier, or the source of a
+        promotion to another tier. Every hit, of any size, whether the copy is in use or not.
+    ``on_remove(key)``
+        the copy left for another reason than this policy's choice (deleted, overwritten,
+        invalidated).
+    ``victim(evictable=None)``
+        the store needs room: choose a tracked key for which ``evictable(key)`` is true (any
+        tracked key when ``evictable`` is None), forget it as *evicted* (ghost-keeping
+        policies remember it) and return it; None when no tracked key may go. Keys for which
+        the predicate is false stay tracked with their state (recency, frequency, queue
+        position) as it was: a copy in use or held is excluded from victim choice by the
+        store, never taken out of the policy. Each policy documents what a skipped key keeps.
+    ``reset()``
+        forget everything.
+
+    Unknown keys given to ``on_hit`` or ``on_remove`` are ignored. Keys are hashable: ``str``
+    in the store, ``int`` in the simulator. Policies are pure: no I/O, no clock of their own,
+    no torch.
 
     Optional: ``set_capacity(nbytes)`` is called once with the tier's capacity, for policies that
     size internal queues (ARC, S3-FIFO); ``next_use(key)`` (policies that see the future) returns
@@ -35,7 +54,7 @@ class EvictionPolicy(Protocol):
 
     def on_remove(self, key: str) -> None: ...
 
-    def victim(self) -> str | None: ...
+    def victim(self, evictable: Callable[[str], bool] | None = None) -> str | None: ...
 
     def reset(self) -> None: ...
 

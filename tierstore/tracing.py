@@ -6,7 +6,7 @@ Format (``numpy.load(path)`` reads it; ``pandas.DataFrame({k: f[k] for k in COLU
 column        dtype      meaning
 ============  =========  =====================================================================
 ``time``      float64    seconds since the trace started
-``op``        uint8      index into ``ops`` (get, put, delete, prefetch, hold)
+``op``        uint8      index into ``ops`` (get, put, delete, prefetch, hold, evict)
 ``key``       int64      index into ``keys``
 ``nbytes``    int64      size of the value
 ``tier``      int8       tier the access asked for or landed on (index into ``tiers``), -1: none
@@ -17,6 +17,13 @@ column        dtype      meaning
 
 plus the tables ``keys`` (str), ``ops`` (str) and ``tiers`` (str). The simulator reads these
 files and plain CSV traces alike (see ``tierstore.sim``).
+
+An ``evict`` row is not an access: the store chose the copy of ``key`` on tier ``tier`` (of
+``nbytes`` there) as an eviction victim, at the moment it chose it (``hit`` and ``before`` are
+-1). The simulator skips these rows as requests and compares its own evictions with them
+(``tierstore.sim.load_evictions``, ``tierstore.sim.replay_store_trace``). New ops are only ever
+appended to ``OPS``, so the op indices of older traces keep their meaning (each file also
+carries its own ``ops`` table).
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-OPS = ("get", "put", "delete", "prefetch", "hold")
+#: Op names by index; append only (indices are stored in traces).
+OPS = ("get", "put", "delete", "prefetch", "hold", "evict")
 COLUMNS = ("time", "op", "key", "nbytes", "tier", "before", "hit", "step")
 
 
@@ -51,6 +59,11 @@ class TraceRecorder:
         rows["before"].append(-1 if before is None else before)
         rows["hit"].append(-1 if hit is None else int(hit))
         rows["step"].append(self._step)
+
+    def evicted(self, key: str, nbytes: int, tier: int) -> None:
+        """Record that the store chose the copy of ``key`` on tier index ``tier`` (``nbytes``
+        there) as an eviction victim."""
+        self.record("evict", key, nbytes, tier, None)
 
     def mark_step(self) -> None:
         self._step += 1

@@ -3,7 +3,8 @@
 A CSV trace has one access a line, ``key,size``, an optional header line and any further
 columns ignored (libCacheSim's csv reader takes the same). A store trace (``TierStore(trace=...)``,
 format in ``tierstore.tracing``) keeps get, hold and put rows as accesses, deletes as removals,
-and its step marks; its prefetch rows are dropped (the simulator decides prefetches itself).
+and its step marks; its prefetch rows are dropped (the simulator decides prefetches itself), and
+so are its evict rows (what the store evicted; ``load_evictions`` reads them for comparison).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def _load_npz(path: Path) -> Trace:
     with np.load(path, allow_pickle=False) as data:
         ops_table = [str(op) for op in data["ops"]]
         op_names = np.asarray(ops_table)[data["op"]]
-        keep = op_names != "prefetch"
+        keep = (op_names != "prefetch") & (op_names != "evict")
         ops = np.where(op_names[keep] == "delete", DELETE, ACCESS).astype(np.uint8)
         return Trace(
             keys=[str(k) for k in data["keys"]],
@@ -75,6 +76,19 @@ def _load_npz(path: Path) -> Trace:
             steps=data["step"][keep].astype(np.int64),
             times=data["time"][keep].astype(np.float64),
         )
+
+
+def load_evictions(path: str | Path) -> list[tuple[str, int]]:
+    """The evictions a store recorded in its ``.npz`` trace, in order: ``(key, tier index)``
+    (``tiers[index]`` of the file names the tier). Empty for traces made before the store
+    recorded evictions."""
+    with np.load(Path(path), allow_pickle=False) as data:
+        ops_table = [str(op) for op in data["ops"]]
+        if "evict" not in ops_table:
+            return []
+        rows = np.flatnonzero(data["op"] == ops_table.index("evict"))
+        keys = data["keys"]
+        return [(str(keys[k]), int(t)) for k, t in zip(data["key"][rows].tolist(), data["tier"][rows].tolist(), strict=True)]
 
 
 def _load_csv(path: Path) -> Trace:
