@@ -10,6 +10,7 @@ top of it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -17,8 +18,10 @@ from typing import Any
 
 import torch
 
+from . import holds
 from .copies import copy_bytes
 from .disk.catalog import DiskRecord
+from .disk.extents import Extent
 from .entry import Copy, Entry
 from .errors import (
     CorruptionError,
@@ -38,9 +41,12 @@ from .tiers.base import MemoryTier, Tier
 from .tiers.disk import DiskTier
 from .tracing import TraceRecorder
 from .units import format_bytes
-from .workers import Priority, WorkerPool
+from .workers import Priority, WorkerPool, wait_uncancelled
 
 TierRef = int | str | Tier | None
+
+#: Values a flush writes at once (enough to keep the disk's queue full).
+FLUSH_CONCURRENCY = 8
 
 
 class Engine:
@@ -65,6 +71,9 @@ class Engine:
         #: Buffers allocated on a tier and being filled (they become evictable copies when done).
         self._incoming: list[set[asyncio.Future[None]]] = [set() for _ in self._tiers]
         self._background: set[asyncio.Task[Any]] = set()
+        #: Writes that must finish even if their caller is cancelled (disk puts, write-backs);
+        #: ``aclose`` drains them.
+        self._writes: set[asyncio.Task[Any]] = set()
         self._prefetched: set[tuple[str, int]] = set()
         self._issuer: PrefetchIssuer | None = None
         self.counters = StoreCounters()
@@ -72,6 +81,7 @@ class Engine:
         #: (``time.perf_counter()`` times); the optimizer's timeline listens here.
         self.on_transfer: Callable[[str, int, float, float], None] | None = None
         self.is_open = False
+        self._closing = False
 
     @property
     def tiers(self) -> list[Tier]:
@@ -113,13 +123,15 @@ class Engine:
 
     async def _load(self, entry: Entry, t: int, priority: Priority) -> None:
         """Copy the current value of ``entry`` onto memory tier ``t`` from its fastest copy."""
-        sources = [s for s in entry.valid_tiers() if s != t]
+        await self._no_writer(entry, "read")
+        sources = [s for s in entry.readable_tiers() if s != t]
         if not sources:
             raise CorruptionError(f"{entry.key!r} has no valid copy on any tier")
         source = entry.valid(sources[0])
         if source is None:
             raise CorruptionError(f"{entry.key!r} has no valid copy on any tier")
         version = entry.version
+        self._hit(entry, source)
         self._use(entry, source)
         try:
             fill = self._filler(entry, source)
@@ -159,7 +171,8 @@ class Engine:
 
     async def _read_uncached(self, entry: Entry, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
         """Read the current value into ``out`` or a new tensor on ``device``, caching it nowhere."""
-        tiers = entry.valid_tiers()
+        await self._no_writer(entry, "read")
+        tiers = entry.readable_tiers()
         source = entry.valid(tiers[0]) if tiers else None
         if source is None:
             raise CorruptionError(f"{entry.key!r} has no valid copy on any tier")
@@ -241,10 +254,7 @@ class Engine:
         if buffer is None:
             raise TierStoreError(f"internal error: write-back of {entry.key!r} from a copy without a buffer")
         if below == self._disk_index:
-            if buffer.device.type != "cpu":
-                staged = aligned_empty(entry.meta.nbytes, pin_memory=torch.cuda.is_available())
-                await self._copy(staged[: entry.meta.nbytes], buffer[: entry.meta.nbytes], priority)
-                buffer = staged
+            buffer = await self._host_bytes(entry, source, priority)
             await self._write_disk(entry, buffer, entry.meta, source.version, priority, source_tier=source.tier)
         else:
             await self._write_memory(entry, below, source.version, self._filler(entry, source), priority, source_tier=source.tier)
@@ -258,10 +268,28 @@ class Engine:
         version: int | None,
         priority: Priority,
         source_tier: int | None = None,
+        copied: asyncio.Future[None] | None = None,
     ) -> None:
         """Copy-on-write to the disk tier: new extent, data (+fsync), catalog commit, install, free
         the old extent. ``version`` None is a put (a new value); otherwise a write-back of that
-        version, skipped if it is no longer current. Must run to completion (callers shield it)."""
+        version, skipped if it is no longer current. Must run to completion (callers shield it).
+        ``copied`` is resolved once ``src`` is no longer read (its bytes are on the disk)."""
+        try:
+            await self._write_disk_inner(entry, src, meta, version, priority, source_tier, copied)
+        finally:
+            if copied is not None and not copied.done():
+                copied.set_result(None)
+
+    async def _write_disk_inner(
+        self,
+        entry: Entry,
+        src: torch.Tensor,
+        meta: TensorMeta,
+        version: int | None,
+        priority: Priority,
+        source_tier: int | None,
+        copied: asyncio.Future[None] | None,
+    ) -> None:
         disk = self._disk
         d = self._tiers.index(disk)
         while True:
@@ -278,6 +306,8 @@ class Engine:
                 started = time.perf_counter()
                 try:
                     checksums = await disk.write(extent, src, meta.nbytes, priority)
+                    if copied is not None and not copied.done():
+                        copied.set_result(None)
                     if version is not None and (entry.version != version or self._entries.get(entry.key) is not entry):
                         disk.release(extent)
                         return
@@ -296,6 +326,99 @@ class Engine:
                 if version is None:
                     self._new_version(entry, keep=new, meta=meta, version=record_version)
                 return
+
+    async def _flush_all(self) -> None:
+        """Write every entry whose current value is not on the disk tier down to it, and commit
+        them all in one catalog transaction (after a crash the flush is all old or all new).
+
+        Order: room checked first; each value written to a new extent (the old one stays the
+        durable base); one fdatasync per segment; one catalog commit; then the old extents are
+        freed. Sources are in use throughout, so no write hold starts on them meanwhile."""
+        d = self._disk_index
+        if d is None:
+            return
+        disk = self._disk
+
+        def dirty() -> list[Entry]:
+            return [e for e in self._entries.values() if e.visible and e.valid(d) is None]
+
+        for entry in dirty():
+            await self._no_writer(entry, "flush")
+        plan: list[tuple[Entry, Copy]] = []
+        for entry in sorted(dirty(), key=lambda e: e.key):
+            tiers = entry.readable_tiers()
+            source = entry.valid(tiers[0]) if tiers else None
+            if source is None or source.buffer is None:
+                raise EntryHeldError(f"cannot flush {entry.key!r} from inside its own write hold; release it first")
+            self._use(entry, source)
+            plan.append((entry, source))
+        try:
+            need = sum(disk.extent_size(entry.meta.nbytes) for entry, _ in plan)
+            if need > disk.capacity - disk.used:
+                raise TierFullError(
+                    f"flush needs {format_bytes(need)} on tier {disk.name!r} for {len(plan)} entries (copy-on-write: "
+                    f"the old values stay until the commit); {format_bytes(disk.capacity - disk.used)} of "
+                    f"{format_bytes(disk.capacity)} is free. Nothing was written."
+                )
+            if plan:
+                await self._shielded(self._flush_plan(disk, d, plan))
+        finally:
+            for entry, source in plan:
+                self._unuse(entry, source)
+
+    async def _flush_plan(self, disk: DiskTier, d: int, plan: list[tuple[Entry, Copy]]) -> None:
+        async with contextlib.AsyncExitStack() as locks:
+            for entry, _ in plan:  # sorted by key: two flushes never wait for each other in a cycle
+                await locks.enter_async_context(entry.disk_lock)
+            plan = [(e, c) for e, c in plan if self._entries.get(e.key) is e and c.version == e.version and not c.retired]
+            limit = asyncio.Semaphore(FLUSH_CONCURRENCY)
+            written: list[tuple[Entry, Copy, Extent, tuple[int, ...]]] = []
+
+            async def write(entry: Entry, source: Copy) -> None:
+                async with limit:
+                    extent = await disk.allocate(entry.meta.nbytes)
+                    try:
+                        started = time.perf_counter()
+                        buffer = await self._host_bytes(entry, source, Priority.BACKGROUND)
+                        checksums = await disk.write(extent, buffer, entry.meta.nbytes, Priority.BACKGROUND, sync=False)
+                    except BaseException:
+                        disk.release(extent)
+                        raise
+                    written.append((entry, source, extent, checksums))
+                    self._count_link(source.tier, d, entry.meta.nbytes, time.perf_counter() - started)
+
+            tasks = [asyncio.ensure_future(write(entry, source)) for entry, source in plan]
+            try:
+                await asyncio.gather(*tasks)
+                await disk.sync_segments({extent.segment for _, _, extent, _ in written})
+                await disk.commit(
+                    [(e.key, DiskRecord(e.key, e.meta, extent, c.version, sums)) for e, c, extent, sums in written]
+                )
+            except BaseException:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                for _, _, extent, _ in written:
+                    disk.release(extent)
+                raise
+            for entry, source, extent, checksums in written:
+                new = Copy(d, source.version, extent=extent, checksums=checksums)
+                old = entry.copies.get(d)
+                if old is not None:
+                    self._retire(entry, d, old)
+                entry.copies[d] = new
+                self.counters.tier(self._names[source.tier]).writebacks += 1
+
+    async def _host_bytes(self, entry: Entry, source: Copy, priority: Priority) -> torch.Tensor:
+        """``source``'s buffer if it is in CPU memory, else a staged CPU copy of it."""
+        buffer = source.buffer
+        if buffer is None:
+            raise TierStoreError(f"internal error: {entry.key!r} has no buffer on {self._names[source.tier]!r}")
+        if buffer.device.type == "cpu":
+            return buffer
+        staged = aligned_empty(entry.meta.nbytes, pin_memory=torch.cuda.is_available())
+        await self._copy(staged[: entry.meta.nbytes], buffer[: entry.meta.nbytes], priority)
+        return staged
 
     async def _delete(self, entry: Entry) -> None:
         if self._disk_index is not None:
@@ -343,11 +466,19 @@ class Engine:
             await asyncio.wait(list(pending), return_when=asyncio.FIRST_COMPLETED)
 
     def _next_victim(self, t: int) -> tuple[Entry, Copy] | None:
+        """The copy the tier's policy chooses among those no one uses or holds."""
         policy = self._policies[t]
         if policy is None:
             return None
+        entries = self._entries
+
+        def evictable(key: str) -> bool:
+            entry = entries.get(key)
+            copy = entry.copies.get(t) if entry is not None else None
+            return copy is None or (copy.users == 0 and copy.in_policy)
+
         while True:
-            key = policy.victim()
+            key = policy.victim(evictable)
             if key is None:
                 return None
             entry = self._entries.get(key)
@@ -355,6 +486,8 @@ class Engine:
             if entry is None or copy is None or not copy.in_policy:
                 continue  # the policy knew a key the store no longer has here
             copy.in_policy = False  # victim() has forgotten it already
+            if self.trace is not None:
+                self.trace.evicted(key, copy.nbytes, t)
             return entry, copy
 
     def _start_demotion(self, entry: Entry, t: int, copy: Copy, priority: Priority) -> asyncio.Task[None]:
@@ -380,8 +513,8 @@ class Engine:
         or takes it during the write-back, the copy stays (a held buffer may be changing, and
         a write hold makes it the only current value)."""
         try:
-            if copy.holds:
-                return
+            if copy.holds or copy.users > 1:
+                return  # taken meanwhile: it stays
             version = copy.version
             current = self._entries.get(entry.key) is entry and version == entry.version
             if current and not any(s > t for s in entry.valid_tiers()):
@@ -393,6 +526,8 @@ class Engine:
                 self.counters.tier(self._names[t]).evictions += 1
         finally:
             self._unuse(entry, copy)
+            if not copy.retired and entry.copies.get(t) is copy:
+                self._policy_insert(entry, copy)  # it stayed: the policy knows it again
 
     # -- residency bookkeeping (the only places that change copies) --------------------------------
 
@@ -431,27 +566,47 @@ class Engine:
             copy.extent = None
 
     def _use(self, entry: Entry, copy: Copy) -> None:
-        if copy.in_policy:
-            policy = self._policies[copy.tier]
-            if policy is not None:
-                policy.on_remove(entry.key)
-            copy.in_policy = False
+        """Take a use of ``copy`` (a hold or a transfer): it cannot be evicted or freed until
+        ``_unuse``. It stays known to its tier's policy, which keeps its place; the engine
+        excludes it from victim choice."""
         copy.users += 1
 
     def _unuse(self, entry: Entry, copy: Copy) -> None:
         copy.users -= 1
-        if copy.users:
-            return
-        if copy.retired:
+        if copy.users == 0 and copy.retired:
             self._free(copy)
-        elif entry.copies.get(copy.tier) is copy and copy.version == entry.version:
-            self._policy_insert(entry, copy)
+        entry.wake()
 
     def _policy_insert(self, entry: Entry, copy: Copy) -> None:
         policy = self._policies[copy.tier]
-        if policy is not None and copy.buffer is not None and copy.users == 0 and not copy.in_policy:
+        if policy is not None and copy.buffer is not None and not copy.in_policy:
             policy.on_insert(entry.key, copy.nbytes)
             copy.in_policy = True
+
+    def _hit(self, entry: Entry, copy: Copy) -> None:
+        """Tell ``copy``'s tier policy that it was read (every hit, any size, any path)."""
+        if copy.in_policy:
+            policy = self._policies[copy.tier]
+            if policy is not None:
+                policy.on_hit(entry.key)
+
+    async def _wait_until(self, entry: Entry, ready: Callable[[], bool]) -> None:
+        """Return once ``ready()`` holds; re-checked whenever a use or hold of ``entry`` ends."""
+        while not ready():
+            waiter = asyncio.get_running_loop().create_future()
+            entry.waiters.append(waiter)
+            await waiter
+
+    async def _no_writer(self, entry: Entry, action: str) -> None:
+        """Return once no write hold is open on ``entry``; from inside that hold, raise (the
+        holder would otherwise wait for itself)."""
+        while entry.writer is not None:
+            if holds.inside(entry.writer_token):
+                raise EntryHeldError(
+                    f"cannot {action} {entry.key!r} from inside its own write hold: use the held tensor, "
+                    "or release the hold first"
+                )
+            await self._wait_until(entry, lambda: entry.writer is None)
 
     def _remove(self, entry: Entry) -> None:
         if self._entries.get(entry.key) is entry:
@@ -507,6 +662,8 @@ class Engine:
     def _require_open(self) -> None:
         if not self.is_open:
             raise StoreClosedError("the store is not open: use 'async with TierStore(...)' or 'await store.open()'")
+        if self._closing:
+            raise StoreClosedError("the store is closing")
 
     async def _copy(self, dst: torch.Tensor, src: torch.Tensor, priority: Priority) -> None:
         stream = None
@@ -516,14 +673,26 @@ class Engine:
                 break
         await copy_bytes(dst, src, pool=self._cpu, stream=stream, priority=priority)
 
-    @staticmethod
-    async def _shielded(coro: Awaitable[None]) -> None:
-        """Run ``coro`` to completion even if the caller is cancelled (it changes durable state)."""
+    def _track(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
+        """Start ``coro`` as a write that ``aclose`` waits for."""
         task = asyncio.ensure_future(coro)
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+        return task
+
+    async def _shielded(self, coro: Awaitable[None], copied: asyncio.Future[None] | None = None) -> None:
+        """Run ``coro`` to completion even if the caller is cancelled (it changes durable state).
+
+        A cancelled caller gets control back only once ``copied`` is resolved (the write no
+        longer reads the caller's memory); the rest (the commit) finishes in the background and
+        ``aclose`` waits for it."""
+        task = self._track(coro)
         try:
             await asyncio.shield(task)
         except asyncio.CancelledError:
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            if copied is not None:
+                await wait_uncancelled(copied)
             raise
 
     def _count(self, t: int, hit: bool, entry: Entry) -> None:

@@ -27,12 +27,14 @@ class Copy:
     extent: Extent | None = None
     checksums: tuple[int, ...] = ()
     #: Holds and in-flight transfers using this copy. While non-zero the copy cannot be evicted
-    #: or freed; it is out of its tier's eviction policy.
+    #: or freed (the engine excludes it from victim choice; it stays known to the policy).
     users: int = 0
     #: Of ``users``, how many are holds (leases) taken through ``TierStore.hold``.
     holds: int = 0
-    #: The copy is known to the tier's eviction policy (valid, unused, memory tier).
+    #: The copy is known to the tier's eviction policy (valid, memory tier, not chosen as a victim).
     in_policy: bool = False
+    #: A write hold is changing this buffer: nothing copies from it until the hold ends.
+    writing: bool = False
     #: Replaced or invalidated; its space is released when the last user lets go.
     retired: bool = False
 
@@ -59,6 +61,14 @@ class Entry:
     pending_writes: int = 0
     #: Serialises catalog changes of this key (write, write-back, delete) so they commit in order.
     disk_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    #: The copy under a write hold, if any (at most one: write holds are exclusive).
+    writer: Copy | None = None
+    #: Names that write hold (``tierstore.holds``), so its holder is told apart from others.
+    writer_token: int = 0
+    #: Tokens of every hold open on this entry (``tierstore.holds``).
+    hold_tokens: set[int] = field(default_factory=set)
+    #: Tasks waiting for a hold or a use of this entry to end (see ``Engine._wait_until``).
+    waiters: list[asyncio.Future[None]] = field(default_factory=list)
 
     @property
     def visible(self) -> bool:
@@ -72,6 +82,18 @@ class Entry:
     def valid_tiers(self) -> list[int]:
         """Tiers holding the current value, fastest first."""
         return sorted(t for t, c in self.copies.items() if c.version == self.version)
+
+    def readable_tiers(self) -> list[int]:
+        """Tiers whose copy of the current value can be read now (not under a write hold),
+        fastest first."""
+        return sorted(t for t, c in self.copies.items() if c.version == self.version and not c.writing)
+
+    def wake(self) -> None:
+        """Tell every task waiting on this entry that its holds or uses changed."""
+        waiters, self.waiters = self.waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     def held(self) -> bool:
         return any(copy.holds for copy in self.copies.values())

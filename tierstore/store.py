@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import warnings
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 
 import torch
 
+from . import holds
 from .copies import INLINE_COPY_BYTES, cpu_copy
 from .engine import Engine, TierRef
 from .entry import Copy, Entry
@@ -55,6 +57,13 @@ class TierStore(Engine):
         Threads for large CPU memory copies.
     flush_on_close:
         Write every entry whose newest value is only in memory to the disk tier on close.
+    durable:
+        The default of ``put(..., durable=)``. False (default): *write-back* -- a put into a
+        memory tier is acknowledged once the store owns a copy; it reaches the disk tier on
+        eviction, ``flush()``, ``close`` or interpreter exit (``SyncTierStore``), and a crash
+        (kill -9, power loss) before then loses it. True: *write-through* -- a put returns only
+        once its value is also on the disk tier (on stable storage if the ``DiskTier`` is
+        durable), so it survives a crash. Needs a disk tier.
 
     Use it as ``async with TierStore([...]) as store:``; constructing it does no I/O.
     """
@@ -68,10 +77,14 @@ class TierStore(Engine):
         trace: str | Path | None = None,
         cpu_threads: int = 1,
         flush_on_close: bool = True,
+        durable: bool = False,
     ) -> None:
         super().__init__(tiers, eviction, prefetch, cpu_threads)
         self._trace_path = Path(trace) if trace is not None else None
         self.flush_on_close = flush_on_close
+        if durable and self._disk_index is None:
+            raise ValueError("durable=True needs a DiskTier to write through to")
+        self.durable = bool(durable)
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -114,18 +127,20 @@ class TierStore(Engine):
     async def aclose(self, flush: bool | None = None) -> None:
         """Finish in-flight work, write memory-only entries to disk (if ``flush``, default
         ``flush_on_close``), and close the tiers."""
-        if not self.is_open:
+        if not self.is_open or self._closing:
             return
+        self._closing = True  # new verbs are refused from here on
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
-        for pending in self._demotions:
-            await asyncio.gather(*pending, return_exceptions=True)
+        while self._writes or any(self._demotions):
+            await asyncio.gather(*self._writes, *(t for pending in self._demotions for t in pending), return_exceptions=True)
         try:
             if self._disk_index is not None and (self.flush_on_close if flush is None else flush):
-                await self.flush()
+                await self._flush_all()
         finally:
             self.is_open = False
+            self._closing = False
             if self.trace is not None:
                 self.trace.close()
             for tier in reversed(self._tiers):
@@ -139,21 +154,34 @@ class TierStore(Engine):
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
+    def __del__(self) -> None:
+        if getattr(self, "is_open", False):
+            warnings.warn(
+                f"{self!r} was garbage-collected while open: entries only in memory were not written to "
+                "its disk tier; close it (async with, or await store.aclose())",
+                ResourceWarning,
+                stacklevel=2,
+            )
+
     # -- introspection -------------------------------------------------------------------------
 
     def __contains__(self, key: object) -> bool:
+        self._require_open()
         entry = self._entries.get(key) if isinstance(key, str) else None
         return entry is not None and entry.visible
 
     def __len__(self) -> int:
+        self._require_open()
         return sum(1 for entry in self._entries.values() if entry.visible)
 
     def keys(self) -> list[str]:
         """Every key in the store."""
+        self._require_open()
         return [key for key, entry in self._entries.items() if entry.visible]
 
     def info(self, key: str) -> dict[str, Any]:
         """dtype, shape, nbytes of ``key`` and the tiers holding its current value."""
+        self._require_open()
         entry = self._visible(key)
         return {
             "key": key,
@@ -166,11 +194,13 @@ class TierStore(Engine):
 
     def where(self, key: str) -> list[str]:
         """Names of the tiers holding the current value of ``key``, fastest first."""
+        self._require_open()
         return [self._names[t] for t in self._visible(key).valid_tiers()]
 
     def stats(self) -> dict[str, Any]:
         """Bytes used and capacity per tier, hits and misses, bytes and seconds per link, and
         prefetch counters, as plain (JSON-ready) data."""
+        self._require_open()
         counters = self.counters.to_dict()
         tiers = {}
         for tier in self._tiers:
@@ -186,15 +216,25 @@ class TierStore(Engine):
 
     # -- the verbs -----------------------------------------------------------------------------
 
-    async def put(self, key: str, tensor: torch.Tensor, tier: TierRef = None) -> None:
+    async def put(self, key: str, tensor: torch.Tensor, tier: TierRef = None, *, durable: bool | None = None) -> None:
         """Store a copy of ``tensor`` under ``key`` (replacing any value it had).
 
         It lands on ``tier`` if given, else on the fastest tier where room can be made by
-        eviction. On a durable disk tier the put is on stable storage when this returns.
-        Non-contiguous tensors are stored as a contiguous copy; ``requires_grad`` is dropped.
+        eviction. Non-contiguous tensors are stored as a contiguous copy; ``requires_grad`` is
+        dropped. When this returns -- or raises, or is cancelled -- the store no longer reads
+        ``tensor``'s memory (the caller may reuse it at once).
+
+        ``durable`` (default: the store's ``durable``): True writes the value through to the
+        disk tier before returning (on stable storage if the ``DiskTier`` is durable); False
+        acknowledges it once a memory tier holds it (it reaches the disk on eviction,
+        ``flush()`` or close). A put that lands on the disk tier itself is always written
+        through. See README, "Durability".
         """
         self._require_open()
         key = check_key(key)
+        through = self.durable if durable is None else bool(durable)
+        if through and self._disk_index is None:
+            raise UnknownTierError("durable=True needs a disk tier to write through to; this store has none")
         tensor = check_tensor(tensor).detach()
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
@@ -202,6 +242,9 @@ class TierStore(Engine):
         src = as_bytes(tensor)
         targets = [self._index(tier)] if tier is not None else list(range(len(self._tiers)))
         entry = self._entries.get(key)
+        if entry is not None:
+            await self._no_writer(entry, "put")
+            entry = self._entries.get(key)
         if entry is None:
             entry = self._entries[key] = Entry(key, meta)
         entry.pending_writes += 1
@@ -210,9 +253,12 @@ class TierStore(Engine):
             for t in targets:
                 try:
                     if t == self._disk_index:
-                        await self._shielded(self._write_disk(entry, src, meta, None, Priority.DEMAND))
+                        copied = asyncio.get_running_loop().create_future()
+                        await self._shielded(self._write_disk(entry, src, meta, None, Priority.DEMAND, copied=copied), copied)
                     else:
                         await self._put_memory(entry, t, src, meta)
+                        if through:
+                            await self._write_through(key)
                     self._observe("put", key, meta.nbytes, t, hit=None)
                     return
                 except TierFullError as exc:
@@ -227,6 +273,22 @@ class TierStore(Engine):
             if not entry.visible and entry.pending_writes == 0 and self._entries.get(key) is entry:
                 del self._entries[key]
 
+    async def _write_through(self, key: str) -> None:
+        """Write the value a put just installed down to the disk tier (the put's own copy: the
+        caller's memory is not read again)."""
+        entry = self._entries.get(key)
+        if entry is None or self._disk_index is None or entry.valid(self._disk_index) is not None:
+            return
+        tiers = entry.readable_tiers()
+        source = entry.valid(tiers[0]) if tiers else None
+        if source is None or source.buffer is None:
+            return  # replaced meanwhile: the newer put answers for its own durability
+        self._use(entry, source)
+        try:
+            await self._shielded(self._write_back(entry, source, Priority.DEMAND, target=self._disk_index))
+        finally:
+            self._unuse(entry, source)
+
     async def get(self, key: str, tier: TierRef = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """A copy of the value of ``key``, as a tensor on ``tier``'s device (default: the fastest
         tier). The value is promoted to that tier when room can be made (so the next read hits);
@@ -235,6 +297,9 @@ class TierStore(Engine):
         ``out``: a contiguous tensor of the value's dtype and shape (on that device) to read into
         instead of a new one; reusing it saves an allocation per read, and a 4096-aligned ``out``
         (see ``tierstore.empty``) is read from disk with no intermediate copy.
+
+        While another task or thread holds ``key`` for writing, this waits for the release; from
+        inside the caller's own write hold of ``key`` it raises ``EntryHeldError``.
         """
         self._require_open()
         t = self._index(tier)
@@ -242,17 +307,21 @@ class TierStore(Engine):
         device = self._tiers[t].device if isinstance(self._tiers[t], MemoryTier) else torch.device("cpu")  # type: ignore[attr-defined]
         if out is not None:
             _check_out(out, entry.meta, device)
+        await self._no_writer(entry, "get")
+        entry = self._visible(key)
         copy = entry.valid(t)
         hit = copy is not None
         self._count(t, hit, entry)
         self._observe("get", key, entry.meta.nbytes, t, hit=hit)
         if t == self._disk_index:
             return await self._read_uncached(entry, device, out)
-        if copy is not None and copy.buffer is not None and entry.meta.nbytes <= INLINE_COPY_BYTES and copy.buffer.device.type == "cpu":
-            if out is None:
-                out = torch.empty(entry.meta.shape, dtype=entry.meta.dtype)
-            cpu_copy(as_bytes(out), copy.buffer[: entry.meta.nbytes])
-            return out
+        if copy is not None:
+            self._hit(entry, copy)
+            if copy.buffer is not None and entry.meta.nbytes <= INLINE_COPY_BYTES and copy.buffer.device.type == "cpu":
+                if out is None:
+                    out = torch.empty(entry.meta.shape, dtype=entry.meta.dtype)
+                cpu_copy(as_bytes(out), copy.buffer[: entry.meta.nbytes])
+                return out
         try:
             copy = await self._acquire(entry, t, Priority.DEMAND)
         except TierFullError:
@@ -271,6 +340,8 @@ class TierStore(Engine):
         the value is read from its fastest copy."""
         self._require_open()
         t = self._index(tier)
+        entry = self._visible(key)
+        await self._no_writer(entry, "pop")
         entry = self._visible(key)
         if entry.held():
             raise EntryHeldError(f"{key!r} is held; release it before popping it")
@@ -307,6 +378,8 @@ class TierStore(Engine):
         """The value of ``key`` as a new CPU tensor, read from wherever it is, moving nothing
         (for snapshots and inspection: no promotion, no eviction, no hit or miss counted)."""
         self._require_open()
+        entry = self._visible(key)
+        await self._no_writer(entry, "read")
         return await self._read_uncached(self._visible(key), torch.device("cpu"))
 
     async def export_zarr(self, path: str | Path, overwrite: bool = False) -> int:
@@ -337,26 +410,67 @@ class TierStore(Engine):
         """Pin ``key`` on a memory tier (default: the fastest) and yield the store's own buffer.
 
         While held the entry cannot be evicted from that tier. With ``write=True`` the yielded
-        tensor may be changed in place and the change is the new value (other tiers' copies
-        become stale at once; it reaches the disk on eviction, ``flush`` or close).
+        tensor may be changed in place, and the changes become the new value when the hold is
+        released (they reach the disk on eviction, ``flush`` or close). A write hold is
+        exclusive: it waits until no one else reads, copies or holds that copy, and until it
+        ends, every other reader of ``key`` (get, flush, prefetch, another hold) waits; code
+        inside the write hold that reads ``key`` through the store gets ``EntryHeldError``
+        instead of waiting for itself. Read holds share the buffer with each other; a put
+        while one is open replaces the value without changing the held buffer.
         """
         self._require_open()
         t = self._index(tier)
         if not isinstance(self._tiers[t], MemoryTier):
             raise UnknownTierError(f"hold needs a memory tier; {self._names[t]!r} is a {self._tiers[t].kind} tier")
         entry = self._visible(key)
+        await self._no_writer(entry, "hold")
+        entry = self._visible(key)
         hit = entry.valid(t) is not None
         self._count(t, hit, entry)
         self._observe("hold", key, entry.meta.nbytes, t, hit=hit)
-        copy = await self._acquire(entry, t, Priority.DEMAND)
-        copy.holds += 1
+        copy = await self._take_hold(entry, t, write, hit)
+        token = holds.new_token()
+        holds.enter(token)
+        entry.hold_tokens.add(token)
         if write:
-            self._new_version(entry, keep=copy)
+            copy.writing = True
+            entry.writer, entry.writer_token = copy, token
         try:
             yield from_bytes(copy.buffer, entry.meta)  # type: ignore[arg-type]
         finally:
+            holds.leave(token)
+            entry.hold_tokens.discard(token)
             copy.holds -= 1
+            if write:
+                copy.writing = False
+                entry.writer, entry.writer_token = None, 0
+                if self._entries.get(entry.key) is entry and entry.copies.get(t) is copy and copy.version == entry.version:
+                    self._new_version(entry, keep=copy)  # the changes are the value from now on
             self._unuse(entry, copy)
+
+    async def _take_hold(self, entry: Entry, t: int, write: bool, hit: bool) -> Copy:
+        """A copy of ``entry`` on tier ``t`` with a use and a hold taken; for a write hold, once
+        no one else uses that copy and no other write hold is open."""
+
+        def free_to_write() -> bool:
+            copy = entry.copies.get(t)
+            return entry.writer is None and (copy is None or copy.users == 0)
+
+        while True:
+            copy = await self._acquire(entry, t, Priority.DEMAND)
+            if entry.writer is None and (not write or copy.users == 1):
+                break
+            self._unuse(entry, copy)
+            if write and any(holds.inside(token) for token in entry.hold_tokens):
+                raise EntryHeldError(f"a write hold of {entry.key!r} cannot start inside your own hold of it")
+            await self._no_writer(entry, "hold")
+            if write:
+                await self._wait_until(entry, free_to_write)
+            hit = False
+        if hit:
+            self._hit(entry, copy)
+        copy.holds += 1
+        return copy
 
     async def prefetch(self, keys: Iterable[str], tier: TierRef = None) -> PrefetchHandle:
         """Start bringing ``keys`` up to ``tier`` (default: the fastest) in the background, behind
@@ -370,28 +484,13 @@ class TierStore(Engine):
         return self._issuer.start(entries, t)
 
     async def flush(self) -> None:
-        """Write every entry whose current value is not on the disk tier down to it."""
+        """Write every entry whose current value is not on the disk tier down to it, in one
+        catalog transaction: after a crash, either every value this flush wrote is there or
+        none is. Refuses (``TierFullError``, nothing written) when the disk tier has no room for
+        the copy-on-write of all of them. Waits for other tasks' write holds; raises
+        ``EntryHeldError`` inside the caller's own."""
         self._require_open()
-        if self._disk_index is None:
-            return
-        dirty = [e for e in self._entries.values() if e.visible and e.valid(self._disk_index) is None]
-        limit = asyncio.Semaphore(8)
-
-        async def write_back(entry: Entry) -> None:
-            async with limit:
-                tiers = entry.valid_tiers()
-                if not tiers or entry.valid(self._disk_index) is not None:  # type: ignore[arg-type]
-                    return
-                source = entry.valid(tiers[0])
-                if source is None or source.buffer is None:
-                    return
-                self._use(entry, source)
-                try:
-                    await self._shielded(self._write_back(entry, source, Priority.BACKGROUND, target=self._disk_index))
-                finally:
-                    self._unuse(entry, source)
-
-        await asyncio.gather(*(write_back(entry) for entry in dirty))
+        await self._flush_all()
 
     def mark_step(self) -> None:
         """Mark the end of a repeated phase (a training step) for the prefetch policy and trace."""

@@ -271,17 +271,26 @@ class DiskTier(Tier):
     def _chunks(self, nbytes: int) -> list[tuple[int, int]]:
         return [(start, min(self.chunk_size, nbytes - start)) for start in range(0, max(nbytes, 1), self.chunk_size)]
 
-    async def write(self, extent: Extent, src: torch.Tensor, nbytes: int, priority: Priority = Priority.DEMAND) -> tuple[int, ...]:
+    async def write(
+        self, extent: Extent, src: torch.Tensor, nbytes: int, priority: Priority = Priority.DEMAND, sync: bool = True
+    ) -> tuple[int, ...]:
         """Write the first ``nbytes`` of the CPU uint8 buffer ``src`` into ``extent``; durable on
-        return if the tier is. Returns the chunk checksums."""
+        return if the tier is (``sync=False`` leaves that to a later ``sync_segments``, so many
+        writes share one fdatasync per file). Returns the chunk checksums."""
         files = self._require_open()
         chunks = self._chunks(nbytes)
         writes = [partial(files.write_chunk, extent.segment, extent.offset + start, src, start, length) for start, length in chunks]
         sums = [partial(checksum_of, src, start, length) for start, length in chunks]
         _, checksums = await asyncio.gather(self.pool.run_all(writes, priority), self.checksum_pool.run_all(sums, priority))
-        if self.durable:
+        if sync and self.durable:
             await self.pool.run(partial(files.sync, extent.segment), priority)
         return tuple(checksums)
+
+    async def sync_segments(self, segments: set[int], priority: Priority = Priority.DEMAND) -> None:
+        """Make every write into ``segments`` durable (if the tier is): one fdatasync per file."""
+        files = self._require_open()
+        if self.durable and segments:
+            await self.pool.run_all([partial(files.sync, segment) for segment in sorted(segments)], priority)
 
     async def read(self, record: DiskRecord, dst: torch.Tensor, priority: Priority = Priority.DEMAND) -> None:
         """Read ``record``'s bytes into the CPU uint8 buffer ``dst``, verifying every checksum."""
