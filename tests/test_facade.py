@@ -17,10 +17,9 @@ import pytest
 import torch
 
 from tierstore import DiskTier, HostTier, StoreClosedError, SyncTierStore, TierStore
-from tierstore.sync import RENAMED, public_verbs, run
+from tierstore.namespaces import Namespace
+from tierstore.sync import EXTRAS, FACADES, RENAMED, SyncNamespace, public_verbs, run
 
-#: Facade-only names: ``wrap`` builds a facade around a store, ``run`` runs any coroutine.
-FACADE_EXTRAS = {"wrap", "run"}
 #: Names that are not verbs on data: lifecycle, and the tiers (configuration, there before open).
 NOT_VERBS_ON_DATA = {"open", "aclose", "__aenter__", "__aexit__", "tier", "tiers"}
 
@@ -30,24 +29,45 @@ def _parameters(member: Any) -> list[tuple[str, Any, Any]]:
     return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
 
 
-@pytest.mark.parametrize("name", sorted(public_verbs(TierStore)))
-def test_every_async_verb_has_a_blocking_counterpart(name: str) -> None:
-    member = public_verbs(TierStore)[name]
+MIRRORED = [(facade, async_cls, name) for facade, async_cls, _ in FACADES for name in sorted(public_verbs(async_cls))]
+
+
+@pytest.mark.parametrize(("facade", "async_cls", "name"), MIRRORED, ids=lambda v: getattr(v, "__name__", v))
+def test_every_async_verb_has_a_blocking_counterpart(facade: type, async_cls: type, name: str) -> None:
+    member = public_verbs(async_cls)[name]
     target = RENAMED.get(name, name)
-    assert hasattr(SyncTierStore, target), f"SyncTierStore lacks {target} (TierStore.{name})"
-    mine = inspect.getattr_static(SyncTierStore, target)
+    assert hasattr(facade, target), f"{facade.__name__} lacks {target} ({async_cls.__name__}.{name})"
+    mine = inspect.getattr_static(facade, target)
     if isinstance(member, property):
         assert isinstance(mine, property)
         return
-    assert _parameters(mine) == _parameters(member), f"SyncTierStore.{target} and TierStore.{name} take different parameters"
+    assert _parameters(mine) == _parameters(member), f"{facade.__name__}.{target} and {async_cls.__name__}.{name} take different parameters"
     if getattr(member, "__doc__", None):
-        assert mine.__doc__, f"SyncTierStore.{target} has no docstring"
+        assert mine.__doc__, f"{facade.__name__}.{target} has no docstring"
 
 
-def test_the_facade_adds_nothing_but_its_extras() -> None:
-    mirrored = {RENAMED.get(name, name) for name in public_verbs(TierStore)}
-    extras = set(public_verbs(SyncTierStore)) - mirrored
-    assert extras <= FACADE_EXTRAS, f"SyncTierStore has verbs TierStore lacks: {sorted(extras - FACADE_EXTRAS)}"
+def test_a_facade_adds_nothing_but_its_extras() -> None:
+    with SyncTierStore([HostTier("1MiB")]) as store:
+        instances = {TierStore: store.store, Namespace: store.claim("ns").namespace}
+        for facade, async_cls, _ in FACADES:
+            # what a facade adds must be a verb or an attribute of the async object, or an extra
+            extras = {name for name in public_verbs(facade) if not hasattr(instances[async_cls], name)}
+            extras -= set(RENAMED.values())
+            assert extras <= EXTRAS, f"{facade.__name__} has verbs {async_cls.__name__} lacks: {sorted(extras - EXTRAS)}"
+
+
+def test_namespaces_through_the_facade(tmp_path: Path) -> None:
+    with SyncTierStore([HostTier("1MiB"), DiskTier(tmp_path / "d", "16MiB")]) as store:
+        with store.claim("optim", owner="me") as ns:
+            assert isinstance(ns, SyncNamespace) and ns.name == "optim/" and ns.live
+            store.put(ns.key("a"), torch.ones(2))
+            assert ns.keys() == ["optim/a"]
+        assert not ns.live  # leaving the block released the claim; the record and keys stay
+        assert [info.name for info in store.namespaces()] == ["optim/"]
+        again = store.claim("optim", owner="me")
+        assert again.clear() == 1
+        again.drop()
+        assert store.namespaces() == []
 
 
 def test_read_pop_where_and_zarr_through_the_facade(tmp_path: Path) -> None:
@@ -87,6 +107,10 @@ CALLS: dict[str, Callable[[Any], Any]] = {
     "mark_step": lambda s: s.mark_step(),
     "export_zarr": lambda s: s.export_zarr("unused.zarr"),
     "import_zarr": lambda s: s.import_zarr("unused.zarr"),
+    "claim": lambda s: s.claim("ns"),
+    "claim_unique": lambda s: s.claim_unique("ns"),
+    "namespaces": lambda s: s.namespaces(),
+    "gc": lambda s: s.gc(),
 }
 VERBS_ON_DATA = sorted(set(public_verbs(TierStore)) - NOT_VERBS_ON_DATA)
 

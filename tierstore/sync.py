@@ -32,16 +32,30 @@ from typing import Any, TypeVar
 
 import torch
 
+from .namespaces import Namespace
 from .prefetching import PrefetchHandle, PrefetchResult
 from .store import TierRef, TierStore
 from .tiers.base import Tier
 
-__all__ = ["RENAMED", "SyncPrefetch", "SyncTierStore", "close_open_stores", "loop_thread", "public_verbs", "run"]
+__all__ = [
+    "EXTRAS",
+    "FACADES",
+    "RENAMED",
+    "SyncNamespace",
+    "SyncPrefetch",
+    "SyncTierStore",
+    "close_open_stores",
+    "loop_thread",
+    "public_verbs",
+    "run",
+]
 
 T = TypeVar("T")
 
 #: Async names of ``TierStore`` whose blocking counterpart on ``SyncTierStore`` is named otherwise.
 RENAMED: dict[str, str] = {"aclose": "close", "__aenter__": "__enter__", "__aexit__": "__exit__"}
+#: Facade members that mirror nothing: ``wrap`` builds a facade, ``run`` runs any coroutine.
+EXTRAS = frozenset({"wrap", "run"})
 #: Dunder methods that are verbs of the store (``key in store``, ``len(store)``).
 _DUNDER_VERBS = ("__contains__", "__len__", "__aenter__", "__aexit__")
 
@@ -185,6 +199,38 @@ class SyncPrefetch:
         return self._handle.done()
 
 
+class SyncNamespace:
+    """A claimed key namespace, from ``SyncTierStore.claim`` or ``claim_unique``: the blocking
+    form of ``tierstore.namespaces.Namespace``; ``with`` releases the claim."""
+
+    def __init__(self, namespace: Namespace) -> None:
+        self.namespace = namespace
+
+    @property
+    def name(self) -> str:
+        """The namespace, a key prefix ending in ``"/"``."""
+        return self.namespace.name
+
+    @property
+    def owner(self) -> str:
+        """Who claimed it."""
+        return self.namespace.owner
+
+    @property
+    def auto(self) -> bool:
+        """Whether ``claim_unique`` chose the name."""
+        return self.namespace.auto
+
+    def __enter__(self) -> SyncNamespace:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        run(self.namespace.__aexit__(*exc_info))
+
+    def __repr__(self) -> str:
+        return f"SyncNamespace({self.namespace!r})"
+
+
 class SyncTierStore:
     """The verbs of ``TierStore`` as blocking calls. Safe to use from any thread.
 
@@ -292,6 +338,12 @@ class SyncTierStore:
     def __len__(self) -> int:
         return _on_loop(self.store.__len__)
 
+    def claim(self, name: str, *, owner: str = "user", overwrite: bool = False) -> SyncNamespace:
+        return SyncNamespace(run(self.store.claim(name, owner=owner, overwrite=overwrite)))
+
+    def claim_unique(self, base: str, *, owner: str = "user") -> SyncNamespace:
+        return SyncNamespace(run(self.store.claim_unique(base, owner=owner)))
+
     def __repr__(self) -> str:
         return f"SyncTierStore({self.store!r})"
 
@@ -320,41 +372,47 @@ def _defined(cls: type) -> set[str]:
     return {name for klass in cls.__mro__ if klass is not object for name in vars(klass)}
 
 
-def _forwarder(name: str, member: Any) -> Any:
-    """A blocking member that runs ``TierStore.<name>`` on the loop, with its signature and doc."""
+def _forwarder(attr: str, name: str, member: Any, owner: str) -> Any:
+    """A blocking member that runs ``<wrapped>.<name>`` on the loop (the wrapped object is the
+    facade's attribute ``attr``), with the async member's signature and docstring."""
     if isinstance(member, property):
-        prop = property(lambda self: _on_loop(getattr, self.store, name), doc=member.__doc__)
-        return prop
+        return property(lambda self: _on_loop(getattr, getattr(self, attr), name), doc=member.__doc__)
     function = member.__func__ if isinstance(member, (staticmethod, classmethod)) else member
     if inspect.iscoroutinefunction(function):
 
-        def forward(self: SyncTierStore, *args: Any, **kwargs: Any) -> Any:
-            return run(getattr(self.store, name)(*args, **kwargs))
+        def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return run(getattr(getattr(self, attr), name)(*args, **kwargs))
 
     else:
 
-        def forward(self: SyncTierStore, *args: Any, **kwargs: Any) -> Any:
-            return _on_loop(functools.partial(getattr(self.store, name), *args, **kwargs))
+        def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return _on_loop(functools.partial(getattr(getattr(self, attr), name), *args, **kwargs))
 
     functools.update_wrapper(forward, function)
     forward.__signature__ = inspect.signature(function)  # type: ignore[attr-defined]
-    forward.__qualname__ = f"SyncTierStore.{name}"
+    forward.__qualname__ = f"{owner}.{name}"
     return forward
 
 
-def _mirror(sync_cls: type, async_cls: type) -> None:
-    """Give ``sync_cls`` every public verb of ``async_cls`` it lacks, and the async docstrings."""
+def _mirror(sync_cls: type, async_cls: type, attr: str) -> None:
+    """Give ``sync_cls`` (a facade over an ``async_cls`` kept in its attribute ``attr``) every
+    public verb of ``async_cls`` it lacks, and the async docstrings where its own have none."""
     mine = _defined(sync_cls)
     for name, member in public_verbs(async_cls).items():
         target = RENAMED.get(name, name)
         if target not in mine:
-            setattr(sync_cls, target, _forwarder(name, member))
+            setattr(sync_cls, target, _forwarder(attr, name, member, sync_cls.__name__))
             continue
         own = inspect.getattr_static(sync_cls, target)
-        function = own.__func__ if isinstance(own, (staticmethod, classmethod)) else own
-        source = member.__func__ if isinstance(member, (staticmethod, classmethod)) else member
+        function = own.fget if isinstance(own, property) else own
+        function = function.__func__ if isinstance(function, (staticmethod, classmethod)) else function
+        source = member.fget if isinstance(member, property) else member
+        source = source.__func__ if isinstance(source, (staticmethod, classmethod)) else source
         if getattr(function, "__doc__", "") is None and getattr(source, "__doc__", None):
             function.__doc__ = source.__doc__
 
 
-_mirror(SyncTierStore, TierStore)
+#: Each facade class, the async class it mirrors, and the attribute holding the async object.
+FACADES: list[tuple[type, type, str]] = [(SyncTierStore, TierStore, "store"), (SyncNamespace, Namespace, "namespace")]
+for _facade, _async_cls, _attr in FACADES:
+    _mirror(_facade, _async_cls, _attr)
