@@ -66,8 +66,8 @@ async def test_held_entries_are_never_evicted(tmp_path: Path) -> None:
 
 async def test_full_of_held_entries_fails_fast(tmp_path: Path) -> None:
     async with TierStore([DeviceTier("cpu", "40KiB"), HostTier("1MiB")]) as store:
-        await store.put("a", torch.zeros(2048))
-        await store.put("b", torch.zeros(2048))
+        await store.put("a", torch.zeros(4096))  # 16 KiB each: with "c", 48 KiB > 40 KiB
+        await store.put("b", torch.zeros(4096))
         async with store.hold("a"), store.hold("b"):
             with pytest.raises(TierFullError, match="held"):
                 await asyncio.wait_for(store.put("c", torch.zeros(4096), tier="device"), timeout=5)

@@ -36,6 +36,11 @@ class TierFullError(TierStoreError, MemoryError):
     entry is held. Nothing was changed."""
 
 
+class BufferSharedError(TierStoreError, ValueError):
+    """A tier buffer cannot be handed over to a caller: it is a slot of a slab whose memory
+    other values share. Copy the value instead."""
+
+
 class DiskFullError(TierStoreError, OSError):
     """The file system under a disk tier is full (ENOSPC, EDQUOT or EFBIG). Nothing was changed;
     the store stays usable and freeing entries makes room again."""

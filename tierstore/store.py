@@ -363,6 +363,7 @@ class TierStore(Engine):
                 and isinstance(owner, MemoryTier)
                 and owner.device == device
                 and not owner.pinned
+                and owner.can_hand_over(candidate.buffer)
             ):
                 buffer = candidate.buffer
                 self._retire(entry, candidate.tier, candidate)  # releases the buffer into the pool ...

@@ -9,7 +9,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import math
+import mmap
+import os
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,16 +152,71 @@ def from_bytes(raw: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
 def aligned_empty(nbytes: int, device: torch.device | str = "cpu", pin_memory: bool = False) -> torch.Tensor:
     """A uint8 buffer of ``nbytes`` (rounded up to ``ALIGNMENT``) whose address is 4096-aligned.
 
-    CPU tensors are only 64-byte aligned, so we over-allocate and slice; the slice keeps the
-    storage alive. CUDA and pinned allocations are already page aligned.
+    CPU buffers are mappings of their own (:func:`mapped_empty`: aligned with no slack); CUDA
+    and pinned allocations are page aligned by their allocators.
     """
     size = round_up(max(nbytes, 1), ALIGNMENT)
     device = torch.device(device)
     if device.type != "cpu" or pin_memory:
         return torch.empty(size, dtype=torch.uint8, device=device, pin_memory=pin_memory)
-    raw = torch.empty(size + ALIGNMENT, dtype=torch.uint8)
-    start = (-raw.data_ptr()) % ALIGNMENT
-    return advise_huge_pages(raw[start : start + size])
+    return mapped_empty(size)
+
+
+#: ``cudaHostRegisterPortable``: the pages are pinned for every CUDA context, as
+#: ``torch.empty(..., pin_memory=True)`` memory is.
+_CUDA_HOST_REGISTER_PORTABLE = 1
+
+
+class _Mapping(mmap.mmap):
+    """A private anonymous mapping that, once :meth:`pin` succeeds, stays page-locked for CUDA
+    until it is unmapped (the lock is dropped first, as CUDA requires)."""
+
+    _pinned_at: int = 0
+    _pinned_by: int = 0
+
+    def pin(self, address: int) -> None:
+        error = int(torch.cuda.cudart().cudaHostRegister(address, len(self), _CUDA_HOST_REGISTER_PORTABLE))
+        if error:
+            raise RuntimeError(f"cudaHostRegister of {len(self)} bytes failed with cudaError {error}")
+        self._pinned_at, self._pinned_by = address, os.getpid()
+
+    def __del__(self) -> None:
+        # A forked child's copy of the pages was never registered in the child.
+        if self._pinned_at and self._pinned_by == os.getpid():
+            error = int(torch.cuda.cudart().cudaHostUnregister(self._pinned_at))
+            if error:  # a finalizer cannot raise; say so rather than stay silent
+                warnings.warn(f"cudaHostUnregister failed with cudaError {error}", ResourceWarning, stacklevel=1)
+
+
+def mapped_empty(nbytes: int, pin_memory: bool = False) -> torch.Tensor:
+    """A uint8 CPU tensor of ``nbytes`` rounded up to ``ALIGNMENT``, in an anonymous private
+    mapping of its own.
+
+    A mapping starts on a page boundary, so nothing is allocated beyond the rounded size to
+    align it, and it goes back to the system when the last tensor viewing it is freed. Buffers of
+    at least ``HUGE_PAGE`` ask for transparent huge pages. ``pin_memory`` page-locks it for
+    asynchronous CUDA copies (``cudaHostRegister``) for as long as it lives.
+
+    Parameters
+    ----------
+    nbytes:
+        Bytes needed; the buffer holds ``nbytes`` rounded up to a multiple of ``ALIGNMENT``.
+    pin_memory:
+        Page-lock the buffer (needs CUDA).
+
+    Returns
+    -------
+    torch.Tensor
+        A contiguous uint8 tensor whose storage is exactly the mapping (not resizable).
+    """
+    size = round_up(max(nbytes, 1), ALIGNMENT)
+    # MAP_PRIVATE: a forked child (DataLoader workers fork) gets copy-on-write pages, not a view
+    # that writes through to ours; shared anonymous memory would also never get huge pages.
+    mapping = _Mapping(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buffer = advise_huge_pages(torch.frombuffer(mapping, dtype=torch.uint8))  # before pinning faults pages in
+    if pin_memory:
+        mapping.pin(buffer.data_ptr())
+    return buffer
 
 
 #: Buffers at least this large ask the kernel for transparent huge pages.

@@ -12,9 +12,10 @@ from typing import ClassVar
 
 import torch
 
-from ..errors import TierFullError
+from ..errors import BufferSharedError, TierFullError
 from ..tensors import storage_nbytes
 from ..units import format_bytes, parse_bytes
+from .slabs import SlabPacker, slot_size
 
 
 class Tier(ABC):
@@ -53,11 +54,18 @@ class Tier(ABC):
 
 
 class MemoryTier(Tier):
-    """A tier whose copies are uint8 tensors on one device, recycled through a buffer pool.
+    """A tier whose copies are uint8 tensors on one device, allocated with no padding.
+
+    Values of a page or more get buffers of their own, rounded up to a page (or, on a CUDA
+    device, to the caching allocator's 512 bytes); on the CPU these are mappings of their own,
+    page aligned with no slack, so values whose sizes are multiples of 4 KiB fill a tier exactly.
+    Smaller values are packed into shared slabs by size class (see :mod:`tierstore.tiers.slabs`
+    for how slab bytes are accounted and why eviction can always free them).
 
     Freed buffers are kept for reuse by exact size (the optimizer asks for the same sizes every
-    step, and pinned allocations are slow); pooled bytes count against the capacity and are
-    released first when room is needed, so ``used`` always equals the bytes really allocated.
+    step, and pinned allocations are slow); pooled bytes and empty slabs count against the
+    capacity and are dropped first when room is needed, so ``used`` always equals the bytes
+    really allocated.
     """
 
     kind: ClassVar[str] = "memory"
@@ -67,6 +75,7 @@ class MemoryTier(Tier):
         self._live_bytes = 0
         self._pool: dict[int, list[torch.Tensor]] = {}
         self._pooled_bytes = 0
+        self._slabs = SlabPacker(self._new_buffer)
 
     @property
     @abstractmethod
@@ -78,61 +87,129 @@ class MemoryTier(Tier):
         """Whether buffers are page-locked host memory (fast, asynchronous device copies)."""
         return False
 
+    @property
+    def _packs_small_values(self) -> bool:
+        """Whether values below a page share slabs (the buffer allocator must give CPU memory)."""
+        return True
+
     @abstractmethod
-    def allocation_size(self, nbytes: int) -> int:
-        """Bytes really allocated (and accounted) for a buffer of ``nbytes``."""
+    def _buffer_size(self, nbytes: int) -> int:
+        """Bytes of a buffer of its own for a value of ``nbytes`` (what the allocator takes)."""
 
     @abstractmethod
     def _new_buffer(self, size: int) -> torch.Tensor:
         """Allocate a uint8 buffer whose storage holds exactly ``size`` bytes."""
 
+    def _slot_size(self, nbytes: int) -> int | None:
+        return slot_size(nbytes) if self._packs_small_values else None
+
+    def value_size(self, nbytes: int) -> int:
+        """Bytes a value of ``nbytes`` occupies on this tier once stored (its slot or buffer),
+        whatever the tier holds now: the figure to plan capacity with.
+
+        Parameters
+        ----------
+        nbytes:
+            Size of the value in bytes.
+        """
+        slot = self._slot_size(nbytes)
+        return slot if slot is not None else self._buffer_size(nbytes)
+
+    def allocation_size(self, nbytes: int) -> int:
+        """Bytes of free room (``free``) that ``allocate(nbytes)`` needs now.
+
+        A value with a buffer of its own needs the buffer's bytes. A packed value needs none
+        when a slab of its class has a free slot, else a new slab's bytes; so it depends on
+        what the tier holds (:meth:`value_size` does not).
+
+        Parameters
+        ----------
+        nbytes:
+            Size of the value in bytes.
+        """
+        slot = self._slot_size(nbytes)
+        if slot is None:
+            return self._buffer_size(nbytes)
+        return self._slabs.room_needed(slot)
+
     @property
     def used(self) -> int:
-        return self._live_bytes + self._pooled_bytes
+        return self._live_bytes + self._pooled_bytes + self._slabs.slab_bytes
 
     @property
     def free(self) -> int:
-        """Bytes available: unallocated plus pooled (pooled buffers are dropped on demand)."""
-        return self.capacity - self._live_bytes
+        """Bytes available: unallocated, pooled buffers and empty slabs (dropped on demand).
+        Free slots of slabs that hold values are not free: only their class can use them."""
+        return self.capacity - self._live_bytes - (self._slabs.slab_bytes - self._slabs.empty_bytes)
 
     @property
     def live_bytes(self) -> int:
-        """Bytes in buffers that hold copies now (excludes the pool)."""
-        return self._live_bytes
+        """Bytes in buffers and slots that hold copies now (the sum of their storages' sizes)."""
+        return self._live_bytes + self._slabs.value_bytes
 
     def allocate(self, nbytes: int) -> torch.Tensor:
-        """A uint8 buffer of at least ``nbytes``, from the pool when one of the size is free.
+        """A uint8 buffer of at least ``nbytes``: a slot of a shared slab for a value below a
+        page, else a buffer of its own (from the pool when one of the size is free).
 
-        Raises ``TierFullError`` if the buffer does not fit beside the live ones; the store makes
-        room by eviction before calling this.
+        Raises ``TierFullError`` if it does not fit beside the live buffers and slabs
+        (``free < allocation_size(nbytes)``); the store makes room by eviction before calling
+        this. Buffers of a page or more start on a 4096-byte boundary.
+
+        Parameters
+        ----------
+        nbytes:
+            Bytes the buffer must hold.
         """
-        size = self.allocation_size(nbytes)
+        slot = self._slot_size(nbytes)
+        if slot is not None:
+            self._reserve(self._slabs.room_needed(slot))
+            return self._slabs.take(slot)
+        size = self._buffer_size(nbytes)
         pooled = self._pool.get(size)
         if pooled:
             buffer = pooled.pop()
             self._pooled_bytes -= size
             self._live_bytes += size
             return buffer
-        if self._live_bytes + size > self.capacity:
-            raise TierFullError(
-                f"tier {self.name!r}: {format_bytes(size)} does not fit "
-                f"({format_bytes(self._live_bytes)} of {format_bytes(self.capacity)} in use)"
-            )
-        self._trim_pool(self.capacity - self._live_bytes - size)
+        self._reserve(size)
         buffer = self._new_buffer(size)
         self._live_bytes += size
         return buffer
 
+    def _reserve(self, size: int) -> None:
+        """Check that ``size`` more bytes fit, and drop pooled memory until they really do."""
+        if size == 0:
+            return
+        if self.free < size:
+            raise TierFullError(
+                f"tier {self.name!r}: {format_bytes(size)} does not fit "
+                f"({format_bytes(self.capacity - self.free)} of {format_bytes(self.capacity)} in use)"
+            )
+        self._trim_pool(self.capacity - (self.used - self._pooled_bytes - self._slabs.empty_bytes) - size)
+
     def release(self, buffer: torch.Tensor) -> None:
-        """Return a buffer; it goes to the pool for reuse."""
+        """Return a buffer from :meth:`allocate`: a slot goes back to its slab, a buffer of its
+        own to the pool for reuse."""
+        if self._slabs.give(buffer):
+            return
         size = storage_nbytes(buffer)
         self._live_bytes -= size
         self._pool.setdefault(size, []).append(buffer)
         self._pooled_bytes += size
 
+    def can_hand_over(self, buffer: torch.Tensor) -> bool:
+        """Whether ``buffer`` can leave the tier (:meth:`forget`) for a caller to keep: not a
+        slot of a slab, whose memory other values share (copy those instead)."""
+        return not self._slabs.owns(buffer)
+
     def forget(self, buffer: torch.Tensor) -> None:
         """Take a just-released buffer back out of the pool: it leaves the tier (handed to a
-        caller), so it no longer counts against the capacity."""
+        caller), so it no longer counts against the capacity.
+
+        Raises ``BufferSharedError`` for a slot of a slab (see :meth:`can_hand_over`).
+        """
+        if self._slabs.owns(buffer):
+            raise BufferSharedError(f"tier {self.name!r}: a packed small value shares its slab; copy it instead")
         size = storage_nbytes(buffer)
         pooled = self._pool.get(size, [])
         for i, candidate in enumerate(pooled):
@@ -144,19 +221,19 @@ class MemoryTier(Tier):
                 return
 
     def _trim_pool(self, keep: int) -> None:
-        """Drop pooled buffers, largest first, until at most ``keep`` bytes stay pooled."""
+        """Drop pooled buffers (largest first), then empty slabs, until at most ``keep`` bytes
+        of both stay."""
         for size in sorted(self._pool, reverse=True):
             buffers = self._pool[size]
-            while buffers and self._pooled_bytes > keep:
+            while buffers and self._pooled_bytes + self._slabs.empty_bytes > keep:
                 buffers.pop()
                 self._pooled_bytes -= size
             if not buffers:
                 del self._pool[size]
-            if self._pooled_bytes <= keep:
-                return
+        self._slabs.drop_empty(max(keep - self._pooled_bytes, 0))
 
     def clear_pool(self) -> None:
-        """Release every pooled buffer back to the allocator."""
+        """Release every pooled buffer and empty slab back to the allocator."""
         self._trim_pool(0)
 
     async def aclose(self) -> None:

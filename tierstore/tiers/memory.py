@@ -6,27 +6,12 @@ from typing import Any
 
 import torch
 
-from ..tensors import ALIGNMENT, advise_huge_pages
+from ..tensors import ALIGNMENT, mapped_empty
 from ..units import round_up
 from .base import MemoryTier
 
-#: Buffers below this size are not page aligned (they would waste most of a page); disk
-#: transfers of them go through an aligned staging buffer.
-SMALL_BUFFER = ALIGNMENT
-
-
-def _cpu_allocation_size(nbytes: int) -> int:
-    if nbytes < SMALL_BUFFER:
-        return round_up(max(nbytes, 1), 64)
-    return round_up(nbytes, ALIGNMENT) + ALIGNMENT  # one page of slack to align the start
-
-
-def _new_cpu_buffer(size: int) -> torch.Tensor:
-    if size <= SMALL_BUFFER:
-        return torch.empty(size, dtype=torch.uint8)
-    raw = torch.empty(size, dtype=torch.uint8)
-    start = (-raw.data_ptr()) % ALIGNMENT
-    return advise_huge_pages(raw[start : start + size - ALIGNMENT])
+#: The CUDA caching allocator rounds every block up to a multiple of this.
+CUDA_BLOCK = 512
 
 
 class DeviceTier(MemoryTier):
@@ -69,15 +54,19 @@ class DeviceTier(MemoryTier):
             self.copy_out_stream = torch.cuda.Stream(self._device)
         await super().open()
 
-    def allocation_size(self, nbytes: int) -> int:
+    @property
+    def _packs_small_values(self) -> bool:
+        return not self.is_cuda  # slots are carved through CPU buffer views
+
+    def _buffer_size(self, nbytes: int) -> int:
         if self.is_cuda:
-            return round_up(max(nbytes, 1), 512)  # the CUDA caching allocator's granularity
-        return _cpu_allocation_size(nbytes)
+            return round_up(max(nbytes, 1), CUDA_BLOCK)
+        return round_up(max(nbytes, 1), ALIGNMENT)
 
     def _new_buffer(self, size: int) -> torch.Tensor:
         if self.is_cuda:
             return torch.empty(size, dtype=torch.uint8, device=self._device)
-        return _new_cpu_buffer(size)
+        return mapped_empty(size)
 
 
 class HostTier(MemoryTier):
@@ -113,13 +102,10 @@ class HostTier(MemoryTier):
         self._pinned = cuda and self._pinned_setting in (True, "auto")
         await super().open()
 
-    def allocation_size(self, nbytes: int) -> int:
-        if self._pinned:
-            # torch's caching host allocator hands out power-of-two blocks; account what it takes.
-            return 1 << (round_up(max(nbytes, 1), ALIGNMENT) - 1).bit_length()
-        return _cpu_allocation_size(nbytes)
+    def _buffer_size(self, nbytes: int) -> int:
+        return round_up(max(nbytes, 1), ALIGNMENT)
 
     def _new_buffer(self, size: int) -> torch.Tensor:
-        if self._pinned:
-            return torch.empty(size, dtype=torch.uint8, pin_memory=True)
-        return _new_cpu_buffer(size)
+        # Pinned buffers are mappings of our own, page-locked, rather than blocks of torch's
+        # caching host allocator, which rounds every block up to a power of two.
+        return mapped_empty(size, pin_memory=self._pinned)

@@ -1,0 +1,198 @@
+"""Small values packed into shared slabs, so a memory tier spends its capacity on values.
+
+A value below one page (``ALIGNMENT``) gets a *slot*: its size rounded up to ``GRANULE`` bytes
+(its size class), carved out of a *slab* of whole pages that holds slots of that class only.
+Each slot is a tensor with a storage of its own (``torch.frombuffer`` over the slab's memory),
+so ``untyped_storage().nbytes()`` of a slot is the slot's size, and the slab's memory lives as
+long as any slot viewing it.
+
+Accounting (what the owning tier reports):
+
+- a slab's bytes are allocated, and count in ``used``, from its creation until it is dropped;
+- a slot holding a value counts as that value's bytes (``value_bytes``);
+- the rest of a slab that holds any value (free slots and the unused tail) is allocated but
+  usable only by values of its class: it is not free room (``stranded_bytes``);
+- a slab with no value left is pooled memory (``empty_bytes``): reused by its class, or dropped
+  when the tier needs the room, so it counts as free.
+
+Bounds: a slab is the fewest pages (at most ``MAX_SLAB_PAGES``) whose unused tail is at most a
+``1/TAIL_FRACTION`` of it, so a class filled with values wastes at most ``GRANULE - 1`` bytes a
+value plus that tail plus the free slots of one partly filled slab at a time. Because slabs are
+only a few pages, evicting the values of one slab (4 values of 1 KiB, 64 of 64 bytes) frees its
+pages; when every value of a tier is evicted, every slab is empty and droppable, so eviction can
+always make the room a put needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import TierStoreError
+from ..tensors import ALIGNMENT, storage_nbytes
+from ..units import round_up
+
+#: Size classes are multiples of this many bytes (a cache line; keeps every slot 64-byte aligned).
+GRANULE = 64
+#: A slab's unused tail is at most this fraction (1/N) of it, when a slab of at most
+#: ``MAX_SLAB_PAGES`` pages can achieve it.
+TAIL_FRACTION = 32
+#: The largest slab, in pages: evicting the values of one slab frees it.
+MAX_SLAB_PAGES = 16
+
+
+def slot_size(nbytes: int) -> int | None:
+    """The size class (slot bytes) of a value of ``nbytes``, or None if it is not packed (it
+    takes whole pages of its own)."""
+    size = round_up(max(nbytes, 1), GRANULE)
+    return size if size < ALIGNMENT else None
+
+
+def slab_size(slot: int) -> int:
+    """Bytes of a slab of ``slot``-byte slots: the fewest pages whose tail is small enough."""
+    best = ALIGNMENT
+    for pages in range(1, MAX_SLAB_PAGES + 1):
+        size = pages * ALIGNMENT
+        if (size % slot) * TAIL_FRACTION <= size:
+            return size
+        if (size % slot) / size < (best % slot) / best:
+            best = size
+    return best
+
+
+@dataclass(eq=False)
+class Slab:
+    """Pages of slots of one size class."""
+
+    memory: torch.Tensor
+    slot: int
+    #: One tensor per slot, each with a storage of its own over ``memory``.
+    slots: list[torch.Tensor]
+    #: Indices of the slots holding no value.
+    free: list[int]
+    #: Whether each slot holds a value (catches a slot released twice).
+    taken: list[bool] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return storage_nbytes(self.memory)
+
+    @property
+    def values(self) -> int:
+        return len(self.slots) - len(self.free)
+
+
+class SlabPacker:
+    """The slabs of one memory tier, by size class.
+
+    Parameters
+    ----------
+    new_memory:
+        Allocates a slab's memory: a contiguous uint8 CPU tensor of exactly the bytes asked
+        (the tier's own buffer allocator, pinned or not).
+    """
+
+    def __init__(self, new_memory: Callable[[int], torch.Tensor]) -> None:
+        self._new_memory = new_memory
+        #: Slabs with at least one value and one free slot, by slot size.
+        self._partial: dict[int, dict[Slab, None]] = {}
+        #: Slabs without values, by slot size.
+        self._empty: dict[int, list[Slab]] = {}
+        #: Slot address -> (slab, index) for every slab that exists.
+        self._where: dict[int, tuple[Slab, int]] = {}
+        #: Bytes of all slabs.
+        self.slab_bytes = 0
+        #: Bytes of the slabs holding no value (droppable).
+        self.empty_bytes = 0
+        #: Bytes of the slots that hold values.
+        self.value_bytes = 0
+
+    @property
+    def stranded_bytes(self) -> int:
+        """Bytes of slabs holding values that no value uses (free slots, tails): allocated,
+        and usable only by values of their class."""
+        return self.slab_bytes - self.empty_bytes - self.value_bytes
+
+    def room_needed(self, slot: int) -> int:
+        """Bytes of free room taking a ``slot``-byte slot costs: none if a slab of that class
+        has a free slot, else a new slab."""
+        if self._partial.get(slot) or self._empty.get(slot):
+            return 0
+        return slab_size(slot)
+
+    def take(self, slot: int) -> torch.Tensor:
+        """A free ``slot``-byte slot, from a slab with values first, then an empty slab, then a
+        new slab (the caller has checked that its ``room_needed`` fits)."""
+        partial = self._partial.get(slot)
+        if partial:
+            slab = next(iter(partial))
+        elif self._empty.get(slot):
+            slab = self._empty[slot].pop()
+            self.empty_bytes -= slab.nbytes
+        else:
+            slab = self._new_slab(slot)
+        index = slab.free.pop()
+        slab.taken[index] = True
+        self.value_bytes += slot
+        partial = self._partial.setdefault(slot, {})
+        if slab.free:
+            partial[slab] = None
+        else:
+            partial.pop(slab, None)
+        return slab.slots[index]
+
+    def owns(self, buffer: torch.Tensor) -> bool:
+        """Whether ``buffer`` is one of these slabs' slots."""
+        found = self._where.get(buffer.data_ptr())
+        return found is not None and storage_nbytes(buffer) == found[0].slot
+
+    def give(self, buffer: torch.Tensor) -> bool:
+        """Take back a slot (False if ``buffer`` is not a slot of these slabs)."""
+        if not self.owns(buffer):
+            return False
+        slab, index = self._where[buffer.data_ptr()]
+        if not slab.taken[index]:
+            raise TierStoreError(f"internal error: a {slab.slot}-byte slot was released twice")
+        slab.taken[index] = False
+        slab.free.append(index)
+        self.value_bytes -= slab.slot
+        partial = self._partial.setdefault(slab.slot, {})
+        if slab.values:
+            partial[slab] = None
+        else:
+            partial.pop(slab, None)
+            self._empty.setdefault(slab.slot, []).append(slab)
+            self.empty_bytes += slab.nbytes
+        return True
+
+    def drop_empty(self, keep: int) -> None:
+        """Drop empty slabs until at most ``keep`` bytes of them remain."""
+        for slot in list(self._empty):
+            slabs = self._empty[slot]
+            while slabs and self.empty_bytes > keep:
+                self._drop(slabs.pop())
+            if not slabs:
+                del self._empty[slot]
+            if self.empty_bytes <= keep:
+                return
+
+    def _new_slab(self, slot: int) -> Slab:
+        memory = self._new_memory(slab_size(slot))
+        count = storage_nbytes(memory) // slot
+        # The slots view the memory through numpy's buffer interface: each gets a storage of its
+        # own that keeps the slab's memory alive.
+        raw = memory.numpy()
+        slots = [torch.frombuffer(raw, dtype=torch.uint8, count=slot, offset=i * slot) for i in range(count)]
+        slab = Slab(memory, slot, slots, free=list(reversed(range(count))), taken=[False] * count)
+        for index, tensor in enumerate(slots):
+            self._where[tensor.data_ptr()] = (slab, index)
+        self.slab_bytes += slab.nbytes
+        return slab
+
+    def _drop(self, slab: Slab) -> None:
+        for tensor in slab.slots:
+            del self._where[tensor.data_ptr()]
+        self.slab_bytes -= slab.nbytes
+        self.empty_bytes -= slab.nbytes
