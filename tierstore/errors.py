@@ -63,7 +63,27 @@ class CatalogError(CorruptionError, OSError):
 
 
 class StoreLockedError(TierStoreError, OSError):
-    """Another process has the store folder open."""
+    """The store folder is open already: in another process, or in another object of this one."""
+
+
+class StoreForkedError(TierStoreError, RuntimeError):
+    """A disk tier opened by another process was used in this one (a forked child, such as a
+    DataLoader worker): the child neither holds the folder's lock nor may touch its files. Open
+    a new store in the child if it needs one."""
+
+
+class NotAStoreFolderError(TierStoreError, NotADirectoryError):
+    """The path given as a disk tier's folder is not a folder (a file is in the way)."""
+
+
+class ForeignFolderError(TierStoreError, FileExistsError):
+    """The folder holds files but is not a tierstore folder; it is not taken over."""
+
+
+class CapacityError(TierStoreError, ValueError):
+    """A disk tier's capacity cannot be honoured: more than the file system can still give, or
+    less than the live data in the folder (which cannot be compacted into it). Nothing was
+    changed."""
 
 
 class StoreClosedError(TierStoreError, RuntimeError):

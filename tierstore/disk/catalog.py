@@ -1,8 +1,8 @@
 """The disk tier's catalog: an LMDB database of what lives in the data files.
 
-Two named databases: ``meta`` (format, chunk size, segment sizes) and ``entries`` (one JSON
-record per key, found by the key's digest; the key itself is inside the record). Nothing is
-pickled. Writes from many coroutines are grouped into one transaction each time the single
+Two named databases: ``meta`` (format and its version, chunk size, segment sizes) and
+``entries`` (one JSON record per key, found by the key's digest; the key itself is inside the
+record). Nothing is pickled. Writes from many coroutines are grouped into one transaction each time the single
 writer thread comes free (group commit), so durable puts share an fsync of the catalog.
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,12 @@ from .extents import Extent
 from .files import is_disk_full
 
 FORMAT = "tierstore-disk"
-FORMAT_VERSION = 1
+#: The on-disk layout this code writes. 1: the first release (segment files of any sizes, JSON
+#: records); 2: segments shrink and go away as space is freed. Raise it whenever the layout
+#: changes, and add the upgrade from the version before to ``_UPGRADES``.
+FORMAT_VERSION = 2
+#: What a catalog that records no version was written with.
+_UNVERSIONED = 1
 _META_KEY = b"format"
 _INITIAL_MAP_SIZE = 256 << 20
 
@@ -93,11 +98,15 @@ class CatalogLayout:
     chunk_size: int
     alignment: int
     segments: tuple[int, ...]
+    #: The version the folder was written with (``to_bytes`` always writes ``FORMAT_VERSION``).
+    format_version: int = field(default=FORMAT_VERSION, compare=False)
 
     def to_bytes(self) -> bytes:
         return json.dumps(
             {
                 "format": FORMAT,
+                "format_version": FORMAT_VERSION,
+                # What readers of version 1 check: they refuse this folder by its number.
                 "version": FORMAT_VERSION,
                 "chunk_size": self.chunk_size,
                 "alignment": self.alignment,
@@ -111,9 +120,10 @@ class CatalogLayout:
             fields = json.loads(raw)
             if fields.get("format") != FORMAT:
                 raise CatalogError(f"{where} is not a tierstore disk folder (format {fields.get('format')!r})")
-            if fields.get("version") != FORMAT_VERSION:
-                raise CatalogError(f"{where} has format version {fields.get('version')}; this tierstore reads {FORMAT_VERSION}")
-            layout = cls(int(fields["chunk_size"]), int(fields["alignment"]), tuple(int(s) for s in fields["segments"]))
+            version = _version_of(fields, where)
+            layout = cls(
+                int(fields["chunk_size"]), int(fields["alignment"]), tuple(int(s) for s in fields["segments"]), version
+            )
         except CatalogError:
             raise
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
@@ -121,6 +131,34 @@ class CatalogLayout:
         if layout.chunk_size <= 0 or layout.alignment <= 0 or any(s < 0 for s in layout.segments):
             raise CatalogError(f"the catalog's format record in {where} has impossible values: {layout}")
         return layout
+
+
+def _version_of(fields: dict[str, Any], where: Path) -> int:
+    """The format version a format record declares; refuses one this code cannot read."""
+    version = fields.get("format_version", fields.get("version", _UNVERSIONED))
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise CatalogError(f"{where} declares format version {version!r}, which no tierstore wrote")
+    if version > FORMAT_VERSION:
+        raise CatalogError(
+            f"{where} was written by a newer tierstore (format version {version}); this one reads versions "
+            f"up to {FORMAT_VERSION}: upgrade tierstore to open it"
+        )
+    missing = [v for v in range(version, FORMAT_VERSION) if v not in _UPGRADES]
+    if missing:
+        raise CatalogError(
+            f"{where} has format version {version}, which this tierstore (format version {FORMAT_VERSION}) "
+            f"cannot upgrade (no way from version {missing[0]}); open it with an older tierstore and export it"
+        )
+    return version
+
+
+def _records_unchanged(txn: Any, entries: Any) -> None:
+    """Version 1 -> 2: records and segments read the same; only the version number moves."""
+
+
+#: Upgrades in place, by the version they start from: each brings a catalog to the next version
+#: inside the write transaction that records the new version.
+_UPGRADES: dict[int, Callable[[Any, Any], None]] = {1: _records_unchanged}
 
 
 class Catalog:
@@ -156,8 +194,22 @@ class Catalog:
             self.layout = create_layout
         else:
             self.layout = CatalogLayout.from_bytes(raw, self.path)
+            if self.layout.format_version < FORMAT_VERSION:
+                self._upgrade(self.layout)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierstore-catalog")
         return self.layout
+
+    def _upgrade(self, layout: CatalogLayout) -> None:
+        """Bring an older catalog to ``FORMAT_VERSION`` in one transaction."""
+        try:
+            with self._env.begin(write=True) as txn:
+                for version in range(layout.format_version, FORMAT_VERSION):
+                    _UPGRADES[version](txn, self._entries)
+                txn.put(_META_KEY, layout.to_bytes(), db=self._meta)
+        except lmdb.Error as exc:
+            self.close()
+            raise CatalogError(f"the catalog in {self.path} cannot be upgraded from format version {layout.format_version}: {exc}") from None
+        self.layout = replace(layout, format_version=FORMAT_VERSION)
 
     def open_readonly(self) -> CatalogLayout:
         """Open for reading only (safe beside a process that has the folder open for writing)."""
@@ -217,6 +269,14 @@ class Catalog:
                     raise CatalogError(f"catalog record for {record.key!r} is filed under the wrong address")
                 yield bytes(digest), record
 
+    def commit_now(self, changes: list[tuple[str, DiskRecord | None]], layout: CatalogLayout | None = None) -> None:
+        """``commit`` on the caller's thread, for the open path (before the tier serves anything)."""
+        if self._env is None:
+            raise StoreClosedError(f"the catalog in {self.path} is closed")
+        self._write_sync(changes, layout)
+        if layout is not None:
+            self.layout = layout
+
     async def commit(self, changes: list[tuple[str, DiskRecord | None]], layout: CatalogLayout | None = None) -> None:
         """Durably apply ``changes`` (key -> new record, or None to delete) in one transaction
         shared with whatever other commits are waiting; returns once it is on disk."""
@@ -270,6 +330,10 @@ class Catalog:
                             txn.put(digest, record.to_bytes(), db=self._entries)
                     if layout is not None:
                         txn.put(_META_KEY, layout.to_bytes(), db=self._meta)
+                if layout is not None and not self.durable:
+                    # Files are created before and deleted after the layout that names them is
+                    # committed; a layout rolled back by a power cut could name a deleted file.
+                    self._env.sync(True)
                 return
             except lmdb.MapFullError:
                 self._env.set_mapsize(self._env.info()["map_size"] * 2)

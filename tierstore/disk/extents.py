@@ -81,6 +81,35 @@ class ExtentAllocator:
         self._add_free(segment, offset, end - offset)
         self.used -= extent.length
 
+    def is_empty(self, segment: int) -> bool:
+        """Whether nothing is allocated in ``segment``."""
+        size = self.segment_sizes[segment]
+        return size == 0 or self._starts.get((segment, 0)) == size
+
+    def removable_tail(self) -> int:
+        """How many trailing segments to give back to the file system: empty ones, while the
+        segments before them would stay at most half full. The first segment stays, and the
+        half-full margin keeps a store that hovers at a boundary from dropping and re-creating
+        a file on every put and delete."""
+        count, rest = 0, self.size
+        for segment in range(len(self.segment_sizes) - 1, 0, -1):
+            if not self.is_empty(segment):
+                break
+            rest -= self.segment_sizes[segment]
+            if 2 * self.used > rest:
+                break
+            count += 1
+        return count
+
+    def drop_tail(self, count: int) -> None:
+        """Forget the last ``count`` segments, which must be empty."""
+        for segment in range(len(self.segment_sizes) - 1, len(self.segment_sizes) - 1 - count, -1):
+            if not self.is_empty(segment):
+                raise ValueError(f"segment {segment} is not empty")
+            if self.segment_sizes[segment]:
+                self._remove_free(segment, 0, self.segment_sizes[segment])
+            self.segment_sizes.pop()
+
     @classmethod
     def rebuild(cls, segment_sizes: Iterable[int], used: Iterable[Extent]) -> ExtentAllocator:
         """An allocator whose free space is everything in the segments but ``used``.

@@ -8,9 +8,12 @@ goes through one of a few aligned staging buffers.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
 import os
 import queue
+import weakref
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -28,6 +31,12 @@ if TYPE_CHECKING:
     from .catalog import CatalogLayout, DiskRecord
 
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+#: What ``fallocate`` answers where a file system or kernel cannot punch holes.
+_NO_PUNCH_ERRNOS = {errno.EOPNOTSUPP, errno.ENOSYS}
+# linux/falloc.h
+FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
+_SEGMENT_GLOB = "segment-*.bin"
 
 
 class TruncatedSegment(CatalogError):
@@ -59,6 +68,50 @@ def disk_full(exc: OSError, what: str) -> DiskFullError:
 
 def _as_numpy(tensor: torch.Tensor) -> np.ndarray:
     return tensor.numpy()
+
+
+def _load_fallocate() -> Callable[[int, int, int, int], int] | None:
+    """libc's ``fallocate`` (Python exposes only ``posix_fallocate``, which cannot punch)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    except OSError:
+        return None
+    function = getattr(libc, "fallocate", None)
+    if function is None:
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    function.restype = ctypes.c_int
+    return function
+
+
+_fallocate = _load_fallocate()
+
+
+def punch_hole(fd: int, offset: int, length: int) -> None:
+    """Deallocate ``length`` bytes at ``offset`` of the file (it keeps its length and reads
+    zeros there). Raises ``OSError`` (``EOPNOTSUPP`` where it cannot be done)."""
+    if _fallocate is None:
+        raise OSError(errno.EOPNOTSUPP, "fallocate is not available on this platform")
+    if _fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+
+
+def segment_number(path: Path) -> int | None:
+    """The number of a segment file from its name, or None if it is not one."""
+    stem = path.name.removeprefix("segment-").removesuffix(".bin")
+    if path.name == stem or not stem.isdigit():
+        return None
+    return int(stem)
+
+
+def is_segment_name(name: str) -> bool:
+    return segment_number(Path(name)) is not None
+
+
+def allocated_bytes(folder: Path) -> int:
+    """Bytes the file system has allocated to the segment files in ``folder``."""
+    return sum(path.stat().st_blocks * 512 for path in folder.glob(_SEGMENT_GLOB) if segment_number(path) is not None)
 
 
 class FileIO:
@@ -93,6 +146,12 @@ class FileIO:
     def fsync_dir(self, folder: Path) -> None:
         _fsync_dir(folder)
 
+    def punch_hole(self, fd: int, offset: int, length: int) -> None:
+        punch_hole(fd, offset, length)
+
+    def unlink(self, path: Path) -> None:
+        path.unlink()
+
     def catalog_commit(
         self, changes: Sequence[tuple[str, DiskRecord | None]], layout: CatalogLayout | None
     ) -> AbstractContextManager[None]:
@@ -126,6 +185,12 @@ class SegmentFiles:
         self._direct_setting = direct
         self.direct = False
         self._fds: list[int] = []
+        # Descriptors of a SegmentFiles dropped without close() are closed when it is collected
+        # (no job can use them then: every job holds a reference to this object).
+        weakref.finalize(self, _close_all, self._fds, self.io)
+        #: False once the file system has said it cannot punch holes (space is then reused
+        #: inside the files but not given back until trailing segments go).
+        self.can_punch = True
         self._staging: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
         self._staging_count = staging_buffers
         self._staging_size = staging_size
@@ -141,7 +206,7 @@ class SegmentFiles:
 
     def open(self, sizes: list[int]) -> None:
         """Open the existing segments, checking each is there and whole."""
-        self._fds = []
+        self.close()
         try:
             self.direct = self._probe_direct(sizes)
             for segment, size in enumerate(sizes):
@@ -180,11 +245,57 @@ class SegmentFiles:
         self._fds.append(fd)
 
     def close(self) -> None:
-        for fd in self._fds:
-            self.io.close(fd)
-        self._fds = []
+        _close_all(self._fds, self.io)
         while not self._staging.empty():
             self._staging.get()
+
+    def punch(self, segment: int, offset: int, length: int) -> None:
+        """Give the blocks of a freed range back to the file system; the file keeps its length.
+        Where holes cannot be punched, the space stays in the file for reuse."""
+        if not self.can_punch:
+            return
+        try:
+            self.io.punch_hole(self._fds[segment], offset, length)
+        except OSError as exc:
+            if exc.errno not in _NO_PUNCH_ERRNOS:
+                raise
+            self.can_punch = False  # a property of the file system, not of this call
+
+    def copy(self, source: tuple[int, int], target: tuple[int, int], length: int, buffer: torch.Tensor) -> None:
+        """Copy ``length`` bytes from ``(segment, offset)`` ``source`` to ``target`` through the
+        aligned ``buffer`` (both ranges aligned; the caller syncs the target)."""
+        staging = _as_numpy(buffer)
+        step = len(staging) // ALIGNMENT * ALIGNMENT
+        if step <= 0:
+            raise ValueError("the copy buffer is smaller than one block")
+        for done in range(0, length, step):
+            size = min(step, length - done)
+            _pread_all(self._fds[source[0]], staging[:size].data, source[1] + done)
+            _pwrite_all(self._fds[target[0]], staging[:size].data, target[1] + done, self.io.pwrite)
+
+    def truncate(self, segment: int, size: int) -> None:
+        """Cut segment file ``segment`` to ``size`` bytes (the catalog no longer uses the rest)."""
+        self.io.ftruncate(self._fds[segment], size)
+
+    def remove_tail(self, count: int) -> None:
+        """Close and delete the last ``count`` segment files (the catalog no longer names them)."""
+        for _ in range(count):
+            segment = len(self._fds) - 1
+            self.io.close(self._fds.pop())
+            self.io.unlink(self.path(segment))
+        if count:
+            self.io.fsync_dir(self.folder)
+
+    def remove_strays(self, count: int) -> list[Path]:
+        """Delete segment files numbered ``count`` or more (left by a crash after the catalog
+        stopped naming them, before they were deleted); return their paths."""
+        numbered = ((path, segment_number(path)) for path in self.folder.glob(_SEGMENT_GLOB))
+        strays = [path for path, number in numbered if number is not None and number >= count]
+        for path in strays:
+            self.io.unlink(path)
+        if strays:
+            self.io.fsync_dir(self.folder)
+        return strays
 
     def sync(self, segment: int) -> None:
         """Make the data written to ``segment`` durable."""
@@ -312,6 +423,11 @@ def _pread_all(fd: int, data: memoryview, offset: int) -> None:
         if got == 0:
             raise CatalogError(f"data file ends at byte {offset + done}, inside an extent; it was truncated")
         done += got
+
+
+def _close_all(fds: list[int], io: FileIO) -> None:
+    while fds:
+        io.close(fds.pop())
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -26,7 +26,7 @@ from ..tiers import DiskTier
 async def workload(root: str) -> dict[str, object]:
     report: dict[str, object] = {"puts": 0, "full": 0, "intact": True, "reused": False, "reopened": False}
     values: dict[str, torch.Tensor] = {}
-    async with TierStore([DiskTier(root, "1GiB")]) as store:
+    async with TierStore([DiskTier(root, "1GiB", overcommit=True)]) as store:
         for i in range(400):
             value = torch.full((256 * 1024,), float(i))
             try:
@@ -49,7 +49,7 @@ async def workload(root: str) -> dict[str, object]:
             values[f"again{i}"] = torch.full((256 * 1024,), -1.0)
             await store.put(f"again{i}", values[f"again{i}"])
         report["reused"] = True
-    async with TierStore([DiskTier(root, "1GiB")]) as store:
+    async with TierStore([DiskTier(root, "1GiB", overcommit=True)]) as store:
         same = sorted(store.keys()) == sorted(values)
         for key, value in values.items():
             same = same and bool(torch.equal(await store.get(key), value))

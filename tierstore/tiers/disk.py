@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import os
+import shutil
+import weakref
 from functools import partial
 from pathlib import Path
 from typing import ClassVar
@@ -12,9 +13,27 @@ from typing import ClassVar
 import torch
 
 from ..disk.catalog import Catalog, CatalogLayout, DiskRecord
+from ..disk.compact import compact, plan_compaction
 from ..disk.extents import Extent, ExtentAllocator
-from ..disk.files import FileIO, SegmentFiles, TruncatedSegment, checksum_of
-from ..errors import CatalogError, ChecksumError, StoreClosedError, StoreLockedError, TierFullError
+from ..disk.files import (
+    FileIO,
+    SegmentFiles,
+    TruncatedSegment,
+    allocated_bytes,
+    checksum_of,
+    is_segment_name,
+)
+from ..disk.lock import FolderLock
+from ..errors import (
+    CapacityError,
+    CatalogError,
+    ChecksumError,
+    ForeignFolderError,
+    NotAStoreFolderError,
+    StoreClosedError,
+    StoreForkedError,
+    TierFullError,
+)
 from ..tensors import ALIGNMENT
 from ..units import format_bytes, parse_bytes, round_up
 from ..workers import Priority, WorkerPool
@@ -22,6 +41,9 @@ from .base import Tier
 
 #: Size of the first segment file; each next one is twice the last, up to ``segment_size``.
 FIRST_SEGMENT = 16 << 20
+#: What a tierstore folder holds before its catalog exists (a crash during the first open).
+_OWN_NAMES = {"lock", "data", "catalog"}
+_PROBE_NAME = ".direct-probe"
 
 
 class DiskTier(Tier):
@@ -58,6 +80,21 @@ class DiskTier(Tier):
     io:
         The calls that change the data files and commit the catalog (default: ``os`` and
         LMDB as they are); ``tierstore.faults.powercut`` passes a recorder here.
+    overcommit:
+        Accept a capacity larger than the file system can still give (the free space plus what
+        the folder's files hold); puts then fail with ``DiskFullError`` when it fills. By default
+        ``open`` refuses such a capacity with ``CapacityError``.
+
+    Notes
+    -----
+    Freed extents are given back to the file system at once (holes punched where it supports
+    them), and empty segment files at the end go once the rest is at most half full. Opening a
+    folder with a capacity smaller than its segment files compacts it (live extents move into the
+    first ``capacity`` bytes) or, if the live data does not fit, raises ``CapacityError``.
+
+    The folder belongs to the process that opened it (an exclusive lock, released on ``aclose``
+    or when the tier is garbage-collected); a forked child neither holds nor releases it, and
+    using the tier there raises ``StoreForkedError``.
     """
 
     kind: ClassVar[str] = "disk"
@@ -74,6 +111,7 @@ class DiskTier(Tier):
         create: bool = True,
         name: str = "disk",
         io: FileIO | None = None,
+        overcommit: bool = False,
     ) -> None:
         super().__init__(capacity, name)
         self.root = Path(root)
@@ -89,36 +127,106 @@ class DiskTier(Tier):
             raise ValueError("chunk_size and segment_size must be positive")
         self.io_threads = io_threads
         self.create = create
+        self.overcommit = bool(overcommit)
         self.pool = WorkerPool(io_threads, name)
         # Checksums of outgoing chunks are computed here, beside the writes (CRC-32C drops the GIL).
         self.checksum_pool = WorkerPool(2, f"{name}-checksum")
         self._catalog: Catalog | None = None
         self._files: SegmentFiles | None = None
         self._allocator = ExtentAllocator()
-        self._lock_fd: int | None = None
+        self._lock: FolderLock | None = None
+        self._release_lock: weakref.finalize | None = None
+        #: The process that opened the tier (a forked child may not use it).
+        self._pid: int | None = None
         self._grow_lock: asyncio.Lock | None = None
+        self._trim_task: asyncio.Task[None] | None = None
         #: Records found on open, by key (the store adopts them as entries).
         self.loaded: dict[str, DiskRecord] = {}
 
     # -- lifecycle --------------------------------------------------------------------------
 
     async def open(self) -> None:
+        """Check the folder, take its lock, load the catalog (compacting into a smaller capacity
+        if needed) and start the I/O threads.
+
+        Raises
+        ------
+        NotAStoreFolderError
+            If ``root`` is a file.
+        ForeignFolderError
+            If ``root`` holds files but no tierstore catalog.
+        CapacityError
+            If the capacity exceeds what the file system can give (unless ``overcommit``), or is
+            smaller than the live data in the folder.
+        StoreLockedError
+            If the folder is open already (in another process, or another object of this one).
+        CatalogError
+            If the catalog or data files are damaged or of a format this code cannot read.
+        """
         if self.is_open:
             return
+        self._check_folder()
+        if not self.overcommit:
+            self._check_capacity()
         if not self.root.exists():
             if not self.create:
                 raise FileNotFoundError(f"disk tier folder {self.root} does not exist (create=False)")
-            self.root.mkdir(mode=0o700, parents=True)
-        self._lock_folder()
+            try:
+                self.root.mkdir(mode=0o700, parents=True)
+            except (NotADirectoryError, FileExistsError) as exc:
+                raise NotAStoreFolderError(f"cannot create the disk tier folder {self.root}: {exc.strerror}") from None
+        self._lock = FolderLock.acquire(self.root / "lock")
+        self._pid = os.getpid()
         try:
             await asyncio.to_thread(self._open_sync)
         except BaseException:
             self._close_sync()
             raise
+        # Dropped without aclose (a notebook cell run again): the folder is let go with it.
+        self._release_lock = weakref.finalize(self, self._lock.release)
         self._grow_lock = asyncio.Lock()
         self.pool.start()
         self.checksum_pool.start()
         await super().open()
+
+    def _check_folder(self) -> None:
+        """Refuse a root that is a file, or a folder of someone else's files."""
+        root = self.root
+        if not root.exists():
+            return
+        if not root.is_dir():
+            raise NotAStoreFolderError(f"the disk tier folder {root} is a file, not a folder")
+        names = set(os.listdir(root))
+        if "catalog" in names:
+            return
+        foreign = sorted(names - _OWN_NAMES)
+        data = root / "data"
+        if data.is_dir():
+            foreign += sorted(f"data/{n}" for n in os.listdir(data) if n != _PROBE_NAME and not is_segment_name(n))
+        elif data.exists():
+            foreign.append("data")
+        if foreign:
+            shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+            raise ForeignFolderError(
+                f"{root} holds files but no tierstore catalog ({shown}); a DiskTier takes only an empty or "
+                "new folder, or one a tierstore wrote"
+            )
+
+    def _check_capacity(self) -> None:
+        """Refuse a capacity the file system cannot give: its free space plus what the folder's
+        segment files hold already."""
+        existing = self.root
+        while not existing.exists():
+            existing = existing.parent
+        free = shutil.disk_usage(existing).free
+        data = self.root / "data"
+        held = allocated_bytes(data) if data.is_dir() else 0
+        if self.capacity > free + held:
+            raise CapacityError(
+                f"disk tier capacity {format_bytes(self.capacity)} for {self.root} is more than the file system "
+                f"can give: {format_bytes(free)} free + {format_bytes(held)} in the folder's files = "
+                f"{format_bytes(free + held)}; ask for less, or pass overcommit=True to accept filling up"
+            )
 
     def _open_sync(self) -> None:
         (self.root / "data").mkdir(mode=0o700, exist_ok=True)
@@ -128,11 +236,6 @@ class DiskTier(Tier):
         if layout.alignment != ALIGNMENT:
             raise CatalogError(f"{self.root} was written with {layout.alignment}-byte alignment; this tierstore uses {ALIGNMENT}")
         self.chunk_size = layout.chunk_size  # the folder's setting wins over the constructor's
-        if sum(layout.segments) > self.capacity:
-            raise ValueError(
-                f"{self.root} already holds {format_bytes(sum(layout.segments))} of segments, "
-                f"more than this DiskTier's capacity of {format_bytes(self.capacity)}"
-            )
         self._files = SegmentFiles(
             self.root / "data",
             self._direct,
@@ -160,15 +263,33 @@ class DiskTier(Tier):
                 f"{exc}; {len(inside)} entries live in it ({shown}); nothing was changed, the other "
                 f"{len(records) - len(inside)} entries are intact on disk"
             ) from None
+        # Segment files the catalog stopped naming just before a crash.
+        self._files.remove_strays(len(layout.segments))
+        if sum(layout.segments) > self.capacity:
+            plan = plan_compaction(self.root, records, layout.segments, self.capacity, ALIGNMENT)
+            layout, records = compact(self._files, self._catalog, layout, records, plan, self.chunk_size)
+            self._allocator = ExtentAllocator.rebuild(layout.segments, (r.extent for r in records.values()))
+        count = self._allocator.removable_tail()
+        if count:
+            layout = CatalogLayout(layout.chunk_size, ALIGNMENT, tuple(self._allocator.segment_sizes[:-count]))
+            with self.io.catalog_commit([], layout):
+                self._catalog.commit_now([], layout)
+            self._allocator.drop_tail(count)
+            self._files.remove_tail(count)
         self.loaded = records
 
     async def aclose(self) -> None:
         if not self.is_open:
             return
-        self.pool.shutdown()
-        self.checksum_pool.shutdown()
-        self._close_sync()
-        await super().aclose()
+        trim, self._trim_task = self._trim_task, None
+        try:
+            if trim is not None and not trim.cancelled():
+                await trim  # a failure to give space back is reported, after closing
+        finally:
+            self.pool.shutdown()
+            self.checksum_pool.shutdown()
+            self._close_sync()
+            await super().aclose()
 
     def _close_sync(self) -> None:
         if self._files is not None:
@@ -177,21 +298,12 @@ class DiskTier(Tier):
         if self._catalog is not None:
             self._catalog.close()
             self._catalog = None
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # closing releases the flock
-            self._lock_fd = None
-
-    def _lock_folder(self) -> None:
-        fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise StoreLockedError(f"{self.root} is open in another process (pid {holder})") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._lock_fd = fd
+        if self._release_lock is not None:
+            self._release_lock.detach()
+            self._release_lock = None
+        if self._lock is not None:
+            self._lock.release()  # in a forked child this closed nothing: the parent holds it
+            self._lock = None
 
     # -- accounting -------------------------------------------------------------------------
 
@@ -201,7 +313,8 @@ class DiskTier(Tier):
 
     @property
     def reserved(self) -> int:
-        """Bytes of segment files created so far (reserved on the file system)."""
+        """Bytes of segment files (their length). Free extents inside them are punched out, so
+        the file system holds about ``used`` of them where it supports holes."""
         return self._allocator.size
 
     @property
@@ -263,8 +376,42 @@ class DiskTier(Tier):
             return extent
 
     def release(self, extent: Extent) -> None:
-        """Return an extent's space (the catalog no longer references it)."""
+        """Return an extent's space (the catalog no longer references it): reusable at once,
+        and given back to the file system. Empty trailing segment files go in the background."""
+        self._check_process()
         self._allocator.free(extent)
+        if self._files is None:
+            return
+        # On the loop, before anything can allocate the range again: the punch must not land on
+        # a new extent's data.
+        self._files.punch(extent.segment, extent.offset, extent.length)
+        if not self._allocator.removable_tail():
+            return
+        task = self._trim_task
+        if task is not None and (not task.done() or (not task.cancelled() and task.exception() is not None)):
+            return  # one at a time; an earlier failure is raised by aclose, not piled up
+        self._trim_task = asyncio.get_running_loop().create_task(self._trim())
+
+    async def _trim(self) -> None:
+        """Delete empty segment files at the end (``ExtentAllocator.removable_tail``)."""
+        files, catalog = self._require_open(), self._require_catalog()
+        async with self._grow_lock or asyncio.Lock():
+            count = self._allocator.removable_tail()
+            if not count:
+                return
+            dropped = self._allocator.segment_sizes[-count:]
+            layout = CatalogLayout(self.chunk_size, ALIGNMENT, tuple(self._allocator.segment_sizes[:-count]))
+            self._allocator.drop_tail(count)  # nothing allocates there from now on
+            try:
+                with self.io.catalog_commit([], layout):
+                    await catalog.commit([], layout=layout)
+            except Exception:
+                for size in dropped:
+                    self._allocator.add_segment(size)
+                raise
+            # Durability order: the catalog no longer names the files; now they may go (a crash
+            # in between leaves stray files, which the next open deletes).
+            await self.pool.run(partial(files.remove_tail, count), Priority.BACKGROUND)
 
     # -- data ---------------------------------------------------------------------------------
 
@@ -324,12 +471,21 @@ class DiskTier(Tier):
     def segment_path(self, segment: int) -> Path:
         return self.root / "data" / f"segment-{segment:06d}.bin"
 
+    def _check_process(self) -> None:
+        if self._pid is not None and self._pid != os.getpid():
+            raise StoreForkedError(
+                f"disk tier {self.name!r} at {self.root} was opened by process {self._pid}; this process "
+                f"({os.getpid()}) was forked from it and cannot use it: open a new store here if it needs one"
+            )
+
     def _require_catalog(self) -> Catalog:
+        self._check_process()
         if self._catalog is None:
             raise StoreClosedError(f"disk tier {self.name!r} at {self.root} is not open")
         return self._catalog
 
     def _require_open(self) -> SegmentFiles:
+        self._check_process()
         if self._files is None:
             raise StoreClosedError(f"disk tier {self.name!r} at {self.root} is not open")
         return self._files
