@@ -146,12 +146,7 @@ class Engine:
             record = DiskRecord(entry.key, meta, source.extent, source.version, source.checksums)
 
             async def from_disk(buffer: torch.Tensor, priority: Priority) -> None:
-                if buffer.device.type == "cpu":
-                    await self._disk.read(record, buffer, priority)
-                    return
-                bounce = aligned_empty(meta.nbytes, pin_memory=torch.cuda.is_available())
-                await self._disk.read(record, bounce, priority)
-                await self._copy(buffer[: meta.nbytes], bounce[: meta.nbytes], priority)
+                await self._disk.read(record, buffer, priority)
 
             return from_disk
 
@@ -254,7 +249,6 @@ class Engine:
         if buffer is None:
             raise TierStoreError(f"internal error: write-back of {entry.key!r} from a copy without a buffer")
         if below == self._disk_index:
-            buffer = await self._host_bytes(entry, source, priority)
             await self._write_disk(entry, buffer, entry.meta, source.version, priority, source_tier=source.tier)
         else:
             await self._write_memory(entry, below, source.version, self._filler(entry, source), priority, source_tier=source.tier)
@@ -379,8 +373,7 @@ class Engine:
                     extent = await disk.allocate(entry.meta.nbytes)
                     try:
                         started = time.perf_counter()
-                        buffer = await self._host_bytes(entry, source, Priority.BACKGROUND)
-                        checksums = await disk.write(extent, buffer, entry.meta.nbytes, Priority.BACKGROUND, sync=False)
+                        checksums = await disk.write(extent, source.buffer, entry.meta.nbytes, Priority.BACKGROUND, sync=False)  # type: ignore[arg-type]
                     except BaseException:
                         disk.release(extent)
                         raise
@@ -408,17 +401,6 @@ class Engine:
                     self._retire(entry, d, old)
                 entry.copies[d] = new
                 self.counters.tier(self._names[source.tier]).writebacks += 1
-
-    async def _host_bytes(self, entry: Entry, source: Copy, priority: Priority) -> torch.Tensor:
-        """``source``'s buffer if it is in CPU memory, else a staged CPU copy of it."""
-        buffer = source.buffer
-        if buffer is None:
-            raise TierStoreError(f"internal error: {entry.key!r} has no buffer on {self._names[source.tier]!r}")
-        if buffer.device.type == "cpu":
-            return buffer
-        staged = aligned_empty(entry.meta.nbytes, pin_memory=torch.cuda.is_available())
-        await self._copy(staged[: entry.meta.nbytes], buffer[: entry.meta.nbytes], priority)
-        return staged
 
     async def _delete(self, entry: Entry) -> None:
         if self._disk_index is not None:
@@ -621,6 +603,39 @@ class Engine:
         if live is None:
             live = self._entries[entry.key] = Entry(entry.key, meta)
         return live
+
+    # -- what the prefetch issuer uses (tierstore.prefetching.PrefetchTarget) ----------------------
+
+    def lookup(self, key: str) -> Entry | None:
+        entry = self._entries.get(key)
+        return entry if entry is not None and entry.visible else None
+
+    def tier_index(self, tier: str | int) -> int:
+        return self._index(tier)
+
+    def can_hold_copies(self, t: int) -> bool:
+        return isinstance(self._tiers[t], MemoryTier)
+
+    def would_push_out_sooner(self, entry: Entry, t: int) -> bool:
+        """With a future-seeing eviction policy (MIN), a prefetch that needs room must not evict
+        a key needed before the one it fetches."""
+        next_use = getattr(self.prefetch_policy, "next_use", None)
+        furthest = getattr(self._policies[t], "furthest_next_use", None)
+        if next_use is None or furthest is None or self._tiers[t].free >= entry.meta.nbytes:
+            return False
+        return bool(furthest() < next_use(entry.key))
+
+    async def promote(self, entry: Entry, t: int, priority: Priority) -> None:
+        await self._ensure(entry, t, priority)
+
+    def prefetched(self, entry: Entry, t: int) -> None:
+        self._prefetched.add((entry.key, t))
+        if self.trace is not None:
+            self.trace.record("prefetch", entry.key, entry.meta.nbytes, t, None)
+
+    def own(self, task: asyncio.Task[Any]) -> None:
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     # -- helpers ---------------------------------------------------------------------------------
 

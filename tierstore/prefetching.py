@@ -11,14 +11,14 @@ import asyncio
 from collections import deque
 from collections.abc import Generator, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from .errors import KeyNotFoundError, TierFullError
+from .errors import KeyNotFoundError, TierFullError, UnknownTierError
 from .workers import Priority
 
 if TYPE_CHECKING:
-    from .engine import Engine
     from .entry import Entry
+    from .stats import StoreCounters
 
 #: Promotions a prefetch runs at once (enough to keep the disk queue full).
 PREFETCH_CONCURRENCY = 4
@@ -57,10 +57,37 @@ class PrefetchHandle:
         return self.wait().__await__()
 
 
+class PrefetchTarget(Protocol):
+    """What the issuer needs of the engine (and nothing more)."""
+
+    counters: StoreCounters
+
+    def lookup(self, key: str) -> Entry | None:
+        """The visible entry of ``key``, or None."""
+
+    def tier_index(self, tier: str | int) -> int:
+        """A tier's index from its name or index (``UnknownTierError`` if none)."""
+
+    def can_hold_copies(self, t: int) -> bool:
+        """Whether tier ``t`` takes promoted copies (a memory tier)."""
+
+    def would_push_out_sooner(self, entry: Entry, t: int) -> bool:
+        """Whether bringing ``entry`` up to ``t`` would evict something needed sooner."""
+
+    async def promote(self, entry: Entry, t: int, priority: Priority) -> None:
+        """Return once ``entry`` has a valid copy on tier ``t``."""
+
+    def prefetched(self, entry: Entry, t: int) -> None:
+        """Note a completed prefetch (for usefulness counters and the trace)."""
+
+    def own(self, task: asyncio.Task[Any]) -> None:
+        """Keep ``task`` until it ends; the store cancels it on close."""
+
+
 class PrefetchIssuer:
     """Runs the store's prefetches: explicit batches and a queue of policy suggestions."""
 
-    def __init__(self, store: Engine) -> None:
+    def __init__(self, store: PrefetchTarget) -> None:
         self._store = store
         self._queue: deque[tuple[str, int]] = deque()
         self._queued: set[tuple[str, int]] = set()
@@ -68,8 +95,7 @@ class PrefetchIssuer:
 
     def start(self, entries: list[Entry], t: int) -> PrefetchHandle:
         task = asyncio.ensure_future(self._run_batch(entries, t))
-        self._store._background.add(task)
-        task.add_done_callback(self._store._background.discard)
+        self._store.own(task)
         return PrefetchHandle(task)
 
     def follow(self, suggestions: Iterable[tuple[str, str | None]], default_tier: int) -> None:
@@ -77,13 +103,13 @@ class PrefetchIssuer:
         store = self._store
         for key, tier in suggestions:
             try:
-                t = store._index(tier) if tier is not None else default_tier
-            except Exception:
+                t = store.tier_index(tier) if tier is not None else default_tier
+            except UnknownTierError:
+                continue  # a policy's suggestion for a tier this store lacks
+            entry = store.lookup(key)
+            if entry is None or entry.valid(t) is not None or t in entry.loading:
                 continue
-            entry = store._entries.get(key)
-            if entry is None or not entry.visible or entry.valid(t) is not None or t in entry.loading:
-                continue
-            if (key, t) in self._queued or store._index(t) == store._disk_index:
+            if (key, t) in self._queued or not store.can_hold_copies(t):
                 continue
             if len(self._queue) >= SUGGESTION_QUEUE:
                 self._queued.discard(self._queue.popleft())
@@ -91,8 +117,7 @@ class PrefetchIssuer:
             self._queued.add((key, t))
         if self._queue and (self._runner is None or self._runner.done()):
             self._runner = asyncio.ensure_future(self._drain())
-            store._background.add(self._runner)
-            self._runner.add_done_callback(store._background.discard)
+            store.own(self._runner)
 
     async def _drain(self) -> None:
         store = self._store
@@ -102,8 +127,8 @@ class PrefetchIssuer:
                 while self._queue and len(running) < PREFETCH_CONCURRENCY:
                     key, t = self._queue.popleft()
                     self._queued.discard((key, t))
-                    entry = store._entries.get(key)
-                    if entry is None or not entry.visible:
+                    entry = store.lookup(key)
+                    if entry is None:
                         continue
                     running.add(asyncio.ensure_future(self._fetch(entry, t, PrefetchResult())))
                 if running:
@@ -133,18 +158,6 @@ class PrefetchIssuer:
             self._store.counters.prefetch.cancelled += 1
         return result
 
-    def _would_push_out_sooner(self, entry: Entry, t: int) -> bool:
-        """With a future-seeing eviction policy (MIN), a prefetch that needs room must not evict
-        a key needed before the one it fetches."""
-        store = self._store
-        policy = store._policies[t]
-        next_use = getattr(store.prefetch_policy, "next_use", None)
-        furthest = getattr(policy, "furthest_next_use", None)
-        tier = store.tiers[t]
-        if next_use is None or furthest is None or tier.free >= entry.meta.nbytes:
-            return False
-        return bool(furthest() < next_use(entry.key))
-
     async def _fetch(self, entry: Entry, t: int, result: PrefetchResult) -> None:
         store = self._store
         counters = store.counters.prefetch
@@ -152,13 +165,13 @@ class PrefetchIssuer:
             counters.already_there += 1
             result.already_there.append(entry.key)
             return
-        if self._would_push_out_sooner(entry, t):
+        if store.would_push_out_sooner(entry, t):
             counters.dropped += 1
             result.dropped.append(entry.key)
             return
         counters.issued += 1
         try:
-            await store._ensure(entry, t, Priority.PREFETCH)
+            await store.promote(entry, t, Priority.PREFETCH)
         except (TierFullError, KeyNotFoundError):
             counters.dropped += 1
             result.dropped.append(entry.key)
@@ -171,6 +184,4 @@ class PrefetchIssuer:
             return
         counters.completed += 1
         result.fetched.append(entry.key)
-        store._prefetched.add((entry.key, t))
-        if store.trace is not None:
-            store.trace.record("prefetch", entry.key, entry.meta.nbytes, t, None)
+        store.prefetched(entry, t)

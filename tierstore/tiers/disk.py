@@ -12,6 +12,7 @@ from typing import ClassVar
 
 import torch
 
+from ..copies import copy_bytes
 from ..disk.catalog import Catalog, CatalogLayout, DiskRecord
 from ..disk.compact import compact, plan_compaction
 from ..disk.extents import Extent, ExtentAllocator
@@ -34,7 +35,7 @@ from ..errors import (
     StoreForkedError,
     TierFullError,
 )
-from ..tensors import ALIGNMENT
+from ..tensors import ALIGNMENT, aligned_empty
 from ..units import format_bytes, parse_bytes, round_up
 from ..workers import Priority, WorkerPool
 from .base import Tier
@@ -421,10 +422,15 @@ class DiskTier(Tier):
     async def write(
         self, extent: Extent, src: torch.Tensor, nbytes: int, priority: Priority = Priority.DEMAND, sync: bool = True
     ) -> tuple[int, ...]:
-        """Write the first ``nbytes`` of the CPU uint8 buffer ``src`` into ``extent``; durable on
+        """Write the first ``nbytes`` of the uint8 buffer ``src`` into ``extent``; durable on
         return if the tier is (``sync=False`` leaves that to a later ``sync_segments``, so many
-        writes share one fdatasync per file). Returns the chunk checksums."""
+        writes share one fdatasync per file). Returns the chunk checksums. A buffer in device
+        memory is staged through host memory first (this tier moves its own bytes)."""
         files = self._require_open()
+        if src.device.type != "cpu":
+            staged = aligned_empty(nbytes, pin_memory=torch.cuda.is_available())
+            await copy_bytes(staged[:nbytes], src[:nbytes], pool=self.pool, priority=priority)
+            src = staged
         chunks = self._chunks(nbytes)
         writes = [partial(files.write_chunk, extent.segment, extent.offset + start, src, start, length) for start, length in chunks]
         sums = [partial(checksum_of, src, start, length) for start, length in chunks]
@@ -440,8 +446,15 @@ class DiskTier(Tier):
             await self.pool.run_all([partial(files.sync, segment) for segment in sorted(segments)], priority)
 
     async def read(self, record: DiskRecord, dst: torch.Tensor, priority: Priority = Priority.DEMAND) -> None:
-        """Read ``record``'s bytes into the CPU uint8 buffer ``dst``, verifying every checksum."""
+        """Read ``record``'s bytes into the uint8 buffer ``dst``, verifying every checksum (a
+        buffer in device memory is filled through a host bounce buffer)."""
         files = self._require_open()
+        if dst.device.type != "cpu":
+            nbytes = record.meta.nbytes
+            bounce = aligned_empty(nbytes, pin_memory=torch.cuda.is_available())
+            await self.read(record, bounce, priority)
+            await copy_bytes(dst[:nbytes], bounce[:nbytes], pool=self.pool, priority=priority)
+            return
         jobs = [
             partial(self._read_verified, files, record, index, start, length, dst)
             for index, (start, length) in enumerate(self._chunks(record.meta.nbytes))
