@@ -9,19 +9,21 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
+from .bench.common import milestones, progress
 from .models import GPT, GPTConfig, synthetic_batches
 from .optim import TieredAdamW
 from .store import TierStore
 from .sync import run
+from .tensors import ALIGNMENT
 from .tiers import DeviceTier, DiskTier, HostTier
-from .units import format_bytes, parse_bytes
+from .units import format_bytes, parse_bytes, round_up
 
 DEFAULT_ROOT = Path(".tierstore") / "demo"
 
@@ -76,8 +78,9 @@ def train(
     batches = synthetic_batches(model.config, args.batch, seed=args.seed + 1, device=args.device)
     timeline = getattr(optimizer, "timeline", None)
     losses, times = [], []
-    progress = tqdm(range(args.steps), desc=label, unit="step", dynamic_ncols=True)
-    for _ in progress:
+    bar = progress(range(args.steps), desc=label, unit="step", dynamic_ncols=True)
+    log_after = milestones(args.steps) if bar.disable else set()
+    for step in bar:
         started = time.perf_counter()
         tokens = next(batches)
         optimizer.zero_grad()
@@ -92,7 +95,9 @@ def train(
             params.mark_step()
         losses.append(loss.item())
         times.append(time.perf_counter() - started)
-        progress.set_postfix(loss=f"{losses[-1]:.3f}", ms=f"{times[-1] * 1e3:.0f}")
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", ms=f"{times[-1] * 1e3:.0f}")
+        if step + 1 in log_after:  # no bar (not a terminal): a few lines for the log instead
+            print(f"{label}: step {step + 1}/{args.steps}, loss {losses[-1]:.3f}, {times[-1] * 1e3:.0f} ms", flush=True)
     return losses, times
 
 
@@ -104,13 +109,59 @@ class _nothing:
         return None
 
 
+def check_args(args: argparse.Namespace) -> str | None:
+    """What is wrong with the options before anything is built, or None."""
+    for name in ("steps", "layers", "dim", "heads", "vocab", "seq", "batch"):
+        if getattr(args, name) < 1:
+            return f"--{name} must be at least 1, not {getattr(args, name)}"
+    if args.dim % args.heads:
+        return f"--dim ({args.dim}) must be a multiple of --heads ({args.heads})"
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        return f"--device {args.device!r} is not a device name (cpu, cuda, cuda:1 ...)"
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return f"--device {args.device}: CUDA is not available here (torch {torch.__version__} finds no GPU); use --device cpu"
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            return f"--device {args.device}: there are {torch.cuda.device_count()} CUDA devices"
+    elif device.type != "cpu":
+        return f"--device {args.device}: the demo runs on cpu or cuda"
+    for name in ("device_capacity", "host_capacity", "disk_capacity"):
+        try:
+            parse_bytes(getattr(args, name))
+        except ValueError as exc:
+            return f"--{name.replace('_', '-')}: {exc}"
+    return None
+
+
+def check_disk(args: argparse.Namespace, model: torch.nn.Module) -> str | None:
+    """Whether the disk tier can hold what the demo pages to it, or what is missing."""
+    sizes = [round_up(12 * p.numel(), ALIGNMENT) for p in model.parameters()]  # fp32 master + 2 moments
+    if args.offload_params:
+        sizes += [round_up(p.numel() * p.element_size(), ALIGNMENT) for p in model.parameters()]
+    # Writes are copy-on-write and free space fragments as values are rewritten: ask for twice
+    # the values (what the optimizer's own default store reserves, too).
+    needed = round_up(2 * sum(sizes), 1 << 20)
+    if parse_bytes(args.disk_capacity) < needed:
+        return (f"--disk-capacity {args.disk_capacity} is too small for what this model pages to disk "
+                f"({format_bytes(sum(sizes))}, rewritten in place of itself); give at least {format_bytes(needed)}")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.step_in_backward:
-        args.clip = 0.0
-    config = GPTConfig(vocab=args.vocab, seq=args.seq, dim=args.dim, layers=args.layers, heads=args.heads)
-    torch.manual_seed(args.seed)
-    model = GPT(config).to(args.device)
+    problem = check_args(args)
+    if problem is None:
+        if args.step_in_backward:
+            args.clip = 0.0
+        config = GPTConfig(vocab=args.vocab, seq=args.seq, dim=args.dim, layers=args.layers, heads=args.heads)
+        torch.manual_seed(args.seed)
+        model = GPT(config).to(args.device)
+        problem = check_disk(args, model)
+    if problem is not None:
+        print(f"tierstore demo: error: {problem}", file=sys.stderr)
+        return 2
     reference = copy.deepcopy(model) if args.compare else None
     params = sum(p.numel() for p in model.parameters())
     state = 12 * params

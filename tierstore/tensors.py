@@ -106,12 +106,14 @@ class TensorMeta:
 
 
 def check_tensor(tensor: object) -> torch.Tensor:
-    """Return ``tensor`` if the store can hold it, else raise ``InvalidTensorError``.
+    """Return ``tensor`` as the store holds it, or raise ``InvalidTensorError``.
 
     Accepted: dense (strided) tensors on the CPU or a CUDA device, of any dtype in
     :func:`supported_dtypes`, contiguous or not (non-contiguous ones are stored as a contiguous
-    copy: their strides are not kept). Refused: non-tensors, sparse, meta, quantized, nested,
-    and tensors on other devices.
+    copy: their strides are not kept). Lazy conjugate and negative views (``x.conj()``,
+    ``x.conj().imag``) are returned resolved, a copy holding the values they show, so their bytes
+    are those values. Refused: non-tensors, sparse, meta, quantized, nested, and tensors on
+    other devices.
     """
     if not isinstance(tensor, torch.Tensor):
         raise InvalidTensorError(f"expected a torch.Tensor, got {type(tensor).__name__}")
@@ -126,7 +128,9 @@ def check_tensor(tensor: object) -> torch.Tensor:
     if tensor.device.type not in ("cpu", "cuda"):
         raise InvalidTensorError(f"tensors on {tensor.device} cannot be stored (cpu and cuda only)")
     dtype_name(tensor.dtype)
-    return tensor
+    # A conj or neg view shares the original's memory, which holds the unconjugated values:
+    # its raw bytes are not its value (and torch refuses to reinterpret them).
+    return tensor.resolve_conj().resolve_neg()
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -7,12 +7,43 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psutil
 import torch
+from tqdm import tqdm
+
+T = TypeVar("T")
+
+
+def progress(iterable: Iterable[T] | None = None, *, total: int | None = None, desc: str = "", **options: Any) -> tqdm[T]:
+    """A tqdm progress bar drawn only on a terminal.
+
+    Written to a file or a pipe (a CI log, ``| tee``) a bar adds a line per refresh, hundreds
+    in a long run, so there it is disabled (tqdm's ``disable=None``); callers that want a record
+    in logs check ``bar.disable`` and print a few summary lines themselves.
+
+    Parameters
+    ----------
+    iterable:
+        What to iterate over, if the bar wraps an iterable.
+    total:
+        The number of steps, if not ``len(iterable)``.
+    desc:
+        The label in front of the bar.
+    **options:
+        Further ``tqdm`` options (``unit``, ``leave`` ...).
+    """
+    return tqdm(iterable, total=total, desc=desc, disable=None, **options)
+
+
+def milestones(total: int, lines: int = 10) -> set[int]:
+    """The steps (1-based, the last included) after which a log without a progress bar gets a
+    summary line: about ``lines`` of them, evenly spaced."""
+    every = max(1, -(-total // lines))
+    return {n for n in range(every, total + 1, every)} | ({total} if total > 0 else set())
 
 
 def median(values: list[float]) -> float:

@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     args.batch = 16
     reps = 3 if args.quick else 7
     numel, tensors = (1 << 20, 8) if args.quick else (4 << 20, 8)
-    with tqdm(total=reps + 1 + args.steps, desc="bench_optim", leave=False) as progress:
+    with tqdm(total=reps + 1 + args.steps, desc="bench_optim", leave=False, disable=None) as progress:
         bandwidth = memory_bandwidth()
         read_gbs, write_gbs = disk_bandwidth(args.dir)
         updates = update_throughput(numel, tensors, reps, progress)

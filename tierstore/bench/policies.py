@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
 
     zipf = zipf_trace(keys=20_000, accesses=accesses, alpha=0.9, size=4096, seed=1)
     speed_rows: list[dict[str, Any]] = []
-    for name in tqdm(["lru", "fifo", "lfu", "arc", "s3fifo", "min"], desc="simulator speed", leave=False):
+    for name in tqdm(["lru", "fifo", "lfu", "arc", "s3fifo", "min"], desc="simulator speed", leave=False, disable=None):
         result = simulate(zipf, {"host": zipf.working_set // 10}, name)
         speed_rows.append({"eviction": name, "accesses": len(zipf), "kacc_per_s": result.accesses_per_second / 1e3, "miss_ratio": result.miss_ratio})
 
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     pattern_rows: list[dict[str, Any]] = []
     baseline = simulate(trace, {"host": capacity}, "lru", "none", think=2e-3)
     cold = simulate(first_step, {"host": capacity}, "lru", "none").misses
-    for eviction, prefetch in tqdm(combos, desc="optimizer pattern", leave=False):
+    for eviction, prefetch in tqdm(combos, desc="optimizer pattern", leave=False, disable=None):
         r = simulate(trace, {"host": capacity}, eviction, prefetch, think=2e-3)
         pattern_rows.append({
             "eviction": eviction, "prefetch": prefetch, "misses": r.misses, "miss_ratio": r.miss_ratio,

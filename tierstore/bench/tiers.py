@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
 
     async def run() -> None:
         steps = len(sizes) * reps * 4 + 2
-        with tqdm(total=steps, desc="tierstore bench", unit="run", leave=False) as progress:
+        with tqdm(total=steps, desc="tierstore bench", unit="run", leave=False, disable=None) as progress:
             for size in sizes:
                 count = max(2, volume // size)
                 rows.extend(await measure_disk(args.dir, size, count, reps, durable=True, progress=progress))

@@ -64,7 +64,7 @@ def run_all(
     sizes = [round(f * trace.working_set) for f in SWEEP_FRACTIONS] if sweep else [capacities[first]]
     combos = list(itertools.product(evictions, prefetches, sizes))
     results = []
-    for eviction, prefetch, size in tqdm(combos, desc="simulate", unit="run", leave=False, disable=len(combos) < 4):
+    for eviction, prefetch, size in tqdm(combos, desc="simulate", unit="run", leave=False, disable=True if len(combos) < 4 else None):
         results.append(simulate(trace, {**capacities, first: size}, eviction, prefetch, links, think))
     return results
 
