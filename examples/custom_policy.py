@@ -12,7 +12,10 @@ from tierstore.sim import simulate, zipf_trace
 
 
 class Clock:
-    """Second chance: a FIFO where a key hit since its last turn gets one more round."""
+    """Second chance: a FIFO where a key hit since its last turn gets one more round.
+
+    ``victim(evictable)`` only takes keys the store lets go (copies in use or held are not);
+    a key it may not take keeps its place and its reference bit."""
 
     name = "clock"
 
@@ -29,13 +32,23 @@ class Clock:
     def on_remove(self, key):
         self.queue.pop(key, None)
 
-    def victim(self):
-        while self.queue:
+    def victim(self, evictable=None):
+        skipped, chosen = [], None
+        for _ in range(2 * len(self.queue)):  # two sweeps: the first clears every bit
+            if not self.queue:
+                break
             key, referenced = self.queue.popitem(last=False)
-            if not referenced:
-                return key
-            self.queue[key] = False  # second chance: back of the queue
-        return None
+            if evictable is not None and not evictable(key):
+                skipped.append((key, referenced))  # in use: it keeps its place and its bit
+            elif referenced:
+                self.queue[key] = False  # second chance: back of the queue
+            else:
+                chosen = key
+                break
+        for key, referenced in reversed(skipped):
+            self.queue[key] = referenced
+            self.queue.move_to_end(key, last=False)
+        return chosen
 
     def reset(self):
         self.queue.clear()

@@ -93,3 +93,8 @@ class StoreClosedError(TierStoreError, RuntimeError):
 class NamespaceClaimedError(TierStoreError, RuntimeError):
     """A key namespace is claimed by someone else (live in this process, or recorded by an
     earlier run for another owner), or overlaps one that is; nothing was changed."""
+
+
+class TraceError(TierStoreError, ValueError):
+    """An access trace is malformed, or does not fit the replay asked of it (other tiers, ops
+    the reader does not know)."""

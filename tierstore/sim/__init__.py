@@ -10,11 +10,31 @@ requests; a demand access to a key whose prefetch is still in flight is a hit th
 the bytes arrive. Time: each access first spends ``think`` seconds of compute; each link carries
 one transfer at a time (latency + bytes / bandwidth); a demand miss stalls until its transfer ends. With one tier this is the textbook cache: LRU and FIFO match their definitions, and
 MIN (furthest next use) misses least when all objects have the same size.
+
+``replay_store_trace`` is the other replay: it follows ``TierStore``'s own rules (write-back
+only when no slower tier holds the value, puts that invalidate other copies, promotion from
+the fastest copy, copies in use never chosen) so that a store's trace replays to the very
+misses and evictions the store had (``load_evictions`` reads those from the trace).
 """
 
 from .generators import loop_trace, optimizer_trace, scan_trace, zipf_trace
 from .links import LinkModel
+from .replay import NextUse, ReplayResult, replay_store_trace
 from .simulator import SimResult, simulate
-from .trace import Trace, load_trace
+from .trace import Trace, load_evictions, load_trace
 
-__all__ = ["LinkModel", "SimResult", "Trace", "load_trace", "loop_trace", "optimizer_trace", "scan_trace", "simulate", "zipf_trace"]
+__all__ = [
+    "LinkModel",
+    "NextUse",
+    "ReplayResult",
+    "SimResult",
+    "Trace",
+    "load_evictions",
+    "load_trace",
+    "loop_trace",
+    "optimizer_trace",
+    "replay_store_trace",
+    "scan_trace",
+    "simulate",
+    "zipf_trace",
+]

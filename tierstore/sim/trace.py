@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import TraceError
+
 ACCESS, DELETE = 0, 1
 
 
@@ -99,17 +101,17 @@ def _load_csv(path: Path) -> Trace:
             if not row or row[0].startswith("#"):
                 continue
             if len(row) < 2:
-                raise ValueError(f"{path}:{number + 1}: expected 'key,size', got {row!r}")
+                raise TraceError(f"{path}:{number + 1}: expected 'key,size', got {row!r}")
             try:
                 size = int(float(row[1]))
             except ValueError:
                 if number == 0:
                     continue  # a header line
-                raise ValueError(f"{path}:{number + 1}: size {row[1]!r} is not a number") from None
+                raise TraceError(f"{path}:{number + 1}: size {row[1]!r} is not a number") from None
             if size < 0:
-                raise ValueError(f"{path}:{number + 1}: negative size {size}")
+                raise TraceError(f"{path}:{number + 1}: negative size {size}")
             keys.append(row[0])
             sizes.append(size)
     if not keys:
-        raise ValueError(f"{path} holds no accesses")
+        raise TraceError(f"{path} holds no accesses")
     return Trace.from_accesses(keys, sizes)

@@ -1,0 +1,383 @@
+"""Replay a store's own trace under the store's residency rules, to check what it evicted.
+
+``simulate`` models a cache hierarchy in general (and matches libCacheSim); this module models
+``TierStore`` itself, so that a store trace replayed here gives the same misses and the same
+evictions, one by one, as the store that recorded it. The rules (``tierstore.engine``):
+
+- Memory tiers have byte capacities. By default a copy occupies its ``nbytes``; given the
+  store's memory tier objects (``accounting=``, fresh ones of the same classes and capacities),
+  the replay allocates from them and so accounts exactly as the store does (page rounding,
+  small values packed in slabs: room that depends on what the tier holds). A copy's size there
+  is what its tier's policy is told. The last tier of the store has no eviction policy: a disk
+  tier holds everything, a memory tier refuses when full.
+- **put** (the row's tier is where it landed): room is made on that tier (the key's old copies
+  still count and may be chosen as victims), then every other memory copy of the key is
+  dropped (``on_remove``) and the new copy installed (``on_insert``); a put to the disk tier
+  drops every memory copy. The new value is valid only where it was written.
+- **get** / **hold** on tier ``t``: a hit when ``t`` holds the current value (``on_hit`` there).
+  A miss reads the fastest other tier holding it, whose policy gets ``on_hit`` first; that copy
+  is in use (not evictable) while room is made on ``t`` and the value is installed there. A
+  value larger than ``t`` is read uncached. Reads on the disk tier count but move nothing.
+- **making room** on tier ``t`` for the room a value needs, in rounds while the tier's free
+  room is short: victims are chosen one after another (each ``victim(evictable)``, copies in
+  use excluded) until their sizes cover the shortfall; then each victim in turn is written
+  back to tier ``t + 1`` if no slower tier holds its current value (making room there the same
+  way: a cascade), and dropped from ``t``. (Freeing a packed value frees room only when its
+  slab empties, hence the rounds.)
+- **delete** drops the key everywhere. Prefetch and evict rows are not requests.
+
+Keys present before the trace started are taken to be on the disk tier only. A hold's
+duration and a write hold's new value are not in a trace, so traces with overlapping or write
+holds do not replay exactly; neither do concurrent requests (their order of admission is not
+recorded). A write-back that finds no room below (only possible when the last tier is a full
+memory tier, or every copy there is in use) raises ``TierFullError``: the replay does not model
+what the store does then.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import TierFullError, TraceError, UnknownTierError
+from ..tensors import storage_nbytes
+from ..tiers.base import MemoryTier
+
+#: The rows a replay takes as requests; the others (prefetch, evict) are skipped.
+REQUESTS = ("get", "put", "delete", "hold")
+
+
+class NextUse:
+    """When each key is used next in a sequence of uses: ``oracle(key)`` is the first position
+    after ``oracle.now`` where ``key`` occurs (``inf`` if none). The future ``MIN`` needs, for a
+    replay (positions of request rows) and for a live run that knows its own future."""
+
+    def __init__(self, keys: Sequence[Hashable]) -> None:
+        self.positions: dict[Hashable, list[int]] = {}
+        for position, key in enumerate(keys):
+            self.positions.setdefault(key, []).append(position)
+        self.now = 0
+
+    def __call__(self, key: Hashable) -> float:
+        positions = self.positions.get(key)
+        if not positions:
+            return float("inf")
+        i = bisect.bisect_right(positions, self.now)
+        return positions[i] if i < len(positions) else float("inf")
+
+
+@dataclass
+class ReplayResult:
+    """What the replay saw: requests and misses per tier name, each request's hit or miss (get
+    and hold rows, in order), and the evictions ``(key, tier index)`` in the order chosen."""
+
+    tiers: list[str]
+    requests: dict[str, int] = field(default_factory=dict)
+    misses: dict[str, int] = field(default_factory=dict)
+    hits: list[bool] = field(default_factory=list)
+    evictions: list[tuple[str, int]] = field(default_factory=list)
+
+    def evictions_on(self, tier: int | str) -> list[str]:
+        """The keys evicted from one tier (by index or name), in order."""
+        index = self.tiers.index(tier) if isinstance(tier, str) else tier
+        return [key for key, t in self.evictions if t == index]
+
+
+@dataclass
+class _Row:
+    op: str
+    key: str
+    nbytes: int
+    tier: int
+
+
+def read_store_trace(path: str | Path) -> tuple[list[str], list[_Row]]:
+    """The tier names and the request rows (see ``REQUESTS``) of a store ``.npz`` trace."""
+    with np.load(Path(path), allow_pickle=False) as data:
+        ops = [str(op) for op in data["ops"]]
+        keys = [str(key) for key in data["keys"]]
+        tiers = [str(name) for name in data["tiers"]]
+        columns = zip(data["op"].tolist(), data["key"].tolist(), data["nbytes"].tolist(), data["tier"].tolist(), strict=True)
+        rows = []
+        for op_index, key, nbytes, tier in columns:
+            if op_index >= len(ops):
+                raise TraceError(f"{path}: op index {op_index} is not in the trace's ops table {ops}")
+            op = ops[op_index]
+            if op in REQUESTS:
+                rows.append(_Row(op, keys[key], int(nbytes), int(tier)))
+            elif op not in ("prefetch", "evict"):
+                raise TraceError(f"{path}: unknown op {op!r}")
+    return tiers, rows
+
+
+def replay_store_trace(
+    trace: str | Path,
+    capacities: Mapping[str, int] | Sequence[int],
+    eviction: str | Callable[[], Any] = "lru",
+    accounting: Sequence[MemoryTier] | None = None,
+) -> ReplayResult:
+    """Replay the store trace at ``trace`` with the store's own rules (module docstring).
+
+    Parameters
+    ----------
+    trace:
+        A ``.npz`` file written by ``TierStore(trace=...)``.
+    capacities:
+        Byte capacities of the store's memory tiers, fastest first, as a list or by tier name.
+        If the trace names one tier more, that last tier is the disk tier.
+    eviction:
+        A policy name (lru, fifo, lfu, arc, s3fifo, min) or a factory called once per tier
+        that evicts; ``min`` sees the future of the trace's request rows (``NextUse``).
+    accounting:
+        Unopened memory tiers of the classes and capacities of the store's (one per capacity)
+        to allocate from, so that room is accounted as the store accounts it; they are used up
+        (copies stay allocated in them). Default: a value occupies its ``nbytes``.
+
+    Returns
+    -------
+    ReplayResult
+        Requests, misses, per-request hits and evictions.
+    """
+    names, rows = read_store_trace(trace)
+    if isinstance(capacities, Mapping):
+        given = list(capacities)
+        if given != names[: len(given)]:
+            raise UnknownTierError(f"capacities are for tiers {given}; the trace's tiers are {names}")
+        sizes = [int(capacities[name]) for name in given]
+    else:
+        sizes = [int(capacity) for capacity in capacities]
+    if len(names) not in (len(sizes), len(sizes) + 1) or not sizes:
+        raise UnknownTierError(f"{len(sizes)} memory tier capacities for a trace of tiers {names} (a disk tier may be one more)")
+    if accounting is None:
+        rooms: list[_Room] = [_Bytes(capacity) for capacity in sizes]
+    else:
+        if [tier.capacity for tier in accounting] != sizes:
+            raise UnknownTierError(f"accounting tiers of {[t.capacity for t in accounting]} bytes for capacities {sizes}")
+        rooms = [_TierRoom(tier) for tier in accounting]
+    oracle = NextUse([row.key for row in rows])
+    policies = [_new_policy(eviction, oracle, capacity) for capacity in sizes[:-1]]
+    if len(names) == len(sizes):
+        policies.append(None)  # the last memory tier refuses when full
+    else:
+        policies.append(_new_policy(eviction, oracle, sizes[-1]))
+    replay = _StoreModel(names, rooms, policies, ReplayResult(names))
+    for position, row in enumerate(rows):
+        oracle.now = position
+        replay.apply(row)
+    return replay.result
+
+
+def _new_policy(eviction: str | Callable[[], Any], oracle: NextUse, capacity: int) -> Any:
+    from policies import EVICTION, MIN
+
+    if callable(eviction) and not isinstance(eviction, str):
+        policy = eviction()
+    elif eviction == "min":
+        policy = MIN(oracle)
+    elif eviction in EVICTION:
+        policy = EVICTION[eviction]()
+    else:
+        raise ValueError(f"unknown eviction policy {eviction!r}; choose from {sorted(EVICTION) + ['min']}")
+    if hasattr(policy, "set_capacity"):
+        policy.set_capacity(capacity)
+    return policy
+
+
+class _Room:
+    """Room on one memory tier: what a value needs, what is free, taking and giving back."""
+
+    capacity: int
+
+    def needed(self, nbytes: int) -> int:
+        raise NotImplementedError
+
+    def free(self) -> int:
+        raise NotImplementedError
+
+    def take(self, nbytes: int) -> tuple[Any, int]:
+        """Allocate for a value: a handle and the bytes the copy occupies."""
+        raise NotImplementedError
+
+    def give(self, handle: Any) -> None:
+        raise NotImplementedError
+
+
+class _Bytes(_Room):
+    """Each value occupies its size."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity, self.used = capacity, 0
+
+    def needed(self, nbytes: int) -> int:
+        return nbytes
+
+    def free(self) -> int:
+        return self.capacity - self.used
+
+    def take(self, nbytes: int) -> tuple[Any, int]:
+        self.used += nbytes
+        return nbytes, nbytes
+
+    def give(self, handle: Any) -> None:
+        self.used -= handle
+
+
+class _TierRoom(_Room):
+    """A memory tier's own allocator, so that room is what the store sees."""
+
+    def __init__(self, tier: MemoryTier) -> None:
+        self.tier, self.capacity = tier, tier.capacity
+
+    def needed(self, nbytes: int) -> int:
+        return self.tier.allocation_size(nbytes)
+
+    def free(self) -> int:
+        return self.tier.free
+
+    def take(self, nbytes: int) -> tuple[Any, int]:
+        buffer = self.tier.allocate(nbytes)
+        return buffer, storage_nbytes(buffer)
+
+    def give(self, handle: Any) -> None:
+        self.tier.release(handle)
+
+
+class _StoreModel:
+    """Keys, copies and policies of a store, without values."""
+
+    def __init__(self, names: list[str], rooms: list[_Room], policies: list[Any], result: ReplayResult) -> None:
+        self.names, self.rooms, self.policies, self.result = names, rooms, policies, result
+        self.memory = len(rooms)
+        self.disk = self.memory if len(names) > self.memory else None
+        #: Per memory tier: key -> (allocation handle, bytes the copy occupies).
+        self.resident: list[dict[str, tuple[Any, int]]] = [{} for _ in rooms]
+        self.valid: dict[str, set[int]] = {}
+        self.nbytes: dict[str, int] = {}
+        self.in_use: set[tuple[str, int]] = set()
+        result.requests = {name: 0 for name in names}
+        result.misses = {name: 0 for name in names}
+
+    def apply(self, row: _Row) -> None:
+        if row.op == "put":
+            self._put(row.key, row.nbytes, self._tier(row))
+        elif row.op == "delete":
+            self._drop_memory(row.key)
+            self.valid.pop(row.key, None)
+            self.nbytes.pop(row.key, None)
+        else:
+            self._get(row.key, row.nbytes, self._tier(row))
+
+    def _tier(self, row: _Row) -> int:
+        if not 0 <= row.tier < len(self.names):
+            raise TraceError(f"a {row.op} of {row.key!r} names tier {row.tier}; the trace has tiers {self.names}")
+        return row.tier
+
+    def _put(self, key: str, nbytes: int, t: int) -> None:
+        if t != self.disk:
+            self._make_room(t, self.rooms[t].needed(nbytes))
+            taken = self.rooms[t].take(nbytes)
+        self._drop_memory(key)
+        self.nbytes[key] = nbytes
+        self.valid[key] = {t}
+        if t != self.disk:
+            self._install(t, key, taken)
+
+    def _get(self, key: str, nbytes: int, t: int) -> None:
+        name = self.names[t]
+        self.result.requests[name] += 1
+        if key not in self.valid:
+            if self.disk is None:
+                raise TraceError(f"{key!r} is read before it is written, and the store has no disk tier to hold it")
+            self.valid[key], self.nbytes[key] = {self.disk}, nbytes
+        valid = self.valid[key]
+        if t in valid:
+            self.result.hits.append(True)
+            if t != self.disk:
+                self._hit(t, key)
+            return
+        self.result.hits.append(False)
+        self.result.misses[name] += 1
+        if t == self.disk:
+            return
+        source = min(valid)
+        if source != self.disk:
+            self._hit(source, key)
+        needed = self.rooms[t].needed(nbytes)
+        if needed > self.rooms[t].capacity:
+            return  # read uncached
+        self.in_use.add((key, source))
+        try:
+            self._make_room(t, needed)
+        finally:
+            self.in_use.discard((key, source))
+        taken = self.rooms[t].take(nbytes)
+        valid.add(t)
+        self._install(t, key, taken)
+
+    def _hit(self, t: int, key: str) -> None:
+        policy = self.policies[t]
+        if policy is not None:
+            policy.on_hit(key)
+
+    def _install(self, t: int, key: str, taken: tuple[Any, int]) -> None:
+        self.resident[t][key] = taken
+        policy = self.policies[t]
+        if policy is not None:
+            policy.on_insert(key, taken[1])
+
+    def _drop(self, t: int, key: str) -> bool:
+        taken = self.resident[t].pop(key, None)
+        if taken is None:
+            return False
+        self.rooms[t].give(taken[0])
+        return True
+
+    def _drop_memory(self, key: str) -> None:
+        for t in range(self.memory):
+            if self._drop(t, key):
+                policy = self.policies[t]
+                if policy is not None:
+                    policy.on_remove(key)
+
+    def _make_room(self, t: int, needed: int) -> None:
+        room, policy = self.rooms[t], self.policies[t]
+        if needed > room.capacity:
+            raise TierFullError(f"{needed} bytes is more than tier {self.names[t]!r} holds ({room.capacity})")
+        while room.free() < needed:
+            shortfall = needed - room.free()
+            chosen: list[str] = []
+            while shortfall > 0:
+                victim = policy.victim(lambda key: (key, t) not in self.in_use) if policy is not None else None
+                if victim is None:
+                    break
+                self.result.evictions.append((victim, t))
+                shortfall -= self.resident[t][victim][1]
+                chosen.append(victim)
+            if not chosen:
+                raise TierFullError(f"replay: no room for {needed} bytes on tier {self.names[t]!r} (the store would refuse here)")
+            for victim in chosen:
+                self._demote(t, victim)
+
+    def _demote(self, t: int, key: str) -> None:
+        valid = self.valid[key]
+        if not any(s > t for s in valid):
+            below = t + 1
+            if below == self.disk:
+                valid.add(below)
+            else:
+                nbytes = self.nbytes[key]
+                self.in_use.add((key, t))
+                try:
+                    self._make_room(below, self.rooms[below].needed(nbytes))
+                finally:
+                    self.in_use.discard((key, t))
+                taken = self.rooms[below].take(nbytes)
+                valid.add(below)
+                self._install(below, key, taken)
+        self._drop(t, key)
+        valid.discard(t)
