@@ -1,4 +1,4 @@
-"""The ``tierstore`` command: ``info``, ``bench`` (and, as they land, ``demo`` and ``simulate``)."""
+"""The ``tierstore`` command: ``info``, ``gc``, ``bench`` (and, as they land, ``demo`` and ``simulate``)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from .errors import TierStoreError
 
@@ -18,6 +19,35 @@ def _info(args: argparse.Namespace) -> int:
         print(json.dumps(info, indent=2, ensure_ascii=False))
     else:
         print(format_description(info, limit=None if args.all else args.limit))
+    return 0 if info["healthy"] else 1
+
+
+#: Space beyond its files that ``tierstore gc`` lets a disk tier take (it only rewrites the index).
+_GC_ROOM = 1 << 30
+
+
+def _gc(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from .inspect import describe_folder
+    from .store import TierStore
+    from .tiers import DiskTier
+    from .units import format_bytes
+
+    folder = describe_folder(args.root)  # refuses a folder that is no disk tier, before opening it
+    # Room to rewrite the small namespace index; what is in the folder already counts as its own.
+    capacity = folder["reserved_bytes"] + min(folder["filesystem_free"] // 2, _GC_ROOM)
+
+    async def collect() -> list[Any]:
+        async with TierStore([DiskTier(args.root, capacity, create=False)]) as store:
+            return await store.gc(names=args.name or None, dry_run=args.dry_run)
+
+    removed = asyncio.run(collect())
+    verb = "would remove" if args.dry_run else "removed"
+    for ns in removed:
+        print(f"{verb} {ns.name!r} (owner {ns.owner}, {'auto' if ns.auto else 'named'}): {ns.keys} keys, {format_bytes(ns.nbytes)}")
+    if not removed:
+        print("no orphaned namespaces" if not args.name else "nothing removed")
     return 0
 
 
@@ -81,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--limit", type=int, default=40, help="keys to list (default 40)")
     info.add_argument("--all", action="store_true", help="list every key")
     info.set_defaults(run=_info)
+
+    gc = commands.add_parser("gc", help="remove namespaces (and their keys) left by earlier runs")
+    gc.add_argument("root", help="the DiskTier folder (not open elsewhere)")
+    gc.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
+    gc.add_argument("--name", action="append", help="remove this namespace (named ones are only removed when named; repeatable)")
+    gc.set_defaults(run=_gc)
 
     sim = commands.add_parser("simulate", help="replay a trace against capacities and policies (no tensors)")
     sim.add_argument("trace", help="a .npz store trace, a key,size CSV, or e.g. optimizer:keys=64,steps=20,size=4MiB")

@@ -30,6 +30,7 @@ no key of a claimed namespace without its record.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -39,7 +40,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .errors import CatalogError, InvalidKeyError, KeyNotFoundError, NamespaceClaimedError, StoreClosedError
+from .errors import (
+    CatalogError,
+    InvalidKeyError,
+    KeyNotFoundError,
+    NamespaceClaimedError,
+    StoreClosedError,
+)
 from .keys import RESERVED_PREFIX, check_key, is_reserved, reserved_keys
 
 if TYPE_CHECKING:
@@ -351,10 +358,8 @@ class NamespaceRegistry:
     async def _write_index(self, records: dict[str, _Record]) -> None:
         with reserved_keys():
             if not records:
-                try:
+                with contextlib.suppress(KeyNotFoundError):  # nothing was recorded: nothing to remove
                     await self._store.delete(INDEX_KEY)
-                except KeyNotFoundError:
-                    pass  # nothing was recorded: nothing to remove
                 return
             document = {"format": INDEX_FORMAT, "namespaces": {name: asdict(r) for name, r in sorted(records.items())}}
             data = bytearray(json.dumps(document, ensure_ascii=False).encode("utf-8"))

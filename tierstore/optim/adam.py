@@ -7,6 +7,10 @@ it. The math is torch's own ``torch.optim.adam.adam`` (fused CPU kernel by defau
 match ``torch.optim.Adam``/``AdamW``: bit for bit with the same implementation (``fused=True``
 against torch's ``fused=True``, ``fused=False`` against its default), within fp32 rounding
 across implementations.
+
+In a named namespace, ``close()`` leaves the step counts (and the state of parameters too small
+to page) beside the paged state, and a later optimizer claiming the namespace continues from
+them, as if never interrupted.
 """
 
 from __future__ import annotations
@@ -95,6 +99,49 @@ class TieredAdam(PagedOptimizer):
             await self.store.put(slot.key, self._initial(slot, await self._weight(slot)), tier=self.state_tier)
         async with self.store.hold(slot.key, self.state_tier, write=True) as packed:
             yield packed
+
+    # -- continuing an earlier run ------------------------------------------------------------------
+
+    def _steps_key(self) -> str:
+        return self.namespace.key("steps") if self.namespace is not None else ""
+
+    async def _save_for_restart(self) -> None:
+        steps = torch.full((len(self._slots),), float("nan"), dtype=torch.float64)
+        for index, count in self._step_counts.items():
+            steps[index] = float(count)
+        for slot in self._slots:
+            if not slot.paged and slot.resident is not None and slot.index in self._step_counts:
+                await self.store.put(slot.key, slot.resident["packed"])
+        await self.store.put(self._steps_key(), steps)
+
+    async def _adopt(self) -> None:
+        """Continue from the state ``close()`` left in our namespace: every parameter whose step
+        count was saved and whose state has the right shape. Anything else there is deleted. The
+        step counts are consumed, so state updated by a run that then never closed is not taken
+        for a consistent one later."""
+        namespace = self.namespace
+        if namespace is None:
+            return
+        saved: torch.Tensor | None = None
+        if self._steps_key() in self.store:
+            saved = await self.store.read(self._steps_key())
+            await self.store.delete(self._steps_key())
+        kept: set[str] = set()
+        if saved is not None and saved.shape == (len(self._slots),):
+            for slot in self._slots:
+                step = float(saved[slot.index])
+                if step != step or slot.key not in self.store:  # NaN: never stepped
+                    continue
+                if self.store.info(slot.key)["shape"] != (self._rows(slot), slot.numel):
+                    continue
+                self._step_counts[slot.index] = torch.tensor(step)
+                if slot.paged:
+                    kept.add(slot.key)
+                else:
+                    slot.resident = {"packed": await self.store.read(slot.key)}
+        for key in namespace.keys():
+            if key not in kept:
+                await self.store.delete(key)
 
     # -- the math --------------------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ import asyncio
 import itertools
 import os
 import time
+import warnings
 import weakref
 from abc import abstractmethod
 from collections.abc import Callable, Iterable
@@ -35,6 +36,7 @@ import torch
 
 from ..copies import wait_event
 from ..errors import TierFullError
+from ..namespaces import Namespace
 from ..store import TierStore
 from ..sync import SyncTierStore, loop_thread, run
 from ..tiers import DiskTier, HostTier, MemoryTier
@@ -44,6 +46,8 @@ from .reports import MemoryReport, Timeline, TimeReport
 
 #: Where the default disk store lives when no ``disk_root`` is given.
 DEFAULT_DISK_ROOT = Path(".tierstore") / "optim"
+#: Optimizers not given a namespace claim the first free ``optim/<n>/``.
+DEFAULT_NAMESPACE_BASE = "optim/"
 
 
 class OptimizerCapacityError(TierFullError):
@@ -103,9 +107,19 @@ class PagedOptimizer(torch.optim.Optimizer):
         parameter whose gradient arrived another way.
     min_offload_numel:
         Parameters with fewer elements keep their state in host memory, outside the store.
+    namespace:
+        The key namespace (prefix) of this optimizer in the store, claimed for it (see
+        ``tierstore.namespaces``). Default: a fresh ``optim/<n>/`` per optimizer, so several
+        optimizers share a store (a GAN's two), dropped with its keys by ``close()``. A named
+        namespace outlives the optimizer: ``close()`` leaves the state in it, and a later
+        optimizer of the same class claiming the same name (after a restart too) continues
+        from it where the class can (``TieredAdam``/``TieredAdamW``); other keys found in it
+        are deleted, being its own. A namespace claimed live elsewhere, recorded for another
+        owner, or holding keys nobody claimed raises ``NamespaceClaimedError``.
+    overwrite:
+        Take the named namespace over even in those last two cases (deleting what is there).
     key_prefix:
-        Store keys of this optimizer start with it (default ``"optim"``); keys already under
-        it when the optimizer starts are left over from an earlier run and are deleted.
+        Deprecated alias of ``namespace``.
     max_inflight:
         Buckets of updates holding state on the host at once (default 2: one loads while the
         other computes).
@@ -131,7 +145,9 @@ class PagedOptimizer(torch.optim.Optimizer):
         min_offload_numel: int = 4096,
         max_inflight: int = 2,
         bucket_bytes: int | str | None = None,
-        key_prefix: str = "optim",
+        namespace: str | None = None,
+        overwrite: bool = False,
+        key_prefix: str | None = None,
     ) -> None:
         if offload not in ("host", "disk"):
             raise ValueError(f"offload must be 'host' or 'disk', not {offload!r}")
@@ -142,8 +158,14 @@ class PagedOptimizer(torch.optim.Optimizer):
             )
         if gradient_accumulation_steps < 1 or max_inflight < 1:
             raise ValueError("gradient_accumulation_steps and max_inflight must be at least 1")
+        if key_prefix is not None:
+            warnings.warn("key_prefix is deprecated; pass namespace=", DeprecationWarning, stacklevel=3)
+            if namespace is not None and namespace != key_prefix:
+                raise ValueError("pass namespace= only (key_prefix is its deprecated alias)")
+            namespace = key_prefix
         self._slots: list[ParamSlot] = []
-        self._key_prefix = key_prefix
+        #: The claimed key namespace (set once the store is bound; slot keys live under it).
+        self.namespace: Namespace | None = None
         self._min_offload_numel = min_offload_numel
         self.step_in_backward = step_in_backward
         self.max_grad_norm = max_grad_norm
@@ -178,11 +200,17 @@ class PagedOptimizer(torch.optim.Optimizer):
         try:
             super().__init__(params, defaults)
             self.store: TierStore = self._bind_store(store, offload, disk_root, host_capacity, disk_capacity)
+            self.namespace = run(self._claim(namespace, overwrite))
+            for slot in self._slots:
+                slot.key = self.namespace.key(str(slot.index))
             self.bucket_bytes, self.inflight = self._plan()
             self._gate: asyncio.Semaphore = run(_make_semaphore(self.inflight))
+            run(self._adopt())
         except BaseException:
             self._remove_hooks()  # a half-built optimizer must not keep listening to the model
             self._compute.shutdown()
+            if self.namespace is not None:  # nor keep its namespace
+                run(self.namespace.drop() if self.namespace.auto else self.namespace.release())
             raise
 
     async def _weight(self, slot: ParamSlot) -> torch.Tensor:
@@ -239,8 +267,9 @@ class PagedOptimizer(torch.optim.Optimizer):
                 raise TypeError("complex parameters are not supported by the tiered optimizers")
             offload = _offloaded(param)
             shape = offload[0].shape_of(offload[1]) if offload is not None else param.shape
+            index = len(self._slots)
             slot = ParamSlot(
-                index=len(self._slots), group=group, param=param, key=f"{self._key_prefix}/{len(self._slots)}",
+                index=index, group=group, param=param, key=self.namespace.key(str(index)) if self.namespace is not None else "",
                 shape=shape, paged=shape.numel() >= self._min_offload_numel,
             )
             if param.requires_grad:
@@ -261,10 +290,24 @@ class PagedOptimizer(torch.optim.Optimizer):
         if self.state_tier not in [tier.name for tier in store.tiers] or not isinstance(store.tier(self.state_tier), MemoryTier):
             raise ValueError(f"state_tier {self.state_tier!r} must name a memory tier of the store ({[t.name for t in store.tiers]})")
         store.on_transfer = self._on_transfer
-        stale = [key for key in store.keys() if key.startswith(f"{self._key_prefix}/")]
-        if stale:  # keys under our prefix belong to us: leftovers of an earlier run are not our state
-            run(_delete_all(store, stale))
         return store
+
+    async def _claim(self, name: str | None, overwrite: bool) -> Namespace:
+        owner = type(self).__name__
+        if name is None:
+            return await self.store.claim_unique(DEFAULT_NAMESPACE_BASE, owner=owner)
+        return await self.store.claim(name, owner=owner, overwrite=overwrite)
+
+    async def _adopt(self) -> None:
+        """Take up what an earlier optimizer left in our (named) namespace. This class cannot
+        continue from it, and the keys are ours: delete them. Subclasses that can, override."""
+        if self.namespace is not None:
+            await self.namespace.clear()
+
+    async def _save_for_restart(self) -> None:
+        """Put what lives outside the store (step counts, small states) into the namespace,
+        so a later optimizer claiming it continues from it (``close()`` calls this for a
+        named namespace). Subclasses that can adopt state override it."""
 
     def _default_store(self, offload: str, disk_root: Any, host_capacity: Any, disk_capacity: Any) -> TierStore:
         from policies import MIN, ScheduleLearned
@@ -626,11 +669,22 @@ class PagedOptimizer(torch.optim.Optimizer):
     # -- lifecycle -------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Remove the hooks, stop the worker thread, and close the store if the optimizer made it."""
+        """Remove the hooks, stop the worker thread, end the namespace's claim, and close the
+        store if the optimizer made it. A default namespace is dropped with its keys; a named
+        one keeps the state (and step counts) for a later optimizer claiming it."""
         self._remove_hooks()
         self._compute.shutdown()
-        if self._owns_store and self.store.is_open:
-            run(self.store.aclose(flush=False))
+        namespace = self.namespace
+        if not self.store.is_open:
+            return
+        if namespace is not None and namespace.live:
+            if namespace.auto:
+                run(namespace.drop())
+            else:
+                run(self._save_for_restart())
+                run(namespace.release())
+        if self._owns_store:
+            run(self.store.aclose(flush=namespace is not None and not namespace.auto))
 
     def _remove_hooks(self) -> None:
         for slot in self._slots:
@@ -673,11 +727,6 @@ async def _enter_all(stack: AsyncExitStack, managers: list[AbstractAsyncContextM
         if isinstance(result, BaseException):
             raise result
     return results
-
-
-async def _delete_all(store: TierStore, keys: list[str]) -> None:
-    for key in keys:
-        await store.delete(key)
 
 
 async def _make_semaphore(value: int) -> asyncio.Semaphore:

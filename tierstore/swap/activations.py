@@ -15,6 +15,10 @@ Use one object for the whole run, entered once per step, so the order learned ca
         with offload:
             loss = model(batch)
         loss.backward()
+    offload.close()
+
+Its keys live in a namespace it claims in the store (``namespace=``, default a fresh
+``swap/act/<n>/``); ``close()`` drops it with whatever is left in it.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Any
 import torch
 
 from ..copies import wait_event
+from ..namespaces import Namespace
 from ..store import TierStore
 from ..sync import SyncTierStore, loop_thread, run
 from ..tiers import MemoryTier
@@ -64,17 +69,18 @@ class ActivationOffload:
         device_tier: str | None = None,
         max_in_flight: int | str = "256MiB",
         ahead: int | str = "64MiB",
-        prefix: str = "act",
+        namespace: str | None = None,
     ) -> None:
         self.store = store.store if isinstance(store, SyncTierStore) else store
         if not self.store.is_open:
             run(self.store.open())
+        self.namespace: Namespace = run(_claim(self.store, namespace, "swap/act/", type(self).__name__))
         self.min_bytes = parse_bytes(min_bytes)
         self.tier = tier
         self.device_tier = device_tier
         self.max_in_flight = parse_bytes(max_in_flight)
         self.ahead = parse_bytes(ahead)
-        self.prefix = prefix
+        self.prefix = self.namespace.name.rstrip("/")
         self.report = SwapReport("activations")
         self._loop = loop_thread()
         self._generation = itertools.count()
@@ -108,6 +114,12 @@ class ActivationOffload:
         self._hooks.__exit__(*exc_info)
         self._hooks = None
         _active.stack = getattr(_active, "stack", [])[:-1]
+
+    def close(self) -> None:
+        """End the claim on the namespace, deleting what is left in it (activations of a step
+        whose backward never ran)."""
+        if self.namespace.live and self.store.is_open:
+            run(self.namespace.drop())
 
     # -- forward -------------------------------------------------------------------------------------
 
@@ -234,10 +246,22 @@ def offload_activations(
     device_tier: str | None = None,
     max_in_flight: int | str = "256MiB",
     ahead: int | str = "64MiB",
+    namespace: str | None = None,
 ) -> ActivationOffload:
     """Offload saved activations of at least ``min_bytes`` to ``tier`` of ``store`` (see the
-    module docstring); ``device_tier`` is where they come back (default: the store's device tier)."""
-    return ActivationOffload(store, min_bytes, tier, device_tier, max_in_flight, ahead)
+    module docstring); ``device_tier`` is where they come back (default: the store's device tier).
+    The keys go into ``namespace``, claimed in the store (default: a fresh ``swap/act/<n>/``)."""
+    return ActivationOffload(store, min_bytes, tier, device_tier, max_in_flight, ahead, namespace)
+
+
+async def _claim(store: TierStore, name: str | None, base: str, owner: str) -> Namespace:
+    """Claim ``name`` (leftovers in it are ours to delete: swapped tensors do not outlive a
+    run) or, without one, the first free ``{base}<n>/``."""
+    if name is None:
+        return await store.claim_unique(base, owner=owner)
+    namespace = await store.claim(name, owner=owner)
+    await namespace.clear()
+    return namespace
 
 
 def _is_parameter(tensor: torch.Tensor) -> bool:

@@ -18,6 +18,9 @@ model whose weights exceed it still trains.
 Gradients land in ``param.grad`` as usual; ``TieredAdamW`` (or any ``PagedOptimizer``) sees
 that a parameter is offloaded and writes its updated weight into the store instead of into the
 placeholder. ``detach()`` puts the weights back into the module.
+
+The weights live in a namespace it claims in the store (``namespace=``, default a fresh
+``swap/params/<n>/``); ``detach()`` drops it.
 """
 
 from __future__ import annotations
@@ -32,11 +35,12 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..namespaces import Namespace
 from ..store import TierStore
 from ..sync import SyncTierStore, loop_thread, run
 from ..tiers import MemoryTier
 from ..units import parse_bytes
-from .activations import _Saved, active_activation_offload
+from .activations import _claim, _Saved, active_activation_offload
 from .report import SwapReport
 
 # Keyed by identity (tensors compare elementwise, so a plain WeakKeyDictionary cannot hold them).
@@ -84,12 +88,13 @@ class ParameterOffload:
         tier: str = "host",
         device_tier: str | None = None,
         ahead: int | str = "64MiB",
-        prefix: str = "param",
+        namespace: str | None = None,
     ) -> None:
         self.module = module
         self.store = store.store if isinstance(store, SyncTierStore) else store
         if not self.store.is_open:
             run(self.store.open())
+        self.namespace: Namespace = run(_claim(self.store, namespace, "swap/params/", type(self).__name__))
         self.tier = tier
         self.device_tier = device_tier or self.store.tiers[0].name
         device = self.store.tier(self.device_tier)
@@ -97,7 +102,7 @@ class ParameterOffload:
             raise ValueError(f"device_tier {self.device_tier!r} must be a memory tier")
         self.device = device.device
         self.ahead = parse_bytes(ahead)
-        self.prefix = prefix
+        self.prefix = self.namespace.name.rstrip("/")
         self.report = SwapReport("parameters")
         self._loop = loop_thread()
         self._units: list[_Unit] = []
@@ -159,6 +164,8 @@ class ParameterOffload:
                 param.data = value.to(param.device)
                 run(self.store.delete(key))
                 _REGISTRY.pop(param, None)
+        if self.namespace.live:
+            run(self.namespace.drop())
 
     # -- what autograd saves -------------------------------------------------------------------------------
 
@@ -301,7 +308,9 @@ def offload_parameters(
     tier: str = "host",
     device_tier: str | None = None,
     ahead: int | str = "64MiB",
+    namespace: str | None = None,
 ) -> ParameterOffload:
     """Keep ``module``'s parameters in ``store`` (``tier``: host or disk) and bring each
-    submodule's onto ``device_tier`` (default: the store's fastest) only while it computes."""
-    return ParameterOffload(module, store, tier, device_tier, ahead)
+    submodule's onto ``device_tier`` (default: the store's fastest) only while it computes;
+    their keys go into ``namespace``, claimed in the store (default: a fresh ``swap/params/<n>/``)."""
+    return ParameterOffload(module, store, tier, device_tier, ahead, namespace)

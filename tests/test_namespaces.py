@@ -1,0 +1,264 @@
+"""Key namespaces: adapters own the keys they claim; orphans of earlier runs are listed and removed."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierstore import DiskTier, HostTier, SyncTierStore, TierStore
+from tierstore.cli import main
+from tierstore.errors import InvalidKeyError, KeyNotFoundError, NamespaceClaimedError
+from tierstore.optim import TieredAdamW
+from tierstore.swap.activations import offload_activations
+from tierstore.sync import run
+
+
+def tiers(folder: Path) -> list[object]:
+    """A host tier smaller than the optimizers' state, so state pages to disk and back."""
+    return [HostTier("24KiB"), DiskTier(folder, "64MiB", chunk_size="64KiB")]
+
+
+def sync_store(folder: Path) -> SyncTierStore:
+    return SyncTierStore(tiers(folder)).open()
+
+
+def gan(seed: int = 0) -> tuple[torch.nn.Module, torch.nn.Module]:
+    torch.manual_seed(seed)
+    generator = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16))
+    discriminator = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    return generator, discriminator
+
+
+def gan_step(step: int, gen: torch.nn.Module, disc: torch.nn.Module, g_opt: torch.optim.Optimizer, d_opt: torch.optim.Optimizer) -> None:
+    data = torch.Generator().manual_seed(100 + step)
+    real = torch.randn(16, 16, generator=data)
+    noise = torch.randn(16, 8, generator=data)
+    d_opt.zero_grad()
+    (disc(gen(noise).detach()).mean() - disc(real).mean()).backward()
+    d_opt.step()
+    disc.requires_grad_(False)
+    g_opt.zero_grad()
+    (-disc(gen(noise)).mean()).backward()
+    g_opt.step()
+    disc.requires_grad_(True)
+
+
+def assert_same(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for x, y in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+def test_two_optimizers_on_one_store_match_torch(tmp_path: Path) -> None:
+    gen, disc = gan()
+    ref_gen, ref_disc = copy.deepcopy(gen), copy.deepcopy(disc)
+    ref_g = torch.optim.AdamW(ref_gen.parameters(), lr=1e-2, fused=True)
+    ref_d = torch.optim.AdamW(ref_disc.parameters(), lr=2e-2, fused=True)
+    store = sync_store(tmp_path / "store")
+    g_opt = TieredAdamW(gen.parameters(), lr=1e-2, store=store, min_offload_numel=16)
+    d_opt = TieredAdamW(disc.parameters(), lr=2e-2, store=store, min_offload_numel=16)
+    assert g_opt.namespace is not None and d_opt.namespace is not None
+    assert g_opt.namespace.name != d_opt.namespace.name
+    for step in range(6):
+        gan_step(step, ref_gen, ref_disc, ref_g, ref_d)
+        gan_step(step, gen, disc, g_opt, d_opt)
+    assert_same(gen, ref_gen)
+    assert_same(disc, ref_disc)
+    assert store.stats()["links"].get("disk->host", {}).get("nbytes", 0) > 0  # state really paged
+    mine = set(g_opt.namespace.keys())
+    assert mine and mine.isdisjoint(d_opt.namespace.keys())
+    g_opt.close()
+    d_opt.close()
+    assert store.keys() == [] or all(key.startswith("__tierstore__/") for key in store.keys())
+    assert run(store.store.namespaces()) == []  # default namespaces are dropped by close()
+    store.close()
+
+
+def test_a_second_live_claim_raises_and_nothing_changes(tmp_path: Path) -> None:
+    gen, _ = gan()
+    store = sync_store(tmp_path / "store")
+    first = TieredAdamW(gen.parameters(), store=store, namespace="gen", min_offload_numel=16)
+    other, _ = gan(1)
+    with pytest.raises(NamespaceClaimedError, match="'gen/' is claimed by 'TieredAdamW'"):
+        TieredAdamW(other.parameters(), store=store, namespace="gen")
+    with pytest.raises(NamespaceClaimedError, match="overlaps 'gen/'"):
+        run(store.store.claim("gen/inner", owner="someone"))
+    beside = run(store.store.claim("ge", owner="someone"))  # 'ge/' does not overlap 'gen/'
+    run(beside.release())
+    assert first.namespace is not None and first.namespace.live
+    first.close()
+    store.close()
+
+
+def test_default_namespaces_are_unique_and_user_keys_survive(tmp_path: Path) -> None:
+    store = SyncTierStore([HostTier("256KiB"), DiskTier(tmp_path / "store", "64MiB")]).open()
+    store.put("optim/x", torch.arange(4.0))
+    store.put("optim/0/mine", torch.arange(3.0))  # someone's key where a default would go
+    models = [gan(i)[0] for i in range(3)]
+    opts = [TieredAdamW(m.parameters(), store=store, min_offload_numel=16) for m in models]
+    names = [opt.namespace.name for opt in opts if opt.namespace is not None]
+    assert len(set(names)) == 3 and "optim/0/" not in names
+    for model, opt in zip(models, opts, strict=True):
+        opt.zero_grad()
+        model(torch.ones(2, 8)).sum().backward()
+        opt.step()
+        opt.close()
+    torch.testing.assert_close(store.get("optim/x"), torch.arange(4.0))
+    torch.testing.assert_close(store.get("optim/0/mine"), torch.arange(3.0))
+    assert sorted(k for k in store.keys() if not k.startswith("__tierstore__/")) == ["optim/0/mine", "optim/x"]
+    store.close()
+
+
+def test_named_namespace_continues_after_a_restart_as_if_uninterrupted(tmp_path: Path) -> None:
+    gen, _ = gan()
+    reference = copy.deepcopy(gen)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
+
+    def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+        for step in steps:
+            data = torch.Generator().manual_seed(step)
+            opt.zero_grad()
+            model(torch.randn(8, 8, generator=data)).pow(2).mean().backward()
+            opt.step()
+
+    train(reference, ref_opt, range(8))
+    store = sync_store(tmp_path / "store")
+    # min_offload_numel: the weights page through the store, the biases stay in host memory.
+    opt = TieredAdamW(gen.parameters(), lr=1e-2, store=store, namespace="gen", min_offload_numel=64)
+    train(gen, opt, range(4))
+    opt.close()
+    store.close()
+
+    store = sync_store(tmp_path / "store")  # a new process would see the same
+    with pytest.raises(NamespaceClaimedError, match="recorded for 'TieredAdamW'"):
+        run(store.store.claim("gen", owner="TieredOptimizer"))
+    opt = TieredAdamW(gen.parameters(), lr=1e-2, store=store, namespace="gen", min_offload_numel=64)
+    train(gen, opt, range(4, 8))
+    assert_same(gen, reference)
+    opt.close()
+    store.close()
+
+
+def test_overwrite_takes_over_and_stray_keys_are_not_deleted_silently(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with TierStore(tiers(tmp_path / "store")) as store:
+            await store.put("gen/w", torch.ones(3))  # no namespace owns it
+            with pytest.raises(NamespaceClaimedError, match="belong to no namespace"):
+                await store.claim("gen", owner="a")
+            assert "gen/w" in store
+            old = await store.claim("old", owner="a")
+            await store.put(old.key("w"), torch.ones(2))
+            await old.release()
+            with pytest.raises(NamespaceClaimedError, match="recorded for 'a'"):
+                await store.claim("old", owner="b")
+            taken = await store.claim("old", owner="b", overwrite=True)
+            assert taken.keys() == [] and [n.owner for n in await store.namespaces()] == ["b"]
+            with pytest.raises(NamespaceClaimedError):
+                await store.claim("old", owner="b", overwrite=True)  # live: overwrite cannot take it
+            await taken.drop()
+            assert await store.namespaces() == []
+            with pytest.raises(NamespaceClaimedError, match="released"):
+                await taken.clear()
+
+    run(scenario())
+
+
+def test_reserved_keys_and_bad_names_are_refused(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with TierStore([HostTier("1MiB")]) as store:
+            await store.claim("a", owner="x")
+            for verb in (lambda: store.put("__tierstore__/namespaces", torch.ones(1)), lambda: store.read("__tierstore__/namespaces"),
+                         lambda: store.delete("__tierstore__/namespaces")):
+                with pytest.raises(InvalidKeyError, match="store's own"):
+                    await verb()
+            for bad in ("", "/", "__tierstore__/x", "__tierstore__", 3):
+                with pytest.raises(InvalidKeyError):
+                    await store.claim(bad)  # type: ignore[arg-type]
+            with pytest.raises(TypeError):
+                await store.claim("b", owner="")
+
+    run(scenario())
+
+
+def test_gc_lists_and_removes_orphans_of_an_earlier_run(tmp_path: Path) -> None:
+    folder = tmp_path / "store"
+
+    async def earlier_run() -> None:  # ends without releasing anything (a crash, a forgotten close)
+        async with TierStore(tiers(folder)) as store:
+            for _ in range(2):
+                ns = await store.claim_unique("optim/", owner="TieredAdamW")
+                await store.put(ns.key("0"), torch.ones(1000))
+            named = await store.claim("kept", owner="TieredAdamW")
+            await store.put(named.key("0"), torch.ones(10))
+            await store.put("user", torch.ones(5))
+
+    async def later_run() -> None:
+        async with TierStore(tiers(folder)) as store:
+            live = await store.claim_unique("optim/", owner="TieredAdamW")
+            assert live.name == "optim/2/"
+            listed = {n.name: n for n in await store.namespaces()}
+            assert set(listed) == {"kept/", "optim/0/", "optim/1/", "optim/2/"}
+            assert listed["optim/0/"].keys == 1 and listed["optim/0/"].nbytes == 4000 and not listed["optim/0/"].live
+            assert listed["optim/2/"].live
+            orphans = await store.gc()  # dry run by default
+            assert [n.name for n in orphans] == ["optim/0/", "optim/1/"] and "optim/0/0" in store
+            assert [n.name for n in await store.gc(dry_run=False)] == ["optim/0/", "optim/1/"]
+            assert "optim/0/0" not in store and "kept/0" in store and "user" in store
+            with pytest.raises(NamespaceClaimedError):
+                await store.gc(names=["optim/2/"], dry_run=False)
+            with pytest.raises(KeyNotFoundError):
+                await store.gc(names=["nothing"], dry_run=False)
+            await live.release()
+
+    run(earlier_run())
+    run(later_run())
+
+    assert main(["gc", str(folder), "--dry-run"]) == 0
+    assert main(["gc", str(folder)]) == 0  # the released optim/2/ (auto, empty)
+    assert main(["gc", str(folder), "--name", "kept"]) == 0
+
+    async def check() -> None:
+        async with TierStore(tiers(folder)) as store:
+            assert await store.namespaces() == []
+            assert [k for k in store.keys() if not k.startswith("__tierstore__/")] == ["user"]
+
+    run(check())
+    assert main(["gc", str(folder), "--name", "kept"]) == 1  # no longer recorded: a clear error
+
+
+def test_cli_info_lists_namespaces(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "store"
+
+    async def fill() -> None:
+        async with TierStore(tiers(folder)) as store:
+            ns = await store.claim("gen", owner="TieredAdamW")
+            await store.put(ns.key("0"), torch.ones(100))
+            await store.put(ns.key("1"), torch.ones(50))
+
+    run(fill())
+    assert main(["info", str(folder), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert [(n["name"], n["owner"], n["keys"], n["nbytes"]) for n in info["namespaces"]] == [("gen/", "TieredAdamW", 2, 600)]
+    assert all(not k["key"].startswith("__tierstore__/") for k in info["keys"]) and info["entries"] == 2
+    assert main(["info", str(folder)]) == 0
+    assert "'gen/'" in capsys.readouterr().out
+
+
+def test_swap_adapters_claim_their_own_namespaces(tmp_path: Path) -> None:
+    store = SyncTierStore([HostTier("8MiB")]).open()
+    first = offload_activations(store, min_bytes=0)
+    second = offload_activations(store, min_bytes=0)
+    assert first.namespace.name == "swap/act/0/" and second.namespace.name == "swap/act/1/"
+    with pytest.raises(NamespaceClaimedError):
+        offload_activations(store, namespace="swap/act/0")
+    x = torch.randn(64, 64, requires_grad=True)
+    with first:
+        y = (x * 2).sin().sum()
+    y.backward()
+    first.close()
+    second.close()
+    assert run(store.store.namespaces()) == []
+    store.close()
