@@ -7,15 +7,21 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from .disk.catalog import Catalog
+from .disk.catalog import Catalog, DiskRecord
+from .disk.extents import ExtentAllocator
+from .disk.files import segment_name
 from .errors import CatalogError
 from .units import format_bytes
 
 
 def describe_folder(root: str | Path) -> dict[str, Any]:
-    """Entries (key, dtype, shape, bytes), totals and free space of the disk tier at ``root``.
+    """Entries (key, dtype, shape, bytes), totals, free space and health of the disk tier at
+    ``root``.
 
-    Reads the catalog read-only, so it works while another process has the folder open.
+    Reads the catalog read-only, so it works while another process has the folder open. The
+    folder is ``healthy`` when every data file the catalog names is there and long enough for
+    the extents in it; otherwise ``problems`` says what is wrong and ``damaged_keys`` names the
+    entries whose bytes are not all there.
     """
     root = Path(root)
     if not (root / "catalog").is_dir():
@@ -27,6 +33,7 @@ def describe_folder(root: str | Path) -> dict[str, Any]:
     finally:
         catalog.close()
     records.sort(key=lambda r: r.key)
+    problems, damaged = _health(root, layout.segments, records)
     reserved = sum(layout.segments)
     used = sum(r.extent.length for r in records)
     disk = shutil.disk_usage(root)
@@ -40,6 +47,10 @@ def describe_folder(root: str | Path) -> dict[str, Any]:
         "free_in_segments": reserved - used,
         "filesystem_free": disk.free,
         "chunk_size": layout.chunk_size,
+        "format_version": layout.format_version,
+        "healthy": not problems,
+        "problems": problems,
+        "damaged_keys": damaged,
         "dtypes": dict(Counter(str(r.meta.dtype).removeprefix("torch.") for r in records)),
         "keys": [
             {
@@ -63,6 +74,9 @@ def format_description(info: dict[str, Any], limit: int | None = 40) -> str:
         f"({format_bytes(info['free_in_segments'])} free inside them)",
         f"  file system free: {format_bytes(info['filesystem_free'])}",
     ]
+    if not info["healthy"]:
+        lines.append(f"  UNHEALTHY ({len(info['damaged_keys'])} entries damaged):")
+        lines.extend(f"    {problem}" for problem in info["problems"])
     if info["dtypes"]:
         lines.append("  dtypes: " + ", ".join(f"{name} x{n}" for name, n in sorted(info["dtypes"].items())))
     keys = info["keys"] if limit is None else info["keys"][:limit]
@@ -79,3 +93,39 @@ def format_description(info: dict[str, Any], limit: int | None = 40) -> str:
         if hidden > 0:
             lines.append(f"  ... and {hidden} more (--all to list them)")
     return "\n".join(lines)
+
+
+def _health(root: Path, segments: tuple[int, ...], records: list[DiskRecord]) -> tuple[list[str], list[str]]:
+    """What is wrong with the data files the catalog names, and the keys whose bytes are not all
+    there (the checks the tier's open makes, reported instead of refused)."""
+    problems: list[str] = []
+    lengths: dict[int, int | None] = {}
+    for segment, expected in enumerate(segments):
+        name = segment_name(segment)
+        try:
+            lengths[segment] = actual = (root / "data" / name).stat().st_size
+        except FileNotFoundError:
+            lengths[segment] = None
+            problems.append(f"data file {name} is missing (the catalog says it holds {expected} bytes)")
+            continue
+        if actual < expected:
+            problems.append(f"data file {name} is truncated: {actual} of {expected} bytes")
+    damaged: dict[str, list[str]] = {}
+    for record in records:
+        extent = record.extent
+        if extent.segment not in lengths:
+            damaged.setdefault(f"segment {extent.segment}, which the catalog's layout lacks", []).append(record.key)
+            continue
+        length = lengths[extent.segment]
+        if length is None:
+            damaged.setdefault(f"{segment_name(extent.segment)}, which is missing", []).append(record.key)
+        elif extent.end > length:
+            damaged.setdefault(f"{segment_name(extent.segment)} past its end", []).append(record.key)
+    for where, keys in damaged.items():
+        shown = ", ".join(repr(k) for k in keys[:10]) + (f" and {len(keys) - 10} more" if len(keys) > 10 else "")
+        problems.append(f"{len(keys)} entries lie in {where}: {shown}")
+    try:
+        ExtentAllocator.rebuild(segments, (r.extent for r in records if r.extent.segment in lengths))
+    except ValueError as exc:
+        problems.append(f"the catalog's extents are inconsistent: {exc}")
+    return problems, sorted(key for keys in damaged.values() for key in keys)

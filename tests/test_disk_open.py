@@ -1,0 +1,289 @@
+"""Opening a disk tier folder: input checks, the format version, the lock, and ``tierstore info``."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import pytest
+import torch
+
+from tierstore import DiskTier, TierStore
+from tierstore.cli import main as cli_main
+from tierstore.disk.catalog import FORMAT_VERSION
+from tierstore.disk.extents import Extent
+from tierstore.errors import (
+    CapacityError,
+    CatalogError,
+    ForeignFolderError,
+    NotAStoreFolderError,
+    StoreForkedError,
+    StoreLockedError,
+)
+from tierstore.inspect import describe_folder
+from tierstore.units import format_bytes
+
+MiB = 1 << 20
+
+
+def disk(root: Path, capacity: int | str = "64MiB", **options: Any) -> DiskTier:
+    return DiskTier(root, capacity, chunk_size="256KiB", **options)
+
+
+async def fill(root: Path, count: int = 8) -> dict[str, torch.Tensor]:
+    values = {f"k{i}": torch.full((256 * 1024,), float(i)) for i in range(count)}  # 1 MiB each
+    async with TierStore([disk(root)]) as store:
+        for key, value in values.items():
+            await store.put(key, value)
+    return values
+
+
+async def check(root: Path, values: dict[str, torch.Tensor]) -> None:
+    async with TierStore([disk(root)]) as store:
+        assert sorted(store.keys()) == sorted(values)
+        for key, value in values.items():
+            assert torch.equal(await store.get(key), value)
+
+
+def open_elsewhere(root: Path) -> str:
+    """Open the folder in a new process; return what it printed (``opened`` or the error)."""
+    code = textwrap.dedent(
+        """
+        import asyncio, sys
+        from tierstore import DiskTier, TierStore
+        from tierstore.errors import StoreLockedError
+        async def main():
+            async with TierStore([DiskTier(sys.argv[1], "64MiB", chunk_size="256KiB")]):
+                print("opened")
+        try:
+            asyncio.run(main())
+        except StoreLockedError as exc:
+            print("StoreLockedError:", exc)
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout.strip()
+
+
+# -- the folder and the capacity ------------------------------------------------------------------------
+
+
+async def test_a_root_that_is_a_file_is_refused_clearly(tmp_path: Path) -> None:
+    root = tmp_path / "d"
+    root.write_text("not a folder")
+    with pytest.raises(NotAStoreFolderError, match=f"{root} is a file") as caught:
+        await disk(root).open()
+    assert isinstance(caught.value, NotADirectoryError)
+    with pytest.raises(NotAStoreFolderError, match="cannot create"):
+        await disk(root / "below").open()
+    assert root.read_text() == "not a folder"
+
+
+@pytest.mark.parametrize("stranger", ["notes.txt", "data/table.csv"])
+async def test_a_folder_of_other_files_is_not_taken_over(tmp_path: Path, stranger: str) -> None:
+    root = tmp_path / "d"
+    (root / stranger).parent.mkdir(parents=True)
+    (root / stranger).write_text("mine")
+    before = sorted(p.relative_to(root) for p in root.rglob("*"))
+    with pytest.raises(ForeignFolderError, match=f"no tierstore catalog \\({stranger}\\)") as caught:
+        await disk(root).open()
+    assert isinstance(caught.value, FileExistsError)
+    assert sorted(p.relative_to(root) for p in root.rglob("*")) == before  # not even a lock file
+
+
+async def test_an_empty_folder_and_a_tierstore_folder_with_extra_files_open(tmp_path: Path) -> None:
+    root = tmp_path / "d"
+    root.mkdir()
+    values = await fill(root)
+    (root / "README.txt").write_text("the optimizer state of run 7")
+    await check(root, values)
+
+
+async def test_a_capacity_beyond_the_file_system_is_refused_unless_overcommitted(tmp_path: Path) -> None:
+    root = tmp_path / "d"
+    capacity = shutil.disk_usage(tmp_path).free + (1 << 40)
+    with pytest.raises(CapacityError, match=f"capacity {format_bytes(capacity)} .* free \\+ 0 B in the folder's files"):
+        await disk(root, capacity).open()
+    assert not root.exists()  # refused before anything was made
+    tier = disk(root, capacity, overcommit=True)
+    await tier.open()
+    await tier.aclose()
+
+
+# -- the format version ------------------------------------------------------------------------------------
+
+
+def edit_format_record(root: Path, edit: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """Change the catalog's format record through LMDB, as another version of the code would."""
+    env = lmdb.open(str(root / "catalog"), max_dbs=2)
+    try:
+        meta = env.open_db(b"meta")
+        with env.begin(write=True, db=meta) as txn:
+            fields: dict[str, Any] = json.loads(bytes(txn.get(b"format")))
+            edit(fields)
+            txn.put(b"format", json.dumps(fields).encode())
+    finally:
+        env.close()
+    return fields
+
+
+def read_format_record(root: Path) -> dict[str, Any]:
+    return edit_format_record(root, lambda fields: None)
+
+
+async def test_a_new_folder_records_the_format_version(tmp_path: Path) -> None:
+    await fill(tmp_path / "d", count=1)
+    assert read_format_record(tmp_path / "d")["format_version"] == FORMAT_VERSION == 2
+    assert describe_folder(tmp_path / "d")["format_version"] == FORMAT_VERSION
+
+
+async def test_a_folder_from_a_newer_tierstore_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "d"
+    await fill(root, count=2)
+    edit_format_record(root, lambda fields: fields.update(format_version=99, version=99))
+    with pytest.raises(CatalogError, match=f"newer tierstore \\(format version 99\\); this one reads versions up to {FORMAT_VERSION}"):
+        await disk(root).open()
+    with pytest.raises(CatalogError, match="format version 99"):
+        describe_folder(root)
+
+
+def _as_version_1(fields: dict[str, Any]) -> None:
+    del fields["format_version"]
+    fields["version"] = 1
+
+
+def _unversioned(fields: dict[str, Any]) -> None:
+    del fields["format_version"]
+    del fields["version"]
+
+
+@pytest.mark.parametrize("older", [_as_version_1, _unversioned], ids=["version-1", "no-version"])
+async def test_a_folder_written_before_format_versions_opens_and_is_upgraded(
+    tmp_path: Path, older: Callable[[dict[str, Any]], None]
+) -> None:
+    root = tmp_path / "d"
+    values = await fill(root, count=3)
+    edit_format_record(root, older)
+    assert describe_folder(root)["format_version"] == 1  # read-only: reported, not changed
+    await check(root, values)
+    assert read_format_record(root)["format_version"] == FORMAT_VERSION
+
+
+# -- the lock ---------------------------------------------------------------------------------------------
+
+
+async def test_a_folder_open_in_this_process_says_so(tmp_path: Path) -> None:
+    root = tmp_path / "d"
+    async with TierStore([disk(root)]):
+        with pytest.raises(StoreLockedError, match="already open in this process") as caught:
+            async with TierStore([disk(root)]):
+                pass
+        assert "another process" not in str(caught.value)
+    async with TierStore([disk(root)]):  # and the failed open took nothing with it
+        pass
+
+
+async def test_a_folder_open_in_another_process_names_it(tmp_path: Path) -> None:
+    async with TierStore([disk(tmp_path / "d")]):
+        said = open_elsewhere(tmp_path / "d")
+    assert said == f"StoreLockedError: {tmp_path / 'd'} is open in another process (pid {os.getpid()})"
+
+
+async def test_a_tier_dropped_without_closing_lets_the_folder_go(tmp_path: Path) -> None:
+    root = tmp_path / "d"
+    tier = disk(root)
+    await tier.open()
+    del tier
+    gc.collect()
+    values = await fill(root, count=2)  # opens: the lock went with the tier
+    store = TierStore([disk(root)])
+    await store.open()
+    del store  # a notebook cell run again
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        gc.collect()
+    await check(root, values)
+
+
+def test_a_forked_child_neither_holds_nor_releases_the_lock(tmp_path: Path) -> None:
+    root = tmp_path / "d"
+    values = asyncio.run(fill(root, count=2))
+    tier = disk(root)
+    asyncio.run(tier.open())
+    go_on, wait = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: a DataLoader worker, say
+        status = 1
+        try:
+            os.close(wait)
+            with pytest.raises(StoreForkedError, match=f"opened by process {os.getppid()}"):
+                tier.read_raw(Extent(0, 0, 4096), 16)
+            with pytest.raises(StoreForkedError):
+                asyncio.run(tier.allocate(10))
+            with pytest.raises(StoreForkedError):
+                tier.release(Extent(0, 0, 4096))
+            with pytest.raises(StoreLockedError, match=f"another process \\(pid {os.getppid()}\\)"):
+                asyncio.run(disk(root).open())
+            status = 0
+            os.read(go_on, 1)  # live on until the parent has checked
+        finally:
+            os._exit(status)
+    os.close(go_on)
+    try:
+        assert open_elsewhere(root).startswith("StoreLockedError")  # the parent holds it
+        asyncio.run(tier.aclose())
+        assert open_elsewhere(root) == "opened"  # the child, still alive, does not
+    finally:
+        os.write(wait, b"x")
+        os.close(wait)
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    asyncio.run(check(root, values))
+
+
+# -- tierstore info --------------------------------------------------------------------------------------------
+
+
+async def test_info_calls_a_whole_store_healthy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    await fill(tmp_path / "d")
+    info = describe_folder(tmp_path / "d")
+    assert info["healthy"] and info["problems"] == [] and info["damaged_keys"] == []
+    assert cli_main(["info", str(tmp_path / "d")]) == 0
+    assert "UNHEALTHY" not in capsys.readouterr().out
+
+
+async def test_info_reports_a_truncated_data_file_and_the_keys_in_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "d"
+    values = await fill(root)
+    segment = root / "data" / "segment-000000.bin"
+    os.truncate(segment, 3 * MiB)
+    info = describe_folder(root)
+    assert not info["healthy"]
+    assert len(info["damaged_keys"]) >= 5 and set(info["damaged_keys"]) <= set(values)
+    assert any("segment-000000.bin is truncated" in problem for problem in info["problems"])
+    assert cli_main(["info", str(root)]) != 0
+    out = capsys.readouterr().out
+    assert "UNHEALTHY" in out and repr(info["damaged_keys"][0]) in out
+
+
+async def test_info_reports_a_missing_data_file(tmp_path: Path) -> None:
+    root = tmp_path / "d"
+    values = await fill(root)
+    (root / "data" / "segment-000000.bin").unlink()
+    info = describe_folder(root)
+    assert not info["healthy"]
+    assert info["damaged_keys"] == sorted(values)
+    assert any("segment-000000.bin is missing" in problem for problem in info["problems"])
+    assert cli_main(["info", str(root), "--json"]) != 0

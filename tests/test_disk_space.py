@@ -1,0 +1,174 @@
+"""Disk space given back: freed extents, empty segment files, reopening with a smaller capacity."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierstore import DiskTier, TierStore
+from tierstore.disk.extents import ExtentAllocator
+from tierstore.errors import CapacityError
+
+MiB = 1 << 20
+VALUE_NUMEL = 256 * 1024  # float32: 1 MiB
+
+
+def disk(root: Path, capacity: int | str = "256MiB") -> DiskTier:
+    return DiskTier(root, capacity, chunk_size="256KiB")
+
+
+def segment_files(root: Path) -> list[Path]:
+    return sorted((root / "data").glob("segment-*.bin"))
+
+
+def on_disk(root: Path) -> int:
+    """Bytes the file system has allocated to the data files."""
+    return sum(path.stat().st_blocks * 512 for path in segment_files(root))
+
+
+def file_lengths(root: Path) -> int:
+    return sum(path.stat().st_size for path in segment_files(root))
+
+
+def values(count: int, prefix: str = "k") -> dict[str, torch.Tensor]:
+    return {f"{prefix}{i}": torch.full((VALUE_NUMEL,), float(i)) for i in range(count)}
+
+
+async def test_deleting_everything_gives_the_space_back_and_putting_again_reuses_it(tmp_path: Path) -> None:
+    root = tmp_path / "d"
+    data = values(60)
+    async with TierStore([disk(root)]) as store:
+        tier = store.tiers[0]
+        assert isinstance(tier, DiskTier)
+        for key, value in data.items():
+            await store.put(key, value)
+        assert on_disk(root) >= 60 * MiB
+        peak_reserved = tier.reserved
+        for key in data:
+            await store.delete(key)
+        assert tier.used == 0
+    # Closed (so the background deletion of empty trailing files is done): those files are gone;
+    # the first stays, its freed extents punched out.
+    assert len(segment_files(root)) == 1
+    assert on_disk(root) < 2 * MiB
+    async with TierStore([disk(root)]) as store:
+        tier = store.tiers[0]
+        assert isinstance(tier, DiskTier)
+        assert len(store) == 0 and tier.used == 0
+        assert tier.reserved == file_lengths(root)
+        for key, value in data.items():
+            await store.put(key, value)
+        assert tier.reserved <= peak_reserved
+        assert tier.used == sum(tier.extent_size(v.nbytes) for v in data.values())
+        for key, value in data.items():
+            assert torch.equal(await store.get(key), value)
+    assert on_disk(root) >= 60 * MiB
+
+
+async def test_overwrites_reuse_freed_extents(tmp_path: Path) -> None:
+    root = tmp_path / "d"
+    async with TierStore([disk(root)]) as store:
+        tier = store.tiers[0]
+        assert isinstance(tier, DiskTier)
+        for round_ in range(40):
+            for key, value in values(8).items():
+                await store.put(key, value + round_)
+        assert tier.reserved == 16 * MiB  # never needed a second segment
+        assert tier.used == 8 * MiB
+        assert torch.equal(await store.get("k3"), torch.full((VALUE_NUMEL,), 42.0))
+
+
+async def test_half_of_the_store_deleted_drops_the_empty_last_segment_while_open(tmp_path: Path) -> None:
+    root = tmp_path / "d"
+    data = values(40)  # 16 MiB + 32 MiB of segments
+    async with TierStore([disk(root)]) as store:
+        tier = store.tiers[0]
+        assert isinstance(tier, DiskTier)
+        for key, value in data.items():
+            await store.put(key, value)
+        assert len(segment_files(root)) == 2
+        for key in list(data)[8:]:  # the second segment empties, the first is left half full
+            await store.delete(key)
+        await store.put("again", data["k0"])  # still works while files go
+    assert len(segment_files(root)) == 1
+    async with TierStore([disk(root)]) as store:
+        assert sorted(store.keys()) == sorted([*list(data)[:8], "again"])
+        assert torch.equal(await store.get("k7"), data["k7"])
+
+
+async def _fill_and_thin(root: Path) -> dict[str, torch.Tensor]:
+    """40 MiB put over two segment files (48 MiB), then every key but one in four deleted."""
+    data = values(40)
+    async with TierStore([disk(root)]) as store:
+        for key, value in data.items():
+            await store.put(key, value)
+        for i in range(40):
+            if i % 4:
+                await store.delete(f"k{i}")
+    return {key: value for key, value in data.items() if int(key[1:]) % 4 == 0}
+
+
+async def test_reopening_with_a_smaller_capacity_compacts(tmp_path: Path) -> None:
+    root = tmp_path / "d"
+    kept = await _fill_and_thin(root)
+    assert file_lengths(root) == 48 * MiB
+    async with TierStore([disk(root, "20MiB")]) as store:
+        tier = store.tiers[0]
+        assert isinstance(tier, DiskTier)
+        assert tier.reserved <= 20 * MiB and tier.used == 10 * MiB
+        assert sorted(store.keys()) == sorted(kept)
+        for key, value in kept.items():
+            assert torch.equal(await store.get(key), value)
+        await store.put("more", torch.ones(VALUE_NUMEL))  # room left within the new capacity
+    assert file_lengths(root) <= 20 * MiB
+    async with TierStore([disk(root, "20MiB")]) as store:
+        assert len(store) == len(kept) + 1
+        for key, value in kept.items():
+            assert torch.equal(await store.get(key), value)
+
+
+async def test_a_capacity_below_the_live_data_is_refused_clearly_and_nothing_changes(tmp_path: Path) -> None:
+    root = tmp_path / "d"
+    kept = await _fill_and_thin(root)
+    before = {path.name: path.read_bytes() for path in segment_files(root)}
+    with pytest.raises(CapacityError, match=r"10\.0 MiB of live data in 10 entries.*capacity of 8\.0 MiB"):
+        async with TierStore([disk(root, "8MiB")]):
+            pass
+    assert {path.name: path.read_bytes() for path in segment_files(root)} == before
+    async with TierStore([disk(root)]) as store:  # and the folder opens as it was
+        for key, value in kept.items():
+            assert torch.equal(await store.get(key), value)
+
+
+async def test_a_segment_file_the_catalog_no_longer_names_is_deleted_on_open(tmp_path: Path) -> None:
+    """What a crash between the catalog commit and the deletion of a trailing file leaves."""
+    root = tmp_path / "d"
+    async with TierStore([disk(root)]) as store:
+        await store.put("x", torch.arange(10.0))
+    stray = root / "data" / "segment-000001.bin"
+    stray.write_bytes(b"\0" * 8192)
+    os.chmod(stray, 0o600)
+    async with TierStore([disk(root)]) as store:
+        assert torch.equal(await store.get("x"), torch.arange(10.0))
+    assert not stray.exists()
+
+
+def test_only_empty_trailing_segments_go_while_the_rest_stays_at_most_half_full() -> None:
+    allocator = ExtentAllocator()
+    for size in (16, 32, 64):
+        allocator.add_segment(size)
+    assert allocator.removable_tail() == 2  # nothing used: all but the first
+    first = allocator.allocate(10)
+    assert first is not None and first.segment == 0
+    assert allocator.removable_tail() == 1  # 10 of 48 used: the 64 goes, 10 of 16 is over half
+    big = allocator.allocate(40)
+    assert big is not None and big.segment == 2
+    assert allocator.removable_tail() == 0  # the last one is in use
+    allocator.free(big)
+    allocator.drop_tail(allocator.removable_tail())
+    assert allocator.segment_sizes == [16, 32] and allocator.used == 10
+    with pytest.raises(ValueError, match="not empty"):
+        allocator.drop_tail(2)
