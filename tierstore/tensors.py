@@ -156,14 +156,18 @@ def from_bytes(raw: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
 def aligned_empty(nbytes: int, device: torch.device | str = "cpu", pin_memory: bool = False) -> torch.Tensor:
     """A uint8 buffer of ``nbytes`` (rounded up to ``ALIGNMENT``) whose address is 4096-aligned.
 
-    CPU buffers are mappings of their own (:func:`mapped_empty`: aligned with no slack); CUDA
-    and pinned allocations are page aligned by their allocators.
+    CPU tensors are only 64-byte aligned, so we over-allocate and slice; the slice keeps the
+    storage alive. CUDA and pinned allocations are already page aligned. (Tiers allocate with
+    :func:`mapped_empty`, which has no slack; for transient buffers like these the heap is
+    faster: it reuses memory already faulted in, where a new mapping faults every page.)
     """
     size = round_up(max(nbytes, 1), ALIGNMENT)
     device = torch.device(device)
     if device.type != "cpu" or pin_memory:
         return torch.empty(size, dtype=torch.uint8, device=device, pin_memory=pin_memory)
-    return mapped_empty(size)
+    raw = torch.empty(size + ALIGNMENT, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % ALIGNMENT
+    return advise_huge_pages(raw[start : start + size])
 
 
 #: ``cudaHostRegisterPortable``: the pages are pinned for every CUDA context, as
