@@ -189,8 +189,9 @@ class _Mapping(mmap.mmap):
         self._pinned_at, self._pinned_by = address, os.getpid()
 
     def __del__(self) -> None:
-        # A forked child's copy of the pages was never registered in the child.
-        if self._pinned_at and self._pinned_by == os.getpid():
+        # A forked child's copy of the pages was never registered in the child; at interpreter
+        # exit the CUDA runtime may be gone, and the process's pinned memory goes with it.
+        if self._pinned_at and self._pinned_by == os.getpid() and not sys.is_finalizing():
             error = int(torch.cuda.cudart().cudaHostUnregister(self._pinned_at))
             if error:  # a finalizer cannot raise; say so rather than stay silent
                 warnings.warn(f"cudaHostUnregister failed with cudaError {error}", ResourceWarning, stacklevel=1)
