@@ -15,9 +15,11 @@ from tierstore.faults.powercut import (
     FileOp,
     Note,
     Recorder,
+    explore,
     open_tier,
     plan_cuts,
     power_cuts,
+    record_workload,
     value_for,
 )
 
@@ -87,6 +89,7 @@ async def test_power_cuts_keep_every_acknowledged_put(tmp_path: Path) -> None:
 
 async def test_a_flush_under_way_is_all_old_or_all_new(tmp_path: Path) -> None:
     report = await power_cuts(tmp_path, states=100, seed=6, operations=60)
+    assert report.flushes_under_way > 0
     assert report.torn_flushes == 0, report.problems[:5]
 
 
@@ -110,3 +113,24 @@ async def test_the_recorded_writes_rebuild_the_value(tmp_path: Path) -> None:
             image[event.offset : event.offset + len(event.data)] = event.data
     (record,) = [r for e in recorder.events if isinstance(e, CommitBegin) for _, r in e.changes if r is not None]
     assert bytes(image[record.extent.offset : record.extent.offset + len(raw)]) == raw
+
+
+async def test_a_flush_split_over_two_commits_is_caught_torn(tmp_path: Path) -> None:
+    recorder = Recorder()
+    await record_workload(tmp_path / "recorded", recorder, seed=6, operations=60)
+    events = list(recorder.events)
+    at = next(i for i, e in enumerate(events) if isinstance(e, CommitBegin) and len(e.changes) >= 4)
+    flush = events[at]
+    assert isinstance(flush, CommitBegin)
+    half = len(flush.changes) // 2
+    # What a flush committing entry by entry would have logged: two transactions in a row.
+    events[at : at + 1] = [
+        CommitBegin(10**6, flush.changes[:half], None),
+        CommitEnd(10**6),
+        CommitBegin(flush.commit, flush.changes[half:], None),
+    ]
+    report = await explore(events, tmp_path / "state", states=5, points=[at + 2])
+    assert report.flushes_under_way == 5
+    assert report.torn_flushes > 0, report.problems
+    untouched = await explore(recorder.events, tmp_path / "state", states=5, points=[at + 1])
+    assert untouched.flushes_under_way == 5 and untouched.torn_flushes == 0

@@ -238,9 +238,10 @@ def open_tier(root: Path, io: FileIO | None = None) -> DiskTier:
 
 async def _random_ops(
     store: TierStore, recorder: Recorder, rng: random.Random, count: int, concurrency: int,
-    durable: bool, current: dict[str, int],
+    durable: float, current: dict[str, int],
 ) -> None:
-    """``count`` puts, overwrites and deletes, ``concurrency`` at a time on distinct keys."""
+    """``count`` puts, overwrites and deletes, ``concurrency`` at a time on distinct keys; a
+    put is written through (``durable=True``) with probability ``durable``."""
 
     async def one(key: str) -> None:
         if key in current and rng.random() < 0.25:
@@ -250,10 +251,11 @@ async def _random_ops(
             recorder.note(Note("ack", "delete", key))
         else:
             version = rng.getrandbits(40)
-            recorder.note(Note("intent", "put", key, version, durable))
-            await store.put(key, value_for(key, version))
+            through = rng.random() < durable
+            recorder.note(Note("intent", "put", key, version, through))
+            await store.put(key, value_for(key, version), durable=through)
             current[key] = version
-            recorder.note(Note("ack", "put", key, version, durable))
+            recorder.note(Note("ack", "put", key, version, through))
 
     done = 0
     while done < count:
@@ -267,15 +269,16 @@ async def record_workload(root: Path, recorder: Recorder, seed: int = 0, operati
 
     Half of ``operations`` go to ``TierStore([DiskTier])`` (durable puts, overwrites, deletes);
     the rest to ``TierStore([HostTier, DiskTier])`` in rounds, each ended by a ``flush``
-    (puts land on the host tier, some are demoted to disk, the flush writes the rest)."""
+    (most puts land on the host tier, some are demoted to disk, the flush writes the rest in
+    one transaction; a few are written through with ``durable=True``)."""
     rng = random.Random(seed)
     current: dict[str, int] = {}
     async with TierStore([open_tier(root, recorder)]) as store:
-        await _random_ops(store, recorder, rng, operations // 2, concurrency, True, current)
+        await _random_ops(store, recorder, rng, operations // 2, concurrency, 1.0, current)
     rounds = 3
     async with TierStore([HostTier(HOST_CAPACITY, pinned=False), open_tier(root, recorder)]) as store:
         for _ in range(rounds):
-            await _random_ops(store, recorder, rng, (operations - operations // 2) // rounds, concurrency, False, current)
+            await _random_ops(store, recorder, rng, (operations - operations // 2) // rounds, concurrency, 0.2, current)
             values = tuple(sorted(current.items()))
             writes = tuple(key for key, _ in values if "disk" not in store.where(key))
             recorder.note(Note("intent", "flush", values=values, writes=writes))
@@ -360,15 +363,25 @@ def _unsynced_and_pending(events: Sequence[Event], at: int) -> tuple[list[int], 
     return sure, maybe, pending
 
 
-def plan_cuts(events: Sequence[Event], states: int, seed: int = 0) -> list[Cut]:
-    """About ``states`` cuts: cut points spread over the recording (favouring those where a
-    commit or a sync is under way), each with several variants of what persisted."""
+def plan_cuts(events: Sequence[Event], states: int, seed: int = 0, points: Sequence[int] | None = None) -> list[Cut]:
+    """About ``states`` cuts: cut points spread over the recording, half of them (or all, if
+    there are few) where a catalog commit is under way -- first those of several keys (a
+    flush) -- each with several variants of what persisted. ``points`` fixes the cut points
+    instead (to look again at a cut a report named)."""
     rng = random.Random(seed)
-    points = [i + 1 for i, event in enumerate(events) if not isinstance(event, Note)]
     variants = ("none", "all", "subset", "torn", "reorder")
-    chosen = sorted(rng.sample(points, min(len(points), max(1, states // len(variants)))))
+    every = [i + 1 for i, event in enumerate(events) if not isinstance(event, Note)]
+    wanted = min(len(every), max(1, states // len(variants)))
+    groups = [i + 1 for i, event in enumerate(events) if isinstance(event, CommitBegin) and len(event.changes) > 1]
+    under_way = [i + 1 for i, event in enumerate(events) if isinstance(event, CommitBegin) and len(event.changes) <= 1]
+    chosen = set(rng.sample(groups, min(len(groups), wanted // 4)))
+    chosen.update(rng.sample(under_way, min(len(under_way), wanted // 2 - len(chosen))))
+    rest = [point for point in every if point not in chosen]
+    chosen.update(rng.sample(rest, min(len(rest), wanted - len(chosen))))
+    if points is not None:
+        chosen = set(points)
     cuts: list[Cut] = []
-    for at in chosen:
+    for at in sorted(chosen):
         _, maybe, pending = _unsynced_and_pending(events, at)
         writes = [i for i in maybe if isinstance(events[i], FileOp) and events[i].kind == "write"]  # type: ignore[union-attr]
         for variant in variants:
@@ -471,6 +484,7 @@ class PowerCutReport:
     lost: int = 0
     wrong: int = 0
     torn_flushes: int = 0
+    flushes_under_way: int = 0
     refused: int = 0
     problems: list[str] = field(default_factory=list)
 
@@ -496,12 +510,12 @@ async def _check_state(root: Path, ledger: Ledger, cut: Cut, report: PowerCutRep
         for key in sorted(set(store.keys()) - set(ledger.keys)):
             report.wrong += 1
             report.problems.append(f"{where}: {key!r} is in the store but was never written")
-        found: dict[str, int | None] = {}
+        found: dict[str, set[int | None]] = {}  # versions the value read could be (equal bytes)
         for key, expect in sorted(ledger.keys.items()):
             report.checked_keys += 1
             allowed = {expect.durable, *expect.maybe}
             if key not in store:
-                found[key] = None
+                found[key] = {None}
                 if None not in allowed:
                     report.lost += 1
                     report.problems.append(f"{where}: {key!r} is missing (allowed versions {sorted(map(str, allowed))})")
@@ -520,14 +534,17 @@ async def _check_state(root: Path, ledger: Ledger, cut: Cut, report: PowerCutRep
                 report.wrong += 1
                 report.problems.append(f"{where}: {key!r} holds bytes of no allowed version ({sorted(map(str, allowed))})")
                 continue
-            found[key] = match[0]
+            found[key] = set(match)
         flush = ledger.flush
         if flush is not None and flush.writes:
+            report.flushes_under_way += 1
             new = dict(flush.values)
-            landed = [key for key in flush.writes if found.get(key, -1) == new[key]]
-            if 0 < len(landed) < len(flush.writes):
+            # A value equal in bytes to the one before (an empty tensor) tells nothing: skipped.
+            landed = [key for key in flush.writes if found.get(key) == {new[key]}]
+            stayed = [key for key in flush.writes if key in found and new[key] not in found[key]]
+            if landed and stayed:
                 report.torn_flushes += 1
-                report.problems.append(f"{where}: a flush under way left {len(landed)} of its {len(flush.writes)} keys new")
+                report.problems.append(f"{where}: a flush under way left {landed} new and {stayed} old")
         probe = torch.arange(5.0)
         await store.put("probe-after-power-cut", probe)
         if not _same(await store.get("probe-after-power-cut"), probe):
@@ -538,11 +555,14 @@ async def _check_state(root: Path, ledger: Ledger, cut: Cut, report: PowerCutRep
         await store.aclose(flush=False)
 
 
-async def explore(events: Sequence[Event], scratch: Path, states: int = 100, seed: int = 0) -> PowerCutReport:
+async def explore(
+    events: Sequence[Event], scratch: Path, states: int = 100, seed: int = 0, points: Sequence[int] | None = None
+) -> PowerCutReport:
     """Build about ``states`` power-cut states of a recording under ``scratch`` (a folder of its
-    own; emptied for each state), reopen and check each; see the module docstring."""
+    own; emptied for each state), reopen and check each; see the module docstring. ``points``
+    fixes the cut points (see ``plan_cuts``)."""
     first = CatalogLayout(round_up(parse_bytes(CHUNK_SIZE), ALIGNMENT), ALIGNMENT, ())
-    cuts = plan_cuts(events, states, seed)
+    cuts = plan_cuts(events, states, seed, points)
     report = PowerCutReport(events=len(events), cut_points=len({cut.at for cut in cuts}))
     report.acknowledged = sum(1 for e in events if isinstance(e, Note) and e.stage == "ack" and e.op != "flush")
     ledger, replayed = Ledger(), 0
