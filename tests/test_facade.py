@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import inspect
 import subprocess
 import sys
@@ -181,6 +182,20 @@ def test_run_returns_the_result_of_a_call_that_completes_despite_the_cancel() ->
         return 7
 
     assert run(finishes_anyway(), timeout=0.05) == 7
+
+
+_CALLER = contextvars.ContextVar("caller", default="unset")
+
+
+def test_run_carries_the_callers_context_variables() -> None:
+    async def seen() -> str:
+        return _CALLER.get()
+
+    token = _CALLER.set("set by the caller")
+    try:
+        assert run(seen()) == "set by the caller"
+    finally:
+        _CALLER.reset(token)
 
 
 def test_run_reports_an_error_as_it_is() -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures.thread  # noqa: F401  (imported before we register: see _register_exit_hook)
+import contextvars
 import functools
 import inspect
 import os
@@ -118,8 +119,12 @@ def run(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
     finished = threading.Event()
     started: concurrent.futures.Future[asyncio.Task[T]] = concurrent.futures.Future()
 
+    # The task runs in a copy of the caller's context, as code awaited in place would: context
+    # variables set by the caller (e.g. the holds it is inside of) are seen on the loop.
+    context = contextvars.copy_context()
+
     def start() -> None:
-        task = loop.create_task(coro)
+        task = context.run(loop.create_task, coro)
         task.add_done_callback(lambda _: finished.set())
         started.set_result(task)
 
