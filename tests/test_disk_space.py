@@ -9,8 +9,11 @@ import pytest
 import torch
 
 from tierstore import DiskTier, TierStore
-from tierstore.disk.extents import ExtentAllocator
+from tierstore.disk.catalog import DiskRecord
+from tierstore.disk.compact import plan_compaction
+from tierstore.disk.extents import Extent, ExtentAllocator
 from tierstore.errors import CapacityError
+from tierstore.tensors import TensorMeta
 
 MiB = 1 << 20
 VALUE_NUMEL = 256 * 1024  # float32: 1 MiB
@@ -172,3 +175,25 @@ def test_only_empty_trailing_segments_go_while_the_rest_stays_at_most_half_full(
     assert allocator.segment_sizes == [16, 32] and allocator.used == 10
     with pytest.raises(ValueError, match="not empty"):
         allocator.drop_tail(2)
+
+
+def _record(key: str, segment: int, offset: int, length: int) -> DiskRecord:
+    return DiskRecord(key, TensorMeta(torch.uint8, (length,)), Extent(segment, offset, length), 1, (0,))
+
+
+def test_compaction_plans_moves_below_the_new_capacity_and_refuses_fragmented_space(tmp_path: Path) -> None:
+    # Segment 0 (4 blocks) has two one-block holes; segment 1 holds one extent of each size.
+    block = 4096
+    records = {
+        "a": _record("a", 0, 0, block),
+        "b": _record("b", 0, 2 * block, block),
+        "small": _record("small", 1, 0, block),
+    }
+    plan = plan_compaction(tmp_path, records, (4 * block, 4 * block), 4 * block, block)
+    assert plan.segments == (4 * block,)
+    assert plan.moves == {"small": Extent(0, block, block)}
+    records["big"] = _record("big", 1, block, 2 * block)
+    with pytest.raises(CapacityError, match=r"in pieces too small for 'big'"):
+        plan_compaction(tmp_path, {k: v for k, v in records.items() if k != "small"}, (4 * block, 4 * block), 4 * block, block)
+    with pytest.raises(CapacityError, match="more than the capacity"):
+        plan_compaction(tmp_path, records, (4 * block, 4 * block), 4 * block, block)
