@@ -97,6 +97,11 @@ def punch_hole(fd: int, offset: int, length: int) -> None:
         raise OSError(code, os.strerror(code))
 
 
+def segment_name(segment: int) -> str:
+    """The file name of segment ``segment`` (inside ``<root>/data``)."""
+    return f"segment-{segment:06d}.bin"
+
+
 def segment_number(path: Path) -> int | None:
     """The number of a segment file from its name, or None if it is not one."""
     stem = path.name.removeprefix("segment-").removesuffix(".bin")
@@ -202,7 +207,7 @@ class SegmentFiles:
         return self._staging_count * self._staging_size if self.direct else 0
 
     def path(self, segment: int) -> Path:
-        return self.folder / f"segment-{segment:06d}.bin"
+        return self.folder / segment_name(segment)
 
     def open(self, sizes: list[int]) -> None:
         """Open the existing segments, checking each is there and whole."""
