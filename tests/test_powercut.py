@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
@@ -80,11 +79,9 @@ def test_the_model_keeps_synced_writes_and_may_drop_tear_or_reorder_the_rest() -
 
 
 async def test_power_cuts_keep_every_acknowledged_put(tmp_path: Path) -> None:
-    started = time.perf_counter()
     report = await power_cuts(tmp_path, states=100, seed=5, operations=60)
     assert report.states >= 100 and report.acknowledged >= 60
     assert report.lost == report.wrong == report.refused == 0, report.problems[:5]
-    assert time.perf_counter() - started < 60
 
 
 async def test_a_flush_under_way_is_all_old_or_all_new(tmp_path: Path) -> None:
