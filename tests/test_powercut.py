@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from tierstore import TierStore
+from tierstore.disk.files import segment_name
 from tierstore.faults.powercut import (
     SECTOR,
     CommitBegin,
@@ -39,7 +40,7 @@ async def test_each_commit_follows_a_sync_of_the_data_it_names(tmp_path: Path) -
         for key, record in begin.changes:
             if record is None or record.meta.nbytes == 0:  # an empty value writes nothing
                 continue
-            name = f"segment-{record.extent.segment:06d}.bin"
+            name = segment_name(record.extent.segment)
             inside = [
                 i for i, e in enumerate(events[:at])
                 if isinstance(e, FileOp) and e.kind == "write" and e.file == name
