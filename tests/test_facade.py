@@ -21,8 +21,9 @@ from tierstore import DiskTier, HostTier, StoreClosedError, SyncTierStore, TierS
 from tierstore.namespaces import Namespace
 from tierstore.sync import EXTRAS, FACADES, RENAMED, SyncNamespace, public_verbs, run
 
-#: Names that are not verbs on data: lifecycle, and the tiers (configuration, there before open).
-NOT_VERBS_ON_DATA = {"open", "aclose", "__aenter__", "__aexit__", "tier", "tiers"}
+#: Names that are not verbs on data: lifecycle, the tiers (configuration, there before open), and
+#: properties describing the store itself (its state, loop, counters, policy, transfer listener).
+NOT_VERBS_ON_DATA = {"open", "aclose", "__aenter__", "__aexit__", "tier", "tiers", "is_open", "loop", "counters", "prefetch_policy", "on_transfer"}
 
 
 def _parameters(member: Any) -> list[tuple[str, Any, Any]]:

@@ -485,7 +485,9 @@ class TestLiveS3FIFO(_PolicyStack):
 class TestLiveMINWithSchedule:
     async def test_min_and_schedule_in_a_live_store(self, tmp_path: Path) -> None:
         schedule = ScheduleLearned(ahead="32KiB")
-        async with TierStore(_tiny(tmp_path), eviction=lambda: MIN(schedule), prefetch=schedule) as store:
+        # the host tier holds half of the 24 values of 4 KiB: the rest must be prefetched
+        tiers = [DeviceTier("cpu", "48KiB"), HostTier("48KiB"), DiskTier(tmp_path / "disk", "64MiB", chunk_size="64KiB")]
+        async with TierStore(tiers, eviction=lambda: MIN(schedule), prefetch=schedule) as store:
             values = {f"p{i}": torch.full((1024,), float(i)) for i in range(24)}
             for key, value in values.items():
                 await store.put(key, value, tier="disk")

@@ -15,7 +15,15 @@ import pytest
 import torch
 
 from policies import LFU, LRU
-from tierstore import DeviceTier, DiskTier, EntryHeldError, HostTier, StoreClosedError, TierFullError, TierStore
+from tierstore import (
+    DeviceTier,
+    DiskTier,
+    EntryHeldError,
+    HostTier,
+    StoreClosedError,
+    TierFullError,
+    TierStore,
+)
 
 KiB = 1024
 
@@ -293,3 +301,24 @@ async def test_a_store_collected_while_open_warns() -> None:
         del store
         gc.collect()
     assert any(issubclass(w.category, ResourceWarning) for w in caught)
+
+
+def test_sync_facade_write_hold_raises_in_its_own_thread_and_blocks_others() -> None:
+    import threading
+
+    from tierstore import SyncTierStore
+
+    with SyncTierStore([DeviceTier("cpu", "1MiB"), HostTier("1MiB")]) as store:
+        store.put("k", value(0))
+        seen: list[torch.Tensor] = []
+        with store.hold("k", write=True) as buffer:
+            buffer.fill_(1.0)
+            with pytest.raises(EntryHeldError, match="own write hold"):
+                store.get("k", "host")
+            reader = threading.Thread(target=lambda: seen.append(store.get("k", "host")))
+            reader.start()
+            reader.join(0.1)
+            assert reader.is_alive() and not seen  # another thread waits for the release
+            buffer.fill_(2.0)
+        reader.join(10)
+        assert torch.equal(seen[0], value(2))

@@ -14,6 +14,7 @@ import contextlib
 import itertools
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,57 +57,112 @@ class Engine:
         from policies import LRU, NoPrefetch
 
         self._tiers: list[Tier] = _check_tiers(tiers)
-        self._names = [tier.name for tier in self._tiers]
-        self._disk_index = len(self._tiers) - 1 if isinstance(self._tiers[-1], DiskTier) else None
-        self._policies: list[EvictionPolicy | None] = _make_policies(self._tiers, eviction if eviction is not None else LRU)
+        self.names = [tier.name for tier in self._tiers]
+        self.disk_index = len(self._tiers) - 1 if isinstance(self._tiers[-1], DiskTier) else None
+        self.policies: list[EvictionPolicy | None] = _make_policies(self._tiers, eviction if eviction is not None else LRU)
         self.prefetch_policy: PrefetchPolicy = prefetch if prefetch is not None else NoPrefetch()
         if hasattr(self.prefetch_policy, "set_capacities"):
             self.prefetch_policy.set_capacities({tier.name: tier.capacity for tier in self._tiers})
         self.trace: TraceRecorder | None = None
-        self._cpu = WorkerPool(cpu_threads, "cpu")
-        self._entries: dict[str, Entry] = {}
-        self._versions = itertools.count(1)
+        self.cpu = WorkerPool(cpu_threads, "cpu")
+        self.entries: dict[str, Entry] = {}
+        self.versions = itertools.count(1)
         self._freeing = [0] * len(self._tiers)
-        self._demotions: list[set[asyncio.Task[None]]] = [set() for _ in self._tiers]
+        self.demotions: list[set[asyncio.Task[None]]] = [set() for _ in self._tiers]
         #: Buffers allocated on a tier and being filled (they become evictable copies when done).
         self._incoming: list[set[asyncio.Future[None]]] = [set() for _ in self._tiers]
-        self._background: set[asyncio.Task[Any]] = set()
+        self.background: set[asyncio.Task[Any]] = set()
         #: Writes that must finish even if their caller is cancelled (disk puts, write-backs);
         #: ``aclose`` drains them.
-        self._writes: set[asyncio.Task[Any]] = set()
+        self.writes: set[asyncio.Task[Any]] = set()
         self._prefetched: set[tuple[str, int]] = set()
-        self._issuer: PrefetchIssuer | None = None
+        self.issuer: PrefetchIssuer | None = None
         self.counters = StoreCounters()
         #: Called as ``on_transfer(link, nbytes, start, end)`` after each transfer between tiers
         #: (``time.perf_counter()`` times); the optimizer's timeline listens here.
         self.on_transfer: Callable[[str, int, float, float], None] | None = None
         self.is_open = False
-        self._closing = False
+        self.closing = False
 
     @property
     def tiers(self) -> list[Tier]:
-        """The tiers, fastest first."""
-        return list(self._tiers)
+        """The tiers, fastest first (the engine's own list: do not change it)."""
+        return self._tiers
 
     def tier(self, ref: TierRef) -> Tier:
         """A tier by name, index or object."""
-        return self._tiers[self._index(ref)]
+        return self._tiers[self.index_of(ref)]
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def open(self, trace_path: Path | None) -> None:
+        """Open every tier (the disk tier loads its catalog) and adopt what is on disk."""
+        opened: list[Tier] = []
+        try:
+            for tier in self._tiers:
+                await tier.open()
+                opened.append(tier)
+        except BaseException:
+            for tier in reversed(opened):
+                await tier.aclose()
+            raise
+        newest = 0
+        if self.disk_index is not None:
+            disk = self.disk
+            for key, record in disk.loaded.items():
+                entry = Entry(key, record.meta, version=record.version)
+                entry.copies[self.disk_index] = Copy(self.disk_index, record.version, extent=record.extent, checksums=record.checksums)
+                self.entries[key] = entry
+                newest = max(newest, record.version)
+            disk.loaded = {}
+        self.versions = itertools.count(newest + 1)
+        for name in self.names:
+            self.counters.tier(name)
+        self.cpu.start()
+        if trace_path is not None:
+            self.trace = TraceRecorder(trace_path, self.names)
+        self.issuer = PrefetchIssuer(self)
+        self.is_open = True
+
+    async def close(self, flush: bool) -> None:
+        """Refuse new verbs, cancel prefetches, drain writes and demotions, flush (if asked and
+        there is a disk tier), close the tiers."""
+        if not self.is_open or self.closing:
+            return
+        self.closing = True
+        for task in list(self.background):
+            task.cancel()
+        await asyncio.gather(*self.background, return_exceptions=True)
+        while self.writes or any(self.demotions):
+            await asyncio.gather(*self.writes, *(t for pending in self.demotions for t in pending), return_exceptions=True)
+        try:
+            if self.disk_index is not None and flush:
+                await self.flush_all()
+        finally:
+            self.is_open = False
+            self.closing = False
+            if self.trace is not None:
+                self.trace.close()
+            for tier in reversed(self._tiers):
+                await tier.aclose()
+            self.cpu.shutdown()
+            self.entries.clear()
 
     # -- reading -------------------------------------------------------------------------------
 
-    async def _acquire(self, entry: Entry, t: int, priority: Priority) -> Copy:
+    async def acquire(self, entry: Entry, t: int, priority: Priority) -> Copy:
         """Make ``entry`` valid on tier ``t`` and take a use of that copy (caller must unuse)."""
         await self._ensure(entry, t, priority)
         copy = entry.valid(t)
         if copy is None:  # _ensure returns only once valid; nothing awaited since
-            raise TierStoreError(f"internal error: {entry.key!r} vanished from {self._names[t]!r}")
-        self._use(entry, copy)
+            raise TierStoreError(f"internal error: {entry.key!r} vanished from {self.names[t]!r}")
+        self.use(entry, copy)
         return copy
 
     async def _ensure(self, entry: Entry, t: int, priority: Priority) -> None:
         """Return once ``entry`` has a valid copy on tier ``t`` (one load at a time per tier)."""
         while entry.valid(t) is None:
-            if self._entries.get(entry.key) is not entry or not entry.visible:
+            if self.entries.get(entry.key) is not entry or not entry.visible:
                 raise KeyNotFoundError(f"{entry.key!r} was deleted")
             pending = entry.loading.get(t)
             if pending is not None:
@@ -123,7 +179,7 @@ class Engine:
 
     async def _load(self, entry: Entry, t: int, priority: Priority) -> None:
         """Copy the current value of ``entry`` onto memory tier ``t`` from its fastest copy."""
-        await self._no_writer(entry, "read")
+        await self.no_writer(entry, "read")
         sources = [s for s in entry.readable_tiers() if s != t]
         if not sources:
             raise CorruptionError(f"{entry.key!r} has no valid copy on any tier")
@@ -131,13 +187,13 @@ class Engine:
         if source is None:
             raise CorruptionError(f"{entry.key!r} has no valid copy on any tier")
         version = entry.version
-        self._hit(entry, source)
-        self._use(entry, source)
+        self.hit(entry, source)
+        self.use(entry, source)
         try:
             fill = self._filler(entry, source)
             await self._write_memory(entry, t, version, fill, priority, source_tier=sources[0])
         finally:
-            self._unuse(entry, source)
+            self.unuse(entry, source)
 
     def _filler(self, entry: Entry, source: Copy) -> Callable[[torch.Tensor, Priority], Awaitable[None]]:
         """A coroutine function that fills a buffer with ``source``'s bytes."""
@@ -146,7 +202,7 @@ class Engine:
             record = DiskRecord(entry.key, meta, source.extent, source.version, source.checksums)
 
             async def from_disk(buffer: torch.Tensor, priority: Priority) -> None:
-                await self._disk.read(record, buffer, priority)
+                await self.disk.read(record, buffer, priority)
 
             return from_disk
 
@@ -155,7 +211,7 @@ class Engine:
 
         return from_memory
 
-    async def _clone(self, entry: Entry, copy: Copy, t: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    async def clone(self, entry: Entry, copy: Copy, t: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """The value of ``copy`` in ``out`` or a fresh tensor (on ``t``'s device)."""
         meta = entry.meta
         if out is None:
@@ -164,15 +220,15 @@ class Engine:
             await self._copy(as_bytes(out), copy.buffer[: meta.nbytes], Priority.DEMAND)  # type: ignore[index]
         return out
 
-    async def _read_uncached(self, entry: Entry, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
+    async def read_uncached(self, entry: Entry, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
         """Read the current value into ``out`` or a new tensor on ``device``, caching it nowhere."""
-        await self._no_writer(entry, "read")
+        await self.no_writer(entry, "read")
         tiers = entry.readable_tiers()
         source = entry.valid(tiers[0]) if tiers else None
         if source is None:
             raise CorruptionError(f"{entry.key!r} has no valid copy on any tier")
         meta = entry.meta
-        self._use(entry, source)
+        self.use(entry, source)
         try:
             if out is None and device.type == "cpu":
                 buffer = aligned_empty(meta.nbytes)
@@ -183,11 +239,11 @@ class Engine:
             await self._filler(entry, source)(as_bytes(out), Priority.DEMAND)
             return out
         finally:
-            self._unuse(entry, source)
+            self.unuse(entry, source)
 
     # -- writing -------------------------------------------------------------------------------
 
-    async def _put_memory(self, entry: Entry, t: int, src: torch.Tensor, meta: TensorMeta) -> None:
+    async def put_memory(self, entry: Entry, t: int, src: torch.Tensor, meta: TensorMeta) -> None:
         async def fill(buffer: torch.Tensor, priority: Priority) -> None:
             await self._copy(buffer[: meta.nbytes], src, priority)
 
@@ -213,7 +269,7 @@ class Engine:
         if not isinstance(tier, MemoryTier):
             raise UnknownTierError(f"tier {tier.name!r} holds no buffers")
         nbytes = (meta or entry.meta).nbytes
-        await self._make_room(t, tier.allocation_size(nbytes), priority)
+        await self._make_room(t, nbytes, priority)
         buffer = tier.allocate(nbytes)
         started = time.perf_counter()
         arriving = asyncio.get_running_loop().create_future()
@@ -230,31 +286,31 @@ class Engine:
         if version is None:
             live = self._live_entry(entry, meta)  # type: ignore[arg-type]
             copy = Copy(t, 0, buffer=buffer)
-            self._new_version(live, keep=None, meta=meta)
+            self.new_version(live, keep=None, meta=meta)
             copy.version = live.version
             live.copies[t] = copy
             self._policy_insert(live, copy)
             return
-        if self._entries.get(entry.key) is not entry or entry.version != version or entry.valid(t) is not None:
+        if self.entries.get(entry.key) is not entry or entry.version != version or entry.valid(t) is not None:
             tier.release(buffer)  # the value changed meanwhile: this copy is stale
             return
         copy = Copy(t, version, buffer=buffer)
         entry.copies[t] = copy
         self._policy_insert(entry, copy)
 
-    async def _write_back(self, entry: Entry, source: Copy, priority: Priority, target: int | None = None) -> None:
+    async def write_back(self, entry: Entry, source: Copy, priority: Priority, target: int | None = None) -> None:
         """Write ``source`` (a memory copy the caller uses) to ``target`` (default: one tier down)."""
         below = source.tier + 1 if target is None else target
         buffer = source.buffer
         if buffer is None:
             raise TierStoreError(f"internal error: write-back of {entry.key!r} from a copy without a buffer")
-        if below == self._disk_index:
-            await self._write_disk(entry, buffer, entry.meta, source.version, priority, source_tier=source.tier)
+        if below == self.disk_index:
+            await self.write_disk(entry, buffer, entry.meta, source.version, priority, source_tier=source.tier)
         else:
             await self._write_memory(entry, below, source.version, self._filler(entry, source), priority, source_tier=source.tier)
-        self.counters.tier(self._names[source.tier]).writebacks += 1
+        self.counters.tier(self.names[source.tier]).writebacks += 1
 
-    async def _write_disk(
+    async def write_disk(
         self,
         entry: Entry,
         src: torch.Tensor,
@@ -284,13 +340,13 @@ class Engine:
         source_tier: int | None,
         copied: asyncio.Future[None] | None,
     ) -> None:
-        disk = self._disk
+        disk = self.disk
         d = self._tiers.index(disk)
         while True:
             if version is None:
                 entry = self._live_entry(entry, meta)
             async with entry.disk_lock:
-                if self._entries.get(entry.key) is not entry:
+                if self.entries.get(entry.key) is not entry:
                     if version is None:
                         continue  # deleted while we waited: write to the new entry
                     return
@@ -302,10 +358,10 @@ class Engine:
                     checksums = await disk.write(extent, src, meta.nbytes, priority)
                     if copied is not None and not copied.done():
                         copied.set_result(None)
-                    if version is not None and (entry.version != version or self._entries.get(entry.key) is not entry):
+                    if version is not None and (entry.version != version or self.entries.get(entry.key) is not entry):
                         disk.release(extent)
                         return
-                    record_version = version if version is not None else next(self._versions)
+                    record_version = version if version is not None else next(self.versions)
                     record = DiskRecord(entry.key, meta, extent, record_version, checksums)
                     await disk.commit([(entry.key, record)])
                 except BaseException:
@@ -315,36 +371,36 @@ class Engine:
                 new = Copy(d, record_version, extent=extent, checksums=checksums)
                 old = entry.copies.get(d)
                 if old is not None:
-                    self._retire(entry, d, old)
+                    self.retire(entry, d, old)
                 entry.copies[d] = new
                 if version is None:
-                    self._new_version(entry, keep=new, meta=meta, version=record_version)
+                    self.new_version(entry, keep=new, meta=meta, version=record_version)
                 return
 
-    async def _flush_all(self) -> None:
+    async def flush_all(self) -> None:
         """Write every entry whose current value is not on the disk tier down to it, and commit
         them all in one catalog transaction (after a crash the flush is all old or all new).
 
         Order: room checked first; each value written to a new extent (the old one stays the
         durable base); one fdatasync per segment; one catalog commit; then the old extents are
         freed. Sources are in use throughout, so no write hold starts on them meanwhile."""
-        d = self._disk_index
+        d = self.disk_index
         if d is None:
             return
-        disk = self._disk
+        disk = self.disk
 
         def dirty() -> list[Entry]:
-            return [e for e in self._entries.values() if e.visible and e.valid(d) is None]
+            return [e for e in self.entries.values() if e.visible and e.valid(d) is None]
 
         for entry in dirty():
-            await self._no_writer(entry, "flush")
+            await self.no_writer(entry, "flush")
         plan: list[tuple[Entry, Copy]] = []
         for entry in sorted(dirty(), key=lambda e: e.key):
             tiers = entry.readable_tiers()
             source = entry.valid(tiers[0]) if tiers else None
             if source is None or source.buffer is None:
                 raise EntryHeldError(f"cannot flush {entry.key!r} from inside its own write hold; release it first")
-            self._use(entry, source)
+            self.use(entry, source)
             plan.append((entry, source))
         try:
             need = sum(disk.extent_size(entry.meta.nbytes) for entry, _ in plan)
@@ -355,16 +411,16 @@ class Engine:
                     f"{format_bytes(disk.capacity)} is free. Nothing was written."
                 )
             if plan:
-                await self._shielded(self._flush_plan(disk, d, plan))
+                await self.shielded(self._flush_plan(disk, d, plan))
         finally:
             for entry, source in plan:
-                self._unuse(entry, source)
+                self.unuse(entry, source)
 
     async def _flush_plan(self, disk: DiskTier, d: int, plan: list[tuple[Entry, Copy]]) -> None:
         async with contextlib.AsyncExitStack() as locks:
             for entry, _ in plan:  # sorted by key: two flushes never wait for each other in a cycle
                 await locks.enter_async_context(entry.disk_lock)
-            plan = [(e, c) for e, c in plan if self._entries.get(e.key) is e and c.version == e.version and not c.retired]
+            plan = [(e, c) for e, c in plan if self.entries.get(e.key) is e and c.version == e.version and not c.retired]
             limit = asyncio.Semaphore(FLUSH_CONCURRENCY)
             written: list[tuple[Entry, Copy, Extent, tuple[int, ...]]] = []
 
@@ -398,61 +454,82 @@ class Engine:
                 new = Copy(d, source.version, extent=extent, checksums=checksums)
                 old = entry.copies.get(d)
                 if old is not None:
-                    self._retire(entry, d, old)
+                    self.retire(entry, d, old)
                 entry.copies[d] = new
-                self.counters.tier(self._names[source.tier]).writebacks += 1
+                self.counters.tier(self.names[source.tier]).writebacks += 1
 
-    async def _delete(self, entry: Entry) -> None:
-        if self._disk_index is not None:
+    async def delete_entry(self, entry: Entry) -> None:
+        if self.disk_index is not None:
             async with entry.disk_lock:
-                if self._entries.get(entry.key) is not entry:
+                if self.entries.get(entry.key) is not entry:
                     return
                 if entry.held():
                     raise EntryHeldError(f"{entry.key!r} is held; release it before deleting")
-                if self._disk_index in entry.copies:
-                    await self._disk.commit([(entry.key, None)])
+                if self.disk_index in entry.copies:
+                    await self.disk.commit([(entry.key, None)])
                 self._remove(entry)
-        elif self._entries.get(entry.key) is entry:
+        elif self.entries.get(entry.key) is entry:
             self._remove(entry)
 
     # -- room ------------------------------------------------------------------------------------
 
-    async def _make_room(self, t: int, size: int, priority: Priority) -> None:
-        """Evict from tier ``t`` until ``size`` bytes are free; demotions run concurrently."""
+    async def _make_room(self, t: int, nbytes: int, priority: Priority) -> None:
+        """Evict from tier ``t`` until a value of ``nbytes`` can be allocated there.
+
+        Victims are chosen in the policy's order until their sizes cover the shortfall. Victims
+        written back into a slower *memory* tier are then demoted one after another (each
+        arrival there is an insert into that tier's policy, which must come in the order of the
+        choices); write-backs to the disk run concurrently. Returns once every demotion it started has finished, so the tiers
+        look, when the request goes on, as the policy decided (and as the simulator replays)."""
         tier = self._tiers[t]
-        if size > tier.capacity:
-            raise TierFullError(f"{format_bytes(size)} is more than tier {tier.name!r} holds ({format_bytes(tier.capacity)})")
+        if not isinstance(tier, MemoryTier):
+            raise UnknownTierError(f"tier {tier.name!r} holds no buffers")
+        if tier.value_size(nbytes) > tier.capacity:
+            raise TierFullError(
+                f"{format_bytes(nbytes)} is more than tier {tier.name!r} holds ({format_bytes(tier.capacity)})"
+            )
+        one_at_a_time = t + 1 < len(self._tiers) and isinstance(self._tiers[t + 1], MemoryTier)
         mine: list[asyncio.Task[None]] = []
-        while tier.free < size:
-            deficit = size - tier.free - self._freeing[t]
-            while deficit > 0:
-                victim = self._next_victim(t)
-                if victim is None:
-                    break
-                entry, copy = victim
-                self._use(entry, copy)
-                deficit -= copy.nbytes
-                mine.append(self._start_demotion(entry, t, copy, priority))
-            for task in mine:
-                if task.done() and not task.cancelled() and task.exception() is not None:
-                    raise TierFullError(f"cannot make room on tier {tier.name!r}: {task.exception()}") from task.exception()
-            pending = self._demotions[t] | self._incoming[t]  # both end with room or a victim
-            if not pending:
-                if tier.free >= size:
-                    break
-                held = sum(c.nbytes for e in self._entries.values() if (c := e.copies.get(t)) is not None and c.users)
-                raise TierFullError(
-                    f"tier {tier.name!r} cannot make room for {format_bytes(size)}: {format_bytes(tier.free)} free, "
-                    f"{format_bytes(held)} held or in transfer"
-                )
-            await asyncio.wait(list(pending), return_when=asyncio.FIRST_COMPLETED)
+        try:
+            while tier.free < (size := tier.allocation_size(nbytes)):
+                deficit = size - tier.free - self._freeing[t]
+                batch: list[tuple[Entry, Copy]] = []
+                while deficit > 0:
+                    victim = self._next_victim(t)
+                    if victim is None:
+                        break
+                    self.use(*victim)
+                    deficit -= victim[1].nbytes
+                    batch.append(victim)
+                for entry, copy in batch:
+                    task = self._start_demotion(entry, t, copy, priority)
+                    mine.append(task)
+                    if one_at_a_time:
+                        await asyncio.wait([task])
+                for task in mine:
+                    _raise_failed(tier, task)
+                pending = self.demotions[t] | self._incoming[t]  # both end with room or a victim
+                if not pending:
+                    if batch or tier.free >= tier.allocation_size(nbytes):
+                        continue  # (evicting packed values frees room only when a slab empties)
+                    held = sum(c.nbytes for e in self.entries.values() if (c := e.copies.get(t)) is not None and c.users)
+                    raise TierFullError(
+                        f"tier {tier.name!r} cannot make room for {format_bytes(nbytes)}: {format_bytes(tier.free)} free, "
+                        f"{format_bytes(held)} held or in transfer"
+                    )
+                await asyncio.wait(list(pending), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if mine:
+                await asyncio.wait(mine)  # (they run on even if the request is cancelled)
+        for task in mine:
+            _raise_failed(tier, task)
 
     def _next_victim(self, t: int) -> tuple[Entry, Copy] | None:
         """The copy the tier's policy chooses among those no one uses or holds."""
-        policy = self._policies[t]
+        policy = self.policies[t]
         if policy is None:
             return None
-        entries = self._entries
+        entries = self.entries
 
         def evictable(key: str) -> bool:
             entry = entries.get(key)
@@ -463,7 +540,7 @@ class Engine:
             key = policy.victim(evictable)
             if key is None:
                 return None
-            entry = self._entries.get(key)
+            entry = self.entries.get(key)
             copy = entry.copies.get(t) if entry is not None else None
             if entry is None or copy is None or not copy.in_policy:
                 continue  # the policy knew a key the store no longer has here
@@ -476,11 +553,11 @@ class Engine:
         size = copy.nbytes
         self._freeing[t] += size
         task = asyncio.ensure_future(self._demote(entry, t, copy, priority))
-        self._demotions[t].add(task)
+        self.demotions[t].add(task)
 
         def finished(task: asyncio.Task[None]) -> None:
             self._freeing[t] -= size
-            self._demotions[t].discard(task)
+            self.demotions[t].discard(task)
             if not task.cancelled():
                 task.exception()  # retrieved: the requester reports it
 
@@ -498,38 +575,38 @@ class Engine:
             if copy.holds or copy.users > 1:
                 return  # taken meanwhile: it stays
             version = copy.version
-            current = self._entries.get(entry.key) is entry and version == entry.version
+            current = self.entries.get(entry.key) is entry and version == entry.version
             if current and not any(s > t for s in entry.valid_tiers()):
                 if t + 1 >= len(self._tiers):
-                    raise TierFullError(f"tier {self._names[t]!r} is the last tier; nothing can be evicted from it")
-                await self._write_back(entry, copy, priority)
+                    raise TierFullError(f"tier {self.names[t]!r} is the last tier; nothing can be evicted from it")
+                await self.write_back(entry, copy, priority)
             if entry.copies.get(t) is copy and copy.holds == 0 and copy.version == version:
-                self._retire(entry, t, copy)
-                self.counters.tier(self._names[t]).evictions += 1
+                self.retire(entry, t, copy)
+                self.counters.tier(self.names[t]).evictions += 1
         finally:
-            self._unuse(entry, copy)
+            self.unuse(entry, copy)
             if not copy.retired and entry.copies.get(t) is copy:
                 self._policy_insert(entry, copy)  # it stayed: the policy knows it again
 
     # -- residency bookkeeping (the only places that change copies) --------------------------------
 
-    def _new_version(self, entry: Entry, keep: Copy | None, meta: TensorMeta | None = None, version: int | None = None) -> None:
+    def new_version(self, entry: Entry, keep: Copy | None, meta: TensorMeta | None = None, version: int | None = None) -> None:
         """Give ``entry`` a new value held only by ``keep``: other memory copies are retired; the
         disk copy stays as the durable base until a write-back replaces it."""
-        entry.version = version if version is not None else next(self._versions)
+        entry.version = version if version is not None else next(self.versions)
         if meta is not None:
             entry.meta = meta
         if keep is not None:
             keep.version = entry.version
         for t, copy in list(entry.copies.items()):
-            if copy is not keep and t != self._disk_index:
-                self._retire(entry, t, copy)
+            if copy is not keep and t != self.disk_index:
+                self.retire(entry, t, copy)
 
-    def _retire(self, entry: Entry, t: int, copy: Copy) -> None:
+    def retire(self, entry: Entry, t: int, copy: Copy) -> None:
         if entry.copies.get(t) is copy:
             del entry.copies[t]
         if copy.in_policy:
-            policy = self._policies[t]
+            policy = self.policies[t]
             if policy is not None:
                 policy.on_remove(entry.key)
             copy.in_policy = False
@@ -547,39 +624,39 @@ class Engine:
             tier.release(copy.extent)
             copy.extent = None
 
-    def _use(self, entry: Entry, copy: Copy) -> None:
+    def use(self, entry: Entry, copy: Copy) -> None:
         """Take a use of ``copy`` (a hold or a transfer): it cannot be evicted or freed until
         ``_unuse``. It stays known to its tier's policy, which keeps its place; the engine
         excludes it from victim choice."""
         copy.users += 1
 
-    def _unuse(self, entry: Entry, copy: Copy) -> None:
+    def unuse(self, entry: Entry, copy: Copy) -> None:
         copy.users -= 1
         if copy.users == 0 and copy.retired:
             self._free(copy)
         entry.wake()
 
     def _policy_insert(self, entry: Entry, copy: Copy) -> None:
-        policy = self._policies[copy.tier]
+        policy = self.policies[copy.tier]
         if policy is not None and copy.buffer is not None and not copy.in_policy:
             policy.on_insert(entry.key, copy.nbytes)
             copy.in_policy = True
 
-    def _hit(self, entry: Entry, copy: Copy) -> None:
+    def hit(self, entry: Entry, copy: Copy) -> None:
         """Tell ``copy``'s tier policy that it was read (every hit, any size, any path)."""
         if copy.in_policy:
-            policy = self._policies[copy.tier]
+            policy = self.policies[copy.tier]
             if policy is not None:
                 policy.on_hit(entry.key)
 
-    async def _wait_until(self, entry: Entry, ready: Callable[[], bool]) -> None:
+    async def wait_until(self, entry: Entry, ready: Callable[[], bool]) -> None:
         """Return once ``ready()`` holds; re-checked whenever a use or hold of ``entry`` ends."""
         while not ready():
             waiter = asyncio.get_running_loop().create_future()
             entry.waiters.append(waiter)
             await waiter
 
-    async def _no_writer(self, entry: Entry, action: str) -> None:
+    async def no_writer(self, entry: Entry, action: str) -> None:
         """Return once no write hold is open on ``entry``; from inside that hold, raise (the
         holder would otherwise wait for itself)."""
         while entry.writer is not None:
@@ -588,30 +665,30 @@ class Engine:
                     f"cannot {action} {entry.key!r} from inside its own write hold: use the held tensor, "
                     "or release the hold first"
                 )
-            await self._wait_until(entry, lambda: entry.writer is None)
+            await self.wait_until(entry, lambda: entry.writer is None)
 
     def _remove(self, entry: Entry) -> None:
-        if self._entries.get(entry.key) is entry:
-            del self._entries[entry.key]
+        if self.entries.get(entry.key) is entry:
+            del self.entries[entry.key]
         for t, copy in list(entry.copies.items()):
-            self._retire(entry, t, copy)
+            self.retire(entry, t, copy)
         entry.version = 0
 
     def _live_entry(self, entry: Entry, meta: TensorMeta) -> Entry:
         """The entry a put should write to: ``entry`` unless it was deleted meanwhile."""
-        live = self._entries.get(entry.key)
+        live = self.entries.get(entry.key)
         if live is None:
-            live = self._entries[entry.key] = Entry(entry.key, meta)
+            live = self.entries[entry.key] = Entry(entry.key, meta)
         return live
 
     # -- what the prefetch issuer uses (tierstore.prefetching.PrefetchTarget) ----------------------
 
     def lookup(self, key: str) -> Entry | None:
-        entry = self._entries.get(key)
+        entry = self.entries.get(key)
         return entry if entry is not None and entry.visible else None
 
     def tier_index(self, tier: str | int) -> int:
-        return self._index(tier)
+        return self.index_of(tier)
 
     def can_hold_copies(self, t: int) -> bool:
         return isinstance(self._tiers[t], MemoryTier)
@@ -620,7 +697,7 @@ class Engine:
         """With a future-seeing eviction policy (MIN), a prefetch that needs room must not evict
         a key needed before the one it fetches."""
         next_use = getattr(self.prefetch_policy, "next_use", None)
-        furthest = getattr(self._policies[t], "furthest_next_use", None)
+        furthest = getattr(self.policies[t], "furthest_next_use", None)
         if next_use is None or furthest is None or self._tiers[t].free >= entry.meta.nbytes:
             return False
         return bool(furthest() < next_use(entry.key))
@@ -634,19 +711,19 @@ class Engine:
             self.trace.record("prefetch", entry.key, entry.meta.nbytes, t, None)
 
     def own(self, task: asyncio.Task[Any]) -> None:
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
 
     # -- helpers ---------------------------------------------------------------------------------
 
     @property
-    def _disk(self) -> DiskTier:
-        tier = self._tiers[self._disk_index] if self._disk_index is not None else None
+    def disk(self) -> DiskTier:
+        tier = self._tiers[self.disk_index] if self.disk_index is not None else None
         if not isinstance(tier, DiskTier):
             raise UnknownTierError("this store has no disk tier")
         return tier
 
-    def _index(self, ref: TierRef) -> int:
+    def index_of(self, ref: TierRef) -> int:
         if ref is None:
             return 0
         if isinstance(ref, Tier):
@@ -662,22 +739,22 @@ class Engine:
             raise UnknownTierError(f"tier index {ref} is out of range (the store has {len(self._tiers)} tiers)")
         if isinstance(ref, str):
             try:
-                return self._names.index(ref)
+                return self.names.index(ref)
             except ValueError:
-                raise UnknownTierError(f"no tier named {ref!r}; the tiers are {self._names}") from None
+                raise UnknownTierError(f"no tier named {ref!r}; the tiers are {self.names}") from None
         raise UnknownTierError(f"tier must be a name, an index or a Tier, not {type(ref).__name__}")
 
-    def _visible(self, key: object) -> Entry:
+    def visible_entry(self, key: object) -> Entry:
         key = check_key(key)
-        entry = self._entries.get(key)
+        entry = self.entries.get(key)
         if entry is None or not entry.visible:
             raise KeyNotFoundError(f"no key {key!r} in the store")
         return entry
 
-    def _require_open(self) -> None:
+    def require_open(self) -> None:
         if not self.is_open:
             raise StoreClosedError("the store is not open: use 'async with TierStore(...)' or 'await store.open()'")
-        if self._closing:
+        if self.closing:
             raise StoreClosedError("the store is closing")
 
     async def _copy(self, dst: torch.Tensor, src: torch.Tensor, priority: Priority) -> None:
@@ -686,16 +763,16 @@ class Engine:
             if getattr(tier, "is_cuda", False):
                 stream = tier.copy_in_stream if dst.device.type == "cuda" else tier.copy_out_stream  # type: ignore[attr-defined]
                 break
-        await copy_bytes(dst, src, pool=self._cpu, stream=stream, priority=priority)
+        await copy_bytes(dst, src, pool=self.cpu, stream=stream, priority=priority)
 
     def _track(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
         """Start ``coro`` as a write that ``aclose`` waits for."""
         task = asyncio.ensure_future(coro)
-        self._writes.add(task)
-        task.add_done_callback(self._writes.discard)
+        self.writes.add(task)
+        task.add_done_callback(self.writes.discard)
         return task
 
-    async def _shielded(self, coro: Awaitable[None], copied: asyncio.Future[None] | None = None) -> None:
+    async def shielded(self, coro: Awaitable[None], copied: asyncio.Future[None] | None = None) -> None:
         """Run ``coro`` to completion even if the caller is cancelled (it changes durable state).
 
         A cancelled caller gets control back only once ``copied`` is resolved (the write no
@@ -710,8 +787,8 @@ class Engine:
                 await wait_uncancelled(copied)
             raise
 
-    def _count(self, t: int, hit: bool, entry: Entry) -> None:
-        counters = self.counters.tier(self._names[t])
+    def count_access(self, t: int, hit: bool, entry: Entry) -> None:
+        counters = self.counters.tier(self.names[t])
         if hit:
             counters.hits += 1
             if (entry.key, t) in self._prefetched:
@@ -721,22 +798,28 @@ class Engine:
             counters.misses += 1
 
     def _count_link(self, source: int | None, target: int, nbytes: int, seconds: float) -> None:
-        name = self._names[source] if source is not None else "caller"
-        self.counters.link(name, self._names[target]).add(nbytes, seconds)
+        name = self.names[source] if source is not None else "caller"
+        self.counters.link(name, self.names[target]).add(nbytes, seconds)
         if self.on_transfer is not None:
             end = time.perf_counter()
-            self.on_transfer(f"{name}->{self._names[target]}", nbytes, end - seconds, end)
+            self.on_transfer(f"{name}->{self.names[target]}", nbytes, end - seconds, end)
 
-    def _observe(self, op: str, key: str, nbytes: int, t: int | None, hit: bool | None, before: int | None = None) -> None:
+    def observe(self, op: str, key: str, nbytes: int, t: int | None, hit: bool | None, before: int | None = None) -> None:
         if self.trace is not None:
             if before is None and op in ("get", "hold"):
-                entry = self._entries.get(key)
+                entry = self.entries.get(key)
                 valid = entry.valid_tiers() if entry is not None else []
                 before = valid[0] if valid else None
             self.trace.record(op, key, nbytes, t, hit, before)
-        if op in ("get", "hold", "put") and t is not None and self._issuer is not None:
-            self.prefetch_policy.on_access(key, nbytes, self._names[t], bool(hit))
-            self._issuer.follow(self.prefetch_policy.suggest(), t)
+        if op in ("get", "hold", "put") and t is not None and self.issuer is not None:
+            self.prefetch_policy.on_access(key, nbytes, self.names[t], bool(hit))
+            self.issuer.follow(self.prefetch_policy.suggest(), t)
+
+
+def _raise_failed(tier: Tier, task: asyncio.Task[None]) -> None:
+    """Raise ``TierFullError`` if the demotion ``task`` ended with an error."""
+    if task.done() and not task.cancelled() and task.exception() is not None:
+        raise TierFullError(f"cannot make room on tier {tier.name!r}: {task.exception()}") from task.exception()
 
 
 def _check_tiers(tiers: Sequence[Tier]) -> list[Tier]:

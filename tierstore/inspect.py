@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .disk.catalog import Catalog, DiskRecord
 from .disk.extents import ExtentAllocator
-from .disk.files import segment_name
-from .errors import CatalogError
+from .disk.files import checksum, segment_name
+from .errors import CatalogError, ChecksumError
+from .keys import is_reserved
+from .namespaces import INDEX_KEY
 from .units import format_bytes
 
 
@@ -34,6 +39,8 @@ def describe_folder(root: str | Path) -> dict[str, Any]:
         catalog.close()
     records.sort(key=lambda r: r.key)
     problems, damaged = _health(root, layout.segments, records)
+    namespaces = _namespaces(root, layout.chunk_size, [r for r in records if r.key not in damaged])
+    records = [r for r in records if not is_reserved(r.key)]
     reserved = sum(layout.segments)
     used = sum(r.extent.length for r in records)
     disk = shutil.disk_usage(root)
@@ -52,6 +59,7 @@ def describe_folder(root: str | Path) -> dict[str, Any]:
         "problems": problems,
         "damaged_keys": damaged,
         "dtypes": dict(Counter(str(r.meta.dtype).removeprefix("torch.") for r in records)),
+        "namespaces": namespaces,
         "keys": [
             {
                 "key": r.key,
@@ -79,6 +87,12 @@ def format_description(info: dict[str, Any], limit: int | None = 40) -> str:
         lines.extend(f"    {problem}" for problem in info["problems"])
     if info["dtypes"]:
         lines.append("  dtypes: " + ", ".join(f"{name} x{n}" for name, n in sorted(info["dtypes"].items())))
+    if info.get("namespaces"):
+        lines.append("")
+        lines.append(f"  {'namespace':<24} {'owner':<20} {'kind':<6} {'keys':>6} {'size':>10}")
+        for ns in info["namespaces"]:
+            kind = "auto" if ns["auto"] else "named"
+            lines.append(f"  {ns['name']!r:<24} {ns['owner']:<20} {kind:<6} {ns['keys']:>6} {format_bytes(ns['nbytes']):>10}")
     keys = info["keys"] if limit is None else info["keys"][:limit]
     if keys:
         width = min(60, max(len(repr(k["key"])) for k in keys))
@@ -129,3 +143,30 @@ def _health(root: Path, segments: tuple[int, ...], records: list[DiskRecord]) ->
     except ValueError as exc:
         problems.append(f"the catalog's extents are inconsistent: {exc}")
     return problems, sorted(key for keys in damaged.values() for key in keys)
+
+
+def _namespaces(root: Path, chunk_size: int, records: list[DiskRecord]) -> list[dict[str, Any]]:
+    """The namespaces recorded in the folder (``tierstore.namespaces``) with their keys and bytes,
+    read from the index record's bytes (checksums verified) without opening the tier."""
+    index = next((r for r in records if r.key == INDEX_KEY), None)
+    if index is None:
+        return []
+    segment = root / "data" / f"segment-{index.extent.segment:06d}.bin"
+    with open(segment, "rb") as handle:
+        handle.seek(index.extent.offset)
+        raw = handle.read(index.meta.nbytes)
+    starts = range(0, max(len(raw), 1), chunk_size)
+    if len(raw) != index.meta.nbytes or any(
+        checksum(np.frombuffer(raw[start : start + chunk_size], dtype=np.uint8)) != expected
+        for start, expected in zip(starts, index.checksums, strict=True)
+    ):
+        raise ChecksumError(f"the namespace index in {segment.name} is truncated or fails its checksum")
+    document = json.loads(raw.decode("utf-8"))
+    listed = []
+    for name, record in sorted(document["namespaces"].items()):
+        inside = [r for r in records if r.key.startswith(name) and not is_reserved(r.key)]
+        listed.append({
+            "name": name, "owner": record["owner"], "auto": record["auto"], "created": record["created"],
+            "pid": record["pid"], "keys": len(inside), "nbytes": sum(r.meta.nbytes for r in inside),
+        })
+    return listed

@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from . import holds
 from .namespaces import Namespace
 from .prefetching import PrefetchHandle, PrefetchResult
 from .store import TierRef, TierStore
@@ -283,14 +284,20 @@ class SyncTierStore:
 
     @contextmanager
     def hold(self, key: str, tier: TierRef = None, write: bool = False) -> Iterator[torch.Tensor]:
-        manager = self.store.hold(key, tier, write)
+        # This thread is the holder: calls it makes inside the hold carry the mark to the loop,
+        # so a read of the key raises there instead of waiting for this very hold.
+        token = holds.new_token()
+        manager = self.store._hold(key, tier, write, token, mark=False)
         tensor = run(manager.__aenter__())
+        holds.enter(token)
         try:
             yield tensor
         except BaseException:
+            holds.leave(token)
             if not run(manager.__aexit__(*sys.exc_info())):
                 raise
         else:
+            holds.leave(token)
             run(manager.__aexit__(None, None, None))
 
     def prefetch(self, keys: Iterable[str], tier: TierRef = None) -> SyncPrefetch:

@@ -61,7 +61,7 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def raw_bytes(store: TierStore, key: str, tier: int) -> bytes:
     """The bytes of ``key`` as they lie on tier ``tier``, read past the store's read path."""
-    entry = store._entries[key]
+    entry = store._engine.entries[key]
     copy = entry.copies[tier]
     nbytes = entry.meta.nbytes
     if copy.buffer is not None:
@@ -132,7 +132,7 @@ class TierTests:
     async def test_value_lands_on_a_tier_as_written(self, store: TierStore) -> None:
         value = sample(torch.float32, (257,), seed=3)
         await store.put("raw", value)
-        entry = store._entries["raw"]
+        entry = store._engine.entries["raw"]
         for tier in entry.valid_tiers():
             assert raw_bytes(store, "raw", tier) == as_bytes(value).numpy().tobytes()
 
@@ -263,7 +263,7 @@ def check_consistency(store: TierStore) -> None:
     from .tiers import MemoryTier
 
     for index, tier in enumerate(store.tiers):
-        copies = [e.copies[index] for e in store._entries.values() if index in e.copies]
+        copies = [e.copies[index] for e in store._engine.entries.values() if index in e.copies]
         assert tier.used <= tier.capacity, f"{tier.name}: {tier.used} used > {tier.capacity} capacity"
         held = sum(c.nbytes for c in copies)
         if isinstance(tier, MemoryTier):
@@ -272,18 +272,18 @@ def check_consistency(store: TierStore) -> None:
             assert tier.used == held, f"{tier.name}: accounting {tier.used} != extents {held}"
         for copy in copies:
             assert copy.users == 0 and copy.holds == 0 and not copy.retired
-        policy = store._policies[index]
+        policy = store._engine.policies[index]
         if policy is not None and hasattr(policy, "__len__"):
-            evictable = [e.key for e in store._entries.values() if index in e.copies and e.copies[index].in_policy]
+            evictable = [e.key for e in store._engine.entries.values() if index in e.copies and e.copies[index].in_policy]
             tracked = len(policy)  # type: ignore[arg-type]
             assert tracked == len(evictable), f"{tier.name}: policy tracks {tracked}, {len(evictable)} evictable"
-    for entry in store._entries.values():
+    for entry in store._engine.entries.values():
         assert entry.visible and entry.valid_tiers(), f"{entry.key!r} has no valid copy"
         assert not entry.loading
         for index, copy in entry.copies.items():
             if isinstance(store.tiers[index], MemoryTier):
                 assert copy.version == entry.version, f"{entry.key!r} keeps a stale copy on {store.tiers[index].name}"
-                assert copy.in_policy == (store._policies[index] is not None)
+                assert copy.in_policy == (store._engine.policies[index] is not None)
 
 
 async def settle(store: TierStore, timeout: float = 10.0) -> None:
@@ -292,11 +292,12 @@ async def settle(store: TierStore, timeout: float = 10.0) -> None:
     deadline = loop.time() + timeout
     while True:
         busy = (
-            [t for t in store._background if not t.done()]
-            + [t for tasks in store._demotions for t in tasks if not t.done()]
-            + [f for e in store._entries.values() for f in e.loading.values()]
+            [t for t in store._engine.background if not t.done()]
+            + [t for t in store._engine.writes if not t.done()]
+            + [t for tasks in store._engine.demotions for t in tasks if not t.done()]
+            + [f for e in store._engine.entries.values() for f in e.loading.values()]
         )
-        if not busy and not any(c.users for e in store._entries.values() for c in e.copies.values()):
+        if not busy and not any(c.users for e in store._engine.entries.values() for c in e.copies.values()):
             return
         if loop.time() > deadline:
             raise TimeoutError(f"store still busy after {timeout}s: {busy[:5]}")

@@ -229,7 +229,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         if not isinstance(tier, MemoryTier) or not self._slots:
             return self.bucket_bytes or (64 << 20), self.max_inflight
         needs = [self._need(slot, tier) for slot in self._slots]
-        grads = [tier.allocation_size(slot.numel * slot.param.element_size()) * (slot.param.device.type != "cpu") for slot in self._slots]
+        grads = [tier.value_size(slot.numel * slot.param.element_size()) * (slot.param.device.type != "cpu") for slot in self._slots]
         largest = max(needs)
         room = tier.capacity * 9 // 10 - max(grads)  # a tenth left for arrivals and state being created
         if largest > room:
@@ -254,8 +254,8 @@ class PagedOptimizer(torch.optim.Optimizer):
     def _need(self, slot: ParamSlot, tier: MemoryTier) -> int:
         """Bytes an update of ``slot`` holds on the state tier (state and, for a parameter on a
         device, its gradient)."""
-        grad = tier.allocation_size(slot.numel * slot.param.element_size()) if slot.param.device.type != "cpu" else 0
-        return grad + (tier.allocation_size(self._state_bytes(slot)) if slot.paged else 0)
+        grad = tier.value_size(slot.numel * slot.param.element_size()) if slot.param.device.type != "cpu" else 0
+        return grad + (tier.value_size(self._state_bytes(slot)) if slot.paged else 0)
 
     # -- construction --------------------------------------------------------------------------
 
@@ -285,7 +285,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             raise TypeError(f"store must be a TierStore or SyncTierStore, not {type(store).__name__}")
         if not store.is_open:
             run(store.open())
-        elif store._loop is not self._loop:
+        elif store.loop is not self._loop:
             raise ValueError("the store was opened on another event loop; open it through tierstore.SyncTierStore or pass it unopened")
         if self.state_tier not in [tier.name for tier in store.tiers] or not isinstance(store.tier(self.state_tier), MemoryTier):
             raise ValueError(f"state_tier {self.state_tier!r} must name a memory tier of the store ({[t.name for t in store.tiers]})")

@@ -279,7 +279,7 @@ class _StoreModel:
 
     def _put(self, key: str, nbytes: int, t: int) -> None:
         if t != self.disk:
-            self._make_room(t, self.rooms[t].needed(nbytes))
+            self._make_room(t, nbytes)
             taken = self.rooms[t].take(nbytes)
         self._drop_memory(key)
         self.nbytes[key] = nbytes
@@ -312,7 +312,7 @@ class _StoreModel:
             return  # read uncached
         self.in_use.add((key, source))
         try:
-            self._make_room(t, needed)
+            self._make_room(t, nbytes)
         finally:
             self.in_use.discard((key, source))
         taken = self.rooms[t].take(nbytes)
@@ -344,11 +344,13 @@ class _StoreModel:
                 if policy is not None:
                     policy.on_remove(key)
 
-    def _make_room(self, t: int, needed: int) -> None:
+    def _make_room(self, t: int, nbytes: int) -> None:
+        """Evict from tier ``t`` until a value of ``nbytes`` can be allocated; what that takes is
+        asked again after each round (a freed slot of the value's slab class is room enough)."""
         room, policy = self.rooms[t], self.policies[t]
-        if needed > room.capacity:
-            raise TierFullError(f"{needed} bytes is more than tier {self.names[t]!r} holds ({room.capacity})")
-        while room.free() < needed:
+        if room.needed(nbytes) > room.capacity:
+            raise TierFullError(f"{room.needed(nbytes)} bytes is more than tier {self.names[t]!r} holds ({room.capacity})")
+        while room.free() < (needed := room.needed(nbytes)):
             shortfall = needed - room.free()
             chosen: list[str] = []
             while shortfall > 0:
@@ -373,7 +375,7 @@ class _StoreModel:
                 nbytes = self.nbytes[key]
                 self.in_use.add((key, t))
                 try:
-                    self._make_room(below, self.rooms[below].needed(nbytes))
+                    self._make_room(below, nbytes)
                 finally:
                     self.in_use.discard((key, t))
                 taken = self.rooms[below].take(nbytes)

@@ -281,9 +281,7 @@ class ParameterOffload:
 
 def _start_prefetch(store: TierStore, keys: list[str], tier: str) -> None:
     """On the loop: prefetch those of ``keys`` that exist and are not on ``tier`` already."""
-    t = store._index(tier)
-    wanted = [key for key in keys if (entry := store._entries.get(key)) is not None and entry.visible
-              and entry.valid(t) is None and t not in entry.loading]
+    wanted = [key for key in keys if key in store and tier not in store.where(key)]
     if wanted:
         asyncio.ensure_future(store.prefetch(wanted, tier))
 
