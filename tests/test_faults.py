@@ -70,7 +70,7 @@ def test_sigkill_at_random_moments_loses_nothing_acknowledged(tmp_path: Path) ->
 async def test_a_flipped_byte_is_caught_and_the_rest_is_fine(tmp_path: Path) -> None:
     values = await fill(tmp_path / "d")
     async with TierStore([disk(tmp_path / "d")]) as store:
-        extent = store._entries["k3"].copies[0].extent
+        extent = store.tier("disk").committed()["k3"].extent
         segment = store.tiers[0].segment_path(extent.segment)  # type: ignore[attr-defined]
     with open(segment, "r+b") as handle:
         handle.seek(extent.offset + 12_345)

@@ -322,3 +322,16 @@ def test_sync_facade_write_hold_raises_in_its_own_thread_and_blocks_others() -> 
             buffer.fill_(2.0)
         reader.join(10)
         assert torch.equal(seen[0], value(2))
+
+
+async def test_a_store_collected_while_open_releases_its_folder(tmp_path: Path) -> None:
+    """Re-running a notebook cell: the first store was never closed, the second opens anyway."""
+    store = TierStore([HostTier("1MiB"), DiskTier(tmp_path / "d", "16MiB")])
+    await store.open()
+    await store.put("k", value(1), durable=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        del store
+        gc.collect()
+    async with TierStore([HostTier("1MiB"), DiskTier(tmp_path / "d", "16MiB")]) as again:
+        assert torch.equal(await again.get("k"), value(1))

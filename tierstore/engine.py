@@ -488,6 +488,10 @@ class Engine:
             raise TierFullError(
                 f"{format_bytes(nbytes)} is more than tier {tier.name!r} holds ({format_bytes(tier.capacity)})"
             )
+        while tier.free < tier.allocation_size(nbytes):  # checked last with no await before allocate
+            await self._evict_for(tier, t, nbytes, priority)
+
+    async def _evict_for(self, tier: MemoryTier, t: int, nbytes: int, priority: Priority) -> None:
         one_at_a_time = t + 1 < len(self._tiers) and isinstance(self._tiers[t + 1], MemoryTier)
         mine: list[asyncio.Task[None]] = []
         try:
@@ -501,17 +505,22 @@ class Engine:
                     self.use(*victim)
                     deficit -= victim[1].nbytes
                     batch.append(victim)
+                started: list[asyncio.Task[None]] = []
                 for entry, copy in batch:
-                    task = self._start_demotion(entry, t, copy, priority)
-                    mine.append(task)
+                    started.append(self._start_demotion(entry, t, copy, priority))
                     if one_at_a_time:
-                        await asyncio.wait([task])
+                        await asyncio.wait(started[-1:])
+                mine += started
+                if started:  # the whole batch goes before room is asked again (as the replay)
+                    await asyncio.wait(started)
                 for task in mine:
                     _raise_failed(tier, task)
+                if batch:
+                    continue  # (evicting packed values frees room only when a slab empties)
                 pending = self.demotions[t] | self._incoming[t]  # both end with room or a victim
                 if not pending:
-                    if batch or tier.free >= tier.allocation_size(nbytes):
-                        continue  # (evicting packed values frees room only when a slab empties)
+                    if tier.free >= tier.allocation_size(nbytes):
+                        continue
                     held = sum(c.nbytes for e in self.entries.values() if (c := e.copies.get(t)) is not None and c.users)
                     raise TierFullError(
                         f"tier {tier.name!r} cannot make room for {format_bytes(nbytes)}: {format_bytes(tier.free)} free, "
@@ -519,7 +528,7 @@ class Engine:
                     )
                 await asyncio.wait(list(pending), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            if mine:
+            if any(not task.done() for task in mine):
                 await asyncio.wait(mine)  # (they run on even if the request is cancelled)
         for task in mine:
             _raise_failed(tier, task)

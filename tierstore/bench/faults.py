@@ -55,7 +55,7 @@ async def corruption_rounds(folder: Path, rounds: int) -> dict[str, Any]:
     for _ in range(rounds):
         async with TierStore([DiskTier(root, "256MiB", chunk_size="64KiB")]) as store:
             victim = rng.choice(sorted(values))
-            extent = store._entries[victim].copies[0].extent
+            extent = store.tier("disk").committed()[victim].extent  # type: ignore[attr-defined]
             if extent is None:
                 raise RuntimeError(f"{victim!r} has no extent on disk")
             where = extent.offset + rng.randrange(values[victim].numel())

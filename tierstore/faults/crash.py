@@ -161,7 +161,7 @@ async def check(root: Path, log: Path) -> CheckResult:
             if expect.pending:
                 result.in_flight_resolved += 1
                 resolutions.append(f"R {'put' if actual is not None else 'del'} {key}" + (f" {actual}" if actual is not None else ""))
-        live = sum(copy.extent.length for entry in store._entries.values() if (copy := entry.copies[0]).extent is not None)
+        live = sum(record.extent.length for record in disk.committed().values())
         if disk.used != live:
             result.errors.append(f"space accounting: {disk.used} bytes used, live extents hold {live}")
         if disk.used + disk._allocator.free_bytes != disk.reserved:

@@ -477,6 +477,12 @@ class DiskTier(Tier):
         with self.io.catalog_commit(changes, None):
             await self._require_catalog().commit(changes)
 
+    def committed(self) -> dict[str, DiskRecord]:
+        """The records in the catalog now, by key: where each committed value lies on disk (for
+        tools and fault tests; reads the catalog, moves nothing)."""
+        self._require_open()
+        return {record.key: record for _, record in self._require_catalog().records()}
+
     def read_raw(self, extent: Extent, length: int) -> bytes:
         """The bytes of an extent as they lie in the file (for tools and tests)."""
         return self._require_open().read_raw(extent.segment, extent.offset, length)
