@@ -325,57 +325,45 @@ class Engine:
         version, skipped if it is no longer current. Must run to completion (callers shield it).
         ``copied`` is resolved once ``src`` is no longer read (its bytes are on the disk)."""
         try:
-            await self._write_disk_inner(entry, src, meta, version, priority, source_tier, copied)
+            disk = self.disk
+            d = self._tiers.index(disk)
+            while True:
+                if version is None:
+                    entry = self._live_entry(entry, meta)
+                async with entry.disk_lock:
+                    if self.entries.get(entry.key) is not entry:
+                        if version is None:
+                            continue  # deleted while we waited: write to the new entry
+                        return
+                    if version is not None and entry.version != version:
+                        return
+                    extent = await disk.allocate(meta.nbytes)
+                    started = time.perf_counter()
+                    try:
+                        checksums = await disk.write(extent, src, meta.nbytes, priority)
+                        if copied is not None and not copied.done():
+                            copied.set_result(None)
+                        if version is not None and (entry.version != version or self.entries.get(entry.key) is not entry):
+                            disk.release(extent)
+                            return
+                        record_version = version if version is not None else next(self.versions)
+                        record = DiskRecord(entry.key, meta, extent, record_version, checksums)
+                        await disk.commit([(entry.key, record)])
+                    except BaseException:
+                        disk.release(extent)
+                        raise
+                    self._count_link(source_tier, d, meta.nbytes, time.perf_counter() - started)
+                    new = Copy(d, record_version, extent=extent, checksums=checksums)
+                    old = entry.copies.get(d)
+                    if old is not None:
+                        self.retire(entry, d, old)
+                    entry.copies[d] = new
+                    if version is None:
+                        self.new_version(entry, keep=new, meta=meta, version=record_version)
+                    return
         finally:
             if copied is not None and not copied.done():
                 copied.set_result(None)
-
-    async def _write_disk_inner(
-        self,
-        entry: Entry,
-        src: torch.Tensor,
-        meta: TensorMeta,
-        version: int | None,
-        priority: Priority,
-        source_tier: int | None,
-        copied: asyncio.Future[None] | None,
-    ) -> None:
-        disk = self.disk
-        d = self._tiers.index(disk)
-        while True:
-            if version is None:
-                entry = self._live_entry(entry, meta)
-            async with entry.disk_lock:
-                if self.entries.get(entry.key) is not entry:
-                    if version is None:
-                        continue  # deleted while we waited: write to the new entry
-                    return
-                if version is not None and entry.version != version:
-                    return
-                extent = await disk.allocate(meta.nbytes)
-                started = time.perf_counter()
-                try:
-                    checksums = await disk.write(extent, src, meta.nbytes, priority)
-                    if copied is not None and not copied.done():
-                        copied.set_result(None)
-                    if version is not None and (entry.version != version or self.entries.get(entry.key) is not entry):
-                        disk.release(extent)
-                        return
-                    record_version = version if version is not None else next(self.versions)
-                    record = DiskRecord(entry.key, meta, extent, record_version, checksums)
-                    await disk.commit([(entry.key, record)])
-                except BaseException:
-                    disk.release(extent)
-                    raise
-                self._count_link(source_tier, d, meta.nbytes, time.perf_counter() - started)
-                new = Copy(d, record_version, extent=extent, checksums=checksums)
-                old = entry.copies.get(d)
-                if old is not None:
-                    self.retire(entry, d, old)
-                entry.copies[d] = new
-                if version is None:
-                    self.new_version(entry, keep=new, meta=meta, version=record_version)
-                return
 
     async def flush_all(self) -> None:
         """Write every entry whose current value is not on the disk tier down to it, and commit

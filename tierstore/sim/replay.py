@@ -47,6 +47,7 @@ import numpy as np
 from ..errors import TierFullError, TraceError, UnknownTierError
 from ..tensors import storage_nbytes
 from ..tiers.base import MemoryTier
+from .simulator import make_eviction_policy
 
 #: The rows a replay takes as requests; the others (prefetch, evict) are skipped.
 REQUESTS = ("get", "put", "delete", "hold")
@@ -160,32 +161,16 @@ def replay_store_trace(
             raise UnknownTierError(f"accounting tiers of {[t.capacity for t in accounting]} bytes for capacities {sizes}")
         rooms = [_TierRoom(tier) for tier in accounting]
     oracle = NextUse([row.key for row in rows])
-    policies = [_new_policy(eviction, oracle, capacity) for capacity in sizes[:-1]]
+    policies = [make_eviction_policy(eviction, oracle, capacity) for capacity in sizes[:-1]]
     if len(names) == len(sizes):
         policies.append(None)  # the last memory tier refuses when full
     else:
-        policies.append(_new_policy(eviction, oracle, sizes[-1]))
+        policies.append(make_eviction_policy(eviction, oracle, sizes[-1]))
     replay = _StoreModel(names, rooms, policies, ReplayResult(names))
     for position, row in enumerate(rows):
         oracle.now = position
         replay.apply(row)
     return replay.result
-
-
-def _new_policy(eviction: str | Callable[[], Any], oracle: NextUse, capacity: int) -> Any:
-    from policies import EVICTION, MIN
-
-    if callable(eviction) and not isinstance(eviction, str):
-        policy = eviction()
-    elif eviction == "min":
-        policy = MIN(oracle)
-    elif eviction in EVICTION:
-        policy = EVICTION[eviction]()
-    else:
-        raise ValueError(f"unknown eviction policy {eviction!r}; choose from {sorted(EVICTION) + ['min']}")
-    if hasattr(policy, "set_capacity"):
-        policy.set_capacity(capacity)
-    return policy
 
 
 class _Room:

@@ -95,7 +95,7 @@ def simulate(
     them holds everything). ``eviction`` is a policy name (lru, fifo, lfu, arc, s3fifo, min) or
     a factory; ``prefetch`` a name (none, sequential, schedule) or a policy instance. ``think``
     is compute time per access in seconds (default: the trace's own gaps, else 0)."""
-    from policies import EVICTION, MIN, NoPrefetch, ScheduleLearned, Sequential
+    from policies import NoPrefetch, ScheduleLearned, Sequential
 
     if not capacities:
         raise ValueError("give at least one tier capacity, e.g. {'host': 2 << 30}")
@@ -103,22 +103,9 @@ def simulate(
     oracle = _Oracle(trace)
     eviction_name = eviction if isinstance(eviction, str) else getattr(eviction, "name", getattr(eviction, "__name__", "custom"))
 
-    def new_policy() -> Any:
-        if callable(eviction) and not isinstance(eviction, str):
-            policy = eviction()
-        elif eviction == "min":
-            policy = MIN(oracle)
-        elif eviction in EVICTION:
-            policy = EVICTION[eviction]()
-        else:
-            raise ValueError(f"unknown eviction policy {eviction!r}; choose from {sorted(EVICTION) + ['min']}")
-        if hasattr(policy, "set_capacity"):
-            policy.set_capacity(capacity)
-        return policy
-
     tiers = []
     for name, capacity in capacities.items():
-        tiers.append(_Tier(name, int(capacity), new_policy()))
+        tiers.append(_Tier(name, int(capacity), make_eviction_policy(eviction, oracle, capacity)))
     if isinstance(prefetch, str):
         known = {"none": NoPrefetch, "sequential": Sequential, "schedule": ScheduleLearned}
         if prefetch not in known:
@@ -139,6 +126,24 @@ def simulate(
         _Replay(trace, tiers, prefetcher, oracle, links, result, think).run()
     result.sim_seconds = time.perf_counter() - started
     return result
+
+
+def make_eviction_policy(eviction: str | Callable[[], Any], oracle: Callable[[Any], float], capacity: int) -> Any:
+    """An eviction policy from a name (lru, fifo, lfu, arc, s3fifo, min) or a factory, sized for
+    ``capacity``; ``min`` sees the future through ``oracle``."""
+    from policies import EVICTION, MIN
+
+    if callable(eviction) and not isinstance(eviction, str):
+        policy = eviction()
+    elif eviction == "min":
+        policy = MIN(oracle)
+    elif eviction in EVICTION:
+        policy = EVICTION[eviction]()
+    else:
+        raise ValueError(f"unknown eviction policy {eviction!r}; choose from {sorted(EVICTION) + ['min']}")
+    if hasattr(policy, "set_capacity"):
+        policy.set_capacity(capacity)
+    return policy
 
 
 def _run_single(trace: Trace, tier: _Tier, oracle: _Oracle, links: LinkModel, result: SimResult, think: float | None) -> None:
