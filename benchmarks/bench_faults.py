@@ -1,6 +1,6 @@
 """Long variants of the reliability tests, with a table (see tierstore/bench/faults.py).
 
-Reproduce:  python benchmarks/bench_faults.py [--quick] [--kills N] [--corruptions N] [--examples N]
+Reproduce:  python benchmarks/bench_faults.py [--quick] [--kills N] [--corruptions N] [--examples N] [--power-cuts N]
             [--power-cuts N]
 """
 

@@ -3,14 +3,20 @@
 Reproduce:  python benchmarks/bench_faults.py [--quick] [--kills N] [--corruptions N]
             [--full-disk-rounds N] [--examples N] [--power-cuts N] [--json FILE]
 
+The full run (no options: 1,000 kill points, 1,000 power-cut states and the mutation, 100
+corruptions, 10 fills, 10,000 state-machine examples) takes about 10-15 minutes on 2 cores and
+prints one table, each phase with its "lost or wrong" count and seconds.
+
 - kill points: a writer doing random durable puts, overwrites and deletes is SIGKILLed at random
   moments; after each kill every acknowledged operation is checked (tierstore.faults.crash);
 - corruptions: one byte flipped inside a random stored value, then every value read back; a
   flipped value must raise ChecksumError, every other must read back exactly;
 - full disk: the file system fills (RLIMIT_FSIZE) under a put loop; each DiskFullError must leave
   earlier values intact, and space freed by deletes must be reused;
-- hypothesis: the state machine of tests/test_state_machine.py, interleaving async operations,
-  holds, prefetches and cancellations on tiny tiers;
+- hypothesis: the state machine of tests/test_state_machine.py against a dict model on tiny
+  tiers: puts (durable, cancelled, concurrent), gets to every tier, holds (read and write, open
+  across steps while other tasks wait), flush, close and reopen; the examples counted include
+  any a failure's shrinking ran;
 - power cuts: a workload's data writes, syncs and catalog commits are recorded, and the states a
   power cut could leave (unsynced writes dropped, torn or reordered; commits under way in or
   out) are rebuilt, reopened and checked against the acknowledgement log
@@ -29,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -104,25 +111,42 @@ def full_disk_rounds(folder: Path, rounds: int) -> dict[str, Any]:
     return {"rounds": rounds, "events": events, "survived": survived, "wrong": wrong}
 
 
+#: Seconds a kill-point writer runs before SIGKILL (uniform). Short: the writer reopens the
+#: store the last one left, so early kills land in recovery and in the first puts as well.
+KILL_DELAY = (0.005, 0.15)
+
+
 def hypothesis_examples(examples: int) -> dict[str, Any]:
+    """Run the state machine of tests/test_state_machine.py for ``examples`` examples (its
+    ``STEPS`` steps each); count the examples and steps that ran."""
     tests = Path(__file__).resolve().parents[2] / "tests"
     if not (tests / "test_state_machine.py").exists():
-        return {"examples": 0, "failures": 0, "note": "tests/ not found (run from a checkout)"}
+        raise FileNotFoundError(f"{tests / 'test_state_machine.py'} not found: run the benchmark from a checkout")
     sys.path.insert(0, str(tests))
     from hypothesis import HealthCheck, settings
     from hypothesis.stateful import run_state_machine_as_test
-    from test_state_machine import StoreMachine
+    from test_state_machine import STEPS, StoreMachine
 
-    failures = 0
+    ran = {"examples": 0, "steps": 0}
+
+    class Counted(StoreMachine):
+        def teardown(self) -> None:
+            ran["examples"] += 1
+            ran["steps"] += max(self.steps - 1, 0)  # the invariants also run once before any step
+            super().teardown()
+
+    failure = ""
     try:
         run_state_machine_as_test(
-            StoreMachine,
-            settings=settings(max_examples=examples, stateful_step_count=50, deadline=None, suppress_health_check=list(HealthCheck)),
+            Counted,
+            settings=settings(
+                max_examples=examples, stateful_step_count=STEPS, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+            ),
         )
-    except Exception as exc:  # reported in the table; the traceback names the failing steps
-        failures = 1
-        print(exc, file=sys.stderr)
-    return {"examples": examples, "failures": failures}
+    except AssertionError as exc:  # the machine's report (failing steps) goes to the table's notes
+        failure = str(exc)
+        traceback.print_exc()
+    return {**ran, "failures": 1 if failure else 0, "failure": failure[-4000:]}
 
 
 def power_cut_rounds(folder: Path, states: int) -> tuple[PowerCutReport, PowerCutReport]:
@@ -146,48 +170,68 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=None, help="scratch folder (default: a temporary one)")
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/bench_faults.json"))
     args = parser.parse_args(argv)
-    kills = args.kills or (30 if args.quick else 200)
+    kills = args.kills or (30 if args.quick else 1000)
     corruptions = args.corruptions or (10 if args.quick else 100)
     full_rounds = args.full_disk_rounds or (3 if args.quick else 10)
-    examples = args.examples or (50 if args.quick else 500)
+    examples = args.examples or (100 if args.quick else 10_000)
     cut_states = args.power_cuts or (150 if args.quick else 1000)
     folder = args.dir or Path(tempfile.mkdtemp(prefix="tierstore-faults-"))
     folder.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
+    seconds: dict[str, float] = {}
+
+    def phase(name: str, what: str) -> None:
+        seconds[name] = time.perf_counter()
+        print(f"{what} ...", flush=True)
+
+    def done(name: str) -> None:
+        seconds[name] = time.perf_counter() - seconds[name]
+
     try:
-        print(f"kill points: {kills} ...", flush=True)
-        crash = kill_cycles(folder / "crash", kills, seed=11)
-        print(f"corruptions: {corruptions} ...", flush=True)
-        corrupt = asyncio.run(corruption_rounds(folder, corruptions))
-        print(f"full disk rounds: {full_rounds} ...", flush=True)
-        full = full_disk_rounds(folder, full_rounds)
-        print(f"hypothesis examples: {examples} ...", flush=True)
-        machine = hypothesis_examples(examples)
-        print(f"power-cut states: {cut_states} (and the mutation) ...", flush=True)
+        phase("kills", f"kill points: {kills}")
+        crash = kill_cycles(folder / "crash", kills, seed=11, min_delay=KILL_DELAY[0], max_delay=KILL_DELAY[1])
+        done("kills")
+        phase("power", f"power-cut states: {cut_states} (and the mutation)")
         cuts, mutation = power_cut_rounds(folder, cut_states)
+        done("power")
+        phase("corrupt", f"corruptions: {corruptions}")
+        corrupt = asyncio.run(corruption_rounds(folder, corruptions))
+        done("corrupt")
+        phase("full", f"full disk rounds: {full_rounds}")
+        full = full_disk_rounds(folder, full_rounds)
+        done("full")
+        phase("machine", f"hypothesis examples: {examples}")
+        machine = hypothesis_examples(examples)
+        done("machine")
     finally:
         if args.dir is None:
             shutil.rmtree(folder, ignore_errors=True)
-    rows = [
-        {"fault": "SIGKILL at random moments", "tried": f"{crash.kills} kill points", "checked": f"{crash.acknowledged_ops} acknowledged ops, {crash.in_flight_resolved} in flight", "lost_or_wrong": len(crash.errors)},
-        {"fault": "flipped byte in a data file", "tried": f"{corrupt['injected']} corruptions", "checked": f"{corrupt['caught']} caught by checksum", "lost_or_wrong": corrupt["wrong"] + corrupt["injected"] - corrupt["caught"]},
-        {"fault": "file system full (ENOSPC/EFBIG)", "tried": f"{full['rounds']} fills", "checked": f"{full['survived']} of {full['events']} events survived", "lost_or_wrong": full["wrong"]},
-        {"fault": "interleaved ops + cancellations", "tried": f"{machine['examples']} hypothesis examples", "checked": "invariants after every step", "lost_or_wrong": machine["failures"]},
-        {"fault": "power cut (ALICE-style states)", "tried": f"{cuts.states} states at {cuts.cut_points} cut points",
-         "checked": f"{cuts.acknowledged} acknowledged ops, {cuts.flushes_under_way} in a flush", "lost_or_wrong": cuts.failures},
-    ]
     detected = mutation.lost > 0
+    rows = [
+        {"fault": "SIGKILL at random moments", "tried": f"{crash.kills} kill points",
+         "checked": f"{crash.acknowledged_ops} acknowledged ops, {crash.in_flight_resolved} in flight", "lost_or_wrong": len(crash.errors),
+         "seconds": seconds["kills"]},
+        {"fault": "power cut (ALICE-style states)", "tried": f"{cuts.states} states at {cuts.cut_points} cut points",
+         "checked": f"{cuts.acknowledged} acknowledged ops, {cuts.flushes_under_way} in a flush; mutation (no fdatasync): "
+                    f"{mutation.lost} lost in {mutation.states} states, {'detected' if detected else 'NOT DETECTED'}",
+         "lost_or_wrong": cuts.failures, "seconds": seconds["power"]},
+        {"fault": "flipped byte in a data file", "tried": f"{corrupt['injected']} corruptions", "checked": f"{corrupt['caught']} caught by checksum",
+         "lost_or_wrong": corrupt["wrong"] + corrupt["injected"] - corrupt["caught"], "seconds": seconds["corrupt"]},
+        {"fault": "file system full (ENOSPC/EFBIG)", "tried": f"{full['rounds']} fills", "checked": f"{full['survived']} of {full['events']} events survived",
+         "lost_or_wrong": full["wrong"], "seconds": seconds["full"]},
+        {"fault": "interleaved ops, holds, cancellations", "tried": f"{machine['examples']} hypothesis examples",
+         "checked": f"{machine['steps']} steps against a dict model", "lost_or_wrong": machine["failures"], "seconds": seconds["machine"]},
+    ]
     print()
-    print(table(rows, [("fault", "fault", "s"), ("tried", "tried", "s"), ("checked", "checked", "s"), ("lost_or_wrong", "lost or wrong", "d")]))
-    print(
-        f"\npower cuts: {cuts.states} states, {cuts.failures} lost/wrong | mutation (no fdatasync before commit): "
-        f"{mutation.states} states, {mutation.lost} lost -> {'detected' if detected else 'NOT DETECTED'}"
-    )
-    print(f"\n{time.perf_counter() - started:.0f} s")
+    print(table(rows, [("fault", "fault", "s"), ("tried", "tried", "s"), ("checked", "checked", "s"),
+                       ("lost_or_wrong", "lost or wrong", "d"), ("seconds", "s", ".0f")]))
+    print(f"\n{time.perf_counter() - started:.0f} s in all")
     for error in crash.errors[:5]:
         print("  crash:", error)
     for problem in cuts.problems[:5]:
         print("  power cut:", problem)
+    if machine["failure"]:
+        print("  state machine:", machine["failure"].splitlines()[0])
     power = {
         "states": cuts.states, "cut_points": cuts.cut_points, "events": cuts.events, "failures": cuts.failures,
         "lost": cuts.lost, "wrong": cuts.wrong, "torn_flushes": cuts.torn_flushes, "refused": cuts.refused,
@@ -195,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         "mutation": {"drop": "fdatasync before the catalog commit", "states": mutation.states, "lost": mutation.lost, "detected": detected},
     }
     write_json(args.json, {"benchmark": "bench_faults", "environment": environment(), "rows": rows, "crash_errors": crash.errors,
-                           "power_cuts": power})
+                           "power_cuts": power, "state_machine": machine})
     print(f"JSON: {args.json}")
     return 0 if detected and all(row["lost_or_wrong"] == 0 for row in rows) else 1
 
