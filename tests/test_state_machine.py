@@ -479,7 +479,8 @@ class StoreMachine(RuleBasedStateMachine):
                 await release.wait()
 
         task = asyncio.ensure_future(holder())
-        await asyncio.wait([entered, task], return_when=asyncio.FIRST_COMPLETED)
+        either: list[asyncio.Future[Any]] = [entered, task]
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         if not entered.done():
             if isinstance(task.exception(), TierFullError):
                 return  # everything on that tier is held: refused
