@@ -215,3 +215,56 @@ def test_mismatched_tiers_and_unknown_rows_are_refused(tmp_path: Path) -> None:
              keys=np.array(["a"]), ops=np.array(["teleport"]), tiers=np.array(["device"]))
     with pytest.raises(TraceError, match="teleport"):
         replay_store_trace(bad, [10])
+
+
+def rich_ops(seed: int, count: int) -> list[Op]:
+    """Like ``random_ops`` on three tiers, with write-through puts (``dput``), flushes and pops."""
+    rng = random.Random(seed)
+    live: dict[str, int] = {}
+    ops: list[Op] = []
+    while len(ops) < count:
+        key = f"k{rng.randrange(KEYS)}"
+        roll = rng.random()
+        if rng.random() < 0.03:
+            ops.append(("flush", "", 0, None))
+        elif key not in live or roll < 0.3:
+            nbytes = rng.choice(SIZES)
+            tier = rng.choice([None, 0, 1])
+            live[key] = nbytes
+            ops.append(("dput" if rng.random() < 0.3 else "put", key, nbytes, tier))
+        elif roll < 0.8:
+            ops.append(("get", key, live[key], rng.choice([0, 0, 1])))
+        elif roll < 0.9:
+            ops.append(("pop", key, live.pop(key), rng.choice([0, 1])))
+        else:
+            ops.append(("delete", key, live.pop(key), None))
+    return ops
+
+
+@pytest.mark.parametrize("name", ["lru", "lfu", "s3fifo"])
+async def test_replay_agrees_with_write_through_flush_and_pop(tmp_path: Path, name: str) -> None:
+    """Write-through puts and flushes make disk copies current (a later eviction writes nothing
+    back); a pop reads without caching and removes. The replay follows all three."""
+    ops = rich_ops(seed=sum(map(ord, name)), count=300)
+    path = tmp_path / "trace.npz"
+    async with TierStore(make_tiers(tmp_path / "live", disk=True), eviction=POLICIES[name], trace=path) as store:
+        for position, (op, key, nbytes, tier) in enumerate(ops):
+            data = torch.full((nbytes // 4,), float(position))
+            if op in ("put", "dput"):
+                await store.put(key, data, tier=tier, durable=op == "dput")
+            elif op == "get":
+                await store.get(key, tier=tier)
+            elif op == "pop":
+                await store.pop(key, tier=tier)
+            elif op == "delete":
+                await store.delete(key)
+            else:
+                await store.flush()
+        stats = store.stats()
+    memory = make_tiers(tmp_path / "replay", disk=True)[:2]
+    result = replay_store_trace(path, {t.name: t.capacity for t in memory}, eviction=POLICIES[name], accounting=memory)
+    recorded = load_evictions(path)
+    assert recorded and result.evictions_on(1), "the workload should evict from both memory tiers"
+    assert result.evictions == recorded, f"first differing eviction: {_first_difference(result.evictions, recorded)}"
+    for tier in memory:
+        assert result.misses[tier.name] == stats["tiers"][tier.name]["misses"], tier.name

@@ -335,3 +335,86 @@ async def test_a_store_collected_while_open_releases_its_folder(tmp_path: Path) 
         gc.collect()
     async with TierStore([HostTier("1MiB"), DiskTier(tmp_path / "d", "16MiB")]) as again:
         assert torch.equal(await again.get("k"), value(1))
+
+
+# -- found in review: cancellation and write-through edges -----------------------------------------
+
+
+def slow_writes(disk: DiskTier, seconds: float) -> None:
+    """Make every data write of ``disk`` take ``seconds`` longer (fault injection)."""
+    write = disk.write
+
+    async def slow(*args, **kwargs):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(seconds)
+        return await write(*args, **kwargs)
+
+    disk.write = slow  # type: ignore[method-assign]
+
+
+async def test_a_cancelled_flush_keeps_its_sources_until_its_commit(tmp_path: Path) -> None:
+    tiers = lambda: [DeviceTier("cpu", "8KiB"), HostTier("64KiB"), DiskTier(tmp_path / "d", "64MiB")]  # noqa: E731
+    async with TierStore(tiers()) as store:
+        await store.put("a", value(1, kib=8), "device")
+        slow_writes(store.tier("disk"), 0.2)  # type: ignore[arg-type]
+        flushing = asyncio.ensure_future(store.flush())
+        await asyncio.sleep(0.05)
+        flushing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await flushing
+        with pytest.raises(TierFullError):  # a's buffer is still being written: it cannot be reused
+            await store.put("b", value(2, kib=8), "device")
+    async with TierStore(tiers()) as store:
+        assert torch.equal(await store.get("a"), value(1, kib=8))
+        assert "b" not in store
+
+
+async def test_a_put_cancelled_while_making_room_leaves_every_victim_evictable() -> None:
+    async with TierStore([DeviceTier("cpu", "16KiB"), HostTier("64KiB")]) as store:
+        for i in range(4):
+            await store.put(f"k{i}", value(i, kib=4), "device")
+        put = asyncio.ensure_future(store.put("big", value(9, kib=12), "device"))
+        await asyncio.sleep(0)  # the put is demoting its first victim
+        put.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await put
+        for i in range(4):
+            async with asyncio.timeout(5):
+                async with store.hold(f"k{i}", "host", write=True):
+                    pass
+        await store.put("whole", value(5, kib=16), "device")  # every copy on the device can go
+        assert store.where("whole") == ["device"]
+
+
+async def test_a_write_hold_waits_for_a_put_in_flight() -> None:
+    big = 16 << 20  # the put's copy runs on a worker thread: it is in flight for a while
+    async with TierStore([HostTier("128MiB")]) as store:
+        await store.put("k", torch.zeros(big // 4))
+        put = asyncio.ensure_future(store.put("k", torch.ones(big // 4)))
+        await asyncio.sleep(0)
+        async with store.hold("k", write=True) as buffer:
+            assert put.done()  # the hold started after the put, on its value
+            assert float(buffer.view(torch.float32)[0]) == 1.0
+            buffer.view(torch.float32).fill_(7.0)
+        assert float((await store.get("k"))[0]) == 7.0
+
+
+async def test_an_acknowledged_durable_put_survives_a_later_write_back_put(tmp_path: Path) -> None:
+    tiers = lambda: [HostTier("1MiB"), DiskTier(tmp_path / "d", "16MiB")]  # noqa: E731
+    async with TierStore(tiers()) as store:
+        await store.put("k", value(0), durable=True)
+        slow_writes(store.tier("disk"), 0.1)  # type: ignore[arg-type]
+        durable = asyncio.ensure_future(store.put("k", value(1), durable=True))
+        await asyncio.sleep(0.02)
+        await store.put("k", value(2))  # write-back, newer, not durable
+        await durable
+        await store.aclose(flush=False)  # as if the process died now: only the catalog counts
+    async with TierStore(tiers()) as store:
+        assert torch.equal(await store.get("k"), value(1))
+
+
+async def test_a_durable_put_that_fails_leaves_the_old_value(tmp_path: Path) -> None:
+    async with TierStore([DeviceTier("cpu", "1MiB"), DiskTier(tmp_path / "d", "64KiB")]) as store:
+        await store.put("k", value(0, kib=32), durable=True)
+        with pytest.raises(TierFullError, match="disk"):
+            await store.put("k", value(1, kib=48), durable=True)  # the copy-on-write does not fit
+        assert torch.equal(await store.get("k"), value(0, kib=32))

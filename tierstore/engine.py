@@ -243,6 +243,16 @@ class Engine:
 
     # -- writing -------------------------------------------------------------------------------
 
+    async def cache_copy(self, entry: Entry, t: int, src: torch.Tensor) -> None:
+        """Copy ``src`` (the bytes of ``entry``'s current value) onto memory tier ``t`` as a copy
+        of that version; dropped if the value changes meanwhile."""
+        meta = entry.meta
+
+        async def fill(buffer: torch.Tensor, priority: Priority) -> None:
+            await self._copy(buffer[: meta.nbytes], src, priority)
+
+        await self._write_memory(entry, t, entry.version, fill, Priority.DEMAND, source_tier=None)
+
     async def put_memory(self, entry: Entry, t: int, src: torch.Tensor, meta: TensorMeta) -> None:
         async def fill(buffer: torch.Tensor, priority: Priority) -> None:
             await self._copy(buffer[: meta.nbytes], src, priority)
@@ -380,16 +390,18 @@ class Engine:
         def dirty() -> list[Entry]:
             return [e for e in self.entries.values() if e.visible and e.valid(d) is None]
 
-        for entry in dirty():
-            await self.no_writer(entry, "flush")
+        while True:  # wait for others' write holds (the caller's own raise), holding nothing meanwhile
+            for entry in dirty():
+                await self.no_writer(entry, "flush")
+            if not any(entry.writer is not None for entry in dirty()):
+                break
         plan: list[tuple[Entry, Copy]] = []
-        for entry in sorted(dirty(), key=lambda e: e.key):
+        for entry in sorted(dirty(), key=lambda e: e.key):  # no await from the check to here
             tiers = entry.readable_tiers()
             source = entry.valid(tiers[0]) if tiers else None
-            if source is None or source.buffer is None:
-                raise EntryHeldError(f"cannot flush {entry.key!r} from inside its own write hold; release it first")
-            self.use(entry, source)
-            plan.append((entry, source))
+            if source is not None:
+                self.use(entry, source)  # no write hold can start on it now
+                plan.append((entry, source))
         try:
             need = sum(disk.extent_size(entry.meta.nbytes) for entry, _ in plan)
             if need > disk.capacity - disk.used:
@@ -398,13 +410,23 @@ class Engine:
                     f"the old values stay until the commit); {format_bytes(disk.capacity - disk.used)} of "
                     f"{format_bytes(disk.capacity)} is free. Nothing was written."
                 )
-            if plan:
-                await self.shielded(self._flush_plan(disk, d, plan))
+        except BaseException:
+            for entry, source in plan:
+                self.unuse(entry, source)
+            raise
+        if plan:  # the write owns the uses from here: a cancelled caller leaves it running
+            await self.shielded(self._flush_plan(disk, d, plan))
+
+    async def _flush_plan(self, disk: DiskTier, d: int, plan: list[tuple[Entry, Copy]]) -> None:
+        """Write and commit ``plan`` (entries with a use taken of their source), then let the
+        sources go."""
+        try:
+            await self._flush_locked(disk, d, plan)
         finally:
             for entry, source in plan:
                 self.unuse(entry, source)
 
-    async def _flush_plan(self, disk: DiskTier, d: int, plan: list[tuple[Entry, Copy]]) -> None:
+    async def _flush_locked(self, disk: DiskTier, d: int, plan: list[tuple[Entry, Copy]]) -> None:
         async with contextlib.AsyncExitStack() as locks:
             for entry, _ in plan:  # sorted by key: two flushes never wait for each other in a cycle
                 await locks.enter_async_context(entry.disk_lock)
@@ -445,6 +467,8 @@ class Engine:
                     self.retire(entry, d, old)
                 entry.copies[d] = new
                 self.counters.tier(self.names[source.tier]).writebacks += 1
+                if entry.version == source.version:
+                    self.observe("writeback", entry.key, entry.meta.nbytes, d, hit=None)
 
     async def delete_entry(self, entry: Entry) -> None:
         if self.disk_index is not None:
@@ -494,11 +518,17 @@ class Engine:
                     deficit -= victim[1].nbytes
                     batch.append(victim)
                 started: list[asyncio.Task[None]] = []
-                for entry, copy in batch:
-                    started.append(self._start_demotion(entry, t, copy, priority))
-                    if one_at_a_time:
-                        await asyncio.wait(started[-1:])
-                mine += started
+                try:
+                    for entry, copy in batch:
+                        task = self._start_demotion(entry, t, copy, priority)
+                        started.append(task)
+                        mine.append(task)
+                        if one_at_a_time:
+                            await asyncio.wait([task])
+                finally:
+                    for entry, copy in batch[len(started) :]:  # cancelled before their turn: they stay
+                        self.unuse(entry, copy)
+                        self._policy_insert(entry, copy)
                 if started:  # the whole batch goes before room is asked again (as the replay)
                     await asyncio.wait(started)
                 for task in mine:
@@ -803,12 +833,12 @@ class Engine:
 
     def observe(self, op: str, key: str, nbytes: int, t: int | None, hit: bool | None, before: int | None = None) -> None:
         if self.trace is not None:
-            if before is None and op in ("get", "hold"):
+            if before is None and op in ("get", "hold", "pop"):
                 entry = self.entries.get(key)
                 valid = entry.valid_tiers() if entry is not None else []
                 before = valid[0] if valid else None
             self.trace.record(op, key, nbytes, t, hit, before)
-        if op in ("get", "hold", "put") and t is not None and self.issuer is not None:
+        if op in ("get", "hold", "put", "pop") and t is not None and self.issuer is not None:
             self.prefetch_policy.on_access(key, nbytes, self.names[t], bool(hit))
             self.issuer.follow(self.prefetch_policy.suggest(), t)
 

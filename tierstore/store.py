@@ -244,45 +244,64 @@ class TierStore:
             entry = self._engine.entries[key] = Entry(key, meta)
         entry.pending_writes += 1
         try:
-            failures: list[TierFullError] = []
-            for t in targets:
-                try:
-                    if t == self._engine.disk_index:
-                        copied = asyncio.get_running_loop().create_future()
-                        await self._engine.shielded(self._engine.write_disk(entry, src, meta, None, Priority.DEMAND, copied=copied), copied)
-                    else:
-                        await self._engine.put_memory(entry, t, src, meta)
-                        if through:
-                            await self._write_through(key)
-                    self._engine.observe("put", key, meta.nbytes, t, hit=None)
-                    return
-                except TierFullError as exc:
-                    failures.append(exc)
-            if len(failures) == 1:
-                raise failures[0]
-            raise TierFullError(
-                f"no tier has room for {key!r} ({format_bytes(meta.nbytes)}): " + "; ".join(str(f) for f in failures)
-            )
+            if through:
+                await self._put_through(entry, src, meta, targets)
+            else:
+                await self._put_back(entry, src, meta, targets)
         finally:
             entry.pending_writes -= 1
+            entry.wake()  # a write hold waits for puts in flight
             if not entry.visible and entry.pending_writes == 0 and self._engine.entries.get(key) is entry:
                 del self._engine.entries[key]
 
-    async def _write_through(self, key: str) -> None:
-        """Write the value a put just installed down to the disk tier (the put's own copy: the
-        caller's memory is not read again)."""
-        entry = self._engine.entries.get(key)
-        if entry is None or self._engine.disk_index is None or entry.valid(self._engine.disk_index) is not None:
-            return
-        tiers = entry.readable_tiers()
-        source = entry.valid(tiers[0]) if tiers else None
-        if source is None or source.buffer is None:
-            return  # replaced meanwhile: the newer put answers for its own durability
-        self._engine.use(entry, source)
-        try:
-            await self._engine.shielded(self._engine.write_back(entry, source, Priority.DEMAND, target=self._engine.disk_index))
-        finally:
-            self._engine.unuse(entry, source)
+    async def _put_back(self, entry: Entry, src: torch.Tensor, meta: TensorMeta, targets: list[int]) -> None:
+        """A write-back put: the value lands on the first of ``targets`` with room."""
+        engine = self._engine
+        failures: list[TierFullError] = []
+        for t in targets:
+            try:
+                if t == engine.disk_index:
+                    await self._put_disk(entry, src, meta)
+                else:
+                    await engine.put_memory(entry, t, src, meta)
+                engine.observe("put", entry.key, meta.nbytes, t, hit=None)
+                return
+            except TierFullError as exc:
+                failures.append(exc)
+        if len(failures) == 1:
+            raise failures[0]
+        raise TierFullError(
+            f"no tier has room for {entry.key!r} ({format_bytes(meta.nbytes)}): " + "; ".join(str(f) for f in failures)
+        )
+
+    async def _put_through(self, entry: Entry, src: torch.Tensor, meta: TensorMeta, targets: list[int]) -> None:
+        """A write-through put: committed on the disk tier first (a failure there leaves the old
+        value in place), then cached on the first memory tier of ``targets`` with room."""
+        engine = self._engine
+        d = engine.disk_index
+        await self._put_disk(entry, src, meta)
+        landed = d
+        for t in targets:
+            if t == d:
+                break
+            live = engine.entries.get(entry.key)
+            if live is None or d is None or live.valid(d) is None:
+                break  # replaced or deleted meanwhile: the newer value is what to cache
+            try:
+                await engine.cache_copy(live, t, src)
+            except TierFullError:
+                continue
+            landed = t
+            break
+        engine.observe("put", entry.key, meta.nbytes, landed, hit=None)
+        if landed != d:
+            engine.observe("writeback", entry.key, meta.nbytes, d, hit=None)
+
+    async def _put_disk(self, entry: Entry, src: torch.Tensor, meta: TensorMeta) -> None:
+        """Commit ``src`` as the new value on the disk tier; a cancelled caller gets control back
+        only once ``src`` is no longer read."""
+        copied = asyncio.get_running_loop().create_future()
+        await self._engine.shielded(self._engine.write_disk(entry, src, meta, None, Priority.DEMAND, copied=copied), copied)
 
     async def get(self, key: str, tier: TierRef = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """A copy of the value of ``key``, as a tensor on ``tier``'s device (default: the fastest
@@ -332,7 +351,8 @@ class TierStore:
         When the current value already sits in that tier's device memory (on that tier, or on
         a host tier when the CPU stands in for the device), unheld and unused, its buffer leaves
         the store and is returned as it is (no copy; the tier's accounting drops it); otherwise
-        the value is read from its fastest copy."""
+        the value is read from its fastest copy. A pop cancelled once it has begun deleting
+        still deletes the key (its value then reaches no one), as a cancelled delete would."""
         self._engine.require_open()
         t = self._engine.index_of(tier)
         entry = self._engine.visible_entry(key)
@@ -343,7 +363,9 @@ class TierStore:
         copy = entry.valid(t)
         hit = copy is not None
         self._engine.count_access(t, hit, entry)
-        self._engine.observe("get", key, entry.meta.nbytes, t, hit=hit)
+        if copy is not None:
+            self._engine.hit(entry, copy)
+        self._engine.observe("pop", key, entry.meta.nbytes, t, hit=hit)
         tier_obj = self._engine.tiers[t]
         device = tier_obj.device if isinstance(tier_obj, MemoryTier) else torch.device("cpu")
         # A buffer already in the requested device's memory can be handed over: the asked tier's
@@ -368,7 +390,6 @@ class TierStore:
         else:
             value = await self._engine.read_uncached(entry, device)
         await self._engine.shielded(self._engine.delete_entry(entry))
-        self._engine.observe("delete", key, entry.meta.nbytes, None, hit=None)
         return value
 
     async def read(self, key: str) -> torch.Tensor:
@@ -453,15 +474,16 @@ class TierStore:
 
     async def _take_hold(self, entry: Entry, t: int, write: bool, hit: bool) -> Copy:
         """A copy of ``entry`` on tier ``t`` with a use and a hold taken; for a write hold, once
-        no one else uses that copy and no other write hold is open."""
+        no one else uses that copy, no put of the key is in flight and no other write hold is
+        open."""
 
         def free_to_write() -> bool:
             copy = entry.copies.get(t)
-            return entry.writer is None and (copy is None or copy.users == 0)
+            return entry.writer is None and entry.pending_writes == 0 and (copy is None or copy.users == 0)
 
         while True:
             copy = await self._engine.acquire(entry, t, Priority.DEMAND)
-            if entry.writer is None and (not write or copy.users == 1):
+            if entry.writer is None and (not write or (copy.users == 1 and entry.pending_writes == 0)):
                 break
             self._engine.unuse(entry, copy)
             if write and any(holds.inside(token) for token in entry.hold_tokens):

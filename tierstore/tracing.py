@@ -6,7 +6,7 @@ Format (``numpy.load(path)`` reads it; ``pandas.DataFrame({k: f[k] for k in COLU
 column        dtype      meaning
 ============  =========  =====================================================================
 ``time``      float64    seconds since the trace started
-``op``        uint8      index into ``ops`` (get, put, delete, prefetch, hold, evict)
+``op``        uint8      index into ``ops`` (get, put, delete, prefetch, hold, evict, pop, writeback)
 ``key``       int64      index into ``keys``
 ``nbytes``    int64      size of the value
 ``tier``      int8       tier the access asked for or landed on (index into ``tiers``), -1: none
@@ -21,7 +21,10 @@ files and plain CSV traces alike (see ``tierstore.sim``).
 An ``evict`` row is not an access: the store chose the copy of ``key`` on tier ``tier`` (of
 ``nbytes`` there) as an eviction victim, at the moment it chose it (``hit`` and ``before`` are
 -1). The simulator skips these rows as requests and compares its own evictions with them
-(``tierstore.sim.load_evictions``, ``tierstore.sim.replay_store_trace``). New ops are only ever
+(``tierstore.sim.load_evictions``, ``tierstore.sim.replay_store_trace``). A ``pop`` row is a
+read that removes the key (``hit``: whether the asked tier held it). A ``writeback`` row is not
+an access either: the current value of ``key`` was committed to tier ``tier`` (the disk) by a
+flush or a write-through put. New ops are only ever
 appended to ``OPS``, so the op indices of older traces keep their meaning (each file also
 carries its own ``ops`` table).
 """
@@ -34,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 #: Op names by index; append only (indices are stored in traces).
-OPS = ("get", "put", "delete", "prefetch", "hold", "evict")
+OPS = ("get", "put", "delete", "prefetch", "hold", "evict", "pop", "writeback")
 COLUMNS = ("time", "op", "key", "nbytes", "tier", "before", "hit", "step")
 
 

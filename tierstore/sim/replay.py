@@ -24,6 +24,12 @@ evictions, one by one, as the store that recorded it. The rules (``tierstore.eng
   back to tier ``t + 1`` if no slower tier holds its current value (making room there the same
   way: a cascade), and dropped from ``t``. (Freeing a packed value frees room only when its
   slab empties, hence the rounds.)
+- **pop** on tier ``t``: a hit when ``t`` holds the current value (``on_hit`` there); either
+  way nothing is cached and the key is dropped everywhere.
+- **writeback** (a flush or a write-through put committed the current value to the disk): the
+  disk tier holds it from then on, so evicting its memory copies writes nothing back. A put
+  followed by its writeback row is a write-through put: it commits on the disk first, so the
+  key's old memory copies are gone before room is made for the new one.
 - **delete** drops the key everywhere. Prefetch and evict rows are not requests.
 
 Keys present before the trace started are taken to be on the disk tier only. A hold's
@@ -49,8 +55,9 @@ from ..tensors import storage_nbytes
 from ..tiers.base import MemoryTier
 from .simulator import make_eviction_policy
 
-#: The rows a replay takes as requests; the others (prefetch, evict) are skipped.
-REQUESTS = ("get", "put", "delete", "hold")
+#: The rows a replay applies (requests, and the writeback state change); the others (prefetch,
+#: evict) are skipped.
+REQUESTS = ("get", "put", "delete", "hold", "pop", "writeback")
 
 
 class NextUse:
@@ -74,8 +81,8 @@ class NextUse:
 
 @dataclass
 class ReplayResult:
-    """What the replay saw: requests and misses per tier name, each request's hit or miss (get
-    and hold rows, in order), and the evictions ``(key, tier index)`` in the order chosen."""
+    """What the replay saw: requests and misses per tier name, each request's hit or miss (get,
+    hold and pop rows, in order), and the evictions ``(key, tier index)`` in the order chosen."""
 
     tiers: list[str]
     requests: dict[str, int] = field(default_factory=dict)
@@ -160,16 +167,21 @@ def replay_store_trace(
         if [tier.capacity for tier in accounting] != sizes:
             raise UnknownTierError(f"accounting tiers of {[t.capacity for t in accounting]} bytes for capacities {sizes}")
         rooms = [_TierRoom(tier) for tier in accounting]
-    oracle = NextUse([row.key for row in rows])
+    requests = [row for row in rows if row.op != "writeback"]  # (a state change, not an access)
+    oracle = NextUse([row.key for row in requests])
     policies = [make_eviction_policy(eviction, oracle, capacity) for capacity in sizes[:-1]]
     if len(names) == len(sizes):
         policies.append(None)  # the last memory tier refuses when full
     else:
         policies.append(make_eviction_policy(eviction, oracle, sizes[-1]))
     replay = _StoreModel(names, rooms, policies, ReplayResult(names))
-    for position, row in enumerate(rows):
+    position = 0
+    for i, row in enumerate(rows):
         oracle.now = position
-        replay.apply(row)
+        following = rows[i + 1] if i + 1 < len(rows) else None
+        through = row.op == "put" and following is not None and following.op == "writeback" and following.key == row.key
+        replay.apply(row, through)
+        position += row.op != "writeback"
     return replay.result
 
 
@@ -247,13 +259,17 @@ class _StoreModel:
         result.requests = {name: 0 for name in names}
         result.misses = {name: 0 for name in names}
 
-    def apply(self, row: _Row) -> None:
+    def apply(self, row: _Row, through: bool = False) -> None:
+        """Apply one row; ``through``: a put whose writeback row follows (a write-through put)."""
         if row.op == "put":
-            self._put(row.key, row.nbytes, self._tier(row))
+            self._put(row.key, row.nbytes, self._tier(row), through)
         elif row.op == "delete":
-            self._drop_memory(row.key)
-            self.valid.pop(row.key, None)
-            self.nbytes.pop(row.key, None)
+            self._forget(row.key)
+        elif row.op == "pop":
+            self._pop(row.key, self._tier(row))
+        elif row.op == "writeback":
+            if row.key in self.valid and self.disk is not None:
+                self.valid[row.key].add(self.disk)
         else:
             self._get(row.key, row.nbytes, self._tier(row))
 
@@ -262,7 +278,10 @@ class _StoreModel:
             raise TraceError(f"a {row.op} of {row.key!r} names tier {row.tier}; the trace has tiers {self.names}")
         return row.tier
 
-    def _put(self, key: str, nbytes: int, t: int) -> None:
+    def _put(self, key: str, nbytes: int, t: int, through: bool = False) -> None:
+        if through:  # committed on the disk first: the old memory copies are gone before room is made
+            self._drop_memory(key)
+            self.valid[key] = {self.disk} if self.disk is not None else set()
         if t != self.disk:
             self._make_room(t, nbytes)
             taken = self.rooms[t].take(nbytes)
@@ -303,6 +322,21 @@ class _StoreModel:
         taken = self.rooms[t].take(nbytes)
         valid.add(t)
         self._install(t, key, taken)
+
+    def _pop(self, key: str, t: int) -> None:
+        self.result.requests[self.names[t]] += 1
+        hit = t in self.valid.get(key, ())
+        self.result.hits.append(hit)
+        if hit and t != self.disk:
+            self._hit(t, key)
+        elif not hit:
+            self.result.misses[self.names[t]] += 1
+        self._forget(key)
+
+    def _forget(self, key: str) -> None:
+        self._drop_memory(key)
+        self.valid.pop(key, None)
+        self.nbytes.pop(key, None)
 
     def _hit(self, t: int, key: str) -> None:
         policy = self.policies[t]
