@@ -218,7 +218,8 @@ def test_mismatched_tiers_and_unknown_rows_are_refused(tmp_path: Path) -> None:
 
 
 def rich_ops(seed: int, count: int) -> list[Op]:
-    """Like ``random_ops`` on three tiers, with write-through puts (``dput``), flushes and pops."""
+    """Like ``random_ops`` on three tiers, with write-through puts (``dput``), flushes, write
+    holds (``whold``) and pops."""
     rng = random.Random(seed)
     live: dict[str, int] = {}
     ops: list[Op] = []
@@ -232,8 +233,10 @@ def rich_ops(seed: int, count: int) -> list[Op]:
             tier = rng.choice([None, 0, 1])
             live[key] = nbytes
             ops.append(("dput" if rng.random() < 0.3 else "put", key, nbytes, tier))
-        elif roll < 0.8:
+        elif roll < 0.7:
             ops.append(("get", key, live[key], rng.choice([0, 0, 1])))
+        elif roll < 0.8:
+            ops.append(("whold", key, live[key], rng.choice([0, 1])))
         elif roll < 0.9:
             ops.append(("pop", key, live.pop(key), rng.choice([0, 1])))
         else:
@@ -242,9 +245,10 @@ def rich_ops(seed: int, count: int) -> list[Op]:
 
 
 @pytest.mark.parametrize("name", ["lru", "lfu", "s3fifo"])
-async def test_replay_agrees_with_write_through_flush_and_pop(tmp_path: Path, name: str) -> None:
+async def test_replay_agrees_with_write_through_flush_holds_and_pop(tmp_path: Path, name: str) -> None:
     """Write-through puts and flushes make disk copies current (a later eviction writes nothing
-    back); a pop reads without caching and removes. The replay follows all three."""
+    back); a released write hold makes its copy the only current one; a pop reads without
+    caching and removes. The replay follows them all."""
     ops = rich_ops(seed=sum(map(ord, name)), count=300)
     path = tmp_path / "trace.npz"
     async with TierStore(make_tiers(tmp_path / "live", disk=True), eviction=POLICIES[name], trace=path) as store:
@@ -256,6 +260,9 @@ async def test_replay_agrees_with_write_through_flush_and_pop(tmp_path: Path, na
                 await store.get(key, tier=tier)
             elif op == "pop":
                 await store.pop(key, tier=tier)
+            elif op == "whold":
+                async with store.hold(key, tier, write=True) as buffer:
+                    buffer.fill_(position % 256)
             elif op == "delete":
                 await store.delete(key)
             else:

@@ -418,3 +418,115 @@ async def test_a_durable_put_that_fails_leaves_the_old_value(tmp_path: Path) -> 
         with pytest.raises(TierFullError, match="disk"):
             await store.put("k", value(1, kib=48), durable=True)  # the copy-on-write does not fit
         assert torch.equal(await store.get("k"), value(0, kib=32))
+
+
+async def test_a_cancelled_overwrite_is_settled_when_the_caller_gets_control_back(tmp_path: Path) -> None:
+    """No flip after the fact: what a read sees right after the cancel is what stays."""
+    async with TierStore([DiskTier(tmp_path / "d", "256MiB")]) as store:
+        await store.put("k", torch.full((1 << 20,), 1.0))
+        slow_writes(store.tier("disk"), 0.05)  # type: ignore[arg-type]
+        put = asyncio.ensure_future(store.put("k", torch.full((1 << 20,), 2.0)))
+        await asyncio.sleep(0.01)  # the data write is under way, the commit has not begun
+        put.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await put
+        seen = [float((await store.get("k"))[0])]
+        await asyncio.sleep(0.2)
+        seen.append(float((await store.get("k"))[0]))
+        assert seen == [1.0, 1.0]
+    async with TierStore([DiskTier(tmp_path / "d", "256MiB")]) as store:
+        assert float((await store.get("k"))[0]) == 1.0
+
+
+async def test_close_writes_in_several_transactions_when_one_does_not_fit(tmp_path: Path) -> None:
+    tiers = lambda: [HostTier("4MiB"), DiskTier(tmp_path / "d", "1MiB")]  # noqa: E731
+    async with TierStore(tiers()) as store:
+        for i in range(2):
+            await store.put(f"k{i}", value(i, kib=300), durable=True)
+        for i in range(2):
+            await store.put(f"k{i}", value(10 + i, kib=300))  # newer, only in memory
+        with pytest.raises(TierFullError):
+            await store.flush()  # both copy-on-writes at once do not fit beside the old values
+    async with TierStore(tiers()) as store:  # close wrote them in turns
+        for i in range(2):
+            assert torch.equal(await store.get(f"k{i}"), value(10 + i, kib=300))
+
+
+async def test_a_close_that_cannot_flush_leaves_the_store_open(tmp_path: Path) -> None:
+    store = TierStore([HostTier("4MiB"), DiskTier(tmp_path / "d", "512KiB")])
+    await store.open()
+    await store.put("a", value(1, kib=400))
+    await store.put("b", value(2, kib=400))
+    with pytest.raises(TierFullError):
+        await store.aclose()
+    assert store.is_open and torch.equal(await store.get("b"), value(2, kib=400))  # nothing lost
+    await store.delete("b")
+    await store.aclose()
+    async with TierStore([DiskTier(tmp_path / "d", "512KiB")]) as again:
+        assert again.keys() == ["a"]
+
+
+def test_a_forked_child_cannot_use_the_parents_store(tmp_path: Path) -> None:
+    import os
+
+    from tierstore import StoreForkedError, SyncTierStore
+
+    with SyncTierStore([HostTier("1MiB"), DiskTier(tmp_path / "d", "16MiB")]) as store:
+        store.put("on_host", value(1))
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: every verb refuses, memory-only ones too
+            outcomes = []
+            for verb in (lambda: store.store.keys(), lambda: store.store.where("on_host"), lambda: store.store.stats()):
+                try:
+                    verb()
+                    outcomes.append("ok")
+                except StoreForkedError:
+                    outcomes.append("refused")
+            os.write(write, ",".join(outcomes).encode())
+            os._exit(0)
+        os.close(write)
+        _, status = os.waitpid(pid, 0)
+        assert os.read(read, 100).decode() == "refused,refused,refused"
+        assert store.keys() == ["on_host"]  # the parent's store is unaffected
+
+
+async def test_a_refused_put_changes_nothing_not_even_the_eviction_order(tmp_path: Path) -> None:
+    """The last memory tier evicts nothing: a victim that could not be written back into it is
+    never chosen, so a refused put leaves the policy as it was (and the trace as well)."""
+    from tierstore.sim import load_evictions, replay_store_trace
+
+    page = lambda: torch.ones(4096, dtype=torch.uint8)  # noqa: E731
+    trace = tmp_path / "trace.npz"
+    async with TierStore([DeviceTier("cpu", 8192), HostTier(16384)], eviction=LRU, trace=trace) as store:
+        for i in range(6):
+            await store.put(f"k{i}", page())  # k0..k3 end on the host, k4 and k5 on the device
+        with pytest.raises(TierFullError):
+            await store.put("big", page())
+        await store.delete("k0")
+        await store.put("k6", page())  # LRU's victim on the device is still k4
+        assert store.where("k4") == ["host"] and store.where("k5") == ["device"]
+    replayed = replay_store_trace(trace, [8192, 16384], "lru", accounting=[DeviceTier("cpu", 8192), HostTier(16384)])
+    assert replayed.evictions == load_evictions(trace)
+
+
+def test_a_store_left_open_is_closed_after_the_programs_other_threads_end(tmp_path: Path) -> None:
+    run_script(
+        """
+        import threading, time
+        store = SyncTierStore([HostTier("64MiB"), DiskTier(ROOT, "256MiB")]).open()
+        def worker():
+            for i in range(5):
+                time.sleep(0.05)
+                store.put(f"w{i}", torch.full((4097,), i, dtype=torch.uint8))
+        threading.Thread(target=worker).start()
+        """,
+        tmp_path / "d",
+    )
+    run_script(
+        """
+        with SyncTierStore([DiskTier(ROOT, "256MiB")]) as store:
+            assert sorted(store.keys()) == [f"w{i}" for i in range(5)], store.keys()
+        """,
+        tmp_path / "d",
+    )

@@ -7,20 +7,28 @@
 
 from . import errors
 from .errors import (
+    BufferSharedError,
+    CapacityError,
     CatalogError,
     ChecksumError,
     CorruptionError,
     DiskFullError,
     EntryHeldError,
+    ForeignFolderError,
     InvalidKeyError,
     InvalidTensorError,
     KeyNotFoundError,
+    NamespaceClaimedError,
+    NotAStoreFolderError,
     StoreClosedError,
+    StoreForkedError,
     StoreLockedError,
     TierFullError,
     TierStoreError,
+    TraceError,
     UnknownTierError,
 )
+from .namespaces import Namespace
 from .prefetching import PrefetchHandle, PrefetchResult
 from .protocols import EvictionPolicy, PrefetchPolicy
 from .store import TierStore
@@ -32,6 +40,8 @@ from .units import format_bytes, parse_bytes
 __version__ = "0.1.0"
 
 __all__ = [
+    "BufferSharedError",
+    "CapacityError",
     "CatalogError",
     "ChecksumError",
     "CorruptionError",
@@ -40,21 +50,27 @@ __all__ = [
     "DiskTier",
     "EntryHeldError",
     "EvictionPolicy",
+    "ForeignFolderError",
     "HostTier",
     "InvalidKeyError",
     "InvalidTensorError",
     "KeyNotFoundError",
     "MemoryTier",
+    "Namespace",
+    "NamespaceClaimedError",
+    "NotAStoreFolderError",
     "PrefetchHandle",
     "PrefetchPolicy",
     "PrefetchResult",
     "StoreClosedError",
+    "StoreForkedError",
     "StoreLockedError",
     "SyncTierStore",
     "Tier",
     "TierFullError",
     "TierStore",
     "TierStoreError",
+    "TraceError",
     "UnknownTierError",
     "empty",
     "errors",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
@@ -29,6 +30,7 @@ from .errors import (
     EntryHeldError,
     KeyNotFoundError,
     StoreClosedError,
+    StoreForkedError,
     TierFullError,
     TierStoreError,
     UnknownTierError,
@@ -83,6 +85,7 @@ class Engine:
         self.on_transfer: Callable[[str, int, float, float], None] | None = None
         self.is_open = False
         self.closing = False
+        self._pid = os.getpid()
 
     @property
     def tiers(self) -> list[Tier]:
@@ -122,11 +125,13 @@ class Engine:
         if trace_path is not None:
             self.trace = TraceRecorder(trace_path, self.names)
         self.issuer = PrefetchIssuer(self)
+        self._pid = os.getpid()
         self.is_open = True
 
     async def close(self, flush: bool) -> None:
         """Refuse new verbs, cancel prefetches, drain writes and demotions, flush (if asked and
-        there is a disk tier), close the tiers."""
+        there is a disk tier), close the tiers. A flush that fails (the disk cannot take what
+        only memory holds) leaves the store open, with nothing lost, and raises."""
         if not self.is_open or self.closing:
             return
         self.closing = True
@@ -135,18 +140,24 @@ class Engine:
         await asyncio.gather(*self.background, return_exceptions=True)
         while self.writes or any(self.demotions):
             await asyncio.gather(*self.writes, *(t for pending in self.demotions for t in pending), return_exceptions=True)
+        if self.disk_index is not None and flush:
+            try:
+                await self.flush_all(whole=False)
+            except BaseException:
+                self.closing = False  # it stays open, nothing lost: make room and close again
+                raise
+        self.is_open = False
+        self.closing = False
         try:
-            if self.disk_index is not None and flush:
-                await self.flush_all()
-        finally:
-            self.is_open = False
-            self.closing = False
             if self.trace is not None:
                 self.trace.close()
-            for tier in reversed(self._tiers):
-                await tier.aclose()
-            self.cpu.shutdown()
-            self.entries.clear()
+        finally:
+            try:
+                for tier in reversed(self._tiers):
+                    await tier.aclose()
+            finally:
+                self.cpu.shutdown()
+                self.entries.clear()
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -328,60 +339,59 @@ class Engine:
         version: int | None,
         priority: Priority,
         source_tier: int | None = None,
-        copied: asyncio.Future[None] | None = None,
+        abandon: asyncio.Event | None = None,
     ) -> None:
         """Copy-on-write to the disk tier: new extent, data (+fsync), catalog commit, install, free
         the old extent. ``version`` None is a put (a new value); otherwise a write-back of that
         version, skipped if it is no longer current. Must run to completion (callers shield it).
-        ``copied`` is resolved once ``src`` is no longer read (its bytes are on the disk)."""
-        try:
-            disk = self.disk
-            d = self._tiers.index(disk)
-            while True:
-                if version is None:
-                    entry = self._live_entry(entry, meta)
-                async with entry.disk_lock:
-                    if self.entries.get(entry.key) is not entry:
-                        if version is None:
-                            continue  # deleted while we waited: write to the new entry
-                        return
-                    if version is not None and entry.version != version:
-                        return
-                    extent = await disk.allocate(meta.nbytes)
-                    started = time.perf_counter()
-                    try:
-                        checksums = await disk.write(extent, src, meta.nbytes, priority)
-                        if copied is not None and not copied.done():
-                            copied.set_result(None)
-                        if version is not None and (entry.version != version or self.entries.get(entry.key) is not entry):
-                            disk.release(extent)
-                            return
-                        record_version = version if version is not None else next(self.versions)
-                        record = DiskRecord(entry.key, meta, extent, record_version, checksums)
-                        await disk.commit([(entry.key, record)])
-                    except BaseException:
-                        disk.release(extent)
-                        raise
-                    self._count_link(source_tier, d, meta.nbytes, time.perf_counter() - started)
-                    new = Copy(d, record_version, extent=extent, checksums=checksums)
-                    old = entry.copies.get(d)
-                    if old is not None:
-                        self.retire(entry, d, old)
-                    entry.copies[d] = new
+        Once ``abandon`` is set (the put's caller was cancelled), a write whose commit has not
+        begun gives up and changes nothing."""
+        disk = self.disk
+        d = self._tiers.index(disk)
+        while True:
+            if version is None:
+                entry = self._live_entry(entry, meta)
+            async with entry.disk_lock:
+                if self.entries.get(entry.key) is not entry:
                     if version is None:
-                        self.new_version(entry, keep=new, meta=meta, version=record_version)
+                        continue  # deleted while we waited: write to the new entry
                     return
-        finally:
-            if copied is not None and not copied.done():
-                copied.set_result(None)
+                if (version is not None and entry.version != version) or (abandon is not None and abandon.is_set()):
+                    return
+                extent = await disk.allocate(meta.nbytes)
+                started = time.perf_counter()
+                try:
+                    checksums = await disk.write(extent, src, meta.nbytes, priority)
+                    stale = version is not None and (entry.version != version or self.entries.get(entry.key) is not entry)
+                    if stale or (abandon is not None and abandon.is_set()):
+                        disk.release(extent)
+                        return
+                    record_version = version if version is not None else next(self.versions)
+                    record = DiskRecord(entry.key, meta, extent, record_version, checksums)
+                    await disk.commit([(entry.key, record)])
+                except BaseException:
+                    disk.release(extent)
+                    raise
+                self._count_link(source_tier, d, meta.nbytes, time.perf_counter() - started)
+                new = Copy(d, record_version, extent=extent, checksums=checksums)
+                old = entry.copies.get(d)
+                if old is not None:
+                    self.retire(entry, d, old)
+                entry.copies[d] = new
+                if version is None:
+                    self.new_version(entry, keep=new, meta=meta, version=record_version)
+                return
 
-    async def flush_all(self) -> None:
+    async def flush_all(self, whole: bool = True) -> None:
         """Write every entry whose current value is not on the disk tier down to it, and commit
         them all in one catalog transaction (after a crash the flush is all old or all new).
 
         Order: room checked first; each value written to a new extent (the old one stays the
         durable base); one fdatasync per segment; one catalog commit; then the old extents are
-        freed. Sources are in use throughout, so no write hold starts on them meanwhile."""
+        freed. Sources are in use throughout, so no write hold starts on them meanwhile.
+        ``whole=False`` (closing): when the copy-on-write of everything does not fit at once,
+        write in several transactions, each as large as the free space then (every commit frees
+        the old extents it replaces)."""
         d = self.disk_index
         if d is None:
             return
@@ -402,20 +412,23 @@ class Engine:
             if source is not None:
                 self.use(entry, source)  # no write hold can start on it now
                 plan.append((entry, source))
-        try:
-            need = sum(disk.extent_size(entry.meta.nbytes) for entry, _ in plan)
-            if need > disk.capacity - disk.used:
+        while plan:
+            free = disk.capacity - disk.used
+            sizes = [disk.extent_size(entry.meta.nbytes) for entry, _ in plan]
+            batch = len(plan)
+            if sum(sizes) > free:
+                batch = 0 if whole else next(i for i in range(len(sizes) + 1) if sum(sizes[: i + 1]) > free)
+            if batch == 0:
+                for entry, source in plan:
+                    self.unuse(entry, source)
                 raise TierFullError(
-                    f"flush needs {format_bytes(need)} on tier {disk.name!r} for {len(plan)} entries (copy-on-write: "
-                    f"the old values stay until the commit); {format_bytes(disk.capacity - disk.used)} of "
-                    f"{format_bytes(disk.capacity)} is free. Nothing was written."
+                    f"flush needs {format_bytes(sum(sizes))} on tier {disk.name!r} for {len(plan)} entries (copy-on-write: "
+                    f"the old values stay until the commit); {format_bytes(free)} of {format_bytes(disk.capacity)} is free. "
+                    + ("Nothing was written." if whole else "What did not fit is still in memory.")
                 )
-        except BaseException:
-            for entry, source in plan:
-                self.unuse(entry, source)
-            raise
-        if plan:  # the write owns the uses from here: a cancelled caller leaves it running
-            await self.shielded(self._flush_plan(disk, d, plan))
+            # the write owns the uses from here: a cancelled caller leaves it running
+            await self.shielded(self._flush_plan(disk, d, plan[:batch]))
+            plan = plan[batch:]
 
     async def _flush_plan(self, disk: DiskTier, d: int, plan: list[tuple[Entry, Copy]]) -> None:
         """Write and commit ``plan`` (entries with a use taken of their source), then let the
@@ -558,10 +571,21 @@ class Engine:
             return None
         entries = self.entries
 
+        below = self._tiers[t + 1] if t + 1 < len(self._tiers) else None
+        # The last tier, if a memory tier, evicts nothing: a victim that would be written back
+        # into it must fit there, or the request fails having changed nothing.
+        last_memory = below if isinstance(below, MemoryTier) and self.policies[t + 1] is None else None
+
         def evictable(key: str) -> bool:
             entry = entries.get(key)
             copy = entry.copies.get(t) if entry is not None else None
-            return copy is None or (copy.users == 0 and copy.in_policy)
+            if copy is None:
+                return True
+            if copy.users or not copy.in_policy:
+                return False
+            if last_memory is None or entry.valid(t + 1) is not None:  # type: ignore[union-attr]
+                return True
+            return last_memory.free >= last_memory.allocation_size(entry.meta.nbytes)  # type: ignore[union-attr]
 
         while True:
             key = policy.victim(evictable)
@@ -781,6 +805,11 @@ class Engine:
     def require_open(self) -> None:
         if not self.is_open:
             raise StoreClosedError("the store is not open: use 'async with TierStore(...)' or 'await store.open()'")
+        if self._pid != os.getpid():
+            raise StoreForkedError(
+                f"this store was opened by process {self._pid}; a forked child (pid {os.getpid()}) cannot use it: "
+                "open a store of its own in the child"
+            )
         if self.closing:
             raise StoreClosedError("the store is closing")
 
@@ -799,19 +828,22 @@ class Engine:
         task.add_done_callback(self.writes.discard)
         return task
 
-    async def shielded(self, coro: Awaitable[None], copied: asyncio.Future[None] | None = None) -> None:
-        """Run ``coro`` to completion even if the caller is cancelled (it changes durable state).
+    async def shielded(self, coro: Awaitable[None], abandon: asyncio.Event | None = None) -> None:
+        """Run ``coro`` to completion even if the caller is cancelled (it changes durable state);
+        ``aclose`` waits for it.
 
-        A cancelled caller gets control back only once ``copied`` is resolved (the write no
-        longer reads the caller's memory); the rest (the commit) finishes in the background and
-        ``aclose`` waits for it."""
+        With ``abandon`` (a put reading the caller's memory), a cancelled caller sets it and gets
+        control back only once ``coro`` has ended: by then the write either gave up before its
+        commit (nothing changed) or committed (the put took effect), and the caller's memory is
+        no longer read. Without it, the caller gets control back at once."""
         task = self._track(coro)
         try:
             await asyncio.shield(task)
         except asyncio.CancelledError:
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
-            if copied is not None:
-                await wait_uncancelled(copied)
+            if abandon is not None:
+                abandon.set()
+                await wait_uncancelled(task)
             raise
 
     def count_access(self, t: int, hit: bool, entry: Entry) -> None:

@@ -298,10 +298,11 @@ class TierStore:
             engine.observe("writeback", entry.key, meta.nbytes, d, hit=None)
 
     async def _put_disk(self, entry: Entry, src: torch.Tensor, meta: TensorMeta) -> None:
-        """Commit ``src`` as the new value on the disk tier; a cancelled caller gets control back
-        only once ``src`` is no longer read."""
-        copied = asyncio.get_running_loop().create_future()
-        await self._engine.shielded(self._engine.write_disk(entry, src, meta, None, Priority.DEMAND, copied=copied), copied)
+        """Commit ``src`` as the new value on the disk tier. A cancelled caller gets control back
+        once the outcome is settled: given up before the commit (the old value stays), or
+        committed; either way ``src`` is no longer read."""
+        abandon = asyncio.Event()
+        await self._engine.shielded(self._engine.write_disk(entry, src, meta, None, Priority.DEMAND, abandon=abandon), abandon)
 
     async def get(self, key: str, tier: TierRef = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """A copy of the value of ``key``, as a tensor on ``tier``'s device (default: the fastest
@@ -470,6 +471,7 @@ class TierStore:
                 entry.writer, entry.writer_token = None, 0
                 if self._engine.entries.get(entry.key) is entry and entry.copies.get(t) is copy and copy.version == entry.version:
                     self._engine.new_version(entry, keep=copy)  # the changes are the value from now on
+                    self._engine.observe("update", entry.key, entry.meta.nbytes, t, hit=None)
             self._engine.unuse(entry, copy)
 
     async def _take_hold(self, entry: Entry, t: int, write: bool, hit: bool) -> Copy:

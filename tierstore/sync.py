@@ -168,8 +168,21 @@ def _register_exit_hook() -> None:
 
         atexit.register(close_open_stores)
     else:
-        register(close_open_stores)
+        register(_close_at_exit)
     _exit_hook_registered = True
+
+
+def _close_at_exit() -> None:
+    """The interpreter is exiting: first wait, as it is about to, for the program's other
+    non-daemon threads (they may still be using a store), then close the stores."""
+    import concurrent.futures.thread as pool_threads
+
+    for thread in threading.enumerate():
+        # (the pools' own idle workers end only after this hook, when their pools shut down)
+        if thread is threading.current_thread() or thread.daemon or getattr(thread, "_target", None) is pool_threads._worker:
+            continue
+        thread.join()
+    close_open_stores()
 
 
 def close_open_stores() -> None:

@@ -6,7 +6,7 @@ Format (``numpy.load(path)`` reads it; ``pandas.DataFrame({k: f[k] for k in COLU
 column        dtype      meaning
 ============  =========  =====================================================================
 ``time``      float64    seconds since the trace started
-``op``        uint8      index into ``ops`` (get, put, delete, prefetch, hold, evict, pop, writeback)
+``op``        uint8      index into ``ops`` (get, put, ..., see ``OPS``)
 ``key``       int64      index into ``keys``
 ``nbytes``    int64      size of the value
 ``tier``      int8       tier the access asked for or landed on (index into ``tiers``), -1: none
@@ -24,7 +24,8 @@ An ``evict`` row is not an access: the store chose the copy of ``key`` on tier `
 (``tierstore.sim.load_evictions``, ``tierstore.sim.replay_store_trace``). A ``pop`` row is a
 read that removes the key (``hit``: whether the asked tier held it). A ``writeback`` row is not
 an access either: the current value of ``key`` was committed to tier ``tier`` (the disk) by a
-flush or a write-through put. New ops are only ever
+flush or a write-through put. An ``update`` row is a write hold released on tier ``tier``: its
+copy there is the key's only current value from then on. New ops are only ever
 appended to ``OPS``, so the op indices of older traces keep their meaning (each file also
 carries its own ``ops`` table).
 """
@@ -37,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 #: Op names by index; append only (indices are stored in traces).
-OPS = ("get", "put", "delete", "prefetch", "hold", "evict", "pop", "writeback")
+OPS = ("get", "put", "delete", "prefetch", "hold", "evict", "pop", "writeback", "update")
 COLUMNS = ("time", "op", "key", "nbytes", "tier", "before", "hit", "step")
 
 

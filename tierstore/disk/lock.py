@@ -55,7 +55,8 @@ class FolderLock:
             if holder == str(os.getpid()):
                 raise StoreLockedError(
                     f"{folder} is already open in this process (another DiskTier or TierStore on the same "
-                    "folder); close that one first"
+                    "folder); close that one first. A SyncTierStore opened earlier and no longer at hand (a "
+                    "notebook cell run again) is closed by tierstore.sync.close_open_stores()"
                 ) from None
             raise StoreLockedError(f"{folder} is open in another process (pid {holder})") from None
         except BaseException:

@@ -30,11 +30,13 @@ evictions, one by one, as the store that recorded it. The rules (``tierstore.eng
   disk tier holds it from then on, so evicting its memory copies writes nothing back. A put
   followed by its writeback row is a write-through put: it commits on the disk first, so the
   key's old memory copies are gone before room is made for the new one.
+- **update** (a write hold released on tier ``t``): the copy there is the only current value;
+  the key's other memory copies are dropped (``on_remove``) and the disk's is stale.
 - **delete** drops the key everywhere. Prefetch and evict rows are not requests.
 
 Keys present before the trace started are taken to be on the disk tier only. A hold's
-duration and a write hold's new value are not in a trace, so traces with overlapping or write
-holds do not replay exactly; neither do concurrent requests (their order of admission is not
+duration is not in a trace, so traces with holds open across other requests do not replay
+exactly; neither do concurrent requests (their order of admission is not
 recorded). A write-back that finds no room below (only possible when the last tier is a full
 memory tier, or every copy there is in use) raises ``TierFullError``: the replay does not model
 what the store does then.
@@ -57,7 +59,7 @@ from .simulator import make_eviction_policy
 
 #: The rows a replay applies (requests, and the writeback state change); the others (prefetch,
 #: evict) are skipped.
-REQUESTS = ("get", "put", "delete", "hold", "pop", "writeback")
+REQUESTS = ("get", "put", "delete", "hold", "pop", "writeback", "update")
 
 
 class NextUse:
@@ -167,7 +169,7 @@ def replay_store_trace(
         if [tier.capacity for tier in accounting] != sizes:
             raise UnknownTierError(f"accounting tiers of {[t.capacity for t in accounting]} bytes for capacities {sizes}")
         rooms = [_TierRoom(tier) for tier in accounting]
-    requests = [row for row in rows if row.op != "writeback"]  # (a state change, not an access)
+    requests = [row for row in rows if row.op not in ("writeback", "update")]  # (state changes, not accesses)
     oracle = NextUse([row.key for row in requests])
     policies = [make_eviction_policy(eviction, oracle, capacity) for capacity in sizes[:-1]]
     if len(names) == len(sizes):
@@ -181,7 +183,7 @@ def replay_store_trace(
         following = rows[i + 1] if i + 1 < len(rows) else None
         through = row.op == "put" and following is not None and following.op == "writeback" and following.key == row.key
         replay.apply(row, through)
-        position += row.op != "writeback"
+        position += row.op not in ("writeback", "update")
     return replay.result
 
 
@@ -270,6 +272,12 @@ class _StoreModel:
         elif row.op == "writeback":
             if row.key in self.valid and self.disk is not None:
                 self.valid[row.key].add(self.disk)
+        elif row.op == "update":  # a write hold released: its copy is the only current one
+            t = self._tier(row)
+            for other in range(self.memory):
+                if other != t and self._drop(other, row.key) and self.policies[other] is not None:
+                    self.policies[other].on_remove(row.key)
+            self.valid[row.key] = {t}
         else:
             self._get(row.key, row.nbytes, self._tier(row))
 
@@ -373,7 +381,7 @@ class _StoreModel:
             shortfall = needed - room.free()
             chosen: list[str] = []
             while shortfall > 0:
-                victim = policy.victim(lambda key: (key, t) not in self.in_use) if policy is not None else None
+                victim = policy.victim(lambda key: self._evictable(key, t)) if policy is not None else None
                 if victim is None:
                     break
                 self.result.evictions.append((victim, t))
@@ -383,6 +391,16 @@ class _StoreModel:
                 raise TierFullError(f"replay: no room for {needed} bytes on tier {self.names[t]!r} (the store would refuse here)")
             for victim in chosen:
                 self._demote(t, victim)
+
+    def _evictable(self, key: str, t: int) -> bool:
+        """Not in use; and if it would be written back into a last memory tier (which evicts
+        nothing), it fits there -- as the store asks."""
+        if (key, t) in self.in_use:
+            return False
+        below = t + 1
+        if below >= self.memory or self.policies[below] is not None or any(s > t for s in self.valid.get(key, ())):
+            return True
+        return self.rooms[below].free() >= self.rooms[below].needed(self.nbytes[key])
 
     def _demote(self, t: int, key: str) -> None:
         valid = self.valid[key]

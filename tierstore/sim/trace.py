@@ -5,7 +5,7 @@ columns ignored (libCacheSim's csv reader takes the same). A store trace (``Tier
 format in ``tierstore.tracing``) keeps get, hold and put rows as accesses, deletes as removals,
 and its step marks; its prefetch rows are dropped (the simulator decides prefetches itself), and
 so are its evict rows (what the store evicted; ``load_evictions`` reads them for comparison) and
-its writeback rows; a pop counts as an access.
+its writeback and update rows; a pop counts as an access.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def _load_npz(path: Path) -> Trace:
     with np.load(path, allow_pickle=False) as data:
         ops_table = [str(op) for op in data["ops"]]
         op_names = np.asarray(ops_table)[data["op"]]
-        keep = ~np.isin(op_names, ("prefetch", "evict", "writeback"))
+        keep = ~np.isin(op_names, ("prefetch", "evict", "writeback", "update"))
         ops = np.where(op_names[keep] == "delete", DELETE, ACCESS).astype(np.uint8)
         return Trace(
             keys=[str(k) for k in data["keys"]],
