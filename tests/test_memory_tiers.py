@@ -7,12 +7,14 @@ what is really allocated; buffers of a page or more start on a page.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierstore import DeviceTier, HostTier, TierFullError, TierStore
+from tierstore import DeviceTier, DiskTier, HostTier, TierFullError, TierStore
 from tierstore.errors import BufferSharedError
 from tierstore.tensors import ALIGNMENT
 from tierstore.testing import check_consistency, watch_capacity
@@ -238,3 +240,13 @@ async def test_pinned_host_buffers_are_exact_registered_mappings() -> None:
             assert torch.equal((await store.get(f"v{i}", tier="device")).cpu(), value(nbytes, i))
         assert host.live_bytes == 64 * KiB + (3 << 20) + KiB + 2 * ALIGNMENT
         check_consistency(store)
+
+
+async def test_a_held_small_value_pins_little_of_a_small_tier(tmp_path: Path) -> None:
+    """A slab holding one held value cannot be freed: on a small tier slabs are small (a
+    sixteenth of the capacity), so the rest of the tier stays usable for other sizes."""
+    async with TierStore([HostTier("64KiB"), DiskTier(tmp_path / "d", "16MiB")]) as store:
+        await store.put("small", torch.ones(3000, dtype=torch.uint8))
+        async with store.hold("small"):
+            await store.put("big", torch.ones(60 * 1024, dtype=torch.uint8), "host")
+            assert store.where("big") == ["host"]

@@ -262,3 +262,17 @@ def test_swap_adapters_claim_their_own_namespaces(tmp_path: Path) -> None:
     second.close()
     assert run(store.store.namespaces()) == []
     store.close()
+
+
+def test_a_named_namespace_of_other_shapes_warns_and_starts_over(tmp_path: Path) -> None:
+    store = sync_store(tmp_path / "store")
+    first = torch.nn.Linear(16, 16)
+    opt = TieredAdamW(first.parameters(), store=store, namespace="gen", min_offload_numel=1)
+    first(torch.randn(2, 16)).sum().backward()
+    opt.step()
+    opt.close()
+    other = torch.nn.Linear(16, 8)  # same number of parameters, other shapes
+    with pytest.warns(UserWarning, match="another shape"):
+        opt = TieredAdamW(other.parameters(), store=store, namespace="gen", min_offload_numel=1)
+    opt.close()
+    store.close()

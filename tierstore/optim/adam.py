@@ -15,6 +15,7 @@ them, as if never interrupted.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -127,18 +128,32 @@ class TieredAdam(PagedOptimizer):
             saved = await self.store.read(self._steps_key())
             await self.store.delete(self._steps_key())
         kept: set[str] = set()
-        if saved is not None and saved.shape == (len(self._slots),):
+        mismatched: list[int] = []
+        if saved is not None and saved.shape != (len(self._slots),):
+            warnings.warn(
+                f"namespace {namespace.name!r} holds optimizer state for {saved.shape[0]} parameters, not "
+                f"{len(self._slots)}: starting over (its state is deleted)",
+                stacklevel=2,
+            )
+        elif saved is not None:
             for slot in self._slots:
                 step = float(saved[slot.index])
                 if step != step or slot.key not in self.store:  # NaN: never stepped
                     continue
                 if self.store.info(slot.key)["shape"] != (self._rows(slot), slot.numel):
+                    mismatched.append(slot.index)
                     continue
                 self._step_counts[slot.index] = torch.tensor(step)
                 if slot.paged:
                     kept.add(slot.key)
                 else:
                     slot.resident = {"packed": await self.store.read(slot.key)}
+        if mismatched:
+            warnings.warn(
+                f"namespace {namespace.name!r}: the saved state of parameters {mismatched} has another shape; "
+                "those start over",
+                stacklevel=2,
+            )
         for key in namespace.keys():
             if key not in kept:
                 await self.store.delete(key)

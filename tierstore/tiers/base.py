@@ -13,7 +13,7 @@ from typing import ClassVar
 import torch
 
 from ..errors import BufferSharedError, TierFullError
-from ..tensors import storage_nbytes
+from ..tensors import ALIGNMENT, storage_nbytes
 from ..units import format_bytes, parse_bytes
 from .slabs import SlabPacker, slot_size
 
@@ -75,7 +75,7 @@ class MemoryTier(Tier):
         self._live_bytes = 0
         self._pool: dict[int, list[torch.Tensor]] = {}
         self._pooled_bytes = 0
-        self._slabs = SlabPacker(self._new_buffer)
+        self._slabs = SlabPacker(self._new_buffer, max_pages=self.capacity // 16 // ALIGNMENT)
 
     @property
     @abstractmethod

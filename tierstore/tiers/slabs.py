@@ -50,10 +50,11 @@ def slot_size(nbytes: int) -> int | None:
     return size if size < ALIGNMENT else None
 
 
-def slab_size(slot: int) -> int:
-    """Bytes of a slab of ``slot``-byte slots: the fewest pages whose tail is small enough."""
+def slab_size(slot: int, max_pages: int = MAX_SLAB_PAGES) -> int:
+    """Bytes of a slab of ``slot``-byte slots: the fewest pages (at most ``max_pages``) whose
+    tail is small enough."""
     best = ALIGNMENT
-    for pages in range(1, MAX_SLAB_PAGES + 1):
+    for pages in range(1, max(1, max_pages) + 1):
         size = pages * ALIGNMENT
         if (size % slot) * TAIL_FRACTION <= size:
             return size
@@ -92,10 +93,14 @@ class SlabPacker:
     new_memory:
         Allocates a slab's memory: a contiguous uint8 CPU tensor of exactly the bytes asked
         (the tier's own buffer allocator, pinned or not).
+    max_pages:
+        The largest slab in pages. A slab with one value held cannot be freed, so on a small
+        tier slabs must be small: the tier passes a sixteenth of its capacity.
     """
 
-    def __init__(self, new_memory: Callable[[int], torch.Tensor]) -> None:
+    def __init__(self, new_memory: Callable[[int], torch.Tensor], max_pages: int = MAX_SLAB_PAGES) -> None:
         self._new_memory = new_memory
+        self._max_pages = max(1, min(max_pages, MAX_SLAB_PAGES))
         #: Slabs with at least one value and one free slot, by slot size.
         self._partial: dict[int, dict[Slab, None]] = {}
         #: Slabs without values, by slot size.
@@ -120,7 +125,7 @@ class SlabPacker:
         has a free slot, else a new slab."""
         if self._partial.get(slot) or self._empty.get(slot):
             return 0
-        return slab_size(slot)
+        return slab_size(slot, self._max_pages)
 
     def take(self, slot: int) -> torch.Tensor:
         """A free ``slot``-byte slot, from a slab with values first, then an empty slab, then a
@@ -179,7 +184,7 @@ class SlabPacker:
                 return
 
     def _new_slab(self, slot: int) -> Slab:
-        memory = self._new_memory(slab_size(slot))
+        memory = self._new_memory(slab_size(slot, self._max_pages))
         count = storage_nbytes(memory) // slot
         # The slots view the memory through numpy's buffer interface: each gets a storage of its
         # own that keeps the slab's memory alive.
