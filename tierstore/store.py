@@ -357,9 +357,7 @@ class TierStore:
         self._engine.require_open()
         t = self._engine.index_of(tier)
         entry = self._engine.visible_entry(key)
-        await self._engine.no_writer(entry, "pop")
-        entry = self._engine.visible_entry(key)
-        if entry.held():
+        if entry.held():  # as delete: a held key (read or write, anyone's) is refused at once
             raise EntryHeldError(f"{key!r} is held; release it before popping it")
         copy = entry.valid(t)
         hit = copy is not None
