@@ -10,7 +10,6 @@ top of it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import os
 import time
@@ -20,10 +19,9 @@ from typing import Any
 
 import torch
 
-from . import holds
+from . import flushing, holds
 from .copies import copy_bytes
 from .disk.catalog import DiskRecord
-from .disk.extents import Extent
 from .entry import Copy, Entry
 from .errors import (
     CorruptionError,
@@ -48,8 +46,6 @@ from .workers import Priority, WorkerPool, wait_uncancelled
 
 TierRef = int | str | Tier | None
 
-#: Values a flush writes at once (enough to keep the disk's queue full).
-FLUSH_CONCURRENCY = 8
 
 
 class Engine:
@@ -303,7 +299,7 @@ class Engine:
         finally:
             self._incoming[t].discard(arriving)
             arriving.set_result(None)
-        self._count_link(source_tier, t, nbytes, time.perf_counter() - started)
+        self.count_link(source_tier, t, nbytes, time.perf_counter() - started)
         if version is None:
             live = self._live_entry(entry, meta)  # type: ignore[arg-type]
             copy = Copy(t, 0, buffer=buffer)
@@ -372,7 +368,7 @@ class Engine:
                 except BaseException:
                     disk.release(extent)
                     raise
-                self._count_link(source_tier, d, meta.nbytes, time.perf_counter() - started)
+                self.count_link(source_tier, d, meta.nbytes, time.perf_counter() - started)
                 new = Copy(d, record_version, extent=extent, checksums=checksums)
                 old = entry.copies.get(d)
                 if old is not None:
@@ -383,105 +379,10 @@ class Engine:
                 return
 
     async def flush_all(self, whole: bool = True) -> None:
-        """Write every entry whose current value is not on the disk tier down to it, and commit
-        them all in one catalog transaction (after a crash the flush is all old or all new).
-
-        Order: room checked first; each value written to a new extent (the old one stays the
-        durable base); one fdatasync per segment; one catalog commit; then the old extents are
-        freed. Sources are in use throughout, so no write hold starts on them meanwhile.
-        ``whole=False`` (closing): when the copy-on-write of everything does not fit at once,
-        write in several transactions, each as large as the free space then (every commit frees
-        the old extents it replaces)."""
-        d = self.disk_index
-        if d is None:
-            return
-        disk = self.disk
-
-        def dirty() -> list[Entry]:
-            return [e for e in self.entries.values() if e.visible and e.valid(d) is None]
-
-        while True:  # wait for others' write holds (the caller's own raise), holding nothing meanwhile
-            for entry in dirty():
-                await self.no_writer(entry, "flush")
-            if not any(entry.writer is not None for entry in dirty()):
-                break
-        plan: list[tuple[Entry, Copy]] = []
-        for entry in sorted(dirty(), key=lambda e: e.key):  # no await from the check to here
-            tiers = entry.readable_tiers()
-            source = entry.valid(tiers[0]) if tiers else None
-            if source is not None:
-                self.use(entry, source)  # no write hold can start on it now
-                plan.append((entry, source))
-        while plan:
-            free = disk.capacity - disk.used
-            sizes = [disk.extent_size(entry.meta.nbytes) for entry, _ in plan]
-            batch = len(plan)
-            if sum(sizes) > free:
-                batch = 0 if whole else next(i for i in range(len(sizes) + 1) if sum(sizes[: i + 1]) > free)
-            if batch == 0:
-                for entry, source in plan:
-                    self.unuse(entry, source)
-                raise TierFullError(
-                    f"flush needs {format_bytes(sum(sizes))} on tier {disk.name!r} for {len(plan)} entries (copy-on-write: "
-                    f"the old values stay until the commit); {format_bytes(free)} of {format_bytes(disk.capacity)} is free. "
-                    + ("Nothing was written." if whole else "What did not fit is still in memory.")
-                )
-            # the write owns the uses from here: a cancelled caller leaves it running
-            await self.shielded(self._flush_plan(disk, d, plan[:batch]))
-            plan = plan[batch:]
-
-    async def _flush_plan(self, disk: DiskTier, d: int, plan: list[tuple[Entry, Copy]]) -> None:
-        """Write and commit ``plan`` (entries with a use taken of their source), then let the
-        sources go."""
-        try:
-            await self._flush_locked(disk, d, plan)
-        finally:
-            for entry, source in plan:
-                self.unuse(entry, source)
-
-    async def _flush_locked(self, disk: DiskTier, d: int, plan: list[tuple[Entry, Copy]]) -> None:
-        async with contextlib.AsyncExitStack() as locks:
-            for entry, _ in plan:  # sorted by key: two flushes never wait for each other in a cycle
-                await locks.enter_async_context(entry.disk_lock)
-            plan = [(e, c) for e, c in plan if self.entries.get(e.key) is e and c.version == e.version and not c.retired]
-            limit = asyncio.Semaphore(FLUSH_CONCURRENCY)
-            written: list[tuple[Entry, Copy, Extent, tuple[int, ...]]] = []
-
-            async def write(entry: Entry, source: Copy) -> None:
-                async with limit:
-                    extent = await disk.allocate(entry.meta.nbytes)
-                    try:
-                        started = time.perf_counter()
-                        checksums = await disk.write(extent, source.buffer, entry.meta.nbytes, Priority.BACKGROUND, sync=False)  # type: ignore[arg-type]
-                    except BaseException:
-                        disk.release(extent)
-                        raise
-                    written.append((entry, source, extent, checksums))
-                    self._count_link(source.tier, d, entry.meta.nbytes, time.perf_counter() - started)
-
-            tasks = [asyncio.ensure_future(write(entry, source)) for entry, source in plan]
-            try:
-                await asyncio.gather(*tasks)
-                await disk.sync_segments({extent.segment for _, _, extent, _ in written})
-                await disk.commit(
-                    [(e.key, DiskRecord(e.key, e.meta, extent, c.version, sums)) for e, c, extent, sums in written]
-                )
-            except BaseException:
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                for _, _, extent, _ in written:
-                    disk.release(extent)
-                raise
-            for entry, source, extent, checksums in written:
-                new = Copy(d, source.version, extent=extent, checksums=checksums)
-                old = entry.copies.get(d)
-                if old is not None:
-                    self.retire(entry, d, old)
-                entry.copies[d] = new
-                self.counters.tier(self.names[source.tier]).writebacks += 1
-                if entry.version == source.version:
-                    self.observe("writeback", entry.key, entry.meta.nbytes, d, hit=None)
+        """Write every value whose newest copy is only in memory to the disk tier, in one
+        catalog transaction (``whole=False``: several when one does not fit); see
+        ``tierstore.flushing``."""
+        await flushing.flush_all(self, whole)
 
     async def delete_entry(self, entry: Entry) -> None:
         if self.disk_index is not None:
@@ -856,7 +757,7 @@ class Engine:
         else:
             counters.misses += 1
 
-    def _count_link(self, source: int | None, target: int, nbytes: int, seconds: float) -> None:
+    def count_link(self, source: int | None, target: int, nbytes: int, seconds: float) -> None:
         name = self.names[source] if source is not None else "caller"
         self.counters.link(name, self.names[target]).add(nbytes, seconds)
         if self.on_transfer is not None:

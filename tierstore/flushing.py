@@ -1,0 +1,131 @@
+"""Flushing: every value whose newest copy is only in memory goes down to the disk tier in
+one catalog transaction (or, when closing and one does not fit, in several).
+
+The order, for crash safety: the room is checked first; each value is written to a new extent
+(its old extent stays the durable base); each data file is synced once; one catalog commit;
+then the old extents are freed. The sources are in use throughout, so no write hold starts on
+them and no eviction frees them while they are read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import TYPE_CHECKING
+
+from .disk.catalog import DiskRecord
+from .disk.extents import Extent
+from .entry import Copy, Entry
+from .errors import TierFullError
+from .units import format_bytes
+from .workers import Priority
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .tiers.disk import DiskTier
+
+#: Values a flush writes at once (enough to keep the disk's queue full).
+FLUSH_CONCURRENCY = 8
+
+
+async def flush_all(engine: Engine, whole: bool = True) -> None:
+    """Write every entry whose current value is not on the disk tier down to it, and commit
+    them all in one catalog transaction (after a crash the flush is all old or all new).
+
+    Order: room checked first; each value written to a new extent (the old one stays the
+    durable base); one fdatasync per segment; one catalog commit; then the old extents are
+    freed. Sources are in use throughout, so no write hold starts on them meanwhile.
+    ``whole=False`` (closing): when the copy-on-write of everything does not fit at once,
+    write in several transactions, each as large as the free space then (every commit frees
+    the old extents it replaces)."""
+    d = engine.disk_index
+    if d is None:
+        return
+    disk = engine.disk
+
+    def dirty() -> list[Entry]:
+        return [e for e in engine.entries.values() if e.visible and e.valid(d) is None]
+
+    while True:  # wait for others' write holds (the caller's own raise), holding nothing meanwhile
+        for entry in dirty():
+            await engine.no_writer(entry, "flush")
+        if not any(entry.writer is not None for entry in dirty()):
+            break
+    plan: list[tuple[Entry, Copy]] = []
+    for entry in sorted(dirty(), key=lambda e: e.key):  # no await from the check to here
+        tiers = entry.readable_tiers()
+        source = entry.valid(tiers[0]) if tiers else None
+        if source is not None:
+            engine.use(entry, source)  # no write hold can start on it now
+            plan.append((entry, source))
+    while plan:
+        free = disk.capacity - disk.used
+        sizes = [disk.extent_size(entry.meta.nbytes) for entry, _ in plan]
+        batch = len(plan)
+        if sum(sizes) > free:
+            batch = 0 if whole else next(i for i in range(len(sizes) + 1) if sum(sizes[: i + 1]) > free)
+        if batch == 0:
+            for entry, source in plan:
+                engine.unuse(entry, source)
+            raise TierFullError(
+                f"flush needs {format_bytes(sum(sizes))} on tier {disk.name!r} for {len(plan)} entries (copy-on-write: "
+                f"the old values stay until the commit); {format_bytes(free)} of {format_bytes(disk.capacity)} is free. "
+                + ("Nothing was written." if whole else "What did not fit is still in memory.")
+            )
+        # the write owns the uses from here: a cancelled caller leaves it running
+        await engine.shielded(_flush_plan(engine, disk, d, plan[:batch]))
+        plan = plan[batch:]
+
+async def _flush_plan(engine: Engine, disk: DiskTier, d: int, plan: list[tuple[Entry, Copy]]) -> None:
+    """Write and commit ``plan`` (entries with a use taken of their source), then let the
+    sources go."""
+    try:
+        await _flush_locked(engine, disk, d, plan)
+    finally:
+        for entry, source in plan:
+            engine.unuse(entry, source)
+
+async def _flush_locked(engine: Engine, disk: DiskTier, d: int, plan: list[tuple[Entry, Copy]]) -> None:
+    async with contextlib.AsyncExitStack() as locks:
+        for entry, _ in plan:  # sorted by key: two flushes never wait for each other in a cycle
+            await locks.enter_async_context(entry.disk_lock)
+        plan = [(e, c) for e, c in plan if engine.entries.get(e.key) is e and c.version == e.version and not c.retired]
+        limit = asyncio.Semaphore(FLUSH_CONCURRENCY)
+        written: list[tuple[Entry, Copy, Extent, tuple[int, ...]]] = []
+
+        async def write(entry: Entry, source: Copy) -> None:
+            async with limit:
+                extent = await disk.allocate(entry.meta.nbytes)
+                try:
+                    started = time.perf_counter()
+                    checksums = await disk.write(extent, source.buffer, entry.meta.nbytes, Priority.BACKGROUND, sync=False)  # type: ignore[arg-type]
+                except BaseException:
+                    disk.release(extent)
+                    raise
+                written.append((entry, source, extent, checksums))
+                engine.count_link(source.tier, d, entry.meta.nbytes, time.perf_counter() - started)
+
+        tasks = [asyncio.ensure_future(write(entry, source)) for entry, source in plan]
+        try:
+            await asyncio.gather(*tasks)
+            await disk.sync_segments({extent.segment for _, _, extent, _ in written})
+            await disk.commit(
+                [(e.key, DiskRecord(e.key, e.meta, extent, c.version, sums)) for e, c, extent, sums in written]
+            )
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for _, _, extent, _ in written:
+                disk.release(extent)
+            raise
+        for entry, source, extent, checksums in written:
+            new = Copy(d, source.version, extent=extent, checksums=checksums)
+            old = entry.copies.get(d)
+            if old is not None:
+                engine.retire(entry, d, old)
+            entry.copies[d] = new
+            engine.counters.tier(engine.names[source.tier]).writebacks += 1
+            if entry.version == source.version:
+                engine.observe("writeback", entry.key, entry.meta.nbytes, d, hit=None)
