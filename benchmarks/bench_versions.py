@@ -26,9 +26,8 @@ HERE = Path(__file__).resolve().parent.parent
 
 def run_bench(tree: Path, scratch: Path, quick: bool, out: Path) -> dict[str, float]:
     """One `tierstore bench` of the code in ``tree``; figures by name (GB/s, or µs for latency)."""
-    command = [sys.executable, "-m", "tierstore.bench.tiers", "--dir", str(scratch), "--json", str(out)]
-    if quick:
-        command.append("--quick")
+    args = ["--dir", str(scratch), "--json", str(out)] + (["--quick"] if quick else [])
+    command = [sys.executable, "-c", f"from tierstore.bench.tiers import main; raise SystemExit(main({args!r}))"]
     env = {**os.environ, "PYTHONPATH": str(tree)}
     subprocess.run(command, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
     result = json.loads(out.read_text())

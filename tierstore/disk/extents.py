@@ -43,6 +43,10 @@ class ExtentAllocator:
     def free_bytes(self) -> int:
         return self.size - self.used
 
+    def free_ranges(self) -> list[tuple[int, int, int]]:
+        """Every free range as ``(segment, offset, length)``."""
+        return [(segment, offset, length) for (segment, offset), length in self._starts.items()]
+
     @property
     def largest_free(self) -> int:
         return self._by_size[-1][0] if self._by_size else 0
