@@ -41,9 +41,9 @@ from ..units import format_bytes, parse_bytes, round_up
 from ..workers import Priority, WorkerPool
 from .base import Tier
 
-#: Freed space given back to the file system once it grows by this much (or a quarter of the
-#: files) since the last time (``DiskTier.release``).
-PUNCH_AFTER = 64 << 20
+#: Freed space is given back to the file system once this much was freed since the last time
+#: and three quarters of the files are free (``DiskTier.release``), and on close.
+PUNCH_AFTER = 16 << 20
 #: Size of the first segment file; each next one is twice the last, up to ``segment_size``.
 FIRST_SEGMENT = 16 << 20
 #: What a tierstore folder holds before its catalog exists (a crash during the first open).
@@ -393,12 +393,12 @@ class DiskTier(Tier):
         if self._files is None:
             return
         # Punching every freed extent at once halved the speed of overwrites (the file system
-        # allocates the blocks again on the next write). Freed extents are given back once they
-        # add up to a quarter of the files (at least PUNCH_AFTER): a store that overwrites keeps
-        # its blocks, a store that empties returns them.
+        # allocates the blocks again on the next write). Freed extents are given back when the
+        # store has mostly emptied (and on close): copy-on-write overwrites keep at most about
+        # half of the files free and keep their blocks; a store that empties returns them.
         self._released.append(extent)
         self._released_bytes += extent.length
-        if self._released_bytes > max(PUNCH_AFTER, self._allocator.size // 4):
+        if self._released_bytes >= PUNCH_AFTER and self._allocator.free_bytes > self._allocator.size * 3 // 4:
             self._punch_released()
         if not self._allocator.removable_tail():
             return

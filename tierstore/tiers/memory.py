@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ..tensors import ALIGNMENT, mapped_empty
+from ..tensors import ALIGNMENT, page_empty
 from ..units import round_up
 from .base import MemoryTier
 
@@ -66,7 +66,7 @@ class DeviceTier(MemoryTier):
     def _new_buffer(self, size: int) -> torch.Tensor:
         if self.is_cuda:
             return torch.empty(size, dtype=torch.uint8, device=self._device)
-        return mapped_empty(size)
+        return page_empty(size)
 
 
 class HostTier(MemoryTier):
@@ -108,4 +108,4 @@ class HostTier(MemoryTier):
     def _new_buffer(self, size: int) -> torch.Tensor:
         # Pinned buffers are mappings of our own, page-locked, rather than blocks of torch's
         # caching host allocator, which rounds every block up to a power of two.
-        return mapped_empty(size, pin_memory=self._pinned)
+        return page_empty(size, pin_memory=self._pinned)
