@@ -47,6 +47,22 @@ from .workers import Priority, WorkerPool, wait_uncancelled
 TierRef = int | str | Tier | None
 
 
+class _Process:
+    """This process's pid, kept current across ``fork`` (every verb compares it: a cached value
+    spares a system call on the hot path)."""
+
+    pid = os.getpid()
+
+    @classmethod
+    def forked(cls) -> None:
+        cls.pid = os.getpid()
+
+
+_process = _Process
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_Process.forked)
+
+
 
 class Engine:
     """State and moves of a tiered store (see the module docstring); use ``TierStore``."""
@@ -706,7 +722,7 @@ class Engine:
     def require_open(self) -> None:
         if not self.is_open:
             raise StoreClosedError("the store is not open: use 'async with TierStore(...)' or 'await store.open()'")
-        if self._pid != os.getpid():
+        if self._pid != _process.pid:
             raise StoreForkedError(
                 f"this store was opened by process {self._pid}; a forked child (pid {os.getpid()}) cannot use it: "
                 "open a store of its own in the child"

@@ -237,7 +237,7 @@ class TierStore:
         src = as_bytes(tensor)
         targets = [self._engine.index_of(tier)] if tier is not None else list(range(len(self._engine.tiers)))
         entry = self._engine.entries.get(key)
-        if entry is not None:
+        if entry is not None and entry.writer is not None:
             await self._engine.no_writer(entry, "put")
             entry = self._engine.entries.get(key)
         if entry is None:
@@ -322,8 +322,9 @@ class TierStore:
         device = self._engine.tiers[t].device if isinstance(self._engine.tiers[t], MemoryTier) else torch.device("cpu")  # type: ignore[attr-defined]
         if out is not None:
             _check_out(out, entry.meta, device)
-        await self._engine.no_writer(entry, "get")
-        entry = self._engine.visible_entry(key)
+        if entry.writer is not None:  # (checked here first: this is the hot path of a hit)
+            await self._engine.no_writer(entry, "get")
+            entry = self._engine.visible_entry(key)
         copy = entry.valid(t)
         hit = copy is not None
         self._engine.count_access(t, hit, entry)
@@ -396,8 +397,10 @@ class TierStore:
         (for snapshots and inspection: no promotion, no eviction, no hit or miss counted)."""
         self._engine.require_open()
         entry = self._engine.visible_entry(key)
-        await self._engine.no_writer(entry, "read")
-        return await self._engine.read_uncached(self._engine.visible_entry(key), torch.device("cpu"))
+        if entry.writer is not None:
+            await self._engine.no_writer(entry, "read")
+            entry = self._engine.visible_entry(key)
+        return await self._engine.read_uncached(entry, torch.device("cpu"))
 
     async def export_zarr(self, path: str | Path, overwrite: bool = False) -> int:
         """Write every entry as a zarr v3 array under ``path`` (see ``tierstore.snapshot``)."""
@@ -445,8 +448,9 @@ class TierStore:
         if not isinstance(self._engine.tiers[t], MemoryTier):
             raise UnknownTierError(f"hold needs a memory tier; {self._engine.names[t]!r} is a {self._engine.tiers[t].kind} tier")
         entry = self._engine.visible_entry(key)
-        await self._engine.no_writer(entry, "hold")
-        entry = self._engine.visible_entry(key)
+        if entry.writer is not None:
+            await self._engine.no_writer(entry, "hold")
+            entry = self._engine.visible_entry(key)
         hit = entry.valid(t) is not None
         self._engine.count_access(t, hit, entry)
         self._engine.observe("hold", key, entry.meta.nbytes, t, hit=hit)
