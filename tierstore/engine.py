@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from . import flushing, holds
+from . import eviction, flushing, holds
 from .copies import copy_bytes
 from .disk.catalog import DiskRecord
 from .entry import Copy, Entry
@@ -29,7 +29,6 @@ from .errors import (
     KeyNotFoundError,
     StoreClosedError,
     StoreForkedError,
-    TierFullError,
     TierStoreError,
     UnknownTierError,
 )
@@ -41,7 +40,6 @@ from .tensors import TensorMeta, aligned_empty, as_bytes, from_bytes
 from .tiers.base import MemoryTier, Tier
 from .tiers.disk import DiskTier
 from .tracing import TraceRecorder
-from .units import format_bytes
 from .workers import Priority, WorkerPool, wait_uncancelled
 
 TierRef = int | str | Tier | None
@@ -81,10 +79,11 @@ class Engine:
         self.cpu = WorkerPool(cpu_threads, "cpu")
         self.entries: dict[str, Entry] = {}
         self.versions = itertools.count(1)
-        self._freeing = [0] * len(self._tiers)
+        #: Bytes per tier that demotions under way will free (``tierstore.eviction``).
+        self.freeing = [0] * len(self._tiers)
         self.demotions: list[set[asyncio.Task[None]]] = [set() for _ in self._tiers]
         #: Buffers allocated on a tier and being filled (they become evictable copies when done).
-        self._incoming: list[set[asyncio.Future[None]]] = [set() for _ in self._tiers]
+        self.incoming: list[set[asyncio.Future[None]]] = [set() for _ in self._tiers]
         self.background: set[asyncio.Task[Any]] = set()
         #: Writes that must finish even if their caller is cancelled (disk puts, write-backs);
         #: ``aclose`` drains them.
@@ -302,18 +301,18 @@ class Engine:
         if not isinstance(tier, MemoryTier):
             raise UnknownTierError(f"tier {tier.name!r} holds no buffers")
         nbytes = (meta or entry.meta).nbytes
-        await self._make_room(t, nbytes, priority)
+        await eviction.make_room(self, t, nbytes, priority)
         buffer = tier.allocate(nbytes)
         started = time.perf_counter()
         arriving = asyncio.get_running_loop().create_future()
-        self._incoming[t].add(arriving)
+        self.incoming[t].add(arriving)
         try:
             await fill(buffer, priority)
         except BaseException:
             tier.release(buffer)
             raise
         finally:
-            self._incoming[t].discard(arriving)
+            self.incoming[t].discard(arriving)
             arriving.set_result(None)
         self.count_link(source_tier, t, nbytes, time.perf_counter() - started)
         if version is None:
@@ -322,14 +321,14 @@ class Engine:
             self.new_version(live, keep=None, meta=meta)
             copy.version = live.version
             live.copies[t] = copy
-            self._policy_insert(live, copy)
+            self.policy_insert(live, copy)
             return
         if self.entries.get(entry.key) is not entry or entry.version != version or entry.valid(t) is not None:
             tier.release(buffer)  # the value changed meanwhile: this copy is stale
             return
         copy = Copy(t, version, buffer=buffer)
         entry.copies[t] = copy
-        self._policy_insert(entry, copy)
+        self.policy_insert(entry, copy)
 
     async def write_back(self, entry: Entry, source: Copy, priority: Priority, target: int | None = None) -> None:
         """Write ``source`` (a memory copy the caller uses) to ``target`` (default: one tier down)."""
@@ -413,149 +412,6 @@ class Engine:
         elif self.entries.get(entry.key) is entry:
             self._remove(entry)
 
-    # -- room ------------------------------------------------------------------------------------
-
-    async def _make_room(self, t: int, nbytes: int, priority: Priority) -> None:
-        """Evict from tier ``t`` until a value of ``nbytes`` can be allocated there.
-
-        Victims are chosen in the policy's order until their sizes cover the shortfall. Victims
-        written back into a slower *memory* tier are then demoted one after another (each
-        arrival there is an insert into that tier's policy, which must come in the order of the
-        choices); write-backs to the disk run concurrently. Returns once every demotion it started has finished, so the tiers
-        look, when the request goes on, as the policy decided (and as the simulator replays)."""
-        tier = self._tiers[t]
-        if not isinstance(tier, MemoryTier):
-            raise UnknownTierError(f"tier {tier.name!r} holds no buffers")
-        if tier.value_size(nbytes) > tier.capacity:
-            raise TierFullError(
-                f"{format_bytes(nbytes)} is more than tier {tier.name!r} holds ({format_bytes(tier.capacity)})"
-            )
-        while tier.free < tier.allocation_size(nbytes):  # checked last with no await before allocate
-            await self._evict_for(tier, t, nbytes, priority)
-
-    async def _evict_for(self, tier: MemoryTier, t: int, nbytes: int, priority: Priority) -> None:
-        one_at_a_time = t + 1 < len(self._tiers) and isinstance(self._tiers[t + 1], MemoryTier)
-        mine: list[asyncio.Task[None]] = []
-        try:
-            while tier.free < (size := tier.allocation_size(nbytes)):
-                deficit = size - tier.free - self._freeing[t]
-                batch: list[tuple[Entry, Copy]] = []
-                while deficit > 0:
-                    victim = self._next_victim(t)
-                    if victim is None:
-                        break
-                    self.use(*victim)
-                    deficit -= victim[1].nbytes
-                    batch.append(victim)
-                started: list[asyncio.Task[None]] = []
-                try:
-                    for entry, copy in batch:
-                        task = self._start_demotion(entry, t, copy, priority)
-                        started.append(task)
-                        mine.append(task)
-                        if one_at_a_time:
-                            await asyncio.wait([task])
-                finally:
-                    for entry, copy in batch[len(started) :]:  # cancelled before their turn: they stay
-                        self.unuse(entry, copy)
-                        self._policy_insert(entry, copy)
-                if started:  # the whole batch goes before room is asked again (as the replay)
-                    await asyncio.wait(started)
-                for task in mine:
-                    _raise_failed(tier, task)
-                if batch:
-                    continue  # (evicting packed values frees room only when a slab empties)
-                pending = self.demotions[t] | self._incoming[t]  # both end with room or a victim
-                if not pending:
-                    if tier.free >= tier.allocation_size(nbytes):
-                        continue
-                    held = sum(c.nbytes for e in self.entries.values() if (c := e.copies.get(t)) is not None and c.users)
-                    raise TierFullError(
-                        f"tier {tier.name!r} cannot make room for {format_bytes(nbytes)}: {format_bytes(tier.free)} free, "
-                        f"{format_bytes(held)} held or in transfer"
-                    )
-                await asyncio.wait(list(pending), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if any(not task.done() for task in mine):
-                await asyncio.wait(mine)  # (they run on even if the request is cancelled)
-        for task in mine:
-            _raise_failed(tier, task)
-
-    def _next_victim(self, t: int) -> tuple[Entry, Copy] | None:
-        """The copy the tier's policy chooses among those no one uses or holds."""
-        policy = self.policies[t]
-        if policy is None:
-            return None
-        entries = self.entries
-
-        below = self._tiers[t + 1] if t + 1 < len(self._tiers) else None
-        # The last tier, if a memory tier, evicts nothing: a victim that would be written back
-        # into it must fit there, or the request fails having changed nothing.
-        last_memory = below if isinstance(below, MemoryTier) and self.policies[t + 1] is None else None
-
-        def evictable(key: str) -> bool:
-            entry = entries.get(key)
-            copy = entry.copies.get(t) if entry is not None else None
-            if copy is None:
-                return True
-            if copy.users or not copy.in_policy:
-                return False
-            if last_memory is None or entry.valid(t + 1) is not None:  # type: ignore[union-attr]
-                return True
-            return last_memory.free >= last_memory.allocation_size(entry.meta.nbytes)  # type: ignore[union-attr]
-
-        while True:
-            key = policy.victim(evictable)
-            if key is None:
-                return None
-            entry = self.entries.get(key)
-            copy = entry.copies.get(t) if entry is not None else None
-            if entry is None or copy is None or not copy.in_policy:
-                continue  # the policy knew a key the store no longer has here
-            copy.in_policy = False  # victim() has forgotten it already
-            if self.trace is not None:
-                self.trace.evicted(key, copy.nbytes, t)
-            return entry, copy
-
-    def _start_demotion(self, entry: Entry, t: int, copy: Copy, priority: Priority) -> asyncio.Task[None]:
-        size = copy.nbytes
-        self._freeing[t] += size
-        task = asyncio.ensure_future(self._demote(entry, t, copy, priority))
-        self.demotions[t].add(task)
-
-        def finished(task: asyncio.Task[None]) -> None:
-            self._freeing[t] -= size
-            self.demotions[t].discard(task)
-            if not task.cancelled():
-                task.exception()  # retrieved: the requester reports it
-
-        task.add_done_callback(finished)
-        return task
-
-    async def _demote(self, entry: Entry, t: int, copy: Copy, priority: Priority) -> None:
-        """Move ``copy`` (already in use by us) off tier ``t``: write it back one tier down
-        unless a slower tier holds the value already, then drop it.
-
-        The task starts a moment after the copy was chosen; if a hold took the copy meanwhile,
-        or takes it during the write-back, the copy stays (a held buffer may be changing, and
-        a write hold makes it the only current value)."""
-        try:
-            if copy.holds or copy.users > 1:
-                return  # taken meanwhile: it stays
-            version = copy.version
-            current = self.entries.get(entry.key) is entry and version == entry.version
-            if current and not any(s > t for s in entry.valid_tiers()):
-                if t + 1 >= len(self._tiers):
-                    raise TierFullError(f"tier {self.names[t]!r} is the last tier; nothing can be evicted from it")
-                await self.write_back(entry, copy, priority)
-            if entry.copies.get(t) is copy and copy.holds == 0 and copy.version == version:
-                self.retire(entry, t, copy)
-                self.counters.tier(self.names[t]).evictions += 1
-        finally:
-            self.unuse(entry, copy)
-            if not copy.retired and entry.copies.get(t) is copy:
-                self._policy_insert(entry, copy)  # it stayed: the policy knows it again
-
     # -- residency bookkeeping (the only places that change copies) --------------------------------
 
     def new_version(self, entry: Entry, keep: Copy | None, meta: TensorMeta | None = None, version: int | None = None) -> None:
@@ -604,7 +460,7 @@ class Engine:
             self._free(copy)
         entry.wake()
 
-    def _policy_insert(self, entry: Entry, copy: Copy) -> None:
+    def policy_insert(self, entry: Entry, copy: Copy) -> None:
         policy = self.policies[copy.tier]
         if policy is not None and copy.buffer is not None and not copy.in_policy:
             policy.on_insert(entry.key, copy.nbytes)
@@ -790,12 +646,6 @@ class Engine:
         if op in ("get", "hold", "put", "pop") and t is not None and self.issuer is not None:
             self.prefetch_policy.on_access(key, nbytes, self.names[t], bool(hit))
             self.issuer.follow(self.prefetch_policy.suggest(), t)
-
-
-def _raise_failed(tier: Tier, task: asyncio.Task[None]) -> None:
-    """Raise ``TierFullError`` if the demotion ``task`` ended with an error."""
-    if task.done() and not task.cancelled() and task.exception() is not None:
-        raise TierFullError(f"cannot make room on tier {tier.name!r}: {task.exception()}") from task.exception()
 
 
 def _check_tiers(tiers: Sequence[Tier]) -> list[Tier]:

@@ -1,0 +1,172 @@
+"""Room on a memory tier: victims chosen by the tier's policy and demoted one tier down.
+
+Victims are chosen in the policy's order until their sizes cover the shortfall, among the copies
+no one uses or holds (and, above a last memory tier that evicts nothing, only those that fit
+there). Victims written back into a slower *memory* tier are demoted one after another (each
+arrival there is an insert into that tier's policy, which must come in the order of the choices);
+write-backs to the disk run concurrently. A batch finishes before room is asked again, and the
+room check is the last thing before the caller allocates: the tiers then look as the policy
+decided, and as ``tierstore.sim.replay_store_trace`` replays.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from .entry import Copy, Entry
+from .errors import TierFullError, UnknownTierError
+from .tiers.base import MemoryTier, Tier
+from .units import format_bytes
+from .workers import Priority
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+async def make_room(engine: Engine, t: int, nbytes: int, priority: Priority) -> None:
+    """Evict from tier ``t`` until a value of ``nbytes`` can be allocated there.
+
+    Victims are chosen in the policy's order until their sizes cover the shortfall. Victims
+    written back into a slower *memory* tier are then demoted one after another (each
+    arrival there is an insert into that tier's policy, which must come in the order of the
+    choices); write-backs to the disk run concurrently. Returns once every demotion it started has finished, so the tiers
+    look, when the request goes on, as the policy decided (and as the simulator replays)."""
+    tier = engine.tiers[t]
+    if not isinstance(tier, MemoryTier):
+        raise UnknownTierError(f"tier {tier.name!r} holds no buffers")
+    if tier.value_size(nbytes) > tier.capacity:
+        raise TierFullError(
+            f"{format_bytes(nbytes)} is more than tier {tier.name!r} holds ({format_bytes(tier.capacity)})"
+        )
+    while tier.free < tier.allocation_size(nbytes):  # checked last with no await before allocate
+        await _evict_for(engine, tier, t, nbytes, priority)
+
+async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, priority: Priority) -> None:
+    one_at_a_time = t + 1 < len(engine.tiers) and isinstance(engine.tiers[t + 1], MemoryTier)
+    mine: list[asyncio.Task[None]] = []
+    try:
+        while tier.free < (size := tier.allocation_size(nbytes)):
+            deficit = size - tier.free - engine.freeing[t]
+            batch: list[tuple[Entry, Copy]] = []
+            while deficit > 0:
+                victim = _next_victim(engine, t)
+                if victim is None:
+                    break
+                engine.use(*victim)
+                deficit -= victim[1].nbytes
+                batch.append(victim)
+            started: list[asyncio.Task[None]] = []
+            try:
+                for entry, copy in batch:
+                    task = _start_demotion(engine, entry, t, copy, priority)
+                    started.append(task)
+                    mine.append(task)
+                    if one_at_a_time:
+                        await asyncio.wait([task])
+            finally:
+                for entry, copy in batch[len(started) :]:  # cancelled before their turn: they stay
+                    engine.unuse(entry, copy)
+                    engine.policy_insert(entry, copy)
+            if started:  # the whole batch goes before room is asked again (as the replay)
+                await asyncio.wait(started)
+            for task in mine:
+                _raise_failed(tier, task)
+            if batch:
+                continue  # (evicting packed values frees room only when a slab empties)
+            pending = engine.demotions[t] | engine.incoming[t]  # both end with room or a victim
+            if not pending:
+                if tier.free >= tier.allocation_size(nbytes):
+                    continue
+                held = sum(c.nbytes for e in engine.entries.values() if (c := e.copies.get(t)) is not None and c.users)
+                raise TierFullError(
+                    f"tier {tier.name!r} cannot make room for {format_bytes(nbytes)}: {format_bytes(tier.free)} free, "
+                    f"{format_bytes(held)} held or in transfer"
+                )
+            await asyncio.wait(list(pending), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if any(not task.done() for task in mine):
+            await asyncio.wait(mine)  # (they run on even if the request is cancelled)
+    for task in mine:
+        _raise_failed(tier, task)
+
+def _next_victim(engine: Engine, t: int) -> tuple[Entry, Copy] | None:
+    """The copy the tier's policy chooses among those no one uses or holds."""
+    policy = engine.policies[t]
+    if policy is None:
+        return None
+    entries = engine.entries
+
+    below = engine.tiers[t + 1] if t + 1 < len(engine.tiers) else None
+    # The last tier, if a memory tier, evicts nothing: a victim that would be written back
+    # into it must fit there, or the request fails having changed nothing.
+    last_memory = below if isinstance(below, MemoryTier) and engine.policies[t + 1] is None else None
+
+    def evictable(key: str) -> bool:
+        entry = entries.get(key)
+        copy = entry.copies.get(t) if entry is not None else None
+        if copy is None:
+            return True
+        if copy.users or not copy.in_policy:
+            return False
+        if last_memory is None or entry.valid(t + 1) is not None:  # type: ignore[union-attr]
+            return True
+        return last_memory.free >= last_memory.allocation_size(entry.meta.nbytes)  # type: ignore[union-attr]
+
+    while True:
+        key = policy.victim(evictable)
+        if key is None:
+            return None
+        entry = engine.entries.get(key)
+        copy = entry.copies.get(t) if entry is not None else None
+        if entry is None or copy is None or not copy.in_policy:
+            continue  # the policy knew a key the store no longer has here
+        copy.in_policy = False  # victim() has forgotten it already
+        if engine.trace is not None:
+            engine.trace.evicted(key, copy.nbytes, t)
+        return entry, copy
+
+def _start_demotion(engine: Engine, entry: Entry, t: int, copy: Copy, priority: Priority) -> asyncio.Task[None]:
+    size = copy.nbytes
+    engine.freeing[t] += size
+    task = asyncio.ensure_future(_demote(engine, entry, t, copy, priority))
+    engine.demotions[t].add(task)
+
+    def finished(task: asyncio.Task[None]) -> None:
+        engine.freeing[t] -= size
+        engine.demotions[t].discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: the requester reports it
+
+    task.add_done_callback(finished)
+    return task
+
+async def _demote(engine: Engine, entry: Entry, t: int, copy: Copy, priority: Priority) -> None:
+    """Move ``copy`` (already in use by us) off tier ``t``: write it back one tier down
+    unless a slower tier holds the value already, then drop it.
+
+    The task starts a moment after the copy was chosen; if a hold took the copy meanwhile,
+    or takes it during the write-back, the copy stays (a held buffer may be changing, and
+    a write hold makes it the only current value)."""
+    try:
+        if copy.holds or copy.users > 1:
+            return  # taken meanwhile: it stays
+        version = copy.version
+        current = engine.entries.get(entry.key) is entry and version == entry.version
+        if current and not any(s > t for s in entry.valid_tiers()):
+            if t + 1 >= len(engine.tiers):
+                raise TierFullError(f"tier {engine.names[t]!r} is the last tier; nothing can be evicted from it")
+            await engine.write_back(entry, copy, priority)
+        if entry.copies.get(t) is copy and copy.holds == 0 and copy.version == version:
+            engine.retire(entry, t, copy)
+            engine.counters.tier(engine.names[t]).evictions += 1
+    finally:
+        engine.unuse(entry, copy)
+        if not copy.retired and entry.copies.get(t) is copy:
+            engine.policy_insert(entry, copy)  # it stayed: the policy knows it again
+
+
+def _raise_failed(tier: Tier, task: asyncio.Task[None]) -> None:
+    """Raise ``TierFullError`` if the demotion ``task`` ended with an error."""
+    if task.done() and not task.cancelled() and task.exception() is not None:
+        raise TierFullError(f"cannot make room on tier {tier.name!r}: {task.exception()}") from task.exception()
