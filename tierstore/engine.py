@@ -268,18 +268,19 @@ class Engine:
     async def cache_copy(self, entry: Entry, t: int, src: torch.Tensor) -> None:
         """Copy ``src`` (the bytes of ``entry``'s current value) onto memory tier ``t`` as a copy
         of that version; dropped if the value changes meanwhile."""
-        meta = entry.meta
-
-        async def fill(buffer: torch.Tensor, priority: Priority) -> None:
-            await self._copy(buffer[: meta.nbytes], src, priority)
-
-        await self._write_memory(entry, t, entry.version, fill, Priority.DEMAND, source_tier=None)
+        await self._write_memory(entry, t, entry.version, self._copier(src), Priority.DEMAND, source_tier=None)
 
     async def put_memory(self, entry: Entry, t: int, src: torch.Tensor, meta: TensorMeta) -> None:
-        async def fill(buffer: torch.Tensor, priority: Priority) -> None:
-            await self._copy(buffer[: meta.nbytes], src, priority)
+        """Copy ``src`` onto memory tier ``t`` as the new value of ``entry``."""
+        await self._write_memory(entry, t, None, self._copier(src), Priority.DEMAND, meta=meta, source_tier=None)
 
-        await self._write_memory(entry, t, None, fill, Priority.DEMAND, meta=meta, source_tier=None)
+    def _copier(self, src: torch.Tensor) -> Callable[[torch.Tensor, Priority], Awaitable[None]]:
+        """A coroutine function that fills a buffer with the bytes of ``src``."""
+
+        async def fill(buffer: torch.Tensor, priority: Priority) -> None:
+            await self._copy(buffer[: src.numel()], src, priority)
+
+        return fill
 
     async def _write_memory(
         self,
