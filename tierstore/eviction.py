@@ -25,13 +25,8 @@ if TYPE_CHECKING:
 
 
 async def make_room(engine: Engine, t: int, nbytes: int, priority: Priority) -> None:
-    """Evict from tier ``t`` until a value of ``nbytes`` can be allocated there.
-
-    Victims are chosen in the policy's order until their sizes cover the shortfall. Victims
-    written back into a slower *memory* tier are then demoted one after another (each
-    arrival there is an insert into that tier's policy, which must come in the order of the
-    choices); write-backs to the disk run concurrently. Returns once every demotion it started has finished, so the tiers
-    look, when the request goes on, as the policy decided (and as the simulator replays)."""
+    """Evict from tier ``t`` until a value of ``nbytes`` can be allocated there (the rules are
+    the module's); returns once every demotion it started has finished."""
     tier = engine.tiers[t]
     if not isinstance(tier, MemoryTier):
         raise UnknownTierError(f"tier {tier.name!r} holds no buffers")
@@ -41,6 +36,7 @@ async def make_room(engine: Engine, t: int, nbytes: int, priority: Priority) -> 
         )
     while tier.free < tier.allocation_size(nbytes):  # checked last with no await before allocate
         await _evict_for(engine, tier, t, nbytes, priority)
+
 
 async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, priority: Priority) -> None:
     one_at_a_time = t + 1 < len(engine.tiers) and isinstance(engine.tiers[t + 1], MemoryTier)
