@@ -21,6 +21,7 @@ import torch
 
 from . import eviction, flushing, holds
 from .copies import copy_bytes
+from .device import TO_DEVICE, TO_HOST, Link, link_for
 from .disk.catalog import DiskRecord
 from .entry import Copy, Entry
 from .errors import (
@@ -212,13 +213,14 @@ class Engine:
         self.hit(entry, source)
         self.use(entry, source)
         try:
-            fill = self._filler(entry, source)
+            fill = self._filler(entry, source, t)
             await self._write_memory(entry, t, version, fill, priority, source_tier=sources[0])
         finally:
             self.unuse(entry, source)
 
-    def _filler(self, entry: Entry, source: Copy) -> Callable[[torch.Tensor, Priority], Awaitable[None]]:
-        """A coroutine function that fills a buffer with ``source``'s bytes."""
+    def _filler(self, entry: Entry, source: Copy, target: int | None) -> Callable[[torch.Tensor, Priority], Awaitable[None]]:
+        """A coroutine function that fills a buffer (on tier ``target``, or the caller's with
+        None) with ``source``'s bytes."""
         meta = entry.meta
         if source.extent is not None:
             record = DiskRecord(entry.key, meta, source.extent, source.version, source.checksums)
@@ -229,7 +231,7 @@ class Engine:
             return from_disk
 
         async def from_memory(buffer: torch.Tensor, priority: Priority) -> None:
-            await self._copy(buffer[: meta.nbytes], source.buffer[: meta.nbytes], priority)  # type: ignore[index]
+            await self._copy(buffer[: meta.nbytes], source.buffer[: meta.nbytes], priority, self._crossing(source.tier, target))  # type: ignore[index]
 
         return from_memory
 
@@ -254,11 +256,11 @@ class Engine:
         try:
             if out is None and device.type == "cpu":
                 buffer = aligned_empty(meta.nbytes)
-                await self._filler(entry, source)(buffer, Priority.DEMAND)
+                await self._filler(entry, source, None)(buffer, Priority.DEMAND)
                 return from_bytes(buffer, meta)
             if out is None:
                 out = torch.empty(meta.shape, dtype=meta.dtype, device=device)
-            await self._filler(entry, source)(as_bytes(out), Priority.DEMAND)
+            await self._filler(entry, source, None)(as_bytes(out), Priority.DEMAND)
             return out
         finally:
             self.unuse(entry, source)
@@ -268,17 +270,23 @@ class Engine:
     async def cache_copy(self, entry: Entry, t: int, src: torch.Tensor) -> None:
         """Copy ``src`` (the bytes of ``entry``'s current value) onto memory tier ``t`` as a copy
         of that version; dropped if the value changes meanwhile."""
-        await self._write_memory(entry, t, entry.version, self._copier(src), Priority.DEMAND, source_tier=None)
+        await self._write_memory(entry, t, entry.version, self._copier(src, t), Priority.DEMAND, source_tier=None)
 
     async def put_memory(self, entry: Entry, t: int, src: torch.Tensor, meta: TensorMeta) -> None:
         """Copy ``src`` onto memory tier ``t`` as the new value of ``entry``."""
-        await self._write_memory(entry, t, None, self._copier(src), Priority.DEMAND, meta=meta, source_tier=None)
+        await self._write_memory(entry, t, None, self._copier(src, t), Priority.DEMAND, meta=meta, source_tier=None)
 
-    def _copier(self, src: torch.Tensor) -> Callable[[torch.Tensor, Priority], Awaitable[None]]:
-        """A coroutine function that fills a buffer with the bytes of ``src``."""
+    async def put_filled(self, entry: Entry, t: int, fill: Callable[[torch.Tensor, Priority], Awaitable[None]], meta: TensorMeta) -> None:
+        """A new value of ``entry`` on memory tier ``t``, written into its buffer by ``fill``."""
+        await self._write_memory(entry, t, None, fill, Priority.DEMAND, meta=meta, source_tier=None)
+
+    def _copier(self, src: torch.Tensor, target: int) -> Callable[[torch.Tensor, Priority], Awaitable[None]]:
+        """A coroutine function that fills a buffer on tier ``target`` with the bytes of ``src``
+        (the caller's memory)."""
+        crossing = self._crossing(None, target)
 
         async def fill(buffer: torch.Tensor, priority: Priority) -> None:
-            await self._copy(buffer[: src.numel()], src, priority)
+            await self._copy(buffer[: src.numel()], src, priority, crossing)
 
         return fill
 
@@ -340,7 +348,7 @@ class Engine:
         if below == self.disk_index:
             await self.write_disk(entry, buffer, entry.meta, source.version, priority, source_tier=source.tier)
         else:
-            await self._write_memory(entry, below, source.version, self._filler(entry, source), priority, source_tier=source.tier)
+            await self._write_memory(entry, below, source.version, self._filler(entry, source, below), priority, source_tier=source.tier)
         self.counters.tier(self.names[source.tier]).writebacks += 1
 
     async def write_disk(
@@ -587,13 +595,26 @@ class Engine:
         if self.closing:
             raise StoreClosedError("the store is closing")
 
-    async def _copy(self, dst: torch.Tensor, src: torch.Tensor, priority: Priority) -> None:
-        stream = None
-        for tier in self._tiers:
-            if getattr(tier, "is_cuda", False):
-                stream = tier.copy_in_stream if dst.device.type == "cuda" else tier.copy_out_stream  # type: ignore[attr-defined]
-                break
-        await copy_bytes(dst, src, pool=self.cpu, stream=stream, priority=priority)
+    def _crossing(self, source: int | None, target: int | None) -> tuple[Link, str] | None:
+        """The link a copy from tier ``source`` to tier ``target`` crosses (None: the caller's
+        memory), with its direction; None when it crosses none (host to host)."""
+        for t, direction in ((target, TO_DEVICE), (source, TO_HOST)):
+            link = getattr(self._tiers[t], "link", None) if t is not None else None
+            if link is not None and not (source is not None and target is not None and source == target):
+                return link, direction
+        return None
+
+    async def _copy(self, dst: torch.Tensor, src: torch.Tensor, priority: Priority, crossing: tuple[Link, str] | None = None) -> None:
+        """Copy bytes: over ``crossing``'s link if given, over a CUDA device's link if either side
+        is on one, else on the CPU."""
+        if crossing is None and (dst.is_cuda or src.is_cuda):
+            link = link_for(dst.device if dst.is_cuda else src.device)
+            crossing = (link, TO_DEVICE if dst.is_cuda else TO_HOST)
+        if crossing is None:
+            await copy_bytes(dst, src, pool=self.cpu, priority=priority)
+            return
+        link, direction = crossing
+        await (link.to_device(dst, src) if direction == TO_DEVICE else link.to_host(dst, src))
 
     def _track(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
         """Start ``coro`` as a write that ``aclose`` waits for."""

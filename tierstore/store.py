@@ -21,6 +21,7 @@ from .errors import (
     InvalidTensorError,
     StoreClosedError,
     TierFullError,
+    TierStoreError,
     UnknownTierError,
 )
 from .keys import check_key, is_reserved
@@ -34,6 +35,10 @@ from .units import format_bytes
 from .workers import Priority
 
 __all__ = ["TierRef", "TierStore"]
+
+
+class _FillAbandoned(Exception):
+    """The block filling a value raised: its buffer is freed, the old value stays."""
 
 
 class TierStore:
@@ -303,6 +308,93 @@ class TierStore:
         committed; either way ``src`` is no longer read."""
         abandon = asyncio.Event()
         await self._engine.shielded(self._engine.write_disk(entry, src, meta, None, Priority.DEMAND, abandon=abandon), abandon)
+
+    def fill(
+        self, key: str, shape: Sequence[int], dtype: torch.dtype, tier: TierRef = None, *, durable: bool | None = None
+    ) -> AbstractAsyncContextManager[torch.Tensor]:
+        """A put whose bytes the caller writes in place: an async context manager giving an
+        uninitialised tensor of ``shape`` and ``dtype`` in a buffer on memory tier ``tier``
+        (default: the fastest with room), which becomes ``key``'s value when the block ends
+        without an error. If the block raises (or is cancelled), nothing changes and the buffer
+        is freed. For producers that write the value themselves, such as a copy over a device
+        link, instead of handing ``put`` a tensor to copy. ``durable`` as in ``put`` (a durable
+        value is filled in a staging buffer and then written through)."""
+        return self._fill(key, tuple(int(d) for d in shape), dtype, tier, durable)
+
+    @asynccontextmanager
+    async def _fill(self, key: str, shape: tuple[int, ...], dtype: torch.dtype, tier: TierRef, durable: bool | None) -> AsyncIterator[torch.Tensor]:
+        engine = self._engine
+        engine.require_open()
+        key = check_key(key)
+        if not isinstance(dtype, torch.dtype) or any(d < 0 for d in shape):
+            raise InvalidTensorError(f"fill needs a torch.dtype and a shape of non-negative sizes, not {dtype!r}, {shape!r}")
+        meta = TensorMeta(dtype, shape)
+        through = self.durable if durable is None else bool(durable)
+        targets = [engine.index_of(tier)] if tier is not None else [t for t, x in enumerate(engine.tiers) if isinstance(x, MemoryTier)]
+        if not targets or not all(isinstance(engine.tiers[t], MemoryTier) for t in targets):
+            raise UnknownTierError(f"fill writes into a memory tier; {self._engine.names[targets[0]] if targets else 'this store'!r} has none")
+        if through:
+            staged = torch.empty(shape, dtype=dtype)
+            yield staged
+            await self.put(key, staged, targets[0] if tier is not None else None, durable=True)
+            return
+        entry = engine.entries.get(key)
+        if entry is not None and entry.writer is not None:
+            await engine.no_writer(entry, "put")
+            entry = engine.entries.get(key)
+        if entry is None:
+            entry = engine.entries[key] = Entry(key, meta)
+        entry.pending_writes += 1
+        try:
+            async with self._filling(entry, meta, targets) as buffer:
+                yield from_bytes(buffer[: meta.nbytes], meta)
+        finally:
+            entry.pending_writes -= 1
+            entry.wake()
+            if not entry.visible and entry.pending_writes == 0 and engine.entries.get(key) is entry:
+                del engine.entries[key]
+
+    @asynccontextmanager
+    async def _filling(self, entry: Entry, meta: TensorMeta, targets: list[int]) -> AsyncIterator[torch.Tensor]:
+        """Allocate a buffer on the first of ``targets`` with room, yield it, install it."""
+        engine = self._engine
+        loop = asyncio.get_running_loop()
+        failures: list[TierFullError] = []
+        for t in targets:
+            ready: asyncio.Future[torch.Tensor] = loop.create_future()
+            finished: asyncio.Future[None] = loop.create_future()
+
+            async def filler(buffer: torch.Tensor, priority: Priority, ready: Any = ready, finished: Any = finished) -> None:
+                ready.set_result(buffer)
+                await finished
+
+            installing = asyncio.ensure_future(engine.put_filled(entry, t, filler, meta))
+            try:
+                await asyncio.wait([ready, installing], return_when=asyncio.FIRST_COMPLETED)
+            except BaseException:
+                installing.cancel()
+                await asyncio.gather(installing, return_exceptions=True)
+                raise
+            if not ready.done():
+                try:
+                    installing.result()
+                except TierFullError as exc:
+                    failures.append(exc)
+                    continue
+                raise TierStoreError(f"internal error: fill of {entry.key!r} installed no buffer")  # pragma: no cover
+            try:
+                yield ready.result()
+            except BaseException as exc:
+                finished.set_exception(_FillAbandoned())
+                await asyncio.gather(installing, return_exceptions=True)
+                raise exc
+            finished.set_result(None)
+            await installing
+            engine.observe("put", entry.key, meta.nbytes, t, hit=None)
+            return
+        if len(failures) == 1:
+            raise failures[0]
+        raise TierFullError(f"no memory tier has room for {entry.key!r} ({format_bytes(meta.nbytes)}): " + "; ".join(map(str, failures)))
 
     async def get(self, key: str, tier: TierRef = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """A copy of the value of ``key``, as a tensor on ``tier``'s device (default: the fastest

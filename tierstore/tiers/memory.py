@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
+from ..device import Link, link_for
 from ..tensors import ALIGNMENT, page_empty
 from ..units import round_up
 from .base import MemoryTier
@@ -22,20 +21,26 @@ class DeviceTier(MemoryTier):
     device:
         ``"cuda"``, ``"cuda:N"`` or ``"cpu"``. With ``"cpu"`` the tier behaves exactly like a
         device tier (own capacity, own eviction) so the whole engine runs on machines without a
-        GPU. With CUDA, copies in and out run on dedicated streams and the loop awaits their events.
+        GPU. Copies in and out cross the device's ``link`` (``tierstore.device``): CUDA side
+        streams awaited through their events, or, for ``"cpu"`` under emulation, the emulated link.
     capacity:
         Bytes the store may use on the device, an int or a string such as ``"8GiB"``.
+    emulate_device:
+        For ``"cpu"``: copies to and from this tier cross an emulated link (True), or are plain
+        memory copies (False); None follows ``TIERSTORE_EMULATE_DEVICE`` / ``emulate_device()``
+        as it is when the tier opens.
     """
 
-    def __init__(self, device: str | torch.device, capacity: int | str, name: str = "device") -> None:
+    def __init__(self, device: str | torch.device, capacity: int | str, name: str = "device", *, emulate_device: bool | None = None) -> None:
         super().__init__(capacity, name)
         self._device = torch.device(device)
         if self._device.type not in ("cpu", "cuda"):
             raise ValueError(f"DeviceTier takes 'cuda', 'cuda:N' or 'cpu', not {device!r}")
         if self._device.type == "cuda" and self._device.index is None:
             self._device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
-        self.copy_in_stream: Any = None
-        self.copy_out_stream: Any = None
+        self._emulate = emulate_device
+        #: The link copies to and from this tier cross (None: plain memory copies).
+        self.link: Link | None = None
 
     @property
     def device(self) -> torch.device:
@@ -46,12 +51,10 @@ class DeviceTier(MemoryTier):
         return self._device.type == "cuda"
 
     async def open(self) -> None:
-        if self.is_cuda:
-            if not torch.cuda.is_available():
-                raise RuntimeError(f"DeviceTier({str(self._device)!r}): CUDA is not available on this machine; use 'cpu'")
-            # Separate streams per direction so a write-back never waits behind a prefetch.
-            self.copy_in_stream = torch.cuda.Stream(self._device)
-            self.copy_out_stream = torch.cuda.Stream(self._device)
+        if self.is_cuda and not torch.cuda.is_available():
+            raise RuntimeError(f"DeviceTier({str(self._device)!r}): CUDA is not available on this machine; use 'cpu'")
+        link = link_for(self._device, self._emulate)
+        self.link = None if link.lends else link
         await super().open()
 
     @property

@@ -1,0 +1,95 @@
+"""``CudaLink``: copies between a CUDA device and host memory on side streams.
+
+Per direction one side stream (so a write-back never queues behind a prefetch). A copy first
+waits for the caller's ``mark()`` (an event recorded on the caller's *current* stream, whatever
+stream that is), or for the current stream of the thread that starts it. Device tensors a copy
+touches are recorded on the side stream (``record_stream``), so the caching allocator does not
+hand their memory out again before the copy ran. Completion comes from an event-waiting thread
+per stream (``event.synchronize()``, no polling) that finishes the ``Transfer``.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any
+
+import torch
+
+from .link import TO_DEVICE, TO_HOST, Link
+from .transfer import Transfer
+
+
+class CudaLink(Link):
+    """See the module docstring."""
+
+    def __init__(self, device: torch.device) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"CudaLink takes a CUDA device, not {device}")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        super().__init__(device)
+        self._streams = {direction: torch.cuda.Stream(device) for direction in (TO_HOST, TO_DEVICE)}
+        self._waiters = {direction: _EventWaiter(device, f"tierstore-cuda-{direction}") for direction in (TO_HOST, TO_DEVICE)}
+
+    def stream(self, direction: str) -> Any:
+        """The side stream copies in ``direction`` run on."""
+        return self._streams[direction]
+
+    def mark(self) -> Any:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def _submit(self, transfer: Transfer, dst: torch.Tensor, src: torch.Tensor, after: Any) -> None:
+        stream = self._streams[transfer.direction]
+        if after is None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        elif isinstance(after, Transfer):
+            after.wait()  # another direction's copy: rare, and its event is not at hand
+        else:
+            stream.wait_event(after)
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+            for tensor in (dst, src):
+                if tensor.is_cuda:
+                    tensor.record_stream(stream)
+            event = torch.cuda.Event()
+            event.record(stream)
+        self._waiters[transfer.direction].put(event, transfer)
+
+    def close(self) -> None:
+        for waiter in self._waiters.values():
+            waiter.stop()
+
+
+class _EventWaiter:
+    """A thread that waits for CUDA events in order and finishes their transfers."""
+
+    def __init__(self, device: torch.device, name: str) -> None:
+        self._device = device
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, event: Any, transfer: Transfer) -> None:
+        self._queue.put((event, transfer))
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        torch.cuda.set_device(self._device)
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            event, transfer = job
+            try:
+                event.synchronize()
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever awaits the transfer
+                transfer.finish(exc)
+            else:
+                transfer.finish()
+            del job, event, transfer

@@ -1,0 +1,82 @@
+"""``EmulatedLink``: the CPU standing in for a device behind a link (PCIe, NVLink-C2C).
+
+Each direction has a copy thread (a GPU's copy engine): copies run one after another in the
+order they were started, each a real memcpy of the bytes as they are when the copy runs (not
+when it was asked for, as on a GPU stream), stretched to the link's bandwidth and latency when
+those are set. Work on the CPU is synchronous, so a caller's ``mark()`` is always complete; a
+copy ``after`` another ``Transfer`` waits for it (ordering across the two directions).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from .link import TO_DEVICE, TO_HOST, Link
+from .spec import LinkSpec
+from .transfer import Transfer
+
+
+class EmulatedLink(Link):
+    """See the module docstring. ``spec`` sets bandwidth and latency (None: memcpy speed)."""
+
+    def __init__(self, spec: LinkSpec | None = None) -> None:
+        super().__init__(torch.device("cpu"))
+        self.spec = spec or LinkSpec()
+        self._streams = {direction: _CopyStream(f"tierstore-link-{direction}", self.spec) for direction in (TO_HOST, TO_DEVICE)}
+
+    @property
+    def name(self) -> str:
+        return f"EmulatedLink({self.spec})"
+
+    def _submit(self, transfer: Transfer, dst: torch.Tensor, src: torch.Tensor, after: Any) -> None:
+        self._streams[transfer.direction].put(transfer, dst, src, after)
+
+    def close(self) -> None:
+        for stream in self._streams.values():
+            stream.stop()
+
+
+class _CopyStream:
+    """One copy thread: a FIFO of copies, each run after its ``after`` transfer, at ``spec``'s pace."""
+
+    def __init__(self, name: str, spec: LinkSpec) -> None:
+        self._spec = spec
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, transfer: Transfer, dst: torch.Tensor, src: torch.Tensor, after: Any) -> None:
+        if not self._thread.is_alive():
+            raise RuntimeError("the emulated link was closed")
+        self._queue.put((transfer, dst, src, after))
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            transfer, dst, src, after = job
+            try:
+                if isinstance(after, Transfer):
+                    after.wait()
+                transfer.started = time.perf_counter()
+                if transfer.nbytes:
+                    np.copyto(dst.numpy(), src.numpy())
+                pause = self._spec.seconds(transfer.nbytes) - (time.perf_counter() - transfer.started)
+                if pause > 0:
+                    time.sleep(pause)
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever awaits the transfer
+                transfer.finish(exc)
+            else:
+                transfer.finish()
+            del job, transfer, dst, src, after  # do not keep the last copy's buffers alive
