@@ -41,6 +41,14 @@ class CudaLink(Link):
         event.record(torch.cuda.current_stream(self.device))
         return event
 
+    def when_done(self, marker: Any) -> Transfer:
+        transfer = Transfer("marker", 0)
+        if marker is None:
+            transfer.finish()
+        else:
+            self._waiters[TO_HOST].put(marker, transfer)
+        return transfer
+
     def _submit(self, transfer: Transfer, dst: torch.Tensor, src: torch.Tensor, after: Any) -> None:
         stream = self._streams[transfer.direction]
         if after is None:

@@ -58,6 +58,11 @@ class Link(ABC):
         that work wrote. Call it on the thread that produced the data (CUDA: the current stream)."""
         return None
 
+    def when_done(self, marker: Any) -> Transfer:
+        """A ``Transfer`` of no bytes that ends when the work before ``marker`` has run (CUDA:
+        the event completed), e.g. before a buffer the caller's kernels read may be reused."""
+        return Transfer.completed("marker", 0)
+
     def to_host(self, dst: torch.Tensor, src: torch.Tensor, *, after: Any = None) -> Transfer:
         """Start copying device tensor ``src`` into host tensor ``dst`` (same byte size)."""
         return self._start(TO_HOST, dst, src, after)
