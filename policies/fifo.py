@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 
 
 class FIFO:
@@ -32,6 +32,26 @@ class FIFO:
 
     def reset(self) -> None:
         self._queue.clear()
+
+    def replay(self, keys: Sequence[Hashable], sizes: Sequence[int], capacity: int) -> tuple[int, int]:
+        """The one-tier simulation of ``keys`` (one size per key) at ``capacity`` bytes from an
+        empty cache (it resets the policy): ``(misses, missed bytes)``."""
+        self.reset()
+        queue = self._queue
+        popitem = queue.popitem
+        used = misses = missed = 0
+        for key, size in zip(keys, sizes):
+            if key in queue:
+                continue
+            misses += 1
+            missed += size
+            if size > capacity:
+                continue
+            used += size
+            while used > capacity:
+                used -= popitem(last=False)[1]
+            queue[key] = size
+        return misses, missed
 
     def __len__(self) -> int:
         return len(self._queue)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 
 
 class LRU:
@@ -34,6 +34,28 @@ class LRU:
 
     def reset(self) -> None:
         self._order.clear()
+
+    def replay(self, keys: Sequence[Hashable], sizes: Sequence[int], capacity: int) -> tuple[int, int]:
+        """The one-tier simulation of ``keys`` (one size per key) at ``capacity`` bytes from an
+        empty cache (it resets the policy), in one tight loop: ``(misses, missed bytes)``, the
+        same answers as the simulator's loop over the protocol calls."""
+        self.reset()
+        order = self._order
+        move_to_end, popitem = order.move_to_end, order.popitem
+        used = misses = missed = 0
+        for key, size in zip(keys, sizes):
+            if key in order:
+                move_to_end(key)
+                continue
+            misses += 1
+            missed += size
+            if size > capacity:
+                continue
+            used += size
+            while used > capacity:
+                used -= popitem(last=False)[1]
+            order[key] = size
+        return misses, missed
 
     def __len__(self) -> int:
         return len(self._order)

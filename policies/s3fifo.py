@@ -4,7 +4,7 @@ with lazy promotion, and a ghost FIFO of recently evicted keys. Counted in bytes
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 
 
 class S3FIFO:
@@ -101,6 +101,62 @@ class S3FIFO:
             self._main_bytes -= size
             self._forget(key)
             return key
+
+    def replay(self, keys: Sequence[Hashable], sizes: Sequence[int], capacity: int) -> tuple[int, int]:
+        """The one-tier simulation of ``keys`` (one size per key) at ``capacity`` bytes from an
+        empty cache (it resets the policy), in one tight loop: ``(misses, missed bytes)``, the
+        same answers as the simulator's loop over the protocol calls (``victim`` inlined)."""
+        self.capacity = capacity
+        self.reset()
+        small, main, ghost, freq = self._small, self._main, self._ghost, self._freq
+        small_limit = self.small_fraction * capacity
+        small_bytes = main_bytes = ghost_bytes = 0
+        misses = missed = 0
+        for key, size in zip(keys, sizes):
+            count = freq.get(key)
+            if count is not None:
+                if count < 3:
+                    freq[key] = count + 1
+                continue
+            misses += 1
+            missed += size
+            if size > capacity:
+                continue
+            while small_bytes + main_bytes + size > capacity:
+                if small and (small_bytes >= small_limit or not main):
+                    old, old_size = small.popitem(last=False)
+                    small_bytes -= old_size
+                    if freq[old] > 1:
+                        freq[old] = 0
+                        main[old] = old_size
+                        main_bytes += old_size
+                        continue
+                    del freq[old]
+                    ghost[old] = old_size
+                    ghost_bytes += old_size
+                    while ghost and ghost_bytes > capacity:
+                        ghost_bytes -= ghost.popitem(last=False)[1]
+                    continue
+                old, old_size = main.popitem(last=False)
+                count = freq[old]
+                if count:
+                    freq[old] = count - 1
+                    main[old] = old_size
+                    continue
+                main_bytes -= old_size
+                del freq[old]
+            freq[key] = 0
+            remembered = ghost.pop(key, None)
+            if remembered is not None:
+                ghost_bytes -= remembered
+                main[key] = size
+                main_bytes += size
+            else:
+                small[key] = size
+                small_bytes += size
+        self._small_bytes, self._main_bytes, self._ghost_bytes = small_bytes, main_bytes, ghost_bytes
+        self._size = {**small, **main}
+        return misses, missed
 
     def _forget(self, key: str) -> None:
         del self._size[key]

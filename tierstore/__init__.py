@@ -5,37 +5,84 @@
 ...     w = await store.get("w")
 """
 
-from . import errors
-from .errors import (
-    BufferSharedError,
-    CapacityError,
-    CatalogError,
-    ChecksumError,
-    CorruptionError,
-    DiskFullError,
-    EntryHeldError,
-    ForeignFolderError,
-    InvalidKeyError,
-    InvalidTensorError,
-    KeyNotFoundError,
-    NamespaceClaimedError,
-    NotAStoreFolderError,
-    StoreClosedError,
-    StoreForkedError,
-    StoreLockedError,
-    TierFullError,
-    TierStoreError,
-    TraceError,
-    UnknownTierError,
-)
-from .namespaces import Namespace
-from .prefetching import PrefetchHandle, PrefetchResult
-from .protocols import EvictionPolicy, PrefetchPolicy
-from .store import TierStore
-from .sync import SyncTierStore
-from .tensors import empty
-from .tiers import DeviceTier, DiskTier, HostTier, MemoryTier, Tier
-from .units import format_bytes, parse_bytes
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Names are imported on first use (PEP 562), so that torch-free parts (the policy simulator, the
+# command line) start without importing torch.
+_LAZY = {
+    "errors": None,
+    **{name: ".errors" for name in (
+        "BufferSharedError", "CapacityError", "CatalogError", "ChecksumError", "CorruptionError", "DiskFullError",
+        "EntryHeldError", "ForeignFolderError", "InvalidKeyError", "InvalidTensorError", "KeyNotFoundError",
+        "NamespaceClaimedError", "NotAStoreFolderError", "StoreClosedError", "StoreForkedError", "StoreLockedError",
+        "TierFullError", "TierStoreError", "TraceError", "UnknownTierError",
+    )},
+    "Namespace": ".namespaces",
+    "PrefetchHandle": ".prefetching",
+    "PrefetchResult": ".prefetching",
+    "EvictionPolicy": ".protocols",
+    "PrefetchPolicy": ".protocols",
+    "TierStore": ".store",
+    "SyncTierStore": ".sync",
+    "empty": ".tensors",
+    "DeviceTier": ".tiers",
+    "DiskTier": ".tiers",
+    "HostTier": ".tiers",
+    "MemoryTier": ".tiers",
+    "Tier": ".tiers",
+    "format_bytes": ".units",
+    "parse_bytes": ".units",
+}
+
+if TYPE_CHECKING:
+    from . import errors
+    from .errors import (
+        BufferSharedError,
+        CapacityError,
+        CatalogError,
+        ChecksumError,
+        CorruptionError,
+        DiskFullError,
+        EntryHeldError,
+        ForeignFolderError,
+        InvalidKeyError,
+        InvalidTensorError,
+        KeyNotFoundError,
+        NamespaceClaimedError,
+        NotAStoreFolderError,
+        StoreClosedError,
+        StoreForkedError,
+        StoreLockedError,
+        TierFullError,
+        TierStoreError,
+        TraceError,
+        UnknownTierError,
+    )
+    from .namespaces import Namespace
+    from .prefetching import PrefetchHandle, PrefetchResult
+    from .protocols import EvictionPolicy, PrefetchPolicy
+    from .store import TierStore
+    from .sync import SyncTierStore
+    from .tensors import empty
+    from .tiers import DeviceTier, DiskTier, HostTier, MemoryTier, Tier
+    from .units import format_bytes, parse_bytes
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'tierstore' has no attribute {name!r}")
+    module = _LAZY[name]
+    value = importlib.import_module(f".{name}", __name__) if module is None else getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __version__ = "0.1.0"
 

@@ -74,16 +74,17 @@ def _simulate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .sim.links import LinkModel
-    from .sim.report import format_table, open_trace, parse_capacities, plot_curves, run_all
+    from .sim.report import format_table, open_trace, parse_capacities, parse_columns, plot_curves, plot_prefetch, run_all
 
-    trace = open_trace(args.trace)
+    trace = open_trace(args.trace, parse_columns(args.columns))
     capacities = parse_capacities(args.capacity)
     bench = Path(args.bench_json)
     links = LinkModel.from_bench(bench) if bench.exists() else LinkModel()
     if args.links:
         links.override(args.links)
     results = run_all(
-        trace, capacities, _names(args.eviction), _names(args.prefetch), links, sweep=args.sweep, think=args.think
+        trace, capacities, _names(args.eviction), _names(args.prefetch), links, sweep=args.sweep, think=args.think,
+        engines=tuple(_names(args.engine)),
     )
     print(format_table(results, trace))
     if args.json:
@@ -94,6 +95,9 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.plot:
         plot_curves(results, trace, Path(args.plot))
         print(f"plot: {args.plot}")
+        prefetch_png = Path(args.plot).with_name(Path(args.plot).stem + "_prefetch.png")
+        if plot_prefetch(results, prefetch_png):
+            print(f"prefetch plot: {prefetch_png}")
     return 0
 
 
@@ -119,10 +123,14 @@ def build_parser() -> argparse.ArgumentParser:
     gc.set_defaults(run=_gc)
 
     sim = commands.add_parser("simulate", help="replay a trace against capacities and policies (no tensors)")
-    sim.add_argument("trace", help="a .npz store trace, a key,size CSV, or e.g. optimizer:keys=64,steps=20,size=4MiB")
+    sim.add_argument("trace", help="a .npz store trace, a key,size CSV, a libCacheSim oracleGeneral file, or e.g. optimizer:keys=64,steps=20,size=4MiB")
     sim.add_argument("--capacity", required=True, help="tier capacities, fastest first: host=2GiB or device=1GiB,host=4GiB")
-    sim.add_argument("--eviction", default="lru", help="comma-separated: lru,fifo,lfu,arc,s3fifo,min (default lru)")
-    sim.add_argument("--prefetch", default="none", help="comma-separated: none,sequential,schedule (default none)")
+    sim.add_argument("--eviction", default="lru", help="comma-separated: lru,fifo,lfu,arc,s3fifo,sieve,clock,slru,2q,lirs,tinylfu,min; "
+                     "with --engine libcachesim also its own (lhd,lecar,gdsf,...) (default lru)")
+    sim.add_argument("--prefetch", default="none", help="comma-separated: none,sequential,amp,schedule (default none)")
+    sim.add_argument("--engine", default="tierstore", help="comma-separated: tierstore (ours), libcachesim (its policies; "
+                     "pip install 'tierstore[libcachesim]') (default tierstore)")
+    sim.add_argument("--columns", help="CSV columns to read, 0-based or by header name, e.g. key=1,size=3 (default key=0,size=1)")
     sim.add_argument("--sweep", action="store_true", help="sweep the first tier from 5%% to 100%% of the working set")
     sim.add_argument("--json", help="write one record per combination here")
     sim.add_argument("--plot", help="write miss-ratio curves (PNG) here")

@@ -17,23 +17,37 @@ the fastest copy, copies in use never chosen) so that a store's trace replays to
 misses and evictions the store had (``load_evictions`` reads those from the trace).
 """
 
+from typing import Any
+
 from .generators import loop_trace, optimizer_trace, scan_trace, zipf_trace
 from .links import LinkModel
-from .replay import NextUse, ReplayResult, replay_store_trace
-from .simulator import SimResult, simulate
-from .trace import Trace, load_evictions, load_trace
+from .simulator import PrefetchStats, SimResult, simulate
+from .trace import Trace, load_evictions, load_oracle_general, load_trace, save_oracle_general
+
+_REPLAY = ("NextUse", "ReplayResult", "replay_store_trace")  # imported on use: they need torch
+
+
+def __getattr__(name: str) -> Any:
+    if name in _REPLAY:
+        from . import replay
+
+        return getattr(replay, name)
+    raise AttributeError(f"module 'tierstore.sim' has no attribute {name!r}")
 
 __all__ = [
     "LinkModel",
     "NextUse",
+    "PrefetchStats",
     "ReplayResult",
     "SimResult",
     "Trace",
     "load_evictions",
+    "load_oracle_general",
     "load_trace",
     "loop_trace",
     "optimizer_trace",
     "replay_store_trace",
+    "save_oracle_general",
     "scan_trace",
     "simulate",
     "zipf_trace",

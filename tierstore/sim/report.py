@@ -18,9 +18,10 @@ GENERATORS: dict[str, Any] = {"optimizer": optimizer_trace, "zipf": zipf_trace, 
 SWEEP_FRACTIONS = [0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
 
 
-def open_trace(spec: str) -> Trace:
-    """A trace file (``.npz`` or CSV), or a synthetic one: ``optimizer:keys=64,steps=20,size=4MiB``,
-    ``zipf:keys=1000,accesses=100000,alpha=0.9``, ``scan:keys=1000``, ``loop:keys=100,loops=10``."""
+def open_trace(spec: str, columns: dict[str, int | str] | None = None) -> Trace:
+    """A trace file (``.npz``, oracleGeneral or CSV, whose ``columns`` may be chosen), or a
+    synthetic one: ``optimizer:keys=64,steps=20,size=4MiB``, ``zipf:keys=1000,accesses=100000,alpha=0.9``,
+    ``scan:keys=1000``, ``loop:keys=100,loops=10``."""
     kind, _, params = spec.partition(":")
     if kind in GENERATORS and not Path(spec).exists():
         kwargs: dict[str, Any] = {}
@@ -34,7 +35,20 @@ def open_trace(spec: str) -> Trace:
     path = Path(spec)
     if not path.exists():
         raise FileNotFoundError(f"no trace file {spec!r} (and not a synthetic trace: {', '.join(GENERATORS)})")
-    return load_trace(path)
+    return load_trace(path, columns)
+
+
+def parse_columns(spec: str | None) -> dict[str, int | str] | None:
+    """``"key=0,size=3"`` or ``"key=obj_id,size=obj_size"`` (0-based indexes or header names)."""
+    if not spec:
+        return None
+    columns: dict[str, int | str] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        role, sep, value = item.partition("=")
+        if not sep or role not in ("key", "size") or not value:
+            raise ValueError(f"cannot read column choice {item!r}; write e.g. key=0,size=3 or key=obj_id,size=obj_size")
+        columns[role] = int(value) if value.isdigit() else value
+    return columns
 
 
 def parse_capacities(spec: str) -> dict[str, int]:
@@ -58,26 +72,60 @@ def run_all(
     links: LinkModel,
     sweep: bool = False,
     think: float | None = None,
+    engines: tuple[str, ...] = ("tierstore",),
 ) -> list[SimResult]:
-    """Every (eviction, prefetch) pair, at the given capacities or over a sweep of the first."""
+    """Every (eviction, prefetch) pair, at the given capacities or over a sweep of the first, on
+    each engine: ``tierstore`` (ours) and ``libcachesim`` (its own policies, one cache, no
+    prefetch). With both engines, a policy only one of them knows runs on that one."""
+    from policies import EVICTION
+
+    from .external import NAMES, simulate_libcachesim
+
+    unknown_engines = set(engines) - {"tierstore", "libcachesim"}
+    if unknown_engines or not engines:
+        raise ValueError(f"unknown engine(s) {sorted(unknown_engines)}; choose tierstore and/or libcachesim")
     first = next(iter(capacities))
     sizes = [round(f * trace.working_set) for f in SWEEP_FRACTIONS] if sweep else [capacities[first]]
-    combos = list(itertools.product(evictions, prefetches, sizes))
+    runs: list[tuple[str, str, str, int]] = []
+    for eviction in evictions:
+        ours = eviction in EVICTION or eviction == "min"
+        chosen = [e for e in engines if e == "libcachesim" or ours or len(engines) == 1]
+        if len(engines) > 1 and "libcachesim" in chosen and not ours and eviction.lower() not in NAMES:
+            chosen = ["libcachesim"]  # its own name for a policy (checked when it runs)
+        for engine in chosen:
+            for prefetch in (prefetches if engine == "tierstore" else ["none"]):
+                runs.extend((engine, eviction, prefetch, size) for size in sizes)
     results = []
-    for eviction, prefetch, size in tqdm(combos, desc="simulate", unit="run", leave=False, disable=True if len(combos) < 4 else None):
-        results.append(simulate(trace, {**capacities, first: size}, eviction, prefetch, links, think))
+    for engine, eviction, prefetch, size in tqdm(runs, desc="simulate", unit="run", leave=False, disable=True if len(runs) < 4 else None):
+        if engine == "libcachesim":
+            results.append(simulate_libcachesim(trace, {**capacities, first: size}, eviction))
+        else:
+            results.append(simulate(trace, {**capacities, first: size}, eviction, prefetch, links, think))
     return results
+
+
+def engine_label(result: SimResult) -> str:
+    """How a result is named in tables and plots: ``lru`` (ours), ``lru [libCacheSim]``."""
+    return result.eviction if result.engine == "tierstore" else f"{result.eviction} [libCacheSim]"
 
 
 def format_table(results: list[SimResult], trace: Trace) -> str:
     header = f"{len(trace):,} accesses, {len(trace.keys):,} keys, working set {format_bytes(trace.working_set)}"
-    lines = [header, "", f"{'eviction':<9} {'prefetch':<11} {'capacity':>10} {'misses':>9} {'miss ratio':>10} "
+    width = max([9] + [len(engine_label(r)) for r in results])
+    lines = [header, "", f"{'eviction':<{width}} {'prefetch':<11} {'capacity':>10} {'misses':>9} {'miss ratio':>10} "
              f"{'byte miss':>9} {'prefetches':>10} {'stall s':>9} {'k acc/s':>8}"]
     for r in results:
         lines.append(
-            f"{r.eviction:<9} {r.prefetch:<11} {format_bytes(r.capacity):>10} {r.misses:>9,} {r.miss_ratio:>10.4f} "
+            f"{engine_label(r):<{width}} {r.prefetch:<11} {format_bytes(r.capacity):>10} {r.misses:>9,} {r.miss_ratio:>10.4f} "
             f"{r.byte_miss_ratio:>9.4f} {r.prefetches:>10,} {r.stall_seconds:>9.3f} {r.accesses_per_second / 1e3:>8.0f}"
         )
+    stats = [(r, tier, s) for r in results for tier, s in r.prefetch_stats.items()]
+    if stats:
+        lines += ["", f"{'prefetch':<11} {'eviction':<{width}} {'tier':<8} {'issued':>8} {'accuracy':>8} {'coverage':>8} "
+                      f"{'on time':>8} {'late':>6} {'late ms':>8} {'pollution':>9}"]
+        for r, tier, s in stats:
+            lines.append(f"{r.prefetch:<11} {engine_label(r):<{width}} {tier:<8} {s['issued']:>8,} {s['accuracy']:>8.3f} {s['coverage']:>8.3f} "
+                         f"{s['timeliness']:>8.3f} {s['late']:>6,} {1e3 * s['mean_lateness_seconds']:>8.2f} {s['pollution']:>9.3f}")
     return "\n".join(lines)
 
 
@@ -90,7 +138,7 @@ def plot_curves(results: list[SimResult], trace: Trace, path: Path) -> None:
 
     curves: dict[str, list[tuple[float, float]]] = {}
     for r in results:
-        curves.setdefault(f"{r.eviction} + {r.prefetch}", []).append((r.capacity / trace.working_set, r.miss_ratio))
+        curves.setdefault(f"{engine_label(r)} + {r.prefetch}", []).append((r.capacity / trace.working_set, r.miss_ratio))
     figure, axes = plt.subplots(figsize=(7, 4.5))
     for label, points in sorted(curves.items()):
         points.sort()
@@ -105,3 +153,40 @@ def plot_curves(results: list[SimResult], trace: Trace, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+def plot_prefetch(results: list[SimResult], path: Path) -> bool:
+    """Bars of accuracy, coverage, timeliness and pollution per prefetcher, eviction and tier
+    (at each combination's largest capacity). False, and no file, when nothing prefetched."""
+    chosen: dict[tuple[str, str, str], dict[str, float]] = {}
+    largest: dict[tuple[str, str, str], int] = {}
+    for r in results:
+        for tier, stats in r.prefetch_stats.items():
+            key = (r.prefetch, engine_label(r), tier)
+            if r.capacity >= largest.get(key, -1):
+                largest[key], chosen[key] = r.capacity, stats
+    if not chosen:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    metrics = ["accuracy", "coverage", "timeliness", "pollution"]
+    names = [f"{p} / {e} / {t}" for p, e, t in chosen]
+    figure, axes = plt.subplots(figsize=(max(6, 1.4 * len(names) + 2), 4.5))
+    x = np.arange(len(names))
+    for i, metric in enumerate(metrics):
+        axes.bar(x + (i - 1.5) * 0.2, [stats[metric] for stats in chosen.values()], width=0.2, label=metric)
+    axes.set_xticks(x, names, rotation=20, ha="right", fontsize=8)
+    axes.set_ylim(0, 1.05)
+    axes.set_ylabel("share")
+    axes.set_title("prefetch: accuracy, coverage, on-time share, pollution (prefetcher / eviction / tier)", fontsize=9)
+    axes.grid(axis="y", alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True

@@ -35,6 +35,10 @@ class SimResult:
     stall_seconds: float = 0.0
     compute_seconds: float = 0.0
     sim_seconds: float = 0.0
+    #: Per tier the prefetches went to: ``PrefetchStats.to_json()`` (accuracy, coverage, ...).
+    prefetch_stats: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: Who simulated: ``tierstore``, or ``libcachesim`` for its own policies.
+    engine: str = "tierstore"
 
     @property
     def miss_ratio(self) -> float:
@@ -54,17 +58,70 @@ class SimResult:
         return record
 
 
+@dataclass
+class PrefetchStats:
+    """What the prefetches to one tier did.
+
+    ``issued``: prefetches admitted to the tier. ``useful``: of those, used by a demand access
+    before leaving the tier; ``late`` of the useful ones were still in flight then (the access
+    waited ``late_seconds`` in all); ``unused``: evicted before any use. ``demand_misses``:
+    demand accesses that found the key neither on this tier nor on a faster one.
+    ``polluting_misses``: demand misses on keys a prefetch had pushed out of the tier.
+
+    accuracy = useful / issued; coverage = useful / (useful + demand misses), the share of
+    this tier's misses that prefetching removed; timeliness = on-time share of the useful ones;
+    pollution = polluting misses / demand misses."""
+
+    issued: int = 0
+    useful: int = 0
+    late: int = 0
+    late_seconds: float = 0.0
+    unused: int = 0
+    demand_misses: int = 0
+    polluting_misses: int = 0
+
+    @property
+    def accuracy(self) -> float:
+        return self.useful / self.issued if self.issued else 0.0
+
+    @property
+    def coverage(self) -> float:
+        return self.useful / (self.useful + self.demand_misses) if self.useful + self.demand_misses else 0.0
+
+    @property
+    def timeliness(self) -> float:
+        return (self.useful - self.late) / self.useful if self.useful else 0.0
+
+    @property
+    def pollution(self) -> float:
+        return self.polluting_misses / self.demand_misses if self.demand_misses else 0.0
+
+    def to_json(self) -> dict[str, float]:
+        record: dict[str, float] = asdict(self)
+        record.update(accuracy=self.accuracy, coverage=self.coverage, timeliness=self.timeliness, pollution=self.pollution,
+                      mean_lateness_seconds=self.late_seconds / self.late if self.late else 0.0)
+        return record
+
+
 class _Oracle:
     """The trace's future: when is key ``k`` next accessed after the current position."""
 
     def __init__(self, trace: Trace) -> None:
-        order = np.argsort(trace.ids, kind="stable")
-        boundaries = np.flatnonzero(np.diff(trace.ids[order])) + 1
-        self.positions: dict[int, list[int]] = {}
-        for chunk in np.split(order, boundaries):
-            if len(chunk):
-                self.positions[int(trace.ids[chunk[0]])] = chunk.tolist()
+        self.trace = trace
+        self._positions: dict[int, list[int]] | None = None  # built on first use (MIN, prefetch)
         self.now = 0
+
+    @property
+    def positions(self) -> dict[int, list[int]]:
+        if self._positions is None:
+            ids = self.trace.ids
+            order = np.argsort(ids, kind="stable")
+            boundaries = np.flatnonzero(np.diff(ids[order])) + 1
+            self._positions = {}
+            for chunk in np.split(order, boundaries):
+                if len(chunk):
+                    self._positions[int(ids[chunk[0]])] = chunk.tolist()
+        return self._positions
 
     def __call__(self, key: int) -> float:
         positions = self.positions.get(key)
@@ -92,10 +149,14 @@ def simulate(
     think: float | None = None,
 ) -> SimResult:
     """Replay ``trace``. ``capacities`` maps tier names to bytes, fastest first (the disk below
-    them holds everything). ``eviction`` is a policy name (lru, fifo, lfu, arc, s3fifo, min) or
-    a factory; ``prefetch`` a name (none, sequential, schedule) or a policy instance. ``think``
-    is compute time per access in seconds (default: the trace's own gaps, else 0)."""
-    from policies import NoPrefetch, ScheduleLearned, Sequential
+    them holds everything). ``eviction`` is a policy name (``policies.EVICTION``, or ``min``)
+    or a factory; ``prefetch`` a name (``policies.PREFETCH``) or a policy instance. ``think``
+    is compute time per access in seconds (default: the trace's own gaps, else 0).
+
+    One tier without prefetch is the hot path: a policy with a ``replay(keys, sizes, capacity)``
+    method runs the whole trace in its own loop when the trace has no deletes and one size per
+    key (tests hold each such method to the protocol loop's answers)."""
+    from policies import PREFETCH, NoPrefetch
 
     if not capacities:
         raise ValueError("give at least one tier capacity, e.g. {'host': 2 << 30}")
@@ -107,10 +168,9 @@ def simulate(
     for name, capacity in capacities.items():
         tiers.append(_Tier(name, int(capacity), make_eviction_policy(eviction, oracle, capacity)))
     if isinstance(prefetch, str):
-        known = {"none": NoPrefetch, "sequential": Sequential, "schedule": ScheduleLearned}
-        if prefetch not in known:
-            raise ValueError(f"unknown prefetch policy {prefetch!r}; choose from {sorted(known)}")
-        prefetcher: Any = known[prefetch]()
+        if prefetch not in PREFETCH:
+            raise ValueError(f"unknown prefetch policy {prefetch!r}; choose from {sorted(PREFETCH)}")
+        prefetcher: Any = PREFETCH[prefetch]()
         prefetch_name = prefetch
     else:
         prefetcher, prefetch_name = prefetch, getattr(prefetch, "name", type(prefetch).__name__)
@@ -129,8 +189,8 @@ def simulate(
 
 
 def make_eviction_policy(eviction: str | Callable[[], Any], oracle: Callable[[Any], float], capacity: int) -> Any:
-    """An eviction policy from a name (lru, fifo, lfu, arc, s3fifo, min) or a factory, sized for
-    ``capacity``; ``min`` sees the future through ``oracle``."""
+    """An eviction policy from a name (``policies.EVICTION``, or ``min``) or a factory, sized
+    for ``capacity``; ``min`` sees the future through ``oracle``."""
     from policies import EVICTION, MIN
 
     if callable(eviction) and not isinstance(eviction, str):
@@ -146,12 +206,23 @@ def make_eviction_policy(eviction: str | Callable[[], Any], oracle: Callable[[An
     return policy
 
 
+def _one_size_per_key(trace: Trace) -> bool:
+    last = np.zeros(len(trace.keys), dtype=np.int64)
+    last[trace.ids] = trace.sizes
+    return bool((last[trace.ids] == trace.sizes).all())
+
+
 def _run_single(trace: Trace, tier: _Tier, oracle: _Oracle, links: LinkModel, result: SimResult, think: float | None) -> None:
     """The textbook one-tier cache without prefetch, kept tight (the simulator's speed)."""
     resident, policy, capacity = tier.resident, tier.policy, tier.capacity
-    on_hit, on_insert, on_remove, victim = policy.on_hit, policy.on_insert, policy.on_remove, policy.victim
     link = f"disk->{tier.name}"
     bandwidth, latency = links.links.get(link, (2.5e9, 100e-6))
+    if hasattr(policy, "replay") and not (trace.ops == DELETE).any() and _one_size_per_key(trace):
+        misses, missed = policy.replay(trace.ids.tolist(), trace.sizes.tolist(), capacity)
+        requests, requested = len(trace), int(trace.sizes.sum())
+        _fill(result, tier, link, requests, misses, requested, missed, latency, bandwidth, trace, think)
+        return
+    on_hit, on_insert, on_remove, victim = policy.on_hit, policy.on_insert, policy.on_remove, policy.victim
     used = requests = misses = requested = missed = 0
     track_time = hasattr(policy, "oracle")  # MIN reads the clock through its oracle
     for position, (key, size, op) in enumerate(zip(trace.ids.tolist(), trace.sizes.tolist(), trace.ops.tolist(), strict=True)):
@@ -182,6 +253,11 @@ def _run_single(trace: Trace, tier: _Tier, oracle: _Oracle, links: LinkModel, re
         used += size
         on_insert(key, size)
     tier.used = used
+    _fill(result, tier, link, requests, misses, requested, missed, latency, bandwidth, trace, think)
+
+
+def _fill(result: SimResult, tier: _Tier, link: str, requests: int, misses: int, requested: int, missed: int,
+          latency: float, bandwidth: float, trace: Trace, think: float | None) -> None:
     result.requests, result.misses, result.requested_bytes, result.missed_bytes = requests, misses, requested, missed
     result.hits_by_tier[tier.name] = requests - misses
     result.link_bytes[link] = missed
@@ -208,8 +284,13 @@ class _Replay:
         self.size_of = self.sizes.tolist()
         self.clock = 0.0
         self.link_free: dict[str, float] = {}
+        #: Prefetched copies not yet used: (tier index, key) -> when the bytes arrive there.
         self.ready: dict[tuple[int, int], float] = {}
         self.think = think
+        self.stats = [PrefetchStats() for _ in tiers]
+        #: Keys a prefetch pushed out of each tier (until they are admitted there again).
+        self.pushed_out: list[set[int]] = [set() for _ in tiers]
+        self.prefetching = False
 
     def run(self) -> None:
         trace, result, tiers = self.trace, self.result, self.tiers
@@ -237,17 +318,22 @@ class _Replay:
             if hit:
                 top.policy.on_hit(key)
                 result.hits_by_tier[top.name] += 1
-                arrival = self.ready.pop((0, key), None)
-                if arrival is not None and arrival > self.clock:
+                arrival = self._use_prefetch(0, key)
+                if arrival > self.clock:
                     result.stall_seconds += arrival - self.clock
                     self.clock = arrival
             else:
                 result.misses += 1
                 result.missed_bytes += size
                 source = self._source(key, 1)
+                self._count_misses(key, source)
                 if source < len(tiers):
                     tiers[source].policy.on_hit(key)
                     result.hits_by_tier[tiers[source].name] += 1
+                    arrival = self._use_prefetch(source, key)
+                    if arrival > self.clock:  # the copy below is still on its way up there
+                        result.stall_seconds += arrival - self.clock
+                        self.clock = arrival
                 end = self._transfer(source, 0, size)
                 result.stall_seconds += end - self.clock
                 self.clock = end
@@ -256,6 +342,28 @@ class _Replay:
             self.prefetcher.on_access(key, size, top.name, hit)
             self._prefetch()
         result.compute_seconds = _compute_time(trace, self.think)
+        result.prefetch_stats = {tier.name: stats.to_json() for tier, stats in zip(tiers, self.stats, strict=True) if stats.issued}
+
+    def _use_prefetch(self, t: int, key: int) -> float:
+        """A demand access used the copy of ``key`` on tier ``t``: if a prefetch put it there,
+        count it useful (late if it has not arrived) and return its arrival, else 0."""
+        arrival = self.ready.pop((t, key), None)
+        if arrival is None:
+            return 0.0
+        stats = self.stats[t]
+        stats.useful += 1
+        if arrival > self.clock:
+            stats.late += 1
+            stats.late_seconds += arrival - self.clock
+        return arrival
+
+    def _count_misses(self, key: int, source: int) -> None:
+        """A demand access found ``key`` first on tier ``source``: a miss on every tier above."""
+        for t in range(min(source, len(self.tiers))):
+            stats = self.stats[t]
+            stats.demand_misses += 1
+            if key in self.pushed_out[t]:
+                stats.polluting_misses += 1
 
     def _source(self, key: int, start: int) -> int:
         for j in range(start, len(self.tiers)):
@@ -292,13 +400,17 @@ class _Replay:
             if gone is None:
                 continue
             tier.used -= gone
-            self.ready.pop((t, victim), None)
+            if self.ready.pop((t, victim), None) is not None:
+                self.stats[t].unused += 1
+            if self.prefetching:
+                self.pushed_out[t].add(victim)
             if t + 1 < len(self.tiers) and victim not in self.tiers[t + 1].resident:
                 self._transfer(t, t + 1, gone)
                 self._admit(t + 1, victim, gone)
         tier.resident[key] = size
         tier.used += size
         tier.policy.on_insert(key, size)
+        self.pushed_out[t].discard(key)
         return True
 
     def _prefetch(self) -> None:
@@ -313,8 +425,12 @@ class _Replay:
                 self.result.prefetches_dropped += 1  # it would push out something needed sooner
                 continue
             source = self._source(key, t + 1)
-            if not self._admit(t, key, size):
+            self.prefetching = True
+            admitted = self._admit(t, key, size)
+            self.prefetching = False
+            if not admitted:
                 self.result.prefetches_dropped += 1
                 continue
             self.result.prefetches += 1
+            self.stats[t].issued += 1
             self.ready[(t, key)] = self._transfer(source, t, size)

@@ -1,7 +1,13 @@
-"""Traces for the simulator: the store's ``.npz`` access traces and plain CSV files.
+"""Traces for the simulator: the store's ``.npz`` access traces, CSV files and libCacheSim's
+binary ``oracleGeneral`` traces.
 
-A CSV trace has one access a line, ``key,size``, an optional header line and any further
-columns ignored (libCacheSim's csv reader takes the same). A store trace (``TierStore(trace=...)``,
+A CSV trace has one access a line, by default ``key,size``, an optional header line and any
+further columns ignored (libCacheSim's csv reader takes the same); ``columns`` picks other
+columns, by 0-based index or by header name. Numeric keys are read columnar (numpy) and
+interned to integers in one pass; other keys go through a plain parser. An ``oracleGeneral``
+trace (``*.oracleGeneral*``, ``*.bin``: the format public cache traces are published in) is a
+sequence of packed little-endian records ``uint32 time, uint64 id, uint32 size, int64 next
+access``; requests of size 0 are skipped, as libCacheSim does. A store trace (``TierStore(trace=...)``,
 format in ``tierstore.tracing``) keeps get, hold and put rows as accesses, deletes as removals,
 and its step marks; its prefetch rows are dropped (the simulator decides prefetches itself), and
 so are its evict rows (what the store evicted; ``load_evictions`` reads them for comparison) and
@@ -11,6 +17,7 @@ its writeback and update rows; a pop counts as an access.
 from __future__ import annotations
 
 import csv
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +26,9 @@ import numpy as np
 from ..errors import TraceError
 
 ACCESS, DELETE = 0, 1
+
+#: One oracleGeneral record (24 bytes, packed, little-endian).
+ORACLE_GENERAL = np.dtype([("time", "<u4"), ("id", "<u8"), ("size", "<u4"), ("next", "<i8")])
 
 
 @dataclass
@@ -57,12 +67,72 @@ class Trace:
         )
 
 
-def load_trace(path: str | Path) -> Trace:
-    """Read a store ``.npz`` trace or a ``key,size`` CSV."""
+def load_trace(path: str | Path, columns: Mapping[str, int | str] | None = None, delimiter: str = ",") -> Trace:
+    """Read a store ``.npz`` trace, an ``oracleGeneral`` binary trace or a CSV (``columns``, for
+    a CSV only: ``{"key": 0, "size": 1}`` by default; indexes from 0, or header names)."""
     path = Path(path)
     if path.suffix == ".npz":
         return _load_npz(path)
-    return _load_csv(path)
+    if path.suffix == ".bin" or "oracleGeneral" in path.name:
+        if path.suffix in (".zst", ".gz", ".xz"):
+            raise TraceError(f"{path}: compressed oracleGeneral traces are not read; decompress it first")
+        return load_oracle_general(path)
+    return _load_csv(path, columns or {}, delimiter)
+
+
+def load_oracle_general(path: str | Path) -> Trace:
+    """Read libCacheSim's ``oracleGeneral`` binary trace (see the module docstring)."""
+    path = Path(path)
+    nbytes = path.stat().st_size
+    if nbytes % ORACLE_GENERAL.itemsize:
+        raise TraceError(f"{path}: {nbytes} bytes is not a whole number of {ORACLE_GENERAL.itemsize}-byte oracleGeneral records")
+    records = np.fromfile(path, dtype=ORACLE_GENERAL)
+    records = records[records["size"] > 0]
+    if not len(records):
+        raise TraceError(f"{path} holds no accesses")
+    keys, ids = _intern(records["id"])
+    return Trace(
+        keys=[str(k) for k in keys.tolist()],
+        ids=ids,
+        sizes=records["size"].astype(np.int64),
+        ops=np.zeros(len(ids), dtype=np.uint8),
+        steps=np.zeros(len(ids), dtype=np.int64),
+        times=records["time"].astype(np.float64),
+    )
+
+
+def save_oracle_general(trace: Trace, path: str | Path) -> Path:
+    """Write ``trace``'s accesses as an ``oracleGeneral`` file (ids are the trace's interned
+    integers; next-access positions computed, -1 for none), for libCacheSim to read."""
+    path = Path(path)
+    n = len(trace)
+    records = np.zeros(n, dtype=ORACLE_GENERAL)
+    records["id"] = trace.ids
+    records["size"] = trace.sizes
+    if trace.times is not None:
+        records["time"] = (trace.times - trace.times.min()).astype(np.uint32)
+    records["next"] = next_access(trace.ids)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    records.tofile(path)
+    return path
+
+
+def next_access(ids: np.ndarray) -> np.ndarray:
+    """For each position, the position of the next access to the same id (-1 if none)."""
+    order = np.argsort(ids, kind="stable")
+    following = np.full(len(ids), -1, dtype=np.int64)
+    same = ids[order[1:]] == ids[order[:-1]]
+    following[order[:-1][same]] = order[1:][same]
+    return following
+
+
+def _intern(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct values in order of first appearance, and each access's index among them."""
+    unique, first, inverse = np.unique(raw, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")
+    rank = np.empty(len(order), dtype=np.int64)
+    rank[order] = np.arange(len(order))
+    return unique[order], rank[inverse.reshape(-1)]
 
 
 def _load_npz(path: Path) -> Trace:
@@ -94,24 +164,70 @@ def load_evictions(path: str | Path) -> list[tuple[str, int]]:
         return [(str(keys[k]), int(t)) for k, t in zip(data["key"][rows].tolist(), data["tier"][rows].tolist(), strict=True)]
 
 
-def _load_csv(path: Path) -> Trace:
+def _load_csv(path: Path, columns: Mapping[str, int | str], delimiter: str) -> Trace:
+    unknown = set(columns) - {"key", "size"}
+    if unknown:
+        raise TraceError(f"unknown CSV column role(s) {sorted(unknown)}; give 'key' and 'size'")
+    with open(path, newline="") as handle:
+        first = handle.readline()
+    if not first.strip() and path.stat().st_size <= len(first):
+        raise TraceError(f"{path} holds no accesses")
+    if first.startswith("#"):
+        first = ""  # a comment first: no header names
+    names = next(csv.reader([first], delimiter=delimiter), []) if first.strip() else []
+    key_col = _column(columns.get("key", 0), names, path)
+    size_col = _column(columns.get("size", 1), names, path)
+    header = len(names) > size_col and not _is_number(names[size_col])
+    try:
+        table = np.loadtxt(path, delimiter=delimiter, usecols=(key_col, size_col), dtype=np.int64,
+                           skiprows=int(header), comments="#", ndmin=2)
+    except ValueError:
+        return _load_csv_plain(path, key_col, size_col, delimiter)
+    if not len(table):
+        raise TraceError(f"{path} holds no accesses")
+    if (table[:, 1] < 0).any():
+        row = int(np.flatnonzero(table[:, 1] < 0)[0])
+        raise TraceError(f"{path}: negative size {table[row, 1]} (access {row + 1})")
+    keys, ids = _intern(table[:, 0])
+    n = len(ids)
+    return Trace([str(k) for k in keys.tolist()], ids, np.ascontiguousarray(table[:, 1]), np.zeros(n, dtype=np.uint8), np.zeros(n, dtype=np.int64))
+
+
+def _column(spec: int | str, names: list[str], path: Path) -> int:
+    if isinstance(spec, int) or (isinstance(spec, str) and spec.isdigit()):
+        return int(spec)
+    if spec not in names:
+        raise TraceError(f"{path}: no column {spec!r} in the header {names}")
+    return names.index(spec)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _load_csv_plain(path: Path, key_col: int, size_col: int, delimiter: str) -> Trace:
     keys: list[str] = []
     sizes: list[int] = []
+    width = max(key_col, size_col) + 1
     with open(path, newline="") as handle:
-        for number, row in enumerate(csv.reader(handle)):
+        for number, row in enumerate(csv.reader(handle, delimiter=delimiter)):
             if not row or row[0].startswith("#"):
                 continue
-            if len(row) < 2:
-                raise TraceError(f"{path}:{number + 1}: expected 'key,size', got {row!r}")
+            if len(row) < width:
+                raise TraceError(f"{path}:{number + 1}: expected at least {width} columns (key in {key_col}, size in {size_col}), got {row!r}")
             try:
-                size = int(float(row[1]))
+                size = int(float(row[size_col]))
             except ValueError:
                 if number == 0:
                     continue  # a header line
-                raise TraceError(f"{path}:{number + 1}: size {row[1]!r} is not a number") from None
+                raise TraceError(f"{path}:{number + 1}: size {row[size_col]!r} is not a number") from None
             if size < 0:
                 raise TraceError(f"{path}:{number + 1}: negative size {size}")
-            keys.append(row[0])
+            keys.append(row[key_col])
             sizes.append(size)
     if not keys:
         raise TraceError(f"{path} holds no accesses")
