@@ -1,0 +1,110 @@
+"""Running store calls on the store's event loop from zarr's (or anyone's) loop.
+
+Every verb of a ``TierStore`` must run on the loop the store was opened on. zarr runs its
+coroutines on its own loop thread (``zarr.core.sync``) or on the caller's loop (its async API).
+``on_store_loop`` awaits a coroutine on the store's loop without blocking either loop: on the
+same loop it is awaited in place; from another loop it is submitted with
+``run_coroutine_threadsafe`` and awaited as a future.
+
+One arrangement cannot work: zarr's *blocking* API called from code running on the store's
+own loop (an async program that opened the store on its loop and then calls ``array[:]``).
+That thread waits for zarr's loop, which waits for the store's loop: a deadlock. It is detected
+(the store's loop thread is found waiting inside ``zarr.core.sync.sync`` while the call stalls)
+and raised as ``LoopDeadlockError`` instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import sys
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+import zarr.core.sync
+
+from tierstore.errors import StoreClosedError, TierStoreError
+from tierstore.store import TierStore
+
+__all__ = ["LoopDeadlockError", "STALL_CHECK_S", "block_on_store_loop", "on_store_loop"]
+
+T = TypeVar("T")
+
+#: How long a submitted call may wait before the store's loop thread is checked for the deadlock.
+STALL_CHECK_S = 0.2
+
+
+class LoopDeadlockError(TierStoreError, RuntimeError):
+    """A call to the store cannot run: the store's loop thread is blocked waiting for it."""
+
+
+def store_loop(store: TierStore) -> asyncio.AbstractEventLoop:
+    """The loop ``store`` runs on; ``StoreClosedError`` when it is not open."""
+    loop = store.loop
+    if loop is None:
+        raise StoreClosedError("the TierStore under this zarr store is not open; open it first")
+    return loop
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _loop_thread_waits_on_zarr(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether the thread running ``loop`` is inside zarr's blocking ``sync()`` right now."""
+    ident = getattr(loop, "_thread_id", None)  # CPython's BaseEventLoop records its thread
+    if ident is None:
+        return False
+    frame = sys._current_frames().get(ident)
+    target = zarr.core.sync.sync.__code__
+    while frame is not None:
+        if frame.f_code is target:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _deadlock() -> LoopDeadlockError:
+    return LoopDeadlockError(
+        "zarr's blocking API was called from the thread that runs the TierStore's event loop; that "
+        "thread waits for zarr, and zarr waits for the store. Use zarr's async API there "
+        "(zarr.api.asynchronous, await array.getitem(...)) or a SyncTierStore"
+    )
+
+
+async def on_store_loop(store: TierStore, factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """Await ``factory()`` on ``store``'s loop, from whatever loop the caller runs on."""
+    loop = store_loop(store)
+    if _running_loop() is loop:
+        return await factory()
+    if not loop.is_running():
+        raise StoreClosedError("the TierStore's event loop is not running (its thread is idle or gone)")
+    future = asyncio.run_coroutine_threadsafe(factory(), loop)
+    waiter = asyncio.wrap_future(future)
+    try:
+        while True:
+            done, _ = await asyncio.wait({waiter}, timeout=STALL_CHECK_S)
+            if done:
+                return waiter.result()
+            if _loop_thread_waits_on_zarr(loop):
+                future.cancel()
+                raise _deadlock()
+    except asyncio.CancelledError:
+        future.cancel()  # the store's task is cancelled too; the store settles it
+        raise
+
+
+def block_on_store_loop(store: TierStore, factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """Run ``factory()`` on ``store``'s loop and wait for it (a blocking call; not on that loop)."""
+    loop = store_loop(store)
+    if getattr(loop, "_thread_id", None) == threading.get_ident() or _running_loop() is loop:
+        raise RuntimeError("a blocking call from the TierStore's own loop thread would wait for itself; await the async API")
+    future = asyncio.run_coroutine_threadsafe(factory(), loop)
+    try:
+        return future.result()
+    except concurrent.futures.CancelledError:
+        raise asyncio.CancelledError() from None
