@@ -100,6 +100,7 @@ CALLS: dict[str, Callable[[Any], Any]] = {
     "flush": lambda s: s.flush(),
     "prefetch": lambda s: s.prefetch(["k"]),
     "hold": lambda s: s.hold("k"),
+    "fill": lambda s: s.fill("k", (2,), torch.float32),
     "keys": lambda s: s.keys(),
     "__contains__": lambda s: "k" in s,
     "__len__": lambda s: len(s),

@@ -21,7 +21,8 @@ import torch
 
 from . import eviction, flushing, holds
 from .copies import copy_bytes
-from .device import TO_DEVICE, TO_HOST, Link, link_for
+from .device import TO_DEVICE, TO_HOST, Link, Transfer, link_for
+from .device.caller import caller_work
 from .disk.catalog import DiskRecord
 from .entry import Copy, Entry
 from .errors import (
@@ -231,7 +232,8 @@ class Engine:
             return from_disk
 
         async def from_memory(buffer: torch.Tensor, priority: Priority) -> None:
-            await self._copy(buffer[: meta.nbytes], source.buffer[: meta.nbytes], priority, self._crossing(source.tier, target))  # type: ignore[index]
+            crossing = self._crossing(source.tier, target)
+            await self._copy(buffer[: meta.nbytes], source.buffer[: meta.nbytes], priority, crossing, after=source.last_use)  # type: ignore[index]
 
         return from_memory
 
@@ -451,11 +453,29 @@ class Engine:
     def _free(self, copy: Copy) -> None:
         tier = self._tiers[copy.tier]
         if copy.buffer is not None and isinstance(tier, MemoryTier):
-            tier.release(copy.buffer)
+            link = getattr(tier, "link", None)
+            if copy.last_use is not None and link is not None:
+                self._release_after(tier, copy.buffer, link.when_done(copy.last_use))
+            else:
+                tier.release(copy.buffer)
             copy.buffer = None
         elif copy.extent is not None and isinstance(tier, DiskTier):
             tier.release(copy.extent)
             copy.extent = None
+
+    def _release_after(self, tier: MemoryTier, buffer: torch.Tensor, last_use: Transfer) -> None:
+        """Give ``buffer`` back to ``tier`` once the kernels that last used it have run (a
+        device buffer is not handed out again while a kernel may still read or write it)."""
+        if last_use.done():
+            tier.release(buffer)
+            return
+        loop = asyncio.get_running_loop()
+
+        def release(_: Transfer) -> None:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(tier.release, buffer)
+
+        last_use.add_done_callback(release)
 
     def use(self, entry: Entry, copy: Copy) -> None:
         """Take a use of ``copy`` (a hold or a transfer): it cannot be evicted or freed until
@@ -604,9 +624,12 @@ class Engine:
                 return link, direction
         return None
 
-    async def _copy(self, dst: torch.Tensor, src: torch.Tensor, priority: Priority, crossing: tuple[Link, str] | None = None) -> None:
+    async def _copy(
+        self, dst: torch.Tensor, src: torch.Tensor, priority: Priority, crossing: tuple[Link, str] | None = None, *, after: Any = None
+    ) -> None:
         """Copy bytes: over ``crossing``'s link if given, over a CUDA device's link if either side
-        is on one, else on the CPU."""
+        is on one, else on the CPU. A copy over a link starts ``after`` that marker, else after
+        the caller's queued work (``tierstore.device.caller``)."""
         if crossing is None and (dst.is_cuda or src.is_cuda):
             link = link_for(dst.device if dst.is_cuda else src.device)
             crossing = (link, TO_DEVICE if dst.is_cuda else TO_HOST)
@@ -614,7 +637,9 @@ class Engine:
             await copy_bytes(dst, src, pool=self.cpu, priority=priority)
             return
         link, direction = crossing
-        await (link.to_device(dst, src) if direction == TO_DEVICE else link.to_host(dst, src))
+        if after is None:
+            after = caller_work(link)
+        await (link.to_device(dst, src, after=after) if direction == TO_DEVICE else link.to_host(dst, src, after=after))
 
     def _track(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
         """Start ``coro`` as a write that ``aclose`` waits for."""

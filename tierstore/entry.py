@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -37,6 +38,9 @@ class Copy:
     writing: bool = False
     #: Replaced or invalidated; its space is released when the last user lets go.
     retired: bool = False
+    #: A device buffer's last use by the caller's kernels (a link marker): copies from it and
+    #: its reuse wait for it.
+    last_use: Any = None
 
     @property
     def nbytes(self) -> int:

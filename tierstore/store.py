@@ -14,6 +14,7 @@ import torch
 
 from . import holds
 from .copies import INLINE_COPY_BYTES, cpu_copy
+from .device.caller import caller_work
 from .engine import Engine, TierRef
 from .entry import Copy, Entry
 from .errors import (
@@ -560,6 +561,9 @@ class TierStore:
                 holds.leave(token)
             entry.hold_tokens.discard(token)
             copy.holds -= 1
+            link = getattr(self._engine.tiers[t], "link", None)
+            if link is not None and not link.lends:
+                copy.last_use = caller_work(link)  # the holder's kernels may still use the buffer
             if write:
                 copy.writing = False
                 entry.writer, entry.writer_token = None, 0

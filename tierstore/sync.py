@@ -26,7 +26,7 @@ import os
 import sys
 import threading
 import traceback
-from collections.abc import Callable, Coroutine, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 import torch
 
 from . import holds
+from .device.caller import marking_caller
 from .namespaces import Namespace
 from .prefetching import PrefetchHandle, PrefetchResult
 from .store import TierRef, TierStore
@@ -303,15 +304,35 @@ class SyncTierStore:
         manager = self.store._hold(key, tier, write, token, mark=False)
         tensor = run(manager.__aenter__())
         holds.enter(token)
+        device = tensor.device
         try:
             yield tensor
         except BaseException:
             holds.leave(token)
-            if not run(manager.__aexit__(*sys.exc_info())):
-                raise
+            with marking_caller(device):  # the buffer's last use: this thread's queued kernels
+                if not run(manager.__aexit__(*sys.exc_info())):
+                    raise
         else:
             holds.leave(token)
-            run(manager.__aexit__(None, None, None))
+            with marking_caller(device):
+                run(manager.__aexit__(None, None, None))
+
+    @contextmanager
+    def fill(
+        self, key: str, shape: Sequence[int], dtype: torch.dtype, tier: TierRef = None, *, durable: bool | None = None
+    ) -> Iterator[torch.Tensor]:
+        """``TierStore.fill``: a buffer this thread writes, ``key``'s value when the block ends."""
+        manager = self.store.fill(key, shape, dtype, tier, durable=durable)
+        tensor = run(manager.__aenter__())
+        try:
+            yield tensor
+        except BaseException:
+            with marking_caller(tensor.device):
+                if not run(manager.__aexit__(*sys.exc_info())):
+                    raise
+        else:
+            with marking_caller(tensor.device):
+                run(manager.__aexit__(None, None, None))
 
     def prefetch(self, keys: Iterable[str], tier: TierRef = None) -> SyncPrefetch:
         return SyncPrefetch(run(self.store.prefetch(list(keys), tier)))
@@ -319,7 +340,8 @@ class SyncTierStore:
     # -- the rest forward as they are (written out for type checkers and readers) -------------
 
     def put(self, key: str, tensor: torch.Tensor, tier: TierRef = None, *, durable: bool | None = None) -> None:
-        run(self.store.put(key, tensor, tier, durable=durable))
+        with marking_caller(tensor.device if isinstance(tensor, torch.Tensor) else None):  # copy after this thread's kernels
+            run(self.store.put(key, tensor, tier, durable=durable))
 
     def get(self, key: str, tier: TierRef = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
         return run(self.store.get(key, tier, out=out))

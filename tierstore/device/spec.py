@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ..units import parse_bytes
 
-_LATENCY_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+_PER_SECOND = {"s": 1.0, "ms": 1e3, "us": 1e6, "µs": 1e6, "ns": 1e9}
 _LATENCY = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(s|ms|us|µs|ns)\s*$")
 
 
@@ -45,7 +45,7 @@ class LinkSpec:
             match = _LATENCY.match(part)
             if match is None:
                 raise ValueError(f"cannot read {part!r} in link {text!r}; write e.g. '25GB/s,10us'")
-            latency = float(match.group(1)) * _LATENCY_UNITS[match.group(2)]
+            latency = float(match.group(1)) / _PER_SECOND[match.group(2)]
         return cls(bandwidth, latency)
 
     def seconds(self, nbytes: int) -> float:
