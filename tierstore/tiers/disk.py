@@ -13,7 +13,7 @@ from typing import ClassVar
 
 import torch
 
-from ..copies import copy_bytes
+from ..device import link_for
 from ..disk.catalog import Catalog, CatalogLayout, DiskRecord
 from ..disk.compact import compact, plan_compaction
 from ..disk.extents import Extent, ExtentAllocator
@@ -460,9 +460,10 @@ class DiskTier(Tier):
         memory is staged through host memory first (this tier moves its own bytes)."""
         files = self._require_open()
         if src.device.type != "cpu":
-            staged = aligned_empty(nbytes, pin_memory=torch.cuda.is_available())
-            await copy_bytes(staged[:nbytes], src[:nbytes], pool=self.pool, priority=priority)
-            src = staged
+            checksums = await self._write_from_device(files, extent, src, nbytes, priority)
+            if sync and self.durable:
+                await self.pool.run(partial(files.sync, extent.segment), priority)
+            return checksums
         chunks = self._chunks(nbytes)
         writes = [partial(files.write_chunk, extent.segment, extent.offset + start, src, start, length) for start, length in chunks]
         sums = [partial(checksum_of, src, start, length) for start, length in chunks]
@@ -482,10 +483,7 @@ class DiskTier(Tier):
         buffer in device memory is filled through a host bounce buffer)."""
         files = self._require_open()
         if dst.device.type != "cpu":
-            nbytes = record.meta.nbytes
-            bounce = aligned_empty(nbytes, pin_memory=torch.cuda.is_available())
-            await self.read(record, bounce, priority)
-            await copy_bytes(dst[:nbytes], bounce[:nbytes], pool=self.pool, priority=priority)
+            await self._read_to_device(files, record, dst, priority)
             return
         jobs = [
             partial(self._read_verified, files, record, index, start, length, dst)
@@ -493,10 +491,37 @@ class DiskTier(Tier):
         ]
         await self.pool.run_all(jobs, priority)
 
+    def _bounce(self, nbytes: int) -> torch.Tensor:
+        """A host buffer for one chunk of a device transfer (pinned where CUDA is): the staging
+        of a device copy is one chunk, not the whole value, so it stays a small bounded working
+        set outside the tiers' budgets."""
+        return aligned_empty(round_up(min(max(nbytes, 1), self.chunk_size), ALIGNMENT), pin_memory=torch.cuda.is_available())
+
+    async def _write_from_device(self, files: SegmentFiles, extent: Extent, src: torch.Tensor, nbytes: int, priority: Priority) -> tuple[int, ...]:
+        link = link_for(src.device)
+        bounce = self._bounce(nbytes)
+        checksums = []
+        for start, length in self._chunks(nbytes):
+            await link.to_host(bounce[:length], src[start : start + length])
+            await self.pool.run(partial(files.write_chunk, extent.segment, extent.offset + start, bounce, 0, length), priority)
+            checksums.append(await self.checksum_pool.run(partial(checksum_of, bounce, 0, length), priority))
+        return tuple(checksums)
+
+    async def _read_to_device(self, files: SegmentFiles, record: DiskRecord, dst: torch.Tensor, priority: Priority) -> None:
+        link = link_for(dst.device)
+        bounce = self._bounce(record.meta.nbytes)
+        for index, (start, length) in enumerate(self._chunks(record.meta.nbytes)):
+            await self.pool.run(partial(self._read_verified, files, record, index, start, length, bounce, at=0), priority)
+            await link.to_device(dst[start : start + length], bounce[:length])
+
     @staticmethod
-    def _read_verified(files: SegmentFiles, record: DiskRecord, index: int, start: int, length: int, dst: torch.Tensor) -> None:
+    def _read_verified(
+        files: SegmentFiles, record: DiskRecord, index: int, start: int, length: int, dst: torch.Tensor, at: int | None = None
+    ) -> None:
+        """Read chunk ``index`` (bytes ``start``.. of the value) into ``dst`` at ``at`` (default
+        ``start``), verifying its checksum."""
         extent = record.extent
-        got = files.read_chunk(extent.segment, extent.offset + start, dst, start, length)
+        got = files.read_chunk(extent.segment, extent.offset + start, dst, start if at is None else at, length)
         if got != record.checksums[index]:
             raise ChecksumError(
                 f"{record.key!r}: bytes {start}..{start + length} read from {files.path(extent.segment).name} "
