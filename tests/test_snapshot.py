@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import resource
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 import zarr
 
-from tierstore import DeviceTier, DiskTier, HostTier, TierStore
+from tierstore import DeviceTier, DiskTier, HostTier, TierStore, snapshot
+from tierstore.errors import InvalidKeyError, TierFullError
 from tierstore.snapshot import array_name
 from tierstore.tensors import supported_dtypes
 from tierstore.testing import ODD_KEYS, same_bytes, sample
@@ -68,3 +72,98 @@ async def test_export_does_not_move_entries(tmp_path: Path) -> None:
         before = {key: store.where(key) for key in store.keys()}
         await store.export_zarr(tmp_path / "snap.zarr")
         assert {key: store.where(key) for key in store.keys()} == before
+
+
+async def test_large_values_are_written_and_read_in_several_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(snapshot, "CHUNK_BYTES", 4096)
+    value = torch.randn(100, 37)  # 14.8 KB: several 4 KiB chunks
+    async with TierStore(tiers(tmp_path)) as store:
+        await store.put("w", value)
+        await store.put("scalar", torch.tensor(2.5))
+        await store.export_zarr(tmp_path / "snap.zarr")
+    array = zarr.open_array(tmp_path / "snap.zarr" / array_name("w"), mode="r")
+    assert array.nchunks > 1 and array.chunks[1:] == (37,)
+    async with TierStore(tiers(tmp_path, "other")) as fresh:
+        await fresh.import_zarr(tmp_path / "snap.zarr")
+        assert same_bytes(await fresh.get("w"), value) and (await fresh.get("scalar")).item() == 2.5
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+
+
+async def test_oversized_import_is_refused_before_reading(tmp_path: Path) -> None:
+    # 12 GiB, never written (all fill value): reading it first would allocate all of it.
+    zarr.create_group(tmp_path / "huge.zarr").create_array("big", shape=(3 << 30,), chunks=(1 << 20,), dtype="f4")
+    async with TierStore([HostTier("64MiB")]) as store:
+        before = _peak_rss_bytes()
+        with pytest.raises(TierFullError, match="does not fit"):
+            await store.import_zarr(tmp_path / "huge.zarr")
+        assert _peak_rss_bytes() - before < 64 << 20
+        assert len(store) == 0
+
+
+async def test_many_arrays_that_do_not_fit_together_are_refused(tmp_path: Path) -> None:
+    group = zarr.create_group(tmp_path / "many.zarr")
+    for i in range(5):
+        group.create_array(f"a{i}", shape=(16 << 10,), dtype="u1")  # 16 KiB each, 80 KiB in all
+    async with TierStore([HostTier("64KiB")]) as store:
+        with pytest.raises(TierFullError, match="in all"):
+            await store.import_zarr(tmp_path / "many.zarr")
+        assert len(store) == 0
+
+
+@pytest.mark.parametrize(
+    ("craft", "error"),
+    [
+        (lambda g: g.create_array("a", shape=(4,), dtype="u1", attributes={"tierstore_key": "__tierstore__/namespaces"}), InvalidKeyError),
+        (lambda g: g.create_array("a", shape=(4,), dtype="u1", attributes={"tierstore_key": ""}), InvalidKeyError),
+        (lambda g: g.create_array("a", shape=(4,), dtype="u1", attributes={"tierstore_dtype": "float64"}), ValueError),
+        (lambda g: g.create_array("a", shape=(4,), dtype="u1", attributes={"tierstore_dtype": "no-such"}), ValueError),
+        (lambda g: g.create_array("a", shape=(3,), dtype=str), TypeError),
+        (lambda g: g.create_array("a", shape=(10,), chunks=(1 << 34,), dtype="f4"), TierFullError),
+    ],
+)
+async def test_crafted_snapshot_is_refused_before_anything_is_put(tmp_path: Path, craft: Any, error: type) -> None:
+    group = zarr.create_group(tmp_path / "crafted.zarr")
+    group.create_array("fine", shape=(2,), dtype="f4")[:] = 1.0
+    craft(group)
+    async with TierStore(tiers(tmp_path)) as store:
+        with pytest.raises(error):
+            await store.import_zarr(tmp_path / "crafted.zarr")
+        assert len(store) == 0
+
+
+# zarr's own writes, cancelled before they started, warn that they were never awaited.
+@pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")
+async def test_interrupted_export_leaves_the_previous_snapshot(tmp_path: Path) -> None:
+    target = tmp_path / "snap.zarr"
+    async with TierStore(tiers(tmp_path)) as store:
+        await store.put("kept", torch.arange(5.0))
+        await store.export_zarr(target)
+        for i in range(40):
+            await store.put(f"new{i}", torch.full((2048,), float(i)))
+        export = asyncio.ensure_future(store.export_zarr(target, overwrite=True))
+        while not any(p.name.startswith(".snap.zarr.partial-") and any(p.glob("new*")) for p in tmp_path.iterdir()):
+            await asyncio.sleep(0.001)  # until the new export has written part of its arrays
+        export.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await export
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no partial folder left
+    async with TierStore(tiers(tmp_path, "other")) as fresh:
+        assert await fresh.import_zarr(target) == 1
+        assert fresh.keys() == ["kept"] and same_bytes(await fresh.get("kept"), torch.arange(5.0))
+
+
+async def test_export_replaces_a_snapshot_when_asked(tmp_path: Path) -> None:
+    target = tmp_path / "snap.zarr"
+    async with TierStore(tiers(tmp_path)) as store:
+        await store.put("a", torch.ones(3))
+        await store.export_zarr(target)
+        await store.delete("a")
+        await store.put("b", torch.zeros(2))
+        assert await store.export_zarr(target, overwrite=True) == 1
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    async with TierStore(tiers(tmp_path, "other")) as fresh:
+        await fresh.import_zarr(target)
+        assert fresh.keys() == ["b"]

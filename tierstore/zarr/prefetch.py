@@ -52,10 +52,10 @@ class _Grid:
         return math.prod(self.counts)
 
     def linear(self, coords: tuple[int, ...]) -> int | None:
-        if len(coords) != len(self.counts) or any(c >= n for c, n in zip(coords, self.counts)):
+        if len(coords) != len(self.counts) or any(c >= n for c, n in zip(coords, self.counts, strict=True)):
             return None
         index = 0
-        for c, n in zip(coords, self.counts):
+        for c, n in zip(coords, self.counts, strict=True):
             index = index * n + c
         return index
 
@@ -129,7 +129,7 @@ class BurstPrefetcher:
                 encoding = meta.get("chunk_key_encoding", {})
                 if encoding.get("name") == "default" and len(shape) == len(chunks) and all(c > 0 for c in chunks):
                     separator = encoding.get("configuration", {}).get("separator", "/")
-                    grid = _Grid(tuple(-(-n // c) for n, c in zip(shape, chunks)), separator)
+                    grid = _Grid(tuple(-(-n // c) for n, c in zip(shape, chunks, strict=True)), separator)
         except (KeyNotFoundError, ValueError, KeyError, TypeError, AttributeError):
             grid = None  # not an array we understand: no prefetch for it
         self._grids[array] = grid

@@ -10,6 +10,7 @@ with ``mark_step()``) and kept on the disk tier.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import uuid
@@ -19,7 +20,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from zarr.abc.store import ByteRequest, OffsetByteRequest, RangeByteRequest, Store, SuffixByteRequest
+from zarr.abc.store import (
+    ByteRequest,
+    OffsetByteRequest,
+    RangeByteRequest,
+    Store,
+    SuffixByteRequest,
+)
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
 from tierstore.engine import TierRef
@@ -402,17 +409,15 @@ class TierZarrStore(Store):
         self._check_writable()
         await self._ensure_open()
         try:
-            name = self._key(key)
+            self._key(key)
         except InvalidKeyError:
-            return
+            return  # not a key the store could hold: nothing to delete
         await on_store_loop(self._base, lambda: self._remove([key]))
 
     async def _remove(self, keys: list[str]) -> None:
         for key in keys:
-            try:
+            with contextlib.suppress(KeyNotFoundError):
                 await self._base.delete(self._prefix + key)
-            except KeyNotFoundError:
-                pass
             self._index.removed(key)
             if self._prefetcher is not None:
                 self._prefetcher.forget_metadata(key)
