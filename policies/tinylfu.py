@@ -56,9 +56,10 @@ class WTinyLFU:
     of its bytes protected. Every access (insertion or hit) counts in the sketch.
 
     ``victim``: while the window is over its share and main has room, the window's oldest key
-    moves to main's probation. If the window is still over, its oldest key (the candidate)
-    duels main's victim (probation's oldest, else protected's): the more frequent stays, the
-    other is the victim. Otherwise main's victim goes (the window's oldest if main is empty).
+    moves to main's probation. Then the window's oldest key (the candidate) duels main's
+    victim (probation's oldest, else protected's): the more frequent stays (the candidate
+    moving to probation), the other is the victim; with one side empty, the other side's key
+    goes (libCacheSim's order).
     ``victim(evictable)``: candidate and main victim are the oldest evictable keys of their
     queues; a refused key keeps its queue and its place."""
 
@@ -143,7 +144,7 @@ class WTinyLFU:
             size = self._take("window", candidate)
             self._put("probation", candidate, size)
             main_bytes += size
-        candidate = next((k for k in self._window if ok(k)), None) if self._bytes["window"] > window_limit else None
+        candidate = next((k for k in self._window if ok(k)), None)
         main_name, main_victim = self._main_victim(ok)
         if candidate is not None and main_victim is not None:
             if self.sketch.estimate(candidate) > self.sketch.estimate(main_victim):
@@ -155,7 +156,6 @@ class WTinyLFU:
         if main_victim is not None:
             self._take(main_name, main_victim)
             return main_victim
-        candidate = next((k for k in self._window if ok(k)), None)
         if candidate is not None:
             self._take("window", candidate)
         return candidate

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies import ARC, FIFO, LFU, LRU, MIN, S3FIFO, ScheduleLearned, Sequential
+from policies import ARC, CLOCK, FIFO, LFU, LIRS, LRU, MIN, S3FIFO, SIEVE, SLRU, ScheduleLearned, Sequential, TwoQ, WTinyLFU
 from tierstore import DeviceTier, DiskTier, HostTier, TierStore
 from tierstore.sim import Trace, simulate, zipf_trace
 from tierstore.testing import TierTests
@@ -295,6 +295,132 @@ class TestS3FIFO(PolicyTests):
         assert policy.victim() == "m2"
 
 
+class TestSIEVE(PolicyTests):
+    def make(self):
+        return SIEVE()
+
+    def test_a_skipped_key_keeps_its_state(self) -> None:
+        # The hand is the policy's state, not the key's: a refused key keeps its bit and its
+        # place while the hand moves past it.
+        policy = SIEVE()
+        for key in "abcd":
+            policy.on_insert(key, 1)
+        policy.on_hit("a")
+        assert policy.victim(lambda key: key not in "ab") == "c"  # a keeps its bit, b refused
+        assert policy.victim() == "d"  # the hand went on from c
+        assert policy.victim() == "b"  # wrapped: a spared (its bit cleared), b goes
+        assert policy.victim() == "a"
+
+    def test_visited_keys_survive_one_sweep(self) -> None:
+        policy = SIEVE()
+        for key in "abc":
+            policy.on_insert(key, 1)
+        policy.on_hit("a")
+        assert [policy.victim() for _ in range(3)] == ["b", "c", "a"]
+
+    def test_the_hand_stays_where_it_stopped(self) -> None:
+        policy = SIEVE()
+        for key in "abcd":
+            policy.on_insert(key, 1)
+        for key in "ab":
+            policy.on_hit(key)
+        assert policy.victim() == "c"  # a and b spared, bits cleared
+        policy.on_insert("e", 1)
+        policy.on_hit("a")
+        assert policy.victim() == "d"  # from the hand on, not from the oldest
+        assert policy.victim() == "e"  # still from the hand on: e is next and unvisited
+
+
+class TestCLOCK(PolicyTests):
+    def make(self):
+        return CLOCK()
+
+    def test_second_chance(self) -> None:
+        policy = CLOCK()
+        for key in "abc":
+            policy.on_insert(key, 1)
+        policy.on_hit("a")
+        assert [policy.victim() for _ in range(3)] == ["b", "c", "a"]
+
+    def test_counters_of_more_bits(self) -> None:
+        policy = CLOCK(bits=2)
+        for key in "ab":
+            policy.on_insert(key, 1)
+        for _ in range(5):
+            policy.on_hit("a")  # capped at 3
+        assert [policy.victim() for _ in range(2)] == ["b", "a"]
+        with pytest.raises(ValueError):
+            CLOCK(bits=0)
+
+
+class TestSLRU(PolicyTests):
+    def make(self):
+        return SLRU(capacity=100)
+
+    def test_hits_promote_and_protect(self) -> None:
+        policy = SLRU(capacity=8, segments=2)  # two segments of 4
+        for key in "abcd":
+            policy.on_insert(key, 1)
+        policy.on_hit("a")
+        for key in "efgh":
+            policy.on_insert(key, 1)  # segment 0 is full: e.. go there after a's promotion
+        assert policy.victim() == "b"
+
+
+class TestTwoQ(PolicyTests):
+    def make(self):
+        return TwoQ(capacity=100)
+
+    def test_a_remembered_key_goes_to_main_and_outlives_a_scan(self) -> None:
+        policy = TwoQ(capacity=8)
+        for key in "abc":
+            policy.on_insert(key, 1)
+        assert policy.victim() == "a"  # Ain over its 2: a leaves, remembered
+        policy.on_insert("a", 1)  # back: into Am
+        for i in range(6):
+            policy.on_insert(f"s{i}", 1)
+        victims = [policy.victim() for _ in range(6)]
+        assert "a" not in victims
+
+
+class TestLIRS(PolicyTests):
+    def make(self):
+        return LIRS(capacity=100)
+
+    def test_a_loop_larger_than_the_cache_keeps_its_lir_part(self) -> None:
+        # LRU misses every access of a loop one key larger than the cache; LIRS keeps most.
+        from tierstore.sim import loop_trace
+
+        trace = loop_trace(keys=101, loops=5, size=1)
+        assert simulate(trace, {"host": 100}, "lru").misses == 505
+        assert simulate(trace, {"host": 100}, "lirs").misses < 150
+
+
+class TestWTinyLFU(PolicyTests):
+    def make(self):
+        return WTinyLFU(capacity=100)
+
+    def test_a_skipped_key_keeps_its_state(self) -> None:
+        # victim() first moves window keys to probation while main has room (policy state, not
+        # the refused key's): a refused key keeps its queue and its place there.
+        policy = WTinyLFU(capacity=4, window_ratio=0.25)
+        for key in "abcd":
+            policy.on_insert(key, 1)
+        assert policy.victim(lambda key: key != "a") not in (None, "a")
+        assert policy._where("a") == "window" and next(iter(policy._window)) == "a"
+
+    def test_the_more_frequent_of_candidate_and_victim_stays(self) -> None:
+        policy = WTinyLFU(capacity=4, window_ratio=0.25)
+        for key in "abc":
+            policy.on_insert(key, 1)
+        policy.victim()  # fills main: a, b, c to probation
+        for _ in range(5):
+            policy.on_insert("hot", 1)  # counted five times
+        assert policy.victim() == "a"  # hot (the candidate) beats a, the oldest of probation
+        policy.on_insert("cold", 1)
+        assert policy.victim() == "cold"  # cold loses against b
+
+
 class TestMIN(PolicyTests):
     def make(self):
         return MIN(lambda key: hash(key) % 97)
@@ -480,6 +606,22 @@ class TestLiveARC(_PolicyStack):
 
 class TestLiveS3FIFO(_PolicyStack):
     eviction = S3FIFO
+
+
+@pytest.mark.parametrize("eviction", [SIEVE, CLOCK, SLRU, TwoQ, LIRS, WTinyLFU], ids=lambda c: c.name)
+async def test_new_policies_in_a_live_store(tmp_path: Path, eviction: type) -> None:
+    # (The full TierTests suite runs for the older policies; each new one gets a store that
+    # must evict through both memory tiers, with values read back intact.)
+    async with TierStore(_tiny(tmp_path), eviction=eviction) as store:
+        values = {f"k{i}": torch.full((1024,), float(i)) for i in range(40)}  # 160 KiB in 4 KiB values
+        for key, value in values.items():
+            await store.put(key, value)
+        for key in list(values)[::3] * 2:
+            assert torch.equal((await store.get(key)).cpu(), values[key])
+        for key, value in values.items():
+            assert torch.equal((await store.get(key, "host")).cpu(), value)
+        stats = store.stats()
+        assert sum(tier["evictions"] for tier in stats["tiers"].values()) > 0
 
 
 class TestLiveMINWithSchedule:
