@@ -16,6 +16,8 @@ from tierstore.optim import TieredAdamW
 from tierstore.swap import offload_activations, offload_parameters
 from tierstore.testing import watch_capacity
 
+pytestmark = pytest.mark.device_modes
+
 CONFIG = GPTConfig(vocab=64, seq=32, dim=64, layers=3, heads=2)
 
 

@@ -19,11 +19,24 @@ Use one object for the whole run, entered once per step, so the order learned ca
 
 Its keys live in a namespace it claims in the store (``namespace=``, default a fresh
 ``swap/act/<n>/``); ``close()`` drops it with whatever is left in it.
+
+Crossing the device boundary (``crossing.py``): where the device's link lends (the plain CPU),
+a saved tensor is ``put`` into the store and ``pop``-ped back as before. Otherwise (CUDA, the
+emulated device) forward takes a ``mark()`` of its queued work when the tensor is saved, and
+the copy to the host runs over the link after it, straight into the store buffer that becomes
+the value (through an aligned staging buffer for the disk tier); the tensor stays alive until
+the copy ended. Backward copies the value over the link from the store's host buffer into a
+new device tensor, then deletes the key.
+
+Threads: forward and backward run on the training (or autograd) thread, the copies on the
+store's loop; what both look at (is a tensor still being copied out, did backward take it
+meanwhile, bytes in flight, the report) changes under one lock.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import threading
 import time
@@ -33,12 +46,13 @@ from typing import Any
 
 import torch
 
-from ..copies import wait_event
+from ..device import Link
 from ..namespaces import Namespace
 from ..store import TierStore
 from ..sync import SyncTierStore, loop_thread, run
-from ..tiers import MemoryTier
+from ..tiers import DeviceTier, MemoryTier
 from ..units import parse_bytes
+from .crossing import swap_link, to_device, to_store
 from .report import SwapReport
 
 
@@ -50,11 +64,14 @@ class _Saved:
     key: str
     nbytes: int
     device: torch.device
-    tensor: torch.Tensor | None  # kept until its copy into the store is done
+    tensor: torch.Tensor | None  # kept until its copy into the store is done (under the lock)
+    link: Link | None = None  # the device's link (None: no boundary, ``put`` and ``pop``)
     stored: Any = None  # concurrent future of the put
     finalizer: Any = None
-    taken: bool = False  # backward took the tensor itself before its copy finished
+    taken: bool = False  # backward took the tensor itself before its copy finished (under the lock)
     fetched: Any = None  # concurrent future of the pop that brings it back
+    used: bool = False  # backward has unpacked it (a second unpack, retain_graph, reuses it)
+    dropped: bool = False  # the forward that saved it raised: it left the store unused
     owner: Any = None  # the ActivationOffload that packed it
 
 
@@ -70,6 +87,7 @@ class ActivationOffload:
         max_in_flight: int | str = "256MiB",
         ahead: int | str = "64MiB",
         namespace: str | None = None,
+        emulate_device: bool | None = None,
     ) -> None:
         self.store = store.store if isinstance(store, SyncTierStore) else store
         if not self.store.is_open:
@@ -81,6 +99,11 @@ class ActivationOffload:
         self.max_in_flight = parse_bytes(max_in_flight)
         self.ahead = parse_bytes(ahead)
         self.prefix = self.namespace.name.rstrip("/")
+        self.emulate_device = emulate_device
+        self._links: dict[torch.device, Link] = {}
+        for tier_ in self.store.tiers:  # a contradicting emulate_device raises here, not in forward
+            if isinstance(tier_, DeviceTier):
+                self.link(tier_.device)
         self.report = SwapReport("activations")
         self._loop = loop_thread()
         self._generation = itertools.count()
@@ -110,10 +133,16 @@ class ActivationOffload:
         _active.stack = [*getattr(_active, "stack", []), self]
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self._hooks.__exit__(*exc_info)
+    def __exit__(self, exc_type: object, *exc_info: object) -> None:
+        self._hooks.__exit__(exc_type, *exc_info)
         self._hooks = None
         _active.stack = getattr(_active, "stack", [])[:-1]
+        if exc_type is not None:  # the forward failed: drop what it saved now, not when its graph is freed
+            for saved in self._saved.values():
+                if saved.fetched is None and saved.finalizer.alive:
+                    saved.dropped = True
+                    saved.finalizer()
+            self._saved = {}
 
     def close(self) -> None:
         """End the claim on the namespace, deleting what is left in it (activations of a step
@@ -125,23 +154,36 @@ class ActivationOffload:
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         if tensor.nbytes < self.min_bytes or _is_parameter(tensor) or tensor.device.type not in ("cpu", "cuda"):
-            self.report.kept += 1
-            if not _is_parameter(tensor):
-                self.report.bytes_kept += tensor.nbytes
+            with self._lock:
+                self.report.kept += 1
+                if not _is_parameter(tensor):
+                    self.report.bytes_kept += tensor.nbytes
             return tensor
+        link = self.link(tensor.device)
         waited = self._wait_for_room(tensor.nbytes)
         index = next(self._counter)
         saved = _Saved(index, f"{self.prefix}/{self._step}/{index}", tensor.nbytes, tensor.device, tensor, owner=self)
-        event = None
-        if tensor.is_cuda:
-            event = torch.cuda.Event()
-            event.record()
-        saved.stored = asyncio.run_coroutine_threadsafe(self._put(saved, event), self._loop)
+        if link.lends:
+            saved.stored = asyncio.run_coroutine_threadsafe(self._put(saved, self.store.put(saved.key, tensor, tier=self.tier)), self._loop)
+        else:
+            saved.link = link
+            source = tensor if tensor.is_contiguous() else tensor.contiguous()
+            marker = link.mark()  # after the kernels that produced it (and made it contiguous)
+            stored = to_store(self.store, saved.key, source, self.tier, link, marker)
+            saved.stored = asyncio.run_coroutine_threadsafe(self._put(saved, stored), self._loop)
         saved.finalizer = weakref.finalize(saved, _forget, self._loop, self.store, saved.key, saved.stored)
         self._saved[index] = saved
-        self.report.offloaded += 1
-        self.report.stall += waited
+        with self._lock:
+            self.report.offloaded += 1
+            self.report.stall += waited
         return saved
+
+    def link(self, device: torch.device) -> Link:
+        """The link ``device``'s tensors cross (see ``crossing.swap_link``)."""
+        link = self._links.get(device)
+        if link is None:
+            link = self._links[device] = swap_link(self.store, device, self.emulate_device)
+        return link
 
     def _wait_for_room(self, nbytes: int) -> float:
         """Block forward while more than ``max_in_flight`` bytes are still being copied."""
@@ -152,36 +194,50 @@ class ActivationOffload:
             self._in_flight += nbytes
         return time.perf_counter() - started
 
-    async def _put(self, saved: _Saved, event: Any) -> None:
+    async def _put(self, saved: _Saved, storing: Any) -> None:
+        """On the loop: run ``storing`` (the copy into the store); then forward's tensor may go,
+        unless backward took it meanwhile, in which case the stored copy is not needed."""
+        started = time.perf_counter()
+        stored = False
         try:
-            if event is not None:
-                await wait_event(event)
-            started = time.perf_counter()
-            await self.store.put(saved.key, saved.tensor, tier=self.tier)  # type: ignore[arg-type]
-            self.report.add_moved(saved.nbytes, time.perf_counter() - started, out=True)
-            if saved.taken and saved.key in self.store:  # backward did not wait for this copy
-                await self.store.delete(saved.key)
+            await storing
+            stored = True
         finally:
-            saved.tensor = None  # forward's copy may go: the store has it
             with self._lock:
+                saved.tensor = None
+                taken = saved.taken
                 self._in_flight -= saved.nbytes
+                if stored:
+                    self.report.add_moved(saved.nbytes, time.perf_counter() - started, out=True)
                 self._lock.notify_all()
+        if stored and taken and saved.key in self.store:  # backward did not wait for this copy
+            await self.store.delete(saved.key)
 
     # -- backward ------------------------------------------------------------------------------------
 
     def _unpack(self, saved: Any) -> torch.Tensor:
         if not isinstance(saved, _Saved):
             return saved
+        if saved.dropped:
+            raise RuntimeError("this saved tensor was dropped from the store: the forward that saved it raised inside offload_activations")
         started = time.perf_counter()
         self._order.append(saved.index)
-        still_here = saved.tensor  # the copy is still in flight: the tensor never left
-        if saved.fetched is None and still_here is not None and not saved.stored.done():
-            saved.taken = True
+        with self._lock:  # the copy is still in flight: the tensor never left, use it
+            still_here = saved.tensor if saved.fetched is None else None
+            if still_here is not None:
+                saved.taken = True
+                self.report.early += 1
+                self.report.bytes_early += saved.nbytes
+        if still_here is not None:
+            saved.used = True
+            saved.fetched = concurrent.futures.Future()
+            saved.fetched.set_result(still_here)
             saved.finalizer.detach()
-            self.report.early += 1
-            self.report.bytes_early += saved.nbytes
             self._fetch_ahead(saved.index, saved.device)
             return still_here
+        if saved.used:
+            return saved.fetched.result()
+        saved.used = True
         if saved.fetched is None:
             self._fetch(saved)
         else:
@@ -190,13 +246,18 @@ class ActivationOffload:
         value = saved.fetched.result()
         saved.finalizer.detach()
         elapsed = time.perf_counter() - started
-        self.report.stall += elapsed
-        self.report.add_moved(saved.nbytes, elapsed, out=False)
+        with self._lock:
+            self.report.stall += elapsed
+            self.report.add_moved(saved.nbytes, elapsed, out=False)
         return value
 
     def _fetch(self, saved: _Saved) -> None:
-        """Start popping ``saved`` back from the store onto its device (on the loop)."""
-        saved.fetched = asyncio.run_coroutine_threadsafe(_pop_when_stored(self.store, saved, self._device_tier(saved.device)), self._loop)
+        """Start bringing ``saved`` back from the store onto its device (on the loop)."""
+        if saved.link is None:
+            coroutine = _pop_when_stored(self.store, saved, self._device_tier(saved.device))
+        else:
+            coroutine = _cross_when_stored(self.store, saved, saved.link)
+        saved.fetched = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
 
     def _fetch_ahead(self, index: int, device: torch.device) -> None:
         """Pop the saved tensors backward will want next, within ``ahead`` bytes (and a quarter
@@ -247,11 +308,15 @@ def offload_activations(
     max_in_flight: int | str = "256MiB",
     ahead: int | str = "64MiB",
     namespace: str | None = None,
+    emulate_device: bool | None = None,
 ) -> ActivationOffload:
     """Offload saved activations of at least ``min_bytes`` to ``tier`` of ``store`` (see the
     module docstring); ``device_tier`` is where they come back (default: the store's device tier).
-    The keys go into ``namespace``, claimed in the store (default: a fresh ``swap/act/<n>/``)."""
-    return ActivationOffload(store, min_bytes, tier, device_tier, max_in_flight, ahead, namespace)
+    The keys go into ``namespace``, claimed in the store (default: a fresh ``swap/act/<n>/``).
+    ``emulate_device``: for CPU tensors, cross an emulated link (True) or none (False); None
+    follows the process setting. A store's ``DeviceTier`` on the same device decides instead
+    (its link is the device's link), and a contradicting True/False raises ``ValueError``."""
+    return ActivationOffload(store, min_bytes, tier, device_tier, max_in_flight, ahead, namespace, emulate_device)
 
 
 async def _claim(store: TierStore, name: str | None, base: str, owner: str) -> Namespace:
@@ -273,6 +338,13 @@ async def _pop_when_stored(store: TierStore, saved: _Saved, tier: str) -> torch.
     await asyncio.wrap_future(saved.stored)
     value = await store.pop(saved.key, tier)
     return value if value.device == saved.device else value.to(saved.device)
+
+
+async def _cross_when_stored(store: TierStore, saved: _Saved, link: Link) -> torch.Tensor:
+    await asyncio.wrap_future(saved.stored)
+    value = await to_device(store, saved.key, saved.device, link)
+    await store.delete(saved.key)
+    return value
 
 
 def _forget(loop: asyncio.AbstractEventLoop, store: TierStore, key: str, stored: Any) -> None:

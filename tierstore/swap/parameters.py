@@ -4,20 +4,28 @@ while a submodule computes with them.
 ``offload_parameters(module, store)`` moves every parameter into the store (``tier``, host by
 default, or disk) and leaves a zero-size placeholder in the module. Around each submodule that
 owns parameters (a *unit*), hooks hold its parameters on the device tier -- the store's own
-buffers, no copy -- for its forward, release them after it, hold them again before its backward
-and release each once its gradient is accumulated. Autograd would keep a reference to the
+buffers -- for its forward, release them after it (even when it raises), hold them again before
+its backward and release each once its gradient is accumulated. A release ends the store's hold
+only after the kernels queued until then, which may still read the weights, are done
+(``link.mark()`` on the training thread, awaited on the loop). Autograd would keep a reference to the
 forward-time buffers of the weights it saves for backward (and read them there, after the store
 reused them), so while the module runs forward, ``saved_tensors_hooks`` replace each saved
 parameter, or view of one, by a reference that backward resolves against the weights held again
 then; other saved tensors go to the ``offload_activations`` context active around the forward,
-if any, or stay as they are. Each parameter must be used inside the module that owns it. While a unit computes, the units that come
-next are prefetched to the device tier, in the order recorded in the previous step (forward
+if any, or stay as they are. Each parameter must be used inside a module that owns it. A
+parameter several modules share (tied input and output embeddings) is stored once, under the
+name the first module gives it, and held while any of them computes. While a unit computes,
+the units that come next are prefetched to the device tier, in the order recorded in the previous step (forward
 order, then backward order). The device tier's capacity bounds what is resident at once, so a
 model whose weights exceed it still trains.
 
 Gradients land in ``param.grad`` as usual; ``TieredAdamW`` (or any ``PagedOptimizer``) sees
 that a parameter is offloaded and writes its updated weight into the store instead of into the
 placeholder. ``detach()`` puts the weights back into the module.
+
+Crossings: the weights go into the store at the start, and back at ``detach()``, over the
+device's link (``crossing.py``); holding a weight on the device tier crosses the tier's link
+inside the store.
 
 The weights live in a namespace it claims in the store (``namespace=``, default a fresh
 ``swap/params/<n>/``); ``detach()`` drops it.
@@ -26,6 +34,7 @@ The weights live in a namespace it claims in the store (``namespace=``, default 
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -35,12 +44,14 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..device import Link
 from ..namespaces import Namespace
 from ..store import TierStore
 from ..sync import SyncTierStore, loop_thread, run
 from ..tiers import MemoryTier
 from ..units import parse_bytes
 from .activations import _claim, _Saved, active_activation_offload
+from .crossing import swap_link, to_device, to_store
 from .report import SwapReport
 
 # Keyed by identity (tensors compare elementwise, so a plain WeakKeyDictionary cannot hold them).
@@ -56,12 +67,24 @@ def offloaded(param: torch.Tensor) -> tuple[ParameterOffload, str] | None:
     return _REGISTRY.get(param)
 
 
+@dataclass(eq=False)
+class _Weight:
+    """One stored parameter, shared by every unit that uses it (tied weights are stored once)."""
+
+    key: str
+    param: nn.Parameter
+    shape: torch.Size
+    units: list[int] = field(default_factory=list)
+    #: Units computing with it now; the store hold ends when the last one lets go.
+    holders: set[int] = field(default_factory=set)
+    hold: Any = None  # the store hold's context manager while it is held
+
+
 @dataclass(frozen=True, eq=False)
 class _ParamRef:
     """What backward keeps instead of a saved parameter (or a strided view of one)."""
 
-    param: torch.Tensor
-    unit: int
+    weight: _Weight
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
@@ -72,10 +95,9 @@ class _ParamRef:
 class _Unit:
     name: str
     module: nn.Module
-    params: list[tuple[str, nn.Parameter]]
+    weights: list[_Weight]
     #: Bytes of its weights (their data is a zero-size placeholder while they are in the store).
     nbytes: int = 0
-    holds: dict[str, Any] = field(default_factory=dict)  # key -> the hold's context manager
 
 
 class ParameterOffload:
@@ -89,26 +111,28 @@ class ParameterOffload:
         device_tier: str | None = None,
         ahead: int | str = "64MiB",
         namespace: str | None = None,
+        emulate_device: bool | None = None,
     ) -> None:
         self.module = module
         self.store = store.store if isinstance(store, SyncTierStore) else store
         if not self.store.is_open:
             run(self.store.open())
-        self.namespace: Namespace = run(_claim(self.store, namespace, "swap/params/", type(self).__name__))
         self.tier = tier
         self.device_tier = device_tier or self.store.tiers[0].name
         device = self.store.tier(self.device_tier)
         if not isinstance(device, MemoryTier):
             raise ValueError(f"device_tier {self.device_tier!r} must be a memory tier")
         self.device = device.device
+        #: The link weights cross (the device tier's: see ``crossing.swap_link``).
+        self.link: Link = swap_link(self.store, self.device, emulate_device)
+        self.namespace: Namespace = run(_claim(self.store, namespace, "swap/params/", type(self).__name__))
         self.ahead = parse_bytes(ahead)
         self.prefix = self.namespace.name.rstrip("/")
         self.report = SwapReport("parameters")
         self._loop = loop_thread()
         self._units: list[_Unit] = []
-        self._shapes: dict[str, torch.Size] = {}
-        self._unit_of: dict[int, int] = {}
-        self._key_of: dict[int, str] = {}
+        self._weights: list[_Weight] = []
+        self._weight_of: dict[int, _Weight] = {}
         self._saving: list[Any] = []
         self._releasing: list[Any] = []  # holds being let go on the loop
         self._hooks: list[Any] = []
@@ -121,49 +145,59 @@ class ParameterOffload:
 
     def _attach(self) -> None:
         for name, sub in self.module.named_modules():
-            own = [(f"{name}.{n}" if name else n, p) for n, p in sub.named_parameters(recurse=False)]
-            if own:
-                self._units.append(_Unit(name or "<root>", sub, own, sum(p.nbytes for _, p in own)))
-        run(self._store_all())
-        self._unit_of = {id(param): index for index, unit in enumerate(self._units) for _, param in unit.params}
-        self._key_of = {id(param): f"{self.prefix}/{name}" for unit in self._units for name, param in unit.params}
+            weights = []
+            for own, param in sub.named_parameters(recurse=False):
+                weight = self._weight_of.get(id(param))
+                if weight is None:  # the first module using a tied weight names its key
+                    if offloaded(param) is not None:
+                        raise ValueError(f"parameter {own!r} of {name or '<root>'} is offloaded already (by another offload_parameters)")
+                    weight = _Weight(f"{self.prefix}/{name}.{own}" if name else f"{self.prefix}/{own}", param, param.shape)
+                    self._weight_of[id(param)] = weight
+                    self._weights.append(weight)
+                weight.units.append(len(self._units))
+                weights.append(weight)
+            if weights:
+                self._units.append(_Unit(name or "<root>", sub, weights, sum(w.param.nbytes for w in weights)))
+        sources = [w.param.detach().contiguous() for w in self._weights]
+        marker = self.link.mark()  # the copies out follow whatever last wrote the weights
+        run(self._store_all(sources, marker))
+        for weight in self._weights:
+            self.report.offloaded += 1
+            self.report.bytes_out += weight.param.nbytes
+            weight.param.data = _placeholder(weight.param)
+            _REGISTRY[weight.param] = (self, weight.key)
         self._hooks.append(self.module.register_forward_pre_hook(lambda *_: self._enter_saving()))
-        self._hooks.append(self.module.register_forward_hook(lambda *_: self._exit_saving()))
+        self._hooks.append(self.module.register_forward_hook(lambda *_: self._exit_saving(), always_call=True))
         for index, unit in enumerate(self._units):
             self._hooks.append(unit.module.register_forward_pre_hook(lambda *_, i=index: self._hold(i)))
-            self._hooks.append(unit.module.register_forward_hook(lambda *_, i=index: self._release(i)))
+            # always_call: a forward that raises still lets go of the unit's weights
+            self._hooks.append(unit.module.register_forward_hook(lambda *_, i=index: self._release(i), always_call=True))
             self._hooks.append(unit.module.register_full_backward_pre_hook(lambda *_, i=index: self._hold(i)))
-            for name, param in unit.params:
-                if param.requires_grad:
-                    self._hooks.append(param.register_post_accumulate_grad_hook(lambda p, i=index, n=name: self._release(i, n)))
+        for weight in self._weights:
+            if weight.param.requires_grad:  # its gradient is complete: no unit computes with it any more
+                self._hooks.append(weight.param.register_post_accumulate_grad_hook(lambda _, w=weight: self._let_go([w], everyone=True)))
 
-    async def _store_all(self) -> None:
-        for unit in self._units:
-            for name, param in unit.params:
-                key = f"{self.prefix}/{name}"
-                await self.store.put(key, param.detach(), tier=self.tier)
-                self._shapes[key] = param.shape
-                self.report.offloaded += 1
-                self.report.bytes_out += param.nbytes
-                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-                _REGISTRY[param] = (self, key)
+    async def _store_all(self, sources: list[torch.Tensor], marker: Any) -> None:
+        for weight, source in zip(self._weights, sources, strict=True):
+            await to_store(self.store, weight.key, source, self.tier, self.link, marker)
 
     def detach(self) -> None:
         """Remove the hooks and put every weight back into the module (from the store)."""
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
-        for index in range(len(self._units)):
-            self._release(index)
+        self._let_go(self._weights, everyone=True)
         for releasing in self._releasing:
             releasing.result()
-        for unit in self._units:
-            for name, param in unit.params:
-                key = f"{self.prefix}/{name}"
-                value = run(self.store.read(key))
-                param.data = value.to(param.device)
-                run(self.store.delete(key))
-                _REGISTRY.pop(param, None)
+        self._releasing = []
+        for weight in self._weights:
+            param = weight.param
+            if self.link.lends:
+                param.data = run(self.store.read(weight.key)).to(param.device)
+            else:
+                param.data = run(to_device(self.store, weight.key, param.device, self.link))
+            run(self.store.delete(weight.key))
+            _REGISTRY.pop(param, None)
         if self.namespace.live:
             run(self.namespace.drop())
 
@@ -177,20 +211,25 @@ class ParameterOffload:
     def _exit_saving(self) -> None:
         if self._saving:
             self._saving.pop().__exit__(None, None, None)
+        if sys.exc_info()[1] is not None:  # the forward raised: no backward follows its units
+            self._order = []
+            self._cursor = 0
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        base = tensor if id(tensor) in self._unit_of else tensor._base
-        if base is not None and id(base) in self._unit_of and offloaded(base) is not None:
-            return _ParamRef(base, self._unit_of[id(base)], tuple(tensor.size()), tuple(tensor.stride()),
+        base = tensor if id(tensor) in self._weight_of else tensor._base
+        weight = self._weight_of.get(id(base)) if base is not None else None
+        if weight is not None and weight.param is base and offloaded(base) is not None:
+            return _ParamRef(weight, tuple(tensor.size()), tuple(tensor.stride()),
                              int(tensor.storage_offset() - base.storage_offset()), tensor is base)
         activations = active_activation_offload()
         return activations._pack(tensor) if activations is not None else tensor
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, _ParamRef):
-            if self._key_of[id(packed.param)] not in self._units[packed.unit].holds:
-                self._hold(packed.unit)  # used in backward outside its unit's own backward
-            data = packed.param.data
+            weight = packed.weight
+            if weight.hold is None:  # used in backward outside its units' own backward
+                self._hold_weights([weight], weight.units[0])
+            data = weight.param.data
             if packed.whole:
                 return data
             return data.as_strided(packed.size, packed.stride, data.storage_offset() + packed.offset)
@@ -202,38 +241,48 @@ class ParameterOffload:
 
     def _hold(self, index: int) -> None:
         """Hold the unit's weights on the device tier (one round trip to the loop for all)."""
-        unit = self._units[index]
-        started = time.perf_counter()
         self._order.append(index)
         self._prefetch_after(len(self._order) - 1, index)
-        todo = [(f"{self.prefix}/{name}", param) for name, param in unit.params if f"{self.prefix}/{name}" not in unit.holds]
-        if not todo:
-            return
-        managers = [self.store.hold(key, self.device_tier) for key, _ in todo]
-        values = run(_enter_all(managers))
-        moved = 0
-        for (key, param), manager, value in zip(todo, managers, values, strict=True):
-            unit.holds[key] = manager
-            param.data = value if value.device == param.device else value.to(param.device)
-            moved += value.nbytes
-        elapsed = time.perf_counter() - started
-        self.report.stall += elapsed
-        self.report.add_moved(moved, elapsed, out=False)
+        self._hold_weights(self._units[index].weights, index)
 
-    def _release(self, index: int, only: str | None = None) -> None:
-        """Put placeholders back and let the holds go (without waiting for the loop)."""
-        unit = self._units[index]
+    def _hold_weights(self, weights: list[_Weight], holder: int) -> None:
+        started = time.perf_counter()
+        todo = [w for w in weights if w.hold is None]
+        if todo:
+            managers = [self.store.hold(w.key, self.device_tier) for w in todo]
+            values = run(_enter_all(managers))
+            for weight, manager, value in zip(todo, managers, values, strict=True):
+                weight.hold = manager
+                weight.param.data = value if value.device == weight.param.device else value.to(weight.param.device)
+            elapsed = time.perf_counter() - started
+            self.report.stall += elapsed
+            self.report.add_moved(sum(v.nbytes for v in values), elapsed, out=False)
+        for weight in weights:
+            weight.holders.add(holder)
+
+    def _release(self, index: int) -> None:
+        """The unit is done computing (its forward ended, or raised)."""
+        weights = self._units[index].weights
+        for weight in weights:
+            weight.holders.discard(index)
+        self._let_go(weights)
+
+    def _let_go(self, weights: list[_Weight], everyone: bool = False) -> None:
+        """Put placeholders back for those of ``weights`` no unit holds (``everyone``: whoever
+        held them) and end their holds on the loop once the kernels queued so far, which may
+        still read the weights, are done (``link.mark()`` here, on the training thread)."""
         managers = []
-        for name, param in unit.params:
-            if only is not None and name != only:
-                continue
-            manager = unit.holds.pop(f"{self.prefix}/{name}", None)
-            if manager is not None:
-                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-                managers.append(manager)
+        for weight in weights:
+            if everyone:
+                weight.holders.clear()
+            if weight.hold is not None and not weight.holders:
+                weight.param.data = _placeholder(weight.param)
+                managers.append(weight.hold)
+                weight.hold = None
         if managers:
+            marker = self.link.mark()
             self._releasing = [f for f in self._releasing if not f.done()]
-            self._releasing.append(asyncio.run_coroutine_threadsafe(_exit_all(managers), self._loop))
+            self._releasing.append(asyncio.run_coroutine_threadsafe(_exit_after(self.link, marker, managers), self._loop))
 
     def _prefetch_after(self, position: int, index: int) -> None:
         """Prefetch the units that follow, in last step's order (or, in the first step, the
@@ -252,7 +301,7 @@ class ParameterOffload:
             budget -= unit.nbytes
             if where is not None and where < self._cursor:
                 continue  # already requested in this pass
-            keys += [f"{self.prefix}/{name}" for name, _ in unit.params]
+            keys += [w.key for w in unit.weights]
             if where is not None:
                 self._cursor = max(self._cursor, where + 1)
         if keys:
@@ -269,14 +318,30 @@ class ParameterOffload:
 
     def shape_of(self, key: str) -> torch.Size:
         """The shape of the parameter stored under ``key``."""
-        return self._shapes[key]
+        for weight in self._weights:
+            if weight.key == key:
+                return weight.shape
+        raise KeyError(key)
 
     async def read_weight(self, key: str) -> torch.Tensor:
+        """A parameter's current value as a CPU tensor."""
         return await self.store.read(key)
 
     async def write_weight(self, key: str, value: torch.Tensor) -> None:
         """Store a parameter's new value (the optimizer calls this after its update)."""
         await self.store.put(key, value, tier=self.tier)
+
+
+def _placeholder(param: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=param.dtype, device=param.device)
+
+
+async def _exit_after(link: Link, marker: Any, managers: list[Any]) -> None:
+    """End ``managers``' holds once the work before ``marker`` has run."""
+    try:
+        await link.when_done(marker)
+    finally:
+        await _exit_all(managers)
 
 
 def _start_prefetch(store: TierStore, keys: list[str], tier: str) -> None:
@@ -307,8 +372,11 @@ def offload_parameters(
     device_tier: str | None = None,
     ahead: int | str = "64MiB",
     namespace: str | None = None,
+    emulate_device: bool | None = None,
 ) -> ParameterOffload:
     """Keep ``module``'s parameters in ``store`` (``tier``: host or disk) and bring each
     submodule's onto ``device_tier`` (default: the store's fastest) only while it computes;
-    their keys go into ``namespace``, claimed in the store (default: a fresh ``swap/params/<n>/``)."""
-    return ParameterOffload(module, store, tier, device_tier, ahead, namespace)
+    their keys go into ``namespace``, claimed in the store (default: a fresh ``swap/params/<n>/``).
+    ``emulate_device`` as for ``offload_activations``: the device tier's link decides, and a
+    contradicting True/False raises ``ValueError``."""
+    return ParameterOffload(module, store, tier, device_tier, ahead, namespace, emulate_device)
