@@ -138,3 +138,19 @@ def test_the_custom_policy_example_runs(capsys: pytest.CaptureFixture[str]) -> N
     runpy.run_path(str(Path(__file__).parent.parent / "examples" / "custom_policy.py"), run_name="__main__")
     out = capsys.readouterr().out
     assert "clock: miss ratio" in out and "resident on the first tier" in out
+
+
+def test_the_policy_workbench_example_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import runpy
+
+    example = runpy.run_path(str(Path(__file__).parent.parent / "examples" / "policy_workbench.py"))
+    png = tmp_path / "mrc.png"
+    example["main"](["zipf:keys=300,accesses=4000,alpha=0.9", "--plot", str(png)])
+    out = capsys.readouterr().out
+    assert "probation-lru" in out and "sieve" in out and png.stat().st_size > 1000
+    policy = example["ProbationLRU"]()  # the policy itself: a one-hit wonder leaves before a hit key
+    policy.set_capacity(100)
+    for key in "ab":
+        policy.on_insert(key, 10)
+    policy.on_hit("a")
+    assert policy.victim() == "b" and policy.victim(lambda key: key != "a") is None and policy.victim() == "a"
