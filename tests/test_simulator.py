@@ -149,7 +149,7 @@ def test_the_policy_workbench_example_runs(tmp_path: Path, capsys: pytest.Captur
     out = capsys.readouterr().out
     assert "probation-lru" in out and "sieve" in out and png.stat().st_size > 1000
     policy = example["ProbationLRU"]()  # the policy itself: a one-hit wonder leaves before a hit key
-    policy.set_capacity(100)
+    policy.set_capacity(50)  # probation's share is 5 bytes: b (10) is over it
     for key in "ab":
         policy.on_insert(key, 10)
     policy.on_hit("a")
