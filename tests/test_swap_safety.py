@@ -143,6 +143,7 @@ def test_emulate_device_must_agree_with_the_device_tier(tmp_path: Path, what: st
                 offload_activations(sync, emulate_device=not emulated)
             else:
                 offload_parameters(Tied(), sync, emulate_device=not emulated)
+        assert not [n for n in sync.run(sync.store.namespaces()) if n.live]  # refused before claiming one
         agreeing = offload_activations(sync, emulate_device=emulated) if what == "activations" else None
         if agreeing is not None:
             assert agreeing.link(torch.device("cpu")).lends == (not emulated)

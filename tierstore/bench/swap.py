@@ -9,6 +9,14 @@ with save_on_cpu, which moves them all; for ours the small tensors kept in place
 device tier at its fullest and the tensors brought back ahead of backward at their most), and the time the step waited on the store. Parameters: forward, backward and a
 TieredAdamW step with the weights in the store (host, or disk under a small host tier), against
 the same with the weights resident; the device tier holds a third of the weights.
+
+Emulated link: beside the plain runs (the CPU lends its memory, nothing crosses), the same
+offload over an emulated device (``tierstore.device``) whose link runs at ``--link`` (default
+``25GB/s,10us``): every crossing a real copy on the link's copy threads. For those rows: the bytes
+over the link each way per step, the time the training loop waited, and the share of the link's
+transfer time hidden behind compute: the overlap of each transfer span (the link's listener)
+with the forward and backward spans (measured around the calls) less the spans the loop waited
+on the store, over the total transfer time.
 """
 
 from __future__ import annotations
@@ -22,14 +30,82 @@ from typing import Any
 
 import torch
 
+from ..device import TO_DEVICE, TO_HOST, Link, emulate_device
 from ..models import GPT, GPTConfig, synthetic_batches
 from ..optim import TieredAdamW
 from ..swap import offload_activations, offload_parameters
 from ..sync import SyncTierStore
 from ..tiers import DeviceTier, DiskTier, HostTier
-from .common import environment, median, table, write_json
+from .common import environment, median, progress, table, write_json
 
 MiB = 1 << 20
+DEFAULT_LINK = "25GB/s,10us"
+
+
+class Timeline:
+    """Transfer spans from a link's listener, compute spans and wait spans, while ``recording``."""
+
+    def __init__(self) -> None:
+        self.recording = False
+        self.transfers: list[tuple[str, int, float, float]] = []
+        self.compute: list[tuple[float, float]] = []
+        self.waits: list[tuple[float, float]] = []
+
+    def __call__(self, direction: str, nbytes: int, started: float, ended: float) -> None:
+        if self.recording:
+            self.transfers.append((direction, nbytes, started, ended))
+
+    def computed(self, started: float, ended: float) -> None:
+        if self.recording:
+            self.compute.append((started, ended))
+
+    def summary(self, steps: int) -> dict[str, float]:
+        """Bytes each way per step, transfer seconds, and the share hidden behind compute."""
+        working = _subtract(_union(self.compute), _union(self.waits))
+        total = sum(ended - started for _, _, started, ended in self.transfers)
+        hidden = sum(_overlap(started, ended, working) for _, _, started, ended in self.transfers)
+        per_step = {d: sum(n for direction, n, _, _ in self.transfers if direction == d) / max(steps, 1) for d in (TO_HOST, TO_DEVICE)}
+        return {"to_host_mib": per_step[TO_HOST] / MiB, "to_device_mib": per_step[TO_DEVICE] / MiB,
+                "transfer_ms": total * 1e3 / max(steps, 1), "hidden": hidden / total if total else float("nan")}
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for started, ended in sorted(spans):
+        if merged and started <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], ended))
+        else:
+            merged.append((started, ended))
+    return merged
+
+
+def _subtract(spans: list[tuple[float, float]], holes: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``spans`` (disjoint, sorted) without ``holes`` (disjoint, sorted)."""
+    out = []
+    for started, ended in spans:
+        cursor = started
+        for hole_start, hole_end in holes:
+            if hole_end <= cursor or hole_start >= ended:
+                continue
+            if hole_start > cursor:
+                out.append((cursor, hole_start))
+            cursor = max(cursor, hole_end)
+        if cursor < ended:
+            out.append((cursor, ended))
+    return out
+
+
+def _overlap(started: float, ended: float, spans: list[tuple[float, float]]) -> float:
+    return sum(max(0.0, min(ended, b) - max(started, a)) for a, b in spans)
+
+
+def _emulated_store(tiers: list[Any], link: str) -> tuple[SyncTierStore, Link]:
+    """A store whose device tier is the emulated device behind ``link``."""
+    with emulate_device(True, link=link):
+        sync = SyncTierStore(tiers).open()
+    device_link = sync.store.tier("device").link  # type: ignore[attr-defined]
+    assert device_link is not None
+    return sync, device_link
 
 
 def saved_bytes(model: GPT, tokens: torch.Tensor) -> int:
@@ -89,24 +165,53 @@ def activations(args: argparse.Namespace) -> list[dict[str, Any]]:
         # on the device at the fullest: the tier, tensors popped ahead of backward, small ones kept
         peaks.append(highest[0] + offload.report.bytes_ahead_peak + kept)
 
-    variants = {"no offload": step_none, "torch save_on_cpu": step_save_on_cpu, "tierstore, to host": step_ours}
+    emulated_root = args.dir / "swap-act-emulated"
+    shutil.rmtree(emulated_root, ignore_errors=True)
+    emulated, link = _emulated_store([DeviceTier("cpu", 64 * MiB), HostTier(4 * total + 64 * MiB), DiskTier(emulated_root, "1GiB", durable=False)], args.link)
+    over_link = offload_activations(emulated, min_bytes="64KiB")
+    timeline = Timeline()
+    link.add_listener(timeline)
+    over_link.report.waits = timeline.waits
+    emulated_peaks: list[int] = []
+
+    def step_over_link(tokens: torch.Tensor) -> None:
+        kept = over_link.report.bytes_kept
+        started = time.perf_counter()
+        with over_link:
+            loss = model.loss(tokens)
+        middle = time.perf_counter()
+        over_link.report.bytes_ahead_peak = 0
+        loss.backward()
+        timeline.computed(started, middle)
+        timeline.computed(middle, time.perf_counter())
+        # on the device: what came back ahead of backward at its most, and the small tensors kept
+        emulated_peaks.append(over_link.report.bytes_ahead_peak + over_link.report.bytes_kept - kept)
+
+    emulated_name = f"tierstore, to host, link {args.link}"
+    variants = {"no offload": step_none, "torch save_on_cpu": step_save_on_cpu, "tierstore, to host": step_ours, emulated_name: step_over_link}
+    reports = {"tierstore, to host": offload.report, emulated_name: over_link.report}
     times: dict[str, list[float]] = {name: [] for name in variants}
-    stalls: list[float] = []
-    for step in range(args.steps):
+    stalls: dict[str, list[float]] = {name: [] for name in reports}
+    for step in progress(range(args.steps), desc="activations"):
         tokens = next(batches)
+        timeline.recording = step >= 2
         for name, fn in variants.items():
-            before = offload.report.stall
+            before = reports[name].stall if name in reports else 0.0
             started = time.perf_counter()
             fn(tokens)
             elapsed = time.perf_counter() - started
             model.zero_grad()
             if step >= 2:
                 times[name].append(elapsed)
-                if name.startswith("tierstore"):
-                    stalls.append(offload.report.stall - before)
+                if name in reports:
+                    stalls[name].append(reports[name].stall - before)
     kept = offload.report.kept
+    link.remove_listener(timeline)
+    measured = max(args.steps - 2, 1)
     sync.close()
+    emulated.close()
     shutil.rmtree(root, ignore_errors=True)
+    shutil.rmtree(emulated_root, ignore_errors=True)
     baseline = median(times["torch save_on_cpu"])
     rows = [
         {"what": "no offload", "step_ms": median(times["no offload"]) * 1e3, "vs_save_on_cpu": median(times["no offload"]) / baseline,
@@ -114,7 +219,10 @@ def activations(args: argparse.Namespace) -> list[dict[str, Any]]:
         {"what": "torch save_on_cpu", "step_ms": baseline * 1e3, "vs_save_on_cpu": 1.0, "device_mib": 0.0, "stall_ms": 0.0},
         {"what": "tierstore, to host", "step_ms": median(times["tierstore, to host"]) * 1e3,
          "vs_save_on_cpu": median(times["tierstore, to host"]) / baseline,
-         "device_mib": max(peaks, default=0) / MiB, "stall_ms": median(stalls) * 1e3, "kept": kept},
+         "device_mib": max(peaks, default=0) / MiB, "stall_ms": median(stalls["tierstore, to host"]) * 1e3, "kept": kept},
+        {"what": emulated_name, "step_ms": median(times[emulated_name]) * 1e3, "vs_save_on_cpu": median(times[emulated_name]) / baseline,
+         "device_mib": max(emulated_peaks, default=0) / MiB, "stall_ms": median(stalls[emulated_name]) * 1e3, "link": args.link,
+         **timeline.summary(measured)},
     ]
     return rows
 
@@ -125,40 +233,57 @@ def parameters(args: argparse.Namespace) -> list[dict[str, Any]]:
     template = GPT(config)
     weights = sum(p.nbytes for p in template.parameters())
     rows = []
-    setups: dict[str, Any] = {"all resident": None, "tierstore, from host": "host", "tierstore, from disk": "disk"}
-    results: dict[str, tuple[float, float]] = {}
-    for name, tier in setups.items():
+    setups: dict[str, tuple[Any, bool]] = {"all resident": (None, False), "tierstore, from host": ("host", False),
+                                           "tierstore, from disk": ("disk", False), f"tierstore, from host, link {args.link}": ("host", True)}
+    results: dict[str, tuple[float, float, dict[str, float]]] = {}
+    for name, (tier, over_link) in progress(setups.items(), total=len(setups), desc="parameters"):
         model = copy.deepcopy(template)
         root = args.dir / f"swap-param-{tier}"
         shutil.rmtree(root, ignore_errors=True)
         host: int = 64 * MiB if tier != "disk" else weights // 2
-        sync = SyncTierStore([DeviceTier("cpu", weights // 3), HostTier(host), DiskTier(root, "1GiB", durable=False)]).open()
+        tiers = [DeviceTier("cpu", weights // 3), HostTier(host), DiskTier(root, "1GiB", durable=False)]
+        timeline = Timeline()
+        link: Link | None = None
+        if over_link:
+            sync, link = _emulated_store(tiers, args.link)
+            link.add_listener(timeline)
+        else:
+            sync = SyncTierStore(tiers).open()
         params = offload_parameters(model, sync, tier=tier) if tier else None
+        if params is not None:
+            params.report.waits = timeline.waits
         opt = TieredAdamW(model.parameters(), lr=3e-3, store=sync, state_tier="host")
         batches = synthetic_batches(config, args.batch // 2, seed=3)
         times: list[float] = []
         stalls: list[float] = []
         for step in range(args.steps):
             tokens = next(batches)
+            timeline.recording = step >= 2
             before = params.report.stall if params else 0.0
             started = time.perf_counter()
             opt.zero_grad()
-            model.loss(tokens).backward()
+            loss = model.loss(tokens)
+            middle = time.perf_counter()
+            loss.backward()
+            timeline.computed(started, middle)
+            timeline.computed(middle, time.perf_counter())
             opt.step()
             if params:
                 params.mark_step()
             if step >= 2:
                 times.append(time.perf_counter() - started)
                 stalls.append((params.report.stall if params else 0.0) - before)
+        if link is not None:
+            link.remove_listener(timeline)
         opt.close()
         if params:
             params.detach()
         sync.close()
         shutil.rmtree(root, ignore_errors=True)
-        results[name] = (median(times), median(stalls))
+        results[name] = (median(times), median(stalls), timeline.summary(max(args.steps - 2, 1)) if over_link else {})
     resident = results["all resident"][0]
-    for name, (seconds, stall) in results.items():
-        rows.append({"what": name, "step_ms": seconds * 1e3, "vs_resident": seconds / resident, "stall_ms": stall * 1e3})
+    for name, (seconds, stall, crossings) in results.items():
+        rows.append({"what": name, "step_ms": seconds * 1e3, "vs_resident": seconds / resident, "stall_ms": stall * 1e3, **crossings})
     return rows
 
 
@@ -167,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/bench_swap.json"))
     parser.add_argument("--dir", type=Path, default=Path(".tierstore/bench"))
+    parser.add_argument("--link", default=DEFAULT_LINK, help=f"the emulated link's speed (default {DEFAULT_LINK!r})")
     args = parser.parse_args(argv)
     args.steps = 8 if args.quick else 20
     args.batch = 32
@@ -180,12 +306,16 @@ def main(argv: list[str] | None = None) -> int:
                       ("device_mib", "saved MiB on device (peak)", ".1f"), ("stall_ms", "waited ms", ".1f")]))
     print("\nparameter offload (forward, backward, TieredAdamW step; device tier = a third of the weights)")
     print(table(par, [("what", "variant", "s"), ("step_ms", "step ms", ".1f"), ("vs_resident", "vs resident", ".2f"), ("stall_ms", "waited ms", ".1f")]))
+    crossing = [row for row in act + par if "hidden" in row]
+    print(f"\nover the emulated link ({args.link}), per step: bytes each way, link busy time, share hidden behind compute")
+    print(table(crossing, [("what", "variant", "s"), ("to_host_mib", "to host MiB", ".1f"), ("to_device_mib", "to device MiB", ".1f"),
+                           ("transfer_ms", "transfer ms", ".1f"), ("stall_ms", "waited ms", ".1f"), ("hidden", "hidden", ".0%")]))
     ours = act[2]
     goals = {"activation offload to host <= 1.1 x save_on_cpu step time, cutting as many device bytes":
              ours["vs_save_on_cpu"] <= 1.1 and ours["device_mib"] <= act[0]["device_mib"]}
     print()
     for goal, met in goals.items():
         print(f"  [{'met' if met else 'MISSED'}] {goal}")
-    write_json(args.json, {"benchmark": "bench_swap", "environment": environment(args.dir), "activations": act, "parameters": par, "goals": goals})
+    write_json(args.json, {"benchmark": "bench_swap", "environment": environment(args.dir), "link": args.link, "activations": act, "parameters": par, "goals": goals})
     print(f"\nJSON: {args.json}")
     return 0

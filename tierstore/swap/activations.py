@@ -92,6 +92,11 @@ class ActivationOffload:
         self.store = store.store if isinstance(store, SyncTierStore) else store
         if not self.store.is_open:
             run(self.store.open())
+        self.emulate_device = emulate_device
+        self._links: dict[torch.device, Link] = {}
+        for tier_ in self.store.tiers:  # a contradicting emulate_device raises here, not in forward
+            if isinstance(tier_, DeviceTier):
+                self.link(tier_.device)
         self.namespace: Namespace = run(_claim(self.store, namespace, "swap/act/", type(self).__name__))
         self.min_bytes = parse_bytes(min_bytes)
         self.tier = tier
@@ -99,11 +104,6 @@ class ActivationOffload:
         self.max_in_flight = parse_bytes(max_in_flight)
         self.ahead = parse_bytes(ahead)
         self.prefix = self.namespace.name.rstrip("/")
-        self.emulate_device = emulate_device
-        self._links: dict[torch.device, Link] = {}
-        for tier_ in self.store.tiers:  # a contradicting emulate_device raises here, not in forward
-            if isinstance(tier_, DeviceTier):
-                self.link(tier_.device)
         self.report = SwapReport("activations")
         self._loop = loop_thread()
         self._generation = itertools.count()
@@ -160,7 +160,9 @@ class ActivationOffload:
                     self.report.bytes_kept += tensor.nbytes
             return tensor
         link = self.link(tensor.device)
-        waited = self._wait_for_room(tensor.nbytes)
+        waited = time.perf_counter()
+        self._wait_for_room(tensor.nbytes)
+        room = time.perf_counter()
         index = next(self._counter)
         saved = _Saved(index, f"{self.prefix}/{self._step}/{index}", tensor.nbytes, tensor.device, tensor, owner=self)
         if link.lends:
@@ -175,7 +177,7 @@ class ActivationOffload:
         self._saved[index] = saved
         with self._lock:
             self.report.offloaded += 1
-            self.report.stall += waited
+            self.report.add_stall(waited, room)
         return saved
 
     def link(self, device: torch.device) -> Link:
@@ -185,14 +187,12 @@ class ActivationOffload:
             link = self._links[device] = swap_link(self.store, device, self.emulate_device)
         return link
 
-    def _wait_for_room(self, nbytes: int) -> float:
+    def _wait_for_room(self, nbytes: int) -> None:
         """Block forward while more than ``max_in_flight`` bytes are still being copied."""
-        started = time.perf_counter()
         with self._lock:
             while self._in_flight and self._in_flight + nbytes > self.max_in_flight:
                 self._lock.wait()
             self._in_flight += nbytes
-        return time.perf_counter() - started
 
     async def _put(self, saved: _Saved, storing: Any) -> None:
         """On the loop: run ``storing`` (the copy into the store); then forward's tensor may go,
@@ -245,10 +245,10 @@ class ActivationOffload:
         self._fetch_ahead(saved.index, saved.device)
         value = saved.fetched.result()
         saved.finalizer.detach()
-        elapsed = time.perf_counter() - started
+        ended = time.perf_counter()
         with self._lock:
-            self.report.stall += elapsed
-            self.report.add_moved(saved.nbytes, elapsed, out=False)
+            self.report.add_stall(started, ended)
+            self.report.add_moved(saved.nbytes, ended - started, out=False)
         return value
 
     def _fetch(self, saved: _Saved) -> None:

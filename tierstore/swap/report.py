@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..units import format_bytes
@@ -29,6 +29,15 @@ class SwapReport:
     seconds_in: float = 0.0
     #: Time the training loop (forward or backward) spent waiting on the store.
     stall: float = 0.0
+    #: ``(started, ended)`` (``time.perf_counter()``) of each wait, when recording: set it to a
+    #: list to start (for timelines: compute minus these spans is what hides transfers).
+    waits: list[tuple[float, float]] | None = field(default=None, repr=False)
+
+    def add_stall(self, started: float, ended: float) -> None:
+        """The training loop waited from ``started`` to ``ended``."""
+        self.stall += ended - started
+        if self.waits is not None:
+            self.waits.append((started, ended))
 
     def add_moved(self, nbytes: int, seconds: float, out: bool) -> None:
         if out:
@@ -40,10 +49,13 @@ class SwapReport:
 
     def reset(self) -> None:
         for name, value in asdict(SwapReport(self.kind)).items():
-            setattr(self, name, value)
+            if name != "waits":
+                setattr(self, name, value)
+        if self.waits is not None:
+            self.waits = []
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {name: value for name, value in asdict(self).items() if name != "waits"}
 
     def __str__(self) -> str:
         return (
