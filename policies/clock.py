@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 
 class CLOCK:
@@ -61,7 +62,7 @@ class CLOCK:
             queue.move_to_end(key, last=False)
         return chosen
 
-    def replay(self, keys: Sequence[Hashable], sizes: Sequence[int], capacity: int) -> tuple[int, int]:
+    def replay(self, keys: Sequence[Any], sizes: Sequence[int], capacity: int) -> tuple[int, int]:
         """The one-tier simulation of ``keys`` (one size per key) at ``capacity`` bytes from an
         empty cache (it resets the policy): ``(misses, missed bytes)``."""
         self.reset()
@@ -69,7 +70,7 @@ class CLOCK:
         size_of: dict[Hashable, int] = {}
         popitem = queue.popitem
         used = misses = missed = 0
-        for key, size in zip(keys, sizes):
+        for key, size in zip(keys, sizes, strict=True):
             count = queue.get(key)
             if count is not None:
                 if count < top:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 
 class FIFO:
@@ -33,14 +34,14 @@ class FIFO:
     def reset(self) -> None:
         self._queue.clear()
 
-    def replay(self, keys: Sequence[Hashable], sizes: Sequence[int], capacity: int) -> tuple[int, int]:
+    def replay(self, keys: Sequence[Any], sizes: Sequence[int], capacity: int) -> tuple[int, int]:
         """The one-tier simulation of ``keys`` (one size per key) at ``capacity`` bytes from an
         empty cache (it resets the policy): ``(misses, missed bytes)``."""
         self.reset()
         queue = self._queue
         popitem = queue.popitem
         used = misses = missed = 0
-        for key, size in zip(keys, sizes):
+        for key, size in zip(keys, sizes, strict=True):
             if key in queue:
                 continue
             misses += 1

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 
 class LRU:
@@ -35,7 +36,7 @@ class LRU:
     def reset(self) -> None:
         self._order.clear()
 
-    def replay(self, keys: Sequence[Hashable], sizes: Sequence[int], capacity: int) -> tuple[int, int]:
+    def replay(self, keys: Sequence[Any], sizes: Sequence[int], capacity: int) -> tuple[int, int]:
         """The one-tier simulation of ``keys`` (one size per key) at ``capacity`` bytes from an
         empty cache (it resets the policy), in one tight loop: ``(misses, missed bytes)``, the
         same answers as the simulator's loop over the protocol calls."""
@@ -43,7 +44,7 @@ class LRU:
         order = self._order
         move_to_end, popitem = order.move_to_end, order.popitem
         used = misses = missed = 0
-        for key, size in zip(keys, sizes):
+        for key, size in zip(keys, sizes, strict=True):
             if key in order:
                 move_to_end(key)
                 continue

@@ -4,7 +4,8 @@ with lazy promotion, and a ghost FIFO of recently evicted keys. Counted in bytes
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 
 class S3FIFO:
@@ -102,7 +103,7 @@ class S3FIFO:
             self._forget(key)
             return key
 
-    def replay(self, keys: Sequence[Hashable], sizes: Sequence[int], capacity: int) -> tuple[int, int]:
+    def replay(self, keys: Sequence[Any], sizes: Sequence[int], capacity: int) -> tuple[int, int]:
         """The one-tier simulation of ``keys`` (one size per key) at ``capacity`` bytes from an
         empty cache (it resets the policy), in one tight loop: ``(misses, missed bytes)``, the
         same answers as the simulator's loop over the protocol calls (``victim`` inlined)."""
@@ -112,7 +113,7 @@ class S3FIFO:
         small_limit = self.small_fraction * capacity
         small_bytes = main_bytes = ghost_bytes = 0
         misses = missed = 0
-        for key, size in zip(keys, sizes):
+        for key, size in zip(keys, sizes, strict=True):
             count = freq.get(key)
             if count is not None:
                 if count < 3:

@@ -5,6 +5,7 @@ unvisited one. New keys enter at the new end; nothing ever moves in the queue.""
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 
 class SIEVE:
@@ -89,7 +90,7 @@ class SIEVE:
         self._unlink(key)
         return key
 
-    def replay(self, keys: Sequence[Hashable], sizes: Sequence[int], capacity: int) -> tuple[int, int]:
+    def replay(self, keys: Sequence[Any], sizes: Sequence[int], capacity: int) -> tuple[int, int]:
         """The one-tier simulation of ``keys`` (one size per key) at ``capacity`` bytes, in one
         tight loop from an empty cache (it resets the policy first): ``(misses, missed bytes)``,
         the same answers as the simulator's loop over the protocol calls."""
@@ -98,7 +99,7 @@ class SIEVE:
         resident: dict[Hashable, int] = {}
         used = misses = missed = 0
         head, tail, hand = self._head, self._tail, self._hand
-        for key, size in zip(keys, sizes):
+        for key, size in zip(keys, sizes, strict=True):
             if key in resident:
                 visited[key] = True
                 continue

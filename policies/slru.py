@@ -42,7 +42,7 @@ class SLRU:
 
     def on_insert(self, key: Hashable, nbytes: int) -> None:
         self.on_remove(key)
-        target = next((i for i, (used, limit) in enumerate(zip(self._bytes, self._limits)) if used + nbytes <= limit), 0)
+        target = next((i for i, (used, limit) in enumerate(zip(self._bytes, self._limits, strict=True)) if used + nbytes <= limit), 0)
         self._put(target, key, nbytes)
 
     def _put(self, index: int, key: Hashable, nbytes: int) -> None:

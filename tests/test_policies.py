@@ -12,7 +12,22 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies import ARC, CLOCK, FIFO, LFU, LIRS, LRU, MIN, S3FIFO, SIEVE, SLRU, ScheduleLearned, Sequential, TwoQ, WTinyLFU
+from policies import (
+    ARC,
+    CLOCK,
+    FIFO,
+    LFU,
+    LIRS,
+    LRU,
+    MIN,
+    S3FIFO,
+    SIEVE,
+    SLRU,
+    ScheduleLearned,
+    Sequential,
+    TwoQ,
+    WTinyLFU,
+)
 from tierstore import DeviceTier, DiskTier, HostTier, TierStore
 from tierstore.sim import Trace, simulate, zipf_trace
 from tierstore.testing import TierTests

@@ -9,12 +9,20 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies import CLOCK, EVICTION, FIFO, LIRS, LRU, S3FIFO, SIEVE, SLRU, AdaptiveSequential, CountMinSketch, TwoQ, WTinyLFU
+from policies import (
+    CLOCK,
+    EVICTION,
+    FIFO,
+    LRU,
+    S3FIFO,
+    SIEVE,
+    AdaptiveSequential,
+    CountMinSketch,
+)
 from tierstore.errors import TraceError
 from tierstore.sim import LinkModel, Trace, load_trace, loop_trace, simulate
 from tierstore.sim.external import available

@@ -74,7 +74,15 @@ def _simulate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .sim.links import LinkModel
-    from .sim.report import format_table, open_trace, parse_capacities, parse_columns, plot_curves, plot_prefetch, run_all
+    from .sim.report import (
+        format_table,
+        open_trace,
+        parse_capacities,
+        parse_columns,
+        plot_curves,
+        plot_prefetch,
+        run_all,
+    )
 
     trace = open_trace(args.trace, parse_columns(args.columns))
     capacities = parse_capacities(args.capacity)

@@ -79,7 +79,7 @@ def head_to_head(csv_path: Path, capacity: int, repeats: int, policies: list[str
                     seconds, printed = _timed([sys.executable, "-c", _LCS_RUN, str(csv_path), HEAD_TO_HEAD[name], str(capacity)])
                     theirs_s.append(seconds)
                     theirs_miss = float(printed.split()[-1])
-        requests = sum(1 for _ in open(csv_path)) - 1 if not rows else rows[0]["requests"]
+        requests = rows[0]["requests"] if rows else _count_rows(csv_path)
         row: dict[str, Any] = {"eviction": name, "requests": requests, "ours_s": statistics.median(ours_s),
                                "ours_kreq_s": requests / statistics.median(ours_s) / 1e3, "ours_miss_ratio": ours_miss}
         if theirs_s:
@@ -87,6 +87,11 @@ def head_to_head(csv_path: Path, capacity: int, repeats: int, policies: list[str
                        lcs_miss_ratio=theirs_miss, ratio=statistics.median(theirs_s) / statistics.median(ours_s))
         rows.append(row)
     return rows
+
+
+def _count_rows(path: Path) -> int:
+    with open(path, "rb") as handle:
+        return sum(1 for _ in handle) - 1  # the header
 
 
 def plot_speed(rows: list[dict[str, Any]], path: Path) -> None:
