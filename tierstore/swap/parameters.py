@@ -254,9 +254,9 @@ class ParameterOffload:
             for weight, manager, value in zip(todo, managers, values, strict=True):
                 weight.hold = manager
                 weight.param.data = value if value.device == weight.param.device else value.to(weight.param.device)
-            elapsed = time.perf_counter() - started
-            self.report.stall += elapsed
-            self.report.add_moved(sum(v.nbytes for v in values), elapsed, out=False)
+            ended = time.perf_counter()
+            self.report.add_stall(started, ended)
+            self.report.add_moved(sum(v.nbytes for v in values), ended - started, out=False)
         for weight in weights:
             weight.holders.add(holder)
 
