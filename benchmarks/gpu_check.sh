@@ -24,7 +24,7 @@ SELF="$ROOT/benchmarks/gpu_check.sh"
 PY="${PYTHON:-python3}"
 # Seconds each stage may take, within the budget for all of them (8 minutes less a margin).
 BUDGET=470
-LIMITS=(install:90 versions:30 tests:200 bench_optim:100 bench_swap:100)
+LIMITS=(install:60 versions:20 tests:170 bench_optim:90 bench_swap:130)
 
 usage() {
     sed -n '2,19p' "$SELF" | sed 's/^# \{0,1\}//'
