@@ -14,8 +14,10 @@ from tierstore import DiskTier, HostTier, TierStore
 from tierstore.models import GPT, GPTConfig, synthetic_batches
 from tierstore.optim import OptimizerCapacityError, TieredAdam, TieredAdamW, TieredOptimizer
 
+pytestmark = pytest.mark.device_modes
+
 CONFIG = GPTConfig(vocab=64, seq=16, dim=32, layers=2, heads=2)
-STEPS = 30
+STEPS = 12
 
 
 class Partly(torch.nn.Module):
@@ -249,20 +251,26 @@ def test_generic_wrapper_matches(tmp_path: Path, optimizer_class: type[torch.opt
     opt.close()
 
 
-def test_reports_and_timeline(tmp_path: Path) -> None:
+def test_reports_and_timeline(tmp_path: Path, device_mode: str) -> None:
     import json
 
     _, _, opt = run_pair(tmp_path, torch.optim.AdamW, TieredAdamW, {"lr": 1e-2})
     report = opt.time_report()
     assert report.step == STEPS and report.updates > 0 and report.host_update > 0 and report.stall > 0
     assert report.disk_read_bytes > 0 and "disk read" in str(report)
+    crossing = {"grads to host", "weights to device"} if device_mode == "emulated" else set()
+    grads = sum(p.numel() * p.element_size() for g in opt.param_groups for p in g["params"] if p.grad is not None)
+    # Emulated: every gradient crossed the link once (at its hook) and every weight came back;
+    # plain CPU: the gradients were lent, nothing crossed.
+    assert report.grads_to_host_bytes == (grads if crossing else 0) and report.grad_retakes == 0
+    assert report.weights_to_device_bytes == (grads if crossing else 0)
     memory = opt.memory_report()
     assert memory.paged_parameters > 0 and sum(memory.state_by_tier.values()) > 0
     path = tmp_path / "step.json"
     opt.write_timeline(path)
     events = json.loads(path.read_text())["traceEvents"]
     tracks = {e["args"]["name"] for e in events if e.get("name") == "thread_name"}
-    assert {"host update", "grads to host", "train loop", "disk->host"} <= tracks
+    assert {"host update", "train loop", "disk->host", *crossing} <= tracks
     opt.close()
 
 
@@ -274,11 +282,11 @@ def test_errors_are_clear(tmp_path: Path) -> None:
         TieredAdamW(model.parameters(), store=TierStore([HostTier("16KiB")]))
     with pytest.raises(ValueError, match="Invalid learning rate"):
         TieredAdamW(model.parameters(), lr=-1)
-    opt = TieredAdamW(model.parameters(), store=paging_store(tmp_path), min_offload_numel=64)
+    opt = TieredAdamW(model.parameters(), store=paging_store(tmp_path), min_offload_numel=64, step_in_backward=True)
     tokens = next(synthetic_batches(CONFIG, 2))
     model.loss(tokens).backward()
     with pytest.raises(RuntimeError, match="gradient_accumulation_steps"):
-        model.loss(tokens).backward()  # a second backward before step() with accumulation 1
+        model.loss(tokens).backward()  # a second backward before step(): the updates already ran
     opt.zero_grad()
     model.loss(tokens).backward()
     opt.step()  # still usable

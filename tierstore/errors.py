@@ -98,3 +98,14 @@ class NamespaceClaimedError(TierStoreError, RuntimeError):
 class TraceError(TierStoreError, ValueError):
     """An access trace is malformed, or does not fit the replay asked of it (other tiers, ops
     the reader does not know)."""
+
+
+class StepIncompleteError(TierStoreError, RuntimeError):
+    """An optimizer step failed part-way (a full disk, a checksum error): ``updated`` lists the
+    indices of the parameters it updated, ``not_updated`` those it did not; the cause is
+    chained. Calling ``step()`` again completes the step without applying any update twice."""
+
+    def __init__(self, message: str, updated: list[int], not_updated: list[int]) -> None:
+        super().__init__(message)
+        self.updated = updated
+        self.not_updated = not_updated

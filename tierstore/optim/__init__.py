@@ -2,7 +2,12 @@
 
 from .adam import TieredAdam, TieredAdamW
 from .generic import TieredOptimizer
+from ..errors import StepIncompleteError
+from .ddp import attach_ddp
 from .paging import OptimizerCapacityError, PagedOptimizer
 from .reports import MemoryReport, Timeline, TimeReport
 
-__all__ = ["MemoryReport", "OptimizerCapacityError", "PagedOptimizer", "TieredAdam", "TieredAdamW", "TieredOptimizer", "TimeReport", "Timeline"]
+__all__ = [
+    "MemoryReport", "OptimizerCapacityError", "PagedOptimizer", "StepIncompleteError", "TieredAdam", "TieredAdamW",
+    "TieredOptimizer", "TimeReport", "Timeline", "attach_ddp",
+]

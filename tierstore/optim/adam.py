@@ -160,6 +160,9 @@ class TieredAdam(PagedOptimizer):
 
     # -- the math --------------------------------------------------------------------------------------
 
+    def _master(self, slot: ParamSlot, state: torch.Tensor) -> torch.Tensor:
+        return state[0]
+
     def _apply(self, slot: ParamSlot, state: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
         return self._apply_many([slot], [state], [grad])[0]
 

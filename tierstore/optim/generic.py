@@ -76,6 +76,9 @@ class TieredOptimizer(PagedOptimizer):
 
     # -- the math --------------------------------------------------------------------------------------
 
+    def _master(self, slot: ParamSlot, box: dict[str, Any]) -> torch.Tensor:
+        return box["master"]
+
     def _apply(self, slot: ParamSlot, box: dict[str, Any], grad: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
         master: torch.Tensor = box["master"]
         shadow = self._shadow(slot)

@@ -6,13 +6,17 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..units import format_bytes
+
+if TYPE_CHECKING:
+    from ..store import TierStore
+    from .slots import ParamSlot
 
 
 @dataclass
@@ -71,6 +75,12 @@ class TimeReport:
     host_update: float = 0.0
     grads_to_host: float = 0.0
     weights_to_device: float = 0.0
+    grads_to_host_bytes: int = 0
+    weights_to_device_bytes: int = 0
+    #: Gradients copied to the host in ``step()`` rather than when their hook fired: changed
+    #: after backward (clipped, unscaled, replaced), or never captured (no hook, a skipped pass).
+    grad_retakes: int = 0
+    grad_retake_bytes: int = 0
     disk_read: float = 0.0
     disk_write: float = 0.0
     disk_read_bytes: int = 0
@@ -88,10 +98,40 @@ class TimeReport:
             f"{self.stall * 1e3:.1f} ms\n"
             f"  host updates {self.host_update * 1e3:.1f} ms ({self.updates} tensors, "
             f"{self.update_elements / max(self.host_update, 1e-9) / 1e9:.2f} G params/s) | grads to host "
-            f"{self.grads_to_host * 1e3:.1f} ms | weights to device {self.weights_to_device * 1e3:.1f} ms\n"
+            f"{self.grads_to_host * 1e3:.1f} ms ({format_bytes(self.grads_to_host_bytes)}; {self.grad_retakes} taken again in "
+            f"step(), {format_bytes(self.grad_retake_bytes)}) | weights to device {self.weights_to_device * 1e3:.1f} ms "
+            f"({format_bytes(self.weights_to_device_bytes)})\n"
             f"  disk read {self.disk_read * 1e3:.1f} ms ({format_bytes(self.disk_read_bytes)}) | disk write "
             f"{self.disk_write * 1e3:.1f} ms ({format_bytes(self.disk_write_bytes)})"
         )
+
+
+async def memory_report(
+    store: TierStore, slots: Sequence[ParamSlot], state_bytes: Callable[[ParamSlot], int], offloaded: Callable[[Any], Any]
+) -> MemoryReport:
+    """The ``MemoryReport`` of an optimizer's ``slots`` (on the store's loop)."""
+    by_tier: dict[str, int] = {tier.name: 0 for tier in store.tiers}
+    resident = resident_params = paged = 0
+    for slot in slots:
+        size = state_bytes(slot)
+        if not slot.paged:
+            resident += size if slot.resident is not None else 0
+            resident_params += 1
+            continue
+        paged += slot.numel
+        if slot.key in store:
+            for tier in store.where(slot.key)[:1]:
+                by_tier[tier] += size
+    params = sum(slot.numel for slot in slots)
+    weights = sum(slot.numel * slot.param.element_size() for slot in slots if offloaded(slot.param) is None)
+    grads = sum(slot.numel * slot.param.element_size() for slot in slots if slot.param.requires_grad)
+    state = sum(state_bytes(slot) for slot in slots)
+    tiers = {name: {"used": t["used"], "capacity": t["capacity"]} for name, t in store.stats()["tiers"].items()}
+    return MemoryReport(
+        parameters=params, paged_parameters=paged, device_weight_bytes=weights, device_grad_bytes=grads,
+        state_by_tier=by_tier, resident_state_bytes=resident, resident_parameters=resident_params,
+        state_bytes_per_param=state / max(params, 1), tiers=tiers,
+    )
 
 
 class Timeline:

@@ -1,0 +1,182 @@
+"""Gradients from the model to the host tier: taken speculatively when their hook fires,
+checked against ``p.grad`` when ``step()`` runs, and taken again when they changed.
+
+Torch's optimizers use ``p.grad`` as it is when ``step()`` runs: whatever the loop or a
+framework did to it after backward (clipping, unscaling, DDP averaging, replacing it, setting it
+to None) counts. A copy taken when the post-accumulate-grad hook fires is therefore a speculation
+on the gradient not changing: ``step()`` reads each ``p.grad`` on the training thread, and a copy
+counts only if ``p.grad`` is still the tensor it was taken from, at the same version (torch's
+version counter moves with every in-place change). Otherwise the gradient is copied again, then.
+
+Where the link lends (plain CPU: device memory is host memory) nothing is copied: the update
+reads ``p.grad`` itself.
+
+Threads: the hook runs on an autograd thread and only counts (under a lock), marks the link and
+hands the gradient to the loop; everything else here runs on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import weakref
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import torch
+
+from ..store import TierStore
+from .reports import Timeline, TimeReport
+from .slots import Capture, ParamSlot
+
+#: What step() saw of one parameter: ``(slot, p.grad, its version, a marker of the link)``.
+Observed = tuple[ParamSlot, "torch.Tensor | None", "int | None", Any]
+
+
+class GradientCapture:
+    """Takes gradients to ``state_tier`` of ``store`` (see the module docstring).
+
+    ``arrived(slot, capture)`` runs on the loop once a hook's capture is on the host (prefetch,
+    speculative norms, updates in backward). ``hint``: backward passes per step the user expects
+    (``gradient_accumulation_steps``): hooks of other passes copy nothing. ``in_backward``: an
+    update starts at the hint-th pass, so one more pass before ``step()`` raises in the hook.
+    """
+
+    def __init__(
+        self, store: TierStore, state_tier: str, loop: asyncio.AbstractEventLoop, *, hint: int, in_backward: bool,
+        arrived: Callable[[ParamSlot, Capture], Awaitable[None]], report: Callable[[], TimeReport], timeline: Timeline,
+    ) -> None:
+        self._store = store
+        self._tier = state_tier
+        self._loop = loop
+        self._hint = hint
+        self._in_backward = in_backward
+        self._arrived = arrived
+        self._report = report
+        self._timeline = timeline
+        # Hook side (autograd/training threads), under the lock: passes per slot this step.
+        self._lock = threading.Lock()
+        self._fired: dict[int, int] = {}
+        #: Slots whose gradients come from DDP's communication hook (see ``tierstore.optim.ddp``).
+        self._ddp: dict[int, ParamSlot] = {}
+        self._end_queued = False
+
+    # -- autograd thread -------------------------------------------------------------------------
+
+    def hook(self, slot: ParamSlot, param: torch.Tensor) -> None:
+        """The post-accumulate-grad hook: count the pass, start the speculative copy."""
+        with self._lock:
+            passes = self._fired[slot.index] = self._fired.get(slot.index, 0) + 1
+            ddp = slot.index in self._ddp
+            queue_end = ddp and not self._end_queued
+            self._end_queued = self._end_queued or queue_end
+        if self._in_backward and passes > self._hint:
+            raise RuntimeError(
+                f"parameter {slot.index}: backward pass {passes} before step(), but with step_in_backward=True its "
+                f"update already ran in pass {self._hint}; pass gradient_accumulation_steps={passes} (or more) "
+                "to accumulate, or use the default step_in_backward=False"
+            )
+        if queue_end:
+            torch.autograd.Variable._execution_engine.queue_callback(self._after_finalize)
+        grad = param.grad
+        if ddp or passes % self._hint or grad is None or not grad.is_contiguous():
+            return  # DDP's hook captures it; or an earlier pass of several; or step() takes it
+        self._loop.call_soon_threadsafe(self._start, slot, grad, grad._version, slot.link.mark(), False)
+
+    def bucket_ready(self, slot: ParamSlot, view: torch.Tensor) -> None:
+        """A DDP bucket's averaged gradient of ``slot`` (from the comm hook's ``then``)."""
+        with self._lock:
+            passes = self._fired.get(slot.index, 0)
+        if passes and passes % self._hint == 0:
+            self._loop.call_soon_threadsafe(self._start, slot, view, -1, slot.link.mark(), True)
+
+    def _after_finalize(self) -> None:
+        # Queued during backward, this runs among the engine's final callbacks; DDP queues its
+        # finalize (which writes the averaged buckets into p.grad) before, so ours, queued from
+        # here, runs after it.
+        torch.autograd.Variable._execution_engine.queue_callback(self._expect_ddp)
+
+    def _expect_ddp(self) -> None:
+        with self._lock:
+            self._end_queued = False
+            slots = list(self._ddp.values())
+        expected = [(slot, weakref.ref(g), g._version) for slot in slots if (g := slot.param.grad) is not None]
+        self._loop.call_soon_threadsafe(self._set_expected, expected)
+
+    def watch_ddp(self, slots: list[ParamSlot]) -> None:
+        """From now on the gradients of ``slots`` come from DDP's communication hook."""
+        with self._lock:
+            self._ddp.update({slot.index: slot for slot in slots})
+
+    def new_step(self) -> None:
+        """Forget the passes counted (step() ended, or zero_grad())."""
+        with self._lock:
+            self._fired.clear()
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def _start(self, slot: ParamSlot, grad: torch.Tensor, version: int, marker: Any, ddp: bool) -> None:
+        previous = slot.capture
+        capture = Capture(None if ddp else weakref.ref(grad), version, marker=marker, ddp=ddp)
+        if slot.link.lends:
+            capture.lent = grad
+        slot.capture = capture
+        capture.task = asyncio.ensure_future(self._take(slot, capture, grad, previous, arrived=True))
+
+    def _set_expected(self, expected: list[tuple[ParamSlot, weakref.ref[torch.Tensor], int]]) -> None:
+        for slot, ref, version in expected:
+            capture = slot.capture
+            if capture is not None and capture.ddp and capture.tensor is None:
+                capture.tensor, capture.version = ref, version
+
+    async def _take(self, slot: ParamSlot, capture: Capture, grad: torch.Tensor, previous: Capture | None, *, arrived: bool) -> None:
+        if previous is not None and previous.task is not None:  # one copy into the key at a time
+            await asyncio.gather(previous.task, return_exceptions=True)
+        if capture.lent is None:
+            async with self._store.fill(slot.grad_key, grad.shape, grad.dtype, self._tier) as buffer:
+                transfer = slot.link.to_host(buffer, grad, after=capture.marker)
+                await transfer
+            report = self._report()
+            report.grads_to_host += transfer.seconds
+            report.grads_to_host_bytes += transfer.nbytes
+            self._timeline.add(f"grad {slot.index}", "grads to host", transfer.started or 0.0, transfer.ended or 0.0, bytes=transfer.nbytes)
+        if arrived:
+            await self._arrived(slot, capture)
+
+    async def settle(self, observed: Observed) -> Capture | None:
+        """The capture of ``p.grad`` as step() saw it (taken again if the one from backward is
+        stale), or None when ``p.grad`` is None (the parameter is not updated, as in torch)."""
+        slot, grad, version, marker = observed
+        capture = slot.capture
+        if capture is not None and capture.task is not None:
+            await asyncio.gather(capture.task, return_exceptions=True)
+        if grad is None:
+            await self.discard(slot)
+            return None
+        if capture is not None and capture.matches(grad, version):
+            if capture.task is not None:
+                await capture.task  # its error, if the copy failed
+            return capture
+        fresh = Capture(weakref.ref(grad), version or 0, marker=marker)
+        source = grad
+        if slot.link.lends:
+            fresh.lent = grad
+        else:
+            if not grad.is_contiguous():
+                raise ValueError(f"parameter {slot.index}: p.grad is not contiguous; torch's optimizers need it as the parameter is laid out")
+            report = self._report()
+            report.grad_retakes += 1
+            report.grad_retake_bytes += grad.nbytes
+        slot.capture = fresh
+        fresh.task = asyncio.ensure_future(self._take(slot, fresh, source, None, arrived=False))
+        await fresh.task
+        return fresh
+
+    async def discard(self, slot: ParamSlot) -> None:
+        """Drop the slot's capture and its host copy."""
+        capture, slot.capture = slot.capture, None
+        if capture is not None and capture.task is not None:
+            await asyncio.gather(capture.task, return_exceptions=True)
+        if capture is not None and capture.lent is None and slot.grad_key in self._store:
+            await self._store.delete(slot.grad_key)

@@ -1,0 +1,95 @@
+"""DDP: take each gradient to the host after its all-reduce, while backward still runs.
+
+Under ``DistributedDataParallel`` a gradient's hook fires with the rank's own gradient; DDP
+averages it across ranks in buckets and writes the average into ``p.grad`` at the end of
+backward. The optimizer would see that change at ``step()`` (the version counter moves) and copy
+every gradient again, after backward. ``attach_ddp`` instead registers a communication hook that
+chains the copy onto the all-reduce's future: each bucket's averaged gradients start their trip
+to the host as soon as the bucket is reduced, overlapping the rest of backward.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .paging import PagedOptimizer
+
+#: A DDP communication hook: ``hook(state, bucket) -> Future[Tensor]``.
+CommHook = Callable[[Any, Any], "torch.futures.Future[torch.Tensor]"]
+
+
+def attach_ddp(optimizer: PagedOptimizer, ddp_model: torch.nn.Module, hook: CommHook | None = None, state: Any = None) -> None:
+    """Take the gradients of ``ddp_model``'s parameters after their all-reduce.
+
+    Registers a communication hook on ``ddp_model`` (a ``DistributedDataParallel``) that runs
+    ``hook(state, bucket)`` (default: torch's ``allreduce_hook``, which averages, with ``state``
+    the process group or None for the default one) and, when its future completes, starts the
+    copies of the bucket's averaged gradients to the host; the bucket goes back to DDP unchanged.
+    A hook of your own (compression, say) is passed here as ``hook=``/``state=`` rather than
+    registered on the model: DDP takes one communication hook, and one registered already raises
+    ``ValueError``.
+
+    Without ``attach_ddp`` the results are the same: ``step()`` sees that DDP changed every
+    ``p.grad`` after its hook fired and copies each again, after backward (slower, not wrong).
+    With ``step_in_backward=True`` only attached DDP can work: updates start from the averaged
+    gradients.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise TypeError(f"attach_ddp takes a DistributedDataParallel model, not {type(ddp_model).__name__}")
+    if getattr(ddp_model, "_comm_hooks", None):
+        raise ValueError(
+            "the DDP model has a communication hook registered already; register none and pass yours to "
+            "attach_ddp(optimizer, model, hook=your_hook, state=your_state): it runs first, then the copies"
+        )
+    params = {id(p) for p in ddp_model.parameters() if p.requires_grad}
+    slots = {id(slot.param): slot for slot in optimizer._slots if id(slot.param) in params}
+    if not slots:
+        raise ValueError("none of the optimizer's parameters belongs to this DDP model")
+    capture = optimizer._capture
+    chained = _Chained(hook or allreduce_hook, state, weakref.ref(capture), slots)
+    try:
+        ddp_model.register_comm_hook(chained, _comm_hook)
+    except RuntimeError as exc:  # a built-in hook registered in C++ is not listed in _comm_hooks
+        raise ValueError(f"cannot register the copying hook on this DDP model ({exc}); pass your hook as attach_ddp(..., hook=)") from exc
+    capture.watch_ddp(list(slots.values()))
+
+
+class _Chained:
+    """The state of our communication hook: the user's hook and where the gradients go."""
+
+    def __init__(self, hook: CommHook, state: Any, capture: Any, slots: dict[int, Any]) -> None:
+        self.hook = hook
+        self.state = state
+        self.capture = capture
+        self.slots = slots
+
+
+def _comm_hook(chained: _Chained, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+    buffer = bucket.buffer()
+    layout = [
+        (param, grad.storage_offset() - buffer.storage_offset(), grad.numel(), grad.shape)
+        for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True)
+    ]
+    future = chained.hook(chained.state, bucket)
+
+    def reduced(done: torch.futures.Future[Any]) -> torch.Tensor:
+        value = done.value()
+        tensor = value[0] if isinstance(value, (list, tuple)) else value
+        capture = chained.capture()
+        if capture is not None:
+            flat = tensor.view(-1)
+            for param, offset, numel, shape in layout:
+                slot = chained.slots.get(id(param))
+                if slot is not None:
+                    capture.bucket_ready(slot, flat[offset : offset + numel].view(shape))
+        return tensor
+
+    return future.then(reduced)

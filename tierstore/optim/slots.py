@@ -1,0 +1,87 @@
+"""``ParamSlot``: everything the optimizer tracks for one parameter, in one record.
+
+A slot's step-scoped fields (capture, grad, progress) belong to the store's event loop: only
+code running there reads or writes them. The training and autograd threads hand work to the loop
+instead of touching them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..device import Link
+
+
+@dataclass(eq=False)
+class Capture:
+    """A gradient taken to the host tier: a copy of ``tensor`` as it was at ``version``.
+
+    The copy taken when the gradient's hook fires is speculative: it counts only if, when
+    ``step()`` runs, ``p.grad`` is still that tensor object at that version (torch's version
+    counter moves with every in-place change). A DDP capture is taken from the averaged bucket
+    and gets its ``(tensor, version)`` at the end of backward, once DDP wrote ``p.grad``.
+    """
+
+    #: The gradient tensor the copy was taken from (weakly: a gradient the user dropped is freed).
+    tensor: weakref.ref[torch.Tensor] | None
+    version: int
+    #: The copy into the store (``None`` when the link lends the gradient instead).
+    task: asyncio.Task[None] | None = None
+    #: The gradient itself, when the link lends (device memory is host memory).
+    lent: torch.Tensor | None = None
+    #: Its 2-norm, computed ahead for ``max_grad_norm`` (valid for this capture only).
+    norm: torch.Tensor | None = None
+    #: The link's marker of the producer's work before the capture (orders the weight write-back).
+    marker: Any = None
+    #: Taken from a DDP bucket (its tensor and version are set at the end of backward).
+    ddp: bool = False
+
+    def matches(self, grad: torch.Tensor | None, version: int | None) -> bool:
+        """Whether this copy is ``grad`` at ``version`` (``p.grad`` as ``step()`` sees it)."""
+        return grad is not None and self.tensor is not None and self.tensor() is grad and self.version == version
+
+
+@dataclass(eq=False)
+class ParamSlot:
+    """Everything the optimizer tracks for one parameter (one record, not parallel maps)."""
+
+    index: int
+    group: int
+    param: torch.Tensor
+    key: str
+    #: The parameter's shape (its data may be a placeholder while ``offload_parameters`` keeps
+    #: the weight in a store).
+    shape: torch.Size
+    paged: bool
+    #: The boundary between the parameter's device and the host (``link.lends``: none).
+    link: Link
+    hook: Any = None
+    #: Order of arrival of this step's gradient (updates follow it).
+    arrival: int = 0
+    #: This step's gradient on the host, if taken (see ``Capture``).
+    capture: Capture | None = None
+    #: The capture an update in backward used (``step_in_backward``): ``step()`` checks it still holds.
+    used: Capture | None = None
+    #: Progress of this step's update, so a step that failed part-way is completed, never repeated.
+    updated: bool = False
+    written: bool = False
+    #: State of a parameter too small to page, kept in host memory.
+    resident: dict[str, Any] | None = None
+
+    @property
+    def grad_key(self) -> str:
+        return f"{self.key}/grad"
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def reset_step(self) -> None:
+        """Forget this step's gradient and progress (the step ended or was abandoned)."""
+        self.capture = self.used = None
+        self.updated = self.written = False
