@@ -145,7 +145,7 @@ def read_format_record(root: Path) -> dict[str, Any]:
 
 async def test_a_new_folder_records_the_format_version(tmp_path: Path) -> None:
     await fill(tmp_path / "d", count=1)
-    assert read_format_record(tmp_path / "d")["format_version"] == FORMAT_VERSION == 2
+    assert read_format_record(tmp_path / "d")["format_version"] == FORMAT_VERSION == 3
     assert describe_folder(tmp_path / "d")["format_version"] == FORMAT_VERSION
 
 

@@ -40,11 +40,14 @@ from .protocols import EvictionPolicy, PrefetchPolicy
 from .stats import StoreCounters
 from .tensors import TensorMeta, aligned_empty, as_bytes, from_bytes
 from .tiers.base import MemoryTier, Tier
-from .tiers.disk import DiskTier
+from .tiers.disk import DiskTier, InlineSuperseded
 from .tracing import TraceRecorder
 from .workers import Priority, WorkerPool, wait_uncancelled
 
 TierRef = int | str | Tier | None
+#: Reads of an inline value that found a newer version in the catalog, waited for its writer
+#: and read again, before giving up (each wait is for a commit that then installs it).
+_MAX_REREADS = 100
 
 
 class _Process:
@@ -124,12 +127,16 @@ class Engine:
             raise
         newest = 0
         if self.disk_index is not None:
-            disk = self.disk
+            disk, d, entries = self.disk, self.disk_index, self.entries
             for key, record in disk.loaded.items():
                 entry = Entry(key, record.meta, version=record.version)
-                entry.copies[self.disk_index] = Copy(self.disk_index, record.version, extent=record.extent, checksums=record.checksums)
-                self.entries[key] = entry
-                newest = max(newest, record.version)
+                if record.inline:  # its checksum stays in the catalog beside its bytes
+                    entry.copies[d] = Copy(d, record.version, inline=record.meta.nbytes)
+                else:
+                    entry.copies[d] = Copy(d, record.version, extent=record.extent, checksums=record.checksums)
+                entries[key] = entry
+                if record.version > newest:
+                    newest = record.version
             disk.loaded = {}
         self.versions = itertools.count(newest + 1)
         for name in self.names:
@@ -185,6 +192,7 @@ class Engine:
 
     async def _ensure(self, entry: Entry, t: int, priority: Priority) -> None:
         """Return once ``entry`` has a valid copy on tier ``t`` (one load at a time per tier)."""
+        rereads = 0
         while entry.valid(t) is None:
             if self.entries.get(entry.key) is not entry or not entry.visible:
                 raise KeyNotFoundError(f"{entry.key!r} was deleted")
@@ -193,13 +201,20 @@ class Engine:
                 await asyncio.shield(pending)
                 continue
             done = asyncio.get_running_loop().create_future()
-            entry.loading[t] = done
+            entry.start_loading(t, done)
+            superseded = False
             try:
                 await self._load(entry, t, priority)
+            except InlineSuperseded:
+                superseded = True
             finally:
-                if entry.loading.get(t) is done:
-                    del entry.loading[t]
+                entry.end_loading(t, done)
                 done.set_result(None)
+            if superseded:
+                rereads += 1
+                if rereads > _MAX_REREADS:
+                    raise CorruptionError(f"{entry.key!r}: the catalog keeps holding another version than the store's record of it")
+                await self._superseded(entry)
 
     async def _load(self, entry: Entry, t: int, priority: Priority) -> None:
         """Copy the current value of ``entry`` onto memory tier ``t`` from its fastest copy."""
@@ -219,10 +234,24 @@ class Engine:
         finally:
             self.unuse(entry, source)
 
+    async def _superseded(self, entry: Entry) -> None:
+        """An inline value read from the catalog was of a newer version than the entry's copy:
+        its writer holds the entry's disk lock until it has installed it. Wait for that (a
+        reader then reads again, the new value)."""
+        async with entry.disk_lock:
+            pass
+
     def _filler(self, entry: Entry, source: Copy, target: int | None) -> Callable[[torch.Tensor, Priority], Awaitable[None]]:
         """A coroutine function that fills a buffer (on tier ``target``, or the caller's with
         None) with ``source``'s bytes."""
         meta = entry.meta
+        if source.inline is not None:
+            disk, key, version = self.disk, entry.key, source.version
+
+            async def from_catalog(buffer: torch.Tensor, priority: Priority) -> None:
+                disk.read_inline(key, version, buffer)
+
+            return from_catalog
         if source.extent is not None:
             record = DiskRecord(entry.key, meta, source.extent, source.version, source.checksums)
 
@@ -246,23 +275,37 @@ class Engine:
             await self._copy(as_bytes(out), copy.buffer[: meta.nbytes], Priority.DEMAND)  # type: ignore[index]
         return out
 
-    async def read_uncached(self, entry: Entry, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Read the current value into ``out`` or a new tensor on ``device``, caching it nowhere."""
+    async def read_uncached(self, entry: Entry, device: torch.device, out: torch.Tensor | None = None, target: int | None = None) -> torch.Tensor:
+        """Read the current value into ``out`` or a new tensor on ``device`` (the memory of tier
+        ``target`` if given: a copy into it crosses that tier's link), caching it nowhere."""
+        for _ in range(_MAX_REREADS):
+            try:
+                return await self._read_uncached(entry, device, out, target)
+            except InlineSuperseded:
+                await self._superseded(entry)
+                if self.entries.get(entry.key) is not entry or not entry.visible:
+                    raise KeyNotFoundError(f"{entry.key!r} was deleted") from None
+        raise CorruptionError(f"{entry.key!r}: the catalog keeps holding another version than the store's record of it")
+
+    async def _read_uncached(self, entry: Entry, device: torch.device, out: torch.Tensor | None, target: int | None) -> torch.Tensor:
         await self.no_writer(entry, "read")
         tiers = entry.readable_tiers()
         source = entry.valid(tiers[0]) if tiers else None
         if source is None:
             raise CorruptionError(f"{entry.key!r} has no valid copy on any tier")
         meta = entry.meta
+        if source.inline is not None and out is None and device.type == "cpu" and self._crossing(None, target) is None:
+            # No await, so no use taken: the bytes come from the catalog into a new tensor.
+            return from_bytes(self.disk.read_inline_new(entry.key, source.version), meta)
         self.use(entry, source)
         try:
             if out is None and device.type == "cpu":
                 buffer = aligned_empty(meta.nbytes)
-                await self._filler(entry, source, None)(buffer, Priority.DEMAND)
+                await self._filler(entry, source, target)(buffer, Priority.DEMAND)
                 return from_bytes(buffer, meta)
             if out is None:
                 out = torch.empty(meta.shape, dtype=meta.dtype, device=device)
-            await self._filler(entry, source, None)(as_bytes(out), Priority.DEMAND)
+            await self._filler(entry, source, target)(as_bytes(out), Priority.DEMAND)
             return out
         finally:
             self.unuse(entry, source)
@@ -362,12 +405,15 @@ class Engine:
         priority: Priority,
         source_tier: int | None = None,
         abandon: asyncio.Event | None = None,
+        staged: bool = True,
     ) -> None:
         """Copy-on-write to the disk tier: new extent, data (+fsync), catalog commit, install, free
         the old extent. ``version`` None is a put (a new value); otherwise a write-back of that
         version, skipped if it is no longer current. Must run to completion (callers shield it).
         Once ``abandon`` is set (the put's caller was cancelled), a write whose commit has not
-        begun gives up and changes nothing."""
+        begun gives up and changes nothing. A small value goes inline into its catalog record
+        (``_write_inline``; ``staged``: on a non-durable tier it may be acknowledged before its
+        commit)."""
         disk = self.disk
         d = self._tiers.index(disk)
         while True:
@@ -379,6 +425,9 @@ class Engine:
                         continue  # deleted while we waited: write to the new entry
                     return
                 if (version is not None and entry.version != version) or (abandon is not None and abandon.is_set()):
+                    return
+                if disk.holds_inline(meta.nbytes):
+                    await self._write_inline(entry, d, src, meta, version, source_tier, staged=staged)
                     return
                 extent = await disk.allocate(meta.nbytes)
                 started = time.perf_counter()
@@ -403,6 +452,67 @@ class Engine:
                 if version is None:
                     self.new_version(entry, keep=new, meta=meta, version=record_version)
                 return
+
+    async def _write_inline(
+        self, entry: Entry, d: int, src: torch.Tensor, meta: TensorMeta, version: int | None, source_tier: int | None, staged: bool
+    ) -> None:
+        """Write a small value inline into its catalog record (the caller holds ``entry``'s disk
+        lock): one catalog change, no extent and no data-file sync. On a durable tier (or when
+        not ``staged``, or when the old value's extent must outlive the commit) it returns once
+        the transaction holding it is committed; on a non-durable one the change is queued for
+        the next transaction and the value installed at once (reads in the process see it)."""
+        disk = self.disk
+        started = time.perf_counter()
+        nbytes = meta.nbytes
+        disk.reserve_inline(nbytes)
+        try:
+            record_version = version if version is not None else next(self.versions)
+            record = disk.inline_record(entry.key, meta, src, record_version)
+            old = entry.copies.get(d)
+            if disk.durable or not staged or (old is not None and old.extent is not None):
+                await disk.commit([(entry.key, record)])
+            else:
+                disk.stage([(entry.key, record)])
+        except BaseException:
+            disk.release_inline(nbytes)
+            raise
+        self.count_link(source_tier, d, nbytes, time.perf_counter() - started)
+        self.install_disk(entry, d, Copy(d, record_version, inline=nbytes), meta if version is None else None)
+
+    def put_staged(self, entry: Entry, src: torch.Tensor, meta: TensorMeta) -> bool:
+        """A put of a small value onto a non-durable disk tier, done at once with no await: its
+        catalog change is queued for the next transaction (group commit) and the value
+        installed, so every read in the process sees it. False (nothing done) when the value is
+        not small, the tier is durable, another catalog change of the key is under way, or the
+        old value's extent must outlive the commit: the caller then goes the awaited way."""
+        disk = self.disk
+        d = self.disk_index
+        nbytes = meta.nbytes
+        if d is None or disk.durable or not disk.holds_inline(nbytes):
+            return False
+        entry = self._live_entry(entry, meta)
+        old = entry.copies.get(d)
+        if entry.disk_busy or (old is not None and old.extent is not None):
+            return False
+        disk.reserve_inline(nbytes)
+        try:
+            version = next(self.versions)
+            disk.stage([(entry.key, disk.inline_record(entry.key, meta, src, version))])
+        except BaseException:
+            disk.release_inline(nbytes)
+            raise
+        self.install_disk(entry, d, Copy(d, version, inline=nbytes), meta)
+        return True
+
+    def install_disk(self, entry: Entry, d: int, new: Copy, meta: TensorMeta | None) -> None:
+        """Make ``new`` (committed, or queued for commit) ``entry``'s disk copy; with ``meta``
+        it is a new value (other copies retired), else a write-back of the current one."""
+        old = entry.copies.get(d)
+        if old is not None:
+            self.retire(entry, d, old)
+        entry.copies[d] = new
+        if meta is not None:
+            self.new_version(entry, keep=new, meta=meta, version=new.version)
 
     async def flush_all(self, whole: bool = True) -> None:
         """Write every value whose newest copy is only in memory to the disk tier, in one
@@ -462,6 +572,8 @@ class Engine:
         elif copy.extent is not None and isinstance(tier, DiskTier):
             tier.release(copy.extent)
             copy.extent = None
+        elif copy.inline is not None and isinstance(tier, DiskTier):
+            tier.release_inline(copy.inline)
 
     def _release_after(self, tier: MemoryTier, buffer: torch.Tensor, last_use: Transfer) -> None:
         """Give ``buffer`` back to ``tier`` once the kernels that last used it have run (a
@@ -506,7 +618,7 @@ class Engine:
         """Return once ``ready()`` holds; re-checked whenever a use or hold of ``entry`` ends."""
         while not ready():
             waiter = asyncio.get_running_loop().create_future()
-            entry.waiters.append(waiter)
+            entry.add_waiter(waiter)
             await waiter
 
     async def no_writer(self, entry: Entry, action: str) -> None:

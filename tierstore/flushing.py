@@ -10,7 +10,6 @@ them and no eviction frees them while they are read.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from typing import TYPE_CHECKING
 
@@ -61,7 +60,7 @@ async def flush_all(engine: Engine, whole: bool = True) -> None:
             plan.append((entry, source))
     while plan:
         free = disk.capacity - disk.used
-        sizes = [disk.extent_size(entry.meta.nbytes) for entry, _ in plan]
+        sizes = [disk.stored_size(entry.meta.nbytes) for entry, _ in plan]
         batch = len(plan)
         if sum(sizes) > free:
             batch = 0 if whole else next(i for i in range(len(sizes) + 1) if sum(sizes[: i + 1]) > free)
@@ -87,45 +86,72 @@ async def _flush_plan(engine: Engine, disk: DiskTier, d: int, plan: list[tuple[E
             engine.unuse(entry, source)
 
 async def _flush_locked(engine: Engine, disk: DiskTier, d: int, plan: list[tuple[Entry, Copy]]) -> None:
-    async with contextlib.AsyncExitStack() as locks:
+    locks: list[asyncio.Lock] = []
+    try:
         for entry, _ in plan:  # sorted by key: two flushes never wait for each other in a cycle
-            await locks.enter_async_context(entry.disk_lock)
-        plan = [(e, c) for e, c in plan if engine.entries.get(e.key) is e and c.version == e.version and not c.retired]
-        limit = asyncio.Semaphore(FLUSH_CONCURRENCY)
-        written: list[tuple[Entry, Copy, Extent, tuple[int, ...]]] = []
+            lock = entry.disk_lock
+            await lock.acquire()
+            locks.append(lock)
+        await _flush_plan_locked(engine, disk, d, plan)
+    finally:
+        for lock in locks:
+            lock.release()
 
-        async def write(entry: Entry, source: Copy) -> None:
-            async with limit:
-                extent = await disk.allocate(entry.meta.nbytes)
-                try:
-                    started = time.perf_counter()
-                    checksums = await disk.write(extent, source.buffer, entry.meta.nbytes, Priority.BACKGROUND, sync=False)  # type: ignore[arg-type]
-                except BaseException:
-                    disk.release(extent)
-                    raise
-                written.append((entry, source, extent, checksums))
-                engine.count_link(source.tier, d, entry.meta.nbytes, time.perf_counter() - started)
 
-        tasks = [asyncio.ensure_future(write(entry, source)) for entry, source in plan]
-        try:
-            await asyncio.gather(*tasks)
-            await disk.sync_segments({extent.segment for _, _, extent, _ in written})
-            await disk.commit(
-                [(e.key, DiskRecord(e.key, e.meta, extent, c.version, sums)) for e, c, extent, sums in written]
-            )
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            for _, _, extent, _ in written:
+async def _flush_plan_locked(engine: Engine, disk: DiskTier, d: int, plan: list[tuple[Entry, Copy]]) -> None:
+    plan = [(e, c) for e, c in plan if engine.entries.get(e.key) is e and c.version == e.version and not c.retired]
+    # Small values go inline into their records, built here at once (no extent, no I/O task):
+    # a flush of many small keys is one transaction.
+    small = [(e, c) for e, c in plan if disk.holds_inline(e.meta.nbytes)]
+    large = [(e, c) for e, c in plan if not disk.holds_inline(e.meta.nbytes)]
+    inline: list[tuple[Entry, Copy, DiskRecord]] = []
+    limit = asyncio.Semaphore(FLUSH_CONCURRENCY)
+    written: list[tuple[Entry, Copy, Extent, tuple[int, ...]]] = []
+
+    async def write(entry: Entry, source: Copy) -> None:
+        async with limit:
+            extent = await disk.allocate(entry.meta.nbytes)
+            try:
+                started = time.perf_counter()
+                checksums = await disk.write(extent, source.buffer, entry.meta.nbytes, Priority.BACKGROUND, sync=False)  # type: ignore[arg-type]
+            except BaseException:
                 disk.release(extent)
-            raise
-        for entry, source, extent, checksums in written:
-            new = Copy(d, source.version, extent=extent, checksums=checksums)
-            old = entry.copies.get(d)
-            if old is not None:
-                engine.retire(entry, d, old)
-            entry.copies[d] = new
-            engine.counters.tier(engine.names[source.tier]).writebacks += 1
-            if entry.version == source.version:
-                engine.observe("writeback", entry.key, entry.meta.nbytes, d, hit=None)
+                raise
+            written.append((entry, source, extent, checksums))
+            engine.count_link(source.tier, d, entry.meta.nbytes, time.perf_counter() - started)
+
+    tasks = [asyncio.ensure_future(write(entry, source)) for entry, source in large]
+    try:
+        started = time.perf_counter()
+        for entry, source in small:
+            disk.reserve_inline(entry.meta.nbytes)
+            try:
+                record = disk.inline_record(entry.key, entry.meta, source.buffer, source.version)  # type: ignore[arg-type]
+            except BaseException:
+                disk.release_inline(entry.meta.nbytes)
+                raise
+            inline.append((entry, source, record))
+        if inline:
+            engine.count_link(small[0][1].tier, d, sum(e.meta.nbytes for e, _ in small), time.perf_counter() - started)
+        await asyncio.gather(*tasks)
+        await disk.sync_segments({extent.segment for _, _, extent, _ in written})
+        await disk.commit(
+            [(e.key, DiskRecord(e.key, e.meta, extent, c.version, sums)) for e, c, extent, sums in written]
+            + [(e.key, record) for e, _, record in inline]
+        )
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for _, _, extent, _ in written:
+            disk.release(extent)
+        for entry, _, _ in inline:
+            disk.release_inline(entry.meta.nbytes)
+        raise
+    installed = [(e, c, Copy(d, c.version, extent=extent, checksums=sums)) for e, c, extent, sums in written]
+    installed += [(e, c, Copy(d, c.version, inline=e.meta.nbytes)) for e, c, _ in inline]
+    for entry, source, new in installed:
+        engine.install_disk(entry, d, new, None)
+        engine.counters.tier(engine.names[source.tier]).writebacks += 1
+        if entry.version == source.version:
+            engine.observe("writeback", entry.key, entry.meta.nbytes, d, hit=None)

@@ -267,7 +267,7 @@ class TierStore:
         for t in targets:
             try:
                 if t == engine.disk_index:
-                    await self._put_disk(entry, src, meta)
+                    await self._put_disk(entry, src, meta, staged=True)
                 else:
                     await engine.put_memory(entry, t, src, meta)
                 engine.observe("put", entry.key, meta.nbytes, t, hit=None)
@@ -285,7 +285,7 @@ class TierStore:
         value in place), then cached on the first memory tier of ``targets`` with room."""
         engine = self._engine
         d = engine.disk_index
-        await self._put_disk(entry, src, meta)
+        await self._put_disk(entry, src, meta, staged=False)
         landed = d
         for t in targets:
             if t == d:
@@ -303,12 +303,17 @@ class TierStore:
         if landed != d:
             engine.observe("writeback", entry.key, meta.nbytes, d, hit=None)
 
-    async def _put_disk(self, entry: Entry, src: torch.Tensor, meta: TensorMeta) -> None:
+    async def _put_disk(self, entry: Entry, src: torch.Tensor, meta: TensorMeta, staged: bool) -> None:
         """Commit ``src`` as the new value on the disk tier. A cancelled caller gets control back
         once the outcome is settled: given up before the commit (the old value stays), or
-        committed; either way ``src`` is no longer read."""
+        committed; either way ``src`` is no longer read. ``staged``: a small value on a
+        non-durable disk tier may be acknowledged before its commit (a write-back put; a
+        write-through one waits for it)."""
+        if staged and self._engine.put_staged(entry, src, meta):
+            return
         abandon = asyncio.Event()
-        await self._engine.shielded(self._engine.write_disk(entry, src, meta, None, Priority.DEMAND, abandon=abandon), abandon)
+        write = self._engine.write_disk(entry, src, meta, None, Priority.DEMAND, abandon=abandon, staged=staged)
+        await self._engine.shielded(write, abandon)
 
     def fill(
         self, key: str, shape: Sequence[int], dtype: torch.dtype, tier: TierRef = None, *, durable: bool | None = None
@@ -434,7 +439,7 @@ class TierStore:
         try:
             copy = await self._engine.acquire(entry, t, Priority.DEMAND)
         except TierFullError:
-            return await self._engine.read_uncached(entry, device, out)
+            return await self._engine.read_uncached(entry, device, out, target=t)
         try:
             return await self._engine.clone(entry, copy, t, out)
         finally:
@@ -471,7 +476,7 @@ class TierStore:
                 candidate.users == 0
                 and candidate.buffer is not None
                 and isinstance(owner, MemoryTier)
-                and owner.device == device
+                and (owner is tier_obj or _same_memory(owner, tier_obj))
                 and not owner.pinned
                 and owner.can_hand_over(candidate.buffer)
             ):
@@ -481,7 +486,7 @@ class TierStore:
                 value = from_bytes(buffer, entry.meta)
                 break
         else:
-            value = await self._engine.read_uncached(entry, device)
+            value = await self._engine.read_uncached(entry, device, target=t if isinstance(tier_obj, MemoryTier) else None)
         await self._engine.shielded(self._engine.delete_entry(entry))
         return value
 
@@ -550,7 +555,7 @@ class TierStore:
         copy = await self._take_hold(entry, t, write, hit)
         if mark:
             holds.enter(token)
-        entry.hold_tokens.add(token)
+        entry.add_hold_token(token)
         if write:
             copy.writing = True
             entry.writer, entry.writer_token = copy, token
@@ -559,7 +564,7 @@ class TierStore:
         finally:
             if mark:
                 holds.leave(token)
-            entry.hold_tokens.discard(token)
+            entry.discard_hold_token(token)
             copy.holds -= 1
             link = getattr(self._engine.tiers[t], "link", None)
             if link is not None and not link.lends:
@@ -662,3 +667,12 @@ def _check_out(out: object, meta: TensorMeta, device: torch.device) -> None:
         raise InvalidTensorError("out must be a contiguous dense tensor")
     if out.device.type != device.type:
         raise InvalidTensorError(f"out is on {out.device}; this read delivers to {device}")
+
+
+def _same_memory(a: Tier, b: Tier) -> bool:
+    """Whether two tiers' buffers live in the same memory: same device and no link between
+    them (an emulated device tier is behind a link even though its buffers are CPU memory)."""
+    return (
+        isinstance(a, MemoryTier) and isinstance(b, MemoryTier) and a.device == b.device
+        and getattr(a, "link", None) is None and getattr(b, "link", None) is None
+    )

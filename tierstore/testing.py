@@ -67,6 +67,10 @@ def raw_bytes(store: TierStore, key: str, tier: int) -> bytes:
     if copy.buffer is not None:
         return bytes(copy.buffer[:nbytes].cpu().numpy().tobytes())
     target = store.tiers[tier]
+    if isinstance(target, DiskTier) and copy.inline is not None:
+        data = target.read_raw_inline(key)
+        if data is not None:
+            return data
     if not isinstance(target, DiskTier) or copy.extent is None:
         raise TypeError(f"tier {tier} holds neither a buffer nor an extent for {key!r}")
     return target.read_raw(copy.extent, nbytes)

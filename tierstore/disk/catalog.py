@@ -1,15 +1,18 @@
 """The disk tier's catalog: an LMDB database of what lives in the data files.
 
 Two named databases: ``meta`` (format and its version, chunk size, segment sizes) and
-``entries`` (one JSON record per key, found by the key's digest; the key itself is inside the
-record). Nothing is pickled. Writes from many coroutines are grouped into one transaction each time the single
-writer thread comes free (group commit), so durable puts share an fsync of the catalog.
+``entries`` (one binary record per key, found by the key's digest; the key itself is inside the
+record, and so are the bytes of a small value). Nothing is pickled. Writes from many coroutines
+are grouped into one transaction each time the single writer thread comes free (group commit),
+so durable puts share the sync of one commit; a non-durable write may be queued without waiting
+(``stage``), and reads in the process see queued changes before they commit.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import struct
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -17,53 +20,134 @@ from pathlib import Path
 from typing import Any
 
 import lmdb
+import torch
 
 from ..errors import CatalogError, DiskFullError, StoreClosedError
 from ..keys import key_digest
-from ..tensors import TensorMeta
+from ..tensors import TensorMeta, dtype_from_name, dtype_name
 from .extents import Extent
 from .files import is_disk_full
 
 FORMAT = "tierstore-disk"
 #: The on-disk layout this code writes. 1: the first release (segment files of any sizes, JSON
-#: records); 2: segments shrink and go away as space is freed. Raise it whenever the layout
-#: changes, and add the upgrade from the version before to ``_UPGRADES``.
-FORMAT_VERSION = 2
+#: records); 2: segments shrink and go away as space is freed; 3: binary records, and small
+#: values inline in their record. Raise it whenever the layout changes, and add the upgrade from
+#: the version before to ``_UPGRADES``.
+FORMAT_VERSION = 3
 #: What a catalog that records no version was written with.
 _UNVERSIONED = 1
 _META_KEY = b"format"
 _INITIAL_MAP_SIZE = 256 << 20
 
 
+#: First byte of a binary record (format version 3); JSON records (versions 1 and 2) start
+#: with ``{``, so both read back.
+_BINARY = 0xB3
+_EXTENT, _INLINE = 1, 2
+#: magic, kind, ndim, dtype name length, key length, version
+_HEAD = struct.Struct("<BBBBIQ")
+_EXTENT_PART = struct.Struct("<IQQI")  # segment, offset, length, number of checksums
+_CHECKSUM = struct.Struct("<I")
+_DTYPE_NAMES: dict[str, bytes] = {}
+_DTYPES_BY_NAME: dict[bytes, torch.dtype] = {}
+
+
 @dataclass(frozen=True)
 class DiskRecord:
-    """What the catalog knows of one key: its tensor, where its bytes are, and their checksums."""
+    """What the catalog knows of one key: its tensor, where its bytes are, and their checksums.
+
+    A large value lies in an ``extent`` of a data file, with one checksum per chunk. A small
+    value is *inline*: its bytes are ``data``, inside the record itself (``extent`` None, one
+    checksum of the whole value), so writing it is one catalog transaction and nothing else.
+    A record parsed without its data (``from_bytes(..., with_data=False)``, as on open) has
+    ``inline`` set and ``data`` None.
+    """
 
     key: str
     meta: TensorMeta
-    extent: Extent
+    extent: Extent | None
     version: int
     checksums: tuple[int, ...]
+    data: bytes | None = None
+    inline: bool = False
 
     def to_bytes(self) -> bytes:
-        return json.dumps(
-            {
-                "key": self.key,
-                **self.meta.to_json(),
-                "nbytes": self.meta.nbytes,
-                "segment": self.extent.segment,
-                "offset": self.extent.offset,
-                "length": self.extent.length,
-                "version": self.version,
-                "checksums": list(self.checksums),
-            },
-            separators=(",", ":"),
-            ensure_ascii=False,
-        ).encode("utf-8")
+        """The binary record (format version 3): a fixed header, the dtype name, the shape,
+        the key, then an extent and its checksums, or the checksum and bytes of an inline value."""
+        dtype = _DTYPE_NAMES.get(str(self.meta.dtype))
+        if dtype is None:
+            dtype = _DTYPE_NAMES[str(self.meta.dtype)] = dtype_name(self.meta.dtype).encode("ascii")
+        key = self.key.encode("utf-8")
+        shape = self.meta.shape
+        parts = [
+            _HEAD.pack(_BINARY, _INLINE if self.inline else _EXTENT, len(shape), len(dtype), len(key), self.version),
+            dtype,
+            struct.pack(f"<{len(shape)}q", *shape),
+            key,
+        ]
+        if self.inline:
+            if self.data is None or len(self.checksums) != 1:
+                raise ValueError(f"inline record of {self.key!r} needs its data and one checksum")
+            parts += [_CHECKSUM.pack(self.checksums[0]), self.data]
+        else:
+            extent = self.extent
+            if extent is None:
+                raise ValueError(f"record of {self.key!r} has neither an extent nor inline data")
+            parts += [
+                _EXTENT_PART.pack(extent.segment, extent.offset, extent.length, len(self.checksums)),
+                struct.pack(f"<{len(self.checksums)}I", *self.checksums),
+            ]
+        return b"".join(parts)
 
     @classmethod
-    def from_bytes(cls, raw: bytes) -> DiskRecord:
-        """Parse a record; raises ``ValueError`` with the reason if it is malformed."""
+    def from_bytes(cls, raw: bytes | memoryview, with_data: bool = True) -> DiskRecord:
+        """Parse a record (binary, or the JSON of format versions 1 and 2); raises
+        ``ValueError`` with the reason if it is malformed. ``with_data=False`` leaves an inline
+        value's bytes in the catalog (``data`` None)."""
+        if len(raw) and raw[0] == _BINARY:
+            return cls._from_binary(raw, with_data)
+        return cls._from_json(bytes(raw))
+
+    @classmethod
+    def _from_binary(cls, raw: bytes | memoryview, with_data: bool) -> DiskRecord:
+        try:
+            _, kind, ndim, dtype_len, key_len, version = _HEAD.unpack_from(raw, 0)
+            at = _HEAD.size
+            name = bytes(raw[at : at + dtype_len])
+            dtype = _DTYPES_BY_NAME.get(name)
+            if dtype is None:
+                dtype = _DTYPES_BY_NAME[name] = dtype_from_name(name.decode("ascii"))
+            at += dtype_len
+            shape = struct.unpack_from(f"<{ndim}q", raw, at)
+            at += 8 * ndim
+            key = bytes(raw[at : at + key_len]).decode("utf-8")
+            at += key_len
+            if kind == _INLINE:
+                (checksum,) = _CHECKSUM.unpack_from(raw, at)
+                at += _CHECKSUM.size
+                data = bytes(raw[at:]) if with_data else None
+                extent, checksums, inline, stored = None, (checksum,), True, len(raw) - at
+            elif kind == _EXTENT:
+                segment, offset, length, count = _EXTENT_PART.unpack_from(raw, at)
+                at += _EXTENT_PART.size
+                checksums = struct.unpack_from(f"<{count}I", raw, at)
+                at += 4 * count
+                if at != len(raw):
+                    raise ValueError(f"{len(raw) - at} bytes after the checksums")
+                extent, data, inline, stored = Extent(segment, offset, length), None, False, length
+            else:
+                raise ValueError(f"unknown record kind {kind}")
+        except (struct.error, UnicodeDecodeError) as exc:
+            raise ValueError(f"not a well-formed record ({exc})") from None
+        if any(d < 0 for d in shape) or not key:
+            raise ValueError("negative dimension or empty key")
+        meta = TensorMeta(dtype, shape)
+        if stored < meta.nbytes or (inline and stored != meta.nbytes):
+            raise ValueError(f"{stored} stored bytes cannot hold a value of {meta.nbytes}")
+        return cls(key, meta, extent, version, checksums, data, inline)
+
+    @classmethod
+    def _from_json(cls, raw: bytes) -> DiskRecord:
         try:
             fields = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -153,12 +237,14 @@ def _version_of(fields: dict[str, Any], where: Path) -> int:
 
 
 def _records_unchanged(txn: Any, entries: Any) -> None:
-    """Version 1 -> 2: records and segments read the same; only the version number moves."""
+    """Version 1 -> 2: records and segments read the same; only the version number moves.
+    Version 2 -> 3: JSON records stay as they are (they read back beside binary ones) and are
+    rewritten in the binary form when their key is next written."""
 
 
 #: Upgrades in place, by the version they start from: each brings a catalog to the next version
 #: inside the write transaction that records the new version.
-_UPGRADES: dict[int, Callable[[Any, Any], None]] = {1: _records_unchanged}
+_UPGRADES: dict[int, Callable[[Any, Any], None]] = {1: _records_unchanged, 2: _records_unchanged}
 
 
 class Catalog:
@@ -172,7 +258,13 @@ class Catalog:
         self._entries: Any = None
         self._meta: Any = None
         self._writer: ThreadPoolExecutor | None = None
-        self._pending: list[tuple[list[tuple[str, DiskRecord | None]], asyncio.Future[None]]] = []
+        self._pending: list[tuple[list[tuple[str, DiskRecord | None]], asyncio.Future[None], bool]] = []
+        #: Changes queued or being committed, newest per key (``get`` reads them first).
+        self._staged: dict[str, tuple[str, DiskRecord | None]] = {}
+        #: Staged groups whose transaction failed, for the next one.
+        self._retry: list[tuple[list[tuple[str, DiskRecord | None]], asyncio.Future[None], bool]] = []
+        #: The failure of a staged group nobody waited for (raised by ``drain``).
+        self.error: BaseException | None = None
         self._flushing: asyncio.Task[None] | None = None
         self.layout: CatalogLayout | None = None
 
@@ -180,6 +272,14 @@ class Catalog:
         """Open the database. A new one gets ``create_layout`` (None: a new one is an error, as
         when data files exist); an existing one is validated."""
         self.path.mkdir(mode=0o700, exist_ok=True)
+        data = self.path / "data.mdb"
+        if data.exists() and data.stat().st_size == 0:
+            # LMDB writes its meta pages as it creates the file: an empty one was truncated, and
+            # small values lived in it (they have no data files to betray their loss).
+            raise CatalogError(
+                f"the catalog {data} is empty (truncated): whatever the store held is lost. Refusing to start "
+                "over on top of it (move the folder away to start fresh)"
+            )
         raw = self._open_env(
             map_size=_INITIAL_MAP_SIZE, sync=self.durable, metasync=self.durable, mode=0o600, readahead=False
         )
@@ -257,17 +357,37 @@ class Catalog:
             self._env.close()
             self._env = None
 
-    def records(self) -> Iterator[tuple[bytes, DiskRecord]]:
-        """Every record, validated; raises ``CatalogError`` naming the first bad one."""
-        with self._env.begin(db=self._entries) as txn:
-            for digest, raw in txn.cursor():
+    def records(self, with_data: bool = False) -> Iterator[tuple[bytes, DiskRecord]]:
+        """Every committed record, validated; raises ``CatalogError`` naming the first bad one.
+        Inline values are left in the catalog unless ``with_data``."""
+        with self._env.begin(db=self._entries, buffers=True) as txn:
+            for digest_view, raw in txn.cursor():
+                digest = bytes(digest_view)
                 try:
-                    record = DiskRecord.from_bytes(bytes(raw))
+                    record = DiskRecord.from_bytes(raw, with_data)
                 except ValueError as exc:
-                    raise CatalogError(f"catalog record {bytes(digest).hex()} in {self.path} is corrupt: {exc}") from None
-                if key_digest(record.key) != bytes(digest):
+                    raise CatalogError(f"catalog record {digest.hex()} in {self.path} is corrupt: {exc}") from None
+                if key_digest(record.key) != digest:
                     raise CatalogError(f"catalog record for {record.key!r} is filed under the wrong address")
-                yield bytes(digest), record
+                yield digest, record
+
+    def get(self, key: str) -> DiskRecord | None:
+        """The newest record of ``key`` with its data: a change waiting for its transaction if
+        there is one (what this process wrote is what it reads), else the committed record.
+        Runs on the caller's thread (a read of the memory-mapped tree, no lock)."""
+        change = self._staged.get(key)
+        if change is not None:
+            return change[1]
+        if self._env is None:
+            raise StoreClosedError(f"the catalog in {self.path} is closed")
+        with self._env.begin(db=self._entries, buffers=True) as txn:
+            raw = txn.get(key_digest(key))
+            if raw is None:
+                return None
+            try:
+                return DiskRecord.from_bytes(raw)
+            except ValueError as exc:
+                raise CatalogError(f"catalog record of {key!r} in {self.path} is corrupt: {exc}") from None
 
     def commit_now(self, changes: list[tuple[str, DiskRecord | None]], layout: CatalogLayout | None = None) -> None:
         """``commit`` on the caller's thread, for the open path (before the tier serves anything)."""
@@ -279,7 +399,8 @@ class Catalog:
 
     async def commit(self, changes: list[tuple[str, DiskRecord | None]], layout: CatalogLayout | None = None) -> None:
         """Durably apply ``changes`` (key -> new record, or None to delete) in one transaction
-        shared with whatever other commits are waiting; returns once it is on disk."""
+        shared with whatever other commits are waiting (group commit); returns once it is on
+        disk. Reads (``get``) see the changes from the moment this is called."""
         loop = asyncio.get_running_loop()
         if layout is not None:  # rare (a new segment): its own transaction
             if self._writer is None:
@@ -287,36 +408,102 @@ class Catalog:
             await loop.run_in_executor(self._writer, self._write_sync, changes, layout)
             self.layout = layout
             return
+        await asyncio.shield(self._enqueue(changes, waited=True))
+
+    def stage(self, changes: list[tuple[str, DiskRecord | None]]) -> asyncio.Future[None]:
+        """Queue ``changes`` for the next transaction without waiting for it (a non-durable
+        write acknowledged before its commit): reads see them at once, the returned future ends
+        when they are committed. A transaction that fails keeps them queued (reads still see
+        them) for the next one; ``drain`` raises the failure if they still cannot commit."""
+        return self._enqueue(changes, waited=False)
+
+    def _enqueue(self, changes: list[tuple[str, DiskRecord | None]], waited: bool) -> asyncio.Future[None]:
         if self._writer is None:
             raise StoreClosedError(f"the catalog in {self.path} is closed")
+        loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
-        self._pending.append((changes, done))
+        group = [(key, record) for key, record in changes]
+        for change in group:
+            self._staged[change[0]] = change
+        self._pending.append((group, done, waited))
         if self._flushing is None or self._flushing.done():
-            self._flushing = asyncio.ensure_future(self._flush())
-        await asyncio.shield(done)
+            self._flushing = loop.create_task(self._flush())
+        return done
+
+    @property
+    def transactions(self) -> int:
+        """Write transactions committed in this catalog's life (LMDB's last transaction id)."""
+        if self._env is None:
+            raise StoreClosedError(f"the catalog in {self.path} is closed")
+        return int(self._env.info()["last_txnid"])
+
+    @property
+    def queued(self) -> int:
+        """Changes waiting for a transaction."""
+        return len(self._staged)
+
+    async def drain(self) -> None:
+        """Return once every change queued so far is committed; raises the failure of changes
+        that still cannot commit (``stage``), which stay queued."""
+        while True:
+            if self._retry:
+                groups, self._retry = self._retry, []
+                self._pending[:0] = groups
+                if self._flushing is None or self._flushing.done():
+                    self._flushing = asyncio.get_running_loop().create_task(self._flush())
+            task = self._flushing
+            if task is None or task.done():
+                break
+            await asyncio.shield(task)
+            if self._retry:
+                error, self.error = self.error, None
+                raise error if error is not None else CatalogError(f"the catalog in {self.path} could not commit queued changes")
 
     async def _flush(self) -> None:
         loop = asyncio.get_running_loop()
         while self._pending:
             batch, self._pending = self._pending, []
-            changes = [change for group, _ in batch for change in group]
+            # A change a newer one replaced while it waited to be retried is dropped: applying
+            # it now would put the older value back.
+            batch = [(group, done, waited) if waited else (self._current(group), done, waited) for group, done, waited in batch]
+            changes = [change for group, _, _ in batch for change in group]
             try:
                 await loop.run_in_executor(self._writer, self._write_sync, changes, None)
             except BaseException as exc:
                 # One bad change must not fail its neighbours: retry each group on its own.
-                if len(batch) > 1:
-                    for group, done in batch:
-                        try:
-                            await loop.run_in_executor(self._writer, self._write_sync, group, None)
-                        except BaseException as single:
-                            _settle(done, single)
-                        else:
-                            _settle(done, None)
-                    continue
-                _settle(batch[0][1], exc)
+                for group, done, waited in batch:
+                    try:
+                        if len(batch) == 1:
+                            raise exc
+                        await loop.run_in_executor(self._writer, self._write_sync, group, None)
+                    except BaseException as single:
+                        self._failed(group, done, waited, single)
+                    else:
+                        self._committed(group, done)
                 continue
-            for _, done in batch:
-                _settle(done, None)
+            for group, done, _ in batch:
+                self._committed(group, done)
+
+    def _current(self, group: list[tuple[str, DiskRecord | None]]) -> list[tuple[str, DiskRecord | None]]:
+        return [change for change in group if self._staged.get(change[0]) is change]
+
+    def _committed(self, group: list[tuple[str, DiskRecord | None]], done: asyncio.Future[None]) -> None:
+        for change in group:
+            if self._staged.get(change[0]) is change:
+                del self._staged[change[0]]
+        _settle(done, None)
+
+    def _failed(self, group: list[tuple[str, DiskRecord | None]], done: asyncio.Future[None], waited: bool, exc: BaseException) -> None:
+        if waited:  # its writer is told, and the value before it shows again
+            for change in group:
+                if self._staged.get(change[0]) is change:
+                    del self._staged[change[0]]
+            _settle(done, exc)
+            return
+        # Acknowledged already: keep it for the next transaction (and ``drain``).
+        if self.error is None:
+            self.error = exc
+        self._retry.append((group, done, waited))
 
     def _write_sync(self, changes: list[tuple[str, DiskRecord | None]], layout: CatalogLayout | None) -> None:
         while True:

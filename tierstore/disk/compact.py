@@ -41,7 +41,9 @@ def plan_compaction(
         If the live data is larger than ``capacity``, or cannot be placed in whole extents in the
         free space below it. Nothing has been changed then.
     """
-    live = sum(record.extent.length for record in records.values())
+    # Inline values live in the catalog, not in the segments: nothing of theirs moves.
+    records = {key: record for key, record in records.items() if record.extent is not None}
+    live = sum(record.extent.length for record in records.values())  # type: ignore[union-attr]
     limit = capacity // alignment * alignment
     if live > limit:
         raise CapacityError(
@@ -60,20 +62,21 @@ def plan_compaction(
     def inside(extent: Extent) -> bool:
         return extent.segment < len(target) and extent.end <= target[extent.segment]
 
-    allocator = ExtentAllocator.rebuild(target, [r.extent for r in records.values() if inside(r.extent)])
+    extents = {key: record.extent for key, record in records.items() if record.extent is not None}
+    allocator = ExtentAllocator.rebuild(target, [e for e in extents.values() if inside(e)])
     moves: dict[str, Extent] = {}
     # Largest first: the big pieces need the big holes.
-    for record in sorted((r for r in records.values() if not inside(r.extent)), key=lambda r: (-r.extent.length, r.key)):
-        extent = allocator.allocate(record.extent.length)
+    for key, old in sorted(((k, e) for k, e in extents.items() if not inside(e)), key=lambda item: (-item[1].length, item[0])):
+        extent = allocator.allocate(old.length)
         if extent is None:
             raise CapacityError(
                 f"{root} holds {format_bytes(live)} of live data, which would fit in the capacity of "
                 f"{format_bytes(capacity)} asked, but the free space below it is in pieces too small for "
-                f"{record.key!r} ({format_bytes(record.extent.length)}; largest free piece "
+                f"{key!r} ({format_bytes(old.length)}; largest free piece "
                 f"{format_bytes(allocator.largest_free)}); open it with its current capacity of "
                 f"{format_bytes(sum(segments))}, or delete entries first"
             )
-        moves[record.key] = extent
+        moves[key] = extent
     return CompactionPlan(tuple(target), moves)
 
 
@@ -90,6 +93,8 @@ def compact(
     touched: set[int] = set()
     for key, extent in plan.moves.items():
         old = records[key].extent
+        if old is None:
+            continue
         files.copy((old.segment, old.offset), (extent.segment, extent.offset), extent.length, buffer)
         touched.add(extent.segment)
     # Durability order: the copies are on disk before the catalog points at them.

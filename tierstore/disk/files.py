@@ -53,6 +53,11 @@ def checksum(data: np.ndarray) -> int:
     return int(crc32c.crc32c(data.data))
 
 
+def checksum_bytes(data: bytes) -> int:
+    """The checksum of ``data`` (as ``checksum``)."""
+    return int(crc32c.crc32c(data))
+
+
 def checksum_of(buffer: torch.Tensor, start: int, length: int) -> int:
     """The checksum of ``buffer[start:start+length]``."""
     return checksum(buffer[start : start + length].numpy())

@@ -161,10 +161,11 @@ async def check(root: Path, log: Path) -> CheckResult:
             if expect.pending:
                 result.in_flight_resolved += 1
                 resolutions.append(f"R {'put' if actual is not None else 'del'} {key}" + (f" {actual}" if actual is not None else ""))
-        live = sum(record.extent.length for record in disk.committed().values())
+        committed = disk.committed().values()
+        live = sum(record.extent.length if record.extent is not None else record.meta.nbytes for record in committed)
         if disk.used != live:
-            result.errors.append(f"space accounting: {disk.used} bytes used, live extents hold {live}")
-        if disk.used + disk._allocator.free_bytes != disk.reserved:
+            result.errors.append(f"space accounting: {disk.used} bytes used, live extents and inline values hold {live}")
+        if disk.used - disk.inline_bytes + disk._allocator.free_bytes != disk.reserved:
             result.errors.append("space accounting: used + free != reserved")
         probe = torch.arange(10.0)  # the store keeps working
         await store.put("probe-after-crash", probe)

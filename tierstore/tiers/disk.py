@@ -11,6 +11,7 @@ from functools import partial
 from pathlib import Path
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from ..device import link_for
@@ -19,6 +20,7 @@ from ..disk.compact import compact, plan_compaction
 from ..disk.extents import Extent, ExtentAllocator
 from ..disk.files import (
     FileIO,
+    checksum_bytes,
     SegmentFiles,
     TruncatedSegment,
     allocated_bytes,
@@ -35,8 +37,9 @@ from ..errors import (
     StoreClosedError,
     StoreForkedError,
     TierFullError,
+    TierStoreError,
 )
-from ..tensors import ALIGNMENT, aligned_empty
+from ..tensors import ALIGNMENT, TensorMeta, aligned_empty
 from ..units import format_bytes, parse_bytes, round_up
 from ..workers import Priority, WorkerPool
 from .base import Tier
@@ -48,7 +51,16 @@ PUNCH_AFTER = 16 << 20
 FIRST_SEGMENT = 16 << 20
 #: What a tierstore folder holds before its catalog exists (a crash during the first open).
 _OWN_NAMES = {"lock", "data", "catalog"}
+#: Values of at most this many bytes are kept inline in their catalog record (one transaction,
+#: no extent, no data-file sync) unless ``DiskTier(inline_max=)`` says otherwise. Chosen by
+#: measurement (``benchmarks/bench_keys.py --threshold``): see ``tierstore.bench.keys``.
+INLINE_MAX = 2048
 _PROBE_NAME = ".direct-probe"
+
+
+class InlineSuperseded(TierStoreError):
+    """Internal: the catalog holds another version of an inline value than the one asked for
+    (its writer is installing a newer one); the reader waits for it and reads again."""
 
 
 class DiskTier(Tier):
@@ -85,6 +97,11 @@ class DiskTier(Tier):
     io:
         The calls that change the data files and commit the catalog (default: ``os`` and
         LMDB as they are); ``tierstore.faults.powercut`` passes a recorder here.
+    inline_max:
+        Values of at most this many bytes (default ``INLINE_MAX``) live inline in their catalog
+        record instead of an extent: a put of one is a single catalog transaction (one sync when
+        durable) and takes no space in the data files; its checksum is verified on every read as
+        an extent's is. 0 puts every value in an extent.
     overcommit:
         Accept a capacity larger than the file system can still give (the free space plus what
         the folder's files hold); puts then fail with ``DiskFullError`` when it fills. By default
@@ -117,6 +134,7 @@ class DiskTier(Tier):
         name: str = "disk",
         io: FileIO | None = None,
         overcommit: bool = False,
+        inline_max: int | str = INLINE_MAX,
     ) -> None:
         super().__init__(capacity, name)
         self.root = Path(root)
@@ -133,6 +151,9 @@ class DiskTier(Tier):
         self.io_threads = io_threads
         self.create = create
         self.overcommit = bool(overcommit)
+        self.inline_max = parse_bytes(inline_max)
+        if self.inline_max < 0:
+            raise ValueError(f"inline_max must not be negative, not {inline_max!r}")
         self.pool = WorkerPool(io_threads, name)
         # Checksums of outgoing chunks are computed here, beside the writes (CRC-32C drops the GIL).
         self.checksum_pool = WorkerPool(2, f"{name}-checksum")
@@ -142,6 +163,8 @@ class DiskTier(Tier):
         #: Extents released since free space was last given back (``release``), and their bytes.
         self._released: list[Extent] = []
         self._released_bytes = 0
+        #: Bytes of the values kept inline in the catalog (they count against the capacity).
+        self._inline_bytes = 0
         self._lock: FolderLock | None = None
         self._release_lock: weakref.finalize | None = None
         #: The process that opened the tier (a forked child may not use it).
@@ -253,19 +276,21 @@ class DiskTier(Tier):
             io=self.io,
         )
         records = {}
+        chunk_size = self.chunk_size
         for _, record in self._catalog.records():
-            expected_chunks = max(1, -(-record.meta.nbytes // self.chunk_size))
-            if len(record.checksums) != expected_chunks:
-                raise CatalogError(f"catalog record for {record.key!r} has {len(record.checksums)} checksums, expected {expected_chunks}")
+            if record.extent is not None:
+                expected_chunks = max(1, -(-record.meta.nbytes // chunk_size))
+                if len(record.checksums) != expected_chunks:
+                    raise CatalogError(f"catalog record for {record.key!r} has {len(record.checksums)} checksums, expected {expected_chunks}")
             records[record.key] = record
         try:
-            self._allocator = ExtentAllocator.rebuild(layout.segments, (r.extent for r in records.values()))
+            self._allocator = ExtentAllocator.rebuild(layout.segments, (r.extent for r in records.values() if r.extent is not None))
         except ValueError as exc:
             raise CatalogError(f"the catalog in {self.root} is inconsistent: {exc}") from None
         try:
             self._files.open(list(layout.segments))
         except TruncatedSegment as exc:
-            inside = sorted(key for key, r in records.items() if r.extent.segment == exc.segment)
+            inside = sorted(key for key, r in records.items() if r.extent is not None and r.extent.segment == exc.segment)
             shown = ", ".join(repr(k) for k in inside[:10]) + (" ..." if len(inside) > 10 else "")
             raise CatalogError(
                 f"{exc}; {len(inside)} entries live in it ({shown}); nothing was changed, the other "
@@ -276,7 +301,7 @@ class DiskTier(Tier):
         if sum(layout.segments) > self.capacity:
             plan = plan_compaction(self.root, records, layout.segments, self.capacity, ALIGNMENT)
             layout, records = compact(self._files, self._catalog, layout, records, plan, self.chunk_size)
-            self._allocator = ExtentAllocator.rebuild(layout.segments, (r.extent for r in records.values()))
+            self._allocator = ExtentAllocator.rebuild(layout.segments, (r.extent for r in records.values() if r.extent is not None))
         count = self._allocator.removable_tail()
         if count:
             layout = CatalogLayout(layout.chunk_size, ALIGNMENT, tuple(self._allocator.segment_sizes[:-count]))
@@ -284,6 +309,7 @@ class DiskTier(Tier):
                 self._catalog.commit_now([], layout)
             self._allocator.drop_tail(count)
             self._files.remove_tail(count)
+        self._inline_bytes = sum(r.meta.nbytes for r in records.values() if r.inline)
         self.loaded = records
 
     async def aclose(self) -> None:
@@ -291,6 +317,8 @@ class DiskTier(Tier):
             return
         trim, self._trim_task = self._trim_task, None
         try:
+            if self._catalog is not None and self._pid == os.getpid():
+                await self._catalog.drain()  # acknowledged non-durable writes reach the catalog
             if trim is not None and not trim.cancelled():
                 await trim  # a failure to give space back is reported, after closing
             if self._pid == os.getpid():
@@ -319,7 +347,26 @@ class DiskTier(Tier):
 
     @property
     def used(self) -> int:
-        return self._allocator.used
+        """Bytes of extents plus bytes of values kept inline in the catalog."""
+        return self._allocator.used + self._inline_bytes
+
+    def reserve_inline(self, nbytes: int) -> None:
+        """Count a value of ``nbytes`` about to be kept inline against the capacity; raises
+        ``TierFullError`` when it does not fit (``release_inline`` gives it back)."""
+        if self.used + nbytes > self.capacity:
+            raise TierFullError(
+                f"tier {self.name!r} is full: {format_bytes(nbytes)} wanted, {format_bytes(self.capacity - self.used)} free "
+                f"of {format_bytes(self.capacity)}"
+            )
+        self._inline_bytes += nbytes
+
+    def release_inline(self, nbytes: int) -> None:
+        self._inline_bytes -= nbytes
+
+    @property
+    def inline_bytes(self) -> int:
+        """Bytes of the values kept inline in the catalog (part of ``used``)."""
+        return self._inline_bytes
 
     @property
     def reserved(self) -> int:
@@ -341,6 +388,10 @@ class DiskTier(Tier):
         """Bytes an extent for ``nbytes`` occupies."""
         return round_up(max(nbytes, 1), ALIGNMENT)
 
+    def stored_size(self, nbytes: int) -> int:
+        """Bytes of capacity a value of ``nbytes`` takes: itself if kept inline, else its extent."""
+        return nbytes if self.holds_inline(nbytes) else self.extent_size(nbytes)
+
     # -- space --------------------------------------------------------------------------------
 
     async def allocate(self, nbytes: int) -> Extent:
@@ -356,6 +407,11 @@ class DiskTier(Tier):
                 f"a tensor of {format_bytes(nbytes)} is larger than the disk tier's segment size "
                 f"({format_bytes(self.segment_size)}); open the DiskTier with a larger segment_size"
             )
+        if self.used + length > self.capacity:  # values inline in the catalog take capacity too
+            raise TierFullError(
+                f"tier {self.name!r} is full: {format_bytes(length)} wanted, {format_bytes(self.capacity - self.used)} free "
+                f"of {format_bytes(self.capacity)} ({format_bytes(self._inline_bytes)} of it values inline in the catalog)"
+            )
         extent = self._allocator.allocate(length)
         if extent is not None:
             return extent
@@ -364,7 +420,7 @@ class DiskTier(Tier):
             extent = self._allocator.allocate(length)
             if extent is not None:
                 return extent
-            remaining = (self.capacity - self._allocator.size) // ALIGNMENT * ALIGNMENT
+            remaining = (self.capacity - self._allocator.size - self._inline_bytes) // ALIGNMENT * ALIGNMENT
             # Segments grow geometrically from 16 MiB up to segment_size, so a small store
             # reserves little disk and a large one has few files.
             grown = min(self.segment_size, FIRST_SEGMENT << len(self._allocator.segment_sizes))
@@ -528,6 +584,85 @@ class DiskTier(Tier):
                 f"at offset {extent.offset + start} fail their checksum; the data on disk is corrupt"
             )
 
+    # -- small values, inline in the catalog -----------------------------------------------------
+
+    def holds_inline(self, nbytes: int) -> bool:
+        """Whether a value of ``nbytes`` is kept inline in its catalog record."""
+        return nbytes <= self.inline_max and self.inline_max > 0
+
+    def inline_record(self, key: str, meta: TensorMeta, src: torch.Tensor, version: int) -> DiskRecord:
+        """The catalog record holding the first ``meta.nbytes`` bytes of the uint8 buffer ``src``
+        inline, with their checksum (a copy: ``src`` may be reused once this returns)."""
+        nbytes = meta.nbytes
+        view = src[:nbytes]
+        if view.device.type != "cpu":
+            view = view.cpu()
+        data = view.numpy().tobytes()
+        return DiskRecord(key, meta, None, version, (checksum_bytes(data),), data, inline=True)
+
+    def _inline_data(self, key: str, version: int) -> bytes:
+        """The verified bytes of the inline value ``version`` of ``key``. Raises
+        ``InlineSuperseded`` if the catalog holds another version now (a newer value committed
+        and not yet installed by its writer)."""
+        record = self._require_catalog().get(key)
+        if record is None or not record.inline or record.version != version or record.data is None:
+            raise InlineSuperseded(key)
+        data = record.data
+        if checksum_bytes(data) != record.checksums[0]:
+            raise ChecksumError(f"{key!r}: the {len(data)} bytes kept inline in the catalog of {self.root} fail their checksum; the catalog is corrupt")
+        return data
+
+    def read_inline(self, key: str, version: int, dst: torch.Tensor) -> None:
+        """Copy the inline value ``version`` of ``key`` into the uint8 buffer ``dst``, verifying
+        its checksum (see ``_inline_data`` for ``InlineSuperseded``)."""
+        data = self._inline_data(key, version)
+        if not data:
+            return
+        if dst.device.type == "cpu":
+            dst[: len(data)].numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+        else:
+            dst[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+    def read_inline_new(self, key: str, version: int) -> torch.Tensor:
+        """The inline value ``version`` of ``key`` in a new uint8 CPU tensor, verified."""
+        data = self._inline_data(key, version)
+        if not data:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+    def stage(self, changes: list[tuple[str, DiskRecord | None]]) -> asyncio.Future[None]:
+        """Queue catalog changes for the next transaction without waiting (see ``Catalog.stage``);
+        the future ends once they are committed."""
+        self._require_open()
+        return self._require_catalog().stage(changes)
+
+    def release_when(self, committed: asyncio.Future[None], extent: Extent) -> None:
+        """Release ``extent`` once ``committed`` ends (the commit that stops referencing it): its
+        bytes stay the durable base until then."""
+        if committed.done():
+            self.release(extent)
+            return
+
+        def release(_: asyncio.Future[None]) -> None:
+            if self.is_open:
+                self.release(extent)
+
+        committed.add_done_callback(release)
+
+    @property
+    def transactions(self) -> int:
+        """Catalog transactions committed in the folder's life (each durable one is one sync)."""
+        return self._require_catalog().transactions
+
+    @property
+    def queued_changes(self) -> int:
+        """Catalog changes acknowledged and waiting for their transaction."""
+        return self._catalog.queued if self._catalog is not None else 0
+
+    async def drain(self) -> None:
+        """Return once every catalog change queued so far is committed."""
+        await self._require_catalog().drain()
+
     async def commit(self, changes: list[tuple[str, DiskRecord | None]]) -> None:
         """Apply catalog changes (key -> record, or None to delete) durably, in one transaction."""
         self._require_open()
@@ -539,6 +674,12 @@ class DiskTier(Tier):
         tools and fault tests; reads the catalog, moves nothing)."""
         self._require_open()
         return {record.key: record for _, record in self._require_catalog().records()}
+
+    def read_raw_inline(self, key: str) -> bytes | None:
+        """The bytes of ``key``'s value kept inline in the catalog (queued or committed), not
+        verified, or None if it is not inline (for tools and tests)."""
+        record = self._require_catalog().get(key)
+        return record.data if record is not None and record.inline else None
 
     def read_raw(self, extent: Extent, length: int) -> bytes:
         """The bytes of an extent as they lie in the file (for tools and tests)."""
