@@ -193,3 +193,21 @@ def test_cancelled_copy_wait_time_is_bounded() -> None:
         transfer.wait(timeout=0.01)
     assert time.perf_counter() - started < 5
     transfer.wait()
+
+
+def test_pop_and_get_onto_an_emulated_device_tier_cross_the_link() -> None:
+    """A host copy is not device memory when the device is behind a link: popping it onto the
+    device tier copies it over the link rather than handing the host buffer over."""
+    device = DeviceTier("cpu", "8MiB", emulate_device=True)
+    with SyncTierStore([device, HostTier("32MiB")]) as store:
+        link = device.link
+        value = torch.randn(1000)
+        store.put("a", value, "host")
+        before = link.moved["to_device"][0]
+        popped = store.pop("a", "device")
+        assert torch.equal(popped, value)
+        assert link.moved["to_device"][0] - before >= value.nbytes
+        store.put("b", torch.ones(3_000_000), "host")  # too large for the device tier: read uncached
+        before = link.moved["to_device"][0]
+        assert torch.equal(store.get("b", "device"), torch.ones(3_000_000))
+        assert link.moved["to_device"][0] - before >= 12_000_000
