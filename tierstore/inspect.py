@@ -35,14 +35,15 @@ def describe_folder(root: str | Path) -> dict[str, Any]:
     layout = catalog.open_readonly()
     try:
         records = [record for _, record in catalog.records()]
+        index = catalog.get(INDEX_KEY)  # with its bytes, if they are inline in the catalog
     finally:
         catalog.close()
     records.sort(key=lambda r: r.key)
     problems, damaged = _health(root, layout.segments, records)
-    namespaces = _namespaces(root, layout.chunk_size, [r for r in records if r.key not in damaged])
+    namespaces = _namespaces(root, layout.chunk_size, [r for r in records if r.key not in damaged], index)
     records = [r for r in records if not is_reserved(r.key)]
     reserved = sum(layout.segments)
-    used = sum(r.extent.length for r in records)
+    used = sum(r.extent.length for r in records if r.extent is not None)
     disk = shutil.disk_usage(root)
     return {
         "root": str(root.resolve()),
@@ -127,6 +128,8 @@ def _health(root: Path, segments: tuple[int, ...], records: list[DiskRecord]) ->
     damaged: dict[str, list[str]] = {}
     for record in records:
         extent = record.extent
+        if extent is None:  # a small value inline in the catalog
+            continue
         if extent.segment not in lengths:
             damaged.setdefault(f"segment {extent.segment}, which the catalog's layout lacks", []).append(record.key)
             continue
@@ -139,22 +142,26 @@ def _health(root: Path, segments: tuple[int, ...], records: list[DiskRecord]) ->
         shown = ", ".join(repr(k) for k in keys[:10]) + (f" and {len(keys) - 10} more" if len(keys) > 10 else "")
         problems.append(f"{len(keys)} entries lie in {where}: {shown}")
     try:
-        ExtentAllocator.rebuild(segments, (r.extent for r in records if r.extent.segment in lengths))
+        ExtentAllocator.rebuild(segments, (r.extent for r in records if r.extent is not None and r.extent.segment in lengths))
     except ValueError as exc:
         problems.append(f"the catalog's extents are inconsistent: {exc}")
     return problems, sorted(key for keys in damaged.values() for key in keys)
 
 
-def _namespaces(root: Path, chunk_size: int, records: list[DiskRecord]) -> list[dict[str, Any]]:
+def _namespaces(root: Path, chunk_size: int, records: list[DiskRecord], index: DiskRecord | None) -> list[dict[str, Any]]:
     """The namespaces recorded in the folder (``tierstore.namespaces``) with their keys and bytes,
     read from the index record's bytes (checksums verified) without opening the tier."""
-    index = next((r for r in records if r.key == INDEX_KEY), None)
-    if index is None:
+    if index is None or not any(r.key == INDEX_KEY for r in records):
         return []
-    segment = root / "data" / f"segment-{index.extent.segment:06d}.bin"
-    with open(segment, "rb") as handle:
-        handle.seek(index.extent.offset)
-        raw = handle.read(index.meta.nbytes)
+    segment = root / "catalog" / "data.mdb"
+    if index.extent is None:
+        raw = index.data or b""
+        chunk_size = max(len(raw), 1)  # one checksum of the whole value
+    else:
+        segment = root / "data" / f"segment-{index.extent.segment:06d}.bin"
+        with open(segment, "rb") as handle:
+            handle.seek(index.extent.offset)
+            raw = handle.read(index.meta.nbytes)
     starts = range(0, max(len(raw), 1), chunk_size)
     if len(raw) != index.meta.nbytes or any(
         checksum(np.frombuffer(raw[start : start + chunk_size], dtype=np.uint8)) != expected
