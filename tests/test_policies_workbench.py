@@ -503,3 +503,30 @@ def test_public_names_still_import() -> None:
     assert all(getattr(tierstore, name) is not None for name in tierstore.__all__)
     with pytest.raises(AttributeError):
         tierstore.nope  # noqa: B018
+
+
+# -- review fixes --------------------------------------------------------------------------------
+
+
+def test_oracle_general_writer_leaves_deletes_out(tmp_path: Path) -> None:
+    import numpy as np
+
+    from tierstore.sim import save_oracle_general
+    from tierstore.sim.trace import ACCESS, DELETE
+
+    trace = Trace.from_accesses(list("abab"), [10, 20, 10, 20])
+    trace.ops = np.asarray([ACCESS, ACCESS, DELETE, ACCESS], dtype=np.uint8)  # the third row deletes a
+    back = load_trace(save_oracle_general(trace, tmp_path / "t.oracleGeneral.bin"))
+    assert back.keys == ["0", "1"] and back.ids.tolist() == [0, 1, 1] and back.sizes.tolist() == [10, 20, 20]
+
+
+@pytest.mark.skipif(not available(), reason="libcachesim is not installed")
+def test_libcachesim_engine_sees_zero_size_requests_as_ours_does() -> None:
+    from tierstore.sim.external import simulate_libcachesim
+
+    # Three zero-size one-hit wonders: four misses in five requests, for both engines.
+    trace = Trace.from_accesses(["a", "x", "y", "z", "a"], [100, 0, 0, 0, 100])
+    ours = simulate(trace, {"host": 1000}, "lru")
+    theirs = simulate_libcachesim(trace, {"host": 1000}, "lru")
+    assert (ours.requests, ours.misses) == (5, 4)
+    assert (theirs.requests, theirs.misses) == (5, 4) and theirs.miss_ratio == ours.miss_ratio

@@ -4,6 +4,8 @@
 replay it with one of its policies at one capacity, and returns the result as a ``SimResult``
 (``engine="libcachesim"``), so it sits in the same JSON, tables and plots as ours. libCacheSim
 models one cache without prefetch: tiers, prefetchers and the live store are ours alone.
+It sees the same requests as ours, zero-size ones included; deletes are not passed on (the
+format has none), and a key requested again with another size is a hit there, a miss here.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .simulator import SimResult
-from .trace import Trace, save_oracle_general
+from .trace import ACCESS, Trace, save_oracle_general
 
 #: Our names for libCacheSim's policies (any other class name it exports works too, any case).
 NAMES = {
@@ -79,13 +81,16 @@ def simulate_libcachesim(trace: Trace, capacities: dict[str, int], eviction: str
     (name, capacity), = capacities.items()
     path = trace_file(trace)
     started = time.perf_counter()
-    reader = lcs.TraceReader(str(path), lcs.TraceType.ORACLE_GENERAL_TRACE)
+    # Zero-size requests count, as they do in ours (libCacheSim skips them by default).
+    params = lcs.ReaderInitParam(ignore_size_zero_req=False)
+    reader = lcs.TraceReader(str(path), lcs.TraceType.ORACLE_GENERAL_TRACE, reader_init_params=params)
     object_miss, byte_miss = cls(int(capacity)).process_trace(reader)
     seconds = time.perf_counter() - started
-    requested = int(trace.sizes.sum())
+    accesses = trace.ops == ACCESS
+    requests, requested = int(accesses.sum()), int(trace.sizes[accesses].sum())
     result = SimResult(eviction, "none", int(capacity), {name: int(capacity)}, engine="libcachesim")
-    result.requests = len(trace)
-    result.misses = round(object_miss * len(trace))
+    result.requests = requests
+    result.misses = round(object_miss * requests)
     result.requested_bytes = requested
     result.missed_bytes = round(byte_miss * requested)
     result.hits_by_tier = {name: result.requests - result.misses}

@@ -103,15 +103,18 @@ def load_oracle_general(path: str | Path) -> Trace:
 
 def save_oracle_general(trace: Trace, path: str | Path) -> Path:
     """Write ``trace``'s accesses as an ``oracleGeneral`` file (ids are the trace's interned
-    integers; next-access positions computed, -1 for none), for libCacheSim to read."""
+    integers; next-access positions computed, -1 for none), for libCacheSim to read. Deletes
+    are left out: the format has no operation field, so a delete would read as an access."""
     path = Path(path)
-    n = len(trace)
-    records = np.zeros(n, dtype=ORACLE_GENERAL)
-    records["id"] = trace.ids
-    records["size"] = trace.sizes
+    accesses = trace.ops == ACCESS
+    ids, sizes = trace.ids[accesses], trace.sizes[accesses]
+    records = np.zeros(len(ids), dtype=ORACLE_GENERAL)
+    records["id"] = ids
+    records["size"] = sizes
     if trace.times is not None:
-        records["time"] = (trace.times - trace.times.min()).astype(np.uint32)
-    records["next"] = next_access(trace.ids)
+        times = trace.times[accesses]
+        records["time"] = (times - times.min()).astype(np.uint32) if len(times) else 0
+    records["next"] = next_access(ids)
     path.parent.mkdir(parents=True, exist_ok=True)
     records.tofile(path)
     return path
