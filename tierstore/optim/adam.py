@@ -24,6 +24,7 @@ import torch
 from torch.optim.adam import adam
 
 from ..sync import run
+from .clipping import inverse_scale
 from .paging import PagedOptimizer, ParamSlot
 
 
@@ -166,9 +167,13 @@ class TieredAdam(PagedOptimizer):
     def _apply(self, slot: ParamSlot, state: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
         return self._apply_many([slot], [state], [grad])[0]
 
-    def _apply_many(self, slots: list[ParamSlot], states: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _apply_many(
+        self, slots: list[ParamSlot], states: list[torch.Tensor], grads: list[torch.Tensor], grad_scale: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
         """One call of torch's Adam per parameter group in the bucket (elementwise, so the same
-        numbers as a call per parameter or one for all)."""
+        numbers as a call per parameter or one for all). GradScaler's ``grad_scale`` goes into
+        the fused kernel, as torch's fused Adam takes it; the others multiply by its inverse, as
+        ``GradScaler.unscale_`` does before torch's other kernels run."""
         by_group: dict[int, list[int]] = {}
         for i, slot in enumerate(slots):
             by_group.setdefault(slot.group, []).append(i)
@@ -178,6 +183,9 @@ class TieredAdam(PagedOptimizer):
             fused = group["fused"] if group["fused"] is not None else not group["foreach"]
             beta1, beta2 = group["betas"]
             flat = [grads[i].reshape(-1) for i in members]
+            if grad_scale is not None and not fused:
+                inverse = inverse_scale(grad_scale)
+                flat = [g.mul(inverse) for g in flat]
             adam(
                 [states[i][0] for i in members], [g if g.dtype == torch.float32 else g.float() for g in flat],
                 [states[i][1] for i in members], [states[i][2] for i in members],
@@ -187,6 +195,7 @@ class TieredAdam(PagedOptimizer):
                 amsgrad=amsgrad, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
                 eps=group["eps"], maximize=group["maximize"],
                 decoupled_weight_decay=group.get("decoupled_weight_decay", self.decoupled_weight_decay),
+                grad_scale=grad_scale if fused else None,
             )
         return [state[0] for state in states]
 

@@ -144,9 +144,10 @@ class GradientCapture:
         if arrived:
             await self._arrived(slot, capture)
 
-    async def settle(self, observed: Observed) -> Capture | None:
+    async def settle(self, observed: Observed, *, stale: bool = False) -> Capture | None:
         """The capture of ``p.grad`` as step() saw it (taken again if the one from backward is
-        stale), or None when ``p.grad`` is None (the parameter is not updated, as in torch)."""
+        stale, or if ``stale``: changed in a way the version does not show), or None when
+        ``p.grad`` is None (the parameter is not updated, as in torch)."""
         slot, grad, version, marker = observed
         capture = slot.capture
         if capture is not None and capture.task is not None:
@@ -154,7 +155,7 @@ class GradientCapture:
         if grad is None:
             await self.discard(slot)
             return None
-        if capture is not None and capture.matches(grad, version):
+        if capture is not None and not stale and capture.matches(grad, version):
             if capture.task is not None:
                 await capture.task  # its error, if the copy failed
             return capture

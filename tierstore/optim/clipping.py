@@ -22,14 +22,20 @@ def clip_coefficient(max_norm: float, total: torch.Tensor) -> torch.Tensor:
     return torch.clamp(clip_coef, max=1.0)
 
 
+def inverse_scale(grad_scale: torch.Tensor) -> torch.Tensor:
+    """What ``GradScaler.unscale_`` multiplies the gradients by (computed as it does)."""
+    return grad_scale.double().reciprocal().float()
+
+
 async def total_norm(
-    captured: list[tuple[ParamSlot, Capture]], norm_of: Callable[[ParamSlot, Capture, float], Awaitable[torch.Tensor]], norm_type: float
+    captured: list[tuple[ParamSlot, Capture]], norm_of: Callable[[ParamSlot, Capture, float], Awaitable[torch.Tensor]], norm_type: float,
+    *, ahead: bool = True,
 ) -> torch.Tensor:
     """The ``norm_type`` norm of the gradients ``captured`` (in parameter order, as torch stacks
-    them), reusing each capture's 2-norm computed ahead."""
+    them), reusing each capture's 2-norm computed ahead unless ``ahead`` is False."""
     norms = []
     for slot, capture in captured:
-        if norm_type == 2.0:
+        if norm_type == 2.0 and ahead:
             if capture.norm is None:
                 capture.norm = await norm_of(slot, capture, 2.0)
             norms.append(capture.norm)

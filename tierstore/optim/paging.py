@@ -47,7 +47,7 @@ from ..store import TierStore
 from ..sync import SyncTierStore, loop_thread, run
 from ..units import parse_bytes
 from .capture import GradientCapture, Observed
-from .clipping import clip_coefficient, total_norm
+from .clipping import clip_coefficient, inverse_scale, total_norm
 from .pipeline import OptimizerCapacityError, UpdatePipeline
 from .reports import MemoryReport, Timeline, TimeReport, memory_report
 from .setup import DEFAULT_DISK_ROOT, bind_store, default_store
@@ -60,6 +60,10 @@ __all__ = ["DEFAULT_DISK_ROOT", "DEFAULT_NAMESPACE_BASE", "OptimizerCapacityErro
 
 
 class PagedOptimizer(torch.optim.Optimizer):
+    #: ``GradScaler.step`` hands us its scale and inf flag (``grad_scale``/``found_inf``
+    #: attributes) instead of unscaling ``p.grad`` itself: the host copies are unscaled.
+    _step_supports_amp_scaling = True
+
     """Base of ``TieredAdam``/``TieredAdamW``/``TieredOptimizer`` (see the module docstring).
 
     Store options (all keyword-only):
@@ -283,8 +287,14 @@ class PagedOptimizer(torch.optim.Optimizer):
     def _apply(self, slot: ParamSlot, state: Any, grad: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
         """Update ``state`` with ``grad`` (worker thread); return the fp32 master weight."""
 
-    def _apply_many(self, slots: list[ParamSlot], states: list[Any], grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Update several parameters; subclasses that can batch the math override this."""
+    def _apply_many(
+        self, slots: list[ParamSlot], states: list[Any], grads: list[torch.Tensor], grad_scale: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
+        """Update several parameters with ``grads`` (divided by GradScaler's ``grad_scale`` if
+        given); subclasses that can batch the math override this."""
+        if grad_scale is not None:
+            inverse = inverse_scale(grad_scale)
+            grads = [grad.mul(inverse) for grad in grads]
         return [self._apply(slot, state, grad, self.param_groups[slot.group]) for slot, state, grad in zip(slots, states, grads, strict=True)]
 
     # -- gradients arrive (the loop) ---------------------------------------------------------------
@@ -299,9 +309,10 @@ class PagedOptimizer(torch.optim.Optimizer):
             slot.used = capture
             self._pipeline.add(slot, None, after=capture.marker)  # type: ignore[union-attr]
 
-    async def _norm(self, slot: ParamSlot, capture: Capture, norm_type: float) -> torch.Tensor:
+    async def _norm(self, slot: ParamSlot, capture: Capture, norm_type: float, inverse: torch.Tensor | None = None) -> torch.Tensor:
+        """The norm of the captured gradient (unscaled by ``inverse`` first, if given)."""
         async with self._pipeline.grad(slot, capture) as grad:  # type: ignore[union-attr]
-            return await self._pipeline.math(partial(torch.linalg.vector_norm, grad, norm_type))  # type: ignore[union-attr]
+            return await self._pipeline.math(partial(_norm, grad, norm_type, inverse))  # type: ignore[union-attr]
 
     # -- the step ----------------------------------------------------------------------------------
 
@@ -325,7 +336,10 @@ class PagedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         started = time.perf_counter()
-        finishing = asyncio.run_coroutine_threadsafe(self._finish_step(self._observe()), self._loop)
+        scaling = None
+        if getattr(self, "found_inf", None) is not None:  # inside GradScaler.step
+            scaling = (getattr(self, "grad_scale", None), bool(self.found_inf.item()))  # type: ignore[attr-defined]
+        finishing = asyncio.run_coroutine_threadsafe(self._finish_step(self._observe(), scaling), self._loop)
         try:
             self._pipeline.drain_until(finishing)  # type: ignore[union-attr]
             finishing.result()
@@ -342,18 +356,33 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._close_window(ended)
         return loss
 
-    async def _finish_step(self, observed: list[Observed]) -> None:
+    async def _finish_step(self, observed: list[Observed], scaling: tuple[torch.Tensor | None, bool] | None) -> None:
         pipeline = self._pipeline
         if pipeline is None:
             raise RuntimeError("the optimizer was not fully constructed")
         pipeline.in_step = True
         try:
-            await self._run_step(pipeline, observed)
+            await self._run_step(pipeline, observed, scaling)
         finally:
             pipeline.in_step = False
+            pipeline.scale = None
 
-    async def _run_step(self, pipeline: UpdatePipeline, observed: list[Observed]) -> None:
+    async def _run_step(self, pipeline: UpdatePipeline, observed: list[Observed], scaling: tuple[torch.Tensor | None, bool] | None) -> None:
         await self._captures_settled()  # their arrival may start an update in backward
+        stale = False
+        if scaling is not None:  # GradScaler
+            if self.step_in_backward:
+                await self._end_step()
+                raise RuntimeError(
+                    "GradScaler cannot be used with step_in_backward=True: the updates ran during backward on scaled "
+                    "gradients; use the default step_in_backward=False"
+                )
+            if scaling[1]:  # an inf or NaN: the step is skipped, as torch's fused Adam skips it
+                await self._end_step()
+                return
+            # scaler.unscale_() ran: it changed every p.grad in place without moving versions.
+            stale = scaling[0] is None
+            pipeline.scale = scaling[0]
         changed: list[int] = []  # updated in backward, then p.grad changed
         pending: list[Observed] = []
         for item in observed:
@@ -363,7 +392,7 @@ class PagedOptimizer(torch.optim.Optimizer):
                     changed.append(slot.index)
             elif not slot.updated:
                 pending.append(item)
-        settled = await asyncio.gather(*(self._capture.settle(item) for item in pending), return_exceptions=True)
+        settled = await asyncio.gather(*(self._capture.settle(item, stale=stale) for item in pending), return_exceptions=True)
         failures: list[tuple[list[ParamSlot], BaseException]] = []
         ready = [slot for slot in self._slots if slot.updated and not slot.written]  # an earlier attempt's
         for item, result in zip(pending, settled, strict=True):
@@ -374,7 +403,9 @@ class PagedOptimizer(torch.optim.Optimizer):
         coef = self._coef
         if coef is None and self.max_grad_norm is not None and not failures:
             captured = [(slot, slot.capture) for slot in self._slots if slot in ready and slot.capture is not None]
-            coef = self._coef = clip_coefficient(self.max_grad_norm, await total_norm(captured, self._norm, 2.0))  # type: ignore[arg-type]
+            norm_of = self._norm if pipeline.scale is None else partial(self._norm, inverse=inverse_scale(pipeline.scale))
+            total = await total_norm(captured, norm_of, 2.0, ahead=pipeline.scale is None)  # type: ignore[arg-type]
+            coef = self._coef = clip_coefficient(self.max_grad_norm, total)
         if not failures or self.max_grad_norm is None:
             pipeline.launch(None)  # the open bucket of updates in backward
             for slot in sorted(ready, key=lambda s: s.arrival):
@@ -525,6 +556,10 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError(f"{type(self).__name__} cannot be pickled; save opt.state_dict() instead")
+
+
+def _norm(grad: torch.Tensor, norm_type: float, inverse: torch.Tensor | None) -> torch.Tensor:
+    return torch.linalg.vector_norm(grad if inverse is None else grad.mul(inverse), norm_type)
 
 
 def _offloaded(param: torch.Tensor) -> Any:

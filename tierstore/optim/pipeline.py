@@ -25,6 +25,7 @@ from ..errors import TierFullError
 from ..store import TierStore
 from ..tiers import MemoryTier
 from ..workers import CallerPool, Priority, WorkerPool
+from .clipping import inverse_scale
 from .reports import Timeline, TimeReport
 from .slots import Capture, ParamSlot
 
@@ -38,7 +39,9 @@ class Updater(Protocol):
 
     def _state(self, slot: ParamSlot) -> AbstractAsyncContextManager[Any]: ...
     def _state_bytes(self, slot: ParamSlot) -> int: ...
-    def _apply_many(self, slots: list[ParamSlot], states: list[Any], grads: list[torch.Tensor]) -> list[torch.Tensor]: ...
+    def _apply_many(
+        self, slots: list[ParamSlot], states: list[Any], grads: list[torch.Tensor], grad_scale: torch.Tensor | None = None
+    ) -> list[torch.Tensor]: ...
     def _master(self, slot: ParamSlot, state: Any) -> torch.Tensor: ...
 
 
@@ -57,6 +60,9 @@ class UpdatePipeline:
         self._compute.start()
         self._caller = CallerPool()
         self.in_step = False
+        #: This step's GradScaler scale, when the gradients are still scaled (buckets launched
+        #: from now on unscale their host copies). The loop's to set.
+        self.scale: torch.Tensor | None = None
         self.bucket_bytes = 64 << 20
         self.inflight = 1
         self._gate: asyncio.Semaphore | None = None
@@ -154,7 +160,7 @@ class UpdatePipeline:
     def launch(self, coef: torch.Tensor | None) -> None:
         if self._open:
             bucket, self._open = self._open, []
-            self._running.append((bucket, asyncio.ensure_future(self._update(bucket, coef, self._after))))
+            self._running.append((bucket, asyncio.ensure_future(self._update(bucket, coef, self.scale, self._after))))
 
     async def finish(self, *, drop_open: bool = False) -> list[tuple[list[ParamSlot], BaseException]]:
         """Wait for every bucket launched; return those that failed, with their errors (the
@@ -167,7 +173,7 @@ class UpdatePipeline:
         self._prefetched = False
         return [(bucket, result) for (bucket, _), result in zip(running, results, strict=True) if isinstance(result, BaseException)]
 
-    async def _update(self, slots: list[ParamSlot], coef: torch.Tensor | None, after: Any) -> None:
+    async def _update(self, slots: list[ParamSlot], coef: torch.Tensor | None, scale: torch.Tensor | None, after: Any) -> None:
         """Update a bucket: hold states and gradients, run the math (slots whose state was
         updated by an earlier, failed attempt only send their weight), write the weights."""
         if self._gate is None:
@@ -176,7 +182,7 @@ class UpdatePipeline:
         async with self._gate, AsyncExitStack() as stack:
             states = await _enter_all(stack, [self._owner._state(slot) for slot in slots])
             grads = await _enter_all(stack, [self.grad(slot) for slot in todo])
-            job = partial(self._compute_bucket, slots, states, grads, coef)
+            job = partial(self._compute_bucket, slots, states, grads, coef, scale)
             outgoing, started, computed, ended = await self.math(job)
             for slot in todo:
                 slot.updated = True
@@ -202,18 +208,21 @@ class UpdatePipeline:
         return self._store.hold(slot.grad_key, self._tier)
 
     def _compute_bucket(
-        self, slots: list[ParamSlot], states: list[Any], grads: list[torch.Tensor], coef: torch.Tensor | None
+        self, slots: list[ParamSlot], states: list[Any], grads: list[torch.Tensor], coef: torch.Tensor | None, scale: torch.Tensor | None
     ) -> tuple[list[torch.Tensor | None], float, float, float]:
         """The math of a bucket (training or worker thread); then the new weights: written into
         parameters whose link lends, converted to the parameter's dtype for the others (a link
         copies bytes). Returns what to send per slot and when each part ran."""
         started = time.perf_counter()
         todo = [i for i, slot in enumerate(slots) if not slot.updated]
+        if scale is not None and coef is not None:  # unscale, then clip: as scaler.unscale_ + clip_grad_norm_
+            inverse = inverse_scale(scale)
+            grads, scale = [grad.mul(inverse) for grad in grads], None
         if coef is not None:
             grads = [grad.mul(coef.to(grad.device)) for grad in grads]
         masters: list[torch.Tensor] = [self._owner._master(slot, state) for slot, state in zip(slots, states, strict=True)]
         if todo:
-            new = self._owner._apply_many([slots[i] for i in todo], [states[i] for i in todo], grads)
+            new = self._owner._apply_many([slots[i] for i in todo], [states[i] for i in todo], grads, scale)
             for i, master in zip(todo, new, strict=True):
                 masters[i] = master
         computed = time.perf_counter()
