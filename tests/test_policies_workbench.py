@@ -530,3 +530,11 @@ def test_libcachesim_engine_sees_zero_size_requests_as_ours_does() -> None:
     theirs = simulate_libcachesim(trace, {"host": 1000}, "lru")
     assert (ours.requests, ours.misses) == (5, 4)
     assert (theirs.requests, theirs.misses) == (5, 4) and theirs.miss_ratio == ours.miss_ratio
+
+
+def test_oracle_general_writer_refuses_sizes_over_32_bits(tmp_path: Path) -> None:
+    from tierstore.sim import save_oracle_general
+
+    trace = Trace.from_accesses(["a", "b"], [5 << 30, 10])  # 5 GiB would wrap to 1 GiB
+    with pytest.raises(TraceError, match="32-bit size"):
+        save_oracle_general(trace, tmp_path / "t.oracleGeneral.bin")

@@ -108,6 +108,8 @@ def save_oracle_general(trace: Trace, path: str | Path) -> Path:
     path = Path(path)
     accesses = trace.ops == ACCESS
     ids, sizes = trace.ids[accesses], trace.sizes[accesses]
+    if len(sizes) and int(sizes.max()) > np.iinfo(np.uint32).max:
+        raise TraceError(f"{path}: an access of {int(sizes.max())} bytes does not fit oracleGeneral's 32-bit size field")
     records = np.zeros(len(ids), dtype=ORACLE_GENERAL)
     records["id"] = ids
     records["size"] = sizes
