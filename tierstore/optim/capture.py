@@ -129,6 +129,8 @@ class GradientCapture:
             capture = slot.capture
             if capture is not None and capture.ddp and capture.tensor is None:
                 capture.tensor, capture.version = ref, version
+                if capture.lent is not None:  # lend p.grad itself (the bucket's values, copied there)
+                    capture.lent = ref()
 
     async def _take(self, slot: ParamSlot, capture: Capture, grad: torch.Tensor, previous: Capture | None, *, arrived: bool) -> None:
         if previous is not None and previous.task is not None:  # one copy into the key at a time

@@ -72,7 +72,8 @@ class _Chained:
         self.slots = slots
 
 
-def _comm_hook(chained: _Chained, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+def _comm_hook(chained, bucket):  # type: ignore[no-untyped-def]  # DDP checks these annotations: none
+    """Run the user's hook, then start the copies of the reduced bucket's gradients."""
     buffer = bucket.buffer()
     layout = [
         (param, grad.storage_offset() - buffer.storage_offset(), grad.numel(), grad.shape)
