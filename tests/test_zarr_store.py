@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import pickle
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -224,3 +225,27 @@ def test_default_prototype_buffers(sync_store: SyncTierStore) -> None:
     adapter.set_sync("k", cpu.Buffer.from_bytes(b"abcdef"))
     assert adapter.get_sync("k", prototype=default_buffer_prototype()).to_bytes() == b"abcdef"
     assert adapter.get_sync("missing") is None
+
+
+def test_blocking_zarr_call_on_a_sync_stores_loop_thread_raises_instead_of_hanging(sync_store: SyncTierStore) -> None:
+    # zarr's open_array(mode="r") calls with_read_only from its loop thread: that must not make a
+    # blocking round trip to the store's loop, or the deadlock goes undetected and hangs.
+    adapter = TierZarrStore(sync_store)
+    zarr.create_array(adapter, name="a", shape=(4,), dtype="u1")
+
+    async def on_the_loop() -> Any:
+        return zarr.open_array(adapter, path="a", mode="r")[:]
+
+    outcome: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            sync_store.run(on_the_loop())
+        except BaseException as exc:  # noqa: BLE001 - the outcome is what the test checks
+            outcome.append(exc)
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    caller.join(timeout=30)
+    assert not caller.is_alive(), "the blocking zarr call on the store's loop thread hung"
+    assert len(outcome) == 1 and isinstance(outcome[0], LoopDeadlockError)

@@ -167,7 +167,10 @@ class TierZarrStore(Store):
 
     def with_read_only(self, read_only: bool = False) -> TierZarrStore:
         """A new adapter over the same store and prefix (not open) with this ``read_only``."""
-        return type(self)(self._sync or self._base, self._prefix, read_only, tier=self._tier_ref, prefetch=self._prefetch)
+        # Not ``self._sync or self._base``: the truth of a SyncTierStore is its len(), a blocking
+        # round trip to the store's loop (a deadlock when zarr calls this from that loop's thread).
+        store = self._sync if self._sync is not None else self._base
+        return type(self)(store, self._prefix, read_only, tier=self._tier_ref, prefetch=self._prefetch)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, TierZarrStore) and other._base is self._base and other._prefix == self._prefix
