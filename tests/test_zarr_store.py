@@ -15,6 +15,7 @@ import pytest
 import torch
 import zarr
 import zarr.api.asynchronous as zasync
+from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteRequest
 from zarr.core.buffer import Buffer, cpu, default_buffer_prototype
 from zarr.testing.store import StoreTests
 
@@ -249,3 +250,13 @@ def test_blocking_zarr_call_on_a_sync_stores_loop_thread_raises_instead_of_hangi
     caller.join(timeout=30)
     assert not caller.is_alive(), "the blocking zarr call on the store's loop thread hung"
     assert len(outcome) == 1 and isinstance(outcome[0], LoopDeadlockError)
+
+
+@pytest.mark.parametrize("byte_range", [RangeByteRequest(-3, 5), RangeByteRequest(2, -1), OffsetByteRequest(-2), SuffixByteRequest(-1)])
+def test_negative_byte_ranges_are_refused(sync_store: SyncTierStore, byte_range: Any) -> None:
+    adapter = TierZarrStore(sync_store)
+    adapter.set_sync("k", cpu.Buffer.from_bytes(b"0123456789"))
+    with pytest.raises(ValueError, match="negative"):
+        adapter.get_sync("k", byte_range=byte_range)
+    assert adapter.get_sync("k", byte_range=RangeByteRequest(8, 20)).to_bytes() == b"89"  # past the end: clipped
+    assert adapter.get_sync("k", byte_range=OffsetByteRequest(50)).to_bytes() == b""

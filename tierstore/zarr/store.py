@@ -90,6 +90,23 @@ def _as_bytes(value: torch.Tensor) -> torch.Tensor:
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 
 
+def _check_byte_range(byte_range: ByteRequest | None) -> None:
+    """``TypeError`` for what is not a ``ByteRequest``; ``ValueError`` for negative offsets, which
+    zarr does not define (zarr's stores disagree: Python slicing from the end, or an OSError)."""
+    if byte_range is None:
+        return
+    if isinstance(byte_range, RangeByteRequest):
+        bounds = (byte_range.start, byte_range.end)
+    elif isinstance(byte_range, OffsetByteRequest):
+        bounds = (byte_range.offset,)
+    elif isinstance(byte_range, SuffixByteRequest):
+        bounds = (byte_range.suffix,)
+    else:
+        raise TypeError(f"Unexpected byte_range, got {byte_range!r}")
+    if any(bound < 0 for bound in bounds):
+        raise ValueError(f"byte_range {byte_range!r} has a negative bound; byte offsets and lengths are >= 0")
+
+
 def _byte_slice(size: int, byte_range: ByteRequest | None) -> tuple[int, int]:
     if byte_range is None:
         return 0, size
@@ -239,8 +256,7 @@ class TierZarrStore(Store):
     ) -> Buffer | None:
         """The bytes of ``key`` (or of ``byte_range`` of them), or None if there is no such key."""
         await self._ensure_open()
-        if byte_range is not None and not isinstance(byte_range, RangeByteRequest | OffsetByteRequest | SuffixByteRequest):
-            raise TypeError(f"Unexpected byte_range, got {byte_range!r}")
+        _check_byte_range(byte_range)
         prototype = prototype or default_buffer_prototype()
         try:
             name = self._key(key)
