@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import resource
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -167,3 +168,24 @@ async def test_export_replaces_a_snapshot_when_asked(tmp_path: Path) -> None:
     async with TierStore(tiers(tmp_path, "other")) as fresh:
         await fresh.import_zarr(target)
         assert fresh.keys() == ["b"]
+
+
+async def test_chunk_bomb_is_refused_before_decompressing(tmp_path: Path) -> None:
+    # A 40-byte array whose one stored chunk claims 256 MiB: gzip makes that a ~250 KiB file, and
+    # reading any element decompresses all of it. The store is large enough for the chunk, so only
+    # a check of the chunk against the array's own size refuses it before reading.
+    group = zarr.create_group(tmp_path / "bomb.zarr")
+    group.create_array("a", shape=(10,), chunks=(1 << 26,), dtype="f4", compressors=zarr.codecs.GzipCodec(level=1))
+    packer = zlib.compressobj(1, zlib.DEFLATED, 31)
+    zeros = bytes(1 << 20)
+    (tmp_path / "bomb.zarr" / "a" / "c").mkdir()
+    with open(tmp_path / "bomb.zarr" / "a" / "c" / "0", "wb") as out:
+        for _ in range(256):
+            out.write(packer.compress(zeros))
+        out.write(packer.flush())
+    async with TierStore([HostTier("64MiB"), DiskTier(tmp_path / "disk", "1GiB")]) as store:
+        before = _peak_rss_bytes()
+        with pytest.raises(ValueError, match="chunks"):
+            await store.import_zarr(tmp_path / "bomb.zarr")
+        assert _peak_rss_bytes() - before < 64 << 20
+        assert len(store) == 0

@@ -262,6 +262,13 @@ def _check_room(store: TierStore, plans: list[_Plan]) -> None:
                 f"{plan.key!r} ({format_bytes(plan.nbytes)}, zarr chunks of {format_bytes(chunk)}) does not fit "
                 f"in any tier of the store (the largest holds {format_bytes(largest)}); nothing was imported"
             )
+        # Reading any element decodes a whole chunk: a chunk far larger than its array (a few
+        # compressed bytes declaring gigabytes) would be allocated in full before any put.
+        if chunk > max(CHUNK_BYTES, plan.nbytes):
+            raise ValueError(
+                f"array {plan.key!r} holds {format_bytes(plan.nbytes)} but declares zarr chunks of "
+                f"{format_bytes(chunk)}; reading it would decode a whole chunk; nothing was imported"
+            )
     needed = sum(plan.nbytes for plan in plans)
     if needed > total:
         raise TierFullError(
