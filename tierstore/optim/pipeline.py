@@ -240,9 +240,9 @@ class UpdatePipeline:
 
     async def _write_weights(self, slots: list[ParamSlot], outgoing: list[torch.Tensor | None], after: Any, computed: float, ended: float) -> None:
         report = self._report()
-        if ended - computed > 1e-4:  # weights written into lent parameters, on the math thread
+        if ended - computed > 1e-4:  # weights written into lent parameters, on the math thread (no link crossed)
             report.weights_to_device += ended - computed
-            self._timeline.add(f"weights x{len(slots)}", "weights to device", computed, ended)
+            self._timeline.add(f"weights x{len(slots)}", "weights into parameters", computed, ended)
         transfers: list[tuple[ParamSlot, Transfer]] = []
         errors: list[BaseException] = []
         for slot, weight in zip(slots, outgoing, strict=True):
