@@ -189,3 +189,19 @@ async def test_chunk_bomb_is_refused_before_decompressing(tmp_path: Path) -> Non
             await store.import_zarr(tmp_path / "bomb.zarr")
         assert _peak_rss_bytes() - before < 64 << 20
         assert len(store) == 0
+
+
+async def test_import_counts_the_room_taken_by_keys_already_in_the_store(tmp_path: Path) -> None:
+    group = zarr.create_group(tmp_path / "two.zarr")
+    for i in range(2):
+        group.create_array(f"a{i}", shape=(12 << 10,), dtype="u1")[:] = 1  # 24 KiB in all
+    async with TierStore([HostTier("64KiB")]) as store:
+        await store.put("old", torch.zeros(48 << 10, dtype=torch.uint8))  # 16 KiB left
+        with pytest.raises(TierFullError, match="in all"):
+            await store.import_zarr(tmp_path / "two.zarr")
+        assert store.keys() == ["old"]  # refused whole, not half imported
+        await store.delete("old")
+        await store.put("old", torch.zeros(36 << 10, dtype=torch.uint8))  # 36 + 24 fits; 36 + 8 + 24 would not
+        await store.put("a0", torch.zeros(8 << 10, dtype=torch.uint8))  # replaced by the import: not kept
+        assert await store.import_zarr(tmp_path / "two.zarr") == 2
+        assert sorted(store.keys()) == ["a0", "a1", "old"] and (await store.get("a0") == 1).all()

@@ -270,10 +270,18 @@ def _check_room(store: TierStore, plans: list[_Plan]) -> None:
                 f"{format_bytes(chunk)}; reading it would decode a whole chunk; nothing was imported"
             )
     needed = sum(plan.nbytes for plan in plans)
-    if needed > total:
+    replaced = {plan.key for plan in plans}
+    kept = 0  # keys the import does not replace keep their room
+    for key in store.keys():
+        if key not in replaced:
+            try:
+                kept += int(store.info(key)["nbytes"])
+            except KeyNotFoundError:
+                continue
+    if needed + kept > total:
         raise TierFullError(
-            f"the snapshot holds {format_bytes(needed)}; the store's tiers hold {format_bytes(total)} in all; "
-            "nothing was imported"
+            f"the snapshot holds {format_bytes(needed)}; the store's tiers hold {format_bytes(total)} in all, "
+            f"{format_bytes(kept)} of it taken by keys the import keeps; nothing was imported"
         )
 
 
