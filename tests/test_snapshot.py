@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import resource
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 from typing import Any
@@ -204,3 +206,33 @@ async def test_import_counts_the_room_taken_by_keys_already_in_the_store(tmp_pat
         await store.put("old", torch.zeros(36 << 10, dtype=torch.uint8))  # 36 + 24 KiB fit in 64
         assert await store.import_zarr(tmp_path / "two.zarr") == 2
         assert sorted(store.keys()) == ["a0", "a1", "old"] and (await store.get("a0") == 1).all()
+
+
+_CRASH_ON_SECOND_RENAME = """
+import asyncio, os, sys, torch
+from tierstore import HostTier, TierStore
+real = os.replace
+def replace(src, dst):
+    if ".old-" in os.fspath(dst):
+        real(src, dst)
+        os._exit(3)  # the process dies between moving the old snapshot away and moving the new one in
+    real(src, dst)
+os.replace = replace
+async def main():
+    async with TierStore([HostTier("1MiB")]) as store:
+        await store.put("new", torch.ones(3))
+        await store.export_zarr(sys.argv[1], overwrite=True)
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="folders are swapped in one step only on Linux")
+async def test_export_killed_while_replacing_leaves_a_whole_snapshot_in_place(tmp_path: Path) -> None:
+    target = tmp_path / "snap.zarr"
+    async with TierStore(tiers(tmp_path)) as store:
+        await store.put("kept", torch.arange(5.0))
+        await store.export_zarr(target)
+    subprocess.run([sys.executable, "-c", _CRASH_ON_SECOND_RENAME, str(target)], check=False, timeout=120)
+    async with TierStore(tiers(tmp_path, "other")) as fresh:
+        assert await fresh.import_zarr(target) == 1
+        assert fresh.keys() in (["kept"], ["new"])

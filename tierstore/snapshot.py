@@ -26,10 +26,13 @@ before anything large is allocated and before anything is put.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import errno
 import hashlib
 import math
 import os
 import shutil
+import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -206,8 +209,36 @@ async def _export_one(store: TierStore, group: Any, name: str, key: str, budget:
             await budget.release(taken)
 
 
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the folders ``a`` and ``b`` in one step (Linux ``renameat2``); False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False  # a libc without renameat2 (glibc < 2.28, musl < 1.2.6)
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd = -100
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EPERM):
+        return False  # the file system or kernel cannot exchange: rename in two steps
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
 def _replace(partial: Path, path: Path) -> None:
-    """Put the finished ``partial`` folder at ``path``, replacing what is there."""
+    """Put the finished ``partial`` folder at ``path``, replacing what is there.
+
+    Where the system can swap two folders in one step, ``path`` always holds a whole snapshot,
+    even if the process dies meanwhile; elsewhere the old one is renamed away first, and a crash
+    between the two renames leaves it beside ``path`` under a hidden ``.old-`` name."""
+    if path.is_dir() and _exchange(partial, path):
+        shutil.rmtree(partial, ignore_errors=True)  # now the previous snapshot
+        return
     old = None
     if path.exists():
         old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:12]}"
