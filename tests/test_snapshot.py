@@ -236,3 +236,14 @@ async def test_export_killed_while_replacing_leaves_a_whole_snapshot_in_place(tm
     async with TierStore(tiers(tmp_path, "other")) as fresh:
         assert await fresh.import_zarr(target) == 1
         assert fresh.keys() in (["kept"], ["new"])
+
+
+async def test_overwrite_never_replaces_a_folder_that_is_not_a_zarr_group(tmp_path: Path) -> None:
+    folder = tmp_path / "work"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    async with TierStore(tiers(tmp_path)) as store:
+        await store.put("a", torch.ones(3))
+        with pytest.raises(FileExistsError, match="no zarr group"):
+            await store.export_zarr(folder, overwrite=True)
+    assert (folder / "notes.txt").read_text() == "mine"

@@ -148,13 +148,17 @@ async def export_zarr(store: TierStore, path: str | Path, overwrite: bool = Fals
 
     The group is built in a temporary folder beside ``path`` and renamed into place when
     complete; on failure or cancellation the temporary folder is removed and ``path`` is as it
-    was. ``FileExistsError`` if ``path`` is a non-empty folder and not ``overwrite``.
+    was. ``FileExistsError`` if ``path`` is a non-empty folder and not ``overwrite``, or a
+    non-empty folder without a zarr group at its top (even with ``overwrite``).
     """
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise FileExistsError(f"{path} exists and is not a folder")
     if path.exists() and any(path.iterdir()) and not overwrite:
         raise FileExistsError(f"{path} exists and is not empty; pass overwrite=True to replace it")
+    if path.is_dir() and any(path.iterdir()) and not any((path / name).is_file() for name in ("zarr.json", ".zgroup")):
+        # overwrite replaces a snapshot, never a folder of something else given by mistake
+        raise FileExistsError(f"{path} is a non-empty folder that holds no zarr group; refusing to replace it")
     keys = store.keys()
     names: dict[str, str] = {}
     for key in keys:
