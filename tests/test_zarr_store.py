@@ -6,6 +6,7 @@ import asyncio
 import gc
 import pickle
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -260,3 +261,25 @@ def test_negative_byte_ranges_are_refused(sync_store: SyncTierStore, byte_range:
         adapter.get_sync("k", byte_range=byte_range)
     assert adapter.get_sync("k", byte_range=RangeByteRequest(8, 20)).to_bytes() == b"89"  # past the end: clipped
     assert adapter.get_sync("k", byte_range=OffsetByteRequest(50)).to_bytes() == b""
+
+
+async def test_a_short_blocking_zarr_call_on_the_stores_loop_is_not_taken_for_a_deadlock(tmp_path: Path) -> None:
+    async with TierStore(tiers(tmp_path / "disk")) as store:
+        adapter = TierZarrStore(store)
+        array = await zasync.create_array(adapter, name="a", shape=(4,), dtype="u1")
+        await array.setitem(slice(None), np.ones(4, dtype=np.uint8))
+
+        outcome: list[Any] = []
+
+        def read_soon() -> None:
+            time.sleep(0.05)
+            try:
+                outcome.append(zarr.open_array(adapter, path="a", mode="r")[:])
+            except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
+                outcome.append(exc)
+
+        reader = threading.Thread(target=read_soon)
+        reader.start()  # a thread, not a task: it must run while this loop is blocked
+        zarr.core.sync.sync(asyncio.sleep(0.6))  # this loop blocked a while in zarr, on unrelated work
+        await asyncio.to_thread(reader.join)
+        assert isinstance(outcome[0], np.ndarray) and (outcome[0] == 1).all()  # the read waited: no deadlock

@@ -9,7 +9,8 @@ same loop it is awaited in place; from another loop it is submitted with
 One arrangement cannot work: zarr's *blocking* API called from code running on the store's
 own loop (an async program that opened the store on its loop and then calls ``array[:]``).
 That thread waits for zarr's loop, which waits for the store's loop: a deadlock. It is detected
-(the store's loop thread is found waiting inside ``zarr.core.sync.sync`` while the call stalls)
+(the store's loop thread is found waiting inside one ``zarr.core.sync.sync`` call for
+``DEADLOCK_CONFIRM_S`` while the call stalls)
 and raised as ``LoopDeadlockError`` instead of hanging.
 """
 
@@ -19,7 +20,9 @@ import asyncio
 import concurrent.futures
 import sys
 import threading
+import time
 from collections.abc import Callable, Coroutine
+from types import FrameType
 from typing import Any, TypeVar
 
 import zarr.core.sync
@@ -27,12 +30,14 @@ import zarr.core.sync
 from tierstore.errors import StoreClosedError, TierStoreError
 from tierstore.store import TierStore
 
-__all__ = ["LoopDeadlockError", "STALL_CHECK_S", "block_on_store_loop", "on_store_loop"]
+__all__ = ["DEADLOCK_CONFIRM_S", "LoopDeadlockError", "STALL_CHECK_S", "block_on_store_loop", "on_store_loop"]
 
 T = TypeVar("T")
 
 #: How long a submitted call may wait before the store's loop thread is checked for the deadlock.
 STALL_CHECK_S = 0.2
+#: How long the store's loop thread must stay in one blocking zarr call for a stalled call to raise.
+DEADLOCK_CONFIRM_S = 1.0
 
 
 class LoopDeadlockError(TierStoreError, RuntimeError):
@@ -54,18 +59,18 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return None
 
 
-def _loop_thread_waits_on_zarr(loop: asyncio.AbstractEventLoop) -> bool:
-    """Whether the thread running ``loop`` is inside zarr's blocking ``sync()`` right now."""
+def _zarr_wait_of(loop: asyncio.AbstractEventLoop) -> FrameType | None:
+    """The frame of zarr's blocking ``sync()`` that the thread running ``loop`` is inside, if any."""
     ident = getattr(loop, "_thread_id", None)  # CPython's BaseEventLoop records its thread
     if ident is None:
-        return False
+        return None
     frame = sys._current_frames().get(ident)
     target = zarr.core.sync.sync.__code__
     while frame is not None:
         if frame.f_code is target:
-            return True
+            return frame
         frame = frame.f_back
-    return False
+    return None
 
 
 def _deadlock() -> LoopDeadlockError:
@@ -85,12 +90,19 @@ async def on_store_loop(store: TierStore, factory: Callable[[], Coroutine[Any, A
         raise StoreClosedError("the TierStore's event loop is not running (its thread is idle or gone)")
     future = asyncio.run_coroutine_threadsafe(factory(), loop)
     waiter = asyncio.wrap_future(future)
+    # The loop thread inside sync() may be waiting for something else (a slow read of another
+    # zarr store): only the same sync() call outlasting DEADLOCK_CONFIRM_S is taken as a deadlock.
+    seen: FrameType | None = None
+    since = 0.0
     try:
         while True:
             done, _ = await asyncio.wait({waiter}, timeout=STALL_CHECK_S)
             if done:
                 return waiter.result()
-            if _loop_thread_waits_on_zarr(loop):
+            wait = _zarr_wait_of(loop)
+            if wait is None or wait is not seen:
+                seen, since = wait, time.monotonic()
+            elif time.monotonic() - since >= DEADLOCK_CONFIRM_S:
                 future.cancel()
                 raise _deadlock()
     except asyncio.CancelledError:
