@@ -84,6 +84,8 @@ class Engine:
         self.cpu = WorkerPool(cpu_threads, "cpu")
         self.entries: dict[str, Entry] = {}
         self.versions = itertools.count(1)
+        #: Grows whenever a key appears or disappears (for caches of the key set).
+        self.key_changes = 0
         #: Bytes per tier that demotions under way will free (``tierstore.eviction``).
         self.freeing = [0] * len(self._tiers)
         self.demotions: list[set[asyncio.Task[None]]] = [set() for _ in self._tiers]
@@ -139,6 +141,7 @@ class Engine:
                     newest = record.version
             disk.loaded = {}
         self.versions = itertools.count(newest + 1)
+        self.key_changes += 1  # the keys found on disk
         for name in self.names:
             self.counters.tier(name)
         self.cpu.start()
@@ -538,6 +541,8 @@ class Engine:
     def new_version(self, entry: Entry, keep: Copy | None, meta: TensorMeta | None = None, version: int | None = None) -> None:
         """Give ``entry`` a new value held only by ``keep``: other memory copies are retired; the
         disk copy stays as the durable base until a write-back replaces it."""
+        if entry.version == 0:
+            self.key_changes += 1  # the key appears
         entry.version = version if version is not None else next(self.versions)
         if meta is not None:
             entry.meta = meta
@@ -637,6 +642,8 @@ class Engine:
             del self.entries[entry.key]
         for t, copy in list(entry.copies.items()):
             self.retire(entry, t, copy)
+        if entry.version != 0:
+            self.key_changes += 1  # the key disappears
         entry.version = 0
 
     def _live_entry(self, entry: Entry, meta: TensorMeta) -> Entry:

@@ -165,6 +165,13 @@ class TierStore:
     def on_transfer(self, listener: Callable[[str, int, float, float], None] | None) -> None:
         self._engine.on_transfer = listener
 
+    @property
+    def changes(self) -> int:
+        """A counter that grows whenever a key appears or disappears (not when a value changes):
+        a cache of the key set, such as the zarr adapter's listing index, is current while it
+        has not moved."""
+        return self._engine.key_changes
+
     def __contains__(self, key: object) -> bool:
         self._engine.require_open()
         if not isinstance(key, str) or is_reserved(key):

@@ -4,12 +4,11 @@
 costs its children, not every key of the store. Every adapter over the same store and prefix
 shares one index, changed on the store's loop as their puts and deletes commit.
 
-Keys put or deleted under the prefix through the plain verbs bypass the adapters. A
-``TierStore`` keeps no counter of key-set changes, so before answering a listing the index is
-checked against one pass over ``store.keys()`` (a membership test per key, no sorting); only
-when that pass finds a difference is the sorted list rebuilt. A store that exposes a
-``changes`` counter (an int that grows whenever a key appears or disappears) skips the pass
-while the counter has not moved.
+Keys put or deleted under the prefix through the plain verbs bypass the adapters, so before
+answering a listing the index looks at the store's ``changes`` counter (it grows whenever a key
+appears or disappears): while it has not moved, the index is current and nothing is scanned;
+when it has, one pass over ``store.keys()`` (a membership test per key, no sorting) checks the
+index, and only a difference rebuilds the sorted list.
 """
 
 from __future__ import annotations
