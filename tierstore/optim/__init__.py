@@ -1,9 +1,9 @@
 """Optimizers whose state is paged through a ``TierStore`` in time with the backward pass."""
 
-from .adam import TieredAdam, TieredAdamW
-from .generic import TieredOptimizer
 from ..errors import StepIncompleteError
+from .adam import TieredAdam, TieredAdamW
 from .ddp import attach_ddp
+from .generic import TieredOptimizer
 from .paging import OptimizerCapacityError, PagedOptimizer
 from .reports import MemoryReport, Timeline, TimeReport
 

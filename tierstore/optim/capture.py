@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -32,6 +31,19 @@ from .slots import Capture, ParamSlot
 
 #: What step() saw of one parameter: ``(slot, p.grad, its version, a marker of the link)``.
 Observed = tuple[ParamSlot, "torch.Tensor | None", "int | None", Any]
+
+
+def observe(slots: list[ParamSlot]) -> list[Observed]:
+    """``p.grad`` of every slot as it is now, with its version and a marker of the work queued
+    so far on its link (on the training thread, in ``step()``)."""
+    markers: dict[int, Any] = {}
+    observed = []
+    for slot in slots:
+        grad = slot.param.grad
+        if id(slot.link) not in markers:
+            markers[id(slot.link)] = slot.link.mark()
+        observed.append((slot, grad, grad._version if grad is not None else None, markers[id(slot.link)]))
+    return observed
 
 
 class GradientCapture:

@@ -72,7 +72,7 @@ class _Chained:
         self.slots = slots
 
 
-def _comm_hook(chained, bucket):  # type: ignore[no-untyped-def]  # DDP checks these annotations: none
+def _comm_hook(chained, bucket):  # DDP checks these annotations: none
     """Run the user's hook, then start the copies of the reduced bucket's gradients."""
     buffer = bucket.buffer()
     layout = [

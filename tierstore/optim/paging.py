@@ -26,7 +26,6 @@ gradients are lent and the weights written in place). Subclasses say what the st
 from __future__ import annotations
 
 import asyncio
-import itertools
 import os
 import time
 import warnings
@@ -46,12 +45,13 @@ from ..namespaces import Namespace
 from ..store import TierStore
 from ..sync import SyncTierStore, loop_thread, run
 from ..units import parse_bytes
-from .capture import GradientCapture, Observed
-from .clipping import clip_coefficient, inverse_scale, total_norm
-from .pipeline import OptimizerCapacityError, UpdatePipeline
-from .reports import MemoryReport, Timeline, TimeReport, memory_report
+from .capture import GradientCapture, observe
+from .clipping import inverse_scale
+from .pipeline import OptimizerCapacityError, UpdatePipeline, offloaded, read_weight
+from .reports import MemoryReport, StepWindow, Timeline, TimeReport, memory_report
 from .setup import DEFAULT_DISK_ROOT, bind_store, default_store
-from .slots import Capture, ParamSlot
+from .slots import ParamSlot
+from .steps import StepRunner
 
 #: Optimizers not given a namespace claim the first free ``optim/<n>/``.
 DEFAULT_NAMESPACE_BASE = "optim/"
@@ -161,17 +161,9 @@ class PagedOptimizer(torch.optim.Optimizer):
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.state_tier = state_tier
         self._loop = loop_thread()
-        self.timeline = Timeline()
-        self._last_timeline: list[Any] = []
-        self._report = TimeReport(mode="in-backward" if step_in_backward else "after-backward")
-        self._last_report = TimeReport(mode=self._report.mode)
-        # Loop-owned: arrival order, last step's order, the clipping coefficient of this step.
-        self._arrivals = itertools.count()
-        self._last_order: list[ParamSlot] = []
-        self._coef: torch.Tensor | None = None
-        self._steps = 0
-        self._window_start = time.perf_counter()
-        self._links_at_window: dict[str, tuple[int, float]] = {}
+        self._window = StepWindow("in-backward" if step_in_backward else "after-backward")
+        #: Spans of this step; mark the loop's own work with ``opt.timeline.span("forward")``.
+        self.timeline: Timeline = self._window.timeline
         self._owns_store = store is None
         self._pipeline: UpdatePipeline | None = None
         try:
@@ -181,15 +173,16 @@ class PagedOptimizer(torch.optim.Optimizer):
                 grads = sum(slot.numel * slot.param.element_size() for slot in self._slots if not slot.link.lends)
                 store = default_store(offload, state, grads, disk_root, host_capacity, disk_capacity)
             self.store: TierStore = bind_store(store, self._loop, state_tier)
-            self.store.on_transfer = self._on_transfer
+            self.store.on_transfer = self._window.on_transfer
             self.namespace = run(self._claim(namespace, overwrite))
             for slot in self._slots:
                 slot.key = self.namespace.key(str(slot.index))
-            self._pipeline = UpdatePipeline(self.store, state_tier, self, report=lambda: self._report, timeline=self.timeline)
+            self._pipeline = UpdatePipeline(self.store, state_tier, self, report=lambda: self._window.report, timeline=self.timeline)
             self._pipeline.plan(self._slots, parse_bytes(bucket_bytes) if bucket_bytes is not None else 0, max_inflight, step_in_backward)
-            self._capture = GradientCapture(
+            self._runner = StepRunner(self._slots, self.store, self._pipeline, max_grad_norm=max_grad_norm, in_backward=step_in_backward)
+            self._capture = self._runner.capture = GradientCapture(
                 self.store, state_tier, self._loop, hint=gradient_accumulation_steps, in_backward=step_in_backward,
-                arrived=self._arrived, report=lambda: self._report, timeline=self.timeline,
+                arrived=self._runner.arrived, report=lambda: self._window.report, timeline=self.timeline,
             )
             run(self._adopt())
         except BaseException:
@@ -218,7 +211,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         for param in self.param_groups[group]["params"]:
             if param.is_complex():
                 raise TypeError("complex parameters are not supported by the tiered optimizers")
-            offload = _offloaded(param)
+            offload = offloaded(param)
             shape = offload[0].shape_of(offload[1]) if offload is not None else param.shape
             index = len(self._slots)
             slot = ParamSlot(
@@ -247,17 +240,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         named namespace). Subclasses that can adopt state override it."""
 
     async def _weight(self, slot: ParamSlot) -> torch.Tensor:
-        """The parameter's current value in host memory (across its link, or from its store if
-        it is offloaded)."""
-        offload = _offloaded(slot.param)
-        if offload is not None:
-            return await offload[0].read_weight(offload[1])
-        data = slot.param.detach()
-        if slot.link.lends:
-            return data
-        host = torch.empty(data.shape, dtype=data.dtype)
-        await slot.link.to_host(host, data.contiguous())
-        return host
+        """The parameter's current value in host memory."""
+        return await read_weight(slot)
 
     def _groups_for_saving(self) -> list[dict[str, Any]]:
         """``param_groups`` as torch saves them: hyperparameters, and parameter indices."""
@@ -297,36 +281,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             grads = [grad.mul(inverse) for grad in grads]
         return [self._apply(slot, state, grad, self.param_groups[slot.group]) for slot, state, grad in zip(slots, states, grads, strict=True)]
 
-    # -- gradients arrive (the loop) ---------------------------------------------------------------
-
-    async def _arrived(self, slot: ParamSlot, capture: Capture) -> None:
-        """A hook's capture is on the host: prefetch, norm ahead, update in backward."""
-        slot.arrival = next(self._arrivals)
-        await self._pipeline.prefetch_first(self._last_order)  # type: ignore[union-attr]
-        if self.max_grad_norm is not None and slot.capture is capture:
-            capture.norm = await self._norm(slot, capture, 2.0)
-        if self.step_in_backward and slot.capture is capture:
-            slot.used = capture
-            self._pipeline.add(slot, None, after=capture.marker)  # type: ignore[union-attr]
-
-    async def _norm(self, slot: ParamSlot, capture: Capture, norm_type: float, inverse: torch.Tensor | None = None) -> torch.Tensor:
-        """The norm of the captured gradient (unscaled by ``inverse`` first, if given)."""
-        async with self._pipeline.grad(slot, capture) as grad:  # type: ignore[union-attr]
-            return await self._pipeline.math(partial(_norm, grad, norm_type, inverse))  # type: ignore[union-attr]
-
     # -- the step ----------------------------------------------------------------------------------
-
-    def _observe(self) -> list[Observed]:
-        """``p.grad`` of every parameter as it is now (training thread), with a marker of the
-        work queued so far on each link."""
-        markers: dict[int, Any] = {}
-        observed = []
-        for slot in self._slots:
-            grad = slot.param.grad
-            if id(slot.link) not in markers:
-                markers[id(slot.link)] = slot.link.mark()
-            observed.append((slot, grad, grad._version if grad is not None else None, markers[id(slot.link)]))
-        return observed
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Update every parameter whose ``p.grad`` is not None, with ``p.grad`` as it is now.
@@ -339,7 +294,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         scaling = None
         if getattr(self, "found_inf", None) is not None:  # inside GradScaler.step
             scaling = (getattr(self, "grad_scale", None), bool(self.found_inf.item()))  # type: ignore[attr-defined]
-        finishing = asyncio.run_coroutine_threadsafe(self._finish_step(self._observe(), scaling), self._loop)
+        finishing = asyncio.run_coroutine_threadsafe(self._runner.finish(observe(self._slots), scaling), self._loop)
         try:
             self._pipeline.drain_until(finishing)  # type: ignore[union-attr]
             finishing.result()
@@ -356,107 +311,6 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._close_window(ended)
         return loss
 
-    async def _finish_step(self, observed: list[Observed], scaling: tuple[torch.Tensor | None, bool] | None) -> None:
-        pipeline = self._pipeline
-        if pipeline is None:
-            raise RuntimeError("the optimizer was not fully constructed")
-        pipeline.in_step = True
-        try:
-            await self._run_step(pipeline, observed, scaling)
-        finally:
-            pipeline.in_step = False
-            pipeline.scale = None
-
-    async def _run_step(self, pipeline: UpdatePipeline, observed: list[Observed], scaling: tuple[torch.Tensor | None, bool] | None) -> None:
-        await self._captures_settled()  # their arrival may start an update in backward
-        stale = False
-        if scaling is not None:  # GradScaler
-            if self.step_in_backward:
-                await self._end_step()
-                raise RuntimeError(
-                    "GradScaler cannot be used with step_in_backward=True: the updates ran during backward on scaled "
-                    "gradients; use the default step_in_backward=False"
-                )
-            if scaling[1]:  # an inf or NaN: the step is skipped, as torch's fused Adam skips it
-                await self._end_step()
-                return
-            # scaler.unscale_() ran: it changed every p.grad in place without moving versions.
-            stale = scaling[0] is None
-            pipeline.scale = scaling[0]
-        changed: list[int] = []  # updated in backward, then p.grad changed
-        pending: list[Observed] = []
-        for item in observed:
-            slot = item[0]
-            if slot.used is not None:  # its update started in backward
-                if not slot.used.matches(item[1], item[2]):
-                    changed.append(slot.index)
-            elif not slot.updated:
-                pending.append(item)
-        settled = await asyncio.gather(*(self._capture.settle(item, stale=stale) for item in pending), return_exceptions=True)
-        failures: list[tuple[list[ParamSlot], BaseException]] = []
-        ready = [slot for slot in self._slots if slot.updated and not slot.written]  # an earlier attempt's
-        for item, result in zip(pending, settled, strict=True):
-            if isinstance(result, BaseException):
-                failures.append(([item[0]], result))
-            elif result is not None:
-                ready.append(item[0])
-        coef = self._coef
-        if coef is None and self.max_grad_norm is not None and not failures:
-            captured = [(slot, slot.capture) for slot in self._slots if slot in ready and slot.capture is not None]
-            norm_of = self._norm if pipeline.scale is None else partial(self._norm, inverse=inverse_scale(pipeline.scale))
-            total = await total_norm(captured, norm_of, 2.0, ahead=pipeline.scale is None)  # type: ignore[arg-type]
-            coef = self._coef = clip_coefficient(self.max_grad_norm, total)
-        if not failures or self.max_grad_norm is None:
-            pipeline.launch(None)  # the open bucket of updates in backward
-            for slot in sorted(ready, key=lambda s: s.arrival):
-                pipeline.add(slot, coef, after=observed[slot.index][3])
-            pipeline.launch(coef)
-        failures += await pipeline.finish()
-        if changed:
-            await self._end_step()
-            raise RuntimeError(
-                f"step_in_backward=True: parameters {changed} were updated during backward from p.grad as backward left it, "
-                "but p.grad changed before step() (replaced, set to None, or changed in place: clipping, unscaling, DDP "
-                "averaging without tierstore.optim.attach_ddp); those changes cannot be applied. Use step_in_backward=False "
-                "when the loop changes gradients after backward"
-            )
-        if failures:
-            for bucket, _ in failures:
-                for slot in bucket:
-                    if not slot.updated:
-                        slot.used = None  # not updated: step() again updates it from p.grad as it is then
-            raise self._incomplete(failures)
-        self._last_order = sorted((s for s in self._slots if s.updated), key=lambda s: s.arrival)
-        self.store.mark_step()
-        self._steps += 1
-        await self._end_step()
-
-    async def _captures_settled(self) -> None:
-        """Wait for the captures still moving (errors are theirs to report, at settle)."""
-        tasks = [s.capture.task for s in self._slots if s.capture is not None and s.capture.task is not None]
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-    def _incomplete(self, failures: list[tuple[list[ParamSlot], BaseException]]) -> StepIncompleteError:
-        updated = [slot.index for slot in self._slots if slot.updated and slot.written]
-        failed = sorted({slot.index for bucket, _ in failures for slot in bucket if not (slot.updated and slot.written)})
-        cause = failures[0][1]
-        error = StepIncompleteError(
-            f"step() did not finish: parameters {updated} were updated, {failed} were not ({type(cause).__name__}: {cause}); "
-            "call step() again to complete this step (updates already applied are not repeated), or zero_grad() to abandon it",
-            updated, failed,
-        )
-        error.__cause__ = cause
-        return error
-
-    async def _end_step(self) -> None:
-        """Forget this step's gradients (and their host copies) and progress."""
-        await self._captures_settled()  # (an arrival may still add to a bucket)
-        await self._pipeline.finish(drop_open=True)  # type: ignore[union-attr]
-        for slot in self._slots:
-            await self._capture.discard(slot)
-            slot.reset_step()
-        self._coef = None
-
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip this step's gradients to a global norm, like ``torch.nn.utils.clip_grad_norm_``
         on the model's parameters; call it between backward and ``step()``. Returns the total
@@ -465,15 +319,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         if self.step_in_backward:
             raise RuntimeError("with step_in_backward=True the updates already ran during backward; clipping is not possible")
         started = time.perf_counter()
-        total = run(self._clip_now(self._observe(), float(max_norm), float(norm_type)))
+        total = run(self._runner.clip(observe(self._slots), float(max_norm), float(norm_type)))
         self._report.stall += time.perf_counter() - started
-        return total
-
-    async def _clip_now(self, observed: list[Observed], max_norm: float, norm_type: float) -> torch.Tensor:
-        captures = await asyncio.gather(*(self._capture.settle(item) for item in observed))
-        captured = [(item[0], capture) for item, capture in zip(observed, captures, strict=True) if capture is not None]
-        total = await total_norm(captured, self._norm, norm_type)
-        self._coef = clip_coefficient(max_norm, total)
         return total
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -481,51 +328,32 @@ class PagedOptimizer(torch.optim.Optimizer):
         (a step left incomplete by an error is abandoned: its updates so far stay)."""
         super().zero_grad(set_to_none)
         self._capture.new_step()
-        run(self._end_step())
+        run(self._runner.end())
 
     # -- reports ---------------------------------------------------------------------------------
 
-    def _on_transfer(self, link: str, nbytes: int, start: float, end: float) -> None:
-        self.timeline.add(f"{nbytes:,} B", link, start, end, bytes=nbytes)
+    @property
+    def _report(self) -> TimeReport:
+        return self._window.report
 
     def _close_window(self, now: float) -> None:
-        report = self._report
-        links = self.store.counters.links
-        for name, stats in links.items():
-            before_bytes, before_seconds = self._links_at_window.get(name, (0, 0.0))
-            if name.startswith("disk->"):
-                report.disk_read += stats.seconds - before_seconds
-                report.disk_read_bytes += stats.nbytes - before_bytes
-            elif name.endswith("->disk"):
-                report.disk_write += stats.seconds - before_seconds
-                report.disk_write_bytes += stats.nbytes - before_bytes
-        self._links_at_window = {name: (s.nbytes, s.seconds) for name, s in links.items()}
-        report.step = self._steps
-        report.step_wall = now - self._window_start
-        self._last_report, self._report = report, TimeReport(mode=report.mode)
-        self._last_timeline = self.timeline.events()
-        self.timeline.clear()
-        self._window_start = now
+        self._window.close(now, self._runner.steps, self.store.counters.links)
 
     def time_report(self) -> TimeReport:
         """Where the last step's time went (from the end of the step before to the end of it)."""
-        return self._last_report
+        return self._window.last
 
     def last_timeline(self) -> list[tuple[str, str, float, float, dict[str, Any]]]:
         """The spans of the last step: ``(name, track, start, end, args)``."""
-        return list(self._last_timeline)
+        return list(self._window.last_events)
 
     def write_timeline(self, path: str | os.PathLike[str]) -> None:
         """Write the last step as a Chrome trace (open in Perfetto or chrome://tracing)."""
-        timeline = Timeline()
-        timeline._origin = self.timeline._origin
-        for name, track, start, end, args in self._last_timeline:
-            timeline.add(name, track, start, end, **args)
-        timeline.write(Path(path))
+        self._window.write(Path(path))
 
     def memory_report(self) -> MemoryReport:
         """Bytes per parameter and totals: weights and grads on the device, state by tier."""
-        return run(memory_report(self.store, self._slots, self._state_bytes, _offloaded))
+        return run(memory_report(self.store, self._slots, self._state_bytes, offloaded))
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -556,16 +384,6 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError(f"{type(self).__name__} cannot be pickled; save opt.state_dict() instead")
-
-
-def _norm(grad: torch.Tensor, norm_type: float, inverse: torch.Tensor | None) -> torch.Tensor:
-    return torch.linalg.vector_norm(grad if inverse is None else grad.mul(inverse), norm_type)
-
-
-def _offloaded(param: torch.Tensor) -> Any:
-    from ..swap.parameters import offloaded
-
-    return offloaded(param)
 
 
 def _hook(optimizer: weakref.ref[PagedOptimizer], slot: ParamSlot, param: torch.Tensor) -> None:

@@ -229,7 +229,7 @@ class UpdatePipeline:
         outgoing: list[torch.Tensor | None] = []
         for slot, master in zip(slots, masters, strict=True):
             weight = master.view(slot.shape)
-            if slot.written or _offloaded(slot.param) is not None:
+            if slot.written or offloaded(slot.param) is not None:
                 outgoing.append(weight)
             elif slot.link.lends:  # the parameter lives in host memory
                 slot.param.data.copy_(weight)
@@ -248,7 +248,7 @@ class UpdatePipeline:
         for slot, weight in zip(slots, outgoing, strict=True):
             if slot.written:
                 continue
-            offload = _offloaded(slot.param)
+            offload = offloaded(slot.param)
             if weight is None:
                 slot.written = True
             elif offload is not None:  # the weight lives in a store (offload_parameters)
@@ -278,10 +278,25 @@ class UpdatePipeline:
         self._compute.shutdown()
 
 
-def _offloaded(param: torch.Tensor) -> Any:
-    from ..swap.parameters import offloaded
+async def read_weight(slot: ParamSlot) -> torch.Tensor:
+    """The parameter's current value in host memory: across its link, or from its store if it
+    is offloaded (``offload_parameters``); the parameter itself where the link lends."""
+    offload = offloaded(slot.param)
+    if offload is not None:
+        return await offload[0].read_weight(offload[1])
+    data = slot.param.detach()
+    if slot.link.lends:
+        return data
+    host = torch.empty(data.shape, dtype=data.dtype)
+    await slot.link.to_host(host, data.contiguous())
+    return host
 
-    return offloaded(param)
+
+def offloaded(param: torch.Tensor) -> Any:
+    """``(offloader, key)`` if ``param``'s weight lives in a store (``offload_parameters``)."""
+    from ..swap import parameters
+
+    return parameters.offloaded(param)
 
 
 async def _enter_all(stack: AsyncExitStack, managers: list[AbstractAsyncContextManager[Any]]) -> list[Any]:

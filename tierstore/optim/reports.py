@@ -187,3 +187,47 @@ class Timeline:
 def _track_order(track: str) -> tuple[int, str]:
     order = ["compute", "train loop", "host update"]
     return (order.index(track) if track in order else len(order), track)
+
+
+class StepWindow:
+    """The reports of one step at a time: ``report`` and ``timeline`` fill up from the end of the
+    last step to the end of this one (``close``), when they become ``last``/``last_events``."""
+
+    def __init__(self, mode: str) -> None:
+        self.timeline = Timeline()
+        self.report = TimeReport(mode=mode)
+        self.last = TimeReport(mode=mode)
+        self.last_events: list[tuple[str, str, float, float, dict[str, Any]]] = []
+        self._start = time.perf_counter()
+        self._links: dict[str, tuple[int, float]] = {}
+
+    def on_transfer(self, link: str, nbytes: int, start: float, end: float) -> None:
+        """A store's transfer between tiers (``TierStore.on_transfer``)."""
+        self.timeline.add(f"{nbytes:,} B", link, start, end, bytes=nbytes)
+
+    def close(self, now: float, step: int, links: dict[str, Any]) -> None:
+        """End the window: disk figures from the store's link counters ``links``."""
+        report = self.report
+        for name, stats in links.items():
+            before_bytes, before_seconds = self._links.get(name, (0, 0.0))
+            if name.startswith("disk->"):
+                report.disk_read += stats.seconds - before_seconds
+                report.disk_read_bytes += stats.nbytes - before_bytes
+            elif name.endswith("->disk"):
+                report.disk_write += stats.seconds - before_seconds
+                report.disk_write_bytes += stats.nbytes - before_bytes
+        self._links = {name: (s.nbytes, s.seconds) for name, s in links.items()}
+        report.step = step
+        report.step_wall = now - self._start
+        self.last, self.report = report, TimeReport(mode=report.mode)
+        self.last_events = self.timeline.events()
+        self.timeline.clear()
+        self._start = now
+
+    def write(self, path: str | Path) -> None:
+        """Write the last step as a Chrome trace."""
+        timeline = Timeline()
+        timeline._origin = self.timeline._origin
+        for name, track, start, end, args in self.last_events:
+            timeline.add(name, track, start, end, **args)
+        timeline.write(Path(path))

@@ -1,0 +1,168 @@
+"""One optimizer step, on the store's loop: the gradients that arrive during backward, then what
+``step()`` does with ``p.grad`` as it found it (settle each capture, clip, run the buckets), and
+the per-slot progress that lets a step that failed part-way be completed by ``step()`` again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from functools import partial
+
+import torch
+
+from ..errors import StepIncompleteError
+from ..store import TierStore
+from .capture import GradientCapture, Observed
+from .clipping import clip_coefficient, inverse_scale, total_norm
+from .pipeline import UpdatePipeline
+from .slots import Capture, ParamSlot
+
+#: GradScaler's ``(grad_scale, found an inf)`` when ``step()`` runs inside ``GradScaler.step``.
+Scaling = tuple["torch.Tensor | None", bool]
+
+
+class StepRunner:
+    """The loop's side of the step for ``slots`` (see the module docstring). Everything here
+    runs on the loop; ``capture`` is set once the optimizer made it."""
+
+    def __init__(
+        self, slots: list[ParamSlot], store: TierStore, pipeline: UpdatePipeline, *, max_grad_norm: float | None, in_backward: bool
+    ) -> None:
+        self._slots = slots
+        self._store = store
+        self._pipeline = pipeline
+        self.max_grad_norm = max_grad_norm
+        self._in_backward = in_backward
+        self.capture: GradientCapture
+        self._arrivals = itertools.count()
+        #: The order gradients arrived in last step: this step's updates and prefetches follow it.
+        self.last_order: list[ParamSlot] = []
+        #: This step's clipping coefficient (kept across a failed attempt: the norm was of all gradients).
+        self.coef: torch.Tensor | None = None
+        self.steps = 0
+
+    async def arrived(self, slot: ParamSlot, capture: Capture) -> None:
+        """A hook's capture is on the host: prefetch, norm ahead, update in backward."""
+        slot.arrival = next(self._arrivals)
+        await self._pipeline.prefetch_first(self.last_order)
+        if self.max_grad_norm is not None and slot.capture is capture:
+            capture.norm = await self.norm(slot, capture, 2.0)
+        if self._in_backward and slot.capture is capture:
+            slot.used = capture
+            self._pipeline.add(slot, None, after=capture.marker)
+
+    async def norm(self, slot: ParamSlot, capture: Capture, norm_type: float, inverse: torch.Tensor | None = None) -> torch.Tensor:
+        """The norm of the captured gradient (unscaled by ``inverse`` first, if given)."""
+        async with self._pipeline.grad(slot, capture) as grad:
+            return await self._pipeline.math(partial(_norm, grad, norm_type, inverse))
+
+    async def finish(self, observed: list[Observed], scaling: Scaling | None) -> None:
+        pipeline = self._pipeline
+        pipeline.in_step = True
+        try:
+            await self._run(pipeline, observed, scaling)
+        finally:
+            pipeline.in_step = False
+            pipeline.scale = None
+
+    async def _run(self, pipeline: UpdatePipeline, observed: list[Observed], scaling: Scaling | None) -> None:
+        await self._captures_settled()  # their arrival may start an update in backward
+        stale = False
+        if scaling is not None:  # GradScaler
+            if self._in_backward:
+                await self.end()
+                raise RuntimeError(
+                    "GradScaler cannot be used with step_in_backward=True: the updates ran during backward on scaled "
+                    "gradients; use the default step_in_backward=False"
+                )
+            if scaling[1]:  # an inf or NaN: the step is skipped, as torch's fused Adam skips it
+                await self.end()
+                return
+            # scaler.unscale_() ran: it changed every p.grad in place without moving versions.
+            stale = scaling[0] is None
+            pipeline.scale = scaling[0]
+        changed: list[int] = []  # updated in backward, then p.grad changed
+        pending: list[Observed] = []
+        for item in observed:
+            slot = item[0]
+            if slot.used is not None:  # its update started in backward
+                if not slot.used.matches(item[1], item[2]):
+                    changed.append(slot.index)
+            elif not slot.updated:
+                pending.append(item)
+        settled = await asyncio.gather(*(self.capture.settle(item, stale=stale) for item in pending), return_exceptions=True)
+        failures: list[tuple[list[ParamSlot], BaseException]] = []
+        ready = [slot for slot in self._slots if slot.updated and not slot.written]  # an earlier attempt's
+        for item, result in zip(pending, settled, strict=True):
+            if isinstance(result, BaseException):
+                failures.append(([item[0]], result))
+            elif result is not None:
+                ready.append(item[0])
+        coef = self.coef
+        if coef is None and self.max_grad_norm is not None and not failures:
+            captured = [(slot, slot.capture) for slot in self._slots if slot in ready and slot.capture is not None]
+            norm_of = self.norm if pipeline.scale is None else partial(self.norm, inverse=inverse_scale(pipeline.scale))
+            total = await total_norm(captured, norm_of, 2.0, ahead=pipeline.scale is None)
+            coef = self.coef = clip_coefficient(self.max_grad_norm, total)
+        if not failures or self.max_grad_norm is None:
+            pipeline.launch(None)  # the open bucket of updates in backward
+            for slot in sorted(ready, key=lambda s: s.arrival):
+                pipeline.add(slot, coef, after=observed[slot.index][3])
+            pipeline.launch(coef)
+        failures += await pipeline.finish()
+        if changed:
+            await self.end()
+            raise RuntimeError(
+                f"step_in_backward=True: parameters {changed} were updated during backward from p.grad as backward left it, "
+                "but p.grad changed before step() (replaced, set to None, or changed in place: clipping, unscaling, DDP "
+                "averaging without tierstore.optim.attach_ddp); those changes cannot be applied. Use step_in_backward=False "
+                "when the loop changes gradients after backward"
+            )
+        if failures:
+            for bucket, _ in failures:
+                for slot in bucket:
+                    if not slot.updated:
+                        slot.used = None  # not updated: step() again updates it from p.grad as it is then
+            raise self._incomplete(failures)
+        self.last_order = sorted((s for s in self._slots if s.updated), key=lambda s: s.arrival)
+        self._store.mark_step()
+        self.steps += 1
+        await self.end()
+
+    async def _captures_settled(self) -> None:
+        """Wait for the captures still moving (errors are theirs to report, at settle)."""
+        tasks = [s.capture.task for s in self._slots if s.capture is not None and s.capture.task is not None]
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _incomplete(self, failures: list[tuple[list[ParamSlot], BaseException]]) -> StepIncompleteError:
+        updated = [slot.index for slot in self._slots if slot.updated and slot.written]
+        failed = sorted({slot.index for bucket, _ in failures for slot in bucket if not (slot.updated and slot.written)})
+        cause = failures[0][1]
+        error = StepIncompleteError(
+            f"step() did not finish: parameters {updated} were updated, {failed} were not ({type(cause).__name__}: {cause}); "
+            "call step() again to complete this step (updates already applied are not repeated), or zero_grad() to abandon it",
+            updated, failed,
+        )
+        error.__cause__ = cause
+        return error
+
+    async def end(self) -> None:
+        """Forget this step's gradients (and their host copies) and progress."""
+        await self._captures_settled()  # (an arrival may still add to a bucket)
+        await self._pipeline.finish(drop_open=True)
+        for slot in self._slots:
+            await self.capture.discard(slot)
+            slot.reset_step()
+        self.coef = None
+
+    async def clip(self, observed: list[Observed], max_norm: float, norm_type: float) -> torch.Tensor:
+        captures = await asyncio.gather(*(self.capture.settle(item) for item in observed))
+        captured = [(item[0], capture) for item, capture in zip(observed, captures, strict=True) if capture is not None]
+        total = await total_norm(captured, self.norm, norm_type)
+        self.coef = clip_coefficient(max_norm, total)
+        return total
+
+
+def _norm(grad: torch.Tensor, norm_type: float, inverse: torch.Tensor | None) -> torch.Tensor:
+    return torch.linalg.vector_norm(grad if inverse is None else grad.mul(inverse), norm_type)
