@@ -5,7 +5,6 @@ and on the emulated device (gradients copied over a link when their hook fires, 
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable
 from pathlib import Path
