@@ -3,7 +3,10 @@
 Each direction has a copy thread (a GPU's copy engine): copies run one after another in the
 order they were started, each a real memcpy of the bytes as they are when the copy runs (not
 when it was asked for, as on a GPU stream), stretched to the link's bandwidth and latency when
-those are set. Work on the CPU is synchronous, so a caller's ``mark()`` is always complete; a
+those are set. The pace is kept on a virtual clock (each copy ends ``spec.seconds(nbytes)`` after
+the previous one ended or it started, whichever is later), so the link's throughput is exact
+even where the operating system cannot sleep as briefly as one small copy takes. Work on the
+CPU is synchronous, so a caller's ``mark()`` is always complete; a
 copy ``after`` another ``Transfer`` waits for it (ordering across the two directions).
 """
 
@@ -20,6 +23,11 @@ import torch
 from .link import TO_DEVICE, TO_HOST, Link
 from .spec import LinkSpec
 from .transfer import Transfer
+
+
+#: Below this, a copy does not sleep off what it owes the link's pace but leaves it to the copies
+#: queued after it (a sleep this short overshoots by more than it lasts).
+_MIN_SLEEP = 5e-4
 
 
 class EmulatedLink(Link):
@@ -47,6 +55,7 @@ class _CopyStream:
 
     def __init__(self, name: str, spec: LinkSpec) -> None:
         self._spec = spec
+        self._free_at = 0.0  # when the link finishes what it was given, on the virtual clock
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -69,12 +78,13 @@ class _CopyStream:
             try:
                 if isinstance(after, Transfer):
                     after.wait()
-                transfer.started = time.perf_counter()
+                transfer.started = started = time.perf_counter()
                 if transfer.nbytes:
                     np.copyto(dst.numpy(), src.numpy())
-                pause = self._spec.seconds(transfer.nbytes) - (time.perf_counter() - transfer.started)
-                if pause > 0:
-                    time.sleep(pause)
+                self._free_at = max(self._free_at, started) + self._spec.seconds(transfer.nbytes)
+                pause = self._free_at - time.perf_counter()
+                if pause > _MIN_SLEEP or (pause > 0 and self._queue.empty()):
+                    time.sleep(pause)  # shorter debts carry over to the next copy: sleep overshoots
             except BaseException as exc:  # noqa: BLE001 - handed to whoever awaits the transfer
                 transfer.finish(exc)
             else:
