@@ -538,3 +538,27 @@ def test_oracle_general_writer_refuses_sizes_over_32_bits(tmp_path: Path) -> Non
     trace = Trace.from_accesses(["a", "b"], [5 << 30, 10])  # 5 GiB would wrap to 1 GiB
     with pytest.raises(TraceError, match="32-bit size"):
         save_oracle_general(trace, tmp_path / "t.oracleGeneral.bin")
+
+
+class _Forgetful:
+    """A broken custom policy: LRU for two victims, then it names none, or a key it never saw."""
+
+    name = "forgetful"
+
+    def __init__(self, wrong: object = None) -> None:
+        self.lru, self.wrong, self.calls = LRU(), wrong, 0
+        self.on_insert, self.on_hit, self.on_remove, self.reset = self.lru.on_insert, self.lru.on_hit, self.lru.on_remove, self.lru.reset
+
+    def victim(self, evictable=None):
+        self.calls += 1
+        return self.lru.victim(evictable) if self.calls < 3 else self.wrong
+
+
+@pytest.mark.parametrize("wrong", [None, 10**9])
+@pytest.mark.parametrize("capacities", [{"host": 300}, {"host": 300, "ssd": 600}])
+def test_a_policy_that_names_no_victim_is_reported(wrong: object, capacities: dict[str, int]) -> None:
+    from tierstore.sim import PolicyError
+
+    trace = Trace.from_accesses([str(i % 20) for i in range(100)], [100] * 100)
+    with pytest.raises(PolicyError, match="'forgetful' named .* tier 'host'"):
+        simulate(trace, capacities, lambda: _Forgetful(wrong))

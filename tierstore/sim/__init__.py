@@ -21,7 +21,7 @@ from typing import Any
 
 from .generators import loop_trace, optimizer_trace, scan_trace, zipf_trace
 from .links import LinkModel
-from .simulator import PrefetchStats, SimResult, simulate
+from .simulator import PolicyError, PrefetchStats, SimResult, simulate
 from .trace import Trace, load_evictions, load_oracle_general, load_trace, save_oracle_general
 
 _REPLAY = ("NextUse", "ReplayResult", "replay_store_trace")  # imported on use: they need torch
@@ -37,6 +37,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "LinkModel",
     "NextUse",
+    "PolicyError",
     "PrefetchStats",
     "ReplayResult",
     "SimResult",

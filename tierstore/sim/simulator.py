@@ -206,6 +206,18 @@ def make_eviction_policy(eviction: str | Callable[[], Any], oracle: Callable[[An
     return policy
 
 
+class PolicyError(RuntimeError):
+    """An eviction policy broke the protocol: it named no victim, or a key it does not track,
+    while the tier needed room (the simulator excludes no key, so one must go)."""
+
+
+def _no_victim(policy: Any, victim: Any, tier: str, used: int, size: int, capacity: int) -> str:
+    name = getattr(policy, "name", type(policy).__name__)
+    what = "no victim (None)" if victim is None else f"victim {victim!r}, which is not resident"
+    return (f"eviction policy {name!r} named {what} while tier {tier!r} holds {used} of {capacity} bytes and "
+            f"needs {size} more; victim() must forget and return a key given to on_insert and not removed since")
+
+
 def _one_size_per_key(trace: Trace) -> bool:
     last = np.zeros(len(trace.keys), dtype=np.int64)
     last[trace.ids] = trace.sizes
@@ -248,7 +260,10 @@ def _run_single(trace: Trace, tier: _Tier, oracle: _Oracle, links: LinkModel, re
             continue
         while used + size > capacity:
             gone = victim()
-            used -= resident.pop(gone)
+            freed = resident.pop(gone, None)
+            if freed is None:
+                raise PolicyError(_no_victim(policy, gone, tier.name, used, size, capacity))
+            used -= freed
         resident[key] = size
         used += size
         on_insert(key, size)
@@ -394,11 +409,9 @@ class _Replay:
             return False
         while tier.used + size > tier.capacity:
             victim = tier.policy.victim()
-            if victim is None:
-                return False
             gone = tier.resident.pop(victim, None)
             if gone is None:
-                continue
+                raise PolicyError(_no_victim(tier.policy, victim, tier.name, tier.used, size, tier.capacity))
             tier.used -= gone
             if self.ready.pop((t, victim), None) is not None:
                 self.stats[t].unused += 1
