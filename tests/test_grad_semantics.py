@@ -145,6 +145,44 @@ def test_grad_scaler_unscale_then_clip(device_mode: str) -> None:
             torch.testing.assert_close(x, y, rtol=0, atol=0)
 
 
+def test_grad_scaler_unscale_then_our_clip_grad_norm(device_mode: str) -> None:
+    # opt.clip_grad_norm_ after scaler.unscale_: the norm is of the unscaled p.grad (the host
+    # copies are stale in a way no version counter shows), as torch's clip_grad_norm_ computes it
+    reference, model = make_model(), make_model()
+    opt = ours(model, True)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    data = torch.randn(STEPS, 4, 16, generator=torch.Generator().manual_seed(1))
+    for net, o in ((reference, ref_opt), (model, opt)):
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+        for step in range(STEPS):
+            o.zero_grad()
+            scaler.scale(net(data[step]).pow(2).mean()).backward()
+            scaler.unscale_(o)
+            if o is opt:
+                total = opt.clip_grad_norm_(0.05)
+            else:
+                total = torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
+            assert torch.isfinite(total)
+            scaler.step(o)
+            scaler.update()
+    for x, y in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    opt.close()
+
+
+def test_a_gradient_that_is_not_contiguous(device_mode: str) -> None:
+    # a gradient laid out otherwise than its parameter (as a framework may leave it) counts too
+    def transpose_layout(model: torch.nn.Module, step: int) -> None:
+        grad = model[0].weight.grad
+        model[0].weight.grad = grad.t().contiguous().t()  # same values, column-major strides
+
+    # (for-loop kernel: torch's fused CPU kernel reads such a gradient in memory order, not as
+    # the tensor it is -- a torch quirk we do not copy; ours takes the gradient's values)
+    opt = compare(transpose_layout, False)
+    assert not opt.param_groups[0]["params"][0].grad.is_contiguous()
+    opt.close()
+
+
 def test_max_grad_norm_with_grad_scaler_unscales_first() -> None:
     # scaler.step hands us the scale; the norm is of the unscaled gradients, as
     # scaler.unscale_ + clip_grad_norm_ + scaler.step computes it

@@ -29,8 +29,9 @@ from ..store import TierStore
 from .reports import Timeline, TimeReport
 from .slots import Capture, ParamSlot
 
-#: What step() saw of one parameter: ``(slot, p.grad, its version, a marker of the link)``.
-Observed = tuple[ParamSlot, "torch.Tensor | None", "int | None", Any]
+#: What step() saw of one parameter: ``(slot, p.grad, its version, a marker of the link, the
+#: tensor to copy if it must be copied: p.grad, or a contiguous copy of it made on the device)``.
+Observed = tuple[ParamSlot, "torch.Tensor | None", "int | None", Any, "torch.Tensor | None"]
 
 
 def observe(slots: list[ParamSlot]) -> list[Observed]:
@@ -40,10 +41,15 @@ def observe(slots: list[ParamSlot]) -> list[Observed]:
     observed = []
     for slot in slots:
         grad = slot.param.grad
+        version = grad._version if grad is not None else None
+        # A link copies contiguous bytes; a gradient laid out otherwise (a transposed or
+        # channels-last one) is made contiguous here, on its device, before the marker.
+        source = grad if grad is None or slot.link.lends or grad.is_contiguous() else grad.contiguous()
+        observed.append((slot, grad, version, None, source))
+    for slot, *_ in observed:
         if id(slot.link) not in markers:
             markers[id(slot.link)] = slot.link.mark()
-        observed.append((slot, grad, grad._version if grad is not None else None, markers[id(slot.link)]))
-    return observed
+    return [(slot, grad, version, markers[id(slot.link)], source) for slot, grad, version, _, source in observed]
 
 
 class GradientCapture:
@@ -162,7 +168,7 @@ class GradientCapture:
         """The capture of ``p.grad`` as step() saw it (taken again if the one from backward is
         stale, or if ``stale``: changed in a way the version does not show), or None when
         ``p.grad`` is None (the parameter is not updated, as in torch)."""
-        slot, grad, version, marker = observed
+        slot, grad, version, marker, source = observed
         capture = slot.capture
         if capture is not None and capture.task is not None:
             await asyncio.gather(capture.task, return_exceptions=True)
@@ -174,12 +180,10 @@ class GradientCapture:
                 await capture.task  # its error, if the copy failed
             return capture
         fresh = Capture(weakref.ref(grad), version or 0, marker=marker)
-        source = grad
         if slot.link.lends:
             fresh.lent = grad
+            source = grad
         else:
-            if not grad.is_contiguous():
-                raise ValueError(f"parameter {slot.index}: p.grad is not contiguous; torch's optimizers need it as the parameter is laid out")
             report = self._report()
             report.grad_retakes += 1
             report.grad_retake_bytes += grad.nbytes

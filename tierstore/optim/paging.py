@@ -46,7 +46,7 @@ from ..store import TierStore
 from ..sync import SyncTierStore, loop_thread, run
 from ..units import parse_bytes
 from .capture import GradientCapture, observe
-from .clipping import inverse_scale
+from .clipping import clip_coefficient, inverse_scale
 from .pipeline import OptimizerCapacityError, UpdatePipeline, offloaded, read_weight
 from .reports import MemoryReport, StepWindow, Timeline, TimeReport, memory_report
 from .setup import DEFAULT_DISK_ROOT, bind_store, default_store
@@ -319,7 +319,12 @@ class PagedOptimizer(torch.optim.Optimizer):
         if self.step_in_backward:
             raise RuntimeError("with step_in_backward=True the updates already ran during backward; clipping is not possible")
         started = time.perf_counter()
-        total = run(self._runner.clip(observe(self._slots), float(max_norm), float(norm_type)))
+        # The norm of p.grad as it is now, computed as torch computes it: the copies on the host
+        # may be stale in a way no version counter shows (GradScaler.unscale_ rewrites p.grad in
+        # place without moving it); step() takes such gradients again.
+        grads = [slot.param.grad for slot in self._slots if slot.param.grad is not None]
+        total = torch.nn.utils.get_total_norm(grads, float(norm_type)) if grads else torch.tensor(0.0)
+        run(self._runner.set_clip(clip_coefficient(float(max_norm), total)))
         self._report.stall += time.perf_counter() - started
         return total
 

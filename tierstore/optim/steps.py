@@ -156,12 +156,9 @@ class StepRunner:
             slot.reset_step()
         self.coef = None
 
-    async def clip(self, observed: list[Observed], max_norm: float, norm_type: float) -> torch.Tensor:
-        captures = await asyncio.gather(*(self.capture.settle(item) for item in observed))
-        captured = [(item[0], capture) for item, capture in zip(observed, captures, strict=True) if capture is not None]
-        total = await total_norm(captured, self.norm, norm_type)
-        self.coef = clip_coefficient(max_norm, total)
-        return total
+    async def set_clip(self, coef: torch.Tensor) -> None:
+        """The coefficient ``opt.clip_grad_norm_`` computed for this step's gradients."""
+        self.coef = coef
 
 
 def _norm(grad: torch.Tensor, norm_type: float, inverse: torch.Tensor | None) -> torch.Tensor:
