@@ -562,3 +562,25 @@ def test_a_policy_that_names_no_victim_is_reported(wrong: object, capacities: di
     trace = Trace.from_accesses([str(i % 20) for i in range(100)], [100] * 100)
     with pytest.raises(PolicyError, match="'forgetful' named .* tier 'host'"):
         simulate(trace, capacities, lambda: _Forgetful(wrong))
+
+
+class _MRU(LRU):
+    """LRU's bookkeeping, the opposite victim: a researcher's one-method subclass."""
+
+    name = "mru"
+
+    def victim(self, evictable=None):
+        key = next((k for k in reversed(self._order) if evictable is None or evictable(k)), None)
+        if key is not None:
+            del self._order[key]
+        return key
+
+
+def test_a_subclass_that_changes_victim_is_simulated_as_written() -> None:
+    # A loop one key larger than the cache: LRU misses every access, MRU only a few. The one-tier
+    # path must not take LRU's batch replay for a subclass that replaced victim().
+    trace = loop_trace(keys=11, loops=10, size=1)
+    lru = simulate(trace, {"host": 10}, "lru").misses
+    mru = simulate(trace, {"host": 10}, _MRU).misses
+    assert lru == 110 and mru < 40
+    assert mru == simulate(trace, {"host": 10, "ssd": 100}, _MRU).misses  # the general loop agrees

@@ -218,6 +218,20 @@ def _no_victim(policy: Any, victim: Any, tier: str, used: int, size: int, capaci
             f"needs {size} more; victim() must forget and return a key given to on_insert and not removed since")
 
 
+_PROTOCOL = ("on_insert", "on_hit", "on_remove", "victim", "reset", "set_capacity")
+
+
+def _batch_path_applies(policy: Any) -> bool:
+    """Whether ``policy.replay`` stands for its protocol methods: not when a subclass (or the
+    instance) replaces one of them below the class that wrote ``replay``, as a researcher who
+    subclasses ``LRU`` to change ``victim`` does."""
+    mro = type(policy).__mro__
+    owner = next((i for i, cls in enumerate(mro) if "replay" in vars(cls)), None)
+    if owner is None or any(name in vars(policy) for name in _PROTOCOL):
+        return False
+    return not any(name in vars(cls) for cls in mro[:owner] for name in _PROTOCOL)
+
+
 def _one_size_per_key(trace: Trace) -> bool:
     last = np.zeros(len(trace.keys), dtype=np.int64)
     last[trace.ids] = trace.sizes
@@ -229,7 +243,7 @@ def _run_single(trace: Trace, tier: _Tier, oracle: _Oracle, links: LinkModel, re
     resident, policy, capacity = tier.resident, tier.policy, tier.capacity
     link = f"disk->{tier.name}"
     bandwidth, latency = links.links.get(link, (2.5e9, 100e-6))
-    if hasattr(policy, "replay") and not (trace.ops == DELETE).any() and _one_size_per_key(trace):
+    if _batch_path_applies(policy) and not (trace.ops == DELETE).any() and _one_size_per_key(trace):
         misses, missed = policy.replay(trace.ids.tolist(), trace.sizes.tolist(), capacity)
         requests, requested = len(trace), int(trace.sizes.sum())
         _fill(result, tier, link, requests, misses, requested, missed, latency, bandwidth, trace, think)
