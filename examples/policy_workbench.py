@@ -22,10 +22,14 @@ class ProbationLRU:
     name = "probation-lru"
 
     def __init__(self):
-        self.capacity, self.probation, self.main, self.probation_bytes = None, OrderedDict(), OrderedDict(), 0
+        self.capacity = None
+        self.reset()
 
     def set_capacity(self, nbytes):
         self.capacity = nbytes
+
+    def reset(self):  # forgets the keys, keeps the capacity
+        self.probation, self.main, self.probation_bytes = OrderedDict(), OrderedDict(), 0
 
     def on_insert(self, key, nbytes):
         self.on_remove(key)
@@ -52,9 +56,6 @@ class ProbationLRU:
                 self.on_remove(key)
                 return key
         return None
-
-    def reset(self):
-        self.__init__()
 
 
 def main(argv=None):

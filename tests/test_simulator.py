@@ -154,3 +154,9 @@ def test_the_policy_workbench_example_runs(tmp_path: Path, capsys: pytest.Captur
         policy.on_insert(key, 10)
     policy.on_hit("a")
     assert policy.victim() == "b" and policy.victim(lambda key: key != "a") is None and policy.victim() == "a"
+    policy.set_capacity(1000)  # probation's share is 100 bytes: b (10) is within it, main's a goes
+    policy.reset()  # forgets the keys, not the capacity
+    for key in "ab":
+        policy.on_insert(key, 10)
+    policy.on_hit("a")
+    assert policy.victim() == "a"
