@@ -5,11 +5,16 @@ segmented LRU (probation, protected). Counted in bytes."""
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
 _SEEDS = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0x27D4EB2F165667C5)
 _MASK64 = (1 << 64) - 1
+
+
+def _stable_hash(key: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
 
 
 class CountMinSketch:
@@ -29,7 +34,9 @@ class CountMinSketch:
         self.additions = 0
 
     def _cells(self, key: Hashable) -> list[int]:
-        h = hash(key) & _MASK64
+        # str hashes change from process to process (PYTHONHASHSEED): the live store's keys
+        # get a stable one, so the same accesses make the same choices in every run.
+        h = (_stable_hash(key) if isinstance(key, str) else hash(key)) & _MASK64
         return [((h * seed) & _MASK64) >> 20 for seed in _SEEDS[: self.depth]]
 
     def add(self, key: Hashable) -> None:

@@ -4,6 +4,7 @@ their batch paths against the protocol loop, trace formats, prefetch metrics, th
 from __future__ import annotations
 
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -584,3 +585,23 @@ def test_a_subclass_that_changes_victim_is_simulated_as_written() -> None:
     mru = simulate(trace, {"host": 10}, _MRU).misses
     assert lru == 110 and mru < 40
     assert mru == simulate(trace, {"host": 10, "ssd": 100}, _MRU).misses  # the general loop agrees
+
+
+def test_tinylfu_choices_do_not_depend_on_the_process_hash_seed() -> None:
+    # The live store's keys are str, whose hash() changes with PYTHONHASHSEED; the sketch must not.
+    code = (
+        "import random; from policies import WTinyLFU; p = WTinyLFU(capacity=20, sketch_width=8); r = random.Random(0); out = []\n"
+        "for _ in range(400):\n"
+        "    k = f'k{r.randrange(60)}'\n"
+        "    if p._where(k): p.on_hit(k)\n"
+        "    else:\n"
+        "        while len(p) >= 20: out.append(p.victim())\n"
+        "        p.on_insert(k, 1)\n"
+        "print(out)"
+    )
+    runs = {
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60,
+                       cwd=Path(__file__).parent.parent, env={**os.environ, "PYTHONHASHSEED": seed}).stdout
+        for seed in ("1", "2")
+    }
+    assert len(runs) == 1
