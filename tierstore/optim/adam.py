@@ -24,6 +24,7 @@ import torch
 from torch.optim.adam import adam
 
 from ..sync import run
+from .checkpoint import adam_entry, adam_load_state_dict, adam_state_dict
 from .clipping import inverse_scale
 from .paging import PagedOptimizer, ParamSlot
 
@@ -39,6 +40,7 @@ class TieredAdam(PagedOptimizer):
     """
 
     decoupled_weight_decay = False
+    _supports_sharding = True
 
     def __init__(
         self,
@@ -199,64 +201,22 @@ class TieredAdam(PagedOptimizer):
             )
         return [state[0] for state in states]
 
-    # -- checkpoints -------------------------------------------------------------------------------------
+    # -- checkpoints (tierstore.optim.checkpoint) -------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """Torch's format: ``{"state": {index: {"step", "exp_avg", "exp_avg_sq"[, "max_exp_avg_sq"]}},
         "param_groups": [...]}``, loadable by ``torch.optim.Adam``/``AdamW``. Parameters whose dtype
-        is not fp32 also carry their fp32 ``master`` weight (torch ignores it)."""
-        return run(self._state_dict())
-
-    async def _state_dict(self) -> dict[str, Any]:
-        state: dict[int, dict[str, torch.Tensor]] = {}
-        for slot in self._slots:
-            step = self._step_counts.get(slot.index)
-            if step is None:
-                continue
-            packed = slot.resident["packed"] if not slot.paged and slot.resident else await self.store.read(slot.key)
-            shape = slot.shape
-            entry = {"step": step.clone(), "exp_avg": packed[1].reshape(shape).clone(), "exp_avg_sq": packed[2].reshape(shape).clone()}
-            if packed.shape[0] > 3:
-                entry["max_exp_avg_sq"] = packed[3].reshape(shape).clone()
-            if slot.param.dtype != torch.float32:
-                entry["master"] = packed[0].reshape(shape).clone()
-            state[slot.index] = entry
-        return {"state": state, "param_groups": self._groups_for_saving()}
+        is not fp32 also carry their fp32 ``master`` weight (torch ignores it); DTensor parameters
+        (FSDP2) get DTensor state. See ``tierstore.optim.checkpoint``."""
+        return adam_state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict saved by this class or by ``torch.optim.Adam``/``AdamW``."""
-        groups = state_dict["param_groups"]
-        if len(groups) != len(self.param_groups):
-            raise ValueError("loaded state dict has a different number of parameter groups")
-        for saved, group in zip(groups, self.param_groups, strict=True):
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError("loaded state dict contains a parameter group that doesn't match the size of optimizer's group")
-        for saved, group in zip(groups, self.param_groups, strict=True):
-            group.update({k: v for k, v in saved.items() if k != "params"})
-            group.setdefault("decoupled_weight_decay", self.decoupled_weight_decay)
-        ids = [i for saved in groups for i in saved["params"]]
-        saved_state = {slot: state_dict["state"].get(ids[slot.index]) for slot in self._slots}
-        run(self._load_state(saved_state))
+        adam_load_state_dict(self, state_dict)
 
-    async def _load_state(self, saved_state: dict[ParamSlot, dict[str, Any] | None]) -> None:
-        self._step_counts.clear()
-        for slot, saved in saved_state.items():
-            if saved is None:
-                slot.resident = None
-                if slot.key in self.store:
-                    await self.store.delete(slot.key)
-                continue
-            packed = self._initial(slot, await self._weight(slot))
-            names = ["master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"][: packed.shape[0]]
-            for row, name in enumerate(names):
-                if name in saved:
-                    packed[row].copy_(torch.as_tensor(saved[name]).detach().reshape(-1))
-            step = saved.get("step", 0)
-            self._step_counts[slot.index] = torch.tensor(float(step.item() if torch.is_tensor(step) else step))
-            if slot.paged:
-                await self.store.put(slot.key, packed, tier=self.state_tier)
-            else:
-                slot.resident = {"packed": packed}
+    def _entry_of(self, slot: ParamSlot) -> dict[str, torch.Tensor]:
+        """One parameter's state in torch's format, read from the store (``opt.state[p]``)."""
+        return run(adam_entry(self, slot))
 
 
 class TieredAdamW(TieredAdam):

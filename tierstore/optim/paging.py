@@ -47,6 +47,15 @@ from ..sync import SyncTierStore, loop_thread, run
 from ..units import parse_bytes
 from .capture import GradientCapture, observe
 from .clipping import clip_coefficient, inverse_scale
+from .distributed import (
+    LocalShard,
+    Sharding,
+    is_dtensor,
+    materialize,
+    mesh_group,
+    mesh_total_norm,
+    rank_folder,
+)
 from .pipeline import OptimizerCapacityError, UpdatePipeline, offloaded, read_weight
 from .reports import MemoryReport, StepWindow, Timeline, TimeReport, memory_report
 from .setup import DEFAULT_DISK_ROOT, bind_store, default_store
@@ -63,6 +72,8 @@ class PagedOptimizer(torch.optim.Optimizer):
     #: ``GradScaler.step`` hands us its scale and inf flag (``grad_scale``/``found_inf``
     #: attributes) instead of unscaling ``p.grad`` itself: the host copies are unscaled.
     _step_supports_amp_scaling = True
+    #: Whether the subclass keeps its checkpoints by global parameter index (``process_group=``).
+    _supports_sharding = False
 
     """Base of ``TieredAdam``/``TieredAdamW``/``TieredOptimizer`` (see the module docstring).
 
@@ -109,6 +120,15 @@ class PagedOptimizer(torch.optim.Optimizer):
         CPU parameters count as device memory behind an emulated link (True), as host memory
         (False), or as the process setting says (None: ``tierstore.device.emulate_device``,
         ``TIERSTORE_EMULATE_DEVICE``).
+    process_group:
+        Shard the state across this ``torch.distributed`` group (``True``: the default group):
+        each rank owns, pages and updates about 1/N of the parameters (by bytes) and broadcasts
+        their new weights after ``step()``; see ``tierstore.optim.distributed``. Under an
+        initialized process group the default disk store lives in ``{disk_root}/rank{r}``.
+        FSDP2's DTensor parameters need no option: each rank pages its local shards.
+    zero_stage:
+        With ``process_group``: 1 (default) updates after the model's all-reduce (DDP's); 2
+        reduce-scatters the gradients to their owners itself (for a model not wrapped in DDP).
 
     A ``step()`` that fails part-way (a full disk, a checksum error) raises
     ``StepIncompleteError`` naming the parameters it updated; calling ``step()`` again completes
@@ -136,6 +156,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         overwrite: bool = False,
         key_prefix: str | None = None,
         emulate_device: bool | None = None,
+        process_group: Any = None,
+        zero_stage: int = 1,
     ) -> None:
         if offload not in ("host", "disk"):
             raise ValueError(f"offload must be 'host' or 'disk', not {offload!r}")
@@ -152,6 +174,14 @@ class PagedOptimizer(torch.optim.Optimizer):
                 raise ValueError("pass namespace= only (key_prefix is its deprecated alias)")
             namespace = key_prefix
         self._slots: list[ParamSlot] = []
+        self._sharding: Sharding | None = None
+        if process_group is not None:
+            if not self._supports_sharding:
+                raise NotImplementedError(f"{type(self).__name__} does not support process_group= (TieredAdam/TieredAdamW do)")
+            params = materialize(params)
+            self._sharding = Sharding(params, process_group, zero_stage)
+        elif zero_stage != 1:
+            raise ValueError("zero_stage= needs process_group=")
         #: The claimed key namespace (set once the store is bound; slot keys live under it).
         self.namespace: Namespace | None = None
         self._min_offload_numel = min_offload_numel
@@ -171,7 +201,8 @@ class PagedOptimizer(torch.optim.Optimizer):
             if store is None:
                 state = sum(self._state_bytes(slot) for slot in self._slots if slot.paged)
                 grads = sum(slot.numel * slot.param.element_size() for slot in self._slots if not slot.link.lends)
-                store = default_store(offload, state, grads, disk_root, host_capacity, disk_capacity)
+                root = rank_folder(disk_root if disk_root is not None else DEFAULT_DISK_ROOT)
+                store = default_store(offload, state, grads, root, host_capacity, disk_capacity)
             self.store: TierStore = bind_store(store, self._loop, state_tier)
             self.store.on_transfer = self._window.on_transfer
             self.namespace = run(self._claim(namespace, overwrite))
@@ -211,12 +242,15 @@ class PagedOptimizer(torch.optim.Optimizer):
         for param in self.param_groups[group]["params"]:
             if param.is_complex():
                 raise TypeError("complex parameters are not supported by the tiered optimizers")
+            if self._sharding is not None and not self._sharding.add(param):
+                continue  # another rank owns its state
+            view = LocalShard(param) if is_dtensor(param) else param  # FSDP2: the rank's shard
             offload = offloaded(param)
-            shape = offload[0].shape_of(offload[1]) if offload is not None else param.shape
+            shape = offload[0].shape_of(offload[1]) if offload is not None else view.shape
             index = len(self._slots)
             slot = ParamSlot(
-                index=index, group=group, param=param, key=self.namespace.key(str(index)) if self.namespace is not None else "",
-                shape=shape, paged=shape.numel() >= self._min_offload_numel, link=link_for(param.device, self._emulate),
+                index=index, group=group, param=view, key=self.namespace.key(str(index)) if self.namespace is not None else "",
+                shape=shape, paged=shape.numel() >= self._min_offload_numel, link=link_for(view.device, self._emulate),
             )
             if param.requires_grad:
                 slot.hook = param.register_post_accumulate_grad_hook(partial(_hook, weakref.ref(self), slot))
@@ -291,6 +325,8 @@ class PagedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         started = time.perf_counter()
+        if self._sharding is not None or self._mesh_group() is not None:
+            self._before_distributed_step()
         scaling = None
         if getattr(self, "found_inf", None) is not None:  # inside GradScaler.step
             scaling = (getattr(self, "grad_scale", None), bool(self.found_inf.item()))  # type: ignore[attr-defined]
@@ -308,8 +344,38 @@ class PagedOptimizer(torch.optim.Optimizer):
             self._report.stall += ended - started
             self.timeline.add("step() wait", "train loop", started, ended)
         self._capture.new_step()
+        if self._sharding is not None:
+            self._sharding.broadcast_weights()
+            self._sharding.end_step()
         self._close_window(ended)
         return loss
+
+    # -- across ranks ----------------------------------------------------------------------------
+
+    def _mesh_group(self) -> Any:
+        """The process group of FSDP2's mesh when the parameters are DTensors, else None."""
+        if not hasattr(self, "_mesh"):
+            self._mesh = mesh_group(self._slots)
+        return self._mesh
+
+    def _before_distributed_step(self) -> None:
+        """ZeRO-2's reduce-scatter; the clipping coefficient from the norm across ranks."""
+        if self._sharding is not None:
+            self._sharding.reduce_gradients()
+        if self.max_grad_norm is not None and self._runner.coef is None:
+            self._distributed_clip(float(self.max_grad_norm), 2.0)
+
+    def _distributed_clip(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        """The norm of every rank's gradients (``p.grad`` as it is now), as ``clip_grad_norm_``
+        computes it on the whole model; sets this step's clipping coefficient."""
+        norms = [(slot, torch.linalg.vector_norm(slot.param.grad, norm_type)) for slot in self._slots if slot.param.grad is not None]
+        if self._sharding is not None:
+            index = self._sharding.global_index
+            total = self._sharding.total_norm({index[slot.index]: norm for slot, norm in norms}, norm_type)
+        else:
+            total = mesh_total_norm([norm for _, norm in norms], norm_type, self._mesh_group())
+        run(self._runner.set_clip(clip_coefficient(max_norm, total)))
+        return total
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip this step's gradients to a global norm, like ``torch.nn.utils.clip_grad_norm_``
@@ -319,6 +385,12 @@ class PagedOptimizer(torch.optim.Optimizer):
         if self.step_in_backward:
             raise RuntimeError("with step_in_backward=True the updates already ran during backward; clipping is not possible")
         started = time.perf_counter()
+        if self._sharding is not None or self._mesh_group() is not None:
+            if self._sharding is not None:
+                self._sharding.reduce_gradients()
+            total = self._distributed_clip(float(max_norm), float(norm_type))
+            self._report.stall += time.perf_counter() - started
+            return total
         # The norm of p.grad as it is now, computed as torch computes it: the copies on the host
         # may be stale in a way no version counter shows (GradScaler.unscale_ rewrites p.grad in
         # place without moving it); step() takes such gradients again.
@@ -332,8 +404,23 @@ class PagedOptimizer(torch.optim.Optimizer):
         """Clear the model's gradients and anything this optimizer took of them without stepping
         (a step left incomplete by an error is abandoned: its updates so far stay)."""
         super().zero_grad(set_to_none)
+        if self._sharding is not None:
+            self._sharding.end_step()
         self._capture.new_step()
         run(self._runner.end())
+
+    # -- state ---------------------------------------------------------------------------------
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        """The state by parameter, read from the store on access (``tierstore.optim.checkpoint.LazyState``)."""
+        from .checkpoint import LazyState
+
+        return LazyState(self)
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        """Ignored: torch's ``Optimizer.__init__`` assigns a dict; the state lives in the store."""
 
     # -- reports ---------------------------------------------------------------------------------
 
@@ -395,4 +482,4 @@ def _hook(optimizer: weakref.ref[PagedOptimizer], slot: ParamSlot, param: torch.
     """The hook holds the optimizer weakly: one the program dropped stops listening."""
     live = optimizer()
     if live is not None:
-        live._capture.hook(slot, param)
+        live._capture.hook(slot, slot.param)  # (for a DTensor, the view of its local shard)

@@ -1,0 +1,229 @@
+"""Checkpoints of paged state: ``state_dict``/``load_state_dict`` in torch's format, ``opt.state``
+as a mapping that reads on access, and what Distributed Checkpoint (DCP) needs of them.
+
+``state_dict()`` is torch's: ``{"state": {index: {"step", "exp_avg", "exp_avg_sq"[,
+"max_exp_avg_sq"][, "master"]}}, "param_groups": [...]}`` with indices over every parameter of
+the optimizer, so ``torch.optim.Adam``/``AdamW`` load it and ``get_optimizer_state_dict`` maps
+the indices to parameter names. Where the parameter is a DTensor (FSDP2) its state is a DTensor
+with the parameter's mesh and placements; DCP then saves each rank's shard and reshards on load.
+With sharded state (``process_group=``) a rank's dict holds the state of the parameters it owns
+and an empty entry for each of the others (DCP's strict loading wants an entry per parameter;
+an empty one has nothing to save or load), so the ranks' dicts together are the whole state.
+
+Every trainable parameter has an entry, a fresh one (step 0, zero moments) before its first
+update, and ``opt.state`` is never empty for an optimizer with trainable parameters: DCP's
+``get/set_optimizer_state_dict`` call ``step()`` with zero gradients (``_init_optim_state``) to
+create state when ``opt.state`` is empty, which here would write all the state into the store
+first. An entry at step 0 with zero moments loads as "not updated yet": nothing is written.
+
+Memory: ``state_dict()`` holds this rank's whole state at once (DCP's ``get_optimizer_state_dict``
+needs the tensors), one parameter's state read from the store at a time; ``opt.state[p]`` reads
+one parameter's; ``load_state_dict`` writes into the tiers one parameter at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..sync import run
+from .distributed import LocalShard, is_dtensor
+
+if TYPE_CHECKING:
+    from .adam import TieredAdam
+    from .paging import PagedOptimizer
+    from .slots import ParamSlot
+
+__all__ = ["LazyState", "adam_load_state_dict", "adam_state_dict"]
+
+_ROWS = ("master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+def saved_index(optimizer: PagedOptimizer, slot: ParamSlot) -> int:
+    """The index of ``slot``'s parameter among all the optimizer's parameters (as saved)."""
+    sharding = optimizer._sharding
+    return sharding.global_index[slot.index] if sharding is not None else slot.index
+
+
+def model_param(slot: ParamSlot) -> torch.Tensor:
+    """The parameter as the model and ``param_groups`` hold it (the DTensor for a shard)."""
+    return slot.param.dtensor if isinstance(slot.param, LocalShard) else slot.param
+
+
+def _laid_out(slot: ParamSlot, flat: torch.Tensor) -> torch.Tensor:
+    """A flat state row as the parameter is laid out: its shape, or a DTensor like it."""
+    if isinstance(slot.param, LocalShard):
+        return slot.param.as_dtensor(flat)
+    return flat.reshape(slot.shape)
+
+
+def _local(slot: ParamSlot, name: str, value: Any) -> torch.Tensor:
+    """A loaded state tensor as this rank's flat fp32 row for ``slot``."""
+    tensor = torch.as_tensor(value).detach()
+    if is_dtensor(tensor):
+        p = model_param(slot)
+        if isinstance(slot.param, LocalShard) and tuple(tensor.placements) != tuple(p.placements):  # type: ignore[attr-defined]
+            tensor = tensor.redistribute(p.device_mesh, p.placements)  # type: ignore[attr-defined]
+        tensor = tensor._local_tensor  # type: ignore[attr-defined]
+    if tensor.numel() != slot.numel:
+        raise ValueError(
+            f"parameter {slot.index}: saved {name!r} has {tensor.numel()} elements here, the parameter (shard) {slot.numel}; "
+            "a DTensor parameter loads its state as DTensors (get/set_optimizer_state_dict)"
+        )
+    return tensor.reshape(-1).to("cpu", torch.float32)
+
+
+# -- TieredAdam ---------------------------------------------------------------------------------
+
+
+async def adam_entry(optimizer: TieredAdam, slot: ParamSlot) -> dict[str, torch.Tensor]:
+    """One parameter's state in torch's format, read from the store (a fresh entry if the
+    parameter was never updated)."""
+    step = optimizer._step_counts.get(slot.index)
+    rows = optimizer._rows(slot)
+    if step is None:
+        zeros = torch.zeros(slot.numel, dtype=torch.float32)
+        entry = {"step": torch.tensor(0.0), "exp_avg": _laid_out(slot, zeros), "exp_avg_sq": _laid_out(slot, zeros.clone())}
+        if rows > 3:
+            entry["max_exp_avg_sq"] = _laid_out(slot, zeros.clone())
+        if slot.param.dtype != torch.float32:
+            entry["master"] = _laid_out(slot, (await optimizer._weight(slot)).reshape(-1).float().clone())
+        return entry
+    packed = slot.resident["packed"] if not slot.paged and slot.resident else await optimizer.store.read(slot.key)
+    entry = {"step": step.clone()}
+    for row, name in enumerate(_ROWS[: packed.shape[0]]):
+        if row == 0 and slot.param.dtype == torch.float32:
+            continue  # the weight itself is the master: torch keeps none
+        entry[name] = _laid_out(slot, packed[row].clone())
+    return entry
+
+
+def adam_state_dict(optimizer: TieredAdam) -> dict[str, Any]:
+    """``TieredAdam.state_dict`` (see the module docstring)."""
+    return run(_adam_state_dict(optimizer))
+
+
+async def _adam_state_dict(optimizer: TieredAdam) -> dict[str, Any]:
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for slot in optimizer._slots:
+        if model_param(slot).requires_grad or slot.index in optimizer._step_counts:
+            state[saved_index(optimizer, slot)] = await adam_entry(optimizer, slot)
+    for index in _others(optimizer):
+        state[index] = {}
+    return {"state": dict(sorted(state.items())), "param_groups": optimizer._groups_for_saving()}
+
+
+def _others(optimizer: PagedOptimizer) -> list[int]:
+    """Indices of trainable parameters whose state another rank owns."""
+    sharding = optimizer._sharding
+    if sharding is None:
+        return []
+    mine = set(sharding.global_index)
+    return [i for i, p in enumerate(sharding.params) if i not in mine and p.requires_grad]
+
+
+def adam_load_state_dict(optimizer: TieredAdam, state_dict: dict[str, Any]) -> None:
+    """``TieredAdam.load_state_dict``: a state dict of this class (any rank count, through DCP)
+    or of ``torch.optim.Adam``/``AdamW``; written into the store one parameter at a time."""
+    groups = state_dict["param_groups"]
+    if len(groups) != len(optimizer.param_groups):
+        raise ValueError("loaded state dict has a different number of parameter groups")
+    for saved, group in zip(groups, optimizer.param_groups, strict=True):
+        if len(saved["params"]) != len(group["params"]):
+            raise ValueError("loaded state dict contains a parameter group that doesn't match the size of optimizer's group")
+    for saved, group in zip(groups, optimizer.param_groups, strict=True):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+        group.setdefault("decoupled_weight_decay", optimizer.decoupled_weight_decay)
+    ids = [i for saved in groups for i in saved["params"]]
+    saved_state = {slot: state_dict["state"].get(ids[saved_index(optimizer, slot)]) for slot in optimizer._slots}
+    run(_adam_load(optimizer, saved_state))
+
+
+def _fresh(saved: dict[str, Any]) -> bool:
+    """An entry at step 0 with zero moments: the parameter was never updated."""
+    step = saved.get("step", 0)
+    if float(step.item() if torch.is_tensor(step) else step) != 0.0:
+        return False
+    return not any(name in saved and bool(torch.as_tensor(saved[name]).detach().any()) for name in _ROWS[1:])
+
+
+async def _adam_load(optimizer: TieredAdam, saved_state: dict[ParamSlot, dict[str, Any] | None]) -> None:
+    optimizer._step_counts.clear()
+    store = optimizer.store
+    for slot, saved in saved_state.items():
+        if not saved or _fresh(saved):
+            slot.resident = None
+            if slot.key in store:
+                await store.delete(slot.key)
+            continue
+        packed = optimizer._initial(slot, await optimizer._weight(slot))
+        for row, name in enumerate(_ROWS[: packed.shape[0]]):
+            if name in saved:
+                packed[row].copy_(_local(slot, name, saved[name]))
+        step = saved.get("step", 0)
+        optimizer._step_counts[slot.index] = torch.tensor(float(step.item() if torch.is_tensor(step) else step))
+        if slot.paged:
+            await store.put(slot.key, packed, tier=optimizer.state_tier)
+        else:
+            slot.resident = {"packed": packed}
+
+
+# -- opt.state ----------------------------------------------------------------------------------
+
+
+class LazyState(Mapping[torch.Tensor, dict[str, Any]]):
+    """``opt.state``: the state of each parameter, read from the store when it is accessed
+    (``opt.state[p]`` gives a fresh dict of tensors; changing it changes nothing). Parameters
+    whose state another rank owns map to an empty dict."""
+
+    def __init__(self, optimizer: PagedOptimizer) -> None:
+        self._opt = optimizer
+        entry = getattr(optimizer, "_entry_of", None)
+        self._slots: dict[int, ParamSlot] = {}
+        if entry is not None:
+            for slot in optimizer._slots:
+                if model_param(slot).requires_grad:
+                    self._slots[id(model_param(slot))] = slot
+        self._params: list[torch.Tensor] = []
+        if entry is None:  # a class without per-parameter reads: what its state_dict holds
+            self._saved = run(optimizer._state_dict())["state"]  # type: ignore[attr-defined]
+            for slot in optimizer._slots:
+                if slot.index in self._saved:
+                    self._slots[id(model_param(slot))] = slot
+        others = set(_others(optimizer))
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if id(param) in self._slots:
+                    self._params.append(param)
+        if others:
+            sharding = optimizer._sharding
+            assert sharding is not None
+            self._empty = {id(sharding.params[i]) for i in others}
+            self._params.extend(sharding.params[i] for i in sorted(others))
+        else:
+            self._empty = set()
+
+    def __getitem__(self, param: torch.Tensor) -> dict[str, Any]:
+        if id(param) in self._empty:
+            return {}
+        slot = self._slots.get(id(param))
+        if slot is None:
+            raise KeyError("not a parameter of this optimizer with state")
+        entry = getattr(self._opt, "_entry_of", None)
+        if entry is not None:
+            return dict(entry(slot))
+        return dict(self._saved[slot.index])
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self._params)
+
+    def __len__(self) -> int:
+        return len(self._params)
+
+    def __contains__(self, param: object) -> bool:
+        return id(param) in self._slots or id(param) in self._empty
+
+    def __repr__(self) -> str:
+        return f"LazyState({len(self)} parameters, read on access)"
