@@ -121,7 +121,7 @@ def update_throughput(numel: int, tensors: int, reps: int, progress: tqdm) -> li
 def training_steps(args: argparse.Namespace, progress: tqdm) -> tuple[list[dict[str, Any]], dict[str, float]]:
     config = GPTConfig()
     torch.manual_seed(0)
-    template = GPT(config)
+    template = GPT(config).to(args.device)
     state_bytes = 12 * sum(p.numel() for p in template.parameters())
     variants: dict[str, Any] = {
         "torch AdamW, in memory": lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3, fused=True),
@@ -143,7 +143,7 @@ def training_steps(args: argparse.Namespace, progress: tqdm) -> tuple[list[dict[
         variants[label] = make
     models = {name: copy.deepcopy(template) for name in variants}
     optimizers = {name: make(models[name]) for name, make in variants.items()}
-    batches = synthetic_batches(config, args.batch, seed=1)
+    batches = synthetic_batches(config, args.batch, seed=1, device=args.device)
     steps: dict[str, list[float]] = {name: [] for name in variants}
     compute: list[float] = []
     disk_bytes: dict[str, list[int]] = {name: [] for name in variants}
@@ -156,8 +156,10 @@ def training_steps(args: argparse.Namespace, progress: tqdm) -> tuple[list[dict[
             opt.zero_grad()
             model.loss(tokens).backward()
             if name.startswith("torch"):
+                _sync(args.device)
                 compute.append(time.perf_counter() - started)
             opt.step()
+            _sync(args.device)
             if step >= 3:  # warm-up: state creation, schedule learning
                 steps[name].append(time.perf_counter() - started)
                 disk_bytes[name].append(_disk_bytes(opt) - before)
@@ -177,7 +179,8 @@ def link_runs(args: argparse.Namespace, progress: tqdm) -> list[dict[str, Any]]:
     """(c): per variant, medians over the steps after warm-up."""
     config = GPTConfig()
     torch.manual_seed(0)
-    template = GPT(config)
+    template = GPT(config).to(args.device)
+    cuda = torch.device(args.device).type == "cuda"
     variants: dict[str, tuple[bool, dict[str, Any], bool]] = {  # emulated, options, user clip
         "plain CPU (lent), after backward": (False, {}, False),
         "emulated, after backward": (True, {}, False),
@@ -185,13 +188,15 @@ def link_runs(args: argparse.Namespace, progress: tqdm) -> list[dict[str, Any]]:
         "emulated, max_grad_norm=1.0": (True, {"max_grad_norm": 1.0}, False),
         "emulated, user clip_grad_norm_(1.0)": (True, {}, True),
     }
+    if cuda:  # the link is the GPU's own: the emulated variants become CUDA ones, and no lending
+        variants = {name.replace("emulated", "cuda"): spec for name, spec in variants.items() if spec[0]}
     models = {name: copy.deepcopy(template) for name in variants}
     optimizers = {}
     for name, (emulated, options, _) in variants.items():
         with emulate_device(emulated, link=args.link):
             optimizers[name] = TieredAdamW(models[name].parameters(), lr=3e-3, offload="host", **options)
     samples: dict[str, dict[str, list[float]]] = {name: {} for name in variants}
-    batches = synthetic_batches(config, args.batch, seed=1)
+    batches = synthetic_batches(config, args.batch, seed=1, device=args.device)
     for step in range(args.steps):
         tokens = next(batches)
         for name, (_, _, user_clip) in variants.items():
@@ -205,6 +210,7 @@ def link_runs(args: argparse.Namespace, progress: tqdm) -> list[dict[str, Any]]:
             if user_clip:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
+            _sync(args.device)
             wall = time.perf_counter() - started
             if step >= 3:
                 report = opt.time_report()
@@ -225,9 +231,15 @@ def link_runs(args: argparse.Namespace, progress: tqdm) -> list[dict[str, Any]]:
 
 def hidden(events: list[tuple[str, str, float, float, dict[str, Any]]]) -> dict[str, float]:
     """Fractions of the transfer time (grads to host, weights to device, both) that overlapped
-    the compute spans (forward, backward)."""
-    compute = _union([(start, end) for _, track, start, end, _ in events if track == "compute"])
+    compute: the device's (forward, backward spans) or the host's (the updates, which a GPU run
+    also overlaps with the link: one bucket's weights travel while the next one's math runs).
+    ``hidden_device`` counts forward and backward only."""
+    compute = _union([(start, end) for _, track, start, end, _ in events if track in ("compute", "host update")])
+    device = _union([(start, end) for _, track, start, end, _ in events if track == "compute"])
     result: dict[str, float] = {}
+    spans = [(start, end) for _, t, start, end, _ in events if t in ("grads to host", "weights to device")]
+    total = sum(end - start for start, end in spans)
+    result["hidden_device"] = sum(_overlap(span, device) for span in spans) / total if total else float("nan")
     both_total = both_hidden = 0.0
     for track, label in (("grads to host", "grads_hidden"), ("weights to device", "weights_hidden")):
         spans = [(start, end) for _, t, start, end, _ in events if t == track]
@@ -267,7 +279,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/bench_optim.json"))
     parser.add_argument("--dir", type=Path, default=Path(".tierstore/bench"), help="scratch folder for the disk tier")
     parser.add_argument("--link", default="25GB/s,10us", help="the emulated link's speed for (c)")
+    parser.add_argument("--device", default="cpu", help="where the model runs: cpu (plain and emulated device) or cuda")
+    parser.add_argument("--parts", default="abc", help="which parts to run: a (update), b (training step), c (the link)")
     args = parser.parse_args(argv)
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available here")
     args.steps = 12 if args.quick else 30
     args.batch = 16
     reps = 3 if args.quick else 7
@@ -275,45 +291,66 @@ def main(argv: list[str] | None = None) -> int:
     with tqdm(total=reps + 1 + 2 * args.steps, desc="bench_optim", leave=False, disable=None) as progress:
         bandwidth = memory_bandwidth()
         read_gbs, write_gbs = disk_bandwidth(args.dir)
-        updates = update_throughput(numel, tensors, reps, progress)
-        steps, facts = training_steps(args, progress)
-        links = link_runs(args, progress)
-    for row in updates:
-        row["of_bandwidth"] = row["gbs"] / bandwidth
-    print(f"(a) host update throughput, {updates[0]['params'] / 1e6:.0f} M parameters; memory bandwidth {bandwidth:.1f} GB/s (triad)")
-    print(table(updates, [("what", "optimizer", "s"), ("gparams_s", "G params/s", ".2f"), ("gbs", "GB/s", ".1f"), ("of_bandwidth", "of bandwidth", ".0%")]))
-    fastest_torch = max(r["gparams_s"] for r in updates if r["what"].startswith("torch"))
-    ours = next(r for r in updates if r["what"] == "TieredAdamW host update")
-    print(f"\n(b) demo model step ({facts['state_mib']:.1f} MiB of Adam state; compute {facts['compute_ms']:.1f} ms; "
-          f"raw disk {read_gbs:.2f} GB/s read, {write_gbs:.2f} GB/s write)")
-    for row in steps:
-        transfer = row["disk_mib"] * MiB / 2 / (read_gbs * 1e9) + row["disk_mib"] * MiB / 2 / (write_gbs * 1e9)
-        row["bound_ms"] = max(facts["compute_ms"], transfer * 1e3)
-        row["vs_bound"] = row["step_ms"] / row["bound_ms"]
-    print(table(steps, [("what", "variant", "s"), ("step_ms", "step ms", ".1f"), ("ratio", "vs in-memory", ".2f"),
-                        ("disk_mib", "disk MiB/step", ".1f"), ("bound_ms", "max(compute, disk) ms", ".1f"), ("vs_bound", "vs bound", ".2f")]))
-    print(f"\n(c) the step on the emulated device ({args.link}) beside the plain CPU, state in host (medians)")
-    print(table(links, [("what", "variant", "s"), ("step_ms", "step ms", ".1f"), ("stall_ms", "waited in step() ms", ".1f"),
-                        ("to_host_mib", "to host MiB", ".2f"), ("to_device_mib", "to device MiB", ".2f"), ("retaken_mib", "taken again MiB", ".2f"),
-                        ("transfer_ms", "transfer ms", ".2f"), ("grads_hidden", "grads hidden", ".0%"), ("weights_hidden", "weights hidden", ".0%"),
-                        ("hidden", "all hidden", ".0%")]))
-    by_name = {r["what"]: r for r in links}
-    clip_cost = by_name["emulated, user clip_grad_norm_(1.0)"]["step_ms"] / by_name["emulated, max_grad_norm=1.0"]["step_ms"]
-    print(f"  user clip_grad_norm_ step / max_grad_norm= step: {clip_cost:.2f}x")
-    host = next(r for r in steps if r["what"] == "tierstore, state in host")
-    disk_best = min((r for r in steps if "disk" in r["what"]), key=lambda r: r["vs_bound"])
-    goals = {
-        "host update throughput >= 1.0 x the faster torch AdamW": ours["gparams_s"] >= fastest_torch,
-        "state in host: step <= 1.15 x torch in memory": host["ratio"] <= 1.15,
-        f"state on disk: step <= 1.2 x max(compute, disk transfer) ({disk_best['what']})": disk_best["vs_bound"] <= 1.2,
-        f"emulated {args.link}, state in host: >= 90% of transfer time hidden behind compute (in backward)":
-            by_name["emulated, in backward"]["hidden"] >= 0.9,
-    }
+        updates = update_throughput(numel, tensors, reps, progress) if "a" in args.parts else []
+        steps, facts = training_steps(args, progress) if "b" in args.parts else ([], {})
+        links = link_runs(args, progress) if "c" in args.parts else []
+    return report(args, bandwidth, read_gbs, write_gbs, updates, steps, facts, links)
+
+
+def report(
+    args: argparse.Namespace, bandwidth: float, read_gbs: float, write_gbs: float, updates: list[dict[str, Any]],
+    steps: list[dict[str, Any]], facts: dict[str, float], links: list[dict[str, Any]],
+) -> int:
+    """Print the tables and the goals of the parts that ran, and write the JSON."""
+    goals: dict[str, bool] = {}
+    if updates:
+        for row in updates:
+            row["of_bandwidth"] = row["gbs"] / bandwidth
+        print(f"(a) host update throughput, {updates[0]['params'] / 1e6:.0f} M parameters; memory bandwidth {bandwidth:.1f} GB/s (triad)")
+        print(table(updates, [("what", "optimizer", "s"), ("gparams_s", "G params/s", ".2f"), ("gbs", "GB/s", ".1f"), ("of_bandwidth", "of bandwidth", ".0%")]))
+        fastest_torch = max(r["gparams_s"] for r in updates if r["what"].startswith("torch"))
+        ours = next(r for r in updates if r["what"] == "TieredAdamW host update")
+        goals["host update throughput >= 1.0 x the faster torch AdamW"] = ours["gparams_s"] >= fastest_torch
+    if steps:
+        print(f"\n(b) demo model step on {args.device} ({facts['state_mib']:.1f} MiB of Adam state; compute {facts['compute_ms']:.1f} ms; "
+              f"raw disk {read_gbs:.2f} GB/s read, {write_gbs:.2f} GB/s write)")
+        for row in steps:
+            transfer = row["disk_mib"] * MiB / 2 / (read_gbs * 1e9) + row["disk_mib"] * MiB / 2 / (write_gbs * 1e9)
+            row["bound_ms"] = max(facts["compute_ms"], transfer * 1e3)
+            row["vs_bound"] = row["step_ms"] / row["bound_ms"]
+        print(table(steps, [("what", "variant", "s"), ("step_ms", "step ms", ".1f"), ("ratio", "vs in-memory", ".2f"),
+                            ("disk_mib", "disk MiB/step", ".1f"), ("bound_ms", "max(compute, disk) ms", ".1f"), ("vs_bound", "vs bound", ".2f")]))
+        host = next(r for r in steps if r["what"] == "tierstore, state in host")
+        disk_best = min((r for r in steps if "disk" in r["what"]), key=lambda r: r["vs_bound"])
+        goals["state in host: step <= 1.15 x torch in memory"] = host["ratio"] <= 1.15
+        goals[f"state on disk: step <= 1.2 x max(compute, disk transfer) ({disk_best['what']})"] = disk_best["vs_bound"] <= 1.2
+    clip_cost = float("nan")
+    if links:
+        where = "CUDA" if torch.device(args.device).type == "cuda" else f"the emulated device ({args.link}) beside the plain CPU"
+        print(f"\n(c) the step on {where}, state in host (medians; hidden = transfer time overlapping forward, backward or "
+              "the host updates; 'behind fwd/bwd' counts forward and backward only)")
+        print(table(links, [("what", "variant", "s"), ("step_ms", "step ms", ".1f"), ("stall_ms", "waited in step() ms", ".1f"),
+                            ("to_host_mib", "to host MiB", ".2f"), ("to_device_mib", "to device MiB", ".2f"), ("retaken_mib", "taken again MiB", ".2f"),
+                            ("transfer_ms", "transfer ms", ".2f"), ("grads_hidden", "grads hidden", ".0%"), ("weights_hidden", "weights hidden", ".0%"),
+                            ("hidden", "all hidden", ".0%"), ("hidden_device", "behind fwd/bwd", ".0%")]))
+        by_name = {r["what"].replace("cuda", "emulated"): r for r in links}
+        clip_cost = by_name["emulated, user clip_grad_norm_(1.0)"]["step_ms"] / by_name["emulated, max_grad_norm=1.0"]["step_ms"]
+        print(f"  user clip_grad_norm_ step / max_grad_norm= step: {clip_cost:.2f}x")
+        for mode in ("after", "in"):
+            goals[f"{args.link if 'emulated' in where else 'cuda'}, state in host: >= 90% of transfer time hidden ({mode} backward)"] = (
+                by_name[f"emulated, {mode} backward"]["hidden"] >= 0.9)
     print()
     for goal, met in goals.items():
         print(f"  [{'met' if met else 'MISSED'}] {goal}")
-    write_json(args.json, {"benchmark": "bench_optim", "environment": environment(args.dir), "memory_bandwidth_gbs": bandwidth,
-                           "disk_read_gbs": read_gbs, "disk_write_gbs": write_gbs, "updates": updates, "steps": steps,
-                           "facts": facts, "link": args.link, "link_runs": links, "user_clip_vs_max_grad_norm": clip_cost, "goals": goals})
+    write_json(args.json, {"benchmark": "bench_optim", "environment": environment(args.dir), "device": args.device,
+                           "memory_bandwidth_gbs": bandwidth, "disk_read_gbs": read_gbs, "disk_write_gbs": write_gbs, "updates": updates,
+                           "steps": steps, "facts": facts, "link": args.link, "link_runs": links, "user_clip_vs_max_grad_norm": clip_cost,
+                           "goals": goals})
     print(f"\nJSON: {args.json}")
     return 0
+
+
+def _sync(device: str) -> None:
+    """Wait for the device's queued work before reading a timer (CUDA runs asynchronously)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()

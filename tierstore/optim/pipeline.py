@@ -92,10 +92,11 @@ class UpdatePipeline:
                 f"{worst.index} ({worst.numel:,} elements: {largest:,} bytes) beside another gradient; give it more capacity"
             )
         tiers = self._store.tiers
-        if tiers.index(tier) == len(tiers) - 1:
-            # Nothing pages below the state tier: no transfers to overlap, and a second bucket's
-            # bookkeeping would only slow the math. One bucket (four when updating in backward,
-            # so updates start while backward runs).
+        if tiers.index(tier) == len(tiers) - 1 and all(slot.link.lends for slot in slots):
+            # Nothing pages below the state tier and nothing crosses a link: no transfers to
+            # overlap, and a second bucket's bookkeeping would only slow the math. One bucket
+            # (four when updating in backward, so updates start while backward runs). Across a
+            # link, buckets pipeline: one's new weights travel while the next one's math runs.
             whole = sum(needs) // (4 if in_backward else 1)
             self.bucket_bytes, self.inflight = max(bucket_bytes or whole, largest), 1
             return
