@@ -100,7 +100,8 @@ def _overlap(started: float, ended: float, spans: list[tuple[float, float]]) -> 
 
 
 def _emulated_store(tiers: list[Any], link: str) -> tuple[SyncTierStore, Link]:
-    """A store whose device tier is the emulated device behind ``link``."""
+    """A store whose device tier is behind a link: the emulated device at ``link``'s speed, or
+    a CUDA device's own link."""
     with emulate_device(True, link=link):
         sync = SyncTierStore(tiers).open()
     device_link = sync.store.tier("device").link  # type: ignore[attr-defined]
@@ -127,12 +128,13 @@ def saved_bytes(model: GPT, tokens: torch.Tensor) -> int:
 def activations(args: argparse.Namespace) -> list[dict[str, Any]]:
     config = GPTConfig()
     torch.manual_seed(0)
-    model = GPT(config)
-    batches = synthetic_batches(config, args.batch, seed=2)
+    model = GPT(config).to(args.device)
+    batches = synthetic_batches(config, args.batch, seed=2, device=args.device)
     total = saved_bytes(model, next(batches))
     root = args.dir / "swap-act"
     shutil.rmtree(root, ignore_errors=True)
-    sync = SyncTierStore([DeviceTier("cpu", 64 * MiB), HostTier(4 * total + 64 * MiB), DiskTier(root, "1GiB", durable=False)]).open()
+    sync = SyncTierStore([DeviceTier(args.device, 64 * MiB, emulate_device=False), HostTier(4 * total + 64 * MiB),
+                          DiskTier(root, "1GiB", durable=False)]).open()
     offload = offload_activations(sync, min_bytes="64KiB")
     device = sync.store.tier("device")
     peaks: list[int] = []
@@ -167,7 +169,7 @@ def activations(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     emulated_root = args.dir / "swap-act-emulated"
     shutil.rmtree(emulated_root, ignore_errors=True)
-    emulated, link = _emulated_store([DeviceTier("cpu", 64 * MiB), HostTier(4 * total + 64 * MiB), DiskTier(emulated_root, "1GiB", durable=False)], args.link)
+    emulated, link = _emulated_store([DeviceTier(args.device, 64 * MiB), HostTier(4 * total + 64 * MiB), DiskTier(emulated_root, "1GiB", durable=False)], args.link)
     over_link = offload_activations(emulated, min_bytes="64KiB")
     timeline = Timeline()
     link.add_listener(timeline)
@@ -199,6 +201,7 @@ def activations(args: argparse.Namespace) -> list[dict[str, Any]]:
             before = reports[name].stall if name in reports else 0.0
             started = time.perf_counter()
             fn(tokens)
+            _sync(args.device)
             elapsed = time.perf_counter() - started
             model.zero_grad()
             if step >= 2:
@@ -230,7 +233,7 @@ def activations(args: argparse.Namespace) -> list[dict[str, Any]]:
 def parameters(args: argparse.Namespace) -> list[dict[str, Any]]:
     config = GPTConfig()
     torch.manual_seed(0)
-    template = GPT(config)
+    template = GPT(config).to(args.device)
     weights = sum(p.nbytes for p in template.parameters())
     rows = []
     setups: dict[str, tuple[Any, bool]] = {"all resident": (None, False), "tierstore, from host": ("host", False),
@@ -241,7 +244,7 @@ def parameters(args: argparse.Namespace) -> list[dict[str, Any]]:
         root = args.dir / f"swap-param-{tier}"
         shutil.rmtree(root, ignore_errors=True)
         host: int = 64 * MiB if tier != "disk" else weights // 2
-        tiers = [DeviceTier("cpu", weights // 3), HostTier(host), DiskTier(root, "1GiB", durable=False)]
+        tiers = [DeviceTier(args.device, weights // 3, emulate_device=over_link), HostTier(host), DiskTier(root, "1GiB", durable=False)]
         timeline = Timeline()
         link: Link | None = None
         if over_link:
@@ -253,7 +256,7 @@ def parameters(args: argparse.Namespace) -> list[dict[str, Any]]:
         if params is not None:
             params.report.waits = timeline.waits
         opt = TieredAdamW(model.parameters(), lr=3e-3, store=sync, state_tier="host")
-        batches = synthetic_batches(config, args.batch // 2, seed=3)
+        batches = synthetic_batches(config, args.batch // 2, seed=3, device=args.device)
         times: list[float] = []
         stalls: list[float] = []
         for step in range(args.steps):
@@ -268,6 +271,7 @@ def parameters(args: argparse.Namespace) -> list[dict[str, Any]]:
             timeline.computed(started, middle)
             timeline.computed(middle, time.perf_counter())
             opt.step()
+            _sync(args.device)
             if params:
                 params.mark_step()
             if step >= 2:
@@ -293,7 +297,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/bench_swap.json"))
     parser.add_argument("--dir", type=Path, default=Path(".tierstore/bench"))
     parser.add_argument("--link", default=DEFAULT_LINK, help=f"the emulated link's speed (default {DEFAULT_LINK!r})")
+    parser.add_argument("--device", default="cpu", help="where the model runs: cpu (plain, and the emulated device) or cuda (its own link)")
     args = parser.parse_args(argv)
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available here")
     args.steps = 8 if args.quick else 20
     args.batch = 32
     args.dir.mkdir(parents=True, exist_ok=True)
@@ -316,6 +323,12 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for goal, met in goals.items():
         print(f"  [{'met' if met else 'MISSED'}] {goal}")
-    write_json(args.json, {"benchmark": "bench_swap", "environment": environment(args.dir), "link": args.link, "activations": act, "parameters": par, "goals": goals})
+    write_json(args.json, {"benchmark": "bench_swap", "environment": environment(args.dir), "link": args.link, "device": args.device, "activations": act, "parameters": par, "goals": goals})
     print(f"\nJSON: {args.json}")
     return 0
+
+
+def _sync(device: str) -> None:
+    """Wait for the device's queued work before reading a timer (CUDA runs asynchronously)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
