@@ -13,7 +13,9 @@ for bit). After the updates each owner broadcasts its new weights, packed per dt
 FSDP2 (``fully_shard``): parameters are DTensors, and each rank pages the state of its local
 shard. ``LocalShard`` shows the shard to the optimizer's machinery as a plain tensor (its data,
 ``p.grad``'s local tensor) so nothing else needs to know about DTensors; state is handed out as
-DTensors with the parameter's mesh and placements.
+DTensors with the parameter's mesh and placements. Torch's in-place foreach ops on DTensor
+gradients move no version counter, so across a device link each shard's gradient is copied at
+``step()`` (the copy its hook started is not trusted).
 
 Clipping by the global norm needs every rank: the sharded optimizer gathers the per-parameter
 norms (each from its owner), FSDP2 reduces the local norms as DTensor's own partial-norm
@@ -56,8 +58,8 @@ def rank_folder(root: str | os.PathLike[str]) -> Path:
 
 class LocalShard:
     """The rank's shard of a DTensor parameter, as a plain tensor for the optimizer's machinery:
-    ``data`` is the local tensor (writes land in the parameter), ``grad`` the local tensor of
-    ``p.grad`` as it is now (the same object while ``p.grad`` is, so version checks hold)."""
+    ``data`` is the local tensor (writes land in the parameter), ``grad`` a view of ``p.grad``'s
+    local tensor as it is now."""
 
     def __init__(self, param: torch.Tensor) -> None:
         self.dtensor = param
@@ -72,8 +74,14 @@ class LocalShard:
 
     @property
     def grad(self) -> torch.Tensor | None:
+        """A new view of ``p.grad``'s local tensor at every access: in-place foreach ops on
+        DTensors (``clip_grad_norm_``'s) move no version counter, so a copy taken when the hook
+        fired cannot be told current; a new object makes ``step()`` take the gradient again."""
         grad = self.dtensor.grad
-        return None if grad is None else grad._local_tensor  # type: ignore[attr-defined,no-any-return]
+        if grad is None:
+            return None
+        local = grad._local_tensor  # type: ignore[attr-defined]
+        return local.view(local.shape)  # type: ignore[no-any-return]
 
     @property
     def requires_grad(self) -> bool:
