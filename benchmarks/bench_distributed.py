@@ -1,0 +1,12 @@
+"""1 rank against 2 ranks sharing one disk: state bytes per tier, step time, disk bytes and
+throughput per rank, DCP save/load against torch's AdamW (see tierstore/bench/distributed.py).
+
+Reproduce:  python benchmarks/bench_distributed.py [--quick] [--width W --depth D --steps K] [--dir DIR]
+"""
+
+import sys
+
+from tierstore.bench.distributed import main
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
