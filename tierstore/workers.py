@@ -121,6 +121,9 @@ class WorkerPool:
                 _resolve(job, None, exc)
             else:
                 _resolve(job, result, None)
+            # An idle thread must not keep its last job (and the buffers its function names)
+            # alive until the next one: a freed tier buffer would stay allocated outside every budget.
+            job = result = None  # type: ignore[assignment]
 
 
 def _resolve(job: _Job, result: Any, exc: BaseException | None) -> None:
@@ -171,6 +174,7 @@ class CallerPool:
                 loop.call_soon_threadsafe(_settle_future, future, None, exc)
             else:
                 loop.call_soon_threadsafe(_settle_future, future, result, None)
+            item = fn = result = None  # type: ignore[assignment]  # (see WorkerPool._serve)
 
 
 def _settle_future(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
