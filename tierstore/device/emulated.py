@@ -17,10 +17,9 @@ import threading
 import time
 from typing import Any
 
-import numpy as np
 import torch
 
-from .link import TO_DEVICE, TO_HOST, Link
+from .link import TO_DEVICE, TO_HOST, Link, copy_into
 from .spec import LinkSpec
 from .transfer import Transfer
 
@@ -80,7 +79,7 @@ class _CopyStream:
                     after.wait()
                 transfer.started = started = time.perf_counter()
                 if transfer.nbytes:
-                    np.copyto(dst.numpy(), src.numpy())
+                    copy_into(dst, src)
                 self._free_at = max(self._free_at, started) + self._spec.seconds(transfer.nbytes)
                 pause = self._free_at - time.perf_counter()
                 if pause > _MIN_SLEEP or (pause > 0 and self._queue.empty()):

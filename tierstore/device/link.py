@@ -18,6 +18,7 @@ device and the emulation setting (``tierstore.device.link_for``).
 
 from __future__ import annotations
 
+import logging
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -28,6 +29,8 @@ import torch
 
 from ..tensors import as_bytes
 from .transfer import Transfer
+
+_log = logging.getLogger("tierstore.device")
 
 #: ``listener(direction, nbytes, started, ended)``, called on the link's thread as each copy ends.
 TransferListener = Callable[[str, int, float, float], None]
@@ -64,25 +67,26 @@ class Link(ABC):
         return Transfer.completed("marker", 0)
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor, *, after: Any = None) -> Transfer:
-        """Start copying device tensor ``src`` into host tensor ``dst`` (same byte size)."""
+        """Start copying device tensor ``src`` into host tensor ``dst``: the same byte size when
+        both are contiguous; else (a channels-last or transposed tensor) the same dtype and number
+        of elements, copied in logical (row-major) order, a contiguous side taking the other's shape."""
         return self._start(TO_HOST, dst, src, after)
 
     def to_device(self, dst: torch.Tensor, src: torch.Tensor, *, after: Any = None) -> Transfer:
-        """Start copying host tensor ``src`` into device tensor ``dst`` (same byte size)."""
+        """Start copying host tensor ``src`` into device tensor ``dst`` (as ``to_host``)."""
         return self._start(TO_DEVICE, dst, src, after)
 
     def _start(self, direction: str, dst: torch.Tensor, src: torch.Tensor, after: Any) -> Transfer:
-        dst_bytes, src_bytes = _bytes_of(dst), _bytes_of(src)
-        if dst_bytes.numel() != src_bytes.numel():
-            raise ValueError(f"a copy of {src_bytes.numel():,} bytes into a buffer of {dst_bytes.numel():,}")
-        transfer = Transfer(direction, src_bytes.numel(), keep=(dst, src))
+        dst_view, src_view = _copy_views(dst, src)
+        transfer = Transfer(direction, src_view.numel() * src_view.element_size(), keep=(dst, src))
         transfer.add_done_callback(self._count)
-        self._submit(transfer, dst_bytes, src_bytes, after)
+        self._submit(transfer, dst_view, src_view, after)
         return transfer
 
     @abstractmethod
     def _submit(self, transfer: Transfer, dst: torch.Tensor, src: torch.Tensor, after: Any) -> None:
-        """Queue the copy of ``src`` into ``dst`` (byte views); ``transfer.finish()`` when done."""
+        """Queue the copy of ``src`` into ``dst`` (byte views, or tensors of one shape and dtype
+        when either is not contiguous: ``copy_into``); ``transfer.finish()`` when done."""
 
     def add_listener(self, listener: TransferListener) -> None:
         """Tell ``listener`` about each copy as it ends (for timelines and reports)."""
@@ -102,7 +106,10 @@ class Link(ABC):
             moved[1] += transfer.seconds
             listeners = self._listeners
         for listener in listeners:
-            listener(transfer.direction, transfer.nbytes, transfer.started or 0.0, transfer.ended or 0.0)
+            try:
+                listener(transfer.direction, transfer.nbytes, transfer.started or 0.0, transfer.ended or 0.0)
+            except Exception:  # noqa: BLE001 - one listener's error: logged, the others still hear
+                _log.exception("link listener %r raised", listener)
 
     def close(self) -> None:
         """Stop the link's threads (links are shared per process; this is for tests)."""
@@ -118,14 +125,41 @@ class HostLink(Link):
     def _submit(self, transfer: Transfer, dst: torch.Tensor, src: torch.Tensor, after: Any) -> None:
         transfer.started = transfer.queued
         try:
-            np.copyto(dst.numpy(), src.numpy())
+            copy_into(dst, src)
         except BaseException as exc:
             transfer.finish(exc)
             raise
         transfer.finish()
 
 
-def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
-    if not tensor.is_contiguous():
-        raise ValueError("a link copies contiguous tensors only")
-    return as_bytes(tensor)
+def _copy_views(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a copy of ``src`` into ``dst`` moves: their bytes when both are contiguous; else
+    both as one shape (a weight kept flat on the host goes into a channels-last parameter element
+    by element, not byte by byte, which would scramble it)."""
+    if dst.is_contiguous() and src.is_contiguous():
+        dst_bytes, src_bytes = as_bytes(dst), as_bytes(src)
+        if dst_bytes.numel() != src_bytes.numel():
+            raise ValueError(f"a copy of {src_bytes.numel():,} bytes into a buffer of {dst_bytes.numel():,}")
+        return dst_bytes, src_bytes
+    if dst.dtype != src.dtype or dst.numel() != src.numel():
+        raise ValueError(
+            f"a copy to or from a tensor that is not contiguous needs the same dtype and number of elements: "
+            f"{src.numel():,} x {src.dtype} into {dst.numel():,} x {dst.dtype}"
+        )
+    dst, src = dst.detach(), src.detach()
+    if dst.shape != src.shape:
+        if dst.is_contiguous():
+            dst = dst.view(src.shape)
+        elif src.is_contiguous():
+            src = src.view(dst.shape)
+        else:
+            raise ValueError(f"a copy between two tensors that are not contiguous needs one shape, not {tuple(src.shape)} and {tuple(dst.shape)}")
+    return dst, src
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy on the CPU what ``Link._submit`` was given (byte views, or tensors of one shape)."""
+    if dst.dtype == torch.uint8 and dst.is_contiguous() and src.is_contiguous():
+        np.copyto(dst.numpy(), src.numpy())  # releases the GIL for the whole copy
+    else:
+        dst.copy_(src)

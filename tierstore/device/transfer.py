@@ -4,10 +4,13 @@ without polling."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Callable, Generator
 from typing import Any
+
+_log = logging.getLogger("tierstore.device")
 
 
 class Transfer:
@@ -53,12 +56,13 @@ class Transfer:
             raise self._error
 
     def add_done_callback(self, callback: Callable[[Transfer], None]) -> None:
-        """Call ``callback(self)`` when the copy ends (at once if it has), on the completing thread."""
+        """Call ``callback(self)`` when the copy ends (at once if it has), on the completing thread.
+        A callback that raises is logged (``tierstore.device``); it never stops the link's thread."""
         with self._lock:
             if not self._done.is_set():
                 self._callbacks.append(callback)
                 return
-        callback(self)
+        _call(callback, self)
 
     def finish(self, error: BaseException | None = None) -> None:
         """Mark the copy ended (the link's thread calls this)."""
@@ -73,7 +77,7 @@ class Transfer:
             self._done.set()
             callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
-            callback(self)
+            _call(callback, self)
 
     async def _settled(self) -> None:
         loop = asyncio.get_running_loop()
@@ -103,6 +107,15 @@ class Transfer:
         if self.ended is None or self.started is None:
             return 0.0
         return self.ended - self.started
+
+
+def _call(callback: Callable[[Transfer], None], transfer: Transfer) -> None:
+    # A link's thread finishes every transfer in turn: one callback's error (a listener's, or a
+    # wake-up of a loop that closed meanwhile) must not kill it and hang every later copy.
+    try:
+        callback(transfer)
+    except Exception:  # noqa: BLE001 - logged; the transfer and the link go on
+        _log.exception("a callback of a %s transfer of %d bytes raised", transfer.direction, transfer.nbytes)
 
 
 def _resolve(future: asyncio.Future[None]) -> None:
