@@ -23,7 +23,6 @@ from .link import TO_DEVICE, TO_HOST, Link, copy_into
 from .spec import LinkSpec
 from .transfer import Transfer
 
-
 #: Below this, a copy does not sleep off what it owes the link's pace but leaves it to the copies
 #: queued after it (a sleep this short overshoots by more than it lasts).
 _MIN_SLEEP = 5e-4
