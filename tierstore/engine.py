@@ -173,7 +173,7 @@ class Engine:
         self.closing = False
         try:
             if self.trace is not None:
-                self.trace.close()
+                await self.trace.aclose()
         finally:
             try:
                 for tier in reversed(self._tiers):

@@ -32,9 +32,12 @@ carries its own ``ops`` table).
 
 from __future__ import annotations
 
+import io
 import time
 from pathlib import Path
 
+import aiofiles
+import aiofiles.os
 import numpy as np
 
 #: Op names by index; append only (indices are stored in traces).
@@ -77,15 +80,29 @@ class TraceRecorder:
 
     def close(self) -> None:
         """Write the trace (atomically: a temporary file renamed into place)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        partial = self.path.with_name(self.path.name + ".partial")
+        with open(partial, "wb") as handle:
+            self._savez(handle)
+        partial.replace(self.path)
+
+    async def aclose(self) -> None:
+        """``close`` from the store's loop: the file is written and renamed through aiofiles, in
+        its thread pool, so a long trace does not stall the loop's I/O while it is written."""
+        buffer = io.BytesIO()
+        self._savez(buffer)  # (columns in memory already; numpy's zip writer needs a sync file)
+        await aiofiles.os.makedirs(self.path.parent, exist_ok=True)
+        partial = self.path.with_name(self.path.name + ".partial")
+        async with aiofiles.open(partial, "wb") as handle:
+            await handle.write(buffer.getbuffer())
+        await aiofiles.os.replace(partial, self.path)
+
+    def _savez(self, handle: io.BufferedIOBase | io.BytesIO) -> None:
         dtypes = {"time": np.float64, "op": np.uint8, "key": np.int64, "nbytes": np.int64,
                   "tier": np.int8, "before": np.int8, "hit": np.int8, "step": np.int64}
         arrays = {name: np.asarray(self._rows[name], dtype=dtypes[name]) for name in COLUMNS}
         keys = np.empty(len(self._key_ids), dtype=object)
         for key, index in self._key_ids.items():
             keys[index] = key
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        partial = self.path.with_name(self.path.name + ".partial")
-        with open(partial, "wb") as handle:
-            tables = {"keys": keys.astype(str), "ops": np.asarray(OPS), "tiers": np.asarray(self.tiers, dtype=str)}
-            np.savez(handle, **arrays, **tables)  # type: ignore[arg-type]
-        partial.replace(self.path)
+        tables = {"keys": keys.astype(str), "ops": np.asarray(OPS), "tiers": np.asarray(self.tiers, dtype=str)}
+        np.savez(handle, **arrays, **tables)  # type: ignore[arg-type]
