@@ -12,7 +12,9 @@ missing ``import torch`` still fails.
 from __future__ import annotations
 
 import io
+import os
 import re
+import socket
 import subprocess
 import sys
 import tokenize
@@ -72,9 +74,18 @@ def test_the_readme_has_python_blocks() -> None:
 @pytest.mark.parametrize(("line", "code"), BLOCKS, ids=[f"line{line}" for line, _ in BLOCKS])
 def test_a_readme_block_runs_as_written(line: int, code: str, tmp_path: Path) -> None:
     script = prepared(code, tmp_path)
-    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    env = dict(os.environ)
+    if "init_process_group" in code:  # a block written for torchrun runs as a job of one rank
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, f"README.md block at line {line} failed:\n{done.stderr[-3000:]}"
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def test_substitutions_touch_only_devices_and_folders(tmp_path: Path) -> None:
