@@ -8,6 +8,12 @@ match ``torch.optim.Adam``/``AdamW``: bit for bit with the same implementation (
 against torch's ``fused=True``, ``fused=False`` against its default), within fp32 rounding
 across implementations.
 
+A parameter whose state is larger than a chunk (``chunk_bytes=``, see ``tierstore.optim.chunks``)
+keeps it in one such entry per chunk of its elements, ``(rows, chunk numel)`` under
+``<key>/c<i>``; Adam is elementwise, so the chunks' updates give the same bits as one update.
+``read_state_rows``/``write_state_rows`` read and write a parameter's whole ``(rows, numel)``
+state either way (checkpoints).
+
 In a named namespace, ``close()`` leaves the step counts (and the state of parameters too small
 to page) beside the paged state, and a later optimizer claiming the namespace continues from
 them, as if never interrupted.
@@ -26,7 +32,9 @@ from torch.optim.adam import adam
 from ..sync import run
 from .checkpoint import adam_entry, adam_load_state_dict, adam_state_dict
 from .clipping import inverse_scale
+from .chunks import Chunk
 from .paging import PagedOptimizer, ParamSlot
+from .pipeline import read_weight_range
 
 
 class TieredAdam(PagedOptimizer):
@@ -71,6 +79,8 @@ class TieredAdam(PagedOptimizer):
         if fused and foreach:
             raise ValueError("fused and foreach cannot both be True")
         self._step_counts: dict[int, torch.Tensor] = {}
+        #: A chunked parameter's step count before this step's update, and after it.
+        self._chunk_steps: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         defaults = {
             "lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "amsgrad": amsgrad,
             "maximize": maximize, "foreach": foreach, "capturable": False, "differentiable": False,
@@ -99,10 +109,66 @@ class TieredAdam(PagedOptimizer):
                 slot.resident = {"packed": self._initial(slot, await self._weight(slot))}
             yield slot.resident["packed"]
             return
-        if slot.key not in self.store or self.store.info(slot.key)["shape"] != (rows, slot.numel):
-            await self.store.put(slot.key, self._initial(slot, await self._weight(slot)), tier=self.state_tier)
+        if slot.chunks is not None:
+            raise RuntimeError(f"internal error: parameter {slot.index} is paged in chunks; use _chunk_state")
+        if not self._has(slot.key, rows, slot.numel):
+            await self._create(slot.key, rows, slot.numel, await self._weight(slot))
         async with self.store.hold(slot.key, self.state_tier, write=True) as packed:
             yield packed
+
+    def _chunkable(self, slot: ParamSlot) -> bool:
+        return type(slot.param) in (torch.Tensor, torch.nn.Parameter) and slot.param.is_contiguous()
+
+    @asynccontextmanager
+    async def _chunk_state(self, slot: ParamSlot, chunk: Chunk) -> AsyncIterator[torch.Tensor]:
+        rows = self._rows(slot)
+        if not self._has(chunk.key, rows, chunk.numel):
+            await self._create(chunk.key, rows, chunk.numel, await read_weight_range(slot, chunk.start, chunk.stop))
+        async with self.store.hold(chunk.key, self.state_tier, write=True) as packed:
+            yield packed
+
+    def _has(self, key: str, rows: int, numel: int) -> bool:
+        return key in self.store and self.store.info(key)["shape"] == (rows, numel)
+
+    async def _create(self, key: str, rows: int, numel: int, weight: torch.Tensor) -> None:
+        """New state under ``key``, written in place on the state tier (no second copy of it
+        exists): zero moments, the master weight from ``weight``."""
+        async with self.store.fill(key, (rows, numel), torch.float32, self.state_tier) as packed:
+            packed[1:].zero_()
+            packed[0].copy_(weight.reshape(-1))
+
+    async def read_state_rows(self, slot: ParamSlot) -> torch.Tensor:
+        """A paged parameter's whole state, ``(rows, numel)`` fp32 (master, exp_avg, exp_avg_sq
+        [, max_exp_avg_sq]), gathered from its chunks if it has them (on the store's loop)."""
+        if slot.chunks is None:
+            return await self.store.read(slot.key)
+        packed = torch.empty(self._rows(slot), slot.numel, dtype=torch.float32)
+        for chunk in slot.chunks:
+            async with self.store.hold(chunk.key, self.state_tier) as part:
+                packed[:, chunk.start : chunk.stop].copy_(part)
+        return packed
+
+    async def write_state_rows(self, slot: ParamSlot, packed: torch.Tensor) -> None:
+        """Store a paged parameter's whole ``(rows, numel)`` state, split into its chunks if it
+        has them (on the store's loop)."""
+        if slot.chunks is None:
+            await self.store.put(slot.key, packed, tier=self.state_tier)
+            return
+        for chunk in slot.chunks:
+            await self.store.put(chunk.key, packed[:, chunk.start : chunk.stop].contiguous(), tier=self.state_tier)
+
+    async def delete_state(self, slot: ParamSlot) -> None:
+        """Forget a parameter's paged state (every chunk of it)."""
+        for key in [slot.key, *(chunk.key for chunk in slot.chunks or [])]:
+            if key in self.store:
+                await self.store.delete(key)
+
+    def _stored(self, slot: ParamSlot) -> bool:
+        """Whether the store holds the slot's whole state in its layout."""
+        rows = self._rows(slot)
+        if slot.chunks is None:
+            return self._has(slot.key, rows, slot.numel)
+        return all(self._has(chunk.key, rows, chunk.numel) for chunk in slot.chunks)
 
     # -- continuing an earlier run ------------------------------------------------------------------
 
@@ -141,14 +207,15 @@ class TieredAdam(PagedOptimizer):
         elif saved is not None:
             for slot in self._slots:
                 step = float(saved[slot.index])
-                if step != step or slot.key not in self.store:  # NaN: never stepped
+                keys = [chunk.key for chunk in slot.chunks] if slot.chunks is not None else [slot.key]
+                if step != step or not any(key in self.store for key in keys):  # NaN: never stepped
                     continue
-                if self.store.info(slot.key)["shape"] != (self._rows(slot), slot.numel):
+                if not (self._stored(slot) if slot.paged else self._has(slot.key, self._rows(slot), slot.numel)):
                     mismatched.append(slot.index)
                     continue
                 self._step_counts[slot.index] = torch.tensor(step)
                 if slot.paged:
-                    kept.add(slot.key)
+                    kept.update(keys)
                 else:
                     slot.resident = {"packed": await self.store.read(slot.key)}
         if mismatched:
@@ -180,26 +247,52 @@ class TieredAdam(PagedOptimizer):
         for i, slot in enumerate(slots):
             by_group.setdefault(slot.group, []).append(i)
         for group_index, members in by_group.items():
-            group = self.param_groups[group_index]
-            amsgrad = group["amsgrad"]
-            fused = group["fused"] if group["fused"] is not None else not group["foreach"]
-            beta1, beta2 = group["betas"]
-            flat = [grads[i].reshape(-1) for i in members]
-            if grad_scale is not None and not fused:
-                inverse = inverse_scale(grad_scale)
-                flat = [g.mul(inverse) for g in flat]
-            adam(
-                [states[i][0] for i in members], [g if g.dtype == torch.float32 else g.float() for g in flat],
-                [states[i][1] for i in members], [states[i][2] for i in members],
-                [states[i][3] for i in members] if amsgrad else [],
-                [self._step_counts.setdefault(slots[i].index, torch.tensor(0.0)) for i in members],
-                foreach=bool(group["foreach"]) and not fused, fused=bool(fused),
-                amsgrad=amsgrad, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-                eps=group["eps"], maximize=group["maximize"],
-                decoupled_weight_decay=group.get("decoupled_weight_decay", self.decoupled_weight_decay),
-                grad_scale=grad_scale if fused else None,
-            )
+            steps = [self._step_counts.setdefault(slots[i].index, torch.tensor(0.0)) for i in members]
+            self._adam(self.param_groups[group_index], [states[i] for i in members], [grads[i] for i in members], steps, grad_scale)
         return [state[0] for state in states]
+
+    def _adam(
+        self, group: dict[str, Any], states: list[torch.Tensor], grads: list[torch.Tensor], steps: list[torch.Tensor],
+        grad_scale: torch.Tensor | None,
+    ) -> None:
+        """One call of torch's Adam on packed ``states`` (rows: master, moments) of one group."""
+        amsgrad = group["amsgrad"]
+        fused = group["fused"] if group["fused"] is not None else not group["foreach"]
+        beta1, beta2 = group["betas"]
+        flat = [grad.reshape(-1) for grad in grads]
+        if grad_scale is not None and not fused:
+            inverse = inverse_scale(grad_scale)
+            flat = [g.mul(inverse) for g in flat]
+        adam(
+            [state[0] for state in states], [g if g.dtype == torch.float32 else g.float() for g in flat],
+            [state[1] for state in states], [state[2] for state in states],
+            [state[3] for state in states] if amsgrad else [],
+            steps,
+            foreach=bool(group["foreach"]) and not fused, fused=bool(fused),
+            amsgrad=amsgrad, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+            eps=group["eps"], maximize=group["maximize"],
+            decoupled_weight_decay=group.get("decoupled_weight_decay", self.decoupled_weight_decay),
+            grad_scale=grad_scale if fused else None,
+        )
+
+    def _begin_chunks(self, slot: ParamSlot) -> None:
+        """Before the first chunk of this step's update: every chunk starts from this count
+        (a step resumed after a failure keeps the count its first chunks started from)."""
+        if not slot.chunks_updated or slot.index not in self._chunk_steps:
+            before = self._step_counts.get(slot.index, torch.tensor(0.0))
+            self._chunk_steps[slot.index] = (before.clone(), None)
+
+    def _apply_chunk(self, slot: ParamSlot, chunk: Chunk, state: torch.Tensor, grad: torch.Tensor, grad_scale: torch.Tensor | None) -> torch.Tensor:
+        before, _ = self._chunk_steps[slot.index]
+        step = before.clone()  # torch's Adam counts it up: each chunk from the same count
+        self._adam(self.param_groups[slot.group], [state], [grad], [step], grad_scale)
+        self._chunk_steps[slot.index] = (before, step)
+        return state[0]
+
+    def _end_chunks(self, slot: ParamSlot) -> None:
+        before, after = self._chunk_steps.pop(slot.index, (None, None))
+        if after is not None:
+            self._step_counts[slot.index] = after
 
     # -- checkpoints (tierstore.optim.checkpoint) -------------------------------------------------------
 

@@ -153,7 +153,7 @@ class GradientCapture:
     async def _take(self, slot: ParamSlot, capture: Capture, grad: torch.Tensor, previous: Capture | None, *, arrived: bool) -> None:
         if previous is not None and previous.task is not None:  # one copy into the key at a time
             await asyncio.gather(previous.task, return_exceptions=True)
-        if capture.lent is None:
+        if capture.lent is None and slot.chunks is None:  # a chunked one crosses chunk by chunk, in its update
             async with self._store.fill(slot.grad_key, grad.shape, grad.dtype, self._tier) as buffer:
                 transfer = slot.link.to_host(buffer, grad, after=capture.marker)
                 await transfer

@@ -91,7 +91,7 @@ async def adam_entry(optimizer: TieredAdam, slot: ParamSlot) -> dict[str, torch.
         if slot.param.dtype != torch.float32:
             entry["master"] = _laid_out(slot, (await optimizer._weight(slot)).reshape(-1).float().clone())
         return entry
-    packed = slot.resident["packed"] if not slot.paged and slot.resident else await optimizer.store.read(slot.key)
+    packed = slot.resident["packed"] if not slot.paged and slot.resident else await optimizer.read_state_rows(slot)
     entry = {"step": step.clone()}
     for row, name in enumerate(_ROWS[: packed.shape[0]]):
         if row == 0 and slot.param.dtype == torch.float32:
@@ -151,12 +151,10 @@ def _fresh(saved: dict[str, Any]) -> bool:
 
 async def _adam_load(optimizer: TieredAdam, saved_state: dict[ParamSlot, dict[str, Any] | None]) -> None:
     optimizer._step_counts.clear()
-    store = optimizer.store
     for slot, saved in saved_state.items():
         if not saved or _fresh(saved):
             slot.resident = None
-            if slot.key in store:
-                await store.delete(slot.key)
+            await optimizer.delete_state(slot)
             continue
         packed = optimizer._initial(slot, await optimizer._weight(slot))
         for row, name in enumerate(_ROWS[: packed.shape[0]]):
@@ -165,7 +163,7 @@ async def _adam_load(optimizer: TieredAdam, saved_state: dict[ParamSlot, dict[st
         step = saved.get("step", 0)
         optimizer._step_counts[slot.index] = torch.tensor(float(step.item() if torch.is_tensor(step) else step))
         if slot.paged:
-            await store.put(slot.key, packed, tier=optimizer.state_tier)
+            await optimizer.write_state_rows(slot, packed)
         else:
             slot.resident = {"packed": packed}
 

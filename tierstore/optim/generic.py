@@ -4,6 +4,12 @@ For each parameter the wrapper keeps an fp32 master weight and every state tenso
 optimizer creates with the parameter's shape (momentum buffers, sums of squares ...) in the
 store; smaller state (step counters, scalars) stays in host memory. An update holds them on the
 host tier, points a private copy of the wrapped optimizer at them, and calls its ``step()``.
+
+A parameter whose state is larger than a chunk is paged in chunks (``tierstore.optim.chunks``,
+keys ``<key>/c<i>/<name>``) when the wrapped optimizer is elementwise (``ELEMENTWISE``, or
+``elementwise=True``): each chunk is stepped on its own, from the same small state (step
+counts), which gives the same numbers as one step. Another optimizer's parameters are paged
+whole, and a state tier too small for one of them is refused with ``OptimizerCapacityError``.
 """
 
 from __future__ import annotations
@@ -16,7 +22,10 @@ from typing import Any
 import torch
 
 from ..sync import run
+from .chunks import Chunk, is_elementwise
+from .clipping import inverse_scale
 from .paging import PagedOptimizer, ParamSlot
+from .pipeline import read_weight_range
 
 _PAGING_OPTIONS = set(inspect.signature(PagedOptimizer.__init__).parameters) - {"self", "params", "defaults"}
 
@@ -27,10 +36,14 @@ class TieredOptimizer(PagedOptimizer):
     ``optimizer_class`` is any ``torch.optim.Optimizer`` whose ``step()`` needs no closure;
     keyword arguments go to it, except the store options of ``PagedOptimizer`` (``store=``,
     ``offload=``, ``step_in_backward=``, ``max_grad_norm=`` ...). ``state_dict()`` is in the
-    wrapped optimizer's own format, so checkpoints move between the two.
+    wrapped optimizer's own format, so checkpoints move between the two. ``elementwise``: whether
+    the wrapped optimizer updates each element from its own state only, so that a large
+    parameter's state may be paged in chunks (default: known for torch's own optimizers).
     """
 
-    def __init__(self, params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer], **kwargs: Any) -> None:
+    def __init__(
+        self, params: Iterable[Any], optimizer_class: type[torch.optim.Optimizer], *, elementwise: bool | None = None, **kwargs: Any
+    ) -> None:
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, not {optimizer_class!r}")
         paging = {k: kwargs.pop(k) for k in list(kwargs) if k in _PAGING_OPTIONS}
@@ -40,6 +53,9 @@ class TieredOptimizer(PagedOptimizer):
         self._inner: dict[int, tuple[torch.optim.Optimizer, torch.Tensor]] = {}
         self._paged_names: dict[int, list[str]] = {}
         self._small_state: dict[int, dict[str, Any]] = {}
+        #: Whether the update of one element reads only that element's state (chunks allowed).
+        self.elementwise = is_elementwise(optimizer_class) if elementwise is None else bool(elementwise)
+        self._chunk_small: dict[int, tuple[dict[str, Any], dict[str, Any] | None]] = {}
         super().__init__(params, dict(probe.defaults), **paging)
 
     # -- state layout ------------------------------------------------------------------------------
@@ -49,8 +65,48 @@ class TieredOptimizer(PagedOptimizer):
         # Before the first step the state is unknown: assume two tensors (like Adam's moments).
         return slot.numel * 4 * (1 + (len(names) if names is not None else 2))
 
-    def _key(self, slot: ParamSlot, name: str) -> str:
-        return f"{slot.key}/{name}"
+    def _key(self, slot: ParamSlot, name: str, chunk: Chunk | None = None) -> str:
+        return f"{chunk.key if chunk is not None else slot.key}/{name}"
+
+    def _chunkable(self, slot: ParamSlot) -> bool:
+        return self.elementwise and type(slot.param) in (torch.Tensor, torch.nn.Parameter) and slot.param.is_contiguous()
+
+    @asynccontextmanager
+    async def _chunk_state(self, slot: ParamSlot, chunk: Chunk) -> AsyncIterator[dict[str, Any]]:
+        box: dict[str, Any] = {"tensors": {}, "new": {}}
+        master_key = self._key(slot, "master", chunk)
+        if master_key not in self.store:
+            weight = await read_weight_range(slot, chunk.start, chunk.stop)
+            async with self.store.fill(master_key, (chunk.numel,), torch.float32, self.state_tier) as master:
+                master.copy_(weight)
+        async with AsyncExitStack() as stack:
+            box["master"] = await stack.enter_async_context(self.store.hold(master_key, self.state_tier, write=True))
+            for name in self._paged_names.get(slot.index, []):
+                key = self._key(slot, name, chunk)
+                if key in self.store:
+                    box["tensors"][name] = await stack.enter_async_context(self.store.hold(key, self.state_tier, write=True))
+            yield box
+        for name, tensor in box["new"].items():
+            await self.store.put(self._key(slot, name, chunk), tensor, tier=self.state_tier)
+
+    def _begin_chunks(self, slot: ParamSlot) -> None:
+        if not slot.chunks_updated or slot.index not in self._chunk_small:
+            self._chunk_small[slot.index] = (dict(self._small_state.get(slot.index, {})), None)
+
+    def _apply_chunk(self, slot: ParamSlot, chunk: Chunk, box: dict[str, Any], grad: torch.Tensor, grad_scale: torch.Tensor | None) -> torch.Tensor:
+        before, _ = self._chunk_small[slot.index]
+        # every chunk steps from the same small state (step counts): as one step would
+        self._small_state[slot.index] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in before.items()}
+        if grad_scale is not None:
+            grad = grad.mul(inverse_scale(grad_scale))
+        master = self._step_inner(slot, box, grad, self.param_groups[slot.group], torch.Size([chunk.numel]))
+        self._chunk_small[slot.index] = (before, self._small_state[slot.index])
+        return master
+
+    def _end_chunks(self, slot: ParamSlot) -> None:
+        _, after = self._chunk_small.pop(slot.index, ({}, None))
+        if after is not None:
+            self._small_state[slot.index] = after
 
     @asynccontextmanager
     async def _state(self, slot: ParamSlot) -> AsyncIterator[dict[str, Any]]:
@@ -80,14 +136,20 @@ class TieredOptimizer(PagedOptimizer):
         return box["master"]
 
     def _apply(self, slot: ParamSlot, box: dict[str, Any], grad: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        return self._step_inner(slot, box, grad, group, slot.shape)
+
+    def _step_inner(self, slot: ParamSlot, box: dict[str, Any], grad: torch.Tensor, group: dict[str, Any], shape: torch.Size) -> torch.Tensor:
+        """Step the wrapped optimizer on ``box`` (the state of the slot, or of one of its chunks,
+        of ``shape``)."""
         master: torch.Tensor = box["master"]
+        numel = shape.numel()
         shadow = self._shadow(slot)
-        shadow.data = master.view(slot.shape)
-        shadow.grad = grad.float().reshape(slot.shape) if grad.dtype != torch.float32 else grad.reshape(slot.shape)
+        shadow.data = master.view(shape)
+        shadow.grad = grad.float().reshape(shape) if grad.dtype != torch.float32 else grad.reshape(shape)
         inner = self._inner_for(slot, shadow)
         inner.param_groups[0].update({k: v for k, v in group.items() if k != "params"})
         state = dict(self._small_state.get(slot.index, {}))
-        state.update({name: t.view(slot.shape) for name, t in box["tensors"].items()})
+        state.update({name: t.view(shape) for name, t in box["tensors"].items()})
         inner.state[shadow] = state
         try:
             inner.step()
@@ -95,7 +157,7 @@ class TieredOptimizer(PagedOptimizer):
                 master.copy_(shadow.data.reshape(-1))
             small, new = {}, {}
             for name, value in inner.state[shadow].items():
-                if torch.is_tensor(value) and value.numel() == slot.numel and value.numel() > 1:
+                if torch.is_tensor(value) and value.numel() == numel and value.numel() > 1:
                     held = box["tensors"].get(name)
                     if held is None or value.data_ptr() != held.data_ptr():
                         new[name] = value.detach().reshape(-1).float().clone()
@@ -137,13 +199,39 @@ class TieredOptimizer(PagedOptimizer):
             for name in self._paged_names.get(slot.index, []):
                 value: torch.Tensor | None
                 if slot.paged:
-                    value = await self.store.read(self._key(slot, name))
+                    value = await self._read_named(slot, name)
                 else:
                     value = slot.resident.get(name) if slot.resident else None
                 if value is not None:
                     entry[name] = value.reshape(slot.shape).clone()
             state[slot.index] = entry
         return {"state": state, "param_groups": self._groups_for_saving()}
+
+    async def _read_named(self, slot: ParamSlot, name: str) -> torch.Tensor | None:
+        """The paged state tensor ``name`` of ``slot`` (flat), gathered from its chunks if any."""
+        if slot.chunks is None:
+            return await self.store.read(self._key(slot, name)) if self._key(slot, name) in self.store else None
+        value = torch.empty(slot.numel, dtype=torch.float32)
+        for chunk in slot.chunks:
+            key = self._key(slot, name, chunk)
+            if key not in self.store:
+                return None
+            async with self.store.hold(key, self.state_tier) as part:
+                value[chunk.start : chunk.stop].copy_(part)
+        return value
+
+    async def _write_named(self, slot: ParamSlot, name: str, value: torch.Tensor) -> None:
+        if slot.chunks is None:
+            await self.store.put(self._key(slot, name), value, tier=self.state_tier)
+            return
+        for chunk in slot.chunks:
+            await self.store.put(self._key(slot, name, chunk), value[chunk.start : chunk.stop].contiguous(), tier=self.state_tier)
+
+    async def _delete_named(self, slot: ParamSlot, name: str) -> None:
+        for chunk in slot.chunks or [None]:
+            key = self._key(slot, name, chunk)
+            if key in self.store:
+                await self.store.delete(key)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of this class or of the wrapped optimizer class."""
@@ -161,12 +249,12 @@ class TieredOptimizer(PagedOptimizer):
         for slot, saved in saved_state.items():
             self._small_state.pop(slot.index, None)
             for name in self._paged_names.pop(slot.index, []):
-                if slot.paged and self._key(slot, name) in self.store:
-                    await self.store.delete(self._key(slot, name))
+                if slot.paged:
+                    await self._delete_named(slot, name)
             master = (await self._weight(slot)).float().reshape(-1).clone()
             slot.resident = None if slot.paged else {"master": master}
             if slot.paged:
-                await self.store.put(self._key(slot, "master"), master, tier=self.state_tier)
+                await self._write_named(slot, "master", master)
             if saved is None:
                 continue
             small, names = {}, []
@@ -175,7 +263,7 @@ class TieredOptimizer(PagedOptimizer):
                     tensor = value.detach().float().cpu().reshape(-1).clone()
                     names.append(name)
                     if slot.paged:
-                        await self.store.put(self._key(slot, name), tensor, tier=self.state_tier)
+                        await self._write_named(slot, name, tensor)
                     else:
                         slot.resident[name] = tensor  # type: ignore[index]
                 else:

@@ -46,6 +46,7 @@ from ..store import TierStore
 from ..sync import SyncTierStore, loop_thread, run
 from ..units import parse_bytes
 from .capture import GradientCapture, observe
+from .chunks import DEFAULT_CHUNK_BYTES
 from .clipping import clip_coefficient, inverse_scale
 from .distributed import (
     LocalShard,
@@ -57,7 +58,7 @@ from .distributed import (
     rank_folder,
 )
 from .pipeline import OptimizerCapacityError, UpdatePipeline, offloaded, read_weight
-from .reports import MemoryReport, StepWindow, Timeline, TimeReport, memory_report
+from .reports import MemoryPlan, MemoryReport, StepWindow, Timeline, TimeReport, memory_report, plan_memory
 from .setup import DEFAULT_DISK_ROOT, bind_store, default_store
 from .slots import ParamSlot
 from .steps import StepRunner
@@ -116,6 +117,11 @@ class PagedOptimizer(torch.optim.Optimizer):
     bucket_bytes:
         State and gradient bytes updated together in one call (default: what the state tier
         can hold for ``max_inflight`` buckets, at most 64 MiB).
+    chunk_bytes:
+        A parameter whose state (and host gradient) is larger than this (default 32 MiB, and
+        at most what the state tier holds for ``2 * max_inflight + 2`` chunks) is paged, prefetched,
+        updated and written back in chunks of it (``tierstore.optim.chunks``), so the state tier
+        can be far smaller than the largest parameter's state. None: never chunk.
     emulate_device:
         CPU parameters count as device memory behind an emulated link (True), as host memory
         (False), or as the process setting says (None: ``tierstore.device.emulate_device``,
@@ -152,6 +158,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         min_offload_numel: int = 4096,
         max_inflight: int = 2,
         bucket_bytes: int | str | None = None,
+        chunk_bytes: int | str | None = DEFAULT_CHUNK_BYTES,
         namespace: str | None = None,
         overwrite: bool = False,
         key_prefix: str | None = None,
@@ -209,7 +216,13 @@ class PagedOptimizer(torch.optim.Optimizer):
             for slot in self._slots:
                 slot.key = self.namespace.key(str(slot.index))
             self._pipeline = UpdatePipeline(self.store, state_tier, self, report=lambda: self._window.report, timeline=self.timeline)
-            self._pipeline.plan(self._slots, parse_bytes(bucket_bytes) if bucket_bytes is not None else 0, max_inflight, step_in_backward)
+            self._pipeline.plan(
+                self._slots, parse_bytes(bucket_bytes) if bucket_bytes is not None else 0, max_inflight, step_in_backward,
+                chunk_bytes=parse_bytes(chunk_bytes) if chunk_bytes is not None else 0,
+            )
+            plan = self.memory_plan()
+            if not plan.fits:  # refused now rather than failing mid-step
+                raise OptimizerCapacityError("this configuration cannot fit: " + "; ".join(plan.problems) + f"\n{plan}")
             self._runner = StepRunner(self._slots, self.store, self._pipeline, max_grad_norm=max_grad_norm, in_backward=step_in_backward)
             self._capture = self._runner.capture = GradientCapture(
                 self.store, state_tier, self._loop, hint=gradient_accumulation_steps, in_backward=step_in_backward,
@@ -443,9 +456,21 @@ class PagedOptimizer(torch.optim.Optimizer):
         """Write the last step as a Chrome trace (open in Perfetto or chrome://tracing)."""
         self._window.write(Path(path))
 
+    def memory_plan(self) -> MemoryPlan:
+        """Bytes each tier and the process will need (``MemoryPlan``), from the parameters and
+        the store alone: known before the first step (the constructor refuses a plan that
+        cannot fit)."""
+        pipeline = self._pipeline
+        assert pipeline is not None
+        return plan_memory(
+            self.store, self._slots, self._state_bytes, state_tier=self.state_tier, unit_need=pipeline.need,
+            inflight=pipeline.inflight, chunk_bytes=pipeline.chunk_bytes, offloaded=offloaded,
+        )
+
     def memory_report(self) -> MemoryReport:
         """Bytes per parameter and totals: weights and grads on the device, state by tier."""
-        return run(memory_report(self.store, self._slots, self._state_bytes, offloaded))
+        plan = self.memory_plan() if self._pipeline is not None else None
+        return run(memory_report(self.store, self._slots, self._state_bytes, offloaded, plan))
 
     # -- lifecycle -------------------------------------------------------------------------------
 

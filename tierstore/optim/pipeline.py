@@ -2,6 +2,11 @@
 the state tier, running the math in one call off the loop, and sending the new weights back to
 the device before the holds are released.
 
+A parameter whose state is paged in chunks (``tierstore.optim.chunks``) is updated chunk by
+chunk instead: each chunk holds its state, its slice of the gradient and writes its slice of the
+weight, taking one of the ``inflight`` places as a bucket does, so the state tier holds a few
+chunks at a time, and the chunks after them are prefetched meanwhile.
+
 A bucket is several parameters updated together (one fused call, one thread hop), as many as
 ``bucket_bytes`` of state and gradients hold, in the order the gradients arrived. ``inflight``
 buckets run at once, so one's transfers overlap the other's math. Each slot records how far its
@@ -14,7 +19,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractAsyncContextManager, AsyncExitStack, nullcontext
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager, nullcontext
 from functools import partial
 from typing import Any, Protocol
 
@@ -25,6 +31,7 @@ from ..errors import TierFullError
 from ..store import TierStore
 from ..tiers import MemoryTier
 from ..workers import CallerPool, Priority, WorkerPool
+from .chunks import Chunk, plan_chunks
 from .clipping import inverse_scale
 from .reports import Timeline, TimeReport
 from .slots import Capture, ParamSlot
@@ -43,6 +50,11 @@ class Updater(Protocol):
         self, slots: list[ParamSlot], states: list[Any], grads: list[torch.Tensor], grad_scale: torch.Tensor | None = None
     ) -> list[torch.Tensor]: ...
     def _master(self, slot: ParamSlot, state: Any) -> torch.Tensor: ...
+    def _chunk_state(self, slot: ParamSlot, chunk: Chunk) -> AbstractAsyncContextManager[Any]: ...
+    def _begin_chunks(self, slot: ParamSlot) -> None: ...
+    def _apply_chunk(self, slot: ParamSlot, chunk: Chunk, state: Any, grad: torch.Tensor, grad_scale: torch.Tensor | None) -> torch.Tensor: ...
+    def _end_chunks(self, slot: ParamSlot) -> None: ...
+    def _chunkable(self, slot: ParamSlot) -> bool: ...
 
 
 class UpdatePipeline:
@@ -65,6 +77,8 @@ class UpdatePipeline:
         self.scale: torch.Tensor | None = None
         self.bucket_bytes = 64 << 20
         self.inflight = 1
+        #: State bytes per chunk of the parameters paged in chunks (0: none is).
+        self.chunk_bytes = 0
         self._gate: asyncio.Semaphore | None = None
         self._open: list[ParamSlot] = []
         self._after: Any = None
@@ -73,16 +87,24 @@ class UpdatePipeline:
 
     # -- planning ---------------------------------------------------------------------------------
 
-    def plan(self, slots: Sequence[ParamSlot], bucket_bytes: int, max_inflight: int, in_backward: bool) -> None:
-        """Choose bucket size and buckets at once. Two buckets at once overlap one's transfers
-        with the other's math; the state tier must hold them both, plus room for one more
-        gradient. Raise ``OptimizerCapacityError`` if it cannot hold one parameter's update."""
+    def plan(self, slots: Sequence[ParamSlot], bucket_bytes: int, max_inflight: int, in_backward: bool, chunk_bytes: int = 0) -> None:
+        """Choose chunks, bucket size and buckets at once. Two buckets at once overlap one's
+        transfers with the other's math; the state tier must hold them both, plus room for one
+        more gradient. A parameter whose state and gradient exceed ``chunk_bytes`` (or what the
+        tier holds for ``2 * max_inflight + 2`` chunks: those updating and those prefetched) is
+        paged in chunks. Raise ``OptimizerCapacityError`` if the tier cannot hold one update."""
         tier = self._store.tier(self._tier)
         if not isinstance(tier, MemoryTier) or not slots:
             self.bucket_bytes, self.inflight = bucket_bytes or (64 << 20), max_inflight
             return
+        if chunk_bytes > 0:
+            self.chunk_bytes = min(chunk_bytes, max(64 << 10, tier.capacity * 9 // 10 // (2 * max_inflight + 2)))
+            for slot in slots:
+                if slot.paged and slot.numel and self._owner._chunkable(slot):
+                    per_element = self._owner._state_bytes(slot) / slot.numel + self._grad_bytes(slot, None) / slot.numel
+                    slot.chunks = plan_chunks(slot.key, slot.numel, per_element, self.chunk_bytes)
         needs = [self.need(slot) for slot in slots]
-        grads = [self._grad_bytes(slot, tier) for slot in slots]
+        grads = [self._grad_bytes(slot, tier) for slot in slots if slot.chunks is None] or [0]
         largest = max(needs)
         room = tier.capacity * 9 // 10 - max(grads)  # a tenth left for arrivals and state being created
         if largest > room:
@@ -90,6 +112,8 @@ class UpdatePipeline:
             raise OptimizerCapacityError(
                 f"the {self._tier!r} tier ({tier.capacity:,} bytes) cannot hold the state and gradient of parameter "
                 f"{worst.index} ({worst.numel:,} elements: {largest:,} bytes) beside another gradient; give it more capacity"
+                + ("" if worst.chunks is not None or self._owner._chunkable(worst) and chunk_bytes
+                   else ", or page its state in chunks (chunk_bytes=; a TieredOptimizer only where its optimizer is elementwise)")
             )
         tiers = self._store.tiers
         if tiers.index(tier) == len(tiers) - 1 and all(slot.link.lends for slot in slots):
@@ -106,16 +130,27 @@ class UpdatePipeline:
         bucket = bucket_bytes or min(64 << 20, room // (4 * inflight), sum(needs) // 4)
         self.bucket_bytes, self.inflight = max(bucket, largest), inflight
 
-    def _grad_bytes(self, slot: ParamSlot, tier: MemoryTier) -> int:
-        return 0 if slot.link.lends else tier.value_size(slot.numel * slot.param.element_size())
+    def _grad_bytes(self, slot: ParamSlot, tier: MemoryTier | None, numel: int | None = None) -> int:
+        nbytes = (slot.numel if numel is None else numel) * slot.param.element_size()
+        return 0 if slot.link.lends else tier.value_size(nbytes) if tier is not None else nbytes
 
     def need(self, slot: ParamSlot) -> int:
-        """Bytes an update of ``slot`` holds on the state tier (state and, unless the link
-        lends it, its gradient)."""
+        """Bytes an update of ``slot`` (of its largest chunk, if chunked) holds on the state
+        tier: state and, unless the link lends it, its gradient."""
         tier = self._store.tier(self._tier)
         if not isinstance(tier, MemoryTier):
             return 0
+        if slot.chunks is not None:
+            return max(self.chunk_need(slot, chunk) for chunk in slot.chunks)
         return self._grad_bytes(slot, tier) + (tier.value_size(self._owner._state_bytes(slot)) if slot.paged else 0)
+
+    def chunk_need(self, slot: ParamSlot, chunk: Chunk) -> int:
+        """Bytes the update of one chunk holds on the state tier."""
+        tier = self._store.tier(self._tier)
+        if not isinstance(tier, MemoryTier):
+            return 0
+        state = self._owner._state_bytes(slot) * chunk.numel // max(slot.numel, 1)
+        return tier.value_size(state) + self._grad_bytes(slot, tier, chunk.numel)
 
     # -- math off the loop ---------------------------------------------------------------------------
 
@@ -141,18 +176,34 @@ class UpdatePipeline:
         budget = self._store.tier(self._tier).capacity // 2
         keys = []
         for slot in order:
-            if not slot.paged or slot.key not in self._store:
+            if not slot.paged:
                 continue
-            budget -= self._owner._state_bytes(slot)
+            for key, nbytes in self._state_keys(slot):
+                budget -= nbytes
+                if budget < 0:
+                    break
+                if key in self._store:
+                    keys.append(key)
             if budget < 0:
                 break
-            keys.append(slot.key)
         if keys:
             await self._store.prefetch(keys, self._tier)
 
+    def _state_keys(self, slot: ParamSlot) -> list[tuple[str, int]]:
+        """The store keys of a slot's state with their bytes, in update order."""
+        if slot.chunks is None:
+            return [(slot.key, self._owner._state_bytes(slot))]
+        per = self._owner._state_bytes(slot) / max(slot.numel, 1)
+        return [(chunk.key, int(chunk.numel * per)) for chunk in slot.chunks]
+
     def add(self, slot: ParamSlot, coef: torch.Tensor | None, after: Any = None) -> None:
         """Add ``slot`` to the open bucket, first launching it if ``slot`` would overfill it.
-        ``after``: the link's marker of the device work that must end before weights are written."""
+        ``after``: the link's marker of the device work that must end before weights are written.
+        A slot paged in chunks is updated on its own, chunk by chunk."""
+        if slot.chunks is not None:
+            task = asyncio.ensure_future(self._update_chunked(slot, coef, self.scale, after))
+            self._running.append(([slot], task))
+            return
         if self._open and sum(self.need(s) for s in [*self._open, slot]) > self.bucket_bytes:
             self.launch(coef)
         self._open.append(slot)
@@ -206,7 +257,124 @@ class UpdatePipeline:
             raise RuntimeError(f"internal error: parameter {slot.index} has no gradient to update from")
         if capture.lent is not None:
             return nullcontext(capture.lent)
+        if slot.chunks is not None:  # not copied whole: its norm is taken where it is
+            return nullcontext(_device_grad(slot, capture))
         return self._store.hold(slot.grad_key, self._tier)
+
+    # -- chunks -------------------------------------------------------------------------------------
+
+    async def _update_chunked(self, slot: ParamSlot, coef: torch.Tensor | None, scale: torch.Tensor | None, after: Any) -> None:
+        """Update ``slot`` chunk by chunk (chunks already done by a failed attempt are skipped),
+        each chunk taking one of the ``inflight`` places in turn."""
+        if self._gate is None:
+            self._gate = asyncio.Semaphore(self.inflight)
+        chunks = slot.chunks or []
+        if not slot.updated:
+            self._owner._begin_chunks(slot)
+        tasks = [
+            asyncio.ensure_future(self._update_chunk(slot, chunk, coef, scale, after))
+            for chunk in chunks if chunk.index not in slot.chunks_written
+        ]
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        if not slot.updated:
+            self._owner._end_chunks(slot)
+            slot.updated = True
+            report = self._report()
+            report.updates += 1
+            report.update_elements += slot.numel
+        slot.written = True
+
+    async def _update_chunk(self, slot: ParamSlot, chunk: Chunk, coef: torch.Tensor | None, scale: torch.Tensor | None, after: Any) -> None:
+        assert self._gate is not None
+        async with self._gate:
+            self._prefetch_after(slot, chunk)
+            todo = chunk.index not in slot.chunks_updated
+            async with self._owner._chunk_state(slot, chunk) as state, (
+                self._grad_chunk(slot, chunk) if todo else nullcontext(None)
+            ) as grad:
+                job = partial(self._compute_chunk, slot, chunk, state, grad, coef, scale)
+                outgoing, started, computed, ended = await self.math(job)
+                slot.chunks_updated.add(chunk.index)
+                if todo:
+                    self._report().host_update += computed - started
+                    self._timeline.add(f"update {slot.index}/c{chunk.index}", "host update", started, computed, elements=chunk.numel)
+                await self._write_chunk(slot, chunk, outgoing, after, computed, ended)
+            slot.chunks_written.add(chunk.index)
+
+    def _prefetch_after(self, slot: ParamSlot, chunk: Chunk) -> None:
+        """Ask for the state of the ``inflight`` chunks after ``chunk`` (large requests, issued
+        ahead, behind every demand read), so their reads overlap this chunk's math and writes."""
+        chunks = slot.chunks or []
+        wanted = [c.key for c in chunks[chunk.index + self.inflight : chunk.index + 2 * self.inflight] if c.key in self._store]
+        wanted = [key for key in wanted if self._tier not in self._store.where(key)]
+        if wanted:
+            asyncio.ensure_future(self._store.prefetch(wanted, self._tier))
+
+    @asynccontextmanager
+    async def _grad_chunk(self, slot: ParamSlot, chunk: Chunk) -> AsyncIterator[torch.Tensor]:
+        """The chunk's slice of this step's gradient on the host: a view of the gradient where
+        the link lends, else copied over the link into a buffer of the state tier (the gradient
+        of a chunked parameter is never copied whole)."""
+        capture = slot.capture
+        if capture is None:
+            raise RuntimeError(f"internal error: parameter {slot.index} has no gradient to update from")
+        if capture.lent is not None:
+            yield capture.lent.reshape(-1)[chunk.start : chunk.stop]
+            return
+        source = _device_grad(slot, capture).reshape(-1)[chunk.start : chunk.stop]
+        key = f"{chunk.key}/grad"
+        async with self._store.fill(key, (chunk.numel,), source.dtype, self._tier) as buffer:
+            transfer = slot.link.to_host(buffer, source, after=capture.marker)
+            await transfer
+            report = self._report()
+            report.grads_to_host += transfer.seconds
+            report.grads_to_host_bytes += transfer.nbytes
+            yield buffer
+        await self._store.delete(key)
+
+    def _compute_chunk(
+        self, slot: ParamSlot, chunk: Chunk, state: Any, grad: torch.Tensor | None, coef: torch.Tensor | None, scale: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, float, float, float]:
+        """One chunk's math (skipped when an earlier attempt did it), then its new weight:
+        written into the parameter where the link lends, else returned to be sent."""
+        started = time.perf_counter()
+        if grad is not None:
+            if scale is not None and coef is not None:
+                grad, scale = grad.mul(inverse_scale(scale)), None
+            if coef is not None:
+                grad = grad.mul(coef.to(grad.device))
+            master = self._owner._apply_chunk(slot, chunk, state, grad, scale)
+        else:
+            master = self._owner._master(slot, state)
+        computed = time.perf_counter()
+        outgoing: torch.Tensor | None = master
+        if chunk.index in slot.chunks_written:
+            outgoing = None
+        elif offloaded(slot.param) is None and slot.link.lends:
+            slot.param.data.view(-1)[chunk.start : chunk.stop].copy_(master)
+            outgoing = None
+        elif slot.param.dtype != master.dtype:
+            outgoing = master.to(slot.param.dtype)
+        return outgoing, started, computed, time.perf_counter()
+
+    async def _write_chunk(self, slot: ParamSlot, chunk: Chunk, weight: torch.Tensor | None, after: Any, computed: float, ended: float) -> None:
+        report = self._report()
+        if weight is None:
+            report.weights_to_device += ended - computed
+            return
+        offload = offloaded(slot.param)
+        started = time.perf_counter()
+        if offload is not None:
+            await offload[0].write_weight_range(offload[1], chunk.start, weight)
+            report.weights_to_device += time.perf_counter() - started
+            return
+        transfer = slot.link.to_device(slot.param.data.view(-1)[chunk.start : chunk.stop], weight, after=after)
+        await transfer
+        report.weights_to_device += transfer.seconds
+        report.weights_to_device_bytes += transfer.nbytes
 
     def _compute_bucket(
         self, slots: list[ParamSlot], states: list[Any], grads: list[torch.Tensor], coef: torch.Tensor | None, scale: torch.Tensor | None
@@ -291,6 +459,29 @@ async def read_weight(slot: ParamSlot) -> torch.Tensor:
     host = torch.empty(data.shape, dtype=data.dtype)
     await slot.link.to_host(host, data.contiguous())
     return host
+
+
+async def read_weight_range(slot: ParamSlot, start: int, stop: int) -> torch.Tensor:
+    """Elements ``start:stop`` of the flattened parameter's current value, in host memory."""
+    offload = offloaded(slot.param)
+    if offload is not None:
+        return await offload[0].read_weight_range(offload[1], start, stop)
+    data = slot.param.detach().reshape(-1)[start:stop]
+    if slot.link.lends:
+        return data
+    host = torch.empty(data.shape, dtype=data.dtype)
+    await slot.link.to_host(host, data)
+    return host
+
+
+def _device_grad(slot: ParamSlot, capture: Capture) -> torch.Tensor:
+    """The gradient a capture of a chunked parameter stands for, where the model keeps it."""
+    grad = capture.tensor() if capture.tensor is not None else None
+    if grad is None:
+        grad = slot.param.grad
+    if grad is None:
+        raise RuntimeError(f"parameter {slot.index}: its gradient was freed before step() read it")
+    return grad
 
 
 def offloaded(param: torch.Tensor) -> Any:

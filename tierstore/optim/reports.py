@@ -37,6 +37,8 @@ class MemoryReport:
     resident_parameters: int
     state_bytes_per_param: float
     tiers: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: What each tier and the process need (``MemoryPlan``), known before the first step.
+    plan: MemoryPlan | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -56,11 +58,96 @@ class MemoryReport:
                 f"    not paged: {format_bytes(self.resident_state_bytes)} in host memory for {self.resident_parameters} "
                 "tensors below min_offload_numel"
             )
+        if self.plan is not None:
+            lines.append(str(self.plan))
         lines.append(
             "  Still on the device: the weights and grads above, plus activations -- offloading optimizer state "
             "does not make those fit (tierstore.swap moves activations and parameters)."
         )
         return "\n".join(lines)
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes the optimizer will need, computed from the parameters and the store before any step.
+
+    ``tier_need``: per store tier, the most it must hold at once: on the state tier the updates
+    in flight (``inflight`` buckets or chunks, the chunks prefetched after them, the largest
+    gradient copy arriving), on the tier below it all paged state and gradient copies.
+    ``process_bytes``: the process's bound with state paged: the model's weights and gradients
+    (host memory where the device is the CPU), every memory tier's capacity, state kept
+    resident, and the bounded working set (``working_bytes``: the disk tier's staging buffers,
+    one chunk of bounce buffer per disk I/O thread). ``problems``: why it cannot fit (empty: it
+    fits).
+    """
+
+    tier_need: dict[str, int]
+    tier_capacity: dict[str, int]
+    process_bytes: int
+    model_bytes: int
+    working_bytes: int
+    resident_state_bytes: int
+    paged_state_bytes: int
+    chunked_parameters: int
+    chunk_bytes: int
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def __str__(self) -> str:
+        lines = [f"memory plan ({'fits' if self.fits else 'does NOT fit'}):"]
+        for name, need in self.tier_need.items():
+            lines.append(f"  {name:<8} needs {format_bytes(need)} of {format_bytes(self.tier_capacity[name])}")
+        lines.append(
+            f"  process  at most {format_bytes(self.process_bytes)} (model {format_bytes(self.model_bytes)}, tiers, "
+            f"resident state {format_bytes(self.resident_state_bytes)}, working set {format_bytes(self.working_bytes)})"
+        )
+        if self.chunked_parameters:
+            lines.append(f"  {self.chunked_parameters} parameters paged in chunks of {format_bytes(self.chunk_bytes)}")
+        lines += [f"  problem: {p}" for p in self.problems]
+        return "\n".join(lines)
+
+
+def plan_memory(
+    store: TierStore, slots: Sequence[ParamSlot], state_bytes: Callable[[ParamSlot], int], *, state_tier: str,
+    unit_need: Callable[[ParamSlot], int], inflight: int, chunk_bytes: int, offloaded: Callable[[Any], Any],
+) -> MemoryPlan:
+    """The ``MemoryPlan`` of an optimizer's ``slots`` in ``store`` (see ``MemoryPlan``)."""
+    from ..tiers import DiskTier, MemoryTier
+
+    tiers = store.tiers
+    names = [tier.name for tier in tiers]
+    position = names.index(state_tier)
+    paged = [slot for slot in slots if slot.paged]
+    paged_state = sum(state_bytes(slot) for slot in paged)
+    copied_grads = [slot.numel * slot.param.element_size() for slot in slots if not slot.link.lends and slot.chunks is None]
+    resident = sum(state_bytes(slot) for slot in slots if not slot.paged)
+    largest = max((unit_need(slot) for slot in slots), default=0)
+    chunked = [slot for slot in slots if slot.chunks is not None]
+    prefetch = inflight * max((unit_need(slot) for slot in chunked), default=0)
+    need = {name: 0 for name in names}
+    need[state_tier] = inflight * largest + prefetch + max(copied_grads, default=0)
+    below = [t for t in tiers[position + 1 :]]
+    if below:  # everything pages down to the tier below (the disk)
+        need[below[-1].name] = paged_state + sum(copied_grads)
+    else:
+        need[state_tier] = max(need[state_tier], paged_state + sum(copied_grads))
+    capacity = {tier.name: tier.capacity for tier in tiers}
+    problems = [
+        f"the {name!r} tier needs {format_bytes(need[name])} but holds {format_bytes(capacity[name])}"
+        for name in names if need[name] > capacity[name]
+    ]
+    working = sum(tier.io_threads * tier.chunk_size for tier in tiers if isinstance(tier, DiskTier))
+    model = sum(slot.numel * slot.param.element_size() for slot in slots if offloaded(slot.param) is None)
+    model += sum(slot.numel * slot.param.element_size() for slot in slots if slot.param.requires_grad)
+    memory = sum(tier.capacity for tier in tiers if isinstance(tier, MemoryTier))
+    return MemoryPlan(
+        tier_need=need, tier_capacity=capacity, process_bytes=model + memory + resident + working, model_bytes=model,
+        working_bytes=working, resident_state_bytes=resident, paged_state_bytes=paged_state,
+        chunked_parameters=len(chunked), chunk_bytes=chunk_bytes, problems=problems,
+    )
 
 
 @dataclass
@@ -107,7 +194,8 @@ class TimeReport:
 
 
 async def memory_report(
-    store: TierStore, slots: Sequence[ParamSlot], state_bytes: Callable[[ParamSlot], int], offloaded: Callable[[Any], Any]
+    store: TierStore, slots: Sequence[ParamSlot], state_bytes: Callable[[ParamSlot], int], offloaded: Callable[[Any], Any],
+    plan: MemoryPlan | None = None,
 ) -> MemoryReport:
     """The ``MemoryReport`` of an optimizer's ``slots`` (on the store's loop)."""
     by_tier: dict[str, int] = {tier.name: 0 for tier in store.tiers}
@@ -119,9 +207,11 @@ async def memory_report(
             resident_params += 1
             continue
         paged += slot.numel
-        if slot.key in store:
-            for tier in store.where(slot.key)[:1]:
-                by_tier[tier] += size
+        parts = [(slot.key, size)] if slot.chunks is None else [(c.key, size * c.numel // slot.numel) for c in slot.chunks]
+        for key, nbytes in parts:
+            if key in store:
+                for tier in store.where(key)[:1]:
+                    by_tier[tier] += nbytes
     params = sum(slot.numel for slot in slots)
     weights = sum(slot.numel * slot.param.element_size() for slot in slots if offloaded(slot.param) is None)
     grads = sum(slot.numel * slot.param.element_size() for slot in slots if slot.param.requires_grad)
@@ -130,7 +220,7 @@ async def memory_report(
     return MemoryReport(
         parameters=params, paged_parameters=paged, device_weight_bytes=weights, device_grad_bytes=grads,
         state_by_tier=by_tier, resident_state_bytes=resident, resident_parameters=resident_params,
-        state_bytes_per_param=state / max(params, 1), tiers=tiers,
+        state_bytes_per_param=state / max(params, 1), tiers=tiers, plan=plan,
     )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -72,6 +72,12 @@ class ParamSlot:
     written: bool = False
     #: State of a parameter too small to page, kept in host memory.
     resident: dict[str, Any] | None = None
+    #: The pieces its state is paged in when larger than a chunk (``tierstore.optim.chunks``);
+    #: None: one entry for the whole parameter.
+    chunks: list[Any] | None = None
+    #: Chunks of this step's update already applied / whose weight is written (``chunks`` only).
+    chunks_updated: set[int] = field(default_factory=set)
+    chunks_written: set[int] = field(default_factory=set)
 
     @property
     def grad_key(self) -> str:
@@ -85,3 +91,5 @@ class ParamSlot:
         """Forget this step's gradient and progress (the step ended or was abandoned)."""
         self.capture = self.used = None
         self.updated = self.written = False
+        self.chunks_updated.clear()
+        self.chunks_written.clear()

@@ -162,4 +162,5 @@ class StepRunner:
 
 
 def _norm(grad: torch.Tensor, norm_type: float, inverse: torch.Tensor | None) -> torch.Tensor:
-    return torch.linalg.vector_norm(grad if inverse is None else grad.mul(inverse), norm_type)
+    # (on the host: a chunked parameter's gradient is read where the model keeps it)
+    return torch.linalg.vector_norm(grad if inverse is None else grad.mul(inverse.to(grad.device)), norm_type).cpu()
