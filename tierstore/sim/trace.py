@@ -169,6 +169,29 @@ def load_evictions(path: str | Path) -> list[tuple[str, int]]:
         return [(str(keys[k]), int(t)) for k, t in zip(data["key"][rows].tolist(), data["tier"][rows].tolist(), strict=True)]
 
 
+_KEY_NAMES = ("key", "obj_id", "object_id", "id", "obj", "object")
+_SIZE_NAMES = ("size", "obj_size", "object_size", "bytes", "nbytes", "req_size")
+
+
+def _named_columns(names: list[str], path: Path) -> dict[str, int | str]:
+    """Key and size columns from a header's names when none were given: the usual names
+    (``key``/``obj_id``..., ``size``/``obj_size``...); with no header, or a header of two
+    columns, the first two. A wider header without those names is ambiguous: refused."""
+    if not names or all(_is_number(name) for name in names):
+        return {}
+    lowered = [name.strip().lower() for name in names]
+    key = next((lowered.index(n) for n in _KEY_NAMES if n in lowered), None)
+    size = next((lowered.index(n) for n in _SIZE_NAMES if n in lowered), None)
+    if key is not None and size is not None:
+        return {"key": key, "size": size}
+    if len(names) > 2:
+        raise TraceError(
+            f"{path} has a header of {len(names)} columns {names} without a key and a size column by their usual names; "
+            "say which with columns={'key': NAME, 'size': NAME} (CLI: --columns key=NAME,size=NAME)"
+        )
+    return {}
+
+
 def _load_csv(path: Path, columns: Mapping[str, int | str], delimiter: str) -> Trace:
     unknown = set(columns) - {"key", "size"}
     if unknown:
@@ -180,6 +203,7 @@ def _load_csv(path: Path, columns: Mapping[str, int | str], delimiter: str) -> T
     if first.startswith("#"):
         first = ""  # a comment first: no header names
     names = next(csv.reader([first], delimiter=delimiter), []) if first.strip() else []
+    columns = columns or _named_columns(names, path)
     key_col = _column(columns.get("key", 0), names, path)
     size_col = _column(columns.get("size", 1), names, path)
     header = len(names) > size_col and not _is_number(names[size_col])
