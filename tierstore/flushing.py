@@ -37,7 +37,8 @@ async def flush_all(engine: Engine, whole: bool = True) -> None:
     freed. Sources are in use throughout, so no write hold starts on them meanwhile.
     ``whole=False`` (closing): when the copy-on-write of everything does not fit at once,
     write in several transactions, each as large as the free space then (every commit frees
-    the old extents it replaces)."""
+    the old extents it replaces). Returns once the catalog changes queued before it (small
+    values acknowledged before their commit) are committed as well."""
     d = engine.disk_index
     if d is None:
         return
@@ -75,6 +76,10 @@ async def flush_all(engine: Engine, whole: bool = True) -> None:
         # the write owns the uses from here: a cancelled caller leaves it running
         await engine.shielded(_flush_plan(engine, disk, d, plan[:batch]))
         plan = plan[batch:]
+    # Small puts acknowledged before their commit (non-durable tier) are committed too: after
+    # flush() returns, a kill -9 loses none of them. Raises if they cannot commit (they stay
+    # queued, and readable).
+    await disk.drain()
 
 async def _flush_plan(engine: Engine, disk: DiskTier, d: int, plan: list[tuple[Entry, Copy]]) -> None:
     """Write and commit ``plan`` (entries with a use taken of their source), then let the

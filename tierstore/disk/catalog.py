@@ -259,8 +259,10 @@ class Catalog:
         self._meta: Any = None
         self._writer: ThreadPoolExecutor | None = None
         self._pending: list[tuple[list[tuple[str, DiskRecord | None]], asyncio.Future[None], bool]] = []
-        #: Changes queued or being committed, newest per key (``get`` reads them first).
-        self._staged: dict[str, tuple[str, DiskRecord | None]] = {}
+        #: Changes queued or being committed, per key, oldest first, each with whether its
+        #: writer waits for it (``get`` reads the newest). A waited change that fails is taken
+        #: out and the one before it shows again, so the older ones stay until one commits.
+        self._staged: dict[str, list[tuple[tuple[str, DiskRecord | None], bool]]] = {}
         #: Staged groups whose transaction failed, for the next one.
         self._retry: list[tuple[list[tuple[str, DiskRecord | None]], asyncio.Future[None], bool]] = []
         #: The failure of a staged group nobody waited for (raised by ``drain``).
@@ -375,9 +377,9 @@ class Catalog:
         """The newest record of ``key`` with its data: a change waiting for its transaction if
         there is one (what this process wrote is what it reads), else the committed record.
         Runs on the caller's thread (a read of the memory-mapped tree, no lock)."""
-        change = self._staged.get(key)
-        if change is not None:
-            return change[1]
+        chain = self._staged.get(key)
+        if chain is not None:
+            return chain[-1][0][1]
         if self._env is None:
             raise StoreClosedError(f"the catalog in {self.path} is closed")
         with self._env.begin(db=self._entries, buffers=True) as txn:
@@ -424,7 +426,7 @@ class Catalog:
         done: asyncio.Future[None] = loop.create_future()
         group = [(key, record) for key, record in changes]
         for change in group:
-            self._staged[change[0]] = change
+            self._staged.setdefault(change[0], []).append((change, waited))
         self._pending.append((group, done, waited))
         if self._flushing is None or self._flushing.done():
             self._flushing = loop.create_task(self._flush())
@@ -439,7 +441,7 @@ class Catalog:
 
     @property
     def queued(self) -> int:
-        """Changes waiting for a transaction."""
+        """Keys with changes waiting for a transaction."""
         return len(self._staged)
 
     async def drain(self) -> None:
@@ -463,8 +465,8 @@ class Catalog:
         loop = asyncio.get_running_loop()
         while self._pending:
             batch, self._pending = self._pending, []
-            # A change a newer one replaced while it waited to be retried is dropped: applying
-            # it now would put the older value back.
+            # An acknowledged change a newer one replaced is dropped: applying it after a newer
+            # one committed would put the older value back.
             batch = [(group, done, waited) if waited else (self._current(group), done, waited) for group, done, waited in batch]
             changes = [change for group, _, _ in batch for change in group]
             try:
@@ -485,18 +487,43 @@ class Catalog:
                 self._committed(group, done)
 
     def _current(self, group: list[tuple[str, DiskRecord | None]]) -> list[tuple[str, DiskRecord | None]]:
-        return [change for change in group if self._staged.get(change[0]) is change]
+        """The changes of an acknowledged (not waited) group still to apply: those no newer
+        change committed over, and that no newer acknowledged change replaces. One replaced only
+        by waited changes is kept (applied first in the same transaction): those may fail, and
+        it must then still be there."""
+        return [change for change in group if self._wanted(change)]
+
+    def _wanted(self, change: tuple[str, DiskRecord | None]) -> bool:
+        found = False
+        for queued, waited in self._staged.get(change[0], ()):
+            if queued is change:
+                found = True
+            elif found and not waited:
+                return False
+        return found
 
     def _committed(self, group: list[tuple[str, DiskRecord | None]], done: asyncio.Future[None]) -> None:
+        # A committed change also ends every older one of its key: they must never apply now.
         for change in group:
-            if self._staged.get(change[0]) is change:
+            chain = self._staged.get(change[0])
+            if chain is None:
+                continue
+            at = next((i for i, (queued, _) in enumerate(chain) if queued is change), None)
+            if at is None:
+                continue
+            del chain[: at + 1]
+            if not chain:
                 del self._staged[change[0]]
         _settle(done, None)
 
     def _failed(self, group: list[tuple[str, DiskRecord | None]], done: asyncio.Future[None], waited: bool, exc: BaseException) -> None:
-        if waited:  # its writer is told, and the value before it shows again
+        if waited:  # its writer is told, and the value before it (queued or committed) shows again
             for change in group:
-                if self._staged.get(change[0]) is change:
+                chain = self._staged.get(change[0])
+                if chain is None:
+                    continue
+                chain[:] = [(queued, w) for queued, w in chain if queued is not change]
+                if not chain:
                     del self._staged[change[0]]
             _settle(done, exc)
             return

@@ -1,0 +1,98 @@
+"""Review of small values inline in the catalog: what a non-durable acknowledged put keeps when
+the commits around it fail, and what ``flush()`` promises for puts acknowledged before their
+commit."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tierstore import TierStore
+from tierstore.disk.catalog import Catalog, DiskRecord
+from tierstore.errors import DiskFullError
+from tierstore.tiers import DiskTier
+
+
+def disk(root: Path) -> DiskTier:
+    return DiskTier(root, "64MiB", chunk_size="64KiB", durable=False)
+
+
+@pytest.fixture
+def full_for() -> Iterator[set[str]]:
+    """Keys whose catalog transactions fail as on a full disk (the whole transaction, as LMDB
+    would), while they are in the set."""
+    keys: set[str] = set()
+    real = Catalog._write_sync
+
+    def write(self: Catalog, changes: list[tuple[str, DiskRecord | None]], layout: Any) -> None:
+        if any(key in keys for key, _ in changes):
+            raise DiskFullError(28, "no space left on device (injected)")
+        real(self, changes, layout)
+
+    Catalog._write_sync = write  # type: ignore[method-assign]
+    try:
+        yield keys
+    finally:
+        Catalog._write_sync = real  # type: ignore[method-assign]
+
+
+async def queue_behind_a_transaction(store: TierStore) -> None:
+    """Put a key and let the group-commit task take it to the writer thread, so the next changes
+    wait together for the next transaction."""
+    await store.put("other", torch.tensor([0.0]))
+    await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize("then", ["durable put", "delete"])
+async def test_a_failed_change_leaves_the_acknowledged_value_before_it(tmp_path: Path, full_for: set[str], then: str) -> None:
+    async with TierStore([disk(tmp_path / "d")]) as store:
+        await queue_behind_a_transaction(store)
+        await store.put("k", torch.tensor([1.0]))  # acknowledged before its commit
+        full_for.add("k")
+        with pytest.raises(DiskFullError):  # the failure goes to this caller, and changes nothing
+            if then == "delete":
+                await store.delete("k")
+            else:
+                await store.put("k", torch.tensor([2.0]), durable=True)
+        assert torch.equal(await store.get("k"), torch.tensor([1.0]))
+        full_for.clear()
+        await store.flush()
+        assert torch.equal(await store.get("k"), torch.tensor([1.0]))
+    async with TierStore([disk(tmp_path / "d")]) as store:
+        assert sorted(store.keys()) == ["k", "other"]
+        assert torch.equal(await store.get("k"), torch.tensor([1.0]))
+
+
+async def test_an_acknowledged_value_that_cannot_commit_yet_stays_readable_then_commits(tmp_path: Path, full_for: set[str]) -> None:
+    async with TierStore([disk(tmp_path / "d")]) as store:
+        tier = store.tier("disk")
+        await queue_behind_a_transaction(store)
+        full_for.add("k")
+        await store.put("k", torch.tensor([1.0]))  # acknowledged; its transaction will fail
+        with pytest.raises(DiskFullError):
+            await store.put("k", torch.tensor([2.0]), durable=True)
+        with pytest.raises(DiskFullError):
+            await store.flush()  # the queued change cannot commit: flush says so
+        assert torch.equal(await store.get("k"), torch.tensor([1.0]))
+        full_for.clear()
+        await store.flush()
+        assert tier.queued_changes == 0  # type: ignore[attr-defined]
+        assert "k" in tier.committed()  # type: ignore[attr-defined]
+    async with TierStore([disk(tmp_path / "d")]) as store:
+        assert torch.equal(await store.get("k"), torch.tensor([1.0]))
+
+
+async def test_flush_commits_the_small_puts_acknowledged_before_their_commit(tmp_path: Path) -> None:
+    async with TierStore([disk(tmp_path / "d")]) as store:
+        tier = store.tier("disk")
+        for i in range(300):
+            await store.put(f"k{i}", torch.tensor([float(i)]))
+        await store.flush()
+        # Committed to LMDB: a kill -9 from here on loses none of them (the kernel holds them).
+        assert tier.queued_changes == 0  # type: ignore[attr-defined]
+        assert len(tier.committed()) == 300  # type: ignore[attr-defined]
