@@ -140,10 +140,11 @@ async def _flush_plan_locked(engine: Engine, disk: DiskTier, d: int, plan: list[
             engine.count_link(small[0][1].tier, d, sum(e.meta.nbytes for e, _ in small), time.perf_counter() - started)
         await asyncio.gather(*tasks)
         await disk.sync_segments({extent.segment for _, _, extent, _ in written})
-        await disk.commit(
-            [(e.key, DiskRecord(e.key, e.meta, extent, c.version, sums)) for e, c, extent, sums in written]
-            + [(e.key, record) for e, _, record in inline]
-        )
+        changes: list[tuple[str, DiskRecord | None]] = [
+            (e.key, DiskRecord(e.key, e.meta, extent, c.version, sums)) for e, c, extent, sums in written
+        ]
+        changes += [(e.key, record) for e, _, record in inline]
+        await disk.commit(changes)
     except BaseException:
         for task in tasks:
             task.cancel()
