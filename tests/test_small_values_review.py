@@ -96,3 +96,21 @@ async def test_flush_commits_the_small_puts_acknowledged_before_their_commit(tmp
         # Committed to LMDB: a kill -9 from here on loses none of them (the kernel holds them).
         assert tier.queued_changes == 0  # type: ignore[attr-defined]
         assert len(tier.committed()) == 300  # type: ignore[attr-defined]
+
+
+async def test_a_failing_put_in_a_shared_transaction_fails_alone(tmp_path: Path, full_for: set[str]) -> None:
+    tier = DiskTier(tmp_path / "d", "64MiB", chunk_size="64KiB")  # durable: every put waits for its commit
+    async with TierStore([tier]) as store:
+        full_for.add("full")
+        values = {f"k{i}": torch.tensor([float(i)]) for i in range(20)}
+        values["full"] = torch.tensor([1.0])
+        values["bad"] = torch.ones(2).to_sparse()
+        results = await asyncio.gather(*(store.put(key, value) for key, value in values.items()), return_exceptions=True)
+        outcome = {key: type(r).__name__ for key, r in zip(values, results) if isinstance(r, BaseException)}
+        assert outcome == {"full": "DiskFullError", "bad": "InvalidTensorError"}
+        assert sorted(store.keys()) == sorted(f"k{i}" for i in range(20))
+        full_for.clear()
+    async with TierStore([DiskTier(tmp_path / "d", "64MiB", chunk_size="64KiB")]) as store:
+        assert sorted(store.keys()) == sorted(f"k{i}" for i in range(20))
+        for i in range(20):
+            assert torch.equal(await store.get(f"k{i}"), torch.tensor([float(i)]))
