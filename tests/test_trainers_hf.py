@@ -17,6 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from tierstore.integrations.hf import TieredTrainerMixin  # noqa: E402
 from tierstore.optim import TieredAdamW  # noqa: E402
 
 pytestmark = pytest.mark.device_modes
@@ -55,6 +56,10 @@ class RecordingTrainer(transformers.Trainer):
         return loss
 
 
+class RecordingTieredTrainer(TieredTrainerMixin, RecordingTrainer):
+    """``tierstore.integrations.hf.TieredTrainer``, recording."""
+
+
 @dataclass
 class Run:
     trainer: Any
@@ -66,7 +71,10 @@ class Run:
         return {name: p.detach().clone() for name, p in self.model.named_parameters()}
 
 
-def train(output: Path, *, optimizers: tuple[Any, Any] | None = None, resume: str | None = None, model: Any = None, **args: Any) -> Run:
+def train(
+    output: Path, *, optimizers: tuple[Any, Any] | None = None, resume: str | None = None, model: Any = None,
+    trainer_class: type[RecordingTrainer] = RecordingTrainer, **args: Any,
+) -> Run:
     model = model if model is not None else make_model()
     options: dict[str, Any] = {
         "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "max_steps": STEPS, "max_grad_norm": 1.0,
@@ -77,7 +85,7 @@ def train(output: Path, *, optimizers: tuple[Any, Any] | None = None, resume: st
     extra = {"optimizers": optimizers} if optimizers is not None else {}
     if "optimizer_cls_and_kwargs" in options:
         extra["optimizer_cls_and_kwargs"] = options.pop("optimizer_cls_and_kwargs")
-    trainer = RecordingTrainer(model=model, args=transformers.TrainingArguments(output_dir=str(output), **options), train_dataset=Tokens(), **extra)
+    trainer = trainer_class(model=model, args=transformers.TrainingArguments(output_dir=str(output), **options), train_dataset=Tokens(), **extra)
     trainer.losses = []
     trainer.train(resume_from_checkpoint=resume)
     return Run(trainer, model, [float(x) for x in trainer.losses], trainer.lr_scheduler.get_last_lr())
@@ -105,6 +113,12 @@ def assert_same(run: Run, reference: Run) -> None:
         torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def grad_norms(run: Run) -> list[float]:
+    norms = [entry["grad_norm"] for entry in run.trainer.state.log_history if "grad_norm" in entry]
+    assert len(norms) == STEPS
+    return norms
+
+
 def close(run: Run) -> None:
     optimizer = run.trainer.optimizer
     getattr(optimizer, "optimizer", optimizer).close()
@@ -123,7 +137,25 @@ def test_optimizers_argument_matches_adamw_torch_fused(device_mode: str, referen
     model = make_model()
     run = train(tmp_path, model=model, optimizers=(tiered(model), None))
     assert_same(run, reference)
+    if device_mode == "emulated":  # the Trainer's clip_grad_norm_ changed every p.grad after backward
+        assert run.trainer.optimizer.optimizer.time_report().grad_retakes > 0
     assert run.lr != [LR]  # the Trainer's linear schedule drove our param groups
+    close(run)
+
+
+@pytest.mark.parametrize("max_grad_norm", [1.0, 0.0], ids=["clip", "norm only"])
+def test_tiered_trainer_copies_each_gradient_once(device_mode: str, reference: Run, tmp_path: Path, max_grad_norm: float) -> None:
+    """``TieredTrainer`` clips (and, with ``max_grad_norm=0``, only measures the norm, as the
+    Trainer does every step) on the host copies: the same numbers, and no gradient taken to the
+    host a second time at ``step()``."""
+    model = make_model()
+    run = train(tmp_path, model=model, optimizers=(tiered(model), None), trainer_class=RecordingTieredTrainer, max_grad_norm=max_grad_norm)
+    if not max_grad_norm:
+        reference = train(tmp_path / "reference", max_grad_norm=0.0)
+    assert_same(run, reference)
+    # what the Trainer logs (summed in another order than torch's foreach norm: fp32 rounding)
+    assert grad_norms(run) == pytest.approx(grad_norms(reference), rel=1e-6)
+    assert run.trainer.optimizer.optimizer.time_report().grad_retakes == 0
     close(run)
 
 

@@ -5,7 +5,9 @@ each phase) in a fresh process per device mode:
 - ``torch.save(opt.state_dict())`` (what the HF Trainer and Lightning do) and
   ``opt.load_state_dict(torch.load(...))``: at most one full copy of the state;
 - ``accelerate``'s ``prepare()``, which round-trips ``state_dict()`` through ``load_state_dict``
-  to move the state to the device: it must grow by a bounded amount, not by the state's size.
+  to move the state to the device (the Trainer prepares before the first step; an optimizer
+  continuing a named namespace, or prepared after loading, holds state by then): it must grow by
+  a bounded amount, not by the state's size.
 """
 
 from __future__ import annotations
@@ -54,15 +56,16 @@ root = sys.argv[1]
 torch.manual_seed(0)
 model = torch.nn.ModuleList([torch.nn.Linear(1024, 64, bias=False) for _ in range(64)])  # 4.2M parameters
 opt = TieredAdamW(model.parameters(), lr=1e-3, offload="disk", disk_root=root + "/state", host_capacity="4MiB")
+growth = {}
+accelerator = Accelerator(cpu=True)
+measure("prepare before the first step", lambda: accelerator.prepare_optimizer(opt))  # as the Trainer does
 x = torch.randn(2, 1024)
 sum(layer(x).sum() for layer in model).backward()
 opt.step()
 opt.zero_grad()
-growth = {}
 report = opt.memory_report()
 measure("save", lambda: torch.save(opt.state_dict(), root + "/optimizer.pt"))
 measure("load", lambda: opt.load_state_dict(torch.load(root + "/optimizer.pt", weights_only=True)))
-accelerator = Accelerator(cpu=True)
 measure("prepare_optimizer(device_placement=False)", lambda: accelerator.prepare_optimizer(opt, device_placement=False))
 measure("prepare", lambda: accelerator.prepare(opt))
 print(json.dumps({"growth": growth, "state": sum(report.state_by_tier.values()), "host": 4 << 20, "slot": 12 * 1024 * 64,
@@ -113,3 +116,12 @@ def test_prepare_optimizer_without_device_placement_is_bounded(figures: dict[str
 )
 def test_accelerate_prepare_is_bounded(figures: dict[str, Any]) -> None:
     assert figures["growth"]["prepare"] <= bounded(figures), figures
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="before the first step TieredAdamW.state_dict() still holds a fresh entry (zero moments, 8 bytes/param) for "
+    "every parameter, which accelerate's prepare() moves to the device and loads back -- tierstore/optim/checkpoint.py",
+)
+def test_accelerate_prepare_before_the_first_step_is_bounded(figures: dict[str, Any]) -> None:
+    assert figures["growth"]["prepare before the first step"] <= bounded(figures), figures
