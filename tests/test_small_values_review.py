@@ -14,7 +14,7 @@ import torch
 
 from tierstore import TierStore
 from tierstore.disk.catalog import Catalog, DiskRecord
-from tierstore.errors import DiskFullError
+from tierstore.errors import CapacityError, DiskFullError
 from tierstore.tiers import DiskTier
 
 
@@ -106,7 +106,7 @@ async def test_a_failing_put_in_a_shared_transaction_fails_alone(tmp_path: Path,
         values["full"] = torch.tensor([1.0])
         values["bad"] = torch.ones(2).to_sparse()
         results = await asyncio.gather(*(store.put(key, value) for key, value in values.items()), return_exceptions=True)
-        outcome = {key: type(r).__name__ for key, r in zip(values, results) if isinstance(r, BaseException)}
+        outcome = {key: type(r).__name__ for key, r in zip(values, results, strict=True) if isinstance(r, BaseException)}
         assert outcome == {"full": "DiskFullError", "bad": "InvalidTensorError"}
         assert sorted(store.keys()) == sorted(f"k{i}" for i in range(20))
         full_for.clear()
@@ -114,3 +114,18 @@ async def test_a_failing_put_in_a_shared_transaction_fails_alone(tmp_path: Path,
         assert sorted(store.keys()) == sorted(f"k{i}" for i in range(20))
         for i in range(20):
             assert torch.equal(await store.get(f"k{i}"), torch.tensor([float(i)]))
+
+
+async def test_a_smaller_capacity_counts_the_inline_values_too(tmp_path: Path) -> None:
+    async with TierStore([disk(tmp_path / "d")]) as store:
+        await store.put("large", torch.zeros(1 << 20, dtype=torch.uint8))  # one extent of 1 MiB
+        for i in range(2000):  # 2 MB inline in the catalog
+            await store.put(f"s{i}", torch.full((1000,), i % 256, dtype=torch.uint8))
+    with pytest.raises(CapacityError, match="inline in the catalog"):
+        async with TierStore([DiskTier(tmp_path / "d", "2MiB", durable=False)]):
+            pass
+    async with TierStore([DiskTier(tmp_path / "d", 3 << 20, durable=False)]) as store:  # 1 MiB + 2 MB fits
+        tier = store.tier("disk")
+        assert tier.used <= tier.capacity  # type: ignore[attr-defined]
+        assert len(store) == 2001
+        assert torch.equal(await store.get("s1999"), torch.full((1000,), 1999 % 256, dtype=torch.uint8))

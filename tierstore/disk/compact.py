@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..errors import CapacityError
 from ..tensors import aligned_empty
-from ..units import format_bytes
+from ..units import format_bytes, round_up
 from .catalog import Catalog, CatalogLayout, DiskRecord
 from .extents import Extent, ExtentAllocator
 from .files import SegmentFiles
@@ -33,7 +33,8 @@ class CompactionPlan:
 def plan_compaction(
     root: Path, records: Mapping[str, DiskRecord], segments: Sequence[int], capacity: int, alignment: int
 ) -> CompactionPlan:
-    """Plan moving the live extents into the first ``capacity`` bytes of the segments.
+    """Plan moving the live extents into the first ``capacity`` bytes of the segments, less
+    the bytes of the values inline in the catalog (they count against the capacity too).
 
     Raises
     ------
@@ -41,15 +42,19 @@ def plan_compaction(
         If the live data is larger than ``capacity``, or cannot be placed in whole extents in the
         free space below it. Nothing has been changed then.
     """
-    # Inline values live in the catalog, not in the segments: nothing of theirs moves.
+    # Inline values live in the catalog, not in the segments: nothing of theirs moves, but they
+    # count against the capacity (DiskTier.used), so the segments get what they leave.
+    inline = sum(record.meta.nbytes for record in records.values() if record.extent is None)
+    count = len(records)
     records = {key: record for key, record in records.items() if record.extent is not None}
-    live = sum(record.extent.length for record in records.values())  # type: ignore[union-attr]
-    limit = capacity // alignment * alignment
+    live = sum(record.extent.length for record in records.values() if record.extent is not None)
+    limit = max(0, capacity - inline) // alignment * alignment
     if live > limit:
+        kept = f" ({format_bytes(inline)} of it inline in the catalog)" if inline else ""
         raise CapacityError(
-            f"{root} holds {format_bytes(live)} of live data in {len(records)} entries, more than the capacity "
-            f"of {format_bytes(capacity)} asked; open it with a capacity of at least {format_bytes(live)}, "
-            "or delete entries first"
+            f"{root} holds {format_bytes(live + inline)} of live data{kept} in {count} entries, more than the "
+            f"capacity of {format_bytes(capacity)} asked; open it with a capacity of at least "
+            f"{format_bytes(round_up(live, alignment) + inline if live else inline)}, or delete entries first"
         )
     target: list[int] = []
     room = limit
