@@ -34,7 +34,7 @@ from .checkpoint import adam_entry, adam_load_state_dict, adam_state_dict
 from .clipping import inverse_scale
 from .chunks import Chunk
 from .paging import PagedOptimizer, ParamSlot
-from .pipeline import read_weight_range
+from .pipeline import fill_weight_range
 
 
 class TieredAdam(PagedOptimizer):
@@ -112,7 +112,7 @@ class TieredAdam(PagedOptimizer):
         if slot.chunks is not None:
             raise RuntimeError(f"internal error: parameter {slot.index} is paged in chunks; use _chunk_state")
         if not self._has(slot.key, rows, slot.numel):
-            await self._create(slot.key, rows, slot.numel, await self._weight(slot))
+            await self._create(slot.key, rows, slot, 0, slot.numel)
         async with self.store.hold(slot.key, self.state_tier, write=True) as packed:
             yield packed
 
@@ -123,19 +123,20 @@ class TieredAdam(PagedOptimizer):
     async def _chunk_state(self, slot: ParamSlot, chunk: Chunk) -> AsyncIterator[torch.Tensor]:
         rows = self._rows(slot)
         if not self._has(chunk.key, rows, chunk.numel):
-            await self._create(chunk.key, rows, chunk.numel, await read_weight_range(slot, chunk.start, chunk.stop))
+            await self._create(chunk.key, rows, slot, chunk.start, chunk.stop)
         async with self.store.hold(chunk.key, self.state_tier, write=True) as packed:
             yield packed
 
     def _has(self, key: str, rows: int, numel: int) -> bool:
         return key in self.store and self.store.info(key)["shape"] == (rows, numel)
 
-    async def _create(self, key: str, rows: int, numel: int, weight: torch.Tensor) -> None:
-        """New state under ``key``, written in place on the state tier (no second copy of it
-        exists): zero moments, the master weight from ``weight``."""
-        async with self.store.fill(key, (rows, numel), torch.float32, self.state_tier) as packed:
+    async def _create(self, key: str, rows: int, slot: ParamSlot, start: int, stop: int) -> None:
+        """New state under ``key`` for elements ``start:stop`` of ``slot``, written in place on
+        the state tier (no second copy of it, nor of the weight, is made): zero moments, the
+        master weight copied from the parameter."""
+        async with self.store.fill(key, (rows, stop - start), torch.float32, self.state_tier) as packed:
             packed[1:].zero_()
-            packed[0].copy_(weight.reshape(-1))
+            await fill_weight_range(slot, start, stop, packed[0])
 
     async def read_state_rows(self, slot: ParamSlot) -> torch.Tensor:
         """A paged parameter's whole state, ``(rows, numel)`` fp32 (master, exp_avg, exp_avg_sq

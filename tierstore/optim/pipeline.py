@@ -474,6 +474,17 @@ async def read_weight_range(slot: ParamSlot, start: int, stop: int) -> torch.Ten
     return host
 
 
+async def fill_weight_range(slot: ParamSlot, start: int, stop: int, out: torch.Tensor) -> None:
+    """Write elements ``start:stop`` of the flattened parameter into ``out`` (an fp32 row of new
+    state on the state tier): over the link straight into it where the dtypes agree, so no
+    temporary copy of the weight is made."""
+    offload = offloaded(slot.param)
+    if offload is not None or slot.link.lends or slot.param.dtype != out.dtype:
+        out.copy_((await read_weight_range(slot, start, stop)).reshape(-1))
+        return
+    await slot.link.to_host(out, slot.param.detach().reshape(-1)[start:stop])
+
+
 def _device_grad(slot: ParamSlot, capture: Capture) -> torch.Tensor:
     """The gradient a capture of a chunked parameter stands for, where the model keeps it."""
     grad = capture.tensor() if capture.tensor is not None else None

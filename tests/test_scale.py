@@ -1,0 +1,241 @@
+"""Real scale: state paged in chunks (exact against torch), a memory plan before the first step,
+and the process's memory bounded by the model plus the tiers' capacities."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tierstore.optim import OptimizerCapacityError, TieredAdamW, TieredOptimizer
+
+pytestmark = pytest.mark.device_modes
+
+VOCAB, DIM = 8000, 32  # 256k elements: 3 MB of Adam state, paged in 256 KiB chunks
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(VOCAB, DIM), torch.nn.Linear(DIM, DIM))
+
+
+def _batches(steps: int, per_step: int = 1) -> list[list[torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [[torch.randint(0, VOCAB, (64,), generator=generator) for _ in range(per_step)] for _ in range(steps)]
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: list[list[torch.Tensor]], clip: float | None = None) -> None:
+    for batch in batches:
+        for tokens in batch:
+            model(tokens).square().mean().backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+
+
+def _paged(tmp_path: Path, params: Any, **kwargs: Any) -> TieredAdamW:
+    options: dict[str, Any] = {
+        "offload": "disk", "disk_root": tmp_path / "state", "host_capacity": "4MiB", "chunk_bytes": "256KiB", "fused": True,
+    }
+    options.update(kwargs)
+    return TieredAdamW(params, **options)
+
+
+@pytest.mark.parametrize("clip, accumulate", [(None, 1), (0.01, 1), (None, 2)])
+def test_chunked_adamw_is_bit_for_bit_torch(tmp_path: Path, clip: float | None, accumulate: int) -> None:
+    reference, paged = _model(), _model()
+    expected = torch.optim.AdamW(reference.parameters(), fused=True)
+    opt = _paged(tmp_path, paged.parameters(), max_grad_norm=clip, gradient_accumulation_steps=accumulate)
+    try:
+        embedding = opt._slots[0]
+        assert embedding.chunks is not None and len(embedding.chunks) > 4
+        assert embedding.chunks[0].key.endswith("/c0")
+        batches = _batches(3, accumulate)
+        _train(reference, expected, batches, clip)
+        _train(paged, opt, batches)
+        for want, got in zip(reference.parameters(), paged.parameters(), strict=True):
+            assert torch.equal(want, got)
+        assert all(chunk.key in opt.store for chunk in embedding.chunks)
+        assert embedding.key not in opt.store  # never one entry of the whole state
+        assert opt.store.stats()["tiers"]["host"]["used"] <= 4 << 20
+    finally:
+        opt.close()
+
+
+def test_chunked_state_dict_matches_torch_and_loads_back(tmp_path: Path) -> None:
+    reference, paged = _model(), _model()
+    expected = torch.optim.AdamW(reference.parameters(), fused=True)
+    opt = _paged(tmp_path, paged.parameters())
+    batches = _batches(3)
+    try:
+        _train(reference, expected, batches[:2])
+        _train(paged, opt, batches[:2])
+        saved, want = opt.state_dict()["state"], expected.state_dict()["state"]
+        for index, entry in want.items():
+            for name, value in entry.items():
+                assert torch.equal(saved[index][name], value), (index, name)
+        # torch's state dict into a fresh chunked optimizer, then one more step on both
+        resumed = _model()
+        resumed.load_state_dict(paged.state_dict())
+        again = _paged(tmp_path, resumed.parameters(), disk_root=tmp_path / "again")
+        try:
+            again.load_state_dict(expected.state_dict())
+            _train(reference, expected, batches[2:])
+            _train(resumed, again, batches[2:])
+            for want_p, got_p in zip(reference.parameters(), resumed.parameters(), strict=True):
+                assert torch.equal(want_p, got_p)
+        finally:
+            again.close()
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("cls, options", [(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}), (torch.optim.Adagrad, {"lr": 0.05})])
+def test_generic_wrapper_chunks_an_elementwise_optimizer(tmp_path: Path, cls: type[torch.optim.Optimizer], options: dict[str, Any]) -> None:
+    reference, paged = _model(), _model()
+    expected = cls(reference.parameters(), **options)
+    opt = TieredOptimizer(
+        paged.parameters(), cls, offload="disk", disk_root=tmp_path / "state", host_capacity="4MiB", chunk_bytes="256KiB", **options
+    )
+    try:
+        assert opt._slots[0].chunks is not None
+        batches = _batches(3)
+        _train(reference, expected, batches)
+        _train(paged, opt, batches)
+        for want, got in zip(reference.parameters(), paged.parameters(), strict=True):
+            assert torch.equal(want, got)
+        saved, want_state = opt.state_dict()["state"], expected.state_dict()["state"]
+        for name, value in want_state[0].items():
+            assert torch.equal(torch.as_tensor(saved[0][name]), torch.as_tensor(value)), name
+    finally:
+        opt.close()
+
+
+class _Normalized(torch.optim.Optimizer):
+    """Not elementwise: each step divides by the norm of the whole gradient."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad / (p.grad.norm() + 1e-12), alpha=-group["lr"])
+
+
+def test_generic_wrapper_refuses_to_chunk_an_optimizer_that_is_not_elementwise(tmp_path: Path) -> None:
+    model = _model()
+    with pytest.raises(OptimizerCapacityError, match="elementwise"):
+        TieredOptimizer(model.parameters(), _Normalized, offload="disk", disk_root=tmp_path / "a", host_capacity="2MiB", chunk_bytes="256KiB")
+    opt = TieredOptimizer(
+        model.parameters(), _Normalized, elementwise=True, offload="disk", disk_root=tmp_path / "b", host_capacity="2MiB", chunk_bytes="256KiB"
+    )
+    try:
+        assert opt._slots[0].chunks is not None
+    finally:
+        opt.close()
+
+
+def test_memory_plan_before_the_first_step_and_refusal(tmp_path: Path) -> None:
+    model = _model()
+    opt = _paged(tmp_path, model.parameters())
+    try:
+        plan = opt.memory_plan()
+        assert plan.fits and plan.chunked_parameters == 1
+        assert plan.tier_need["disk"] >= VOCAB * DIM * 12
+        assert 0 < plan.tier_need["host"] <= 4 << 20
+        assert opt.memory_report().plan == plan
+        assert "memory plan (fits)" in str(opt.memory_report())
+    finally:
+        opt.close()
+    with pytest.raises(OptimizerCapacityError, match="'disk' tier needs"):
+        _paged(tmp_path, model.parameters(), disk_root=tmp_path / "small", disk_capacity="2MiB")
+
+
+def test_embedding_far_larger_than_the_host_tier_trains_exactly(tmp_path: Path, device_mode: str) -> None:
+    """The issue asks for a 100M-element embedding (1.2 GB of state) under a 64 MiB host tier;
+    that is minutes of disk traffic on a CI runner, so this is the same shape of problem at
+    a tenth: 8M elements, 96 MB of Adam state, 15x the 6 MiB host tier, a few chunks in flight."""
+    rows, dim = 250_000, 32
+    torch.manual_seed(0)
+    reference = torch.nn.Embedding(rows, dim)
+    paged = torch.nn.Embedding(rows, dim)
+    paged.load_state_dict(reference.state_dict())
+    expected = torch.optim.AdamW(reference.parameters(), fused=True)
+    opt = TieredAdamW(paged.parameters(), fused=True, offload="disk", disk_root=tmp_path / "state", host_capacity="6MiB")
+    try:
+        assert opt._slots[0].chunks is not None and opt.memory_plan().fits
+        generator = torch.Generator().manual_seed(2)
+        for _ in range(2):
+            tokens = torch.randint(0, rows, (256,), generator=generator)
+            for model, optimizer in ((reference, expected), (paged, opt)):
+                model(tokens).square().mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        assert torch.equal(reference.weight, paged.weight)
+        host = opt.store.stats()["tiers"]["host"]
+        assert host["used"] <= host["capacity"] == 6 << 20
+        assert opt.time_report().disk_read_bytes > 0 and opt.time_report().disk_write_bytes > 0
+    finally:
+        opt.close()
+
+
+_RSS_SCRIPT = textwrap.dedent(
+    """
+    import json, resource, sys, torch, psutil
+    from tierstore.device import emulate_device
+    from tierstore.optim import TieredAdamW
+    torch.set_num_threads(1)
+    root, emulated = sys.argv[1], sys.argv[2] == "emulated"
+    def rss():
+        return psutil.Process().memory_info().rss
+    def peak():
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with emulate_device(emulated):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Embedding(50_000, 256), torch.nn.Linear(256, 256), torch.nn.Linear(256, 50_000))
+        tokens = torch.randint(0, 50_000, (2, 32))
+        def loss():
+            return torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+        for _ in range(2):  # the model alone: weights, grads, activations
+            loss().backward()
+        baseline_peak, baseline = peak(), rss()
+        opt = TieredAdamW(model.parameters(), offload="disk", disk_root=root, host_capacity="64MiB", fused=True)
+        plan = opt.memory_plan()
+        for _ in range(3):
+            loss().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        host = opt.store.stats()["tiers"]["host"]
+        print(json.dumps({"baseline_peak": baseline_peak, "peak": peak(), "baseline": baseline, "rss": rss(),
+                          "host_used": host["used"], "host_capacity": host["capacity"], "working": plan.working_bytes,
+                          "params": sum(p.numel() for p in model.parameters())}))
+        opt.close()
+    """
+)
+
+
+def test_peak_memory_is_bounded_by_model_plus_tiers(tmp_path: Path, device_mode: str) -> None:
+    """A 26M-parameter model (312 MB of Adam state) with its state on disk under a 64 MiB host
+    tier, in a fresh process: the peak RSS stays within the model's own peak (weights, grads,
+    activations) plus the host tier plus the planned working set plus a small constant, and what
+    the process holds after the steps is what the host tier counts (no buffer outside a budget)."""
+    script = tmp_path / "rss.py"
+    script.write_text(_RSS_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "state"), device_mode], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    slack = 128 << 20  # allocator slack, thread stacks, the catalog's map
+    bound = figures["baseline_peak"] + figures["host_capacity"] + figures["working"] + slack
+    assert figures["peak"] <= bound, figures
+    assert figures["params"] * 12 > 4 * figures["host_capacity"]  # the state far exceeds the tier
+    assert figures["rss"] - figures["baseline"] <= figures["host_used"] + figures["working"] + slack, figures
