@@ -27,7 +27,7 @@ import torch
 
 from ..store import TierStore
 from .reports import Timeline, TimeReport
-from .slots import Capture, ParamSlot
+from .slots import Capture, ParamSlot, memory_of
 
 #: What step() saw of one parameter: ``(slot, p.grad, its version, a marker of the link, the
 #: tensor to copy if it must be copied: p.grad, or a contiguous copy of it made on the device)``.
@@ -42,10 +42,7 @@ def observe(slots: list[ParamSlot]) -> list[Observed]:
     for slot in slots:
         grad = slot.param.grad
         version = grad._version if grad is not None else None
-        # A link copies contiguous bytes; a gradient laid out otherwise (a transposed or
-        # channels-last one) is made contiguous here, on its device, before the marker.
-        source = grad if grad is None or slot.link.lends or grad.is_contiguous() else grad.contiguous()
-        observed.append((slot, grad, version, None, source))
+        observed.append((slot, grad, version, None, grad))
     for slot, *_ in observed:
         if id(slot.link) not in markers:
             markers[id(slot.link)] = slot.link.mark()
@@ -98,7 +95,7 @@ class GradientCapture:
         if queue_end:
             torch.autograd.Variable._execution_engine.queue_callback(self._after_finalize)
         grad = param.grad
-        if ddp or passes % self._hint or grad is None or not grad.is_contiguous():
+        if ddp or passes % self._hint or grad is None:
             return  # DDP's hook captures it; or an earlier pass of several; or step() takes it
         self._loop.call_soon_threadsafe(self._start, slot, grad, grad._version, slot.link.mark(), False)
 
@@ -136,7 +133,7 @@ class GradientCapture:
 
     def _start(self, slot: ParamSlot, grad: torch.Tensor, version: int, marker: Any, ddp: bool) -> None:
         previous = slot.capture
-        capture = Capture(None if ddp else weakref.ref(grad), version, marker=marker, ddp=ddp)
+        capture = Capture(None if ddp else weakref.ref(grad), version, marker=marker, ddp=ddp, memory=None if ddp else memory_of(grad))
         if slot.link.lends:
             capture.lent = grad
         slot.capture = capture
@@ -147,6 +144,8 @@ class GradientCapture:
             capture = slot.capture
             if capture is not None and capture.ddp and capture.tensor is None:
                 capture.tensor, capture.version = ref, version
+                grad = ref()
+                capture.memory = memory_of(grad) if grad is not None else None
                 if capture.lent is not None:  # lend p.grad itself (the bucket's values, copied there)
                     capture.lent = ref()
 
@@ -179,7 +178,7 @@ class GradientCapture:
             if capture.task is not None:
                 await capture.task  # its error, if the copy failed
             return capture
-        fresh = Capture(weakref.ref(grad), version or 0, marker=marker)
+        fresh = Capture(weakref.ref(grad), version or 0, marker=marker, memory=memory_of(grad))
         if slot.link.lends:
             fresh.lent = grad
             source = grad

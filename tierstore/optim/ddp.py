@@ -76,7 +76,10 @@ def _comm_hook(chained, bucket):  # DDP checks these annotations: none
     """Run the user's hook, then start the copies of the reduced bucket's gradients."""
     buffer = bucket.buffer()
     layout = [
-        (param, grad.storage_offset() - buffer.storage_offset(), grad.numel(), grad.shape)
+        # DDP lays each gradient out in the bucket with its parameter's strides (a channels-last
+        # weight's too), whatever strides the views bucket.gradients() returns have
+        (param, grad.storage_offset() - buffer.storage_offset(), grad.numel(), param.shape,
+         param.stride() if _dense(param) else grad.stride())
         for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True)
     ]
     future = chained.hook(chained.state, bucket)
@@ -87,10 +90,21 @@ def _comm_hook(chained, bucket):  # DDP checks these annotations: none
         capture = chained.capture()
         if capture is not None:
             flat = tensor.view(-1)
-            for param, offset, numel, shape in layout:
+            for param, offset, numel, shape, stride in layout:
                 slot = chained.slots.get(id(param))
                 if slot is not None:
-                    capture.bucket_ready(slot, flat[offset : offset + numel].view(shape))
+                    capture.bucket_ready(slot, flat[offset : offset + numel].as_strided(shape, stride))
         return tensor
 
     return future.then(reduced)
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s strides lay its elements out densely, without overlap, in some order
+    of its dimensions (DDP then lays the gradient out in the bucket with those strides)."""
+    expected = 1
+    for dim in sorted(range(tensor.dim()), key=lambda d: (tensor.stride(d), tensor.shape[d])):
+        if tensor.shape[dim] != 1 and tensor.stride(dim) != expected:
+            return False
+        expected *= tensor.shape[dim]
+    return True

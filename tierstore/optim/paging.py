@@ -26,6 +26,7 @@ gradients are lent and the weights written in place). Subclasses say what the st
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 import warnings
@@ -58,7 +59,15 @@ from .distributed import (
     rank_folder,
 )
 from .pipeline import OptimizerCapacityError, UpdatePipeline, offloaded, read_weight
-from .reports import MemoryPlan, MemoryReport, StepWindow, Timeline, TimeReport, memory_report, plan_memory
+from .reports import (
+    MemoryPlan,
+    MemoryReport,
+    StepWindow,
+    Timeline,
+    TimeReport,
+    memory_report,
+    plan_memory,
+)
 from .setup import DEFAULT_DISK_ROOT, bind_store, default_store
 from .slots import ParamSlot
 from .steps import StepRunner
@@ -479,6 +488,9 @@ class PagedOptimizer(torch.optim.Optimizer):
         store if the optimizer made it. A default namespace is dropped with its keys; a named
         one keeps the state (and step counts) for a later optimizer claiming it."""
         self._remove_hooks()
+        if getattr(self, "_runner", None) is not None and self.store.is_open:
+            with contextlib.suppress(Exception):  # a step left half done (its error was raised then)
+                run(self._runner.end())
         if self._pipeline is not None:
             self._pipeline.shutdown()
         namespace = self.namespace

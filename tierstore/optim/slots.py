@@ -40,10 +40,22 @@ class Capture:
     marker: Any = None
     #: Taken from a DDP bucket (its tensor and version are set at the end of backward).
     ddp: bool = False
+    #: Where the gradient's memory was and how it was laid out: ``p.grad.data = other`` keeps
+    #: the tensor object and its version counter but not these.
+    memory: tuple[int, tuple[int, ...], tuple[int, ...]] | None = None
 
     def matches(self, grad: torch.Tensor | None, version: int | None) -> bool:
-        """Whether this copy is ``grad`` at ``version`` (``p.grad`` as ``step()`` sees it)."""
-        return grad is not None and self.tensor is not None and self.tensor() is grad and self.version == version
+        """Whether this copy is ``grad`` at ``version`` (``p.grad`` as ``step()`` sees it), in
+        the same memory."""
+        return (
+            grad is not None and self.tensor is not None and self.tensor() is grad and self.version == version
+            and self.memory == memory_of(grad)
+        )
+
+
+def memory_of(tensor: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """The address, shape and strides of ``tensor``'s data."""
+    return tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride())
 
 
 @dataclass(eq=False)
