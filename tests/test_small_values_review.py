@@ -129,3 +129,39 @@ async def test_a_smaller_capacity_counts_the_inline_values_too(tmp_path: Path) -
         assert tier.used <= tier.capacity  # type: ignore[attr-defined]
         assert len(store) == 2001
         assert torch.equal(await store.get("s1999"), torch.full((1000,), 1999 % 256, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("flush", [True, False], ids=["flush", "no-flush"])
+async def test_close_that_cannot_commit_acknowledged_puts_stays_open(tmp_path: Path, full_for: set[str], flush: bool) -> None:
+    """aclose(flush=False) too: small puts acknowledged before their commit are committed on
+    close, or close raises and the store stays open with nothing lost."""
+    root = tmp_path / "d"
+    store = TierStore([disk(root)])
+    await store.open()
+    await store.put("a", torch.tensor([1.0]))
+    await store.flush()
+    full_for.add("k")
+    await store.put("k", torch.tensor([2.0]))
+    with pytest.raises(DiskFullError):
+        await store.aclose(flush=flush)
+    assert store.is_open and torch.equal(await store.get("k"), torch.tensor([2.0]))
+    full_for.clear()
+    await store.aclose()
+    async with TierStore([disk(root)]) as again:
+        assert sorted(again.keys()) == ["a", "k"]
+
+
+async def test_a_put_loop_that_never_waits_leaves_a_bounded_backlog(tmp_path: Path) -> None:
+    """Non-durable small puts in a loop with no other await: the group commit still runs, and no
+    more than ``STAGED_LIMIT`` keys wait for a transaction (what a crash could lose)."""
+    from tierstore.store import STAGED_LIMIT
+
+    async with TierStore([disk(tmp_path / "d")]) as store:
+        tier = store.tier("disk")
+        before = tier.transactions
+        worst = 0
+        for i in range(3 * STAGED_LIMIT):
+            await store.put(f"k{i}", torch.zeros(16, dtype=torch.uint8))
+            worst = max(worst, tier.queued_changes)
+        assert worst <= STAGED_LIMIT
+        assert tier.transactions - before >= 2  # committed along the way, not all at the end

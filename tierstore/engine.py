@@ -163,9 +163,11 @@ class Engine:
         await asyncio.gather(*self.background, return_exceptions=True)
         while self.writes or any(self.demotions):
             await asyncio.gather(*self.writes, *(t for pending in self.demotions for t in pending), return_exceptions=True)
-        if self.disk_index is not None and flush:
+        if self.disk_index is not None:
             try:
-                await self.flush_all(whole=False)
+                if flush:
+                    await self.flush_all(whole=False)
+                await self.disk.drain()  # small puts acknowledged before their commit, flush or not
             except BaseException:
                 self.closing = False  # it stays open, nothing lost: make room and close again
                 raise
@@ -579,6 +581,7 @@ class Engine:
             copy.extent = None
         elif copy.inline is not None and isinstance(tier, DiskTier):
             tier.release_inline(copy.inline)
+            copy.inline = None
 
     def _release_after(self, tier: MemoryTier, buffer: torch.Tensor, last_use: Transfer) -> None:
         """Give ``buffer`` back to ``tier`` once the kernels that last used it have run (a

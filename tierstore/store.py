@@ -38,6 +38,11 @@ from .workers import Priority
 __all__ = ["TierRef", "TierStore"]
 
 
+#: Small puts acknowledged before their commit (non-durable disk tier) queue at most this many
+#: keys; a put beyond it waits for the queue to commit.
+STAGED_LIMIT = 4096
+
+
 class _FillAbandoned(Exception):
     """The block filling a value raised: its buffer is freed, the old value stays."""
 
@@ -317,6 +322,11 @@ class TierStore:
         non-durable disk tier may be acknowledged before its commit (a write-back put; a
         write-through one waits for it)."""
         if staged and self._engine.put_staged(entry, src, meta):
+            queued = self._engine.disk.queued_changes
+            if queued >= STAGED_LIMIT:
+                await self._engine.disk.drain()  # a bounded backlog: a crash loses at most about this many
+            elif queued % 256 == 0:
+                await asyncio.sleep(0)  # a put loop that never awaits lets the group commit start
             return
         abandon = asyncio.Event()
         write = self._engine.write_disk(entry, src, meta, None, Priority.DEMAND, abandon=abandon, staged=staged)
