@@ -247,3 +247,33 @@ async def test_overwrite_never_replaces_a_folder_that_is_not_a_zarr_group(tmp_pa
         with pytest.raises(FileExistsError, match="no zarr group"):
             await store.export_zarr(folder, overwrite=True)
     assert (folder / "notes.txt").read_text() == "mine"
+
+
+async def test_an_export_is_a_point_in_time_view(tmp_path: Path) -> None:
+    """Puts and deletes started while an export runs wait for it: the snapshot holds the values
+    as they were when it began, and none that came after."""
+    import asyncio
+
+    import zarr
+
+    async with TierStore([HostTier("64MiB")]) as store:
+        for i in range(40):
+            await store.put(f"k{i}", torch.full((64_000,), float(i)))
+        export = asyncio.ensure_future(store.export_zarr(tmp_path / "snap.zarr"))
+        await asyncio.sleep(0)  # the export has begun
+
+        async def writer() -> None:
+            for i in range(40):
+                await store.put(f"k{i}", torch.full((64_000,), -1.0))
+            await store.delete("k0")
+            await store.put("late", torch.ones(3))
+
+        writing = asyncio.ensure_future(writer())
+        await export
+        await writing
+        assert torch.equal(await store.get("k1"), torch.full((64_000,), -1.0)) and "late" in store
+    group = zarr.open_group(str(tmp_path / "snap.zarr"), mode="r")
+    names = sorted(group.array_keys())
+    assert "late" not in names and len(names) == 40
+    for i in range(40):
+        assert (group[f"k{i}"][:] == float(i)).all()

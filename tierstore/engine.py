@@ -13,7 +13,8 @@ import asyncio
 import itertools
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,9 @@ class Engine:
         self.versions = itertools.count(1)
         #: Grows whenever a key appears or disappears (for caches of the key set).
         self.key_changes = 0
+        #: Set while a point-in-time view is being read (an export): writers wait for ``thawed``.
+        self.frozen = False
+        self._thawed: asyncio.Event | None = None
         #: Bytes per tier that demotions under way will free (``tierstore.eviction``).
         self.freeing = [0] * len(self._tiers)
         self.demotions: list[set[asyncio.Task[None]]] = [set() for _ in self._tiers]
@@ -582,6 +586,26 @@ class Engine:
         elif copy.inline is not None and isinstance(tier, DiskTier):
             tier.release_inline(copy.inline)
             copy.inline = None
+
+    @asynccontextmanager
+    async def freeze(self) -> AsyncIterator[None]:
+        """Hold every value as it is for the block: puts, fills, deletes, pops and write holds
+        started meanwhile wait until it ends; the block starts once those in flight ended."""
+        while self.frozen:  # one view at a time
+            await self.until_thawed()
+        self.frozen, self._thawed = True, asyncio.Event()
+        try:
+            while any(e.pending_writes or e.writer is not None for e in self.entries.values()):
+                await asyncio.sleep(0.005)
+            yield
+        finally:
+            self.frozen = False
+            self._thawed.set()
+
+    async def until_thawed(self) -> None:
+        """Wait until no point-in-time view is being read."""
+        while self.frozen and self._thawed is not None:
+            await self._thawed.wait()
 
     def _release_after(self, tier: MemoryTier, buffer: torch.Tensor, last_use: Transfer) -> None:
         """Give ``buffer`` back to ``tier`` once the kernels that last used it have run (a

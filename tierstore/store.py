@@ -248,6 +248,8 @@ class TierStore:
         through = self.durable if durable is None else bool(durable)
         if through and self._engine.disk_index is None:
             raise UnknownTierError("durable=True needs a disk tier to write through to; this store has none")
+        if self._engine.frozen:
+            await self._engine.until_thawed()
         tensor = check_tensor(tensor).detach()
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
@@ -349,6 +351,8 @@ class TierStore:
         engine = self._engine
         engine.require_open()
         key = check_key(key)
+        if engine.frozen:
+            await engine.until_thawed()
         if not isinstance(dtype, torch.dtype) or any(d < 0 for d in shape):
             raise InvalidTensorError(f"fill needs a torch.dtype and a shape of non-negative sizes, not {dtype!r}, {shape!r}")
         meta = TensorMeta(dtype, shape)
@@ -471,6 +475,8 @@ class TierStore:
         the value is read from its fastest copy. A pop cancelled once it has begun deleting
         still deletes the key (its value then reaches no one), as a cancelled delete would."""
         self._engine.require_open()
+        if self._engine.frozen:
+            await self._engine.until_thawed()
         t = self._engine.index_of(tier)
         entry = self._engine.visible_entry(key)
         if entry.held():  # as delete: a held key (read or write, anyone's) is refused at once
@@ -522,7 +528,8 @@ class TierStore:
         from .snapshot import export_zarr
 
         self._engine.require_open()
-        return await export_zarr(self, path, overwrite)
+        async with self._engine.freeze():  # a point-in-time view: writers wait until it is written
+            return await export_zarr(self, path, overwrite)
 
     async def import_zarr(self, path: str | Path, tier: TierRef = None) -> int:
         """Put every array of the zarr group at ``path`` into the store."""
@@ -534,6 +541,8 @@ class TierStore:
     async def delete(self, key: str) -> None:
         """Remove ``key`` from every tier (and from the disk catalog)."""
         self._engine.require_open()
+        if self._engine.frozen:
+            await self._engine.until_thawed()
         entry = self._engine.visible_entry(key)
         if entry.held():
             raise EntryHeldError(f"{key!r} is held; release it before deleting")
@@ -562,6 +571,8 @@ class TierStore:
         t = self._engine.index_of(tier)
         if not isinstance(self._engine.tiers[t], MemoryTier):
             raise UnknownTierError(f"hold needs a memory tier; {self._engine.names[t]!r} is a {self._engine.tiers[t].kind} tier")
+        if write and self._engine.frozen:
+            await self._engine.until_thawed()
         entry = self._engine.visible_entry(key)
         if entry.writer is not None:
             await self._engine.no_writer(entry, "hold")
