@@ -234,7 +234,7 @@ def test_peak_memory_is_bounded_by_model_plus_tiers(tmp_path: Path, device_mode:
     done = subprocess.run([sys.executable, str(script), str(tmp_path / "state"), device_mode], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     figures = json.loads(done.stdout.strip().splitlines()[-1])
-    slack = 128 << 20  # allocator slack, thread stacks, the catalog's map
+    slack = 256 << 20  # the constant: allocator slack, thread stacks, the catalog's map
     bound = figures["baseline_peak"] + figures["host_capacity"] + figures["working"] + slack
     assert figures["peak"] <= bound, figures
     assert figures["params"] * 12 > 4 * figures["host_capacity"]  # the state far exceeds the tier
