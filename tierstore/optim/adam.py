@@ -31,8 +31,8 @@ from torch.optim.adam import adam
 
 from ..sync import run
 from .checkpoint import adam_entry, adam_load_state_dict, adam_state_dict
-from .clipping import inverse_scale
 from .chunks import Chunk
+from .clipping import inverse_scale
 from .paging import PagedOptimizer, ParamSlot
 from .pipeline import fill_weight_range
 
