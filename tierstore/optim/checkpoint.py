@@ -23,6 +23,8 @@ one parameter's; ``load_state_dict`` writes into the tiers one parameter at a ti
 
 from __future__ import annotations
 
+import itertools
+import sys
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -100,9 +102,36 @@ async def adam_entry(optimizer: TieredAdam, slot: ParamSlot) -> dict[str, torch.
     return entry
 
 
+#: The key of the placeholder state dict handed to accelerate's device placement (see below).
+UNMOVED = "tierstore_state_stays_in_the_store"
+
+
 def adam_state_dict(optimizer: TieredAdam) -> dict[str, Any]:
     """``TieredAdam.state_dict`` (see the module docstring)."""
+    if _accelerate_placement():
+        # accelerate "moves" an optimizer's state to its device with
+        # load_state_dict(move_to_device(state_dict())). Paged state stays where the store keeps
+        # it: moving it would read all of it into memory (onto the GPU, on a GPU) and write it
+        # all back. So that round trip gets a placeholder, which load_state_dict recognises.
+        token = optimizer._unmoved_token = (id(optimizer), next(_tokens))
+        return {"state": {}, "param_groups": optimizer._groups_for_saving(), UNMOVED: list(token)}
     return run(_adam_state_dict(optimizer))
+
+
+_tokens = itertools.count()
+
+
+def _accelerate_placement() -> bool:
+    """Whether the caller is accelerate's ``AcceleratedOptimizer`` placing the state on its device
+    (its ``__init__`` with ``device_placement=True``, what ``Accelerator.prepare`` runs)."""
+    frame = sys._getframe(1)
+    for _ in range(6):
+        frame = frame.f_back  # type: ignore[assignment]
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "__init__" and frame.f_globals.get("__name__") == "accelerate.optimizer":
+            return True
+    return False
 
 
 async def _adam_state_dict(optimizer: TieredAdam) -> dict[str, Any]:
@@ -128,6 +157,12 @@ def adam_load_state_dict(optimizer: TieredAdam, state_dict: dict[str, Any]) -> N
     """``TieredAdam.load_state_dict``: a state dict of this class (any rank count, through DCP)
     or of ``torch.optim.Adam``/``AdamW``; written into the store one parameter at a time."""
     groups = state_dict["param_groups"]
+    unmoved = state_dict.get(UNMOVED)
+    if unmoved is not None:
+        if tuple(unmoved) != getattr(optimizer, "_unmoved_token", None):
+            raise ValueError("this state dict is a placeholder this optimizer gave accelerate's device placement; it holds no state")
+        optimizer._unmoved_token = None
+        return  # our own placeholder back from accelerate: the state never left the store
     if len(groups) != len(optimizer.param_groups):
         raise ValueError("loaded state dict has a different number of parameter groups")
     for saved, group in zip(groups, optimizer.param_groups, strict=True):
