@@ -71,9 +71,10 @@ class MemoryReport:
 class MemoryPlan:
     """Bytes the optimizer will need, computed from the parameters and the store before any step.
 
-    ``tier_need``: per store tier, the most it must hold at once: on the state tier the updates
-    in flight (``inflight`` buckets or chunks, the chunks prefetched after them, the largest
-    gradient copy arriving), on the tier below it all paged state and gradient copies.
+    ``tier_need``: per store tier, what it must be able to hold: on the state tier one update
+    (the largest bucket unit or chunk) and the largest gradient copy arriving (more updates in
+    flight and chunks prefetched ahead use whatever room is left), on the tier below it all
+    paged state and gradient copies.
     ``process_bytes``: the process's bound with state paged: the model's weights and gradients
     (host memory where the device is the CPU), every memory tier's capacity, state kept
     resident, and the bounded working set (``working_bytes``: the disk tier's staging buffers,
@@ -126,9 +127,11 @@ def plan_memory(
     resident = sum(state_bytes(slot) for slot in slots if not slot.paged)
     largest = max((unit_need(slot) for slot in slots), default=0)
     chunked = [slot for slot in slots if slot.chunks is not None]
-    prefetch = inflight * max((unit_need(slot) for slot in chunked), default=0)
     need = {name: 0 for name in names}
-    need[state_tier] = inflight * largest + prefetch + max(copied_grads, default=0)
+    # What must fit: one update at a time and one more gradient arriving (the pipeline runs
+    # fewer updates at once, and prefetches less, when the tier is small; that is slower, not
+    # wrong). More buckets in flight and chunks prefetched ahead use what room is left.
+    need[state_tier] = largest + max(copied_grads, default=0)
     below = [t for t in tiers[position + 1 :]]
     if below:  # everything pages down to the tier below (the disk)
         need[below[-1].name] = paged_state + sum(copied_grads)
