@@ -231,10 +231,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(path: Path, losses: list[float], reference: list[float] | None) -> None:
-    import matplotlib
+    from .plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     figure, axes = plt.subplots(figsize=(7, 4))
     axes.plot(losses, label="TieredAdamW (state paged to disk)", linewidth=2)

@@ -164,7 +164,7 @@ async def bench_rates(root: Path, rounds: int, quick: bool) -> list[dict[str, An
             figures["sync_put"].append(put)
             figures["sync_get"].append(get)
             bar.update()
-        ratio = lambda a, b: median([x / y for x, y in zip(figures[a], figures[b], strict=True)])  # noqa: E731
+        ratio = lambda a, b, figures=figures: median([x / y for x, y in zip(figures[a], figures[b], strict=True)])  # noqa: E731
         rows.append({
             "durable": durable,
             "put_per_s": median(figures["put"]), "lmdb_put_per_s": median(figures["lmdb_put"]), "put_ratio": ratio("put", "lmdb_put"),
@@ -302,11 +302,9 @@ async def bench_hits(rounds: int, calls: int) -> list[dict[str, Any]]:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
+    from ..plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     memory, reopen = result["scale"]["memory"], result["scale"]["reopen"]
     left.plot([m["keys"] for m in memory], [m["host_bytes_per_key"] for m in memory], "o-", label="host tier, per key")

@@ -95,10 +95,9 @@ def _count_rows(path: Path) -> int:
 
 
 def plot_speed(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
+    from ..plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = [r["eviction"] for r in rows]
     x = np.arange(len(rows))

@@ -189,10 +189,9 @@ def _fresh(config: str, quick: bool, steps: int, folder: Path) -> dict[str, Any]
 
 
 def _plot(results: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
+    from ..plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for result in results:

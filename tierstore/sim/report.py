@@ -130,10 +130,9 @@ def format_table(results: list[SimResult], trace: Trace) -> str:
 
 def plot_curves(results: list[SimResult], trace: Trace, path: Path) -> None:
     """Miss-ratio curves: miss ratio against capacity, one line per combination."""
-    import matplotlib
+    from ..plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     curves: dict[str, list[tuple[float, float]]] = {}
     for r in results:
@@ -166,10 +165,9 @@ def plot_prefetch(results: list[SimResult], path: Path) -> bool:
                 largest[key], chosen[key] = r.capacity, stats
     if not chosen:
         return False
-    import matplotlib
+    from ..plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     import numpy as np
 
     metrics = ["accuracy", "coverage", "timeliness", "pollution"]

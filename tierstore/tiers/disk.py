@@ -20,10 +20,10 @@ from ..disk.compact import compact, plan_compaction
 from ..disk.extents import Extent, ExtentAllocator
 from ..disk.files import (
     FileIO,
-    checksum_bytes,
     SegmentFiles,
     TruncatedSegment,
     allocated_bytes,
+    checksum_bytes,
     checksum_of,
     is_segment_name,
 )
