@@ -280,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=Path(".tierstore/bench"), help="scratch folder for the disk tier")
     parser.add_argument("--link", default="25GB/s,10us", help="the emulated link's speed for (c)")
     parser.add_argument("--device", default="cpu", help="where the model runs: cpu (plain and emulated device) or cuda")
-    parser.add_argument("--parts", default="abc", help="which parts to run: a (update), b (training step), c (the link)")
+    parser.add_argument("--parts", default="abcd",
+                        help="which parts to run: a (update), b (training step), c (the link), d (HF Trainer-driven steps)")
     args = parser.parse_args(argv)
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available here")
@@ -294,7 +295,14 @@ def main(argv: list[str] | None = None) -> int:
         updates = update_throughput(numel, tensors, reps, progress) if "a" in args.parts else []
         steps, facts = training_steps(args, progress) if "b" in args.parts else ([], {})
         links = link_runs(args, progress) if "c" in args.parts else []
-    return report(args, bandwidth, read_gbs, write_gbs, updates, steps, facts, links)
+    status = report(args, bandwidth, read_gbs, write_gbs, updates, steps, facts, links)
+    if "d" in args.parts:  # steps/s through transformers' Trainer (tierstore.bench.trainer)
+        from .trainer import main as trainer_main
+
+        print("\n(d) HF Trainer-driven steps")
+        status |= trainer_main([*(["--quick"] if args.quick else []), "--json", str(args.json.with_name("bench_trainer.json")),
+                                "--dir", str(args.dir)])
+    return status
 
 
 def report(
