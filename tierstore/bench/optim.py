@@ -40,10 +40,9 @@ from ..device import emulate_device
 from ..models import GPT, GPTConfig, synthetic_batches
 from ..optim import TieredAdamW
 from ..store import TierStore
-from ..tensors import aligned_empty
 from ..tiers import DiskTier, HostTier
 from .common import environment, median, table, write_json
-from .tiers import RawFile
+from .tiers import raw_rates
 
 MiB = 1 << 20
 
@@ -63,23 +62,7 @@ def memory_bandwidth(nbytes: int = 256 * MiB, reps: int = 5) -> float:
 
 def disk_bandwidth(folder: Path, nbytes: int = 128 * MiB) -> tuple[float, float]:
     """(read, write) GB/s of the raw O_DIRECT pread/pwrite loop on ``folder``'s file system."""
-    folder.mkdir(parents=True, exist_ok=True)
-    raw = RawFile(folder / "bw.raw", nbytes, direct=True, chunk=4 * MiB, threads=4)
-    buffer = aligned_empty(nbytes)
-    try:
-        raw.write(buffer, 0, fsync=False)
-        writes, reads = [], []
-        for _ in range(3):
-            started = time.perf_counter()
-            raw.write(buffer, 0, fsync=False)
-            writes.append(time.perf_counter() - started)
-            started = time.perf_counter()
-            raw.read(buffer, 0)
-            reads.append(time.perf_counter() - started)
-    finally:
-        raw.close()
-        (folder / "bw.raw").unlink(missing_ok=True)
-    return nbytes / median(reads) / 1e9, nbytes / median(writes) / 1e9
+    return raw_rates(folder, nbytes)
 
 
 def update_throughput(numel: int, tensors: int, reps: int, progress: tqdm) -> list[dict[str, Any]]:

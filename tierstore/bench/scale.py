@@ -74,30 +74,10 @@ class _Sampler:
 def raw_disk_rate(folder: Path, nbytes: int = 64 * MiB) -> dict[str, float]:
     """GB/s of plain pwrite/pread of ``nbytes`` in 4 MiB requests by 4 threads (page cache
     bypassed where O_DIRECT works)."""
-    import torch
+    from .tiers import raw_rates
 
-    from ..tensors import aligned_empty
-    from .tiers import RawFile
-
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "raw.bin"
-    try:
-        raw = RawFile(path, nbytes, direct=True, chunk=4 * MiB, threads=4)
-    except OSError:
-        raw = RawFile(path, nbytes, direct=False, chunk=4 * MiB, threads=4)
-    buffer = aligned_empty(nbytes)
-    buffer.view(torch.float32).normal_()
-    writes, reads = [], []
-    for _ in range(3):
-        started = time.perf_counter()
-        raw.write(buffer, 0, fsync=False)
-        writes.append(time.perf_counter() - started)
-        started = time.perf_counter()
-        raw.read(buffer, 0)
-        reads.append(time.perf_counter() - started)
-    raw.close()
-    path.unlink()
-    return {"write_gbs": nbytes / median(writes) / 1e9, "read_gbs": nbytes / median(reads) / 1e9}
+    read, write = raw_rates(folder, nbytes)
+    return {"write_gbs": write, "read_gbs": read}
 
 
 def run_one(config: str, quick: bool, steps: int, folder: Path) -> dict[str, Any]:
