@@ -204,3 +204,39 @@ def test_state_is_visible_to_tools(device_mode: str, reference: Run, tmp_path: P
             torch.testing.assert_close(ours[p]["exp_avg"], torch_state[q]["exp_avg"], rtol=0, atol=0)
     finally:
         close_later.close()
+
+
+class FP16ScaledTrainer(transformers.Trainer):
+    """The Trainer as fp16 runs it on a GPU: accelerate's ``GradScaler`` scales the loss, and
+    ``clip_grad_norm_`` unscales ``p.grad`` first. accelerate builds a scaler only on a GPU, so
+    a CPU one is given to it here (the accelerator is prepared in ``train()``)."""
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        accelerator = self.accelerator
+        accelerator.native_amp, accelerator.scaler = True, torch.amp.GradScaler("cpu", init_scale=1024.0)
+        before, accelerator.state._mixed_precision = accelerator.state._mixed_precision, "fp16"
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            accelerator.state._mixed_precision = before  # a process-wide singleton
+
+
+class FP16ScaledRecordingTrainer(FP16ScaledTrainer, RecordingTrainer):
+    pass
+
+
+class FP16ScaledTieredTrainer(TieredTrainerMixin, FP16ScaledRecordingTrainer):
+    pass
+
+
+def test_tiered_trainer_under_fp16_loss_scaling(device_mode: str, tmp_path: Path) -> None:
+    """Under a ``GradScaler`` the norm and the clipping are of the unscaled gradients: the
+    logged norms and the weights are those of torch's fused AdamW in the plain Trainer (the
+    mixin once clipped by the norm of the scaled gradients, 1024 times too large)."""
+    reference = train(tmp_path / "reference", trainer_class=FP16ScaledRecordingTrainer)
+    model = make_model()
+    run = train(tmp_path / "tiered", model=model, optimizers=(tiered(model), None), trainer_class=FP16ScaledTieredTrainer)
+    assert_same(run, reference)
+    assert grad_norms(run) == grad_norms(reference)
+    assert max(grad_norms(run)) < 10  # unscaled, and clipped (max_grad_norm=1.0) by that norm
+    close(run)
