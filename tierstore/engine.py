@@ -22,7 +22,7 @@ import torch
 
 from . import eviction, flushing, holds
 from .copies import copy_bytes
-from .device import TO_DEVICE, TO_HOST, Link, Transfer, link_for
+from .device import READY, TO_DEVICE, TO_HOST, Link, Transfer, link_for
 from .device.caller import caller_work
 from .disk.catalog import DiskRecord
 from .entry import Copy, Entry
@@ -271,7 +271,8 @@ class Engine:
 
         async def from_memory(buffer: torch.Tensor, priority: Priority) -> None:
             crossing = self._crossing(source.tier, target)
-            await self._copy(buffer[: meta.nbytes], source.buffer[: meta.nbytes], priority, crossing, after=source.last_use)  # type: ignore[index]
+            # a tier's buffer: it waits only for the kernels of its last holder, if any
+            await self._copy(buffer[: meta.nbytes], source.buffer[: meta.nbytes], priority, crossing, after=READY if source.last_use is None else source.last_use)  # type: ignore[index]
 
         return from_memory
 
@@ -281,7 +282,7 @@ class Engine:
         if out is None:
             out = torch.empty(meta.shape, dtype=meta.dtype, device=self._tiers[t].device)  # type: ignore[attr-defined]
         if meta.nbytes:
-            await self._copy(as_bytes(out), copy.buffer[: meta.nbytes], Priority.DEMAND)  # type: ignore[index]
+            await self._copy(as_bytes(out), copy.buffer[: meta.nbytes], Priority.DEMAND, after=READY if copy.last_use is None else copy.last_use)  # type: ignore[index]
         return out
 
     async def read_uncached(self, entry: Entry, device: torch.device, out: torch.Tensor | None = None, target: int | None = None) -> torch.Tensor:

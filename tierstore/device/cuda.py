@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .link import TO_DEVICE, TO_HOST, Link
+from .link import READY, TO_DEVICE, TO_HOST, Link
 from .transfer import Transfer
 
 
@@ -53,6 +53,8 @@ class CudaLink(Link):
         stream = self._streams[transfer.direction]
         if after is None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
+        elif after is READY:
+            pass  # nothing queued elsewhere touches these buffers
         elif isinstance(after, Transfer):
             after.wait()  # another direction's copy: rare, and its event is not at hand
         else:

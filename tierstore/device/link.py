@@ -39,6 +39,18 @@ TO_HOST = "to_host"
 TO_DEVICE = "to_device"
 
 
+class _Ready:
+    """See ``READY``."""
+
+    def __repr__(self) -> str:
+        return "READY"
+
+
+#: A marker of no work to wait for: a copy ``after=READY`` may start at once (its source is a
+#: buffer no kernel of the caller's is using, e.g. one tier's copy moving to another).
+READY = _Ready()
+
+
 class Link(ABC):
     """Copies between ``device`` memory and host memory (see the module docstring)."""
 
