@@ -211,3 +211,12 @@ def test_pop_and_get_onto_an_emulated_device_tier_cross_the_link() -> None:
         before = link.moved["to_device"][0]
         assert torch.equal(store.get("b", "device"), torch.ones(3_000_000))
         assert link.moved["to_device"][0] - before >= 12_000_000
+
+
+def test_a_copy_after_ready_starts_at_once() -> None:
+    from tierstore.device import READY
+
+    for link in (link_for("cpu", emulate=True, spec=""), link_for("cpu", emulate=False)):
+        src, dst = torch.arange(8.0), torch.empty(8)
+        link.to_host(dst, src, after=READY).wait()
+        assert torch.equal(dst, src)
