@@ -157,7 +157,8 @@ class TieredOptimizer(PagedOptimizer):
                 master.copy_(shadow.data.reshape(-1))
             small, new = {}, {}
             for name, value in inner.state[shadow].items():
-                if torch.is_tensor(value) and value.numel() == numel and value.numel() > 1:
+                # by shape, not size: a chunk of one element has moments the size of a step count
+                if torch.is_tensor(value) and value.shape == shape and (numel > 1 or shape != slot.shape):
                     held = box["tensors"].get(name)
                     if held is None or value.data_ptr() != held.data_ptr():
                         new[name] = value.detach().reshape(-1).float().clone()
