@@ -31,7 +31,7 @@ from torch.optim.adam import adam
 
 from ..sync import run
 from .checkpoint import adam_entry, adam_load_state_dict, adam_state_dict
-from .chunks import Chunk
+from .chunks import Chunk, chunk_key
 from .clipping import inverse_scale
 from .paging import PagedOptimizer, ParamSlot
 from .pipeline import fill_weight_range
@@ -164,13 +164,6 @@ class TieredAdam(PagedOptimizer):
             if key in self.store:
                 await self.store.delete(key)
 
-    def _stored(self, slot: ParamSlot) -> bool:
-        """Whether the store holds the slot's whole state in its layout."""
-        rows = self._rows(slot)
-        if slot.chunks is None:
-            return self._has(slot.key, rows, slot.numel)
-        return all(self._has(chunk.key, rows, chunk.numel) for chunk in slot.chunks)
-
     # -- continuing an earlier run ------------------------------------------------------------------
 
     def _steps_key(self) -> str:
@@ -208,12 +201,13 @@ class TieredAdam(PagedOptimizer):
         elif saved is not None:
             for slot in self._slots:
                 step = float(saved[slot.index])
-                keys = [chunk.key for chunk in slot.chunks] if slot.chunks is not None else [slot.key]
-                if step != step or not any(key in self.store for key in keys):  # NaN: never stepped
+                if step != step or not (slot.key in self.store or chunk_key(slot.key, 0) in self.store):  # NaN: never stepped
                     continue
-                if not (self._stored(slot) if slot.paged else self._has(slot.key, self._rows(slot), slot.numel)):
+                pieces = self._saved_pieces(slot)
+                if pieces is None:
                     mismatched.append(slot.index)
                     continue
+                keys = await self._relayout(slot, pieces)
                 self._step_counts[slot.index] = torch.tensor(step)
                 if slot.paged:
                     kept.update(keys)
@@ -228,6 +222,55 @@ class TieredAdam(PagedOptimizer):
         for key in namespace.keys():
             if key not in kept:
                 await self.store.delete(key)
+
+    def _saved_pieces(self, slot: ParamSlot) -> list[tuple[str, int, int]] | None:
+        """The entries holding a saved state of ``slot`` in whichever layout saved it (one
+        entry, or chunks of any size: ``chunk_bytes`` may have changed since), as ``(key,
+        start, stop)`` in element order; None unless they cover the parameter exactly."""
+        rows = self._rows(slot)
+        if self._has(slot.key, rows, slot.numel):
+            return [(slot.key, 0, slot.numel)]
+        pieces: list[tuple[str, int, int]] = []
+        start = 0
+        while (key := chunk_key(slot.key, len(pieces))) in self.store:
+            shape = tuple(self.store.info(key)["shape"])
+            if len(shape) != 2 or shape[0] != rows or shape[1] < 1:
+                return None
+            pieces.append((key, start, start + shape[1]))
+            start += shape[1]
+        return pieces if pieces and start == slot.numel else None
+
+    async def _relayout(self, slot: ParamSlot, pieces: list[tuple[str, int, int]]) -> list[str]:
+        """Rewrite the saved state in ``pieces`` into this optimizer's layout of ``slot`` (its
+        chunks, or one entry) and return its keys. One saved piece and one new piece are in
+        memory at a time; new pieces whose keys the old layout still uses are staged first."""
+        targets = [(c.key, c.start, c.stop) for c in slot.chunks] if slot.paged and slot.chunks is not None else [(slot.key, 0, slot.numel)]
+        if [p[1:] for p in pieces] == [t[1:] for t in targets]:
+            return [key for key, _, _ in targets]
+        old = {key for key, _, _ in pieces}
+        staged: list[str] = []
+        cached: tuple[str, torch.Tensor] | None = None
+        for index, (key, start, stop) in enumerate(targets):
+            out = torch.empty(self._rows(slot), stop - start, dtype=torch.float32)
+            for source, first, last in pieces:
+                if last <= start or first >= stop:
+                    continue
+                if cached is None or cached[0] != source:
+                    cached = None  # the previous piece is freed before the next is read
+                    cached = (source, await self.store.read(source))
+                low, high = max(first, start), min(last, stop)
+                out[:, low - start : high - start].copy_(cached[1][:, low - first : high - first])
+            staged.append(f"{slot.key}/relayout{index}" if key in old else key)
+            await self.store.put(staged[-1], out, tier=self.state_tier)
+            del out
+        cached = None
+        for key in old:
+            await self.store.delete(key)
+        for temporary, (key, _, _) in zip(staged, targets, strict=True):
+            if temporary != key:
+                await self.store.put(key, await self.store.read(temporary), tier=self.state_tier)
+                await self.store.delete(temporary)
+        return [key for key, _, _ in targets]
 
     # -- the math --------------------------------------------------------------------------------------
 
