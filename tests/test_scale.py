@@ -15,7 +15,7 @@ import torch
 
 from tierstore.optim import OptimizerCapacityError, TieredAdamW, TieredOptimizer
 
-pytestmark = pytest.mark.device_modes
+pytestmark = pytest.mark.device_modes  # tests taking ``device_mode`` run in both modes
 
 VOCAB, DIM = 8000, 32  # 256k elements: 3 MB of Adam state, paged in 256 KiB chunks
 
@@ -49,7 +49,7 @@ def _paged(tmp_path: Path, params: Any, **kwargs: Any) -> TieredAdamW:
 
 
 @pytest.mark.parametrize("clip, accumulate", [(None, 1), (0.01, 1), (None, 2)])
-def test_chunked_adamw_is_bit_for_bit_torch(tmp_path: Path, clip: float | None, accumulate: int) -> None:
+def test_chunked_adamw_is_bit_for_bit_torch(tmp_path: Path, device_mode: str, clip: float | None, accumulate: int) -> None:
     reference, paged = _model(), _model()
     expected = torch.optim.AdamW(reference.parameters(), fused=True)
     opt = _paged(tmp_path, paged.parameters(), max_grad_norm=clip, gradient_accumulation_steps=accumulate)
@@ -69,7 +69,7 @@ def test_chunked_adamw_is_bit_for_bit_torch(tmp_path: Path, clip: float | None, 
         opt.close()
 
 
-def test_chunked_state_dict_matches_torch_and_loads_back(tmp_path: Path) -> None:
+def test_chunked_state_dict_matches_torch_and_loads_back(tmp_path: Path, device_mode: str) -> None:
     reference, paged = _model(), _model()
     expected = torch.optim.AdamW(reference.parameters(), fused=True)
     opt = _paged(tmp_path, paged.parameters())
@@ -98,7 +98,7 @@ def test_chunked_state_dict_matches_torch_and_loads_back(tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize("cls, options", [(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}), (torch.optim.Adagrad, {"lr": 0.05})])
-def test_generic_wrapper_chunks_an_elementwise_optimizer(tmp_path: Path, cls: type[torch.optim.Optimizer], options: dict[str, Any]) -> None:
+def test_generic_wrapper_chunks_an_elementwise_optimizer(tmp_path: Path, device_mode: str, cls: type[torch.optim.Optimizer], options: dict[str, Any]) -> None:
     reference, paged = _model(), _model()
     expected = cls(reference.parameters(), **options)
     opt = TieredOptimizer(
