@@ -209,7 +209,8 @@ async def _adam_load(optimizer: TieredAdam, saved_state: dict[ParamSlot, dict[st
 class LazyState(Mapping[torch.Tensor, dict[str, Any]]):
     """``opt.state``: the state of each parameter, read from the store when it is accessed
     (``opt.state[p]`` gives a fresh dict of tensors; changing it changes nothing). Parameters
-    whose state another rank owns map to an empty dict."""
+    whose state another rank owns, and the optimizer's parameters without state (frozen ones),
+    map to an empty dict, as in torch."""
 
     def __init__(self, optimizer: PagedOptimizer) -> None:
         self._opt = optimizer
@@ -226,10 +227,14 @@ class LazyState(Mapping[torch.Tensor, dict[str, Any]]):
                 if slot.index in self._saved:
                     self._slots[id(model_param(slot))] = slot
         others = set(_others(optimizer))
+        #: Parameters of the optimizer (frozen, say) with no state: ``{}``, as torch's defaultdict gives.
+        self._stateless: set[int] = set()
         for group in optimizer.param_groups:
             for param in group["params"]:
                 if id(param) in self._slots:
                     self._params.append(param)
+                else:
+                    self._stateless.add(id(param))
         if others:
             sharding = optimizer._sharding
             assert sharding is not None
@@ -243,7 +248,9 @@ class LazyState(Mapping[torch.Tensor, dict[str, Any]]):
             return {}
         slot = self._slots.get(id(param))
         if slot is None:
-            raise KeyError("not a parameter of this optimizer with state")
+            if id(param) in self._stateless:
+                return {}
+            raise KeyError("not a parameter of this optimizer")
         entry = getattr(self._opt, "_entry_of", None)
         if entry is not None:
             return dict(entry(slot))
