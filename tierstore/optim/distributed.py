@@ -133,6 +133,12 @@ def _tensors(groups: list[Any]) -> list[torch.Tensor]:
     return out
 
 
+def _state_size(param: torch.Tensor) -> int:
+    """What ownership balances: a trainable parameter's size, 0 for a frozen one (it has no
+    state; counting it would leave its owner with less state than the others)."""
+    return param.numel() * 4 if param.requires_grad else 0
+
+
 class Sharding:
     """Which rank owns which parameter's state, and the collectives around a sharded step."""
 
@@ -148,7 +154,7 @@ class Sharding:
         tensors = _tensors(groups)
         if any(is_dtensor(t) for t in tensors):
             raise ValueError("parameters are DTensors (FSDP2 shards them already): pass no process_group=")
-        owners = balance([t.numel() * 4 for t in tensors], self.world)
+        owners = balance([_state_size(t) for t in tensors], self.world)
         self._owner: dict[int, int] = {id(t): r for t, r in zip(tensors, owners, strict=True)}
         #: Every parameter of the optimizer, in its order (owned or not).
         self.params: list[torch.Tensor] = []
@@ -161,7 +167,7 @@ class Sharding:
         if id(param) not in self._owner:
             loads = [0] * self.world
             for p in self.params:
-                loads[self._owner[id(p)]] += p.numel()
+                loads[self._owner[id(p)]] += _state_size(p)
             self._owner[id(param)] = min(range(self.world), key=lambda r: (loads[r], r))
         return self._owner[id(param)]
 
@@ -243,11 +249,15 @@ class Sharding:
     def total_norm(self, local: dict[int, torch.Tensor], norm_type: float) -> torch.Tensor:
         """The norm of all gradients from each owner's per-parameter norms (``local``: by global
         index), stacked in parameter order as ``clip_grad_norm_`` stacks them."""
-        norms = torch.full((len(self.params),), -1.0, dtype=torch.float32)
+        # Row 0: each norm from its owner, 0 elsewhere; row 1: whether the owner has a gradient.
+        # A sum adds exact zeros, so each entry arrives unchanged, NaN and inf included (a MAX
+        # against a sentinel would drop a NaN, and clip_grad_norm_ returns NaN then).
+        norms = torch.zeros((2, len(self.params)), dtype=torch.float32)
         for index, norm in local.items():
-            norms[index] = norm.float()
-        dist.all_reduce(norms, op=dist.ReduceOp.MAX, group=self.group)  # each entry from its owner, exact
-        present = norms[norms >= 0]
+            norms[0, index] = norm.float()
+            norms[1, index] = 1.0
+        dist.all_reduce(norms, group=self.group)
+        present = norms[0][norms[1] > 0]
         if present.numel() == 0:
             return torch.tensor(0.0)
         return torch.linalg.vector_norm(present, norm_type)

@@ -1,0 +1,109 @@
+"""Sharded TieredAdamW (gloo, 2 processes) at the edges a review found: a NaN gradient norm
+across ranks, frozen parameters (ownership balance, ``opt.state[p]``), each against DDP +
+``torch.optim.AdamW(fused=True)`` or torch's own behaviour. The ranks run ``run_rank`` below."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+LIMIT_S = 60  # the whole spawned job
+
+
+def _equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(x.detach(), y.detach()) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def nan_norm(rank: int) -> dict[str, Any]:
+    """One rank's batch holds a NaN: clip_grad_norm_ returns NaN and the update spreads it."""
+    from tierstore.optim import TieredAdamW
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    ref, ours = DDP(copy.deepcopy(base)), DDP(copy.deepcopy(base))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    opt = TieredAdamW(ours.parameters(), lr=1e-2, fused=True, min_offload_numel=4, process_group=True)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    if rank == 0:
+        x[0, 0] = float("nan")
+    ref(x).sum().backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+    ref_opt.step()
+    ours(x).sum().backward()
+    norm = opt.clip_grad_norm_(1.0)
+    opt.step()
+    same_nans = all(torch.equal(p.isnan(), q.isnan()) for p, q in zip(ours.parameters(), ref.parameters(), strict=True))
+    opt.close()
+    return {"ref_norm": str(float(ref_norm)), "norm": str(float(norm)), "same_nans": same_nans}
+
+
+def frozen(rank: int) -> dict[str, Any]:
+    """A frozen layer larger than the trainable ones: state split evenly, ``opt.state`` as torch's."""
+    from tierstore.optim import TieredAdamW
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 16), torch.nn.Linear(16, 16))
+    model[0].requires_grad_(False)
+    ref, ours = DDP(copy.deepcopy(model)), DDP(copy.deepcopy(model))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    opt = TieredAdamW(ours.parameters(), lr=1e-2, fused=True, min_offload_numel=4, process_group=True)
+    owned = sum(p.numel() for p in ours.parameters() if opt.state[p])
+    frozen_state = [opt.state[p] for p in ours.module[0].parameters()]
+    data = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(rank))
+    for step in range(2):
+        for m, o in ((ref, ref_opt), (ours, opt)):
+            o.zero_grad()
+            m(data[step]).pow(2).mean().backward()
+            o.step()
+    result = {"owned": owned, "frozen_state": frozen_state == [{}, {}], "equal": _equal(ours, ref)}
+    opt.close()
+    return result
+
+
+def run_rank(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=LIMIT_S))
+    try:
+        result = {"nan_norm": nan_norm(rank), "frozen": frozen(rank)}
+        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_sharded_edges(tmp_path: Path) -> None:
+    script = (
+        "import sys, torch.multiprocessing as mp; sys.path.insert(0, sys.argv[1]); import test_distributed_review as j; "
+        "mp.spawn(j.run_rank, args=(2, int(sys.argv[2]), sys.argv[3]), nprocs=2, join=True)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(Path(__file__).parent), str(_free_port()), str(tmp_path)],
+        capture_output=True, text=True, timeout=LIMIT_S,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in ranks:
+        # the NaN reaches every rank's norm (a MAX against a sentinel dropped it) and the weights
+        assert r["nan_norm"]["ref_norm"] == r["nan_norm"]["norm"] == "nan" and r["nan_norm"]["same_nans"], r
+        assert r["frozen"]["frozen_state"] and r["frozen"]["equal"], r
+    # the trainable parameters (1024, 256, 16, 16 elements) are split by their own sizes, not the
+    # frozen layer's (which left one rank owning no state at all)
+    owned = sorted(r["frozen"]["owned"] for r in ranks)
+    assert owned == [288, 1024], owned
