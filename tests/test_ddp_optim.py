@@ -7,13 +7,14 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tierstore.optim.distributed import free_port
 
 pytestmark = pytest.mark.device_modes
 
@@ -71,11 +72,6 @@ def _worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def test_ddp_bit_for_bit_with_and_without_attach(tmp_path: Path, device_mode: str) -> None:
     script = (
@@ -83,7 +79,7 @@ def test_ddp_bit_for_bit_with_and_without_attach(tmp_path: Path, device_mode: st
         "mp.spawn(t._worker, args=(2, int(sys.argv[2]), sys.argv[3], sys.argv[4]), nprocs=2, join=True)"
     )
     done = subprocess.run(
-        [sys.executable, "-c", script, str(Path(__file__).parent), str(_free_port()), device_mode, str(tmp_path)],
+        [sys.executable, "-c", script, str(Path(__file__).parent), str(free_port()), device_mode, str(tmp_path)],
         capture_output=True, text=True, timeout=90,
     )
     assert done.returncode == 0, done.stderr[-3000:]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -27,6 +26,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from tierstore.optim.distributed import free_port
 
 STEPS, MORE, ACCUM, CLIP, LR = 3, 2, 2, 0.05, 1e-2
 
@@ -239,11 +240,6 @@ pytestmark = pytest.mark.device_modes
 LIMIT_S = 120  # per spawned job (a 2-core machine, both device modes)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def _spawn(job: str, world: int, mode: str, out: Path) -> list[dict]:
     script = (
@@ -251,7 +247,7 @@ def _spawn(job: str, world: int, mode: str, out: Path) -> list[dict]:
         "mp.spawn(j.run_rank, args=(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6]), nprocs=int(sys.argv[2]), join=True)"
     )
     done = subprocess.run(
-        [sys.executable, "-c", script, str(Path(__file__).parent), str(world), str(_free_port()), mode, str(out), job],
+        [sys.executable, "-c", script, str(Path(__file__).parent), str(world), str(free_port()), mode, str(out), job],
         capture_output=True, text=True, timeout=LIMIT_S,
     )
     assert done.returncode == 0, done.stderr[-4000:]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 import subprocess
 import sys
 from datetime import timedelta
@@ -17,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from tierstore.optim.distributed import free_port
 
 LIMIT_S = 60  # the whole spawned job
 
@@ -82,11 +83,6 @@ def run_rank(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def test_sharded_edges(tmp_path: Path) -> None:
     script = (
@@ -94,7 +90,7 @@ def test_sharded_edges(tmp_path: Path) -> None:
         "mp.spawn(j.run_rank, args=(2, int(sys.argv[2]), sys.argv[3]), nprocs=2, join=True)"
     )
     done = subprocess.run(
-        [sys.executable, "-c", script, str(Path(__file__).parent), str(_free_port()), str(tmp_path)],
+        [sys.executable, "-c", script, str(Path(__file__).parent), str(free_port()), str(tmp_path)],
         capture_output=True, text=True, timeout=LIMIT_S,
     )
     assert done.returncode == 0, done.stderr[-4000:]

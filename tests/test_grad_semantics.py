@@ -414,14 +414,12 @@ sys.exit(0 if all(torch.equal(a, b) for a, b in zip(*out)) else 1)
 def test_attach_ddp_with_channels_last_gradients(device_mode: str, tmp_path: Path) -> None:
     # DDP lays a channels-last gradient out in its bucket with the parameter's strides
     import os
-    import socket
     import subprocess
     import sys
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+    from tierstore.optim.distributed import free_port
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "TIERSTORE_EMULATE_DEVICE": "1" if device_mode == "emulated" else "0"}
     done = subprocess.run([sys.executable, "-c", DDP_CHANNELS_LAST], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import io
 import os
 import re
-import socket
 import subprocess
 import sys
 import tokenize
@@ -22,6 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tierstore.optim.distributed import free_port
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -76,16 +77,11 @@ def test_a_readme_block_runs_as_written(line: int, code: str, tmp_path: Path) ->
     script = prepared(code, tmp_path)
     env = dict(os.environ)
     if "init_process_group" in code:  # a block written for torchrun runs as a job of one rank
-        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, f"README.md block at line {line} failed:\n{done.stderr[-3000:]}"
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
 
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def test_substitutions_touch_only_devices_and_folders(tmp_path: Path) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import tempfile
 import threading
 import time
@@ -25,6 +24,7 @@ from typing import Any
 import psutil
 import torch
 
+from ..optim.distributed import free_port
 from .common import environment, median, progress, table, write_json
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "bench_distributed.json"
@@ -135,18 +135,13 @@ def _rank(rank: int, world: int, port: int, options: dict[str, Any], out: str) -
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def run(options: dict[str, Any], folder: Path) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
     rows: list[dict[str, Any]] = []
     for world in progress([1, 2], desc="ranks"):
-        mp.spawn(_rank, args=(world, _free_port(), options, str(folder)), nprocs=world, join=True)
+        mp.spawn(_rank, args=(world, free_port(), options, str(folder)), nprocs=world, join=True)
         rows += [json.loads((folder / f"rank{world}-{r}.json").read_text()) for r in range(world)]
     for row in rows:
         row["disk_mb_s"] = (row["disk_read_bytes"] + row["disk_write_bytes"]) / max(row["step_s"], 1e-9) / 1e6

@@ -25,6 +25,7 @@ reduction does, so both give ``clip_grad_norm_``'s numbers.
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,7 +37,15 @@ if TYPE_CHECKING:
     from .paging import PagedOptimizer
     from .slots import ParamSlot
 
-__all__ = ["LocalShard", "Sharding", "balance", "is_dtensor", "rank_folder", "rank_summary"]
+__all__ = ["LocalShard", "Sharding", "balance", "free_port", "is_dtensor", "rank_folder", "rank_summary"]
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1, for ``MASTER_PORT`` of a process group on one machine
+    (tests, benchmarks)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def is_dtensor(tensor: Any) -> bool:
