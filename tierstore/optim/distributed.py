@@ -33,11 +33,31 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from ..errors import StepIncompleteError
+
 if TYPE_CHECKING:
     from .paging import PagedOptimizer
     from .slots import ParamSlot
 
-__all__ = ["LocalShard", "Sharding", "balance", "free_port", "is_dtensor", "rank_folder", "rank_summary"]
+__all__ = ["LocalShard", "PeerStepError", "Sharding", "balance", "free_port", "is_dtensor", "rank_folder", "rank_summary"]
+
+
+class PeerStepError(StepIncompleteError):
+    """Raised by a sharded ``step()`` on the ranks whose own part of the step succeeded when
+    another rank's failed: ``failed`` maps each failing rank to its error (``"Type: message"``).
+    This rank's updates are applied but no weights were exchanged; ``step()`` again on every
+    rank completes the step (the failed ranks apply what they had not, nothing is applied
+    twice), ``zero_grad()`` on every rank abandons it (the weights as updated so far are
+    exchanged, so the ranks still agree)."""
+
+    def __init__(self, failed: dict[int, str]) -> None:
+        causes = "; ".join(f"rank {rank}: {cause}" for rank, cause in sorted(failed.items()))
+        super().__init__(
+            f"step() failed on another rank ({causes}); this rank's updates are applied, the new weights were not "
+            "exchanged: call step() again on every rank to complete the step, or zero_grad() on every rank to abandon it",
+            [], [],
+        )
+        self.failed = failed
 
 
 def free_port() -> int:
@@ -170,6 +190,10 @@ class Sharding:
         #: The global index (position in ``params``) of each owned slot, by slot index.
         self.global_index: list[int] = []
         self._reduced = False
+        #: A step failed on some rank and is neither completed nor abandoned (all ranks know).
+        self.pending = False
+        #: This rank's updates of the current step are all applied (its weights not yet sent).
+        self.local_done = False
 
     def owner(self, param: torch.Tensor) -> int:
         """The rank owning ``param`` (parameters added later go to the least loaded rank)."""
@@ -230,6 +254,46 @@ class Sharding:
 
     def end_step(self) -> None:
         self._reduced = False
+        self.pending = self.local_done = False
+
+    # -- a step that failed on some rank -----------------------------------------------------------
+
+    def agree(self, error: BaseException | None) -> None:
+        """Every rank says whether its part of the step succeeded, before any weight moves (a
+        collective, so a failing rank never leaves the others waiting in a broadcast). When one
+        failed, the others raise ``PeerStepError`` naming it and its error; the failing ranks
+        return, to raise their own error."""
+        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
+        dist.all_reduce(flag, group=self.group)
+        if error is None:
+            self.local_done = True
+        if int(flag.item()) == 0:
+            return
+        self.pending = True
+        causes: list[str | None] = [None] * self.world
+        dist.all_gather_object(causes, None if error is None else f"{type(error).__name__}: {error}", group=self.group)
+        if error is None:
+            raise PeerStepError({dist.get_global_rank(self.group, r): c for r, c in enumerate(causes) if c is not None})
+
+    def found_inf(self, found: bool) -> bool:
+        """GradScaler's inf/NaN flag, true on every rank if true on any (every rank skips the
+        step together). ZeRO-2 is refused: each rank's scaler checks its own unreduced
+        gradients, so the ranks' scales would drift apart."""
+        if self.zero_stage == 2:
+            raise ValueError(
+                "GradScaler with zero_stage=2: each rank's scaler checks its own gradients before the reduce-scatter, so "
+                "ranks would disagree on skipped steps and scales; use zero_stage=1 with DDP (its all-reduce comes first)"
+            )
+        flag = torch.tensor([int(found)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
+
+    def abandon(self) -> None:
+        """``zero_grad()``: a step that failed on some rank is abandoned; the weights as updated
+        so far are exchanged (on every rank: all know of the failure), so the ranks agree."""
+        if self.pending:
+            self.broadcast_weights()
+        self.end_step()
 
     # -- weights from their owners ---------------------------------------------------------------
 

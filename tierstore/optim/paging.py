@@ -347,28 +347,37 @@ class PagedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         started = time.perf_counter()
-        if self._sharding is not None or self._mesh_group() is not None:
+        sharding = self._sharding
+        resumed = sharding is not None and sharding.local_done  # our part ran; another rank's failed
+        if not resumed and (sharding is not None or self._mesh_group() is not None):
             self._before_distributed_step()
         scaling = None
         if getattr(self, "found_inf", None) is not None:  # inside GradScaler.step
-            scaling = (getattr(self, "grad_scale", None), bool(self.found_inf.item()))  # type: ignore[attr-defined]
-        finishing = asyncio.run_coroutine_threadsafe(self._runner.finish(observe(self._slots), scaling), self._loop)
+            found = bool(self.found_inf.item())  # type: ignore[attr-defined]
+            scaling = (getattr(self, "grad_scale", None), sharding.found_inf(found) if sharding is not None else found)
         try:
-            self._pipeline.drain_until(finishing)  # type: ignore[union-attr]
-            finishing.result()
-        except StepIncompleteError:
+            if not resumed:
+                finishing = asyncio.run_coroutine_threadsafe(self._runner.finish(observe(self._slots), scaling), self._loop)
+                self._pipeline.drain_until(finishing)  # type: ignore[union-attr]
+                finishing.result()
+        except StepIncompleteError as exc:
+            if sharding is not None:
+                sharding.agree(exc)  # the other ranks raise too, instead of waiting for our weights
             raise  # the step stays open: step() again completes it
-        except BaseException:
+        except BaseException as exc:
             self._capture.new_step()
+            if sharding is not None and isinstance(exc, Exception):  # (not on Ctrl-C: no collectives then)
+                sharding.agree(exc)
             raise
         finally:
             ended = time.perf_counter()
             self._report.stall += ended - started
             self.timeline.add("step() wait", "train loop", started, ended)
         self._capture.new_step()
-        if self._sharding is not None:
-            self._sharding.broadcast_weights()
-            self._sharding.end_step()
+        if sharding is not None:
+            sharding.agree(None)  # raises PeerStepError if another rank's part failed
+            sharding.broadcast_weights()
+            sharding.end_step()
         self._close_window(ended)
         return loss
 
@@ -427,7 +436,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         (a step left incomplete by an error is abandoned: its updates so far stay)."""
         super().zero_grad(set_to_none)
         if self._sharding is not None:
-            self._sharding.end_step()
+            self._sharding.abandon()  # (a step failed on a rank: the weights so far are exchanged)
         self._capture.new_step()
         run(self._runner.end())
 
