@@ -14,6 +14,12 @@ keeps it in one such entry per chunk of its elements, ``(rows, chunk numel)`` un
 ``read_state_rows``/``write_state_rows`` read and write a parameter's whole ``(rows, numel)``
 state either way (checkpoints).
 
+``state_precision="bf16"``/``"8bit"`` keeps the moments compressed (bf16, or blockwise 8-bit
+with per-block scales) and ``master_weights="lossless"`` keeps only the low 16 bits of a bf16
+parameter's fp32 master: the entry is then a flat ``uint8`` layout (``tierstore.optim.precision``)
+and each update decodes one entry into fp32 temporaries, runs torch's Adam on them and encodes
+the result back.
+
 In a named namespace, ``close()`` leaves the step counts (and the state of parameters too small
 to page) beside the paged state, and a later optimizer claiming the namespace continues from
 them, as if never interrupted.
@@ -34,7 +40,8 @@ from .checkpoint import adam_entry, adam_load_state_dict, adam_state_dict
 from .chunks import Chunk, chunk_key
 from .clipping import inverse_scale
 from .paging import PagedOptimizer, ParamSlot
-from .pipeline import fill_weight_range
+from .pipeline import fill_weight_range, read_weight_range
+from .precision import PackedState, StateLayout, validate
 
 
 class TieredAdam(PagedOptimizer):
@@ -45,6 +52,19 @@ class TieredAdam(PagedOptimizer):
     ``PagedOptimizer`` (``store=``, ``offload=``, ``disk_root=``, ``step_in_backward=``,
     ``max_grad_norm=``, ``gradient_accumulation_steps=`` ...). ``capturable`` and
     ``differentiable`` are not supported.
+
+    state_precision:
+        How the moments are stored on the tiers: ``"fp32"`` (default: exact, torch's numbers),
+        ``"bf16"`` (rounded to bf16: 8 B a parameter with the fp32 master instead of 12) or
+        ``"8bit"`` (blockwise-quantised with a dynamic code book and an fp32 scale per 256
+        elements: about 6 B a parameter). The update itself runs in fp32.
+    master_weights:
+        ``"fp32"`` (default): a full fp32 master weight (4 B a parameter). ``"lossless"``, for
+        bf16 parameters only: store the master's low 16 bits (2 B) beside the bf16 weight the
+        model holds, which becomes the master's exact high half: the weight is the master
+        *truncated* (not rounded to nearest, as with ``"fp32"``), and the master is exact.
+    Both may be set per parameter group; they are this optimizer's storage choice, so a loaded
+    state dict does not change them (its moments are compressed as this optimizer stores them).
     """
 
     decoupled_weight_decay = False
@@ -64,6 +84,8 @@ class TieredAdam(PagedOptimizer):
         capturable: bool = False,
         differentiable: bool = False,
         fused: bool | None = None,
+        state_precision: str = "fp32",
+        master_weights: str = "fp32",
         **paging: Any,
     ) -> None:
         if not float(lr) >= 0.0:
@@ -78,6 +100,7 @@ class TieredAdam(PagedOptimizer):
             raise ValueError("capturable and differentiable are not supported: the update runs on the host")
         if fused and foreach:
             raise ValueError("fused and foreach cannot both be True")
+        validate(state_precision, master_weights)
         self._step_counts: dict[int, torch.Tensor] = {}
         #: A chunked parameter's step count before this step's update, and after it.
         self._chunk_steps: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
@@ -85,78 +108,160 @@ class TieredAdam(PagedOptimizer):
             "lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "amsgrad": amsgrad,
             "maximize": maximize, "foreach": foreach, "capturable": False, "differentiable": False,
             "fused": fused, "decoupled_weight_decay": self.decoupled_weight_decay,
+            "state_precision": state_precision, "master_weights": master_weights,
         }
         super().__init__(params, defaults, **paging)
 
     # -- state layout ------------------------------------------------------------------------------
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Torch's, checking the group's ``state_precision``/``master_weights`` first."""
+        defaults = getattr(self, "defaults", {})
+        precision = param_group.get("state_precision", defaults.get("state_precision", "fp32"))
+        master = param_group.get("master_weights", defaults.get("master_weights", "fp32"))
+        validate(precision, master)
+        if master == "lossless":
+            params = param_group["params"]
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
+            param_group["params"] = params
+            wrong = sorted({str(p.dtype) for p in params if p.dtype != torch.bfloat16})
+            if wrong:
+                raise ValueError(
+                    f"master_weights='lossless' keeps the master's high half in the bf16 weight: it needs bf16 parameters, "
+                    f"and this group has {', '.join(wrong)} ones; put those in a group with master_weights='fp32'"
+                )
+        super().add_param_group(param_group)
+
+    def _layout(self, slot: ParamSlot) -> StateLayout | None:
+        """The packed layout of ``slot``'s state; None for the plain ``(rows, numel)`` fp32 one."""
+        group = self.param_groups[slot.group]
+        if group["state_precision"] == "fp32" and group["master_weights"] == "fp32":
+            return None
+        return StateLayout(group["state_precision"], group["master_weights"] == "lossless", bool(group["amsgrad"]))
+
     def _rows(self, slot: ParamSlot) -> int:
         return 4 if self.param_groups[slot.group]["amsgrad"] else 3
 
     def _state_bytes(self, slot: ParamSlot) -> int:
-        return self._rows(slot) * slot.numel * 4
+        layout = self._layout(slot)
+        return layout.nbytes(slot.numel) if layout is not None else self._rows(slot) * slot.numel * 4
+
+    def _entry_shape(self, slot: ParamSlot, numel: int) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype of the store entry holding ``numel`` elements' state of ``slot``."""
+        layout = self._layout(slot)
+        if layout is None:
+            return (self._rows(slot), numel), torch.float32
+        return (layout.nbytes(numel),), torch.uint8
 
     def _initial(self, slot: ParamSlot, weight: torch.Tensor) -> torch.Tensor:
+        layout = self._layout(slot)
+        if layout is not None:
+            packed = layout.empty(slot.numel)
+            PackedState(layout, packed, slot.numel).set_master(weight.reshape(-1).float())
+            return packed
         packed = torch.zeros(self._rows(slot), slot.numel, dtype=torch.float32)
         packed[0].copy_(weight.reshape(-1))
         return packed
 
+    async def _wrap(self, slot: ParamSlot, packed: torch.Tensor, start: int, stop: int) -> Any:
+        """What the update gets of an entry: the fp32 rows themselves, or a ``PackedState``
+        (with a lossless master, holding the model's weight for those elements)."""
+        layout = self._layout(slot)
+        if layout is None:
+            return packed
+        high = await read_weight_range(slot, start, stop) if layout.lossless else None
+        return PackedState(layout, packed, stop - start, high)
+
     @asynccontextmanager
-    async def _state(self, slot: ParamSlot) -> AsyncIterator[torch.Tensor]:
-        rows = self._rows(slot)
+    async def _state(self, slot: ParamSlot) -> AsyncIterator[Any]:
         if not slot.paged:
-            if slot.resident is None or slot.resident["packed"].shape[0] != rows:
+            shape, dtype = self._entry_shape(slot, slot.numel)
+            if slot.resident is None or tuple(slot.resident["packed"].shape) != shape or slot.resident["packed"].dtype != dtype:
                 slot.resident = {"packed": self._initial(slot, await self._weight(slot))}
-            yield slot.resident["packed"]
+            yield await self._wrap(slot, slot.resident["packed"], 0, slot.numel)
             return
         if slot.chunks is not None:
             raise RuntimeError(f"internal error: parameter {slot.index} is paged in chunks; use _chunk_state")
-        if not self._has(slot.key, rows, slot.numel):
-            await self._create(slot.key, rows, slot, 0, slot.numel)
+        if not self._has(slot.key, slot, slot.numel):
+            await self._create(slot.key, slot, 0, slot.numel)
         async with self.store.hold(slot.key, self.state_tier, write=True) as packed:
-            yield packed
+            yield await self._wrap(slot, packed, 0, slot.numel)
 
     def _chunkable(self, slot: ParamSlot) -> bool:
         return type(slot.param) in (torch.Tensor, torch.nn.Parameter) and slot.param.is_contiguous()
 
     @asynccontextmanager
-    async def _chunk_state(self, slot: ParamSlot, chunk: Chunk) -> AsyncIterator[torch.Tensor]:
-        rows = self._rows(slot)
-        if not self._has(chunk.key, rows, chunk.numel):
-            await self._create(chunk.key, rows, slot, chunk.start, chunk.stop)
+    async def _chunk_state(self, slot: ParamSlot, chunk: Chunk) -> AsyncIterator[Any]:
+        if not self._has(chunk.key, slot, chunk.numel):
+            await self._create(chunk.key, slot, chunk.start, chunk.stop)
         async with self.store.hold(chunk.key, self.state_tier, write=True) as packed:
-            yield packed
+            yield await self._wrap(slot, packed, chunk.start, chunk.stop)
 
-    def _has(self, key: str, rows: int, numel: int) -> bool:
-        return key in self.store and self.store.info(key)["shape"] == (rows, numel)
+    def _has(self, key: str, slot: ParamSlot, numel: int) -> bool:
+        if key not in self.store:
+            return False
+        info = self.store.info(key)
+        shape, dtype = self._entry_shape(slot, numel)
+        return tuple(info["shape"]) == shape and info["dtype"] == dtype
 
-    async def _create(self, key: str, rows: int, slot: ParamSlot, start: int, stop: int) -> None:
+    async def _create(self, key: str, slot: ParamSlot, start: int, stop: int) -> None:
         """New state under ``key`` for elements ``start:stop`` of ``slot``, written in place on
         the state tier (no second copy of it, nor of the weight, is made): zero moments, the
-        master weight copied from the parameter."""
-        async with self.store.fill(key, (rows, stop - start), torch.float32, self.state_tier) as packed:
-            packed[1:].zero_()
-            await fill_weight_range(slot, start, stop, packed[0])
+        master weight copied from the parameter (with a lossless master: zero low halves)."""
+        shape, dtype = self._entry_shape(slot, stop - start)
+        layout = self._layout(slot)
+        async with self.store.fill(key, shape, dtype, self.state_tier) as packed:
+            if layout is None:
+                packed[1:].zero_()
+                await fill_weight_range(slot, start, stop, packed[0])
+                return
+            packed.zero_()
+            if not layout.lossless:
+                await fill_weight_range(slot, start, stop, PackedState(layout, packed, stop - start).view("master"))
 
-    async def read_state_rows(self, slot: ParamSlot) -> torch.Tensor:
-        """A paged parameter's whole state, ``(rows, numel)`` fp32 (master, exp_avg, exp_avg_sq
-        [, max_exp_avg_sq]), gathered from its chunks if it has them (on the store's loop)."""
-        if slot.chunks is None:
-            return await self.store.read(slot.key)
-        packed = torch.empty(self._rows(slot), slot.numel, dtype=torch.float32)
-        for chunk in slot.chunks:
-            async with self.store.hold(chunk.key, self.state_tier) as part:
-                packed[:, chunk.start : chunk.stop].copy_(part)
+    async def _decode(self, slot: ParamSlot, packed: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Elements ``start:stop`` of ``slot``'s state as ``(rows, n)`` fp32 (a view of
+        ``packed`` when that is the plain layout)."""
+        state = await self._wrap(slot, packed, start, stop)
+        return state.decode() if isinstance(state, PackedState) else state
+
+    def _encode(self, slot: ParamSlot, rows: torch.Tensor) -> torch.Tensor:
+        """``(rows, n)`` fp32 state as ``slot``'s entry holds it (compressed, if so)."""
+        layout = self._layout(slot)
+        if layout is None:
+            return rows.contiguous()
+        packed = layout.empty(rows.shape[1])
+        PackedState(layout, packed, rows.shape[1]).encode(rows)
         return packed
 
-    async def write_state_rows(self, slot: ParamSlot, packed: torch.Tensor) -> None:
-        """Store a paged parameter's whole ``(rows, numel)`` state, split into its chunks if it
-        has them (on the store's loop)."""
+    async def read_state_rows(self, slot: ParamSlot) -> torch.Tensor:
+        """A parameter's whole state, ``(rows, numel)`` fp32 (master, exp_avg, exp_avg_sq
+        [, max_exp_avg_sq]), decompressed, gathered from its chunks if it has them (on the
+        store's loop). A state kept in memory (too small to page) may be returned itself."""
+        if not slot.paged:
+            if slot.resident is None:
+                raise RuntimeError(f"internal error: parameter {slot.index} has no state")
+            return await self._decode(slot, slot.resident["packed"], 0, slot.numel)
         if slot.chunks is None:
-            await self.store.put(slot.key, packed, tier=self.state_tier)
+            return await self._decode(slot, await self.store.read(slot.key), 0, slot.numel)
+        rows = torch.empty(self._rows(slot), slot.numel, dtype=torch.float32)
+        for chunk in slot.chunks:
+            async with self.store.hold(chunk.key, self.state_tier) as part:
+                rows[:, chunk.start : chunk.stop].copy_(await self._decode(slot, part, chunk.start, chunk.stop))
+        return rows
+
+    async def write_state_rows(self, slot: ParamSlot, packed: torch.Tensor) -> None:
+        """Store a parameter's whole ``(rows, numel)`` fp32 state, compressed as this optimizer
+        keeps it, split into its chunks if it has them (on the store's loop); kept in memory
+        for a parameter too small to page."""
+        if not slot.paged:
+            slot.resident = {"packed": self._encode(slot, packed)}
+            return
+        if slot.chunks is None:
+            await self.store.put(slot.key, self._encode(slot, packed), tier=self.state_tier)
             return
         for chunk in slot.chunks:
-            await self.store.put(chunk.key, packed[:, chunk.start : chunk.stop].contiguous(), tier=self.state_tier)
+            await self.store.put(chunk.key, self._encode(slot, packed[:, chunk.start : chunk.stop]), tier=self.state_tier)
 
     async def delete_state(self, slot: ParamSlot) -> None:
         """Forget a parameter's paged state (every chunk of it)."""
@@ -227,18 +332,28 @@ class TieredAdam(PagedOptimizer):
         """The entries holding a saved state of ``slot`` in whichever layout saved it (one
         entry, or chunks of any size: ``chunk_bytes`` may have changed since), as ``(key,
         start, stop)`` in element order; None unless they cover the parameter exactly."""
-        rows = self._rows(slot)
-        if self._has(slot.key, rows, slot.numel):
+        if self._has(slot.key, slot, slot.numel):
             return [(slot.key, 0, slot.numel)]
         pieces: list[tuple[str, int, int]] = []
         start = 0
         while (key := chunk_key(slot.key, len(pieces))) in self.store:
-            shape = tuple(self.store.info(key)["shape"])
-            if len(shape) != 2 or shape[0] != rows or shape[1] < 1:
+            numel = self._saved_numel(slot, key)
+            if numel is None:
                 return None
-            pieces.append((key, start, start + shape[1]))
-            start += shape[1]
+            pieces.append((key, start, start + numel))
+            start += numel
         return pieces if pieces and start == slot.numel else None
+
+    def _saved_numel(self, slot: ParamSlot, key: str) -> int | None:
+        """Elements of ``slot``'s state the entry ``key`` holds, if it is in ``slot``'s layout."""
+        info = self.store.info(key)
+        shape, dtype = tuple(info["shape"]), info["dtype"]
+        layout = self._layout(slot)
+        if layout is None:
+            ok = dtype == torch.float32 and len(shape) == 2 and shape[0] == self._rows(slot) and shape[1] >= 1
+            return shape[1] if ok else None
+        numel = layout.numel_of(shape[0]) if dtype == torch.uint8 and len(shape) == 1 else None
+        return numel if numel else None
 
     async def _relayout(self, slot: ParamSlot, pieces: list[tuple[str, int, int]]) -> list[str]:
         """Rewrite the saved state in ``pieces`` into this optimizer's layout of ``slot`` (its
@@ -257,11 +372,11 @@ class TieredAdam(PagedOptimizer):
                     continue
                 if cached is None or cached[0] != source:
                     cached = None  # the previous piece is freed before the next is read
-                    cached = (source, await self.store.read(source))
+                    cached = (source, await self._decode(slot, await self.store.read(source), first, last))
                 low, high = max(first, start), min(last, stop)
                 out[:, low - start : high - start].copy_(cached[1][:, low - first : high - first])
             staged.append(f"{slot.key}/relayout{index}" if key in old else key)
-            await self.store.put(staged[-1], out, tier=self.state_tier)
+            await self.store.put(staged[-1], self._encode(slot, out), tier=self.state_tier)
             del out
         cached = None
         for key in old:
@@ -274,32 +389,50 @@ class TieredAdam(PagedOptimizer):
 
     # -- the math --------------------------------------------------------------------------------------
 
-    def _master(self, slot: ParamSlot, state: torch.Tensor) -> torch.Tensor:
-        return state[0]
+    def _master(self, slot: ParamSlot, state: Any) -> torch.Tensor:
+        """The weight to write from ``state``: its fp32 master (a lossless one: the bf16 weight)."""
+        return state.weight() if isinstance(state, PackedState) else state[0]
 
-    def _apply(self, slot: ParamSlot, state: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+    def _apply(self, slot: ParamSlot, state: Any, grad: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
         return self._apply_many([slot], [state], [grad])[0]
 
     def _apply_many(
-        self, slots: list[ParamSlot], states: list[torch.Tensor], grads: list[torch.Tensor], grad_scale: torch.Tensor | None = None
+        self, slots: list[ParamSlot], states: list[Any], grads: list[torch.Tensor], grad_scale: torch.Tensor | None = None
     ) -> list[torch.Tensor]:
         """One call of torch's Adam per parameter group in the bucket (elementwise, so the same
         numbers as a call per parameter or one for all). GradScaler's ``grad_scale`` goes into
         the fused kernel, as torch's fused Adam takes it; the others multiply by its inverse, as
-        ``GradScaler.unscale_`` does before torch's other kernels run."""
+        ``GradScaler.unscale_`` does before torch's other kernels run. Compressed states are
+        updated one at a time (their fp32 temporaries are one entry's)."""
         by_group: dict[int, list[int]] = {}
         for i, slot in enumerate(slots):
             by_group.setdefault(slot.group, []).append(i)
         for group_index, members in by_group.items():
+            group = self.param_groups[group_index]
             steps = [self._step_counts.setdefault(slots[i].index, torch.tensor(0.0)) for i in members]
-            self._adam(self.param_groups[group_index], [states[i] for i in members], [grads[i] for i in members], steps, grad_scale)
-        return [state[0] for state in states]
+            plain = [(i, step) for i, step in zip(members, steps, strict=True) if not isinstance(states[i], PackedState)]
+            if plain:
+                self._adam(group, [list(states[i]) for i, _ in plain], [grads[i] for i, _ in plain], [step for _, step in plain], grad_scale)
+            for i, step in zip(members, steps, strict=True):
+                if isinstance(states[i], PackedState):
+                    self._adam_packed(group, states[i], grads[i], step, grad_scale)
+        return [self._master(slot, state) for slot, state in zip(slots, states, strict=True)]
+
+    def _adam_packed(self, group: dict[str, Any], state: PackedState, grad: torch.Tensor, step: torch.Tensor, grad_scale: torch.Tensor | None) -> None:
+        """Decode ``state`` into fp32, run torch's Adam on it, encode it back."""
+        master = state.master()
+        moments = [state.moment(name) for name in state.layout.moments]
+        self._adam(group, [[master, *moments]], [grad], [step], grad_scale)
+        state.set_master(master)
+        for name, value in zip(state.layout.moments, moments, strict=True):
+            state.set_moment(name, value)
 
     def _adam(
-        self, group: dict[str, Any], states: list[torch.Tensor], grads: list[torch.Tensor], steps: list[torch.Tensor],
+        self, group: dict[str, Any], states: list[list[torch.Tensor]], grads: list[torch.Tensor], steps: list[torch.Tensor],
         grad_scale: torch.Tensor | None,
     ) -> None:
-        """One call of torch's Adam on packed ``states`` (rows: master, moments) of one group."""
+        """One call of torch's Adam on ``states`` (per parameter: fp32 master, exp_avg,
+        exp_avg_sq[, max_exp_avg_sq]) of one group."""
         amsgrad = group["amsgrad"]
         fused = group["fused"] if group["fused"] is not None else not group["foreach"]
         beta1, beta2 = group["betas"]
@@ -326,12 +459,16 @@ class TieredAdam(PagedOptimizer):
             before = self._step_counts.get(slot.index, torch.tensor(0.0))
             self._chunk_steps[slot.index] = (before.clone(), None)
 
-    def _apply_chunk(self, slot: ParamSlot, chunk: Chunk, state: torch.Tensor, grad: torch.Tensor, grad_scale: torch.Tensor | None) -> torch.Tensor:
+    def _apply_chunk(self, slot: ParamSlot, chunk: Chunk, state: Any, grad: torch.Tensor, grad_scale: torch.Tensor | None) -> torch.Tensor:
         before, _ = self._chunk_steps[slot.index]
         step = before.clone()  # torch's Adam counts it up: each chunk from the same count
-        self._adam(self.param_groups[slot.group], [state], [grad], [step], grad_scale)
+        group = self.param_groups[slot.group]
+        if isinstance(state, PackedState):
+            self._adam_packed(group, state, grad, step, grad_scale)
+        else:
+            self._adam(group, [list(state)], [grad], [step], grad_scale)
         self._chunk_steps[slot.index] = (before, step)
-        return state[0]
+        return self._master(slot, state)
 
     def _end_chunks(self, slot: ParamSlot) -> None:
         before, after = self._chunk_steps.pop(slot.index, (None, None))

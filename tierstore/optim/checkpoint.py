@@ -16,6 +16,15 @@ update, and ``opt.state`` is never empty for an optimizer with trainable paramet
 create state when ``opt.state`` is empty, which here would write all the state into the store
 first. An entry at step 0 with zero moments loads as "not updated yet": nothing is written.
 
+Compressed state (``state_precision="bf16"``/``"8bit"``, ``master_weights="lossless"``) is
+saved decompressed, in fp32, in the same format: ``exp_avg``/``exp_avg_sq`` are the dequantised
+moments the optimizer is using (so ``torch.optim.AdamW`` loads them and continues from exactly
+those values), ``master`` the exact fp32 master. The param groups carry ``state_precision`` and
+``master_weights`` (torch ignores them); loading never changes them: the loading optimizer
+compresses what it loads as it was built to (an fp32 checkpoint into an 8-bit optimizer is
+quantised; our own compressed checkpoint re-encodes to the same codes). With a lossless master,
+what is kept of a loaded ``master`` is its low 16 bits: the high half is the model's weight.
+
 Memory: ``state_dict()`` holds this rank's whole state at once (DCP's ``get_optimizer_state_dict``
 needs the tensors), one parameter's state read from the store at a time; ``opt.state[p]`` reads
 one parameter's; ``load_state_dict`` writes into the tiers one parameter at a time.
@@ -38,7 +47,11 @@ if TYPE_CHECKING:
     from .paging import PagedOptimizer
     from .slots import ParamSlot
 
-__all__ = ["LazyState", "adam_load_state_dict", "adam_state_dict"]
+__all__ = ["LazyState", "adam_entry", "adam_load_entry", "adam_load_state_dict", "adam_state_dict"]
+
+#: Param-group keys that are the optimizer's storage choice, not hyperparameters: a loaded
+#: state dict does not change them.
+_STORAGE_KEYS = ("params", "state_precision", "master_weights")
 
 _ROWS = ("master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
@@ -82,7 +95,7 @@ def _local(slot: ParamSlot, name: str, value: Any) -> torch.Tensor:
 
 async def adam_entry(optimizer: TieredAdam, slot: ParamSlot) -> dict[str, torch.Tensor]:
     """One parameter's state in torch's format, read from the store (a fresh entry if the
-    parameter was never updated)."""
+    parameter was never updated); fp32, decompressed where the optimizer compresses it."""
     step = optimizer._step_counts.get(slot.index)
     rows = optimizer._rows(slot)
     if step is None:
@@ -93,7 +106,7 @@ async def adam_entry(optimizer: TieredAdam, slot: ParamSlot) -> dict[str, torch.
         if slot.param.dtype != torch.float32:
             entry["master"] = _laid_out(slot, (await optimizer._weight(slot)).reshape(-1).float().clone())
         return entry
-    packed = slot.resident["packed"] if not slot.paged and slot.resident else await optimizer.read_state_rows(slot)
+    packed = await optimizer.read_state_rows(slot)
     entry = {"step": step.clone()}
     for row, name in enumerate(_ROWS[: packed.shape[0]]):
         if row == 0 and slot.param.dtype == torch.float32:
@@ -169,14 +182,14 @@ def adam_load_state_dict(optimizer: TieredAdam, state_dict: dict[str, Any]) -> N
         if len(saved["params"]) != len(group["params"]):
             raise ValueError("loaded state dict contains a parameter group that doesn't match the size of optimizer's group")
     for saved, group in zip(groups, optimizer.param_groups, strict=True):
-        group.update({k: v for k, v in saved.items() if k != "params"})
+        group.update({k: v for k, v in saved.items() if k not in _STORAGE_KEYS})
         group.setdefault("decoupled_weight_decay", optimizer.decoupled_weight_decay)
     ids = [i for saved in groups for i in saved["params"]]
     saved_state = {slot: state_dict["state"].get(ids[saved_index(optimizer, slot)]) for slot in optimizer._slots}
     run(_adam_load(optimizer, saved_state))
 
 
-def _fresh(saved: dict[str, Any]) -> bool:
+def _fresh(saved: Mapping[str, Any]) -> bool:
     """An entry at step 0 with zero moments: the parameter was never updated."""
     step = saved.get("step", 0)
     if float(step.item() if torch.is_tensor(step) else step) != 0.0:
@@ -187,20 +200,28 @@ def _fresh(saved: dict[str, Any]) -> bool:
 async def _adam_load(optimizer: TieredAdam, saved_state: dict[ParamSlot, dict[str, Any] | None]) -> None:
     optimizer._step_counts.clear()
     for slot, saved in saved_state.items():
-        if not saved or _fresh(saved):
-            slot.resident = None
-            await optimizer.delete_state(slot)
-            continue
-        packed = optimizer._initial(slot, await optimizer._weight(slot))
-        for row, name in enumerate(_ROWS[: packed.shape[0]]):
-            if name in saved:
-                packed[row].copy_(_local(slot, name, saved[name]))
-        step = saved.get("step", 0)
-        optimizer._step_counts[slot.index] = torch.tensor(float(step.item() if torch.is_tensor(step) else step))
-        if slot.paged:
-            await optimizer.write_state_rows(slot, packed)
-        else:
-            slot.resident = {"packed": packed}
+        await adam_load_entry(optimizer, slot, saved or {})
+
+
+async def adam_load_entry(optimizer: TieredAdam, slot: ParamSlot, entry: Mapping[str, Any]) -> None:
+    """Write one parameter's state from torch-format ``entry`` (``step``, ``exp_avg``,
+    ``exp_avg_sq``[, ``max_exp_avg_sq``][, ``master``]: tensors of the parameter's shape, or
+    DTensors like it) into the store, compressed as the optimizer keeps it (on the store's
+    loop). An empty entry, or one at step 0 with zero moments, leaves the parameter without
+    state (as never updated); a missing ``master`` is the parameter's current weight."""
+    if not entry or _fresh(entry):
+        slot.resident = None
+        optimizer._step_counts.pop(slot.index, None)
+        await optimizer.delete_state(slot)
+        return
+    rows = torch.zeros(optimizer._rows(slot), slot.numel, dtype=torch.float32)
+    rows[0].copy_((await optimizer._weight(slot)).reshape(-1))
+    for row, name in enumerate(_ROWS[: rows.shape[0]]):
+        if name in entry:
+            rows[row].copy_(_local(slot, name, entry[name]))
+    step = entry.get("step", 0)
+    optimizer._step_counts[slot.index] = torch.tensor(float(step.item() if torch.is_tensor(step) else step))
+    await optimizer.write_state_rows(slot, rows)
 
 
 # -- opt.state ----------------------------------------------------------------------------------

@@ -1,0 +1,269 @@
+"""Compressed Adam state: the packed byte layout of one store entry and its encode/decode.
+
+``TieredAdam(state_precision=..., master_weights=...)`` keeps each parameter's (or chunk's)
+state in one store entry, so one transfer moves all of it. With ``state_precision="fp32"`` and
+``master_weights="fp32"`` that entry is today's ``(rows, numel)`` fp32 tensor. Otherwise it is a
+flat ``uint8`` tensor whose fields lie one after the other, widest element first, so every field
+is aligned for its dtype (the store's buffers are at least 64-byte aligned). For an entry of
+``n`` elements with ``b = ceil(n / 256)`` quantisation blocks:
+
+================  =================================================  ========================
+field             dtype, count                                       bytes
+================  =================================================  ========================
+master            fp32, n (``master_weights="fp32"``)                4n
+<moment>/scale    fp32, b per moment (``"8bit"``)                    4b each
+master_low        int16, n: low 16 bits of the fp32 master           2n
+                  (``master_weights="lossless"``)
+<moment>          bf16, n (``"bf16"``) / fp32, n (``"fp32"`` moments) 2n / 4n each
+<moment>/codes    uint8, n (``"8bit"``)                              n each
+================  =================================================  ========================
+
+with the moments ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` with amsgrad) in that
+order. Per parameter without amsgrad: ``"bf16"`` 8 B, ``"8bit"`` 6 B + 8 B per 256 elements;
+with a lossless master 2 B less (``"8bit"``: about 4 B).
+
+8-bit moments are blockwise quantised as in the 8-bit optimizer literature (Dettmers et al.,
+arXiv:2110.02861; bitsandbytes, torchao's AdamW8bit): each block of 256 elements is divided by
+its absolute maximum (its fp32 scale) and every value is replaced by the index of the nearest
+entry of a 256-value "dynamic" code book (exponent and fraction, dense near zero): a signed one
+for ``exp_avg``, an unsigned one for ``exp_avg_sq``/``max_exp_avg_sq``. Blocks start at the
+entry's first element; chunks (``tierstore.optim.chunks.ALIGN_ELEMENTS``) are whole blocks, so a
+chunked parameter quantises exactly as the same parameter in one entry would.
+
+The lossless master keeps only the low 16 bits of the fp32 master; its high 16 bits are the
+bf16 weight the model holds, which the update writes as the master's exact high half (its
+truncation, not round-to-nearest), so master = weight bits << 16 | low bits, bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+#: The values of ``state_precision=``.
+PRECISIONS = ("fp32", "bf16", "8bit")
+#: The values of ``master_weights=``.
+MASTER_WEIGHTS = ("fp32", "lossless")
+#: Elements per quantisation block of 8-bit moments (each with one fp32 scale).
+BLOCK = 256
+
+_MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+@cache
+def dynamic_map(signed: bool) -> torch.Tensor:
+    """The 256 sorted values of the dynamic code book of 8-bit moments: for each of 7 decades
+    ``10**-6 .. 10**0`` a linear run of fraction values (twice as many per decade as the one
+    below; both signs when ``signed``), plus 0 and 1."""
+    values: list[float] = [0.0, 1.0]
+    for decade in range(7):
+        items = 2**decade + 1 if signed else 2 ** (decade + 1) + 1
+        bounds = torch.linspace(0.1, 1.0, items, dtype=torch.float64)
+        means = ((bounds[:-1] + bounds[1:]) / 2 * 10.0 ** (decade - 6)).tolist()
+        values += means
+        if signed:
+            values += [-m for m in means]
+    assert len(values) == 256
+    return torch.tensor(sorted(values), dtype=torch.float32)
+
+
+@cache
+def _midpoints(signed: bool) -> torch.Tensor:
+    book = dynamic_map(signed)
+    return (book[1:] + book[:-1]) / 2
+
+
+def quantize(values: torch.Tensor, signed: bool, codes: torch.Tensor, scales: torch.Tensor) -> None:
+    """Blockwise 8-bit quantisation of flat fp32 ``values`` into ``codes`` (uint8, same count)
+    and ``scales`` (fp32, one per block of ``BLOCK``; the last block may be partial)."""
+    n = values.numel()
+    full = n // BLOCK * BLOCK
+    parts = [(values[:full].view(-1, BLOCK), codes[:full].view(-1, BLOCK), scales[: full // BLOCK])]
+    if full < n:
+        parts.append((values[full:].view(1, -1), codes[full:].view(1, -1), scales[full // BLOCK :]))
+    for block, out, scale in parts:
+        absmax = block.abs().amax(dim=1).clamp_(min=1e-12)  # an all-zero block still divides
+        scale.copy_(absmax)
+        normal = block / absmax.unsqueeze(1)
+        out.copy_(torch.bucketize(normal, _midpoints(signed)))  # the nearest code (0..255)
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, signed: bool, out: torch.Tensor) -> torch.Tensor:
+    """The fp32 values of ``codes`` and their block ``scales``, written into flat ``out``."""
+    n = codes.numel()
+    full = n // BLOCK * BLOCK
+    book = dynamic_map(signed)
+    torch.mul(book[codes[:full].long()].view(-1, BLOCK), scales[: full // BLOCK].unsqueeze(1), out=out[:full].view(-1, BLOCK))
+    if full < n:
+        torch.mul(book[codes[full:].long()], scales[full // BLOCK :], out=out[full:])
+    return out
+
+
+def validate(state_precision: str, master_weights: str) -> None:
+    """Raise ``ValueError`` for values of ``state_precision=``/``master_weights=`` we do not have."""
+    if state_precision not in PRECISIONS:
+        raise ValueError(f"state_precision must be one of {PRECISIONS}, not {state_precision!r}")
+    if master_weights not in MASTER_WEIGHTS:
+        raise ValueError(f"master_weights must be one of {MASTER_WEIGHTS}, not {master_weights!r}")
+    if master_weights == "lossless" and sys.byteorder != "little":
+        raise ValueError("master_weights='lossless' splits fp32 words into halves and needs a little-endian host")
+
+
+@dataclass(frozen=True)
+class Field:
+    """One field of a packed entry: ``count`` elements of ``dtype`` from byte ``offset``."""
+
+    name: str
+    dtype: torch.dtype
+    offset: int
+    count: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """How one entry of compressed Adam state is laid out (see the module docstring)."""
+
+    precision: str
+    lossless: bool
+    amsgrad: bool
+
+    @property
+    def moments(self) -> tuple[str, ...]:
+        return _MOMENTS if self.amsgrad else _MOMENTS[:2]
+
+    @property
+    def rows(self) -> int:
+        """Rows of the decoded state: master and moments."""
+        return 1 + len(self.moments)
+
+    def fields(self, numel: int) -> dict[str, Field]:
+        """The fields of an entry of ``numel`` elements, by name, in byte order."""
+        blocks = math.ceil(numel / BLOCK)
+        wanted: list[tuple[str, torch.dtype, int]] = []
+        if not self.lossless:
+            wanted.append(("master", torch.float32, numel))
+        if self.precision == "8bit":
+            wanted += [(f"{m}/scale", torch.float32, blocks) for m in self.moments]
+        if self.lossless:
+            wanted.append(("master_low", torch.int16, numel))
+        if self.precision == "8bit":
+            wanted += [(f"{m}/codes", torch.uint8, numel) for m in self.moments]
+        else:
+            dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
+            wanted += [(m, dtype, numel) for m in self.moments]
+        wanted.sort(key=lambda f: -f[1].itemsize)  # stable: widest first keeps every field aligned
+        fields, offset = {}, 0
+        for name, dtype, count in wanted:
+            fields[name] = Field(name, dtype, offset, count)
+            offset += count * dtype.itemsize
+        return fields
+
+    def nbytes(self, numel: int) -> int:
+        """Bytes of an entry of ``numel`` elements."""
+        return sum(f.nbytes for f in self.fields(numel).values())
+
+    def numel_of(self, nbytes: int) -> int | None:
+        """The element count of an entry of ``nbytes`` bytes (None if no count has that size)."""
+        per = self.nbytes(BLOCK) / BLOCK
+        guess = int(nbytes / per)
+        for numel in range(max(0, guess - 2), guess + 3):
+            if self.nbytes(numel) == nbytes:
+                return numel
+        return None
+
+    def empty(self, numel: int) -> torch.Tensor:
+        """A zeroed buffer for an entry of ``numel`` elements."""
+        return torch.zeros(self.nbytes(numel), dtype=torch.uint8)
+
+
+class PackedState:
+    """One entry's compressed state: ``buffer`` (uint8, held in the store or resident) read and
+    written through its ``layout``. ``high``: with a lossless master, the bf16 weight the model
+    holds for these elements (the master's high halves), in host memory."""
+
+    def __init__(self, layout: StateLayout, buffer: torch.Tensor, numel: int, high: torch.Tensor | None = None) -> None:
+        if buffer.dtype != torch.uint8 or buffer.numel() != layout.nbytes(numel):
+            raise ValueError(f"a packed state of {numel} elements is {layout.nbytes(numel)} uint8 bytes, not {buffer.numel()} {buffer.dtype}")
+        self.layout = layout
+        self.buffer = buffer
+        self.numel = numel
+        self.high = high
+        self._fields = layout.fields(numel)
+
+    def view(self, name: str) -> torch.Tensor:
+        """The field ``name`` as a tensor of its dtype (a view of the buffer)."""
+        f = self._fields[name]
+        return self.buffer[f.offset : f.offset + f.nbytes].view(f.dtype)
+
+    # -- master ------------------------------------------------------------------------------------
+
+    def master(self) -> torch.Tensor:
+        """The fp32 master: a view of the buffer, or (lossless) rebuilt from the weight's bits
+        and the stored low halves into a new tensor."""
+        if not self.layout.lossless:
+            return self.view("master")
+        if self.high is None:
+            raise RuntimeError("internal error: a lossless master needs the model's bf16 weight")
+        words = torch.empty(self.numel, 2, dtype=torch.int16)
+        words[:, 0] = self.view("master_low")
+        words[:, 1] = self.high.reshape(-1).view(torch.int16)
+        return words.view(torch.float32).view(-1)
+
+    def set_master(self, master: torch.Tensor) -> None:
+        """Store fp32 ``master`` (lossless: its low halves; its high halves are ``weight_of``)."""
+        if not self.layout.lossless:
+            view = self.view("master")
+            if view.data_ptr() != master.data_ptr():
+                view.copy_(master)
+            return
+        halves = master.reshape(-1).view(torch.int16).view(-1, 2)
+        self.view("master_low").copy_(halves[:, 0])
+        self.high = halves[:, 1].clone().view(torch.bfloat16)  # the weight: the master truncated
+
+    def weight(self) -> torch.Tensor:
+        """What the model's weight becomes: the fp32 master, or (lossless) its high halves as
+        bf16 (the weight the model holds, until ``set_master`` stores a new master)."""
+        if not self.layout.lossless:
+            return self.view("master")
+        assert self.high is not None
+        return self.high.reshape(-1)
+
+    # -- moments -----------------------------------------------------------------------------------
+
+    def moment(self, name: str) -> torch.Tensor:
+        """Moment ``name`` decoded into a new fp32 tensor."""
+        if self.layout.precision == "8bit":
+            out = torch.empty(self.numel, dtype=torch.float32)
+            return dequantize(self.view(f"{name}/codes"), self.view(f"{name}/scale"), name == "exp_avg", out)
+        return self.view(name).float() if self.layout.precision == "bf16" else self.view(name).clone()
+
+    def set_moment(self, name: str, value: torch.Tensor) -> None:
+        """Encode fp32 ``value`` into moment ``name`` (bf16: round to nearest)."""
+        if self.layout.precision == "8bit":
+            quantize(value.reshape(-1), name == "exp_avg", self.view(f"{name}/codes"), self.view(f"{name}/scale"))
+        else:
+            self.view(name).copy_(value.reshape(-1))
+
+    # -- whole rows (checkpoints, restarts) --------------------------------------------------------
+
+    def decode(self) -> torch.Tensor:
+        """The state as ``(rows, numel)`` fp32: master, then the moments."""
+        rows = torch.empty(self.layout.rows, self.numel, dtype=torch.float32)
+        rows[0].copy_(self.master())
+        for i, name in enumerate(self.layout.moments, start=1):
+            rows[i].copy_(self.moment(name))
+        return rows
+
+    def encode(self, rows: torch.Tensor) -> None:
+        """Store ``(rows, numel)`` fp32 state (master, moments) into the buffer."""
+        self.set_master(rows[0].contiguous())
+        for i, name in enumerate(self.layout.moments, start=1):
+            self.set_moment(name, rows[i].contiguous())
