@@ -15,6 +15,7 @@ import sys
 import warnings
 import weakref
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -82,11 +83,11 @@ class TensorMeta:
     dtype: torch.dtype
     shape: tuple[int, ...]
 
-    @property
+    @cached_property  # (asked for on every move of a value; a store keeps few distinct metas)
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
