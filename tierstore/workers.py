@@ -14,7 +14,6 @@ import itertools
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, TypeVar
 
@@ -29,17 +28,78 @@ class Priority(IntEnum):
     BACKGROUND = 2
 
 
-@dataclass(order=True)
-class _Job:
-    priority: int
-    seq: int
-    fn: Callable[[], Any] = field(compare=False)
-    loop: asyncio.AbstractEventLoop = field(compare=False)
-    future: asyncio.Future[Any] = field(compare=False)
-    skip: bool = field(default=False, compare=False)
+class _Batch:
+    """The jobs of one ``run_all`` call: at most ``limit`` of them queued or running at a time
+    (the next is queued by the thread that finishes one), and one wake-up of the event loop when
+    the last finishes (after ``then``), not one per job."""
+
+    def __init__(
+        self,
+        pool: WorkerPool,
+        fns: Sequence[Callable[[], Any]],
+        priority: int,
+        limit: int,
+        then: Callable[[], Any] | None,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.pool = pool
+        self.fns: list[Callable[[], Any]] | None = list(fns)
+        self.priority = priority
+        self.limit = limit
+        self.then = then
+        self.loop = loop
+        self.future: asyncio.Future[list[Any]] = loop.create_future()
+        self.results: list[Any] = [None] * len(self.fns)
+        self.errors: dict[int, BaseException] = {}
+        self.skip = False
+        self._left = len(self.fns)
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def submit_first(self) -> None:
+        with self._lock:
+            count = min(self.limit, self._left)
+            self._next = count
+        for index in range(count):
+            self.pool._put(self, index)
+
+    def run(self, index: int) -> None:
+        """Run job ``index`` (or skip it), then queue the next one or finish the batch."""
+        fns = self.fns
+        if not self.skip and fns is not None:
+            try:
+                self.results[index] = fns[index]()
+            except BaseException as exc:  # delivered to the awaiting coroutine
+                self.errors[index] = exc
+        with self._lock:
+            self._left -= 1
+            following = None
+            if self.skip:  # cancelled: jobs never queued count as done
+                self._left -= len(self.results) - self._next
+                self._next = len(self.results)
+            elif self._next < len(self.results):
+                following = self._next
+                self._next += 1
+            last = self._left == 0
+        if following is not None:
+            self.pool._put(self, following)
+        if last:
+            self._finish()
+
+    def _finish(self) -> None:
+        if self.then is not None and not self.errors and not self.skip:
+            try:
+                self.then()
+            except BaseException as exc:
+                self.errors[len(self.results)] = exc
+        # An idle thread must not keep the batch's functions (and the buffers they name) alive
+        # until the next job: a freed tier buffer would stay allocated outside every budget.
+        self.fns = None
+        self.then = None
+        error = self.errors[min(self.errors)] if self.errors else None
+        _deliver(self.loop, self.future, self.results, error)
 
 
-_SKIPPED = object()
 _STOP = None
 
 
@@ -51,7 +111,7 @@ class WorkerPool:
             raise ValueError(f"a worker pool needs at least one thread, not {threads}")
         self.name = name
         self.threads = threads
-        self._queue: queue.PriorityQueue[tuple[int, int, _Job | None]] = queue.PriorityQueue()
+        self._queue: queue.PriorityQueue[tuple[int, int, _Batch | None, int]] = queue.PriorityQueue()
         self._seq = itertools.count()
         self._workers: list[threading.Thread] = []
 
@@ -66,7 +126,7 @@ class WorkerPool:
     def shutdown(self) -> None:
         """Stop the threads once the queued jobs are done."""
         for _ in self._workers:
-            self._queue.put((1 << 30, next(self._seq), _STOP))
+            self._queue.put((1 << 30, next(self._seq), _STOP, 0))
         for worker in self._workers:
             worker.join()
         self._workers.clear()
@@ -80,63 +140,57 @@ class WorkerPool:
         (result,) = await self.run_all([fn], priority)
         return result
 
-    async def run_all(self, fns: Sequence[Callable[[], T]], priority: Priority = Priority.DEMAND) -> list[T]:
+    async def run_all(
+        self,
+        fns: Sequence[Callable[[], T]],
+        priority: Priority = Priority.DEMAND,
+        limit: int | None = None,
+        then: Callable[[], Any] | None = None,
+    ) -> list[T]:
         """Run every function concurrently on the pool; return their results in order.
 
-        If any raises, the first exception is raised after all have finished. If the caller is
-        cancelled, jobs not yet started are skipped and running ones are waited for first.
+        ``limit``: at most this many of them queued or running at once (default: all; the
+        pool's threads bound it anyway). ``then``: run on a worker thread once every function
+        has returned without error, before the results come back (e.g. an fdatasync after the
+        writes: no extra trip through the event loop).
+
+        If any raises, the first exception (in the order of ``fns``) is raised after all have
+        finished. If the caller is cancelled, jobs not yet started are skipped, ``then`` is not
+        run, and running jobs are waited for first.
         """
         if not self._workers:
             raise RuntimeError(f"worker pool {self.name!r} is not running")
-        loop = asyncio.get_running_loop()
-        jobs = []
-        for fn in fns:
-            job = _Job(int(priority), next(self._seq), fn, loop, loop.create_future())
-            self._queue.put((job.priority, job.seq, job))
-            jobs.append(job)
-        together = asyncio.gather(*(job.future for job in jobs), return_exceptions=True)
+        if not fns:
+            if then is not None:
+                await self.run(then, priority)
+            return []
+        if limit is not None and limit < 1:
+            raise ValueError(f"limit must be at least 1, not {limit}")
+        batch = _Batch(self, fns, int(priority), limit or len(fns), then, asyncio.get_running_loop())
+        batch.submit_first()
         try:
-            results = await asyncio.shield(together)
+            results = await asyncio.shield(batch.future)
         except asyncio.CancelledError:
-            for job in jobs:
-                job.skip = True
-            await wait_uncancelled(together)
+            batch.skip = True
+            await wait_uncancelled(batch.future)
             raise
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-        return results  # type: ignore[return-value]  # exceptions were raised above
+        return results
+
+    def _put(self, batch: _Batch, index: int) -> None:
+        self._queue.put((batch.priority, next(self._seq), batch, index))
 
     def _serve(self) -> None:
         while True:
-            _, _, job = self._queue.get()
-            if job is None:
+            _, _, batch, index = self._queue.get()
+            if batch is None:
                 return
-            if job.skip:
-                _resolve(job, _SKIPPED, None)
-                continue
-            try:
-                result = job.fn()
-            except BaseException as exc:  # delivered to the awaiting coroutine
-                _resolve(job, None, exc)
-            else:
-                _resolve(job, result, None)
-            # An idle thread must not keep its last job (and the buffers its function names)
-            # alive until the next one: a freed tier buffer would stay allocated outside every budget.
-            job = result = None  # type: ignore[assignment]
+            batch.run(index)
+            batch = None  # (see _Batch._finish)
 
 
-def _resolve(job: _Job, result: Any, exc: BaseException | None) -> None:
-    def deliver() -> None:
-        if job.future.done():
-            return
-        if exc is not None:
-            job.future.set_exception(exc)
-        else:
-            job.future.set_result(result)
-
+def _deliver(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
     with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting any more
-        job.loop.call_soon_threadsafe(deliver)
+        loop.call_soon_threadsafe(_settle_future, future, result, exc)
 
 
 class CallerPool:

@@ -24,10 +24,11 @@ from ..disk.files import (
     TruncatedSegment,
     allocated_bytes,
     checksum_bytes,
-    checksum_of,
     is_segment_name,
 )
 from ..disk.lock import FolderLock
+from ..disk.tuning import TUNING_FILE
+from ..disk.tuning import resolve as resolve_io_settings
 from ..errors import (
     CapacityError,
     CatalogError,
@@ -50,7 +51,7 @@ PUNCH_AFTER = 16 << 20
 #: Size of the first segment file; each next one is twice the last, up to ``segment_size``.
 FIRST_SEGMENT = 16 << 20
 #: What a tierstore folder holds before its catalog exists (a crash during the first open).
-_OWN_NAMES = {"lock", "data", "catalog"}
+_OWN_NAMES = {"lock", "data", "catalog", TUNING_FILE, TUNING_FILE + ".tmp"}
 #: Values of at most this many bytes are kept inline in their catalog record (one transaction,
 #: no extent, no data-file sync) unless ``DiskTier(inline_max=)`` says otherwise. Chosen by
 #: measurement (``benchmarks/bench_keys.py --threshold``): see ``tierstore.bench.keys``.
@@ -70,7 +71,8 @@ class DiskTier(Tier):
     (``posix_fallocate``) and created as the tier fills; each tensor is one aligned extent
     inside a segment, moved with ``pwrite``/``preadv`` straight from and into the tensor's
     memory (``O_DIRECT`` where supported) by a pool of ``io_threads`` threads, ``chunk_size``
-    bytes per request. Each chunk carries an xxh3 checksum that is verified on every read.
+    bytes per request. Each chunk carries a CRC-32C checksum, computed in the job that writes
+    it and verified on every read.
     The LMDB catalog under ``root/catalog`` maps keys to extents. Updates are copy-on-write:
     a new extent is written (and, if ``durable``, fsync'ed), then the catalog commits, then the
     old extent is freed. Reopening the folder brings every entry back.
@@ -91,6 +93,14 @@ class DiskTier(Tier):
     direct:
         ``"auto"`` (default) uses ``O_DIRECT`` where the file system supports it; ``True``
         requires it; ``False`` goes through the page cache.
+    io_threads, chunk_size, queue_depth:
+        Worker threads (requests in flight for the whole tier), bytes per request and per
+        checksum (fixed when the folder is created: an existing folder keeps its own), and
+        requests of one value in flight at a time. Each one not given comes from the folder's
+        tuning file (``tierstore bench --tune ROOT`` measures and saves them) if there is one,
+        else the defaults: 4 threads, 4 MiB, queue depth = threads. ``io_settings`` and the
+        ``repr`` say which are in force and where from; a damaged tuning file gives a
+        ``TuningFileWarning`` and the defaults.
     segment_size:
         Largest data file (default ``min(capacity, 4GiB)``); no tensor can be larger. Files are
         created as the tier fills, the first of 16 MiB, each next twice the last.
@@ -128,13 +138,14 @@ class DiskTier(Tier):
         durable: bool = True,
         direct: bool | str = "auto",
         segment_size: int | str | None = None,
-        io_threads: int = 4,
-        chunk_size: int | str = "4MiB",
+        io_threads: int | None = None,
+        chunk_size: int | str | None = None,
         create: bool = True,
         name: str = "disk",
         io: FileIO | None = None,
         overcommit: bool = False,
         inline_max: int | str = INLINE_MAX,
+        queue_depth: int | None = None,
     ) -> None:
         super().__init__(capacity, name)
         self.root = Path(root)
@@ -145,18 +156,20 @@ class DiskTier(Tier):
         self._direct = direct
         default_segment = min(max(self.capacity, ALIGNMENT), 4 << 30)
         self.segment_size = round_up(parse_bytes(segment_size) if segment_size is not None else default_segment, ALIGNMENT)
-        self.chunk_size = round_up(parse_bytes(chunk_size), ALIGNMENT)
-        if self.chunk_size <= 0 or self.segment_size <= 0:
-            raise ValueError("chunk_size and segment_size must be positive")
-        self.io_threads = io_threads
+        if self.segment_size <= 0:
+            raise ValueError("segment_size must be positive")
+        #: The I/O settings asked for and where each came from (argument, tuning file, default).
+        self.io_settings = resolve_io_settings(self.root, chunk_size, io_threads, queue_depth)
+        self.chunk_size = self.io_settings.settings.chunk_size
+        self.io_threads = self.io_settings.settings.io_threads
+        #: Requests of one value in flight at a time (its chunks, each checksummed in its job).
+        self.queue_depth = self.io_settings.settings.queue_depth
         self.create = create
         self.overcommit = bool(overcommit)
         self.inline_max = parse_bytes(inline_max)
         if self.inline_max < 0:
             raise ValueError(f"inline_max must not be negative, not {inline_max!r}")
-        self.pool = WorkerPool(io_threads, name)
-        # Checksums of outgoing chunks are computed here, beside the writes (CRC-32C drops the GIL).
-        self.checksum_pool = WorkerPool(2, f"{name}-checksum")
+        self.pool = WorkerPool(self.io_threads, name)
         self._catalog: Catalog | None = None
         self._files: SegmentFiles | None = None
         self._allocator = ExtentAllocator()
@@ -217,7 +230,6 @@ class DiskTier(Tier):
         self._release_lock = weakref.finalize(self, self._lock.release)
         self._grow_lock = asyncio.Lock()
         self.pool.start()
-        self.checksum_pool.start()
         await super().open()
 
     def _check_folder(self) -> None:
@@ -325,7 +337,6 @@ class DiskTier(Tier):
                 self._punch_released()  # a store closed after deletes leaves no blocks behind
         finally:
             self.pool.shutdown()
-            self.checksum_pool.shutdown()
             self._close_sync()
             await super().aclose()
 
@@ -373,6 +384,20 @@ class DiskTier(Tier):
         """Bytes of segment files (their length). Free extents inside them are punched out, so
         the file system holds about ``used`` of them where it supports holes."""
         return self._allocator.size
+
+    def describe_io(self) -> str:
+        """The I/O settings in force and where each came from (a folder's catalog fixes its
+        chunk size once created; a tuning file or the arguments cannot change it then)."""
+        text = self.io_settings.describe()
+        if self.chunk_size != self.io_settings.settings.chunk_size:
+            text += f"; the folder was created with chunk_size={format_bytes(self.chunk_size)}, which is in force"
+        if self.io_settings.tuning_path is not None:
+            text += f"; tuning file {self.io_settings.tuning_path}"
+        return text
+
+    def __repr__(self) -> str:
+        return (f"DiskTier(name={self.name!r}, root={str(self.root)!r}, capacity={format_bytes(self.capacity)!r}, "
+                f"durable={self.durable}, {self.describe_io()})")
 
     @property
     def direct_io(self) -> bool:
@@ -515,18 +540,16 @@ class DiskTier(Tier):
         writes share one fdatasync per file). Returns the chunk checksums. A buffer in device
         memory is staged through host memory first (this tier moves its own bytes)."""
         files = self._require_open()
+        then = partial(files.sync, extent.segment) if sync and self.durable else None
         if src.device.type != "cpu":
             checksums = await self._write_from_device(files, extent, src, nbytes, priority)
-            if sync and self.durable:
-                await self.pool.run(partial(files.sync, extent.segment), priority)
+            if then is not None:
+                await self.pool.run(then, priority)
             return checksums
-        chunks = self._chunks(nbytes)
-        writes = [partial(files.write_chunk, extent.segment, extent.offset + start, src, start, length) for start, length in chunks]
-        sums = [partial(checksum_of, src, start, length) for start, length in chunks]
-        _, checksums = await asyncio.gather(self.pool.run_all(writes, priority), self.checksum_pool.run_all(sums, priority))
-        if sync and self.durable:
-            await self.pool.run(partial(files.sync, extent.segment), priority)
-        return tuple(checksums)
+        # One job per chunk, its checksum computed in it; the fdatasync runs on the thread that
+        # finishes the last chunk: no extra trip through the event loop.
+        writes = [partial(files.write_chunk, extent.segment, extent.offset + start, src, start, length) for start, length in self._chunks(nbytes)]
+        return tuple(await self.pool.run_all(writes, priority, limit=self.queue_depth, then=then))
 
     async def sync_segments(self, segments: set[int], priority: Priority = Priority.DEMAND) -> None:
         """Make every write into ``segments`` durable (if the tier is): one fdatasync per file."""
@@ -545,7 +568,7 @@ class DiskTier(Tier):
             partial(self._read_verified, files, record, index, start, length, dst)
             for index, (start, length) in enumerate(self._chunks(record.meta.nbytes))
         ]
-        await self.pool.run_all(jobs, priority)
+        await self.pool.run_all(jobs, priority, limit=self.queue_depth)
 
     def _bounce(self, nbytes: int) -> torch.Tensor:
         """A host buffer for one chunk of a device transfer (pinned where CUDA is): the staging
@@ -559,8 +582,7 @@ class DiskTier(Tier):
         checksums = []
         for start, length in self._chunks(nbytes):
             await link.to_host(bounce[:length], src[start : start + length])
-            await self.pool.run(partial(files.write_chunk, extent.segment, extent.offset + start, bounce, 0, length), priority)
-            checksums.append(await self.checksum_pool.run(partial(checksum_of, bounce, 0, length), priority))
+            checksums.append(await self.pool.run(partial(files.write_chunk, extent.segment, extent.offset + start, bounce, 0, length), priority))
         return tuple(checksums)
 
     async def _read_to_device(self, files: SegmentFiles, record: DiskRecord, dst: torch.Tensor, priority: Priority) -> None:
@@ -590,14 +612,17 @@ class DiskTier(Tier):
         """Whether a value of ``nbytes`` is kept inline in its catalog record."""
         return nbytes <= self.inline_max and self.inline_max > 0
 
-    def inline_record(self, key: str, meta: TensorMeta, src: torch.Tensor, version: int) -> DiskRecord:
+    def inline_record(self, key: str, meta: TensorMeta, src: torch.Tensor | bytes, version: int) -> DiskRecord:
         """The catalog record holding the first ``meta.nbytes`` bytes of the uint8 buffer ``src``
-        inline, with their checksum (a copy: ``src`` may be reused once this returns)."""
-        nbytes = meta.nbytes
-        view = src[:nbytes]
-        if view.device.type != "cpu":
-            view = view.cpu()
-        data = view.numpy().tobytes()
+        (or ``src`` itself, bytes of exactly the value) inline, with their checksum (a copy:
+        ``src`` may be reused once this returns)."""
+        if isinstance(src, bytes):
+            data = src
+        else:
+            view = src[: meta.nbytes]
+            if view.device.type != "cpu":
+                view = view.cpu()
+            data = view.numpy().tobytes()
         return DiskRecord(key, meta, None, version, (checksum_bytes(data),), data, inline=True)
 
     def _inline_data(self, key: str, version: int) -> bytes:

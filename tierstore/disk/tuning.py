@@ -1,0 +1,167 @@
+"""I/O settings of a disk tier folder: the defaults, the tuning file ``tierstore bench --tune``
+writes beside the store, and which of them is in force.
+
+The file is a small JSON document, ``<root>/.tierstore-tuning.json``; a ``DiskTier`` opened on
+that folder uses its settings unless the constructor names them. A file that cannot be read, or
+is not ours, or holds settings out of range is reported with a ``TuningFileWarning`` and
+ignored: a tuning file never stops a store from opening.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ..tensors import ALIGNMENT
+from ..units import format_bytes, parse_bytes
+
+#: The tuning file's name inside a disk tier folder.
+TUNING_FILE = ".tierstore-tuning.json"
+_FORMAT = "tierstore-tuning"
+_VERSION = 1
+#: Bounds a tuning file's settings must lie in (beyond them it is taken as damaged).
+MAX_CHUNK = 1 << 30
+MAX_THREADS = 256
+MAX_QUEUE_DEPTH = 1024
+
+
+class TuningFileWarning(UserWarning):
+    """A tuning file was there but could not be used; the defaults are in force instead."""
+
+
+@dataclass(frozen=True)
+class IOSettings:
+    """How a disk tier moves large values: ``chunk_size`` bytes per request and per checksum,
+    ``io_threads`` worker threads (the requests in flight for the whole tier), and
+    ``queue_depth`` requests of one value in flight at a time."""
+
+    chunk_size: int
+    io_threads: int
+    queue_depth: int
+
+    def __post_init__(self) -> None:
+        check_settings(self.chunk_size, self.io_threads, self.queue_depth)
+
+    def to_json(self) -> dict[str, int]:
+        return asdict(self)
+
+    def describe(self) -> str:
+        return f"chunk {format_bytes(self.chunk_size)}, {self.io_threads} threads, queue depth {self.queue_depth}"
+
+
+def check_settings(chunk_size: int, io_threads: int, queue_depth: int) -> None:
+    """Raise ``ValueError`` unless the three settings are usable."""
+    for name, value, top in (("chunk_size", chunk_size, MAX_CHUNK), ("io_threads", io_threads, MAX_THREADS),
+                             ("queue_depth", queue_depth, MAX_QUEUE_DEPTH)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
+            raise ValueError(f"{name} must be an integer from 1 to {top}, not {value!r}")
+    if chunk_size % ALIGNMENT:
+        raise ValueError(f"chunk_size must be a multiple of {ALIGNMENT} bytes, not {chunk_size}")
+
+
+DEFAULTS = IOSettings(chunk_size=4 << 20, io_threads=4, queue_depth=4)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The settings in force and where each came from (``"argument"``, ``"tuning file"`` or
+    ``"default"``)."""
+
+    settings: IOSettings
+    sources: dict[str, str]
+    tuning_path: Path | None
+
+    def describe(self) -> str:
+        s = self.settings
+        parts = [f"chunk_size={format_bytes(s.chunk_size)} ({self.sources['chunk_size']})",
+                 f"io_threads={s.io_threads} ({self.sources['io_threads']})",
+                 f"queue_depth={s.queue_depth} ({self.sources['queue_depth']})"]
+        return ", ".join(parts)
+
+
+def tuning_path(root: str | os.PathLike[str]) -> Path:
+    return Path(root) / TUNING_FILE
+
+
+def load_tuning(root: str | os.PathLike[str]) -> IOSettings | None:
+    """The settings saved in ``root``'s tuning file, or None if there is none. A file that is
+    unreadable, foreign or out of range gives a ``TuningFileWarning`` and None."""
+    path = tuning_path(root)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (FileNotFoundError, NotADirectoryError):  # no file (a root that is no folder is refused on open)
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        _warn(path, f"cannot be read ({exc})")
+        return None
+    try:
+        document = json.loads(text)
+    except ValueError as exc:
+        _warn(path, f"is not valid JSON ({exc})")
+        return None
+    if not isinstance(document, dict) or document.get("format") != _FORMAT:
+        _warn(path, f"is not a tierstore tuning file (no \"format\": \"{_FORMAT}\")")
+        return None
+    if document.get("version") != _VERSION:
+        _warn(path, f"has version {document.get('version')!r}; this tierstore reads version {_VERSION}")
+        return None
+    settings = document.get("settings")
+    if not isinstance(settings, dict):
+        _warn(path, "has no \"settings\" object")
+        return None
+    try:
+        return IOSettings(settings.get("chunk_size"), settings.get("io_threads"), settings.get("queue_depth"))  # type: ignore[arg-type]
+    except ValueError as exc:
+        _warn(path, f"holds unusable settings: {exc}")
+        return None
+
+
+def save_tuning(root: str | os.PathLike[str], settings: IOSettings, details: dict[str, Any] | None = None) -> Path:
+    """Write ``settings`` (and ``details``: what was measured) to ``root``'s tuning file,
+    atomically (a reader sees the old file or the new one)."""
+    path = tuning_path(root)
+    document = {"format": _FORMAT, "version": _VERSION, "settings": settings.to_json(), **(details or {})}
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps(document, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    os.replace(temporary, path)
+    return path
+
+
+def resolve(
+    root: str | os.PathLike[str],
+    chunk_size: int | str | None = None,
+    io_threads: int | None = None,
+    queue_depth: int | None = None,
+) -> Resolved:
+    """The settings a disk tier at ``root`` uses: each argument given wins, then the tuning
+    file's value, then the default. Bad arguments raise ``ValueError``."""
+    saved = load_tuning(root) if chunk_size is None or io_threads is None or queue_depth is None else None
+    base = saved or DEFAULTS
+    origin = "tuning file" if saved is not None else "default"
+    given = {
+        "chunk_size": parse_bytes(chunk_size) if chunk_size is not None else None,
+        "io_threads": io_threads,
+        "queue_depth": queue_depth,
+    }
+    values = {name: value if value is not None else getattr(base, name) for name, value in given.items()}
+    sources = {name: "argument" if value is not None else origin for name, value in given.items()}
+    if queue_depth is None and saved is None:  # by default every thread can serve one value
+        values["queue_depth"] = values["io_threads"]
+        sources["queue_depth"] = "default: io_threads"
+    if given["chunk_size"] is not None and given["chunk_size"] % ALIGNMENT:
+        values["chunk_size"] = -(-given["chunk_size"] // ALIGNMENT) * ALIGNMENT  # as before: rounded up to a block
+    settings = IOSettings(**values)
+    return Resolved(settings, sources, tuning_path(root) if saved is not None else None)
+
+
+def _warn(path: Path, problem: str) -> None:
+    warnings.warn(
+        f"tuning file {path} {problem}; it is ignored: the I/O settings not given as arguments are the defaults "
+        f"({DEFAULTS.describe()})",
+        TuningFileWarning,
+        stacklevel=4,
+    )
