@@ -4,6 +4,7 @@ of one step that Perfetto or chrome://tracing opens."""
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..units import format_bytes
+from ..wear import DEFAULT_CAPACITY, DriveWear, drive_wear
 
 if TYPE_CHECKING:
     from ..store import TierStore
@@ -39,6 +41,10 @@ class MemoryReport:
     tiers: dict[str, dict[str, int]] = field(default_factory=dict)
     #: What each tier and the process need (``MemoryPlan``), known before the first step.
     plan: MemoryPlan | None = None
+    #: Bytes the last step wrote to the disk tier, and what that rate does to a typical drive
+    #: (``TimeReport.wear``); None before a step that paged to disk.
+    disk_write_bytes_per_step: int | None = None
+    wear: DriveWear | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -60,6 +66,8 @@ class MemoryReport:
             )
         if self.plan is not None:
             lines.append(str(self.plan))
+        if self.wear is not None and self.disk_write_bytes_per_step is not None:
+            lines.append(f"  last step wrote {format_bytes(self.disk_write_bytes_per_step)} to disk; {self.wear}")
         lines.append(
             "  Still on the device: the weights and grads above, plus activations -- offloading optimizer state "
             "does not make those fit (tierstore.swap moves activations and parameters)."
@@ -157,7 +165,15 @@ def plan_memory(
 class TimeReport:
     """Where the last step's time went (seconds). Transfer times add up each transfer's own
     duration, so overlapping transfers count in full; ``stall`` is what the training loop
-    waited in ``step()`` (and in ``clip_grad_norm_``)."""
+    waited in ``step()`` (and in ``clip_grad_norm_``).
+
+    Disk bytes: ``disk_read_bytes``/``disk_write_bytes`` are what crossed the disk tier's links
+    in the step (what the kernel's block-I/O counters see, the disk tier writing with
+    ``O_DIRECT``); ``disk_need_bytes`` is what the step had to move at least: twice the paged
+    state of the parameters it updated that was not on the state tier when it began (read once,
+    written back once), plus state created in the step beyond the room the state tier had
+    free. ``io_overhead`` is their ratio (1.0: no byte wasted). Gradients, and the state of
+    frozen or unused parameters, are not part of the need."""
 
     step: int = 0
     step_wall: float = 0.0
@@ -175,15 +191,39 @@ class TimeReport:
     disk_write: float = 0.0
     disk_read_bytes: int = 0
     disk_write_bytes: int = 0
+    disk_need_bytes: int = 0
     updates: int = 0
     update_elements: int = 0
     mode: str = "after-backward"
 
+    @property
+    def io_overhead(self) -> float:
+        """Disk bytes moved over the bytes the step needed to move (1.0: none wasted; 0.0 when
+        nothing was needed nor moved, ``inf`` when bytes moved that none were needed)."""
+        moved = self.disk_read_bytes + self.disk_write_bytes
+        if self.disk_need_bytes:
+            return moved / self.disk_need_bytes
+        return math.inf if moved else 0.0
+
+    @property
+    def disk_write_bytes_per_hour(self) -> float:
+        """Bytes written to the disk tier per hour of training at this step's rate."""
+        return self.disk_write_bytes / self.step_wall * 3600.0 if self.step_wall > 0 else 0.0
+
+    def wear(self, capacity: int | str = DEFAULT_CAPACITY, rated_tbw: float | None = None) -> DriveWear:
+        """What this step's disk writes, at this step's rate, do to a drive of ``capacity``
+        rated for ``rated_tbw`` terabytes written (defaults: 2 TB, 600 TBW per TB; see
+        ``tierstore.wear``): bytes per hour, drive writes per day, days to the rating."""
+        return drive_wear(self.disk_write_bytes, self.step_wall, capacity=capacity, rated_tbw=rated_tbw)
+
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {
+            **asdict(self), "io_overhead": self.io_overhead, "disk_write_bytes_per_hour": self.disk_write_bytes_per_hour,
+            "wear": self.wear().as_dict(),
+        }
 
     def __str__(self) -> str:
-        return (
+        text = (
             f"step {self.step} ({self.mode}): {self.step_wall * 1e3:.1f} ms wall, training loop stalled "
             f"{self.stall * 1e3:.1f} ms\n"
             f"  host updates {self.host_update * 1e3:.1f} ms ({self.updates} tensors, "
@@ -194,13 +234,72 @@ class TimeReport:
             f"  disk read {self.disk_read * 1e3:.1f} ms ({format_bytes(self.disk_read_bytes)}) | disk write "
             f"{self.disk_write * 1e3:.1f} ms ({format_bytes(self.disk_write_bytes)})"
         )
+        if self.disk_need_bytes or self.disk_read_bytes or self.disk_write_bytes:
+            overhead = self.io_overhead
+            text += (
+                f" | needed {format_bytes(self.disk_need_bytes)}"
+                + (f" ({overhead:.2f}x moved)" if math.isfinite(overhead) else "")
+                + f"\n  {self.wear()}"
+            )
+        return text
+
+
+@dataclass
+class Residency:
+    """Where the paged state is at one moment (a step's start): each state key's bytes and
+    whether it is on the state tier, and the bytes free there."""
+
+    state: dict[str, tuple[int, bool]]
+    free: int
+
+
+async def state_residency(store: TierStore, slots: Sequence[ParamSlot], state_tier: str) -> Residency | None:
+    """The ``Residency`` of the paged state of ``slots`` (on the store's loop); None when no
+    tier lies below ``state_tier`` (no state can be off it)."""
+    from ..tiers import MemoryTier
+
+    names = [tier.name for tier in store.tiers]
+    if names.index(state_tier) == len(names) - 1:
+        return None
+    state: dict[str, tuple[int, bool]] = {}
+    for slot in slots:
+        if not slot.paged:
+            continue
+        for key in _state_keys(slot):
+            if key in store:
+                info = store.info(key)
+                state[key] = (info["nbytes"], state_tier in info["tiers"])
+    tier = store.tier(state_tier)
+    free = tier.free if isinstance(tier, MemoryTier) else 0
+    return Residency(state=state, free=max(0, free))
+
+
+def disk_need(start: Residency, end: Residency, updated: Sequence[ParamSlot]) -> int:
+    """Bytes the step between ``start`` and ``end`` had to move to and from the disk for the
+    ``updated`` slots (see ``TimeReport``)."""
+    need = created = 0
+    for slot in updated:
+        if not slot.paged:
+            continue
+        for key in _state_keys(slot):
+            if key in start.state:
+                nbytes, resident = start.state[key]
+                need += 0 if resident else 2 * nbytes
+            elif key in end.state:
+                created += end.state[key][0]
+    return need + max(0, created - start.free)
+
+
+def _state_keys(slot: ParamSlot) -> list[str]:
+    return [slot.key] if slot.chunks is None else [chunk.key for chunk in slot.chunks]
 
 
 async def memory_report(
     store: TierStore, slots: Sequence[ParamSlot], state_bytes: Callable[[ParamSlot], int], offloaded: Callable[[Any], Any],
-    plan: MemoryPlan | None = None,
+    plan: MemoryPlan | None = None, last: TimeReport | None = None,
 ) -> MemoryReport:
-    """The ``MemoryReport`` of an optimizer's ``slots`` (on the store's loop)."""
+    """The ``MemoryReport`` of an optimizer's ``slots`` (on the store's loop); ``last``: the
+    last step's ``TimeReport``, for its disk writes."""
     by_tier: dict[str, int] = {tier.name: 0 for tier in store.tiers}
     resident = resident_params = paged = 0
     for slot in slots:
@@ -220,10 +319,13 @@ async def memory_report(
     grads = sum(slot.numel * slot.param.element_size() for slot in slots if slot.param.requires_grad)
     state = sum(state_bytes(slot) for slot in slots)
     tiers = {name: {"used": t["used"], "capacity": t["capacity"]} for name, t in store.stats()["tiers"].items()}
+    paged_to_disk = last is not None and last.step_wall > 0 and last.disk_write_bytes > 0
+    written = last.disk_write_bytes if last is not None and paged_to_disk else None
     return MemoryReport(
         parameters=params, paged_parameters=paged, device_weight_bytes=weights, device_grad_bytes=grads,
         state_by_tier=by_tier, resident_state_bytes=resident, resident_parameters=resident_params,
         state_bytes_per_param=state / max(params, 1), tiers=tiers, plan=plan,
+        disk_write_bytes_per_step=written, wear=last.wear() if last is not None and paged_to_disk else None,
     )
 
 
@@ -293,14 +395,28 @@ class StepWindow:
         self.last_events: list[tuple[str, str, float, float, dict[str, Any]]] = []
         self._start = time.perf_counter()
         self._links: dict[str, tuple[int, float]] = {}
+        self._measure: Callable[[], Residency | None] | None = None
+        self._residency: Residency | None = None
+
+    def watch(self, measure: Callable[[], Residency | None]) -> None:
+        """Count each step's ``disk_need_bytes`` from ``measure()`` (the paged state's
+        ``Residency``), taken now and at the end of every step."""
+        self._measure = measure
+        self._residency = measure()
 
     def on_transfer(self, link: str, nbytes: int, start: float, end: float) -> None:
         """A store's transfer between tiers (``TierStore.on_transfer``)."""
         self.timeline.add(f"{nbytes:,} B", link, start, end, bytes=nbytes)
 
-    def close(self, now: float, step: int, links: dict[str, Any]) -> None:
-        """End the window: disk figures from the store's link counters ``links``."""
+    def close(self, now: float, step: int, links: dict[str, Any], updated: Sequence[ParamSlot] = ()) -> None:
+        """End the window: disk figures from the store's link counters ``links``; the need
+        from the residency at the window's start and now, for the ``updated`` slots."""
         report = self.report
+        if self._measure is not None:
+            residency = self._measure()
+            if self._residency is not None and residency is not None:
+                report.disk_need_bytes = disk_need(self._residency, residency, updated)
+            self._residency = residency
         for name, stats in links.items():
             before_bytes, before_seconds = self._links.get(name, (0, 0.0))
             if name.startswith("disk->"):

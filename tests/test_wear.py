@@ -1,0 +1,102 @@
+"""SSD wear: bytes written per hour, drive writes per day and days to a drive's rated TBW, from
+known figures, and from a real optimizer step paging state to disk."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierstore.optim import TieredAdamW
+from tierstore.optim.reports import TimeReport
+from tierstore.wear import DEFAULT_CAPACITY, DriveWear, drive_wear
+
+
+def test_arithmetic_with_known_inputs() -> None:
+    # 100 MB in 0.5 s: 200 MB/s, 720 GB an hour, 17.28 TB a day.
+    wear = drive_wear(100_000_000, 0.5, capacity="4TB", rated_tbw=2400)
+    assert wear.bytes_per_second == pytest.approx(2e8)
+    assert wear.bytes_per_hour == pytest.approx(7.2e11)
+    assert wear.drive_writes_per_day == pytest.approx(17.28 / 4)
+    assert wear.days_to_rated == pytest.approx(2400 / 17.28)
+    assert "a 4 TB drive rated 2400 TBW reaches its rating in 139 days" in str(wear)
+
+
+def test_defaults_are_a_typical_two_terabyte_drive() -> None:
+    wear = drive_wear(1_000_000_000, 1.0)  # 1 GB/s: 86.4 TB a day
+    assert wear.capacity == DEFAULT_CAPACITY == 2 * 1000**4
+    assert wear.rated_bytes == 1200 * 1000**4  # 600 TBW per TB of capacity
+    assert wear.days_to_rated == pytest.approx(1200 / 86.4)
+    # Without a rating, it scales with the capacity given.
+    assert drive_wear(1, 1.0, capacity="1TB").rated_bytes == 600 * 1000**4
+
+
+def test_nothing_written_never_wears_out() -> None:
+    for wear in (drive_wear(0, 1.0), drive_wear(5, 0.0)):
+        assert wear.days_to_rated == math.inf
+        assert "nothing written" in str(wear)
+    assert drive_wear(0, 0.0).bytes_per_hour == 0.0
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs"),
+    [((-1, 1.0), {}), ((1.5, 1.0), {}), ((True, 1.0), {}), ((1, -1.0), {}), ((1, float("nan")), {}),
+     ((1, 1.0), {"capacity": 0}), ((1, 1.0), {"capacity": "lots"}), ((1, 1.0), {"rated_tbw": 0}),
+     ((1, 1.0), {"rated_tbw": "1200"})],
+)
+def test_bad_input(args: tuple[object, ...], kwargs: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        drive_wear(*args, **kwargs)  # type: ignore[arg-type]
+
+
+def test_time_report_wear_and_summary() -> None:
+    report = TimeReport(step=3, step_wall=0.25, disk_write_bytes=50_000_000, disk_read_bytes=50_000_000, disk_need_bytes=80_000_000)
+    assert report.disk_write_bytes_per_hour == pytest.approx(7.2e11)
+    assert report.io_overhead == pytest.approx(1.25)
+    wear = report.wear(capacity="1TB", rated_tbw=300)
+    assert isinstance(wear, DriveWear) and wear.days_to_rated == pytest.approx(300 / 17.28)
+    text = str(report)
+    assert "needed 76.3 MiB (1.25x moved)" in text
+    assert "SSD wear:" in text and "drive writes/day" in text
+    data = report.as_dict()
+    assert data["wear"]["days_to_rated"] == pytest.approx(report.wear().days_to_rated)
+    assert data["io_overhead"] == pytest.approx(1.25)
+    assert "SSD wear" not in str(TimeReport(step_wall=0.1))  # no disk, no wear line
+
+
+def test_a_real_disk_step_reports_writes_per_hour(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Linear(128, 128), torch.nn.Linear(128, 128))
+    opt = TieredAdamW(model.parameters(), lr=1e-3, offload="disk", disk_root=tmp_path / "disk", host_capacity="128KiB")
+    try:
+        for _ in range(2):
+            model(torch.randn(8, 128)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        report = opt.time_report()
+        assert report.disk_write_bytes > 0 and report.disk_write_bytes_per_hour > 0
+        wear = report.wear()
+        assert 0 < wear.days_to_rated < math.inf
+        assert "SSD wear:" in str(report)
+    finally:
+        opt.close()
+
+
+def test_memory_report_shows_the_last_steps_disk_writes(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Linear(128, 128))
+    opt = TieredAdamW(model.parameters(), lr=1e-3, offload="disk", disk_root=tmp_path / "disk", host_capacity="128KiB")
+    try:
+        assert opt.memory_report().wear is None  # no step yet
+        for _ in range(2):
+            model(torch.randn(8, 128)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        memory = opt.memory_report()
+        assert memory.disk_write_bytes_per_step == opt.time_report().disk_write_bytes > 0
+        assert memory.wear is not None and memory.wear.bytes_per_hour > 0
+        assert "to disk; SSD wear:" in str(memory)
+    finally:
+        opt.close()
