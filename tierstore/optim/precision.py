@@ -58,7 +58,8 @@ _MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 def dynamic_map(signed: bool) -> torch.Tensor:
     """The 256 sorted values of the dynamic code book of 8-bit moments: for each of 7 decades
     ``10**-6 .. 10**0`` a linear run of fraction values (twice as many per decade as the one
-    below; both signs when ``signed``), plus 0 and 1."""
+    below; both signs when ``signed``), plus 0 and 1 (bitsandbytes' dynamic map; signed, its
+    most negative value is -1)."""
     values: list[float] = [0.0, 1.0]
     for decade in range(7):
         items = 2**decade + 1 if signed else 2 ** (decade + 1) + 1
@@ -68,7 +69,13 @@ def dynamic_map(signed: bool) -> torch.Tensor:
         if signed:
             values += [-m for m in means]
     assert len(values) == 256
-    return torch.tensor(sorted(values), dtype=torch.float32)
+    values.sort()
+    if signed:
+        # The block's absmax is reached on both sides (the book's own ends are -0.993 and 1):
+        # a decoded block then has the same absmax, so encoding it again gives the same codes
+        # and scale (checkpoints round-trip exactly).
+        values[0] = -1.0
+    return torch.tensor(values, dtype=torch.float32)
 
 
 @cache
