@@ -40,3 +40,16 @@ def test_demo_with_weights_and_activations_in_the_store(tmp_path: Path, capsys: 
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "the curves agree" in out and "parameters: " in out and "activations: " in out
+
+
+def test_demo_bf16_with_compressed_state(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["demo", "--steps", "4", "--layers", "1", "--dim", "32", "--seq", "16", "--vocab", "32", "--batch", "2",
+            "--host-capacity", "512KiB", "--root", str(tmp_path / "store"), "--dtype", "bf16", "--state-precision", "8bit",
+            "--master-weights", "lossless", "--compare", "--json", str(tmp_path / "run.json")]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "bf16 parameters" in out and "lossless master, 8bit moments" in out and "not expected to agree exactly" in out
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert len(run["losses"]) == 4 and "final_loss_gap" in run
+    assert main([*args[:-2], "--dtype", "fp32"]) == 2  # a lossless master needs bf16 weights
+    assert "needs --dtype bf16" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 tiers small enough to force paging, then report where the bytes and the time went.
 
 Reproduce:  tierstore demo [--steps 200] [--compare] [--timeline step.json] [--plot loss.png]
+            tierstore demo --dtype bf16 --state-precision 8bit --master-weights lossless --compare
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from .bench.common import milestones, progress
 from .models import GPT, GPTConfig, synthetic_batches
 from .optim import TieredAdamW
+from .optim.precision import MASTER_WEIGHTS, PRECISIONS, StateLayout
 from .store import TierStore
 from .sync import run
 from .tensors import ALIGNMENT
@@ -26,6 +28,7 @@ from .tiers import DeviceTier, DiskTier, HostTier
 from .units import format_bytes, parse_bytes, round_up
 
 DEFAULT_ROOT = Path(".tierstore") / "demo"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--step-in-backward", action="store_true", help="update each tensor as soon as its gradient is ready (no clipping)")
     model.add_argument("--offload-params", action="store_true", help="keep the weights in the store too; each layer visits the device tier only while it computes")
     model.add_argument("--offload-activations", action="store_true", help="send activations saved for backward to the host tier")
+    model.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="the model's weights and compute")
+    model.add_argument("--state-precision", choices=PRECISIONS, default="fp32", help="how Adam's moments are stored (TieredAdamW(state_precision=))")
+    model.add_argument("--master-weights", choices=MASTER_WEIGHTS, default="fp32",
+                       help="lossless: keep only the master's low 16 bits beside the bf16 weights (needs --dtype bf16)")
     tiers = parser.add_argument_group("tiers")
     tiers.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where the model runs (the device tier's device)")
     tiers.add_argument("--device-capacity", default="16MiB")
@@ -132,12 +139,21 @@ def check_args(args: argparse.Namespace) -> str | None:
             parse_bytes(getattr(args, name))
         except ValueError as exc:
             return f"--{name.replace('_', '-')}: {exc}"
+    if args.master_weights == "lossless" and args.dtype != "bf16":
+        return "--master-weights lossless keeps the master's high half in bf16 weights: it needs --dtype bf16"
     return None
+
+
+def state_bytes(args: argparse.Namespace, numel: int) -> int:
+    """Bytes of Adam state the optimizer keeps for a parameter of ``numel`` elements."""
+    if args.state_precision == "fp32" and args.master_weights == "fp32":
+        return 12 * numel
+    return StateLayout(args.state_precision, args.master_weights == "lossless", False).nbytes(numel)
 
 
 def check_disk(args: argparse.Namespace, model: torch.nn.Module) -> str | None:
     """Whether the disk tier can hold what the demo pages to it, or what is missing."""
-    sizes = [round_up(12 * p.numel(), ALIGNMENT) for p in model.parameters()]  # fp32 master + 2 moments
+    sizes = [round_up(state_bytes(args, p.numel()), ALIGNMENT) for p in model.parameters()]
     if args.offload_params:
         sizes += [round_up(p.numel() * p.element_size(), ALIGNMENT) for p in model.parameters()]
     # Writes are copy-on-write and free space fragments as values are rewritten: ask for twice
@@ -157,16 +173,17 @@ def main(argv: list[str] | None = None) -> int:
             args.clip = 0.0
         config = GPTConfig(vocab=args.vocab, seq=args.seq, dim=args.dim, layers=args.layers, heads=args.heads)
         torch.manual_seed(args.seed)
-        model = GPT(config).to(args.device)
+        model = GPT(config).to(args.device, DTYPES[args.dtype])
         problem = check_disk(args, model)
     if problem is not None:
         print(f"tierstore demo: error: {problem}", file=sys.stderr)
         return 2
     reference = copy.deepcopy(model) if args.compare else None
     params = sum(p.numel() for p in model.parameters())
-    state = 12 * params
+    state = sum(state_bytes(args, p.numel()) for p in model.parameters())
     print(
-        f"GPT: {params:,} parameters ({config.layers} layers, dim {config.dim}); Adam state {format_bytes(state)} (fp32 master + 2 moments)\n"
+        f"GPT: {params:,} {args.dtype} parameters ({config.layers} layers, dim {config.dim}); Adam state {format_bytes(state)} "
+        f"({state / params:.2f} B/param: {args.master_weights} master, {args.state_precision} moments)\n"
         f"tiers: device {args.device} {format_bytes(parse_bytes(args.device_capacity))} | host {format_bytes(parse_bytes(args.host_capacity))} | "
         f"disk {args.root} {format_bytes(parse_bytes(args.disk_capacity))}"
     )
@@ -182,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = TieredAdamW(
         model.parameters(), lr=args.lr, weight_decay=0.1, fused=True, store=store,
         max_grad_norm=args.clip or None, step_in_backward=args.step_in_backward,
+        state_precision=args.state_precision, master_weights=args.master_weights,
     )
     try:
         print(f"updates {'during backward' if args.step_in_backward else 'after backward, pipelined'}, "
@@ -212,17 +230,31 @@ def main(argv: list[str] | None = None) -> int:
         ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=args.lr, weight_decay=0.1, fused=True)
         ref_losses, ref_times = train(reference, ref_optimizer, args, "torch AdamW", clip_with_torch=True)
         gap = max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True))
-        agree = gap <= 1e-4 * max(1.0, max(abs(v) for v in ref_losses))
         ref_middle = sorted(ref_times[len(ref_times) // 10 :] or ref_times)
-        print(f"\ncompare with torch.optim.AdamW in memory: largest loss difference {gap:.2e} over {args.steps} steps "
-              f"({'the curves agree' if agree else 'THE CURVES DIFFER'}); its median step {ref_middle[len(ref_middle) // 2] * 1e3:.1f} ms")
+        exact = args.dtype == "fp32" and args.state_precision == "fp32"
+        tail = max(1, len(losses) // 10)  # the last tenth's mean, as a final loss less noisy than the last step's
+        final, ref_final = sum(losses[-tail:]) / tail, sum(ref_losses[-tail:]) / tail
+        print(f"\ncompare with torch.optim.AdamW in memory ({args.dtype} parameters): largest loss difference {gap:.2e} over "
+              f"{args.steps} steps, final loss {final:.4f} against {ref_final:.4f} ({final - ref_final:+.4f}); "
+              f"its median step {ref_middle[len(ref_middle) // 2] * 1e3:.1f} ms")
         result["reference_losses"] = ref_losses
-        if not agree:
-            return 1
+        result["final_loss_gap"] = final - ref_final
+        if exact:  # the same math on the same numbers: the curves must agree
+            agree = gap <= 1e-4 * max(1.0, max(abs(v) for v in ref_losses))
+            print("the curves agree" if agree else "THE CURVES DIFFER")
+            if not agree:
+                return 1
+        else:
+            why = [f"{args.state_precision} moments"] if args.state_precision != "fp32" else []
+            if args.dtype == "bf16":
+                why.append(f"a {'lossless' if args.master_weights == 'lossless' else 'fp32'} master and "
+                           f"{'truncated' if args.master_weights == 'lossless' else 'rounded'} bf16 weights here, "
+                           "torch's AdamW updating the bf16 weights themselves")
+            print(f"the curves are not expected to agree exactly ({'; '.join(why)}): the gap above is the measured difference")
     if args.timeline:
         print(f"timeline of the last step: {args.timeline} (open in https://ui.perfetto.dev)")
     if args.plot:
-        _plot(args.plot, losses, result.get("reference_losses"))
+        _plot(args.plot, losses, result.get("reference_losses"), f"{args.dtype}, {args.state_precision} moments, {args.master_weights} master")
         print(f"loss plot: {args.plot}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -230,13 +262,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _plot(path: Path, losses: list[float], reference: list[float] | None) -> None:
+def _plot(path: Path, losses: list[float], reference: list[float] | None, setting: str) -> None:
     from .plotting import pyplot
 
     plt = pyplot()
 
     figure, axes = plt.subplots(figsize=(7, 4))
-    axes.plot(losses, label="TieredAdamW (state paged to disk)", linewidth=2)
+    axes.plot(losses, label=f"TieredAdamW (state paged to disk; {setting})", linewidth=2)
     if reference is not None:
         axes.plot(reference, "--", label="torch.optim.AdamW (in memory)", linewidth=1.2)
     axes.set_xlabel("step")
