@@ -21,11 +21,11 @@ from typing import Any
 import torch
 
 from . import eviction, flushing, holds
-from .copies import copy_bytes
+from .copies import INLINE_COPY_BYTES, copy_bytes, cpu_copy
 from .device import READY, TO_DEVICE, TO_HOST, Link, Transfer, link_for
 from .device.caller import caller_work
 from .disk.catalog import DiskRecord
-from .entry import Copy, Entry
+from .entry import Copy, Entry, shared_meta
 from .errors import (
     CorruptionError,
     EntryHeldError,
@@ -136,14 +136,18 @@ class Engine:
             disk, d, entries = self.disk, self.disk_index, self.entries
             for key, record in disk.loaded.items():
                 entry = Entry(key, record.meta, version=record.version)
-                if record.inline:  # its checksum stays in the catalog beside its bytes
-                    entry.copies[d] = Copy(d, record.version, inline=record.meta.nbytes)
-                else:
-                    entry.copies[d] = Copy(d, record.version, extent=record.extent, checksums=record.checksums)
+                entry.set_copy(Copy(d, record.version, extent=record.extent, checksums=record.checksums))
                 entries[key] = entry
                 if record.version > newest:
                     newest = record.version
-            disk.loaded = {}
+            # Values inline in the catalog (their checksum stays there beside their bytes): the
+            # metadata comes shared already, and the loop makes nothing else per key.
+            on_disk = Entry.on_disk
+            for key, meta, version in disk.loaded_inline:
+                entries[key] = on_disk(key, meta, Copy(d, version, inline=meta.nbytes))
+                if version > newest:
+                    newest = version
+            disk.loaded, disk.loaded_inline = {}, ()
         self.versions = itertools.count(newest + 1)
         self.key_changes += 1  # the keys found on disk
         for name in self.names:
@@ -272,7 +276,7 @@ class Engine:
         async def from_memory(buffer: torch.Tensor, priority: Priority) -> None:
             crossing = self._crossing(source.tier, target)
             # a tier's buffer: it waits only for the kernels of its last holder, if any
-            await self._copy(buffer[: meta.nbytes], source.buffer[: meta.nbytes], priority, crossing, after=READY if source.last_use is None else source.last_use)  # type: ignore[index]
+            await self._copy(buffer[: meta.nbytes], source.view(meta.nbytes), priority, crossing, after=READY if source.last_use is None else source.last_use)
 
         return from_memory
 
@@ -282,7 +286,7 @@ class Engine:
         if out is None:
             out = torch.empty(meta.shape, dtype=meta.dtype, device=self._tiers[t].device)  # type: ignore[attr-defined]
         if meta.nbytes:
-            await self._copy(as_bytes(out), copy.buffer[: meta.nbytes], Priority.DEMAND, after=READY if copy.last_use is None else copy.last_use)  # type: ignore[index]
+            await self._copy(as_bytes(out), copy.view(meta.nbytes), Priority.DEMAND, after=READY if copy.last_use is None else copy.last_use)
         return out
 
     async def read_uncached(self, entry: Entry, device: torch.device, out: torch.Tensor | None = None, target: int | None = None) -> torch.Tensor:
@@ -331,6 +335,34 @@ class Engine:
         """Copy ``src`` onto memory tier ``t`` as the new value of ``entry``."""
         await self._write_memory(entry, t, None, self._copier(src, t), Priority.DEMAND, meta=meta, source_tier=None)
 
+    def put_memory_now(self, entry: Entry, t: int, src: torch.Tensor, meta: TensorMeta) -> bool:
+        """``put_memory`` done at once, with no await, when nothing needs one: a small CPU
+        value, a tier in the same memory (no link to cross) with room for it now. False (nothing
+        done) otherwise: the caller then goes the awaited way."""
+        tier = self._tiers[t]
+        nbytes = meta.nbytes
+        if (
+            nbytes > INLINE_COPY_BYTES
+            or src.device.type != "cpu"
+            or getattr(tier, "link", None) is not None
+            or not isinstance(tier, MemoryTier)
+            or tier.device.type != "cpu"
+            or tier.free < tier.allocation_size(nbytes)
+        ):
+            return False
+        started = time.perf_counter()
+        packed = tier.allocate_packed(nbytes)
+        copy = Copy(t, 0, slab=packed[0], index=packed[1]) if packed is not None else Copy(t, 0, buffer=tier.allocate(nbytes))
+        if nbytes:
+            cpu_copy(copy.view(nbytes), src[:nbytes])
+        self.count_link(None, t, nbytes, time.perf_counter() - started)
+        live = self._live_entry(entry, meta)
+        self.new_version(live, keep=None, meta=meta)
+        copy.version = live.version
+        live.set_copy(copy)
+        self.policy_insert(live, copy)
+        return True
+
     async def put_filled(self, entry: Entry, t: int, fill: Callable[[torch.Tensor, Priority], Awaitable[None]], meta: TensorMeta) -> None:
         """A new value of ``entry`` on memory tier ``t``, written into its buffer by ``fill``."""
         await self._write_memory(entry, t, None, fill, Priority.DEMAND, meta=meta, source_tier=None)
@@ -366,14 +398,20 @@ class Engine:
             raise UnknownTierError(f"tier {tier.name!r} holds no buffers")
         nbytes = (meta or entry.meta).nbytes
         await eviction.make_room(self, t, nbytes, priority)
-        buffer = tier.allocate(nbytes)
+        # A small value takes a slot of a shared slab, named by (slab, index): no tensor is
+        # kept per value (a million small keys must not cost a million tensor objects).
+        packed = tier.allocate_packed(nbytes)
+        if packed is not None:
+            copy = Copy(t, 0, slab=packed[0], index=packed[1])
+        else:
+            copy = Copy(t, 0, buffer=tier.allocate(nbytes))
         started = time.perf_counter()
         arriving = asyncio.get_running_loop().create_future()
         self.incoming[t].add(arriving)
         try:
-            await fill(buffer, priority)
+            await fill(copy.buffer, priority)  # type: ignore[arg-type]
         except BaseException:
-            tier.release(buffer)
+            self._give_back(tier, copy)
             raise
         finally:
             self.incoming[t].discard(arriving)
@@ -381,18 +419,27 @@ class Engine:
         self.count_link(source_tier, t, nbytes, time.perf_counter() - started)
         if version is None:
             live = self._live_entry(entry, meta)  # type: ignore[arg-type]
-            copy = Copy(t, 0, buffer=buffer)
             self.new_version(live, keep=None, meta=meta)
             copy.version = live.version
-            live.copies[t] = copy
+            live.set_copy(copy)
             self.policy_insert(live, copy)
             return
         if self.entries.get(entry.key) is not entry or entry.version != version or entry.valid(t) is not None:
-            tier.release(buffer)  # the value changed meanwhile: this copy is stale
+            self._give_back(tier, copy)  # the value changed meanwhile: this copy is stale
             return
-        copy = Copy(t, version, buffer=buffer)
-        entry.copies[t] = copy
+        copy.version = version
+        entry.set_copy(copy)
         self.policy_insert(entry, copy)
+
+    @staticmethod
+    def _give_back(tier: MemoryTier, copy: Copy) -> None:
+        """Return a memory copy's slot or buffer to its tier."""
+        slab = copy.slab
+        if slab is not None:
+            tier.release_packed(slab, copy.index)
+        else:
+            tier.release(copy.buffer)  # type: ignore[arg-type]
+        copy.buffer = None
 
     async def write_back(self, entry: Entry, source: Copy, priority: Priority, target: int | None = None) -> None:
         """Write ``source`` (a memory copy the caller uses) to ``target`` (default: one tier down)."""
@@ -426,42 +473,45 @@ class Engine:
         commit)."""
         disk = self.disk
         d = self._tiers.index(disk)
-        while True:
-            if version is None:
-                entry = self._live_entry(entry, meta)
-            async with entry.disk_lock:
-                if self.entries.get(entry.key) is not entry:
-                    if version is None:
-                        continue  # deleted while we waited: write to the new entry
-                    return
-                if (version is not None and entry.version != version) or (abandon is not None and abandon.is_set()):
-                    return
-                if disk.holds_inline(meta.nbytes):
-                    await self._write_inline(entry, d, src, meta, version, source_tier, staged=staged)
-                    return
-                extent = await disk.allocate(meta.nbytes)
-                started = time.perf_counter()
-                try:
-                    checksums = await disk.write(extent, src, meta.nbytes, priority)
-                    stale = version is not None and (entry.version != version or self.entries.get(entry.key) is not entry)
-                    if stale or (abandon is not None and abandon.is_set()):
-                        disk.release(extent)
-                        return
-                    record_version = version if version is not None else next(self.versions)
-                    record = DiskRecord(entry.key, meta, extent, record_version, checksums)
-                    await disk.commit([(entry.key, record)])
-                except BaseException:
-                    disk.release(extent)
-                    raise
-                self.count_link(source_tier, d, meta.nbytes, time.perf_counter() - started)
-                new = Copy(d, record_version, extent=extent, checksums=checksums)
-                old = entry.copies.get(d)
-                if old is not None:
-                    self.retire(entry, d, old)
-                entry.copies[d] = new
+        try:
+            while True:
                 if version is None:
-                    self.new_version(entry, keep=new, meta=meta, version=record_version)
-                return
+                    entry = self._live_entry(entry, meta)
+                async with entry.disk_lock:
+                    if self.entries.get(entry.key) is not entry:
+                        if version is None:
+                            continue  # deleted while we waited: write to the new entry
+                        return
+                    if (version is not None and entry.version != version) or (abandon is not None and abandon.is_set()):
+                        return
+                    if disk.holds_inline(meta.nbytes):
+                        await self._write_inline(entry, d, src, meta, version, source_tier, staged=staged)
+                        return
+                    extent = await disk.allocate(meta.nbytes)
+                    started = time.perf_counter()
+                    try:
+                        checksums = await disk.write(extent, src, meta.nbytes, priority)
+                        stale = version is not None and (entry.version != version or self.entries.get(entry.key) is not entry)
+                        if stale or (abandon is not None and abandon.is_set()):
+                            disk.release(extent)
+                            return
+                        record_version = version if version is not None else next(self.versions)
+                        record = DiskRecord(entry.key, meta, extent, record_version, checksums)
+                        await disk.commit([(entry.key, record)])
+                    except BaseException:
+                        disk.release(extent)
+                        raise
+                    self.count_link(source_tier, d, meta.nbytes, time.perf_counter() - started)
+                    new = Copy(d, record_version, extent=extent, checksums=checksums)
+                    old = entry.copy_on(d)
+                    if old is not None:
+                        self.retire(entry, d, old)
+                    entry.set_copy(new)
+                    if version is None:
+                        self.new_version(entry, keep=new, meta=meta, version=record_version)
+                    return
+        finally:
+            entry.forget_idle_lock()  # (the entry a put wrote to, if it was deleted meanwhile)
 
     async def _write_inline(
         self, entry: Entry, d: int, src: torch.Tensor, meta: TensorMeta, version: int | None, source_tier: int | None, staged: bool
@@ -478,7 +528,7 @@ class Engine:
         try:
             record_version = version if version is not None else next(self.versions)
             record = disk.inline_record(entry.key, meta, src, record_version)
-            old = entry.copies.get(d)
+            old = entry.copy_on(d)
             if disk.durable or not staged or (old is not None and old.extent is not None):
                 await disk.commit([(entry.key, record)])
             else:
@@ -501,7 +551,7 @@ class Engine:
         if d is None or disk.durable or not disk.holds_inline(nbytes):
             return False
         entry = self._live_entry(entry, meta)
-        old = entry.copies.get(d)
+        old = entry.copy_on(d)
         if entry.disk_busy or (old is not None and old.extent is not None):
             return False
         disk.reserve_inline(nbytes)
@@ -517,10 +567,10 @@ class Engine:
     def install_disk(self, entry: Entry, d: int, new: Copy, meta: TensorMeta | None) -> None:
         """Make ``new`` (committed, or queued for commit) ``entry``'s disk copy; with ``meta``
         it is a new value (other copies retired), else a write-back of the current one."""
-        old = entry.copies.get(d)
+        old = entry.copy_on(d)
         if old is not None:
             self.retire(entry, d, old)
-        entry.copies[d] = new
+        entry.set_copy(new)
         if meta is not None:
             self.new_version(entry, keep=new, meta=meta, version=new.version)
 
@@ -537,9 +587,10 @@ class Engine:
                     return
                 if entry.held():
                     raise EntryHeldError(f"{entry.key!r} is held; release it before deleting")
-                if self.disk_index in entry.copies:
+                if entry.copy_on(self.disk_index) is not None:
                     await self.disk.commit([(entry.key, None)])
                 self._remove(entry)
+            entry.forget_idle_lock()
         elif self.entries.get(entry.key) is entry:
             self._remove(entry)
 
@@ -551,17 +602,17 @@ class Engine:
         if entry.version == 0:
             self.key_changes += 1  # the key appears
         entry.version = version if version is not None else next(self.versions)
-        if meta is not None:
-            entry.meta = meta
+        if meta is not None and meta is not entry.meta:
+            entry.meta = shared_meta(meta)
         if keep is not None:
             keep.version = entry.version
-        for t, copy in list(entry.copies.items()):
-            if copy is not keep and t != self.disk_index:
-                self.retire(entry, t, copy)
+        for copy in entry.all_copies():
+            if copy is not keep and copy.tier != self.disk_index:
+                self.retire(entry, copy.tier, copy)
 
     def retire(self, entry: Entry, t: int, copy: Copy) -> None:
-        if entry.copies.get(t) is copy:
-            del entry.copies[t]
+        if entry.copy_on(t) is copy:
+            entry.drop_copy(t)
         if copy.in_policy:
             policy = self.policies[t]
             if policy is not None:
@@ -574,13 +625,12 @@ class Engine:
 
     def _free(self, copy: Copy) -> None:
         tier = self._tiers[copy.tier]
-        if copy.buffer is not None and isinstance(tier, MemoryTier):
+        if copy.in_memory and isinstance(tier, MemoryTier):
             link = getattr(tier, "link", None)
             if copy.last_use is not None and link is not None:
-                self._release_after(tier, copy.buffer, link.when_done(copy.last_use))
+                self._release_after(tier, copy, link.when_done(copy.last_use))
             else:
-                tier.release(copy.buffer)
-            copy.buffer = None
+                self._give_back(tier, copy)
         elif copy.extent is not None and isinstance(tier, DiskTier):
             tier.release(copy.extent)
             copy.extent = None
@@ -608,17 +658,17 @@ class Engine:
         while self.frozen and self._thawed is not None:
             await self._thawed.wait()
 
-    def _release_after(self, tier: MemoryTier, buffer: torch.Tensor, last_use: Transfer) -> None:
-        """Give ``buffer`` back to ``tier`` once the kernels that last used it have run (a
-        device buffer is not handed out again while a kernel may still read or write it)."""
+    def _release_after(self, tier: MemoryTier, copy: Copy, last_use: Transfer) -> None:
+        """Give ``copy``'s buffer back to ``tier`` once the kernels that last used it have run
+        (a device buffer is not handed out again while a kernel may still read or write it)."""
         if last_use.done():
-            tier.release(buffer)
+            self._give_back(tier, copy)
             return
         loop = asyncio.get_running_loop()
 
         def release(_: Transfer) -> None:
             if not loop.is_closed():
-                loop.call_soon_threadsafe(tier.release, buffer)
+                loop.call_soon_threadsafe(self._give_back, tier, copy)
 
         last_use.add_done_callback(release)
 
@@ -636,7 +686,7 @@ class Engine:
 
     def policy_insert(self, entry: Entry, copy: Copy) -> None:
         policy = self.policies[copy.tier]
-        if policy is not None and copy.buffer is not None and not copy.in_policy:
+        if policy is not None and copy.in_memory and not copy.in_policy:
             policy.on_insert(entry.key, copy.nbytes)
             copy.in_policy = True
 
@@ -668,8 +718,8 @@ class Engine:
     def _remove(self, entry: Entry) -> None:
         if self.entries.get(entry.key) is entry:
             del self.entries[entry.key]
-        for t, copy in list(entry.copies.items()):
-            self.retire(entry, t, copy)
+        for copy in entry.all_copies():
+            self.retire(entry, copy.tier, copy)
         if entry.version != 0:
             self.key_changes += 1  # the key disappears
         entry.version = 0

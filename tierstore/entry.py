@@ -21,6 +21,7 @@ import torch
 
 from .disk.extents import Extent
 from .tensors import TensorMeta, storage_nbytes
+from .tiers.slabs import Slab
 
 _NO_LOADS: Mapping[int, asyncio.Future[None]] = MappingProxyType({})
 _NO_TOKENS: frozenset[int] = frozenset()
@@ -40,9 +41,26 @@ def shared_meta(meta: TensorMeta) -> TensorMeta:
     return meta
 
 
+_METAS_OF: dict[tuple[torch.dtype, torch.Size], TensorMeta] = {}
+
+
+def meta_of(tensor: torch.Tensor) -> TensorMeta:
+    """The shared ``TensorMeta`` of ``tensor``'s dtype and shape (found without making one)."""
+    found = _METAS_OF.get((tensor.dtype, tensor.shape))
+    if found is not None:
+        return found
+    meta = shared_meta(TensorMeta.of(tensor))
+    if meta is _METAS.get(meta) and len(_METAS_OF) < _MAX_METAS:
+        _METAS_OF[(tensor.dtype, tensor.shape)] = meta
+    return meta
+
+
 class Copy:
     """One tier's copy of an entry: a buffer (memory tiers), an extent (disk tier), or a value
     kept inline in the disk tier's catalog (its bytes are read from the catalog).
+
+    A small value on a memory tier sits in a slot of a shared slab (``slab``, ``index``): no
+    tensor object is kept for it, ``buffer`` makes a view when bytes move.
 
     Attributes
     ----------
@@ -65,7 +83,7 @@ class Copy:
         its reuse wait for it.
     """
 
-    __slots__ = ("tier", "version", "buffer", "extent", "checksums", "inline", "users", "holds", "in_policy", "writing", "retired", "last_use")
+    __slots__ = ("tier", "version", "_buffer", "index", "extent", "checksums", "inline", "users", "holds", "in_policy", "writing", "retired", "last_use")
 
     def __init__(
         self,
@@ -75,10 +93,14 @@ class Copy:
         extent: Extent | None = None,
         checksums: tuple[int, ...] = (),
         inline: int | None = None,
+        *,
+        slab: Slab | None = None,
+        index: int = 0,
     ) -> None:
         self.tier = tier
         self.version = version
-        self.buffer = buffer
+        self._buffer: torch.Tensor | Slab | None = slab if slab is not None else buffer
+        self.index = index
         self.extent = extent
         self.checksums = checksums
         self.inline = inline
@@ -90,10 +112,50 @@ class Copy:
         self.last_use: Any = None
 
     @property
+    def buffer(self) -> torch.Tensor | None:
+        """The memory copy's bytes as a uint8 tensor (for a packed value, a tensor over its slot
+        made on each call, with the slot as its storage), or None for a disk copy."""
+        buffer = self._buffer
+        if buffer.__class__ is Slab:
+            return buffer.slot_tensor(self.index)  # type: ignore[union-attr]
+        return buffer  # type: ignore[return-value]
+
+    @buffer.setter
+    def buffer(self, buffer: torch.Tensor | None) -> None:
+        self._buffer = buffer
+
+    @property
+    def slab(self) -> Slab | None:
+        """The slab whose slot ``index`` holds this copy (a packed small value), else None."""
+        buffer = self._buffer
+        return buffer if buffer.__class__ is Slab else None  # type: ignore[return-value]
+
+    @property
+    def in_memory(self) -> bool:
+        """Whether this is a memory tier's copy (it has a buffer or a slot)."""
+        return self._buffer is not None
+
+    def view(self, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` of a memory copy, as a uint8 tensor."""
+        buffer = self._buffer
+        if buffer.__class__ is Slab:
+            return buffer.view(self.index, nbytes)  # type: ignore[union-attr]
+        return buffer[:nbytes]  # type: ignore[index]
+
+    def payload(self, nbytes: int) -> torch.Tensor | bytes:
+        """The first ``nbytes`` of a memory copy: a copy as bytes for a packed value (cheaper
+        than a tensor over its slot), else a uint8 view of its buffer."""
+        buffer = self._buffer
+        if buffer.__class__ is Slab:
+            return buffer.bytes_of(self.index, nbytes)  # type: ignore[union-attr]
+        return buffer[:nbytes]  # type: ignore[index]
+
+    @property
     def nbytes(self) -> int:
         """Bytes this copy occupies on its tier."""
-        if self.buffer is not None:
-            return storage_nbytes(self.buffer)
+        buffer = self._buffer
+        if buffer is not None:
+            return buffer.slot if buffer.__class__ is Slab else storage_nbytes(buffer)  # type: ignore[union-attr,arg-type]
         if self.inline is not None:
             return self.inline
         return self.extent.length if self.extent is not None else 0
@@ -101,6 +163,19 @@ class Copy:
     def __repr__(self) -> str:
         where = "inline" if self.inline is not None else (self.extent if self.extent is not None else "buffer")
         return f"Copy(tier={self.tier}, version={self.version}, {where}, users={self.users})"
+
+
+class _Rare:
+    """The parts of an entry that few entries need at a time (see ``Entry``)."""
+
+    __slots__ = ("writer_token", "loading", "disk_lock", "hold_tokens", "waiters")
+
+    def __init__(self) -> None:
+        self.writer_token = 0
+        self.loading: dict[int, asyncio.Future[None]] | None = None
+        self.disk_lock: asyncio.Lock | None = None
+        self.hold_tokens: set[int] | None = None
+        self.waiters: list[asyncio.Future[None]] | None = None
 
 
 class Entry:
@@ -111,7 +186,8 @@ class Entry:
     version:
         Version of the current value; 0 while the first write is still in flight (invisible).
     copies:
-        A copy per tier index.
+        A copy per tier index (a new dict on each access: read with ``copy_on`` on hot paths,
+        change with ``set_copy`` / ``drop_copy``).
     pending_writes:
         Puts in flight that may still create this entry.
     writer:
@@ -120,23 +196,114 @@ class Entry:
         Names that write hold (``tierstore.holds``), so its holder is told apart from others.
     """
 
-    __slots__ = ("key", "meta", "version", "copies", "pending_writes", "writer", "writer_token", "_loading", "_disk_lock", "_hold_tokens", "_waiters")
+    __slots__ = ("key", "meta", "version", "_copies", "pending_writes", "writer", "_rare")
 
     def __init__(self, key: str, meta: TensorMeta, version: int = 0) -> None:
         self.key = key
         self.meta = shared_meta(meta)
         self.version = version
-        self.copies: dict[int, Copy] = {}
+        # None, one Copy, or a tuple of them by tier: most keys have one or two copies, and a
+        # dict per key would cost more than the rest of the entry.
+        self._copies: Copy | tuple[Copy, ...] | None = None
         self.pending_writes = 0
         self.writer: Copy | None = None
-        self.writer_token = 0
-        self._loading: dict[int, asyncio.Future[None]] | None = None
-        self._disk_lock: asyncio.Lock | None = None
-        self._hold_tokens: set[int] | None = None
-        self._waiters: list[asyncio.Future[None]] | None = None
+        #: What few entries need at a time (write holds, loads, waiters, the disk lock), made
+        #: on first use (``_Rare``).
+        self._rare: _Rare | None = None
+
+    @classmethod
+    def on_disk(cls, key: str, meta: TensorMeta, copy: Copy) -> Entry:
+        """An entry found on open whose one copy is ``copy`` (``meta`` shared already)."""
+        entry = cls.__new__(cls)
+        entry.key, entry.meta, entry.version, entry._copies = key, meta, copy.version, copy
+        entry.pending_writes, entry.writer, entry._rare = 0, None, None
+        return entry
+
+    def _rare_set(self, name: str, value: Any) -> None:
+        rare = self._rare
+        if rare is None:
+            if value is None or value == 0:
+                return
+            rare = self._rare = _Rare()
+        setattr(rare, name, value)
+        if value is None or value == 0:
+            if rare.writer_token == 0 and rare.loading is None and rare.disk_lock is None and rare.hold_tokens is None and rare.waiters is None:
+                self._rare = None
+
+    writer_token = property(
+        lambda self: self._rare.writer_token if self._rare is not None else 0,
+        lambda self, value: self._rare_set("writer_token", value),
+        doc="Names the open write hold (``tierstore.holds``), so its holder is told apart from others; 0 if none.",
+    )
+    _loading = property(
+        lambda self: self._rare.loading if self._rare is not None else None,
+        lambda self, value: self._rare_set("loading", value),
+    )
+    _disk_lock = property(
+        lambda self: self._rare.disk_lock if self._rare is not None else None,
+        lambda self, value: self._rare_set("disk_lock", value),
+    )
+    _hold_tokens = property(
+        lambda self: self._rare.hold_tokens if self._rare is not None else None,
+        lambda self, value: self._rare_set("hold_tokens", value),
+    )
+    _waiters = property(
+        lambda self: self._rare.waiters if self._rare is not None else None,
+        lambda self, value: self._rare_set("waiters", value),
+    )
 
     def __repr__(self) -> str:
         return f"Entry({self.key!r}, {self.meta}, version={self.version}, copies={sorted(self.copies)})"
+
+    @property
+    def copies(self) -> dict[int, Copy]:
+        """The copies by tier index (a snapshot: changing it changes nothing)."""
+        copies = self._copies
+        if copies is None:
+            return {}
+        if copies.__class__ is Copy:
+            return {copies.tier: copies}  # type: ignore[union-attr]
+        return {copy.tier: copy for copy in copies}  # type: ignore[union-attr]
+
+    def all_copies(self) -> tuple[Copy, ...]:
+        """Every copy, fastest tier first."""
+        copies = self._copies
+        if copies is None:
+            return ()
+        if copies.__class__ is Copy:
+            return (copies,)  # type: ignore[return-value]
+        return copies  # type: ignore[return-value]
+
+    def copy_on(self, tier: int) -> Copy | None:
+        """Tier ``tier``'s copy (valid or not), or None."""
+        copies = self._copies
+        if copies is None:
+            return None
+        if copies.__class__ is Copy:
+            return copies if copies.tier == tier else None  # type: ignore[union-attr,return-value]
+        for copy in copies:  # type: ignore[union-attr]
+            if copy.tier == tier:
+                return copy
+        return None
+
+    def set_copy(self, copy: Copy) -> None:
+        """Make ``copy`` this entry's copy on its tier (replacing the one there)."""
+        copies = self._copies
+        if copies is None or (copies.__class__ is Copy and copies.tier == copy.tier):  # type: ignore[union-attr]
+            self._copies = copy
+            return
+        if copies.__class__ is Copy:
+            self._copies = (copies, copy) if copies.tier < copy.tier else (copy, copies)  # type: ignore[union-attr,assignment]
+            return
+        others = [c for c in self.all_copies() if c.tier != copy.tier]
+        others.append(copy)
+        others.sort(key=_tier_of)
+        self._copies = tuple(others)
+
+    def drop_copy(self, tier: int) -> None:
+        """Forget the copy on tier ``tier``, if any."""
+        others = [c for c in self.all_copies() if c.tier != tier]
+        self._copies = None if not others else others[0] if len(others) == 1 else tuple(others)
 
     @property
     def loading(self) -> Mapping[int, asyncio.Future[None]]:
@@ -164,6 +331,13 @@ class Entry:
         if lock is None:
             lock = self._disk_lock = asyncio.Lock()
         return lock
+
+    def forget_idle_lock(self) -> None:
+        """Let the disk lock go if no one holds or waits for it (a million keys written once
+        must not keep a million locks); the next catalog change makes a new one."""
+        lock = self._disk_lock
+        if lock is not None and not lock.locked() and not getattr(lock, "_waiters", True):
+            self._disk_lock = None
 
     @property
     def disk_busy(self) -> bool:
@@ -201,17 +375,19 @@ class Entry:
 
     def valid(self, tier: int) -> Copy | None:
         """This tier's copy if it holds the current value."""
-        copy = self.copies.get(tier)
+        copy = self.copy_on(tier)
         return copy if copy is not None and copy.version == self.version else None
 
     def valid_tiers(self) -> list[int]:
         """Tiers holding the current value, fastest first."""
-        return sorted(t for t, c in self.copies.items() if c.version == self.version)
+        version = self.version
+        return [c.tier for c in self.all_copies() if c.version == version]
 
     def readable_tiers(self) -> list[int]:
         """Tiers whose copy of the current value can be read now (not under a write hold),
         fastest first."""
-        return sorted(t for t, c in self.copies.items() if c.version == self.version and not c.writing)
+        version = self.version
+        return [c.tier for c in self.all_copies() if c.version == version and not c.writing]
 
     def wake(self) -> None:
         """Tell every task waiting on this entry that its holds or uses changed."""
@@ -224,4 +400,8 @@ class Entry:
                 waiter.set_result(None)
 
     def held(self) -> bool:
-        return any(copy.holds for copy in self.copies.values())
+        return any(copy.holds for copy in self.all_copies())
+
+
+def _tier_of(copy: Copy) -> int:
+    return copy.tier

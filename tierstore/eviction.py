@@ -74,7 +74,7 @@ async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, prio
             if not pending:
                 if tier.free >= tier.allocation_size(nbytes):
                     continue
-                held = sum(c.nbytes for e in engine.entries.values() if (c := e.copies.get(t)) is not None and c.users)
+                held = sum(c.nbytes for e in engine.entries.values() if (c := e.copy_on(t)) is not None and c.users)
                 raise TierFullError(
                     f"tier {tier.name!r} cannot make room for {format_bytes(nbytes)}: {format_bytes(tier.free)} free, "
                     f"{format_bytes(held)} held or in transfer"
@@ -100,7 +100,7 @@ def _next_victim(engine: Engine, t: int) -> tuple[Entry, Copy] | None:
 
     def evictable(key: str) -> bool:
         entry = entries.get(key)
-        copy = entry.copies.get(t) if entry is not None else None
+        copy = entry.copy_on(t) if entry is not None else None
         if copy is None:
             return True
         if copy.users or not copy.in_policy:
@@ -114,7 +114,7 @@ def _next_victim(engine: Engine, t: int) -> tuple[Entry, Copy] | None:
         if key is None:
             return None
         entry = engine.entries.get(key)
-        copy = entry.copies.get(t) if entry is not None else None
+        copy = entry.copy_on(t) if entry is not None else None
         if entry is None or copy is None or not copy.in_policy:
             continue  # the policy knew a key the store no longer has here
         copy.in_policy = False  # victim() has forgotten it already
@@ -153,12 +153,12 @@ async def _demote(engine: Engine, entry: Entry, t: int, copy: Copy, priority: Pr
             if t + 1 >= len(engine.tiers):
                 raise TierFullError(f"tier {engine.names[t]!r} is the last tier; nothing can be evicted from it")
             await engine.write_back(entry, copy, priority)
-        if entry.copies.get(t) is copy and copy.holds == 0 and copy.version == version:
+        if entry.copy_on(t) is copy and copy.holds == 0 and copy.version == version:
             engine.retire(entry, t, copy)
             engine.counters.tier(engine.names[t]).evictions += 1
     finally:
         engine.unuse(entry, copy)
-        if not copy.retired and entry.copies.get(t) is copy:
+        if not copy.retired and entry.copy_on(t) is copy:
             engine.policy_insert(entry, copy)  # it stayed: the policy knows it again
 
 

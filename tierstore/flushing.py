@@ -101,6 +101,8 @@ async def _flush_locked(engine: Engine, disk: DiskTier, d: int, plan: list[tuple
     finally:
         for lock in locks:
             lock.release()
+        for entry, _ in plan:
+            entry.forget_idle_lock()  # (a flush of a million keys keeps no million locks)
 
 
 async def _flush_plan_locked(engine: Engine, disk: DiskTier, d: int, plan: list[tuple[Entry, Copy]]) -> None:
@@ -131,7 +133,7 @@ async def _flush_plan_locked(engine: Engine, disk: DiskTier, d: int, plan: list[
         for entry, source in small:
             disk.reserve_inline(entry.meta.nbytes)
             try:
-                record = disk.inline_record(entry.key, entry.meta, source.buffer, source.version)  # type: ignore[arg-type]
+                record = disk.inline_record(entry.key, entry.meta, source.payload(entry.meta.nbytes), source.version)
             except BaseException:
                 disk.release_inline(entry.meta.nbytes)
                 raise

@@ -16,7 +16,7 @@ from . import holds
 from .copies import INLINE_COPY_BYTES, cpu_copy
 from .device.caller import caller_work
 from .engine import Engine, TierRef
-from .entry import Copy, Entry
+from .entry import Copy, Entry, meta_of
 from .errors import (
     EntryHeldError,
     InvalidTensorError,
@@ -253,7 +253,7 @@ class TierStore:
         tensor = check_tensor(tensor).detach()
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
-        meta = TensorMeta.of(tensor)
+        meta = meta_of(tensor)
         src = as_bytes(tensor)
         targets = [self._engine.index_of(tier)] if tier is not None else list(range(len(self._engine.tiers)))
         entry = self._engine.entries.get(key)
@@ -282,7 +282,7 @@ class TierStore:
             try:
                 if t == engine.disk_index:
                     await self._put_disk(entry, src, meta, staged=True)
-                else:
+                elif not engine.put_memory_now(entry, t, src, meta):
                     await engine.put_memory(entry, t, src, meta)
                 engine.observe("put", entry.key, meta.nbytes, t, hit=None)
                 return
@@ -452,10 +452,11 @@ class TierStore:
             return await self._engine.read_uncached(entry, device, out)
         if copy is not None:
             self._engine.hit(entry, copy)
-            if copy.buffer is not None and entry.meta.nbytes <= INLINE_COPY_BYTES and copy.buffer.device.type == "cpu":
+            meta = entry.meta
+            if copy.in_memory and meta.nbytes <= INLINE_COPY_BYTES and device.type == "cpu" and copy.last_use is None:
                 if out is None:
-                    out = torch.empty(entry.meta.shape, dtype=entry.meta.dtype)
-                cpu_copy(as_bytes(out), copy.buffer[: entry.meta.nbytes])
+                    out = torch.empty(meta.shape, dtype=meta.dtype)
+                cpu_copy(as_bytes(out), copy.view(meta.nbytes))
                 return out
         try:
             copy = await self._engine.acquire(entry, t, Priority.DEMAND)
@@ -497,7 +498,8 @@ class TierStore:
             owner = self._engine.tiers[candidate.tier]
             if (
                 candidate.users == 0
-                and candidate.buffer is not None
+                and candidate.in_memory
+                and candidate.slab is None  # a packed value shares its slab: copy it instead
                 and isinstance(owner, MemoryTier)
                 and (owner is tier_obj or _same_memory(owner, tier_obj))
                 and not owner.pinned
@@ -600,7 +602,7 @@ class TierStore:
             if write:
                 copy.writing = False
                 entry.writer, entry.writer_token = None, 0
-                if self._engine.entries.get(entry.key) is entry and entry.copies.get(t) is copy and copy.version == entry.version:
+                if self._engine.entries.get(entry.key) is entry and entry.copy_on(t) is copy and copy.version == entry.version:
                     self._engine.new_version(entry, keep=copy)  # the changes are the value from now on
                     self._engine.observe("update", entry.key, entry.meta.nbytes, t, hit=None)
             self._engine.unuse(entry, copy)
@@ -611,7 +613,7 @@ class TierStore:
         open."""
 
         def free_to_write() -> bool:
-            copy = entry.copies.get(t)
+            copy = entry.copy_on(t)
             return entry.writer is None and entry.pending_writes == 0 and (copy is None or copy.users == 0)
 
         while True:

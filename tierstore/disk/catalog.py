@@ -373,6 +373,53 @@ class Catalog:
                     raise CatalogError(f"catalog record for {record.key!r} is filed under the wrong address")
                 yield digest, record
 
+    def scan(self) -> tuple[dict[str, DiskRecord], list[tuple[str, TensorMeta, int]]]:
+        """Every committed record, validated as ``records`` does, split for a fast open: the
+        records of values in extents by key, and ``(key, meta, version)`` of each value inline
+        (no record object made for those: a store of a million small keys opens in seconds).
+        Equal metadata comes back as one shared object."""
+        extents: dict[str, DiskRecord] = {}
+        inline: list[tuple[str, TensorMeta, int]] = []
+        add = inline.append
+        metas: dict[bytes, TensorMeta] = {}
+        head, head_size = _HEAD.unpack_from, _HEAD.size
+        from ..entry import shared_meta  # (entry imports the tiers, which import this module)
+
+        with self._env.begin(db=self._entries, buffers=True) as txn:
+            for digest, raw in txn.cursor():
+                try:
+                    magic, kind, ndim, dtype_len, key_len, version = head(raw, 0)
+                    if magic != _BINARY or kind != _INLINE:
+                        raise _SlowPath
+                    at = head_size + dtype_len + 8 * ndim
+                    described = bytes(raw[2:4]) + raw[head_size:at]  # ndim, dtype name length, dtype name, shape
+                    meta = metas.get(described)
+                    if meta is None:
+                        meta = metas[described] = shared_meta(DiskRecord.from_bytes(raw, with_data=False).meta)
+                    key = str(raw[at : at + key_len], "utf-8")
+                    if not key or len(raw) - at - key_len - _CHECKSUM.size != meta.nbytes:
+                        raise _SlowPath  # (the full parse names what is wrong)
+                except (_SlowPath, struct.error, UnicodeDecodeError, ValueError):
+                    record = self._parse(bytes(digest), raw)
+                    if record.extent is not None:
+                        extents[record.key] = record
+                    else:
+                        add((record.key, shared_meta(record.meta), record.version))
+                    continue
+                if key_digest(key) != digest:
+                    raise CatalogError(f"catalog record for {key!r} is filed under the wrong address")
+                add((key, meta, version))
+        return extents, inline
+
+    def _parse(self, digest: bytes, raw: bytes | memoryview) -> DiskRecord:
+        try:
+            record = DiskRecord.from_bytes(raw, with_data=False)
+        except ValueError as exc:
+            raise CatalogError(f"catalog record {digest.hex()} in {self.path} is corrupt: {exc}") from None
+        if key_digest(record.key) != digest:
+            raise CatalogError(f"catalog record for {record.key!r} is filed under the wrong address")
+        return record
+
     def get(self, key: str) -> DiskRecord | None:
         """The newest record of ``key`` with its data: a change waiting for its transaction if
         there is one (what this process wrote is what it reads), else the committed record.
@@ -389,6 +436,36 @@ class Catalog:
             try:
                 return DiskRecord.from_bytes(raw)
             except ValueError as exc:
+                raise CatalogError(f"catalog record of {key!r} in {self.path} is corrupt: {exc}") from None
+
+    def inline_value(self, key: str) -> tuple[int, int, bytes] | None:
+        """``(version, checksum, bytes)`` of ``key``'s newest record (as ``get``) if its value is
+        inline, else None: the read path of a small value, parsing only what it needs."""
+        chain = self._staged.get(key)
+        if chain is not None:
+            record = chain[-1][0][1]
+            if record is None or not record.inline or record.data is None:
+                return None
+            return record.version, record.checksums[0], record.data
+        if self._env is None:
+            raise StoreClosedError(f"the catalog in {self.path} is closed")
+        with self._env.begin(db=self._entries, buffers=True) as txn:
+            raw = txn.get(key_digest(key))
+            if raw is None:
+                return None
+            try:
+                magic, kind, ndim, dtype_len, key_len, version = _HEAD.unpack_from(raw, 0)
+                if magic != _BINARY:
+                    return None  # a JSON record (format 1, 2) is never inline
+                if kind != _INLINE:
+                    return None
+                at = _HEAD.size + dtype_len + 8 * ndim
+                if str(raw[at : at + key_len], "utf-8") != key:
+                    raise ValueError("the record names another key")
+                at += key_len
+                (checksum,) = _CHECKSUM.unpack_from(raw, at)
+                return version, checksum, bytes(raw[at + _CHECKSUM.size :])
+            except (struct.error, UnicodeDecodeError, ValueError) as exc:
                 raise CatalogError(f"catalog record of {key!r} in {self.path} is corrupt: {exc}") from None
 
     def commit_now(self, changes: list[tuple[str, DiskRecord | None]], layout: CatalogLayout | None = None) -> None:
@@ -555,6 +632,10 @@ class Catalog:
                 if is_disk_full(exc) or "No space left" in str(exc):
                     raise DiskFullError(28, f"the catalog in {self.path} cannot grow: {exc}") from None
                 raise CatalogError(f"the catalog in {self.path} failed to commit: {exc}") from None
+
+
+class _SlowPath(Exception):
+    """A record the fast scan leaves to the full parser (not an inline binary one, or odd)."""
 
 
 def _settle(done: asyncio.Future[None], exc: BaseException | None) -> None:

@@ -15,7 +15,7 @@ import torch
 from ..errors import BufferSharedError, TierFullError
 from ..tensors import ALIGNMENT, storage_nbytes
 from ..units import format_bytes, parse_bytes
-from .slabs import SlabPacker, slot_size
+from .slabs import Slab, SlabPacker, slot_size
 
 
 class Tier(ABC):
@@ -175,6 +175,27 @@ class MemoryTier(Tier):
         buffer = self._new_buffer(size)
         self._live_bytes += size
         return buffer
+
+    def allocate_packed(self, nbytes: int) -> tuple[Slab, int] | None:
+        """For a value that this tier packs into a slab, a slot of it as (slab, index) with no
+        tensor made for it (the store keeps millions of these); None for a value that takes a
+        buffer of its own (use :meth:`allocate`). ``release_packed`` gives it back; room as in
+        :meth:`allocate` (``TierFullError`` if a new slab does not fit).
+
+        Parameters
+        ----------
+        nbytes:
+            Bytes the slot must hold.
+        """
+        slot = self._slot_size(nbytes)
+        if slot is None:
+            return None
+        self._reserve(self._slabs.room_needed(slot))
+        return self._slabs.take_index(slot)
+
+    def release_packed(self, slab: Slab, index: int) -> None:
+        """Give back a slot from :meth:`allocate_packed`."""
+        self._slabs.give_index(slab, index)
 
     def _reserve(self, size: int) -> None:
         """Check that ``size`` more bytes fit, and drop pooled memory until they really do."""

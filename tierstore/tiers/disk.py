@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import ctypes
 import os
 import shutil
 import weakref
@@ -130,6 +131,9 @@ class DiskTier(Tier):
     """
 
     kind: ClassVar[str] = "disk"
+    #: ``(key, meta, version)`` of each value inline in the catalog, found on open (the store
+    #: adopts them as entries; ``loaded`` holds the records of the values in extents).
+    loaded_inline: list[tuple[str, TensorMeta, int]] | tuple[()] = ()
 
     def __init__(
         self,
@@ -287,14 +291,13 @@ class DiskTier(Tier):
             pinned=torch.cuda.is_available(),
             io=self.io,
         )
-        records = {}
         chunk_size = self.chunk_size
-        for _, record in self._catalog.records():
-            if record.extent is not None:
-                expected_chunks = max(1, -(-record.meta.nbytes // chunk_size))
-                if len(record.checksums) != expected_chunks:
-                    raise CatalogError(f"catalog record for {record.key!r} has {len(record.checksums)} checksums, expected {expected_chunks}")
-            records[record.key] = record
+        # Values in extents come back as records; inline ones as (key, meta, version) only.
+        records, inline = self._catalog.scan()
+        for record in records.values():
+            expected_chunks = max(1, -(-record.meta.nbytes // chunk_size))
+            if len(record.checksums) != expected_chunks:
+                raise CatalogError(f"catalog record for {record.key!r} has {len(record.checksums)} checksums, expected {expected_chunks}")
         try:
             self._allocator = ExtentAllocator.rebuild(layout.segments, (r.extent for r in records.values() if r.extent is not None))
         except ValueError as exc:
@@ -306,12 +309,13 @@ class DiskTier(Tier):
             shown = ", ".join(repr(k) for k in inside[:10]) + (" ..." if len(inside) > 10 else "")
             raise CatalogError(
                 f"{exc}; {len(inside)} entries live in it ({shown}); nothing was changed, the other "
-                f"{len(records) - len(inside)} entries are intact on disk"
+                f"{len(records) + len(inline) - len(inside)} entries are intact on disk"
             ) from None
         # Segment files the catalog stopped naming just before a crash.
         self._files.remove_strays(len(layout.segments))
         if sum(layout.segments) > self.capacity:
-            plan = plan_compaction(self.root, records, layout.segments, self.capacity, ALIGNMENT)
+            placeholders = {key: DiskRecord(key, meta, None, version, (0,), None, True) for key, meta, version in inline}
+            plan = plan_compaction(self.root, {**records, **placeholders}, layout.segments, self.capacity, ALIGNMENT)
             layout, records = compact(self._files, self._catalog, layout, records, plan, self.chunk_size)
             self._allocator = ExtentAllocator.rebuild(layout.segments, (r.extent for r in records.values() if r.extent is not None))
         count = self._allocator.removable_tail()
@@ -321,8 +325,9 @@ class DiskTier(Tier):
                 self._catalog.commit_now([], layout)
             self._allocator.drop_tail(count)
             self._files.remove_tail(count)
-        self._inline_bytes = sum(r.meta.nbytes for r in records.values() if r.inline)
+        self._inline_bytes = sum(meta.nbytes for _, meta, _ in inline)
         self.loaded = records
+        self.loaded_inline = inline
 
     async def aclose(self) -> None:
         if not self.is_open:
@@ -619,21 +624,24 @@ class DiskTier(Tier):
         if isinstance(src, bytes):
             data = src
         else:
-            view = src[: meta.nbytes]
-            if view.device.type != "cpu":
-                view = view.cpu()
-            data = view.numpy().tobytes()
+            nbytes = meta.nbytes
+            if src.device.type != "cpu":
+                src = src[:nbytes].cpu()
+            if src.numel() < nbytes or src.element_size() != 1 or not src.is_contiguous():
+                raise ValueError(f"inline record of {key!r} needs a contiguous byte buffer of {nbytes} bytes")
+            # (a contiguous CPU buffer of at least nbytes: read its memory at once, no views)
+            data = ctypes.string_at(src.data_ptr(), nbytes) if nbytes else b""
         return DiskRecord(key, meta, None, version, (checksum_bytes(data),), data, inline=True)
 
     def _inline_data(self, key: str, version: int) -> bytes:
         """The verified bytes of the inline value ``version`` of ``key``. Raises
         ``InlineSuperseded`` if the catalog holds another version now (a newer value committed
         and not yet installed by its writer)."""
-        record = self._require_catalog().get(key)
-        if record is None or not record.inline or record.version != version or record.data is None:
+        found = self._require_catalog().inline_value(key)
+        if found is None or found[0] != version:
             raise InlineSuperseded(key)
-        data = record.data
-        if checksum_bytes(data) != record.checksums[0]:
+        _, checksum, data = found
+        if checksum_bytes(data) != checksum:
             raise ChecksumError(f"{key!r}: the {len(data)} bytes kept inline in the catalog of {self.root} fail their checksum; the catalog is corrupt")
         return data
 

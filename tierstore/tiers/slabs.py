@@ -2,9 +2,11 @@
 
 A value below one page (``ALIGNMENT``) gets a *slot*: its size rounded up to ``GRANULE`` bytes
 (its size class), carved out of a *slab* of whole pages that holds slots of that class only.
-Each slot is a tensor with a storage of its own (``torch.frombuffer`` over the slab's memory),
-so ``untyped_storage().nbytes()`` of a slot is the slot's size, and the slab's memory lives as
-long as any slot viewing it.
+The store names a slot by its slab and index (``take_index``; no object per slot: a million
+small values must not cost a million tensors); ``Slab.view`` gives a tensor over it when bytes
+move. ``take`` hands out a slot as a tensor with a storage of its own (``torch.frombuffer`` over
+the slab's memory, so ``untyped_storage().nbytes()`` is the slot's size), for callers of the
+tier's tensor API.
 
 Accounting (what the owning tier reports):
 
@@ -26,7 +28,6 @@ always make the room a put needs.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
@@ -63,18 +64,21 @@ def slab_size(slot: int, max_pages: int = MAX_SLAB_PAGES) -> int:
     return best
 
 
-@dataclass(eq=False)
 class Slab:
     """Pages of slots of one size class."""
 
-    memory: torch.Tensor
-    slot: int
-    #: One tensor per slot, each with a storage of its own over ``memory``.
-    slots: list[torch.Tensor]
-    #: Indices of the slots holding no value.
-    free: list[int]
-    #: Whether each slot holds a value (catches a slot released twice).
-    taken: list[bool] = field(default_factory=list)
+    __slots__ = ("memory", "array", "slot", "count", "free", "taken", "__weakref__")
+
+    def __init__(self, memory: torch.Tensor, slot: int) -> None:
+        self.memory = memory
+        #: The same bytes as a numpy array (byte slices of it are cheaper than tensor views).
+        self.array = memory.numpy()
+        self.slot = slot
+        self.count = storage_nbytes(memory) // slot
+        #: Indices of the slots holding no value.
+        self.free = list(reversed(range(self.count)))
+        #: Whether each slot holds a value (catches a slot released twice).
+        self.taken = bytearray(self.count)
 
     @property
     def nbytes(self) -> int:
@@ -82,7 +86,22 @@ class Slab:
 
     @property
     def values(self) -> int:
-        return len(self.slots) - len(self.free)
+        return self.count - len(self.free)
+
+    def view(self, index: int, nbytes: int | None = None) -> torch.Tensor:
+        """A uint8 tensor over the first ``nbytes`` (default: all) of slot ``index``."""
+        start = index * self.slot
+        return self.memory[start : start + (self.slot if nbytes is None else nbytes)]
+
+    def slot_tensor(self, index: int) -> torch.Tensor:
+        """Slot ``index`` as a tensor with a storage of its own (its ``untyped_storage()`` is
+        the slot's bytes, as a buffer of its own would be), keeping the slab's memory alive."""
+        return torch.frombuffer(self.array, dtype=torch.uint8, count=self.slot, offset=index * self.slot)
+
+    def bytes_of(self, index: int, nbytes: int) -> bytes:
+        """A copy of the first ``nbytes`` of slot ``index``."""
+        start = index * self.slot
+        return self.array[start : start + nbytes].tobytes()
 
 
 class SlabPacker:
@@ -105,7 +124,8 @@ class SlabPacker:
         self._partial: dict[int, dict[Slab, None]] = {}
         #: Slabs without values, by slot size.
         self._empty: dict[int, list[Slab]] = {}
-        #: Slot address -> (slab, index) for every slab that exists.
+        #: Slot address -> (slab, index) of every slot handed out as a tensor (``take``), until
+        #: its slab is dropped.
         self._where: dict[int, tuple[Slab, int]] = {}
         #: Bytes of all slabs.
         self.slab_bytes = 0
@@ -127,9 +147,9 @@ class SlabPacker:
             return 0
         return slab_size(slot, self._max_pages)
 
-    def take(self, slot: int) -> torch.Tensor:
-        """A free ``slot``-byte slot, from a slab with values first, then an empty slab, then a
-        new slab (the caller has checked that its ``room_needed`` fits)."""
+    def take_index(self, slot: int) -> tuple[Slab, int]:
+        """A free ``slot``-byte slot as (slab, index), from a slab with values first, then an
+        empty slab, then a new slab (the caller has checked that its ``room_needed`` fits)."""
         partial = self._partial.get(slot)
         if partial:
             slab = next(iter(partial))
@@ -139,28 +159,40 @@ class SlabPacker:
         else:
             slab = self._new_slab(slot)
         index = slab.free.pop()
-        slab.taken[index] = True
+        slab.taken[index] = 1
         self.value_bytes += slot
         partial = self._partial.setdefault(slot, {})
         if slab.free:
             partial[slab] = None
         else:
             partial.pop(slab, None)
-        return slab.slots[index]
+        return slab, index
+
+    def take(self, slot: int) -> torch.Tensor:
+        """``take_index`` handed out as a tensor with a storage of its own (``give`` takes it back)."""
+        slab, index = self.take_index(slot)
+        tensor = slab.slot_tensor(index)
+        self._where[tensor.data_ptr()] = (slab, index)
+        return tensor
 
     def owns(self, buffer: torch.Tensor) -> bool:
-        """Whether ``buffer`` is one of these slabs' slots."""
+        """Whether ``buffer`` is a slot handed out by ``take``."""
         found = self._where.get(buffer.data_ptr())
         return found is not None and storage_nbytes(buffer) == found[0].slot
 
     def give(self, buffer: torch.Tensor) -> bool:
-        """Take back a slot (False if ``buffer`` is not a slot of these slabs)."""
-        if not self.owns(buffer):
+        """Take back a slot handed out by ``take`` (False if ``buffer`` is not one of them)."""
+        found = self._where.get(buffer.data_ptr())
+        if found is None or storage_nbytes(buffer) != found[0].slot:
             return False
-        slab, index = self._where[buffer.data_ptr()]
+        self.give_index(*found)
+        return True
+
+    def give_index(self, slab: Slab, index: int) -> None:
+        """Take back slot ``index`` of ``slab`` (from ``take_index``)."""
         if not slab.taken[index]:
             raise TierStoreError(f"internal error: a {slab.slot}-byte slot was released twice")
-        slab.taken[index] = False
+        slab.taken[index] = 0
         slab.free.append(index)
         self.value_bytes -= slab.slot
         partial = self._partial.setdefault(slab.slot, {})
@@ -170,7 +202,6 @@ class SlabPacker:
             partial.pop(slab, None)
             self._empty.setdefault(slab.slot, []).append(slab)
             self.empty_bytes += slab.nbytes
-        return True
 
     def drop_empty(self, keep: int) -> None:
         """Drop empty slabs until at most ``keep`` bytes of them remain."""
@@ -184,20 +215,13 @@ class SlabPacker:
                 return
 
     def _new_slab(self, slot: int) -> Slab:
-        memory = self._new_memory(slab_size(slot, self._max_pages))
-        count = storage_nbytes(memory) // slot
-        # The slots view the memory through numpy's buffer interface: each gets a storage of its
-        # own that keeps the slab's memory alive.
-        raw = memory.numpy()
-        slots = [torch.frombuffer(raw, dtype=torch.uint8, count=slot, offset=i * slot) for i in range(count)]
-        slab = Slab(memory, slot, slots, free=list(reversed(range(count))), taken=[False] * count)
-        for index, tensor in enumerate(slots):
-            self._where[tensor.data_ptr()] = (slab, index)
+        slab = Slab(self._new_memory(slab_size(slot, self._max_pages)), slot)
         self.slab_bytes += slab.nbytes
         return slab
 
     def _drop(self, slab: Slab) -> None:
-        for tensor in slab.slots:
-            del self._where[tensor.data_ptr()]
+        base = slab.memory.data_ptr()
+        for index in range(slab.count):
+            self._where.pop(base + index * slab.slot, None)
         self.slab_bytes -= slab.nbytes
         self.empty_bytes -= slab.nbytes
