@@ -38,7 +38,7 @@ def _model(width: int, depth: int) -> torch.nn.Module:
     return torch.nn.Sequential(*layers)
 
 
-class _PeakRSS:
+class PeakRSS:
     """The process's resident memory sampled every 2 ms: the highest value above the start."""
 
     def __init__(self) -> None:
@@ -51,7 +51,7 @@ class _PeakRSS:
         while not self._stop.wait(0.002):
             self.peak = max(self.peak, self._proc.memory_info().rss)
 
-    def __enter__(self) -> _PeakRSS:
+    def __enter__(self) -> PeakRSS:
         self._thread.start()
         return self
 
@@ -118,7 +118,7 @@ def _rank(rank: int, world: int, port: int, options: dict[str, Any], out: str) -
         for name, (net, optimizer) in {"tiered": (model, opt), "torch": (plain, torch_opt)}.items():
             path = Path(out) / f"ckpt{world}-{name}"
             dist.barrier()
-            with _PeakRSS() as peak:
+            with PeakRSS() as peak:
                 started = time.perf_counter()
                 dcp.save({"optim": get_optimizer_state_dict(net, optimizer)}, checkpoint_id=str(path))
                 row[f"{name}_save_s"] = time.perf_counter() - started

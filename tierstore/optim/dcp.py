@@ -1,0 +1,539 @@
+"""Distributed Checkpoint (DCP) of paged optimizer state through a bounded buffer.
+
+``get_optimizer_state_dict(model, opt)`` followed by ``dcp.save`` holds a rank's whole state in
+memory at once (the state dict's tensors). This module writes and reads the same checkpoint, key
+for key and shape for shape, one parameter's state at a time:
+
+- ``optimizer_state_dict(opt, model)`` is ``get_optimizer_state_dict(model, opt)`` (or, without a
+  model, ``opt.state_dict()``) with *placeholders*: meta tensors (DTensors of meta shards under
+  FSDP2) of the right shape and dtype, without data. DCP plans a checkpoint from shapes alone.
+- ``StreamingSavePlanner``'s ``resolve_data`` reads a placeholder's parameter from the store when
+  the writer asks for one of its tensors (``adam_entry``: one parameter's torch-format state), and
+  forgets it once the writer has taken all of that parameter's tensors.
+- ``StreamingLoadPlanner``'s ``resolve_tensor`` hands DCP a buffer for one tensor of one
+  parameter; once every tensor of that parameter has arrived (``commit_tensor``), the state is
+  written into the tiers and the buffers are dropped.
+- ``save_optimizer`` / ``load_optimizer`` do both for one optimizer. ``load_optimizer`` also
+  splits the parameters into passes of at most ``buffer_bytes`` of state, so the bound holds
+  whatever order the checkpoint's files hand the tensors over in (a checkpoint of several
+  ranks keeps one parameter's tensors in different files, which DCP reads one after another).
+
+Checkpoints are those of the standard path: ``torch.optim.AdamW`` loads one written here through
+``get/set_optimizer_state_dict`` + ``dcp.load``, this module loads one written by it, and DCP
+reshards both ways (another rank count, sharded state, FSDP2 DTensors).
+
+Memory bound per rank, with ``S`` the largest parameter's (or FSDP2 shard's) state in torch's
+format (``4 * numel * (2 + amsgrad + master)`` bytes: ``exp_avg``, ``exp_avg_sq`` [,
+``max_exp_avg_sq``] [, the fp32 ``master`` of a non-fp32 parameter]) and ``T`` its largest tensor
+(``4 * numel``):
+
+- save: ``2 S + 2 T`` (``adam_entry`` reads the state while it builds the entry, and DCP's
+  serial writer holds the tensor it writes and the one it resolves next). With ``thread_count``
+  threads, up to ``thread_count`` times that; on a machine with CUDA, DCP's overlapping loader
+  also keeps ``per_thread_copy_ahead`` bytes (10 MB by default) in flight.
+- load: ``max(buffer_bytes, S) + S + T_saved`` (the entries being assembled, the packed state
+  written into the store, and the tensor DCP's reader deserialised: a whole saved tensor, or a
+  saved rank's shard of it).
+
+Not the state's size: what lives on disk stays there until its parameter's turn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import weakref
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, WriteItem
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from ..sync import run
+from .checkpoint import _others, adam_entry, adam_load_entry, model_param, saved_index
+from .distributed import LocalShard, is_dtensor
+
+if TYPE_CHECKING:
+    import os
+
+    from .adam import TieredAdam
+    from .slots import ParamSlot
+
+__all__ = [
+    "DEFAULT_BUFFER_BYTES", "StreamingFileSystemWriter", "StreamingLoadPlanner", "StreamingSavePlanner", "load_optimizer",
+    "optimizer_state_dict", "save_optimizer",
+]
+
+_PARAM_GROUPS = "param_groups"
+#: Param-group keys that say how the optimizer stores its state: loading does not change them.
+_STORAGE_KEYS = ("params", "state_precision", "master_weights")
+
+#: The default budget (bytes) of tensors a save keeps per file (``StreamingFileSystemWriter``)
+#: and of state a load assembles at once (``load_optimizer``).
+DEFAULT_BUFFER_BYTES = 64 << 20
+
+
+# -- placeholders --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where a placeholder's data lives: tensor ``name`` of ``slot``'s state in ``optimizer``."""
+
+    optimizer: TieredAdam
+    slot: ParamSlot
+    name: str
+
+    @property
+    def owner(self) -> tuple[int, int]:
+        """One key per parameter of one optimizer."""
+        return id(self.optimizer), self.slot.index
+
+
+#: id(placeholder) -> (a weak reference to it, its source). Weak: a placeholder dict dropped
+#: by its user takes its entries along.
+_placeholders: dict[int, tuple[weakref.ref[torch.Tensor], _Source]] = {}
+_registry_lock = threading.Lock()
+
+
+def _register(tensor: torch.Tensor, source: _Source) -> torch.Tensor:
+    key = id(tensor)
+
+    def forget(_: object) -> None:
+        with _registry_lock:
+            held = _placeholders.get(key)
+            if held is not None and held[0]() is None:
+                del _placeholders[key]
+
+    with _registry_lock:
+        _placeholders[key] = (weakref.ref(tensor, forget), source)
+    return tensor
+
+
+def _source(obj: Any) -> _Source | None:
+    """The source of a placeholder made by ``optimizer_state_dict``, else None."""
+    if not isinstance(obj, torch.Tensor):
+        return None
+    with _registry_lock:
+        held = _placeholders.get(id(obj))
+    if held is None or held[0]() is not obj:
+        return None
+    return held[1]
+
+
+def _placeholder(slot: ParamSlot, shape: torch.Size | tuple[int, ...], source: _Source) -> torch.Tensor:
+    """A meta tensor of ``shape`` (the shard's, as a DTensor laid out like the parameter, for
+    an FSDP2 shard's rows)."""
+    meta = torch.empty(shape, dtype=torch.float32, device="meta")
+    if isinstance(slot.param, LocalShard) and len(shape):
+        from torch.distributed.tensor import DTensor
+
+        p = slot.param.dtensor
+        meta = DTensor.from_local(
+            meta, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()  # type: ignore[attr-defined]
+        )
+    return _register(meta, source)
+
+
+def _entry_names(optimizer: TieredAdam, slot: ParamSlot) -> list[str]:
+    """The tensors of one parameter's state in torch's format, as ``adam_entry`` gives them."""
+    names = ["step", "exp_avg", "exp_avg_sq"]
+    if optimizer._rows(slot) > 3:
+        names.append("max_exp_avg_sq")
+    if slot.param.dtype != torch.float32:
+        names.append("master")
+    return names
+
+
+def _placeholder_state_dict(optimizer: TieredAdam) -> dict[str, Any]:
+    """``optimizer.state_dict()`` with placeholders for tensors (the same keys and shapes)."""
+    _check(optimizer)
+    state: dict[int, dict[str, Any]] = {}
+    for slot in optimizer._slots:
+        if model_param(slot).requires_grad or slot.index in optimizer._step_counts:
+            state[saved_index(optimizer, slot)] = {
+                name: _placeholder(slot, () if name == "step" else slot.shape, _Source(optimizer, slot, name))
+                for name in _entry_names(optimizer, slot)
+            }
+    for index in _others(optimizer):
+        state[index] = {}
+    return {"state": dict(sorted(state.items())), "param_groups": optimizer._groups_for_saving()}
+
+
+def _check(optimizer: Any) -> None:
+    from .adam import TieredAdam
+
+    if not isinstance(optimizer, TieredAdam):
+        raise TypeError(f"streaming checkpoints take a TieredAdam/TieredAdamW, not {type(optimizer).__name__}")
+    if getattr(optimizer, "_closed", False):
+        raise ValueError("the optimizer is closed")
+
+
+@contextmanager
+def _placeholders_for(optimizer: TieredAdam) -> Iterator[None]:
+    """``optimizer.state_dict()`` answers placeholders while inside (for torch's
+    ``get_optimizer_state_dict``, which maps its indices to parameter names)."""
+    optimizer.state_dict = lambda: _placeholder_state_dict(optimizer)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del optimizer.state_dict
+
+
+def optimizer_state_dict(optimizer: TieredAdam, model: torch.nn.Module | None = None) -> dict[str, Any]:
+    """The optimizer's state dict as DCP saves it, with placeholders instead of state tensors.
+
+    With ``model``: ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(model,
+    optimizer)``'s keys (parameter names); without: ``optimizer.state_dict()``'s (indices). Each
+    state tensor is a meta tensor of its shape (a DTensor of a meta shard for an FSDP2
+    parameter) that ``StreamingSavePlanner`` reads from the store when DCP writes it, and
+    ``StreamingLoadPlanner`` writes into the store when DCP has read it::
+
+        dcp.save({"model": get_model_state_dict(model), "optim": optimizer_state_dict(opt, model)},
+                 checkpoint_id=path, planner=StreamingSavePlanner())
+
+    Raises
+    ------
+    TypeError
+        ``optimizer`` is not a ``TieredAdam``/``TieredAdamW``.
+    """
+    _check(optimizer)
+    if model is None:
+        return _placeholder_state_dict(optimizer)
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    with _placeholders_for(optimizer):
+        return get_optimizer_state_dict(model, optimizer)
+
+
+# -- saving --------------------------------------------------------------------------------------
+
+
+def _item_bytes(item: WriteItem) -> int:
+    data = item.tensor_data
+    if data is None:
+        return 0
+    return data.chunk.sizes.numel() * torch.empty((), dtype=data.properties.dtype).element_size()
+
+
+def _buckets(items: list[WriteItem], budget: int) -> list[list[WriteItem]]:
+    """``items`` in order, in runs of at most ``budget`` tensor bytes (a larger item alone)."""
+    buckets: list[list[WriteItem]] = [[]]
+    used = 0
+    for item in items:
+        size = _item_bytes(item)
+        if buckets[-1] and size and used + size > budget:
+            buckets.append([])
+            used = 0
+        buckets[-1].append(item)
+        used += size
+    return buckets
+
+
+class StreamingFileSystemWriter(FileSystemWriter):
+    """DCP's ``FileSystemWriter``, writing a rank's items to files of at most ``buffer_bytes``
+    of tensors each (the last item may take a file past it) instead of one file per rank.
+
+    DCP's writer keeps every tensor of a file until the file is closed, so one file per rank
+    would keep the rank's whole state. The checkpoint has the same keys, shapes and metadata;
+    only the storage is spread over more files (any DCP reader reads them).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], buffer_bytes: int = DEFAULT_BUFFER_BYTES, **kwargs: Any) -> None:
+        if buffer_bytes <= 0:
+            raise ValueError(f"buffer_bytes must be positive, got {buffer_bytes}")
+        super().__init__(path, **kwargs)
+        self.buffer_bytes = buffer_bytes
+
+    def write_data(self, plan: SavePlan, planner: Any) -> Future[list[WriteResult]]:
+        from torch.distributed.checkpoint.filesystem import _StoragePrefix
+
+        prefix = plan.storage_data.prefix
+        results: list[WriteResult] = []
+        for index, bucket in enumerate(_buckets(plan.items, self.buffer_bytes)):
+            part = dataclasses.replace(plan, items=bucket, storage_data=_StoragePrefix(f"{prefix}{index}_"))
+            results += super().write_data(part, planner).wait()
+        done: Future[list[WriteResult]] = Future()
+        done.set_result(results)
+        return done
+
+
+
+def _shard(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._local_tensor if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+
+
+class StreamingSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, except that placeholders (``optimizer_state_dict``) are
+    read from the store when the writer asks for them, one parameter's state at a time, and
+    dropped once the writer has taken all of that parameter's tensors. Everything else in the
+    state dict (the model's tensors, ``param_groups``) is saved as the default planner does.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._sources: dict[str, _Source] = {}
+        self._remaining: Counter[tuple[int, int]] = Counter()
+        self._cached: tuple[tuple[int, int], dict[str, torch.Tensor]] | None = None
+        self._lock = threading.Lock()  # the writer's threads (thread_count > 1) share the cache
+
+    def set_up_planner(self, state_dict: dict[str, Any], storage_meta: Any = None, is_coordinator: bool = False) -> None:
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        self._sources = {fqn: source for fqn, obj in self.state_dict.items() if (source := _source(obj)) is not None}
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        plan = super().finish_plan(new_plan)
+        # what this rank writes after deduplication: a parameter is forgotten after its last tensor
+        self._remaining = Counter(self._sources[item.index.fqn].owner for item in plan.items if item.index.fqn in self._sources)
+        return plan
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        source = self._sources.get(write_item.index.fqn)
+        if source is None:
+            return super().resolve_data(write_item)
+        with self._lock:
+            if self._cached is None or self._cached[0] != source.owner:
+                self._cached = None  # the previous parameter's state is freed before the next is read
+                self._cached = (source.owner, run(adam_entry(source.optimizer, source.slot)))
+            entry = self._cached[1]
+            self._remaining[source.owner] -= 1
+            if self._remaining[source.owner] <= 0:
+                self._cached = None
+        if source.name not in entry:
+            raise RuntimeError(f"parameter {source.slot.index}: its state has no {source.name!r} (it changed since the state dict was made)")
+        tensor = _shard(entry[source.name])
+        expected = write_item.tensor_data.chunk.sizes if write_item.tensor_data is not None else None
+        if expected is not None and tuple(tensor.shape) != tuple(expected):
+            raise RuntimeError(
+                f"parameter {source.slot.index}: {source.name!r} has shape {tuple(tensor.shape)}, planned {tuple(expected)}"
+            )
+        return tensor
+
+
+def save_optimizer(
+    optimizer: TieredAdam,
+    checkpoint_id: str | os.PathLike[str],
+    model: torch.nn.Module | None = None,
+    *,
+    key: str = "optim",
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+    **save_kwargs: Any,
+) -> Any:
+    """Save the optimizer's state with DCP, one parameter's state in memory at a time.
+
+    The checkpoint is ``dcp.save({key: get_optimizer_state_dict(model, optimizer)})``'s (with
+    ``model``; ``opt.state_dict()``'s keys without), so ``torch.optim.AdamW`` loads it through
+    ``dcp.load`` + ``set_optimizer_state_dict``. Memory: see the module docstring (about twice
+    the largest parameter's state, not the rank's state). Call it on every rank, as ``dcp.save``.
+
+    Parameters
+    ----------
+    optimizer:
+        A ``TieredAdam``/``TieredAdamW`` (plain, DDP, sharded with ``process_group=``, FSDP2).
+    checkpoint_id:
+        The checkpoint folder (``dcp.save``'s ``checkpoint_id``).
+    model:
+        The model, for parameter names as keys (``get_optimizer_state_dict``'s layout).
+    key:
+        The top-level key the state dict is saved under.
+    save_kwargs:
+        Passed to ``dcp.save`` (``storage_writer=``, ``process_group=`` ...; not ``planner=``).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    if "planner" in save_kwargs:
+        raise TypeError("save_optimizer brings its own planner (StreamingSavePlanner)")
+    state = {key: optimizer_state_dict(optimizer, model)}
+    if "storage_writer" not in save_kwargs:
+        save_kwargs["storage_writer"] = StreamingFileSystemWriter(checkpoint_id, buffer_bytes)
+    return dcp.save(state, checkpoint_id=checkpoint_id, planner=StreamingSavePlanner(), **save_kwargs)
+
+
+# -- loading -------------------------------------------------------------------------------------
+
+
+class StreamingLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, except that placeholders (``optimizer_state_dict``) get a
+    buffer when DCP reads one of their tensors, and once every tensor of a parameter has
+    arrived, its state is written into the store and the buffers are dropped. Placeholders are
+    never materialised all at once (the default planner allocates every meta tensor up front).
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._sources: dict[str, _Source] = {}
+        self._shapes: dict[str, torch.Size] = {}
+        self._remaining: Counter[tuple[int, int]] = Counter()
+        self._buffers: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        #: The parameters written into the store.
+        self.loaded: list[_Source] = []
+
+    def set_up_planner(self, state_dict: dict[str, Any], metadata: Any = None, is_coordinator: bool = False) -> None:
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+        from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
+
+        # DefaultLoadPlanner.set_up_planner without _init_state_dict (which allocates every meta tensor)
+        self.original_state_dict = state_dict
+        if self.flatten_sharded_tensors:
+            state_dict = _flatten_sharded_tensors(state_dict)
+        if self.flatten_state_dict:
+            state_dict, self.mappings = flatten_state_dict(state_dict)
+        self.state_dict = state_dict
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
+        self._sources = {fqn: source for fqn, obj in state_dict.items() if (source := _source(obj)) is not None}
+        self._shapes = {fqn: _shard(state_dict[fqn]).shape for fqn in self._sources}
+
+    def create_local_plan(self) -> LoadPlan:
+        if self.metadata is not None and self.flatten_state_dict:
+            # param-group settings another optimizer does not save (torch's AdamW has no
+            # state_precision) keep their values, as load_state_dict keeps them
+            saved = self.metadata.state_dict_metadata
+            for fqn in [f for f, obj in self.state_dict.items() if f not in saved and not isinstance(obj, torch.Tensor)]:
+                if _PARAM_GROUPS in self.mappings.get(fqn, ()):
+                    del self.state_dict[fqn]
+        plan = super().create_local_plan()
+        if any(fqn not in self.state_dict for fqn in self._sources):
+            raise ValueError("a checkpoint in DCP's format of torch < 2.4 cannot be loaded streaming")
+        return plan
+
+    def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
+        plan = super().finish_plan(new_plan)
+        self._remaining = Counter(self._sources[item.dest_index.fqn].owner for item in plan.items if item.dest_index.fqn in self._sources)
+        return plan
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        fqn = read_item.dest_index.fqn
+        source = self._sources.get(fqn)
+        if source is None:
+            return super().resolve_tensor(read_item)
+        buffers = self._buffers.setdefault(source.owner, {})
+        if source.name not in buffers:
+            buffers[source.name] = torch.empty(self._shapes[fqn], dtype=torch.float32)
+        return _narrow(buffers[source.name], read_item.dest_offsets, read_item.lengths)
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        source = self._sources.get(read_item.dest_index.fqn)
+        if source is None:
+            super().commit_tensor(read_item, tensor)
+            return
+        self._remaining[source.owner] -= 1
+        if self._remaining[source.owner] > 0:
+            return
+        entry = self._buffers.pop(source.owner)
+        run(adam_load_entry(source.optimizer, source.slot, entry))
+        self.loaded.append(source)
+
+
+def _narrow(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
+    for dim, (offset, length) in enumerate(zip(offsets, lengths, strict=True)):
+        tensor = tensor.narrow(dim, offset, length)
+    return tensor
+
+
+def _passes(state: dict[Any, dict[str, Any]], budget: int) -> list[list[Any]]:
+    """The state dict's parameters (keys of ``state``) in groups of at most ``budget`` bytes of
+    state each (a larger parameter alone)."""
+    groups: list[list[Any]] = [[]]
+    used = 0
+    for fqn, entry in state.items():
+        size = sum(4 * _shard(t).numel() for t in entry.values() if isinstance(t, torch.Tensor))
+        if groups[-1] and used + size > budget:
+            groups.append([])
+            used = 0
+        groups[-1].append(fqn)
+        used += size
+    return groups
+
+
+def _pass_count(mine: int, process_group: Any) -> int:
+    """The largest pass count of all ranks (every rank calls ``dcp.load`` as often)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return mine
+    counts: list[Any] = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(counts, mine, group=process_group)
+    return max(counts)
+
+
+def load_optimizer(
+    optimizer: TieredAdam,
+    checkpoint_id: str | os.PathLike[str],
+    model: torch.nn.Module | None = None,
+    *,
+    key: str = "optim",
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+    **load_kwargs: Any,
+) -> None:
+    """Load the optimizer's state from a DCP checkpoint into the tiers, one parameter at a time.
+
+    Loads what ``save_optimizer`` or ``dcp.save({key: get_optimizer_state_dict(model, opt)})``
+    wrote (from ``TieredAdamW`` or ``torch.optim.AdamW``, with any rank count: DCP reshards),
+    as ``set_optimizer_state_dict`` would: the state, the step counts and the param groups'
+    hyperparameters. Load the model's weights first: the fp32 master weight of an fp32 parameter
+    is the parameter itself. At most ``max(buffer_bytes, largest parameter's state)`` of state
+    is assembled at once (the parameters are loaded in that many passes of ``dcp.load``); see the
+    module docstring for the whole bound. Call it on every rank, as ``dcp.load``.
+
+    Parameters
+    ----------
+    optimizer:
+        A ``TieredAdam``/``TieredAdamW`` (plain, DDP, sharded with ``process_group=``, FSDP2).
+    checkpoint_id:
+        The checkpoint folder.
+    model:
+        The model, when the checkpoint's keys are parameter names (``get_optimizer_state_dict``).
+    key:
+        The top-level key the optimizer's state dict was saved under.
+    buffer_bytes:
+        State assembled per pass (bytes).
+    load_kwargs:
+        Passed to ``dcp.load`` (``storage_reader=``, ``process_group=`` ...; not ``planner=``).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    if "planner" in load_kwargs:
+        raise TypeError("load_optimizer brings its own planner (StreamingLoadPlanner)")
+    if buffer_bytes <= 0:
+        raise ValueError(f"buffer_bytes must be positive, got {buffer_bytes}")
+    placeholders = optimizer_state_dict(optimizer, model)
+    state = {fqn: entry for fqn, entry in placeholders["state"].items() if entry}
+    groups = _passes(state, buffer_bytes)
+    count = _pass_count(len(groups), load_kwargs.get("process_group"))
+    loaded: set[int] = set()
+    saved_groups: list[dict[str, Any]] | None = None
+    optimizer._step_counts.clear()
+    for index in range(count):
+        part: dict[str, Any] = {"state": {fqn: state[fqn] for fqn in (groups[index] if index < len(groups) else [])}}
+        if index == 0:
+            part["param_groups"] = placeholders["param_groups"]
+        planner = StreamingLoadPlanner()
+        dcp.load({key: part} if part["state"] or index == 0 else {}, checkpoint_id=checkpoint_id, planner=planner, **load_kwargs)
+        loaded.update(source.slot.index for source in planner.loaded)
+        if index == 0:
+            saved_groups = part["param_groups"]
+    for slot in optimizer._slots:
+        if slot.index not in loaded:  # frozen, or another rank's: nothing of it is kept here
+            slot.resident = None
+            optimizer._step_counts.pop(slot.index, None)
+            run(optimizer.delete_state(slot))
+    _set_groups(optimizer, saved_groups or [])
+
+
+def _set_groups(optimizer: TieredAdam, saved: list[dict[str, Any]]) -> None:
+    """The saved hyperparameters into the optimizer's param groups (as ``load_state_dict``)."""
+    if len(saved) != len(optimizer.param_groups):
+        raise ValueError("loaded state dict has a different number of parameter groups")
+    for group, own in zip(saved, optimizer.param_groups, strict=True):
+        if len(group["params"]) != len(own["params"]):
+            raise ValueError("loaded state dict contains a parameter group that doesn't match the size of optimizer's group")
+        own.update({k: v for k, v in group.items() if k not in _STORAGE_KEYS})
+        own.setdefault("decoupled_weight_decay", optimizer.decoupled_weight_decay)
