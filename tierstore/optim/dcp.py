@@ -13,27 +13,31 @@ for key and shape for shape, one parameter's state at a time:
 - ``StreamingLoadPlanner``'s ``resolve_tensor`` hands DCP a buffer for one tensor of one
   parameter; once every tensor of that parameter has arrived (``commit_tensor``), the state is
   written into the tiers and the buffers are dropped.
-- ``save_optimizer`` / ``load_optimizer`` do both for one optimizer. ``load_optimizer`` also
+- ``StreamingFileSystemWriter`` writes a rank's tensors to files of at most ``buffer_bytes``
+  (DCP's ``FileSystemWriter`` keeps every tensor of a file until the file is closed, so its one
+  file per rank would hold the rank's whole state).
+- ``save_optimizer`` / ``load_optimizer`` do it all for one optimizer. ``load_optimizer`` also
   splits the parameters into passes of at most ``buffer_bytes`` of state, so the bound holds
   whatever order the checkpoint's files hand the tensors over in (a checkpoint of several
-  ranks keeps one parameter's tensors in different files, which DCP reads one after another).
+  ranks may keep one parameter's tensors in different files, which DCP reads one after another).
 
-Checkpoints are those of the standard path: ``torch.optim.AdamW`` loads one written here through
-``get/set_optimizer_state_dict`` + ``dcp.load``, this module loads one written by it, and DCP
-reshards both ways (another rank count, sharded state, FSDP2 DTensors).
+Checkpoints are those of the standard path (the same keys, shapes, dtypes and chunks in DCP's
+metadata; only the number of files differs): ``torch.optim.AdamW`` loads one written here
+through ``get/set_optimizer_state_dict`` + ``dcp.load``, this module loads one written by it,
+and DCP reshards both ways (another rank count, sharded state, FSDP2 DTensors).
 
-Memory bound per rank, with ``S`` the largest parameter's (or FSDP2 shard's) state in torch's
-format (``4 * numel * (2 + amsgrad + master)`` bytes: ``exp_avg``, ``exp_avg_sq`` [,
-``max_exp_avg_sq``] [, the fp32 ``master`` of a non-fp32 parameter]) and ``T`` its largest tensor
-(``4 * numel``):
+Memory bound per rank, beyond the store's own tiers, with ``B`` = ``buffer_bytes``, ``S`` the
+largest parameter's (or FSDP2 shard's) state in torch's format (``4 * numel * (2 + amsgrad +
+master)`` bytes: ``exp_avg``, ``exp_avg_sq`` [, ``max_exp_avg_sq``] [, the fp32 ``master`` of a
+non-fp32 parameter]) and ``T`` its largest tensor (``4 * numel``):
 
-- save: ``2 S + 2 T`` (``adam_entry`` reads the state while it builds the entry, and DCP's
-  serial writer holds the tensor it writes and the one it resolves next). With ``thread_count``
-  threads, up to ``thread_count`` times that; on a machine with CUDA, DCP's overlapping loader
-  also keeps ``per_thread_copy_ahead`` bytes (10 MB by default) in flight.
-- load: ``max(buffer_bytes, S) + S + T_saved`` (the entries being assembled, the packed state
-  written into the store, and the tensor DCP's reader deserialised: a whole saved tensor, or a
-  saved rank's shard of it).
+- save: ``B + T + 2 S`` (the file being written; ``adam_entry`` reading the state while it builds
+  one parameter's entry). With ``thread_count`` writer threads, that many files at once; on a
+  machine with CUDA, DCP's overlapping loader also keeps ``per_thread_copy_ahead`` bytes (10 MB by
+  default) in flight.
+- load: ``max(B, S) + S + T_saved`` (the entries being assembled, the packed state written into
+  the store, and the tensor DCP's reader deserialised: a whole saved tensor, or a saved rank's
+  shard of it). Usually one parameter's entry is assembled at a time; the passes cap the rest.
 
 Not the state's size: what lives on disk stays there until its parameter's turn.
 """
@@ -194,10 +198,11 @@ def optimizer_state_dict(optimizer: TieredAdam, model: torch.nn.Module | None = 
     optimizer)``'s keys (parameter names); without: ``optimizer.state_dict()``'s (indices). Each
     state tensor is a meta tensor of its shape (a DTensor of a meta shard for an FSDP2
     parameter) that ``StreamingSavePlanner`` reads from the store when DCP writes it, and
-    ``StreamingLoadPlanner`` writes into the store when DCP has read it::
+    ``StreamingLoadPlanner`` writes into the store when DCP has read it. To save the model and the
+    optimizer in one checkpoint::
 
         dcp.save({"model": get_model_state_dict(model), "optim": optimizer_state_dict(opt, model)},
-                 checkpoint_id=path, planner=StreamingSavePlanner())
+                 storage_writer=StreamingFileSystemWriter(path), planner=StreamingSavePlanner())
 
     Raises
     ------
@@ -330,8 +335,9 @@ def save_optimizer(
 
     The checkpoint is ``dcp.save({key: get_optimizer_state_dict(model, optimizer)})``'s (with
     ``model``; ``opt.state_dict()``'s keys without), so ``torch.optim.AdamW`` loads it through
-    ``dcp.load`` + ``set_optimizer_state_dict``. Memory: see the module docstring (about twice
-    the largest parameter's state, not the rank's state). Call it on every rank, as ``dcp.save``.
+    ``dcp.load`` + ``set_optimizer_state_dict``. Memory: ``buffer_bytes`` plus about twice the
+    largest parameter's state, not the rank's state (see the module docstring). Call it on every
+    rank, as ``dcp.save``.
 
     Parameters
     ----------
@@ -343,6 +349,8 @@ def save_optimizer(
         The model, for parameter names as keys (``get_optimizer_state_dict``'s layout).
     key:
         The top-level key the state dict is saved under.
+    buffer_bytes:
+        Tensor bytes per file (``StreamingFileSystemWriter``; unless ``storage_writer=`` is given).
     save_kwargs:
         Passed to ``dcp.save`` (``storage_writer=``, ``process_group=`` ...; not ``planner=``).
     """
