@@ -84,29 +84,57 @@ def _midpoints(signed: bool) -> torch.Tensor:
     return (book[1:] + book[:-1]) / 2
 
 
+@cache
+def _search_table(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A faster ``bucketize(x, midpoints)``: indexed by the high 16 bits of an fp32 ``x``, the
+    number of midpoints below every value with those bits; one more comparison, with the next
+    midpoint, finishes the search (the code book's midpoints are further apart than such a
+    bucket is wide, which is checked here). Returns the table and the midpoints (+inf last)."""
+    mid = _midpoints(signed)
+    high = torch.arange(-32768, 32768, dtype=torch.int32)
+    lowest = ((high << 16) | (high < 0).to(torch.int32) * 0xFFFF).view(torch.float32)  # bucket ends, in value order
+    highest = ((high << 16) | (high >= 0).to(torch.int32) * 0xFFFF).view(torch.float32)
+    below = torch.bucketize(lowest, mid)
+    finite = ~torch.isnan(lowest)
+    if int((torch.bucketize(highest, mid) - below)[finite].max()) > 1:
+        raise AssertionError("internal error: two code-book midpoints within one bf16 bucket")
+    table = torch.empty(65536, dtype=torch.int32)
+    table[high & 0xFFFF] = below.to(torch.int32)
+    return table, torch.cat([mid, torch.tensor([float("inf")])])
+
+
+def _nearest_codes(normal: torch.Tensor, signed: bool) -> torch.Tensor:
+    """The index of the nearest code of each value of flat fp32 ``normal`` (ties: the lower;
+    what ``torch.bucketize(normal, midpoints)`` gives, three times faster on a CPU)."""
+    table, mid = _search_table(signed)
+    high = normal.view(torch.int32).bitwise_right_shift(16).bitwise_and_(0xFFFF)
+    below = table.index_select(0, high)
+    return below.add_(normal > mid.index_select(0, below))
+
+
 def quantize(values: torch.Tensor, signed: bool, codes: torch.Tensor, scales: torch.Tensor) -> None:
     """Blockwise 8-bit quantisation of flat fp32 ``values`` into ``codes`` (uint8, same count)
     and ``scales`` (fp32, one per block of ``BLOCK``; the last block may be partial)."""
     n = values.numel()
     full = n // BLOCK * BLOCK
-    parts = [(values[:full].view(-1, BLOCK), codes[:full].view(-1, BLOCK), scales[: full // BLOCK])]
+    parts = [(values[:full].view(-1, BLOCK), codes[:full], scales[: full // BLOCK])]
     if full < n:
-        parts.append((values[full:].view(1, -1), codes[full:].view(1, -1), scales[full // BLOCK :]))
+        parts.append((values[full:].view(1, -1), codes[full:], scales[full // BLOCK :]))
     for block, out, scale in parts:
         absmax = block.abs().amax(dim=1).clamp_(min=1e-12)  # an all-zero block still divides
         scale.copy_(absmax)
-        normal = block / absmax.unsqueeze(1)
-        out.copy_(torch.bucketize(normal, _midpoints(signed)))  # the nearest code (0..255)
+        normal = (block / absmax.unsqueeze(1)).view(-1)
+        out.copy_(_nearest_codes(normal, signed))
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, signed: bool, out: torch.Tensor) -> torch.Tensor:
     """The fp32 values of ``codes`` and their block ``scales``, written into flat ``out``."""
     n = codes.numel()
     full = n // BLOCK * BLOCK
-    book = dynamic_map(signed)
-    torch.mul(book[codes[:full].long()].view(-1, BLOCK), scales[: full // BLOCK].unsqueeze(1), out=out[:full].view(-1, BLOCK))
+    torch.index_select(dynamic_map(signed), 0, codes.int(), out=out)
+    out[:full].view(-1, BLOCK).mul_(scales[: full // BLOCK].unsqueeze(1))
     if full < n:
-        torch.mul(book[codes[full:].long()], scales[full // BLOCK :], out=out[full:])
+        out[full:].mul_(scales[full // BLOCK :])
     return out
 
 
