@@ -163,13 +163,24 @@ class GradientCapture:
         if arrived:
             await self._arrived(slot, capture)
 
+    def settles_at_once(self, observed: Observed, *, stale: bool = False) -> bool:
+        """Whether ``settle(observed)`` has nothing to wait for (no copy to take or to finish):
+        such settles run one after the other, without a task each."""
+        slot, grad, version = observed[0], observed[1], observed[2]
+        capture = slot.capture
+        if capture is not None and capture.task is not None and not capture.task.done():
+            return False
+        if grad is None:  # (dropping a host copy is a delete in the store)
+            return capture is None or capture.lent is not None
+        return slot.link.lends or (capture is not None and not stale and capture.matches(grad, version))
+
     async def settle(self, observed: Observed, *, stale: bool = False) -> Capture | None:
         """The capture of ``p.grad`` as step() saw it (taken again if the one from backward is
         stale, or if ``stale``: changed in a way the version does not show), or None when
         ``p.grad`` is None (the parameter is not updated, as in torch)."""
         slot, grad, version, marker, source = observed
         capture = slot.capture
-        if capture is not None and capture.task is not None:
+        if capture is not None and capture.task is not None and not capture.task.done():
             await asyncio.gather(capture.task, return_exceptions=True)
         if grad is None:
             await self.discard(slot)
@@ -179,13 +190,13 @@ class GradientCapture:
                 await capture.task  # its error, if the copy failed
             return capture
         fresh = Capture(weakref.ref(grad), version or 0, marker=marker, memory=memory_of(grad))
-        if slot.link.lends:
+        if slot.link.lends:  # nothing to copy, nothing to wait for
             fresh.lent = grad
-            source = grad
-        else:
-            report = self._report()
-            report.grad_retakes += 1
-            report.grad_retake_bytes += grad.nbytes
+            slot.capture = fresh
+            return fresh
+        report = self._report()
+        report.grad_retakes += 1
+        report.grad_retake_bytes += grad.nbytes
         slot.capture = fresh
         fresh.task = asyncio.ensure_future(self._take(slot, fresh, source, None, arrived=False))
         await fresh.task
@@ -194,7 +205,7 @@ class GradientCapture:
     async def discard(self, slot: ParamSlot) -> None:
         """Drop the slot's capture and its host copy."""
         capture, slot.capture = slot.capture, None
-        if capture is not None and capture.task is not None:
+        if capture is not None and capture.task is not None and not capture.task.done():
             await asyncio.gather(capture.task, return_exceptions=True)
         if capture is not None and capture.lent is None and slot.grad_key in self._store:
             await self._store.delete(slot.grad_key)

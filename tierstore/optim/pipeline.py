@@ -80,9 +80,12 @@ class UpdatePipeline:
         self.chunk_bytes = 0
         self._gate: asyncio.Semaphore | None = None
         self._open: list[ParamSlot] = []
+        self._open_bytes = 0
         self._after: Any = None
         self._running: list[tuple[list[ParamSlot], asyncio.Task[None]]] = []
         self._prefetched = False
+        #: Nothing pages below the state tier: holds never wait for a transfer (but creation).
+        self._flat = False
 
     # -- planning ---------------------------------------------------------------------------------
 
@@ -115,7 +118,8 @@ class UpdatePipeline:
                    else ", or page its state in chunks (chunk_bytes=; a TieredOptimizer only where its optimizer is elementwise)")
             )
         tiers = self._store.tiers
-        if tiers.index(tier) == len(tiers) - 1 and all(slot.link.lends for slot in slots):
+        self._flat = tiers.index(tier) == len(tiers) - 1
+        if self._flat and all(slot.link.lends for slot in slots):
             # Nothing pages below the state tier and nothing crosses a link: no transfers to
             # overlap, and a second bucket's bookkeeping would only slow the math. One bucket
             # (four when updating in backward, so updates start while backward runs). Across a
@@ -203,14 +207,16 @@ class UpdatePipeline:
             task = asyncio.ensure_future(self._update_chunked(slot, coef, self.scale, after))
             self._running.append(([slot], task))
             return
-        if self._open and sum(self.need(s) for s in [*self._open, slot]) > self.bucket_bytes:
+        need = self.need(slot)
+        if self._open and self._open_bytes + need > self.bucket_bytes:
             self.launch(coef)
         self._open.append(slot)
+        self._open_bytes += need
         self._after = after
 
     def launch(self, coef: torch.Tensor | None) -> None:
         if self._open:
-            bucket, self._open = self._open, []
+            bucket, self._open, self._open_bytes = self._open, [], 0
             self._running.append((bucket, asyncio.ensure_future(self._update(bucket, coef, self.scale, self._after))))
 
     async def finish(self, *, drop_open: bool = False) -> list[tuple[list[ParamSlot], BaseException]]:
@@ -218,7 +224,7 @@ class UpdatePipeline:
         others have finished: one bucket's failure does not stop the rest). ``drop_open``: forget
         the bucket not launched yet (the step is abandoned)."""
         if drop_open:
-            self._open = []
+            self._open, self._open_bytes = [], 0
         running, self._running = self._running, []
         results = await asyncio.gather(*(task for _, task in running), return_exceptions=True)
         self._prefetched = False
@@ -231,8 +237,8 @@ class UpdatePipeline:
             self._gate = asyncio.Semaphore(self.inflight)
         todo = [slot for slot in slots if not slot.updated]
         async with self._gate, AsyncExitStack() as stack:
-            states = await _enter_all(stack, [self._owner._state(slot) for slot in slots])
-            grads = await _enter_all(stack, [self.grad(slot) for slot in todo])
+            states = await _enter_all(stack, [self._owner._state(slot) for slot in slots], at_once=self._flat)
+            grads = await _enter_all(stack, [self.grad(slot) for slot in todo], at_once=self._flat)
             job = partial(self._compute_bucket, slots, states, grads, coef, scale)
             outgoing, started, computed, ended = await self.math(job)
             for slot in todo:
@@ -263,17 +269,15 @@ class UpdatePipeline:
     # -- chunks -------------------------------------------------------------------------------------
 
     async def _update_chunked(self, slot: ParamSlot, coef: torch.Tensor | None, scale: torch.Tensor | None, after: Any) -> None:
-        """Update ``slot`` chunk by chunk (chunks already done by a failed attempt are skipped),
-        each chunk taking one of the ``inflight`` places in turn."""
+        """Update ``slot`` chunk by chunk (chunks already done by a failed attempt are skipped):
+        consecutive chunks in runs of up to ``bucket_bytes`` (one math call, one thread hop
+        each), each run taking one of the ``inflight`` places in turn."""
         if self._gate is None:
             self._gate = asyncio.Semaphore(self.inflight)
-        chunks = slot.chunks or []
         if not slot.updated:
             self._owner._begin_chunks(slot)
-        tasks = [
-            asyncio.ensure_future(self._update_chunk(slot, chunk, coef, scale, after))
-            for chunk in chunks if chunk.index not in slot.chunks_written
-        ]
+        runs = self._chunk_runs(slot, [chunk for chunk in slot.chunks or [] if chunk.index not in slot.chunks_written])
+        tasks = [asyncio.ensure_future(self._update_run(slot, runs, i, coef, scale, after)) for i in range(len(runs))]
         results = await asyncio.gather(*tasks, return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
@@ -286,28 +290,54 @@ class UpdatePipeline:
             report.update_elements += slot.numel
         slot.written = True
 
-    async def _update_chunk(self, slot: ParamSlot, chunk: Chunk, coef: torch.Tensor | None, scale: torch.Tensor | None, after: Any) -> None:
-        assert self._gate is not None
-        async with self._gate:
-            self._prefetch_after(slot, chunk)
-            todo = chunk.index not in slot.chunks_updated
-            async with self._owner._chunk_state(slot, chunk) as state, (
-                self._grad_chunk(slot, chunk) if todo else nullcontext(None)
-            ) as grad:
-                job = partial(self._compute_chunk, slot, chunk, state, grad, coef, scale)
-                outgoing, started, computed, ended = await self.math(job)
-                slot.chunks_updated.add(chunk.index)
-                if todo:
-                    self._report().host_update += computed - started
-                    self._timeline.add(f"update {slot.index}/c{chunk.index}", "host update", started, computed, elements=chunk.numel)
-                await self._write_chunk(slot, chunk, outgoing, after, computed, ended)
-            slot.chunks_written.add(chunk.index)
+    def _chunk_runs(self, slot: ParamSlot, chunks: list[Chunk]) -> list[list[Chunk]]:
+        """``chunks`` cut into runs of consecutive chunks needing at most ``bucket_bytes``."""
+        runs: list[list[Chunk]] = []
+        size = 0
+        for chunk in chunks:
+            need = self.chunk_need(slot, chunk)
+            if runs and size + need <= self.bucket_bytes:
+                runs[-1].append(chunk)
+                size += need
+            else:
+                runs.append([chunk])
+                size = need
+        return runs
 
-    def _prefetch_after(self, slot: ParamSlot, chunk: Chunk) -> None:
-        """Ask for the state of the ``inflight`` chunks after ``chunk`` (large requests, issued
-        ahead, behind every demand read), so their reads overlap this chunk's math and writes."""
-        chunks = slot.chunks or []
-        wanted = [c.key for c in chunks[chunk.index + self.inflight : chunk.index + 2 * self.inflight] if c.key in self._store]
+    async def _update_run(
+        self, slot: ParamSlot, runs: list[list[Chunk]], index: int, coef: torch.Tensor | None, scale: torch.Tensor | None, after: Any
+    ) -> None:
+        assert self._gate is not None
+        chunks = runs[index]
+        async with self._gate:
+            self._prefetch_runs(runs[index + self.inflight : index + 2 * self.inflight])
+            todo = [chunk.index not in slot.chunks_updated for chunk in chunks]
+            async with AsyncExitStack() as stack:
+                states = await _enter_all(stack, [self._owner._chunk_state(slot, chunk) for chunk in chunks], at_once=self._flat)
+                grads = await _enter_all(
+                    stack, [self._grad_chunk(slot, chunk) if do else nullcontext(None) for chunk, do in zip(chunks, todo, strict=True)],
+                    at_once=self._flat or slot.link.lends,
+                )
+                job = partial(self._compute_chunks, slot, chunks, states, grads, coef, scale)
+                outgoing, error, started, computed, ended = await self.math(job)
+                done = chunks[: len(outgoing)]
+                slot.chunks_updated.update(chunk.index for chunk in done)
+                applied = sum(chunk.numel for chunk, do in zip(done, todo, strict=False) if do)
+                if applied:
+                    self._report().host_update += computed - started
+                    self._timeline.add(f"update {slot.index}/c{done[0].index}-{done[-1].index}", "host update", started, computed, elements=applied)
+                self._report().weights_to_device += ended - computed  # (into lent parameters, on the math thread)
+                for chunk, weight in zip(done, outgoing, strict=True):
+                    if weight is not None:
+                        await self._write_chunk(slot, chunk, weight, after)
+                    slot.chunks_written.add(chunk.index)
+                if error is not None:
+                    raise error
+
+    def _prefetch_runs(self, runs: list[list[Chunk]]) -> None:
+        """Ask for the state of the runs after this one (large requests, issued ahead, behind
+        every demand read), so their reads overlap this run's math and writes."""
+        wanted = [chunk.key for run in runs for chunk in run if chunk.key in self._store]
         wanted = [key for key in wanted if self._tier not in self._store.where(key)]
         if wanted:
             asyncio.ensure_future(self._store.prefetch(wanted, self._tier))
@@ -334,36 +364,49 @@ class UpdatePipeline:
             yield buffer
         await self._store.delete(key)
 
-    def _compute_chunk(
-        self, slot: ParamSlot, chunk: Chunk, state: Any, grad: torch.Tensor | None, coef: torch.Tensor | None, scale: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, float, float, float]:
-        """One chunk's math (skipped when an earlier attempt did it), then its new weight:
-        written into the parameter where the link lends, else returned to be sent."""
+    def _compute_chunks(
+        self, slot: ParamSlot, chunks: list[Chunk], states: list[Any], grads: list[torch.Tensor | None], coef: torch.Tensor | None,
+        scale: torch.Tensor | None,
+    ) -> tuple[list[torch.Tensor | None], BaseException | None, float, float, float]:
+        """The math of a run of chunks, one by one (a chunk whose gradient is None was updated
+        by an earlier attempt), then each new weight: written into the parameter where the link
+        lends, else returned to be sent. Stops at the first error, returned with the weights of
+        the chunks done before it (whose updates are applied)."""
         started = time.perf_counter()
-        if grad is not None:
-            if scale is not None and coef is not None:
-                grad, scale = grad.mul(inverse_scale(scale)), None
-            if coef is not None:
-                grad = grad.mul(coef.to(grad.device))
-            master = self._owner._apply_chunk(slot, chunk, state, grad, scale)
-        else:
-            master = self._owner._master(slot, state)
+        masters: list[torch.Tensor] = []
+        error: BaseException | None = None
+        for chunk, state, grad in zip(chunks, states, grads, strict=True):
+            try:
+                masters.append(self._update_one_chunk(slot, chunk, state, grad, coef, scale))
+            except Exception as exc:  # noqa: BLE001 - the loop records the chunks done, then raises it
+                error = exc
+                break
         computed = time.perf_counter()
-        outgoing: torch.Tensor | None = master
-        if chunk.index in slot.chunks_written:
-            outgoing = None
-        elif offloaded(slot.param) is None and slot.link.lends:
-            slot.param.data.view(-1)[chunk.start : chunk.stop].copy_(master)
-            outgoing = None
-        elif slot.param.dtype != master.dtype:
-            outgoing = master.to(slot.param.dtype)
-        return outgoing, started, computed, time.perf_counter()
+        outgoing: list[torch.Tensor | None] = []
+        lent_here = slot.link.lends and offloaded(slot.param) is None
+        for chunk, master in zip(chunks, masters, strict=False):
+            if chunk.index in slot.chunks_written:
+                outgoing.append(None)
+            elif lent_here:
+                _write_into(slot.param.data.view(-1)[chunk.start : chunk.stop], master)
+                outgoing.append(None)
+            else:
+                outgoing.append(master if slot.param.dtype == master.dtype else master.to(slot.param.dtype))
+        return outgoing, error, started, computed, time.perf_counter()
 
-    async def _write_chunk(self, slot: ParamSlot, chunk: Chunk, weight: torch.Tensor | None, after: Any, computed: float, ended: float) -> None:
+    def _update_one_chunk(
+        self, slot: ParamSlot, chunk: Chunk, state: Any, grad: torch.Tensor | None, coef: torch.Tensor | None, scale: torch.Tensor | None
+    ) -> torch.Tensor:
+        if grad is None:
+            return self._owner._master(slot, state)
+        if scale is not None and coef is not None:
+            grad, scale = grad.mul(inverse_scale(scale)), None
+        if coef is not None:
+            grad = grad.mul(coef.to(grad.device))
+        return self._owner._apply_chunk(slot, chunk, state, grad, scale)
+
+    async def _write_chunk(self, slot: ParamSlot, chunk: Chunk, weight: torch.Tensor, after: Any) -> None:
         report = self._report()
-        if weight is None:
-            report.weights_to_device += ended - computed
-            return
         offload = offloaded(slot.param)
         started = time.perf_counter()
         if offload is not None:
@@ -397,10 +440,10 @@ class UpdatePipeline:
         outgoing: list[torch.Tensor | None] = []
         for slot, master in zip(slots, masters, strict=True):
             weight = master.view(slot.shape)
-            if slot.written or offloaded(slot.param) is not None:
+            if slot.written or (slot.link.lends and offloaded(slot.param) is not None):
                 outgoing.append(weight)
             elif slot.link.lends:  # the parameter lives in host memory
-                slot.param.data.copy_(weight)
+                _write_into(slot.param.data, weight)
                 outgoing.append(None)
             else:
                 outgoing.append(weight if slot.param.dtype == weight.dtype else weight.to(slot.param.dtype))
@@ -416,10 +459,11 @@ class UpdatePipeline:
         for slot, weight in zip(slots, outgoing, strict=True):
             if slot.written:
                 continue
-            offload = offloaded(slot.param)
             if weight is None:
                 slot.written = True
-            elif offload is not None:  # the weight lives in a store (offload_parameters)
+                continue
+            offload = offloaded(slot.param)
+            if offload is not None:  # the weight lives in a store (offload_parameters)
                 started = time.perf_counter()
                 await offload[0].write_weight(offload[1], weight.to(slot.param.dtype))
                 report.weights_to_device += time.perf_counter() - started
@@ -496,14 +540,24 @@ def _device_grad(slot: ParamSlot, capture: Capture) -> torch.Tensor:
 
 def offloaded(param: torch.Tensor) -> Any:
     """``(offloader, key)`` if ``param``'s weight lives in a store (``offload_parameters``)."""
-    from ..swap import parameters
+    from ..swap.parameters import offloaded as lookup
 
-    return parameters.offloaded(param)
+    return lookup(param)
 
 
-async def _enter_all(stack: AsyncExitStack, managers: list[AbstractAsyncContextManager[Any]]) -> list[Any]:
+def _write_into(param: torch.Tensor, weight: torch.Tensor) -> None:
+    """Write the new ``weight`` into the parameter's memory, unless it is that memory already
+    (a state whose master is the parameter itself)."""
+    if weight.data_ptr() != param.data_ptr() or weight.stride() != param.stride():
+        param.copy_(weight)
+
+
+async def _enter_all(stack: AsyncExitStack, managers: list[AbstractAsyncContextManager[Any]], *, at_once: bool = False) -> list[Any]:
     """Enter several async context managers at once (their transfers overlap) into ``stack``;
-    if one fails, the ones entered are still exited with the stack."""
+    if one fails, the ones entered are still exited with the stack. ``at_once``: there is
+    nothing to overlap (all in memory): enter them one after the other, without a task each."""
+    if at_once:
+        return [await stack.enter_async_context(manager) for manager in managers]
 
     async def enter(manager: AbstractAsyncContextManager[Any]) -> Any:
         return await stack.enter_async_context(manager)

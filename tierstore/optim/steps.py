@@ -91,7 +91,7 @@ class StepRunner:
                     changed.append(slot.index)
             elif not slot.updated:
                 pending.append(item)
-        settled = await asyncio.gather(*(self.capture.settle(item, stale=stale) for item in pending), return_exceptions=True)
+        settled = await self._settle(pending, stale)
         failures: list[tuple[list[ParamSlot], BaseException]] = []
         ready = [slot for slot in self._slots if slot.updated and not slot.written]  # an earlier attempt's
         for item, result in zip(pending, settled, strict=True):
@@ -129,6 +129,25 @@ class StepRunner:
         self._store.mark_step()
         self.steps += 1
         await self.end()
+
+    async def _settle(self, pending: list[Observed], stale: bool) -> list[Capture | None | BaseException]:
+        """Settle every capture of ``pending`` (errors returned in place): those with nothing to
+        wait for one after the other, the copies still to take or finish concurrently."""
+        results: list[Capture | None | BaseException] = [None] * len(pending)
+        waiting: list[int] = []
+        for i, item in enumerate(pending):
+            if not self.capture.settles_at_once(item, stale=stale):
+                waiting.append(i)
+                continue
+            try:
+                results[i] = await self.capture.settle(item, stale=stale)
+            except Exception as exc:  # noqa: BLE001 - reported with the others
+                results[i] = exc
+        if waiting:
+            settled = await asyncio.gather(*(self.capture.settle(pending[i], stale=stale) for i in waiting), return_exceptions=True)
+            for i, result in zip(waiting, settled, strict=True):
+                results[i] = result
+        return results
 
     async def _captures_settled(self) -> None:
         """Wait for the captures still moving (errors are theirs to report, at settle)."""
