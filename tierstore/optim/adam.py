@@ -39,8 +39,9 @@ from ..sync import run
 from .checkpoint import adam_entry, adam_load_state_dict, adam_state_dict
 from .chunks import Chunk, chunk_key
 from .clipping import inverse_scale
+from .distributed import ParamRange
 from .paging import PagedOptimizer, ParamSlot
-from .pipeline import fill_weight_range, read_weight_range
+from .pipeline import fill_weight_range, read_weight, read_weight_range
 from .precision import PackedState, StateLayout, validate
 
 
@@ -163,13 +164,25 @@ class TieredAdam(PagedOptimizer):
         packed[0].copy_(weight.reshape(-1))
         return packed
 
-    async def _wrap(self, slot: ParamSlot, packed: torch.Tensor, start: int, stop: int) -> Any:
+    async def _wrap(self, slot: ParamSlot, packed: torch.Tensor, start: int, stop: int, chunk: Chunk | None = None) -> Any:
         """What the update gets of an entry: the fp32 rows themselves, or a ``PackedState``
         (with a lossless master, holding the model's weight for those elements)."""
         layout = self._layout(slot)
         if layout is None:
             return packed
-        high = await read_weight_range(slot, start, stop) if layout.lossless else None
+        high = None
+        if layout.lossless:
+            if chunk is not None and chunk.index in slot.chunks_updated and chunk.index not in slot.chunks_written or (
+                chunk is None and slot.updated and not slot.written
+            ):
+                # The update's new high halves were in the weight that was never written: only
+                # the low halves were kept.
+                warnings.warn(
+                    f"parameter {slot.index}: a step that failed after its update and before its weight was written "
+                    "is completed with the weight as it was (master_weights='lossless' keeps only the master's low half)",
+                    stacklevel=2,
+                )
+            high = await (read_weight(slot) if (start, stop) == (0, slot.numel) else read_weight_range(slot, start, stop))
         return PackedState(layout, packed, stop - start, high)
 
     @asynccontextmanager
@@ -188,14 +201,14 @@ class TieredAdam(PagedOptimizer):
             yield await self._wrap(slot, packed, 0, slot.numel)
 
     def _chunkable(self, slot: ParamSlot) -> bool:
-        return type(slot.param) in (torch.Tensor, torch.nn.Parameter) and slot.param.is_contiguous()
+        return type(slot.param) in (torch.Tensor, torch.nn.Parameter, ParamRange) and slot.param.is_contiguous()
 
     @asynccontextmanager
     async def _chunk_state(self, slot: ParamSlot, chunk: Chunk) -> AsyncIterator[Any]:
         if not self._has(chunk.key, slot, chunk.numel):
             await self._create(chunk.key, slot, chunk.start, chunk.stop)
         async with self.store.hold(chunk.key, self.state_tier, write=True) as packed:
-            yield await self._wrap(slot, packed, chunk.start, chunk.stop)
+            yield await self._wrap(slot, packed, chunk.start, chunk.stop, chunk)
 
     def _has(self, key: str, slot: ParamSlot, numel: int) -> bool:
         if key not in self.store:
