@@ -55,6 +55,18 @@ def meta_of(tensor: torch.Tensor) -> TensorMeta:
     return meta
 
 
+class _Inline:
+    """The mark of a copy kept inline in the disk tier's catalog."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "inline"
+
+
+_INLINE = _Inline()
+
+
 class Copy:
     """One tier's copy of an entry: a buffer (memory tiers), an extent (disk tier), or a value
     kept inline in the disk tier's catalog (its bytes are read from the catalog).
@@ -83,7 +95,10 @@ class Copy:
         its reuse wait for it.
     """
 
-    __slots__ = ("tier", "version", "_buffer", "index", "extent", "checksums", "inline", "users", "holds", "in_policy", "writing", "retired", "last_use")
+    # A copy is a memory copy, an extent or an inline value, never two: one slot (``_where``)
+    # holds its buffer, slab, extent or the ``_INLINE`` mark, and one (``_aux``) its checksums
+    # (disk) or last use (memory). A million copies are a million of these objects.
+    __slots__ = ("tier", "version", "_where", "index", "_aux", "users", "holds", "_flags")
 
     def __init__(
         self,
@@ -97,68 +112,126 @@ class Copy:
         slab: Slab | None = None,
         index: int = 0,
     ) -> None:
+        if sum(x is not None for x in (buffer, extent, inline, slab)) > 1:
+            raise ValueError("a copy is one of: a buffer, a slot of a slab, an extent, an inline value")
         self.tier = tier
         self.version = version
-        self._buffer: torch.Tensor | Slab | None = slab if slab is not None else buffer
-        self.index = index
-        self.extent = extent
-        self.checksums = checksums
-        self.inline = inline
+        self._where: torch.Tensor | Slab | Extent | _Inline | None
+        self._aux: Any
+        if inline is not None:
+            self._where, self.index, self._aux = _INLINE, inline, ()
+        elif extent is not None:
+            self._where, self.index, self._aux = extent, 0, checksums
+        else:
+            self._where, self.index, self._aux = (slab if slab is not None else buffer), index, None
         self.users = 0
         self.holds = 0
-        self.in_policy = False
-        self.writing = False
-        self.retired = False
-        self.last_use: Any = None
+        self._flags = 0
+
+    def _flag(bit: int, doc: str) -> Any:  # type: ignore[misc]  # (a helper of the class body)
+        def get(self: Copy) -> bool:
+            return bool(self._flags & bit)
+
+        def set_(self: Copy, on: bool) -> None:
+            self._flags = self._flags | bit if on else self._flags & ~bit
+
+        return property(get, set_, doc=doc)
+
+    in_policy = _flag(1, "The copy is known to the tier's eviction policy (valid, memory tier, not a victim).")
+    writing = _flag(2, "A write hold is changing this buffer: nothing copies from it until the hold ends.")
+    retired = _flag(4, "Replaced or invalidated; its space is released when the last user lets go.")
+    del _flag
 
     @property
     def buffer(self) -> torch.Tensor | None:
         """The memory copy's bytes as a uint8 tensor (for a packed value, a tensor over its slot
         made on each call, with the slot as its storage), or None for a disk copy."""
-        buffer = self._buffer
-        if buffer.__class__ is Slab:
-            return buffer.slot_tensor(self.index)  # type: ignore[union-attr]
-        return buffer  # type: ignore[return-value]
+        where = self._where
+        if where.__class__ is Slab:
+            return where.slot_tensor(self.index)  # type: ignore[union-attr]
+        return where if isinstance(where, torch.Tensor) else None
 
     @buffer.setter
     def buffer(self, buffer: torch.Tensor | None) -> None:
-        self._buffer = buffer
+        self._where, self._aux = buffer, None
 
     @property
     def slab(self) -> Slab | None:
         """The slab whose slot ``index`` holds this copy (a packed small value), else None."""
-        buffer = self._buffer
-        return buffer if buffer.__class__ is Slab else None  # type: ignore[return-value]
+        where = self._where
+        return where if where.__class__ is Slab else None  # type: ignore[return-value]
 
     @property
     def in_memory(self) -> bool:
         """Whether this is a memory tier's copy (it has a buffer or a slot)."""
-        return self._buffer is not None
+        where = self._where
+        return where.__class__ is Slab or isinstance(where, torch.Tensor)
+
+    @property
+    def extent(self) -> Extent | None:
+        """Where a disk copy's bytes lie in the data files (None for other copies)."""
+        where = self._where
+        return where if where.__class__ is Extent else None  # type: ignore[return-value]
+
+    @extent.setter
+    def extent(self, extent: Extent | None) -> None:
+        self._where = extent
+
+    @property
+    def checksums(self) -> tuple[int, ...]:
+        """A disk extent's checksums, one per chunk (``()`` for other copies)."""
+        return self._aux if self._where.__class__ is Extent else ()  # type: ignore[no-any-return]
+
+    @property
+    def inline(self) -> int | None:
+        """For a value inline in the disk tier's catalog, its size in bytes (what it counts
+        against the tier's capacity); None otherwise."""
+        return self.index if self._where is _INLINE else None
+
+    @inline.setter
+    def inline(self, inline: int | None) -> None:
+        if inline is None:
+            self._where, self.index = None, 0
+        else:
+            self._where, self.index = _INLINE, inline
+
+    @property
+    def last_use(self) -> Any:
+        """A device buffer's last use by the caller's kernels (a link marker), or None."""
+        return self._aux if self.in_memory else None
+
+    @last_use.setter
+    def last_use(self, marker: Any) -> None:
+        self._aux = marker
 
     def view(self, nbytes: int) -> torch.Tensor:
         """The first ``nbytes`` of a memory copy, as a uint8 tensor."""
-        buffer = self._buffer
-        if buffer.__class__ is Slab:
-            return buffer.view(self.index, nbytes)  # type: ignore[union-attr]
-        return buffer[:nbytes]  # type: ignore[index]
+        where = self._where
+        if where.__class__ is Slab:
+            return where.view(self.index, nbytes)  # type: ignore[union-attr]
+        return where[:nbytes]  # type: ignore[index]
 
     def payload(self, nbytes: int) -> torch.Tensor | bytes:
         """The first ``nbytes`` of a memory copy: a copy as bytes for a packed value (cheaper
         than a tensor over its slot), else a uint8 view of its buffer."""
-        buffer = self._buffer
-        if buffer.__class__ is Slab:
-            return buffer.bytes_of(self.index, nbytes)  # type: ignore[union-attr]
-        return buffer[:nbytes]  # type: ignore[index]
+        where = self._where
+        if where.__class__ is Slab:
+            return where.bytes_of(self.index, nbytes)  # type: ignore[union-attr]
+        return where[:nbytes]  # type: ignore[index]
 
     @property
     def nbytes(self) -> int:
         """Bytes this copy occupies on its tier."""
-        buffer = self._buffer
-        if buffer is not None:
-            return buffer.slot if buffer.__class__ is Slab else storage_nbytes(buffer)  # type: ignore[union-attr,arg-type]
-        if self.inline is not None:
-            return self.inline
-        return self.extent.length if self.extent is not None else 0
+        where = self._where
+        if where is None:
+            return 0
+        if where.__class__ is Slab:
+            return where.slot  # type: ignore[union-attr]
+        if where is _INLINE:
+            return self.index
+        if where.__class__ is Extent:
+            return where.length  # type: ignore[union-attr]
+        return storage_nbytes(where)  # type: ignore[arg-type]
 
     def __repr__(self) -> str:
         where = "inline" if self.inline is not None else (self.extent if self.extent is not None else "buffer")
@@ -168,9 +241,11 @@ class Copy:
 class _Rare:
     """The parts of an entry that few entries need at a time (see ``Entry``)."""
 
-    __slots__ = ("writer_token", "loading", "disk_lock", "hold_tokens", "waiters")
+    __slots__ = ("pending_writes", "writer", "writer_token", "loading", "disk_lock", "hold_tokens", "waiters")
 
     def __init__(self) -> None:
+        self.pending_writes = 0
+        self.writer: Copy | None = None
         self.writer_token = 0
         self.loading: dict[int, asyncio.Future[None]] | None = None
         self.disk_lock: asyncio.Lock | None = None
@@ -196,7 +271,7 @@ class Entry:
         Names that write hold (``tierstore.holds``), so its holder is told apart from others.
     """
 
-    __slots__ = ("key", "meta", "version", "_copies", "pending_writes", "writer", "_rare")
+    __slots__ = ("key", "meta", "version", "_copies", "_rare")
 
     def __init__(self, key: str, meta: TensorMeta, version: int = 0) -> None:
         self.key = key
@@ -205,8 +280,6 @@ class Entry:
         # None, one Copy, or a tuple of them by tier: most keys have one or two copies, and a
         # dict per key would cost more than the rest of the entry.
         self._copies: Copy | tuple[Copy, ...] | None = None
-        self.pending_writes = 0
-        self.writer: Copy | None = None
         #: What few entries need at a time (write holds, loads, waiters, the disk lock), made
         #: on first use (``_Rare``).
         self._rare: _Rare | None = None
@@ -216,7 +289,7 @@ class Entry:
         """An entry found on open whose one copy is ``copy`` (``meta`` shared already)."""
         entry = cls.__new__(cls)
         entry.key, entry.meta, entry.version, entry._copies = key, meta, copy.version, copy
-        entry.pending_writes, entry.writer, entry._rare = 0, None, None
+        entry._rare = None
         return entry
 
     def _rare_set(self, name: str, value: Any) -> None:
@@ -227,8 +300,22 @@ class Entry:
             rare = self._rare = _Rare()
         setattr(rare, name, value)
         if value is None or value == 0:
-            if rare.writer_token == 0 and rare.loading is None and rare.disk_lock is None and rare.hold_tokens is None and rare.waiters is None:
+            if (
+                rare.pending_writes == 0 and rare.writer is None and rare.writer_token == 0 and rare.loading is None
+                and rare.disk_lock is None and rare.hold_tokens is None and rare.waiters is None
+            ):
                 self._rare = None
+
+    pending_writes = property(
+        lambda self: self._rare.pending_writes if self._rare is not None else 0,
+        lambda self, value: self._rare_set("pending_writes", value),
+        doc="Puts in flight that may still create this entry.",
+    )
+    writer = property(
+        lambda self: self._rare.writer if self._rare is not None else None,
+        lambda self, value: self._rare_set("writer", value),
+        doc="The copy under a write hold, if any (at most one: write holds are exclusive).",
+    )
 
     writer_token = property(
         lambda self: self._rare.writer_token if self._rare is not None else 0,
