@@ -6,6 +6,7 @@ in processes the tests spawn."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -55,6 +56,11 @@ def train(model: torch.nn.Module, opt: Any, data: torch.Tensor, clip: str) -> No
         elif clip == "opt":
             opt.clip_grad_norm_(CLIP)
         opt.step()
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A state tensor as torch's AdamW holds it (a split parameter's state is a DTensor)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -146,9 +152,10 @@ def train_and_save(rank: int, world: int, out: Path) -> dict[str, Any]:
     result["ddp_state_bytes"] = sum(runs["ddp"][1].memory_report().state_by_tier.values())
     result["zero1_folder"] = (root / f"rank{rank}").is_dir()
     result["summary"] = rank_summary(zero1)
+    result["dominating"] = dominating(rank, world, out)
     # opt.state reads on access: what torch's AdamW holds
     result["state_equal"] = all(
-        torch.equal(zero1.state[p]["exp_avg"], ref_opt.state[q]["exp_avg"]) and torch.equal(zero1.state[p]["step"], ref_opt.state[q]["step"])
+        torch.equal(whole(zero1.state[p]["exp_avg"]), ref_opt.state[q]["exp_avg"]) and torch.equal(zero1.state[p]["step"], ref_opt.state[q]["step"])
         for p, q in zip(runs["zero1"][0].parameters(), reference.parameters(), strict=True)
         if zero1.state[p]
     )
@@ -210,6 +217,50 @@ def train_and_save(rank: int, world: int, out: Path) -> dict[str, Any]:
     return result
 
 
+def dominating(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """An embedding holding ~97% of the elements: its state is split by rows across the ranks
+    (in chunks of ``chunk_bytes`` on each), so every rank holds about 1/world of the state;
+    ZeRO-1 (with clipping) bit for bit against DDP + fused AdamW, ZeRO-2 within rounding; DCP
+    saves the split state and torch's AdamW loads it."""
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Embedding(600, 16), torch.nn.Linear(16, 12), torch.nn.Linear(12, 4))
+    data = torch.randint(0, 600, (STEPS, 8), generator=torch.Generator().manual_seed(rank))
+
+    def loss(model: torch.nn.Module, step: int) -> torch.Tensor:
+        return model(data[step]).pow(2).mean()
+
+    ref = DDP(copy.deepcopy(base))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, fused=True)
+    runs = {"zero1": DDP(copy.deepcopy(base)), "zero2": copy.deepcopy(base)}
+    opts = {
+        name: _tiered(model.parameters(), out, process_group=True, zero_stage=int(name[-1]), max_grad_norm=CLIP, chunk_bytes=4096 * 6)
+        for name, model in runs.items()
+    }
+    for step in range(STEPS):
+        for model, opt in ((ref, ref_opt), *((runs[n], opts[n]) for n in runs)):
+            opt.zero_grad()
+            loss(model, step).backward()
+            if opt is ref_opt:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            opt.step()
+    result: dict[str, Any] = {"zero1_equal": equal(runs["zero1"], ref), "zero2_error": rel_error(runs["zero2"], ref)}
+    result["state_bytes"] = sum(opts["zero1"].memory_report().state_by_tier.values())
+    result["total_state_bytes"] = 12 * sum(p.numel() for p in base.parameters() if p.numel() >= 64)  # (paged ones)
+    result["chunks"] = max(len(slot.chunks or []) for slot in opts["zero1"]._slots)
+    embedding = runs["zero1"].module[0].weight
+    result["state_equal"] = torch.equal(whole(opts["zero1"].state[embedding]["exp_avg_sq"]), ref_opt.state[ref.module[0].weight]["exp_avg_sq"])
+    save(out / f"dominating{world}", runs["zero1"], opts["zero1"])
+    theirs = DDP(copy.deepcopy(base))
+    theirs_opt = torch.optim.AdamW(theirs.parameters(), lr=LR, fused=True)
+    load(out / f"dominating{world}", theirs, theirs_opt)
+    result["loaded_equal"] = all(
+        torch.equal(theirs_opt.state[p]["exp_avg"], ref_opt.state[q]["exp_avg"]) for p, q in zip(theirs.parameters(), ref.parameters(), strict=True)
+    )
+    for opt in opts.values():
+        opt.close()
+    return result
+
+
 def reshard(rank: int, world: int, out: Path) -> dict[str, Any]:
     """Load the 2-rank checkpoints into ``world`` ranks and continue: ours (sharded again, by
     ``world``) and torch's AdamW from torch's checkpoint must go on identically."""
@@ -222,7 +273,7 @@ def reshard(rank: int, world: int, out: Path) -> dict[str, Any]:
     ref = torch.optim.AdamW(theirs.parameters(), lr=LR, fused=True)
     load(out / "torch", theirs, ref)
     loaded_equal = all(
-        torch.equal(opt.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"])
+        torch.equal(whole(opt.state[p]["exp_avg_sq"]), ref.state[q]["exp_avg_sq"])
         for p, q in zip(ours.parameters(), theirs.parameters(), strict=True)
         if opt.state[p]
     )
@@ -230,6 +281,8 @@ def reshard(rank: int, world: int, out: Path) -> dict[str, Any]:
     train(theirs, ref, more, "user")
     result = {"loaded_equal": loaded_equal, "continued_equal": equal(ours, theirs), "owned": sum(1 for p in ours.parameters() if opt.state[p])}
     opt.close()
+    if world > 1:
+        result["dominating"] = dominating(rank, world, out)
     return result
 
 
@@ -275,4 +328,16 @@ def test_ddp_sharded_fsdp2_and_dcp(tmp_path: Path, device_mode: str) -> None:
     for world in (1, 3):
         resharded = _spawn("reshard", world, device_mode, tmp_path)
         assert all(r["loaded_equal"] and r["continued_equal"] for r in resharded), resharded
-        assert sum(r["owned"] for r in resharded) == 6
+        assert sum(r["owned"] for r in resharded) == 6 + (4 if world == 3 else 0)  # 3 ranks: both weights split by rows
+    _dominating_balanced([r["dominating"] for r in ranks])
+    _dominating_balanced([r["dominating"] for r in resharded])
+
+
+def _dominating_balanced(ranks: list[dict[str, Any]]) -> None:
+    """One parameter with 97% of the elements: each rank holds ~1/N of the state, in chunks."""
+    total = ranks[0]["total_state_bytes"]
+    state = [r["state_bytes"] for r in ranks]
+    assert sum(state) == total and max(state) <= 1.05 * total / len(ranks), (state, total)
+    for r in ranks:
+        assert r["zero1_equal"] and r["state_equal"] and r["loaded_equal"] and r["chunks"] > 1, r
+        assert r["zero2_error"] <= 1e-6, r

@@ -59,7 +59,6 @@ def frozen(rank: int) -> dict[str, Any]:
     ref, ours = DDP(copy.deepcopy(model)), DDP(copy.deepcopy(model))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     opt = TieredAdamW(ours.parameters(), lr=1e-2, fused=True, min_offload_numel=4, process_group=True)
-    owned = sum(p.numel() for p in ours.parameters() if opt.state[p])
     frozen_state = [opt.state[p] for p in ours.module[0].parameters()]
     data = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(rank))
     for step in range(2):
@@ -67,8 +66,47 @@ def frozen(rank: int) -> dict[str, Any]:
             o.zero_grad()
             m(data[step]).pow(2).mean().backward()
             o.step()
+    owned = sum(opt.memory_report().state_by_tier.values()) // 12  # elements whose state this rank holds
     result = {"owned": owned, "frozen_state": frozen_state == [{}, {}], "equal": _equal(ours, ref)}
     opt.close()
+    return result
+
+
+def generic(rank: int) -> dict[str, Any]:
+    """TieredOptimizer(process_group=) around torch's SGD (momentum) and Adagrad: an embedding
+    holding most of the elements has its rows split across the ranks; bit for bit against DDP
+    + the same torch optimizer, ``opt.state`` as torch's; a non-elementwise optimizer refused."""
+    from tierstore.device import emulate_device
+    from tierstore.optim import TieredOptimizer
+
+    result: dict[str, Any] = {}
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Embedding(400, 8), torch.nn.Linear(8, 4))
+    data = torch.randint(0, 400, (3, 8), generator=torch.Generator().manual_seed(rank))
+    for mode in ("plain", "emulated"):
+        with emulate_device(mode == "emulated"):
+            for cls, options in ((torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}), (torch.optim.Adagrad, {"lr": 0.1})):
+                ref, ours = DDP(copy.deepcopy(base)), DDP(copy.deepcopy(base))
+                ref_opt = cls(ref.parameters(), **options)
+                opt = TieredOptimizer(ours.parameters(), cls, min_offload_numel=4, process_group=True, chunk_bytes=4096, **options)
+                for step in range(3):
+                    for m, o in ((ref, ref_opt), (ours, opt)):
+                        o.zero_grad()
+                        m(data[step]).pow(2).mean().backward()
+                        o.step()
+                name = next(k for k in ref_opt.state[ref.module[0].weight] if k != "step")  # momentum_buffer / sum
+                mine = opt.state[ours.module[0].weight][name]
+                result[f"{mode}_{cls.__name__}"] = {
+                    "equal": _equal(ours, ref),
+                    "split": type(mine).__name__ == "DTensor",
+                    "state_equal": torch.equal(mine.full_tensor(), ref_opt.state[ref.module[0].weight][name]),
+                }
+                opt.close()
+    try:
+        TieredOptimizer(base.parameters(), torch.optim.LBFGS, process_group=True)
+        result["refused"] = ""
+    except ValueError as exc:
+        result["refused"] = str(exc)
     return result
 
 
@@ -77,7 +115,7 @@ def run_rank(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=LIMIT_S))
     try:
-        result = {"nan_norm": nan_norm(rank), "frozen": frozen(rank)}
+        result = {"nan_norm": nan_norm(rank), "frozen": frozen(rank), "generic": generic(rank)}
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -99,7 +137,11 @@ def test_sharded_edges(tmp_path: Path) -> None:
         # the NaN reaches every rank's norm (a MAX against a sentinel dropped it) and the weights
         assert r["nan_norm"]["ref_norm"] == r["nan_norm"]["norm"] == "nan" and r["nan_norm"]["same_nans"], r
         assert r["frozen"]["frozen_state"] and r["frozen"]["equal"], r
-    # the trainable parameters (1024, 256, 16, 16 elements) are split by their own sizes, not the
-    # frozen layer's (which left one rank owning no state at all)
+        refused = r["generic"].pop("refused")
+        assert "elementwise" in refused, refused
+        assert all(g["equal"] and g["split"] and g["state_equal"] for g in r["generic"].values()), r["generic"]
+    # the trainable parameters (1024, 256, 16, 16 elements) are balanced by their own sizes, not
+    # the frozen layer's (which left one rank owning no state at all): the 16 x 64 weight, more
+    # than half of them, has 8 rows on each rank
     owned = sorted(r["frozen"]["owned"] for r in ranks)
-    assert owned == [288, 1024], owned
+    assert owned == [512 + 16 + 16, 512 + 256], owned

@@ -39,6 +39,7 @@ from ..sync import run
 from .checkpoint import adam_entry, adam_load_state_dict, adam_state_dict
 from .chunks import Chunk, chunk_key
 from .clipping import inverse_scale
+from .distributed import ParamRange
 from .paging import PagedOptimizer, ParamSlot
 from .pipeline import fill_weight_range, read_weight, read_weight_range
 from .precision import PackedState, StateLayout, validate
@@ -200,7 +201,7 @@ class TieredAdam(PagedOptimizer):
             yield await self._wrap(slot, packed, 0, slot.numel)
 
     def _chunkable(self, slot: ParamSlot) -> bool:
-        return type(slot.param) in (torch.Tensor, torch.nn.Parameter) and slot.param.is_contiguous()
+        return type(slot.param) in (torch.Tensor, torch.nn.Parameter, ParamRange) and slot.param.is_contiguous()
 
     @asynccontextmanager
     async def _chunk_state(self, slot: ParamSlot, chunk: Chunk) -> AsyncIterator[Any]:

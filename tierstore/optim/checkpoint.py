@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..sync import run
-from .distributed import LocalShard, is_dtensor
+from .distributed import LocalShard, ParamRange, is_dtensor
 
 if TYPE_CHECKING:
     from .adam import TieredAdam
@@ -64,12 +64,12 @@ def saved_index(optimizer: PagedOptimizer, slot: ParamSlot) -> int:
 
 def model_param(slot: ParamSlot) -> torch.Tensor:
     """The parameter as the model and ``param_groups`` hold it (the DTensor for a shard)."""
-    return slot.param.dtensor if isinstance(slot.param, LocalShard) else slot.param
+    return slot.param.parameter if isinstance(slot.param, (LocalShard, ParamRange)) else slot.param
 
 
 def _laid_out(slot: ParamSlot, flat: torch.Tensor) -> torch.Tensor:
     """A flat state row as the parameter is laid out: its shape, or a DTensor like it."""
-    if isinstance(slot.param, LocalShard):
+    if isinstance(slot.param, (LocalShard, ParamRange)):
         return slot.param.as_dtensor(flat)
     return flat.reshape(slot.shape)
 
@@ -82,6 +82,8 @@ def _local(slot: ParamSlot, name: str, value: Any) -> torch.Tensor:
         if isinstance(slot.param, LocalShard) and tuple(tensor.placements) != tuple(p.placements):  # type: ignore[attr-defined]
             tensor = tensor.redistribute(p.device_mesh, p.placements)  # type: ignore[attr-defined]
         tensor = tensor._local_tensor  # type: ignore[attr-defined]
+    elif isinstance(slot.param, ParamRange):  # a whole tensor (torch's AdamW's): our rows of it
+        tensor = slot.param.local_of(tensor)
     if tensor.numel() != slot.numel:
         raise ValueError(
             f"parameter {slot.index}: saved {name!r} has {tensor.numel()} elements here, the parameter (shard) {slot.numel}; "

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .distributed import ParamRange
+
 if TYPE_CHECKING:
     from .paging import PagedOptimizer
 
@@ -50,7 +52,11 @@ def attach_ddp(optimizer: PagedOptimizer, ddp_model: torch.nn.Module, hook: Comm
             "attach_ddp(optimizer, model, hook=your_hook, state=your_state): it runs first, then the copies"
         )
     params = {id(p) for p in ddp_model.parameters() if p.requires_grad}
-    slots = {id(slot.param): slot for slot in optimizer._slots if id(slot.param) in params}
+    slots: dict[int, list[Any]] = {}  # by parameter: its slot, or (sharded) the slot of our rows of it
+    for slot in optimizer._slots:
+        param = slot.param.parameter if isinstance(slot.param, ParamRange) else slot.param
+        if id(param) in params:
+            slots.setdefault(id(param), []).append(slot)
     if not slots:
         raise ValueError("none of the optimizer's parameters belongs to this DDP model")
     capture = optimizer._capture
@@ -59,7 +65,7 @@ def attach_ddp(optimizer: PagedOptimizer, ddp_model: torch.nn.Module, hook: Comm
         ddp_model.register_comm_hook(chained, _comm_hook)
     except RuntimeError as exc:  # a built-in hook registered in C++ is not listed in _comm_hooks
         raise ValueError(f"cannot register the copying hook on this DDP model ({exc}); pass your hook as attach_ddp(..., hook=)") from exc
-    capture.watch_ddp(list(slots.values()))
+    capture.watch_ddp([slot for group in slots.values() for slot in group])
 
 
 class _Chained:
@@ -91,9 +97,11 @@ def _comm_hook(chained, bucket):  # DDP checks these annotations: none
         if capture is not None:
             flat = tensor.view(-1)
             for param, offset, numel, shape, stride in layout:
-                slot = chained.slots.get(id(param))
-                if slot is not None:
-                    capture.bucket_ready(slot, flat[offset : offset + numel].as_strided(shape, stride))
+                for slot in chained.slots.get(id(param), ()):
+                    grad = flat[offset : offset + numel].as_strided(shape, stride)
+                    if isinstance(slot.param, ParamRange):  # (a split parameter is contiguous)
+                        grad = grad.reshape(-1)[slot.param.start : slot.param.stop]
+                    capture.bucket_ready(slot, grad)
         return tensor
 
     return future.then(reduced)

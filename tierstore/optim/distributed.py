@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import socket
+import weakref
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
     from .paging import PagedOptimizer
     from .slots import ParamSlot
 
-__all__ = ["LocalShard", "PeerStepError", "Sharding", "balance", "free_port", "is_dtensor", "rank_folder", "rank_summary"]
+__all__ = ["LocalShard", "ParamRange", "PeerStepError", "Sharding", "balance", "free_port", "is_dtensor", "rank_folder", "rank_summary"]
 
 
 class PeerStepError(StepIncompleteError):
@@ -98,6 +99,11 @@ class LocalShard:
         self.shape = local.shape
 
     @property
+    def parameter(self) -> torch.Tensor:
+        """The parameter as the model holds it (the DTensor)."""
+        return self.dtensor
+
+    @property
     def data(self) -> torch.Tensor:
         return self.dtensor._local_tensor  # type: ignore[attr-defined,no-any-return]
 
@@ -135,11 +141,148 @@ class LocalShard:
         )
 
 
-def balance(sizes: Sequence[int], world: int) -> list[int]:
-    """The owner rank of each size: largest first, each to the rank with the fewest bytes so far
-    (ties to the lower index and the lower rank), the same on every rank."""
-    owners = [0] * len(sizes)
+class ParamRange:
+    """This rank's rows of a parameter whose state is split across ranks (it dominates the
+    model), as a plain flat tensor for the optimizer's machinery: ``data`` is a view of the
+    parameter's elements ``start:stop`` (writes land in the parameter), ``grad`` the same
+    elements of ``p.grad``. State is handed out as a DTensor sharded by rows over the group's
+    mesh (``Shard(0)``), so DCP saves each rank's rows and reshards on load."""
+
+    def __init__(self, param: torch.Tensor, rows: tuple[int, int], sharding: Sharding) -> None:
+        self.param = param
+        row = param[0].numel() if param.dim() else 1
+        self.rows = rows
+        self.start, self.stop = rows[0] * row, rows[1] * row
+        self.dtype = param.dtype
+        self.device = param.device
+        self.shape = torch.Size([self.stop - self.start])
+        self._sharding = sharding
+        self._grad: tuple[Any, torch.Tensor, tuple[Any, ...]] | None = None
+
+    @property
+    def parameter(self) -> torch.Tensor:
+        """The parameter as the model holds it."""
+        return self.param
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self.param.data.view(-1)[self.start : self.stop]
+
+    @property
+    def grad(self) -> torch.Tensor | None:
+        """The rows of ``p.grad``: the same view object while ``p.grad`` is the same tensor in
+        the same memory (a view shares its version counter, so in-place changes still show);
+        a new one otherwise. Forgotten at the end of each step (``Sharding.end_step``)."""
+        base = self.param.grad
+        if base is None:
+            self._grad = None
+            return None
+        memory = (base.data_ptr(), tuple(base.shape), tuple(base.stride()))
+        cached = self._grad
+        if cached is not None and cached[0]() is base and cached[2] == memory:
+            return cached[1]
+        if not base.is_contiguous():  # a copy: no version shared, so step() takes it again
+            return base.reshape(-1)[self.start : self.stop]
+        view = base.view(-1)[self.start : self.stop]
+        self._grad = (weakref.ref(base), view, memory)
+        return view
+
+    def forget_grad(self) -> None:
+        self._grad = None
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.param.requires_grad
+
+    def detach(self) -> torch.Tensor:
+        return self.data.detach()
+
+    def element_size(self) -> int:
+        return self.param.element_size()
+
+    def is_complex(self) -> bool:
+        return self.param.is_complex()
+
+    def is_contiguous(self) -> bool:
+        return True
+
+    def local_of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's elements of a whole (not split) state tensor of the parameter's size."""
+        if tensor.numel() == self.param.numel():
+            return tensor.reshape(-1)[self.start : self.stop]
+        return tensor
+
+    def as_dtensor(self, local: torch.Tensor) -> torch.Tensor:
+        """``local`` (a flat tensor of this rank's elements) as a DTensor of the parameter's
+        shape, sharded by rows over the group's mesh."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        p = self.param
+        shape = (self.rows[1] - self.rows[0], *p.shape[1:]) if p.dim() else ()
+        return DTensor.from_local(
+            local.view(shape), self._sharding.mesh(), [Shard(0)], run_check=False, shape=p.shape, stride=p.stride()
+        )
+
+
+def split_rows(rows: int, world: int) -> list[tuple[int, int]] | None:
+    """The rows of each rank when a parameter of ``rows`` rows is split as DTensor's
+    ``Shard(0)`` splits it (``torch.chunk``: ``ceil(rows / world)`` a rank), or None when that
+    leaves a rank without rows."""
+    per = -(-rows // world)
+    if per * (world - 1) >= rows:
+        return None
+    return [(r * per, min((r + 1) * per, rows)) for r in range(world)]
+
+
+def plan_ownership(params: Sequence[torch.Tensor], world: int) -> list[int | list[tuple[int, int]]]:
+    """Who owns each parameter's state: a rank, or every rank, each its rows as ``split_rows``
+    gives them. A parameter larger than an even share of all the state (no rank could hold it
+    whole without exceeding the share) is split, the rest balanced by bytes around it, when that
+    leaves the largest rank smaller than balancing whole parameters does."""
+    sizes = [_state_size(p) for p in params]
+    share = sum(sizes) / world
+    plan: list[int | list[tuple[int, int]]] = list(balance(sizes, world))
+    whole_peak = max(_loads(sizes, plan, params, world), default=0)
+    split: list[int | list[tuple[int, int]]] = [0] * len(params)
     loads = [0] * world
+    rest = []
+    for i, p in enumerate(params):
+        rows = split_rows(p.shape[0], world) if world > 1 and sizes[i] > share and p.dim() and _splittable(p) else None
+        if rows is None:
+            rest.append(i)
+            continue
+        split[i] = rows
+        for r, (first, last) in enumerate(rows):
+            loads[r] += (last - first) * (sizes[i] // p.shape[0])
+    for i, rank in zip(rest, balance([sizes[i] for i in rest], world, loads), strict=True):
+        split[i] = rank
+    return split if max(_loads(sizes, split, params, world), default=0) < whole_peak else plan
+
+
+def _loads(sizes: list[int], plan: Sequence[int | list[tuple[int, int]]], params: Sequence[torch.Tensor], world: int) -> list[int]:
+    loads = [0] * world
+    for size, owner, p in zip(sizes, plan, params, strict=True):
+        if isinstance(owner, int):
+            loads[owner] += size
+        else:
+            for r, (first, last) in enumerate(owner):
+                loads[r] += (last - first) * (size // p.shape[0])
+    return loads
+
+
+def _splittable(param: torch.Tensor) -> bool:
+    """A plain, contiguous parameter whose weight lives in the model (not ``offload_parameters``')."""
+    from .pipeline import offloaded
+
+    return type(param) in (torch.Tensor, torch.nn.Parameter) and param.is_contiguous() and offloaded(param) is None
+
+
+def balance(sizes: Sequence[int], world: int, start: Sequence[int] | None = None) -> list[int]:
+    """The owner rank of each size: largest first, each to the rank with the fewest bytes so far
+    (``start``: the ranks' loads before; ties to the lower index and the lower rank), the same
+    on every rank."""
+    owners = [0] * len(sizes)
+    loads = list(start) if start is not None else [0] * world
     for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
         rank = min(range(world), key=lambda r: (loads[r], r))
         owners[index] = rank
@@ -183,41 +326,76 @@ class Sharding:
         tensors = _tensors(groups)
         if any(is_dtensor(t) for t in tensors):
             raise ValueError("parameters are DTensors (FSDP2 shards them already): pass no process_group=")
-        owners = balance([_state_size(t) for t in tensors], self.world)
-        self._owner: dict[int, int] = {id(t): r for t, r in zip(tensors, owners, strict=True)}
+        #: Each parameter's owner: a rank, or every rank's rows (a split parameter).
+        self._owner: dict[int, int | list[tuple[int, int]]] = {
+            id(t): o for t, o in zip(tensors, plan_ownership(tensors, self.world), strict=True)
+        }
         #: Every parameter of the optimizer, in its order (owned or not).
         self.params: list[torch.Tensor] = []
         #: The global index (position in ``params``) of each owned slot, by slot index.
         self.global_index: list[int] = []
+        self._ranges: list[ParamRange] = []
+        self._mesh: Any = None
         self._reduced = False
         #: A step failed on some rank and is neither completed nor abandoned (all ranks know).
         self.pending = False
         #: This rank's updates of the current step are all applied (its weights not yet sent).
         self.local_done = False
 
-    def owner(self, param: torch.Tensor) -> int:
-        """The rank owning ``param`` (parameters added later go to the least loaded rank)."""
+    def owner(self, param: torch.Tensor) -> int | list[tuple[int, int]]:
+        """The rank owning ``param``, or each rank's rows of a split one (parameters added
+        later go whole to the least loaded rank)."""
         if id(param) not in self._owner:
             loads = [0] * self.world
             for p in self.params:
-                loads[self._owner[id(p)]] += _state_size(p)
+                for rank, first, last in self.pieces(p):
+                    loads[rank] += (last - first) * 4 if p.requires_grad else 0
             self._owner[id(param)] = min(range(self.world), key=lambda r: (loads[r], r))
         return self._owner[id(param)]
 
-    def add(self, param: torch.Tensor) -> bool:
-        """Record ``param`` (in the optimizer's order); whether this rank owns it."""
-        mine = self.owner(param) == self.rank
-        if mine:
-            self.global_index.append(len(self.params))
+    def pieces(self, param: torch.Tensor) -> list[tuple[int, int, int]]:
+        """``(rank, start, stop)``: who owns which elements of the flattened ``param``."""
+        owner = self.owner(param)
+        if isinstance(owner, int):
+            return [(owner, 0, param.numel())]
+        row = param[0].numel()
+        return [(rank, first * row, last * row) for rank, (first, last) in enumerate(owner)]
+
+    def add(self, param: torch.Tensor) -> torch.Tensor | ParamRange | None:
+        """Record ``param`` (in the optimizer's order); what of it this rank updates: the
+        parameter, its rows (``ParamRange``), or None (another rank owns its state)."""
+        owner = self.owner(param)
+        index = len(self.params)
         self.params.append(param)
-        return mine
+        if isinstance(owner, int):
+            if owner != self.rank:
+                return None
+            self.global_index.append(index)
+            return param
+        self.global_index.append(index)
+        view = ParamRange(param, owner[self.rank], self)
+        self._ranges.append(view)
+        return view
+
+    def split(self) -> list[torch.Tensor]:
+        """The parameters whose state is split across the ranks."""
+        return [p for p in self.params if not isinstance(self.owner(p), int)]
+
+    def mesh(self) -> Any:
+        """A one-dimensional ``DeviceMesh`` over the group (the layout of split state)."""
+        if self._mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            device = self.params[0].device.type if self.params else "cpu"
+            self._mesh = DeviceMesh.from_group(self.group, device)
+        return self._mesh
 
     # -- ZeRO-2: gradients to their owners -------------------------------------------------------
 
     def reduce_gradients(self) -> None:
         """Average every gradient onto its owner (once a step, before norms or updates), packed
-        per dtype in one reduce-scatter whose rank ``r`` segment holds rank ``r``'s parameters.
-        Other ranks' gradients of parameters they do not own are dropped (set to None)."""
+        per dtype in one reduce-scatter whose rank ``r`` segment holds rank ``r``'s elements.
+        Other ranks' gradients of parameters they own nothing of are dropped (set to None)."""
         if self.zero_stage != 2 or self._reduced:
             return
         self._reduced = True
@@ -231,30 +409,39 @@ class Sharding:
         for p in with_grad:
             by_dtype.setdefault((p.grad.dtype, p.grad.device), []).append(p)  # type: ignore[union-attr]
         for (dtype, device), params in by_dtype.items():
-            segments = [[p for p in params if self._owner[id(p)] == r] for r in range(self.world)]
-            width = max(sum(p.numel() for p in seg) for seg in segments)
+            segments: list[list[tuple[torch.Tensor, int, int]]] = [[] for _ in range(self.world)]
+            for p in params:
+                for rank, start, stop in self.pieces(p):
+                    segments[rank].append((p, start, stop))
+            width = max(sum(stop - start for _, start, stop in seg) for seg in segments)
             if width == 0:
                 continue
             flat = torch.zeros(self.world * width, dtype=dtype, device=device)
             for r, seg in enumerate(segments):
                 offset = r * width
-                for p in seg:
-                    flat[offset : offset + p.numel()].copy_(p.grad.reshape(-1))  # type: ignore[union-attr]
-                    offset += p.numel()
+                for p, start, stop in seg:
+                    flat[offset : offset + stop - start].copy_(p.grad.reshape(-1)[start:stop])  # type: ignore[union-attr]
+                    offset += stop - start
             flat.div_(self.world)  # as DDP's all-reduce hook averages: divide, then sum
             mine = torch.empty(width, dtype=dtype, device=device)
             dist.reduce_scatter_tensor(mine, flat, group=self.group)
             offset = 0
-            for p in segments[self.rank]:
-                p.grad.copy_(mine[offset : offset + p.numel()].view_as(p.grad))  # type: ignore[union-attr]
-                offset += p.numel()
+            for p, start, stop in segments[self.rank]:
+                with torch.no_grad():
+                    if start == 0 and stop == p.numel():
+                        p.grad.copy_(mine[offset : offset + stop - start].view_as(p.grad))  # type: ignore[union-attr]
+                    else:  # our rows of a split parameter (the others' rows are left unreduced)
+                        p.grad.view(-1)[start:stop].copy_(mine[offset : offset + stop - start])  # type: ignore[union-attr]
+                offset += stop - start
         for p in with_grad:
-            if self._owner[id(p)] != self.rank:
+            if all(rank != self.rank for rank, _, _ in self.pieces(p)):
                 p.grad = None
 
     def end_step(self) -> None:
         self._reduced = False
         self.pending = self.local_done = False
+        for view in self._ranges:
+            view.forget_grad()
 
     # -- a step that failed on some rank -----------------------------------------------------------
 
@@ -298,38 +485,63 @@ class Sharding:
     # -- weights from their owners ---------------------------------------------------------------
 
     def broadcast_weights(self) -> None:
-        """Every owner sends its parameters' new values to the other ranks, packed per dtype."""
+        """Every owner sends the new values of its parameters (and rows of split ones) to the
+        other ranks, packed per dtype."""
         for r in range(self.world):
-            owned = [p for p in self.params if self._owner[id(p)] == r]
-            by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-            for p in owned:
-                by_dtype.setdefault((p.dtype, p.device), []).append(p)
-            for (dtype, device), params in by_dtype.items():
+            by_dtype: dict[tuple[torch.dtype, torch.device], list[tuple[torch.Tensor, int, int]]] = {}
+            for p in self.params:
+                for rank, start, stop in self.pieces(p):
+                    if rank == r and stop > start:
+                        by_dtype.setdefault((p.dtype, p.device), []).append((p, start, stop))
+            for (dtype, device), pieces in by_dtype.items():
                 if r == self.rank:
-                    flat = torch.cat([p.detach().reshape(-1) for p in params])
+                    flat = torch.cat([p.detach().reshape(-1)[start:stop] for p, start, stop in pieces])
                 else:
-                    flat = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=device)
+                    flat = torch.empty(sum(stop - start for _, start, stop in pieces), dtype=dtype, device=device)
                 dist.broadcast(flat, group_src=r, group=self.group)
                 if r != self.rank:
                     offset = 0
                     with torch.no_grad():
-                        for p in params:
-                            p.copy_(flat[offset : offset + p.numel()].view_as(p))
-                            offset += p.numel()
+                        for p, start, stop in pieces:
+                            if start == 0 and stop == p.numel():
+                                p.copy_(flat[offset : offset + stop].view_as(p))
+                            else:
+                                p.view(-1)[start:stop].copy_(flat[offset : offset + stop - start])
+                            offset += stop - start
 
     # -- the global norm ---------------------------------------------------------------------------
 
     def total_norm(self, local: dict[int, torch.Tensor], norm_type: float) -> torch.Tensor:
         """The norm of all gradients from each owner's per-parameter norms (``local``: by global
-        index), stacked in parameter order as ``clip_grad_norm_`` stacks them."""
+        index), stacked in parameter order as ``clip_grad_norm_`` stacks them. A split
+        parameter's norm is that of its whole gradient: with ZeRO-1 every rank has it, and the
+        owner of its first rows computes it as torch does; with ZeRO-2 each rank has its rows
+        reduced only, and the norms of the rows are combined (fp32 rounding apart, the same)."""
         # Row 0: each norm from its owner, 0 elsewhere; row 1: whether the owner has a gradient.
         # A sum adds exact zeros, so each entry arrives unchanged, NaN and inf included (a MAX
         # against a sentinel would drop a NaN, and clip_grad_norm_ returns NaN then).
         norms = torch.zeros((2, len(self.params)), dtype=torch.float32)
+        split = {i for i, p in enumerate(self.params) if not isinstance(self.owner(p), int)}
+        peak = torch.zeros(len(self.params), dtype=torch.float32)  # ZeRO-2's split inf-norms
         for index, norm in local.items():
-            norms[0, index] = norm.float()
-            norms[1, index] = 1.0
+            if index not in split:
+                norms[0, index] = norm.float()
+                norms[1, index] = 1.0
+            elif self.zero_stage == 2:  # this rank's rows: combined across ranks below
+                norms[0, index] = norm.float() if norm_type == float("inf") else norm.float() ** norm_type
+                peak[index] = norm.float()
+                norms[1, index] = 1.0 / self.world
+            elif self.rank == 0:  # ZeRO-1: rank 0 (its first rows' owner) has the whole gradient
+                grad = self.params[index].grad
+                norms[0, index] = torch.linalg.vector_norm(grad, norm_type).float()  # type: ignore[arg-type]
+                norms[1, index] = 1.0
         dist.all_reduce(norms, group=self.group)
+        if self.zero_stage == 2 and split:
+            if norm_type == float("inf"):
+                dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.group)
+            for index in split:
+                total = norms[0, index]  # (a NaN in any rank's rows stays NaN: MAX may drop it)
+                norms[0, index] = total if total.isnan() else peak[index] if norm_type == float("inf") else total ** (1.0 / norm_type)
         present = norms[0][norms[1] > 0]
         if present.numel() == 0:
             return torch.tensor(0.0)

@@ -22,8 +22,10 @@ from typing import Any
 import torch
 
 from ..sync import run
+from .checkpoint import _others, saved_index
 from .chunks import Chunk, is_elementwise
 from .clipping import inverse_scale
+from .distributed import ParamRange, is_dtensor
 from .paging import PagedOptimizer, ParamSlot
 from .pipeline import read_weight_range
 
@@ -56,6 +58,13 @@ class TieredOptimizer(PagedOptimizer):
         #: Whether the update of one element reads only that element's state (chunks allowed).
         self.elementwise = is_elementwise(optimizer_class) if elementwise is None else bool(elementwise)
         self._chunk_small: dict[int, tuple[dict[str, Any], dict[str, Any] | None]] = {}
+        if paging.get("process_group") is not None and not self.elementwise:
+            raise ValueError(
+                f"process_group= needs an elementwise optimizer (torch's SGD, Adam, Adagrad, RMSprop ...; or pass "
+                f"elementwise=True if {optimizer_class.__name__} updates each element from its own state only): a "
+                "parameter that dominates the model has its rows updated on different ranks"
+            )
+        self._supports_sharding = self.elementwise
         super().__init__(params, dict(probe.defaults), **paging)
 
     # -- state layout ------------------------------------------------------------------------------
@@ -69,7 +78,7 @@ class TieredOptimizer(PagedOptimizer):
         return f"{chunk.key if chunk is not None else slot.key}/{name}"
 
     def _chunkable(self, slot: ParamSlot) -> bool:
-        return self.elementwise and type(slot.param) in (torch.Tensor, torch.nn.Parameter) and slot.param.is_contiguous()
+        return self.elementwise and type(slot.param) in (torch.Tensor, torch.nn.Parameter, ParamRange) and slot.param.is_contiguous()
 
     @asynccontextmanager
     async def _chunk_state(self, slot: ParamSlot, chunk: Chunk) -> AsyncIterator[dict[str, Any]]:
@@ -194,19 +203,30 @@ class TieredOptimizer(PagedOptimizer):
     async def _state_dict(self) -> dict[str, Any]:
         state: dict[int, dict[str, Any]] = {}
         for slot in self._slots:
-            if slot.index not in self._small_state and slot.index not in self._paged_names:
-                continue
-            entry = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in self._small_state.get(slot.index, {}).items()}
-            for name in self._paged_names.get(slot.index, []):
-                value: torch.Tensor | None
-                if slot.paged:
-                    value = await self._read_named(slot, name)
-                else:
-                    value = slot.resident.get(name) if slot.resident else None
-                if value is not None:
-                    entry[name] = value.reshape(slot.shape).clone()
-            state[slot.index] = entry
-        return {"state": state, "param_groups": self._groups_for_saving()}
+            if slot.index in self._small_state or slot.index in self._paged_names:
+                state[saved_index(self, slot)] = await self._entry(slot)
+        for index in _others(self):  # (sharded: another rank's, as TieredAdam's dict has them)
+            state[index] = {}
+        return {"state": dict(sorted(state.items())), "param_groups": self._groups_for_saving()}
+
+    async def _entry(self, slot: ParamSlot) -> dict[str, Any]:
+        """One parameter's state in the wrapped optimizer's format ({} before its first step);
+        a split parameter's rows as a DTensor sharded by rows (``ParamRange``)."""
+        entry = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in self._small_state.get(slot.index, {}).items()}
+        for name in self._paged_names.get(slot.index, []):
+            value: torch.Tensor | None
+            if slot.paged:
+                value = await self._read_named(slot, name)
+            else:
+                value = slot.resident.get(name) if slot.resident else None
+            if value is not None:
+                flat = value.reshape(-1).clone()
+                entry[name] = slot.param.as_dtensor(flat) if isinstance(slot.param, ParamRange) else flat.reshape(slot.shape)
+        return entry
+
+    def _entry_of(self, slot: ParamSlot) -> dict[str, Any]:
+        """One parameter's state, read from the store (``opt.state[p]``)."""
+        return run(self._entry(slot))
 
     async def _read_named(self, slot: ParamSlot, name: str) -> torch.Tensor | None:
         """The paged state tensor ``name`` of ``slot`` (flat), gathered from its chunks if any."""
@@ -244,7 +264,7 @@ class TieredOptimizer(PagedOptimizer):
         for saved, group in zip(groups, self.param_groups, strict=True):
             group.update({k: v for k, v in saved.items() if k != "params"})
         ids = [i for saved in groups for i in saved["params"]]
-        run(self._load_state({slot: state_dict["state"].get(ids[slot.index]) for slot in self._slots}))
+        run(self._load_state({slot: state_dict["state"].get(ids[saved_index(self, slot)]) for slot in self._slots}))
 
     async def _load_state(self, saved_state: dict[ParamSlot, dict[str, Any] | None]) -> None:
         for slot, saved in saved_state.items():
@@ -260,6 +280,7 @@ class TieredOptimizer(PagedOptimizer):
                 continue
             small, names = {}, []
             for name, value in saved.items():
+                value = _ours(slot, value)
                 if torch.is_tensor(value) and value.numel() == slot.numel and value.numel() > 1:
                     tensor = value.detach().float().cpu().reshape(-1).clone()
                     names.append(name)
@@ -271,3 +292,13 @@ class TieredOptimizer(PagedOptimizer):
                     small[name] = value.clone() if torch.is_tensor(value) else value
             self._small_state[slot.index] = small
             self._paged_names[slot.index] = sorted(names)
+
+
+def _ours(slot: ParamSlot, value: Any) -> Any:
+    """A loaded state value as this rank holds it: a DTensor's local part; a whole tensor's
+    rows of a split parameter (``ParamRange``)."""
+    if is_dtensor(value):
+        return value._local_tensor
+    if isinstance(slot.param, ParamRange) and torch.is_tensor(value):
+        return slot.param.local_of(value)
+    return value

@@ -264,9 +264,10 @@ class PagedOptimizer(torch.optim.Optimizer):
         for param in self.param_groups[group]["params"]:
             if param.is_complex():
                 raise TypeError("complex parameters are not supported by the tiered optimizers")
-            if self._sharding is not None and not self._sharding.add(param):
-                continue  # another rank owns its state
-            view = LocalShard(param) if is_dtensor(param) else param  # FSDP2: the rank's shard
+            # FSDP2: the rank's shard; sharded: the parameter, its rows, or None (another rank's)
+            view = self._sharding.add(param) if self._sharding is not None else LocalShard(param) if is_dtensor(param) else param
+            if view is None:
+                continue
             offload = offloaded(param)
             shape = offload[0].shape_of(offload[1]) if offload is not None else view.shape
             index = len(self._slots)
