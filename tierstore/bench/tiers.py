@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from ..disk.tuning import TUNING_FILE, IOSettings, save_tuning
+from ..disk.tuning import DEFAULTS, TUNING_FILE, IOSettings, load_tuning, save_tuning
 from ..store import TierStore
 from ..tiers import DeviceTier, DiskTier, HostTier
 from ..units import format_bytes
@@ -171,7 +171,8 @@ def _raw_time(fn: Any) -> float:
 
 
 async def measure_disk(
-    folder: Path, size: int, count: int, reps: int, durable: bool, progress: tqdm, deepspeed: DeepSpeedAIO | None = None
+    folder: Path, size: int, count: int, reps: int, durable: bool, progress: tqdm, deepspeed: DeepSpeedAIO | None = None,
+    settings: IOSettings | None = None,
 ) -> list[dict[str, Any]]:
     """Disk tier put and get of ``count`` tensors of ``size`` bytes vs the raw loop (and
     DeepSpeed's AIO op, if given).
@@ -184,7 +185,8 @@ async def measure_disk(
 
     root = folder / f"disk-{size}-{int(durable)}"
     shutil.rmtree(root, ignore_errors=True)
-    disk = DiskTier(root, 3 * count * size + 64 * MiB, durable=durable)
+    io = settings.to_json() if settings is not None else {}
+    disk = DiskTier(root, 3 * count * size + 64 * MiB, durable=durable, **io)
     plain = [torch.randn(size // 4) for _ in range(count)]
     aligned = [empty(size // 4) for _ in range(count)]
     for a, p in zip(aligned, plain, strict=True):
@@ -558,14 +560,19 @@ def main(argv: list[str] | None = None) -> int:
     latency: list[dict[str, Any]] = []
 
     deepspeed = deepspeed_aio(args.dir)
+    # The disk cells use the settings `--tune` saved for this folder, if it did (the raw loop
+    # takes the same chunk size and threads).
+    tuned = load_tuning(args.dir)
+    settings = tuned or DEFAULTS
+    print(f"disk tier I/O settings: {settings.describe()} ({'tuning file in ' + str(args.dir) if tuned else 'defaults'})")
 
     async def run() -> None:
         steps = len(sizes) * reps * (2 if args.disk_only else 4) + (0 if args.disk_only else 2)
         with tqdm(total=steps, desc="tierstore bench", unit="run", leave=False, disable=None) as progress:
             for size in sizes:
                 count = max(2, volume // size)
-                rows.extend(await measure_disk(args.dir, size, count, reps, durable=True, progress=progress, deepspeed=deepspeed))
-                rows.extend(await measure_disk(args.dir, size, count, reps, durable=False, progress=progress, deepspeed=deepspeed))
+                for durable in (True, False):
+                    rows.extend(await measure_disk(args.dir, size, count, reps, durable, progress, deepspeed, settings))
                 if args.disk_only:
                     continue
                 rows.extend(await measure_links(args.dir, size, max(2, count // 2), reps, progress))
@@ -610,6 +617,7 @@ def main(argv: list[str] | None = None) -> int:
     for goal, met in goals.items():
         print(f"  [{'met' if met else 'MISSED'}] {goal}")
     write_json(json_path, {"benchmark": "bench_tiers", "environment": environment(args.dir), "sizes_mib": [s / MiB for s in sizes],
+                           "io_settings": {**settings.to_json(), "from": "tuning file" if tuned else "defaults"},
                            "reps": reps, "volume_mib": volume // MiB, "goal_rows": list(GOAL_ROWS), "summary": summary,
                            "deepspeed": deepspeed.settings if deepspeed is not None else None,
                            "rows": rows, "hit_latency": latency, "goals": goals})
