@@ -79,6 +79,8 @@ class Engine:
         self.disk_index = len(self._tiers) - 1 if isinstance(self._tiers[-1], DiskTier) else None
         self.policies: list[EvictionPolicy | None] = _make_policies(self._tiers, eviction if eviction is not None else LRU)
         self.prefetch_policy: PrefetchPolicy = prefetch if prefetch is not None else NoPrefetch()
+        #: The policy that never suggests anything is not asked on every access.
+        self._no_prefetch = type(self.prefetch_policy) is NoPrefetch
         if hasattr(self.prefetch_policy, "set_capacities"):
             self.prefetch_policy.set_capacities({tier.name: tier.capacity for tier in self._tiers})
         self.trace: TraceRecorder | None = None
@@ -887,7 +889,7 @@ class Engine:
                 valid = entry.valid_tiers() if entry is not None else []
                 before = valid[0] if valid else None
             self.trace.record(op, key, nbytes, t, hit, before)
-        if op in ("get", "hold", "put", "pop") and t is not None and self.issuer is not None:
+        if op in ("get", "hold", "put", "pop") and t is not None and self.issuer is not None and not self._no_prefetch:
             self.prefetch_policy.on_access(key, nbytes, self.names[t], bool(hit))
             self.issuer.follow(self.prefetch_policy.suggest(), t)
 

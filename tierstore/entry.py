@@ -148,7 +148,7 @@ class Copy:
         made on each call, with the slot as its storage), or None for a disk copy."""
         where = self._where
         if where.__class__ is Slab:
-            return where.slot_tensor(self.index)  # type: ignore[union-attr]
+            return where.slot_tensor(self.index)
         return where if isinstance(where, torch.Tensor) else None
 
     @buffer.setter
@@ -159,7 +159,7 @@ class Copy:
     def slab(self) -> Slab | None:
         """The slab whose slot ``index`` holds this copy (a packed small value), else None."""
         where = self._where
-        return where if where.__class__ is Slab else None  # type: ignore[return-value]
+        return where if where.__class__ is Slab else None
 
     @property
     def in_memory(self) -> bool:
@@ -171,7 +171,7 @@ class Copy:
     def extent(self) -> Extent | None:
         """Where a disk copy's bytes lie in the data files (None for other copies)."""
         where = self._where
-        return where if where.__class__ is Extent else None  # type: ignore[return-value]
+        return where if where.__class__ is Extent else None
 
     @extent.setter
     def extent(self, extent: Extent | None) -> None:
@@ -180,7 +180,7 @@ class Copy:
     @property
     def checksums(self) -> tuple[int, ...]:
         """A disk extent's checksums, one per chunk (``()`` for other copies)."""
-        return self._aux if self._where.__class__ is Extent else ()  # type: ignore[no-any-return]
+        return self._aux if self._where.__class__ is Extent else ()
 
     @property
     def inline(self) -> int | None:
@@ -208,15 +208,23 @@ class Copy:
         """The first ``nbytes`` of a memory copy, as a uint8 tensor."""
         where = self._where
         if where.__class__ is Slab:
-            return where.view(self.index, nbytes)  # type: ignore[union-attr]
+            return where.view(self.index, nbytes)
         return where[:nbytes]  # type: ignore[index]
+
+    @property
+    def address(self) -> int:
+        """Where a CPU memory copy's bytes start (for a copy with no views made)."""
+        where = self._where
+        if where.__class__ is Slab:
+            return where.address + self.index * where.slot
+        return where.data_ptr()  # type: ignore[union-attr]
 
     def payload(self, nbytes: int) -> torch.Tensor | bytes:
         """The first ``nbytes`` of a memory copy: a copy as bytes for a packed value (cheaper
         than a tensor over its slot), else a uint8 view of its buffer."""
         where = self._where
         if where.__class__ is Slab:
-            return where.bytes_of(self.index, nbytes)  # type: ignore[union-attr]
+            return where.bytes_of(self.index, nbytes)
         return where[:nbytes]  # type: ignore[index]
 
     @property
@@ -226,11 +234,11 @@ class Copy:
         if where is None:
             return 0
         if where.__class__ is Slab:
-            return where.slot  # type: ignore[union-attr]
+            return where.slot
         if where is _INLINE:
             return self.index
         if where.__class__ is Extent:
-            return where.length  # type: ignore[union-attr]
+            return where.length
         return storage_nbytes(where)  # type: ignore[arg-type]
 
     def __repr__(self) -> str:
@@ -299,12 +307,11 @@ class Entry:
                 return
             rare = self._rare = _Rare()
         setattr(rare, name, value)
-        if value is None or value == 0:
-            if (
-                rare.pending_writes == 0 and rare.writer is None and rare.writer_token == 0 and rare.loading is None
-                and rare.disk_lock is None and rare.hold_tokens is None and rare.waiters is None
-            ):
-                self._rare = None
+        if (value is None or value == 0) and (
+            rare.pending_writes == 0 and rare.writer is None and rare.writer_token == 0 and rare.loading is None
+            and rare.disk_lock is None and rare.hold_tokens is None and rare.waiters is None
+        ):
+            self._rare = None  # all back to nothing: the entry keeps no object for it
 
     pending_writes = property(
         lambda self: self._rare.pending_writes if self._rare is not None else 0,
@@ -349,7 +356,7 @@ class Entry:
         if copies is None:
             return {}
         if copies.__class__ is Copy:
-            return {copies.tier: copies}  # type: ignore[union-attr]
+            return {copies.tier: copies}
         return {copy.tier: copy for copy in copies}  # type: ignore[union-attr]
 
     def all_copies(self) -> tuple[Copy, ...]:
@@ -358,7 +365,7 @@ class Entry:
         if copies is None:
             return ()
         if copies.__class__ is Copy:
-            return (copies,)  # type: ignore[return-value]
+            return (copies,)
         return copies  # type: ignore[return-value]
 
     def copy_on(self, tier: int) -> Copy | None:
@@ -367,7 +374,7 @@ class Entry:
         if copies is None:
             return None
         if copies.__class__ is Copy:
-            return copies if copies.tier == tier else None  # type: ignore[union-attr,return-value]
+            return copies if copies.tier == tier else None
         for copy in copies:  # type: ignore[union-attr]
             if copy.tier == tier:
                 return copy
@@ -376,11 +383,11 @@ class Entry:
     def set_copy(self, copy: Copy) -> None:
         """Make ``copy`` this entry's copy on its tier (replacing the one there)."""
         copies = self._copies
-        if copies is None or (copies.__class__ is Copy and copies.tier == copy.tier):  # type: ignore[union-attr]
+        if copies is None or (copies.__class__ is Copy and copies.tier == copy.tier):
             self._copies = copy
             return
         if copies.__class__ is Copy:
-            self._copies = (copies, copy) if copies.tier < copy.tier else (copy, copies)  # type: ignore[union-attr,assignment]
+            self._copies = (copies, copy) if copies.tier < copy.tier else (copy, copies)
             return
         others = [c for c in self.all_copies() if c.tier != copy.tier]
         others.append(copy)

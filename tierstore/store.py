@@ -4,6 +4,7 @@ machinery that moves bytes between tiers is ``tierstore.engine``)."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -13,7 +14,7 @@ from typing import Any
 import torch
 
 from . import holds
-from .copies import INLINE_COPY_BYTES, cpu_copy
+from .copies import INLINE_COPY_BYTES
 from .device.caller import caller_work
 from .engine import Engine, TierRef
 from .entry import Copy, Entry, meta_of
@@ -453,10 +454,13 @@ class TierStore:
         if copy is not None:
             self._engine.hit(entry, copy)
             meta = entry.meta
-            if copy.in_memory and meta.nbytes <= INLINE_COPY_BYTES and device.type == "cpu" and copy.last_use is None:
+            if meta.nbytes <= INLINE_COPY_BYTES and device.type == "cpu" and copy.in_memory and copy.last_use is None:
+                # A small hit in CPU memory: one memmove into a new (or the caller's
+                # contiguous) tensor, with no views made and no await.
                 if out is None:
                     out = torch.empty(meta.shape, dtype=meta.dtype)
-                cpu_copy(as_bytes(out), copy.view(meta.nbytes))
+                if meta.nbytes:
+                    ctypes.memmove(out.data_ptr(), copy.address, meta.nbytes)
                 return out
         try:
             copy = await self._engine.acquire(entry, t, Priority.DEMAND)
@@ -498,14 +502,13 @@ class TierStore:
             owner = self._engine.tiers[candidate.tier]
             if (
                 candidate.users == 0
-                and candidate.in_memory
                 and candidate.slab is None  # a packed value shares its slab: copy it instead
+                and (buffer := candidate.buffer) is not None
                 and isinstance(owner, MemoryTier)
                 and (owner is tier_obj or _same_memory(owner, tier_obj))
                 and not owner.pinned
-                and owner.can_hand_over(candidate.buffer)
+                and owner.can_hand_over(buffer)
             ):
-                buffer = candidate.buffer
                 self._engine.retire(entry, candidate.tier, candidate)  # releases the buffer into the pool ...
                 owner.forget(buffer)  # ... from which it leaves the tier, handed to the caller
                 value = from_bytes(buffer, entry.meta)

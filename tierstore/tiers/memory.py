@@ -11,6 +11,7 @@ from .base import MemoryTier
 
 #: The CUDA caching allocator rounds every block up to a multiple of this.
 CUDA_BLOCK = 512
+_CPU = torch.device("cpu")
 
 
 class DeviceTier(MemoryTier):
@@ -92,7 +93,7 @@ class HostTier(MemoryTier):
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cpu")
+        return _CPU
 
     @property
     def pinned(self) -> bool:

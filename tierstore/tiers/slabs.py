@@ -67,12 +67,13 @@ def slab_size(slot: int, max_pages: int = MAX_SLAB_PAGES) -> int:
 class Slab:
     """Pages of slots of one size class."""
 
-    __slots__ = ("memory", "array", "slot", "count", "free", "taken", "__weakref__")
+    __slots__ = ("memory", "array", "address", "slot", "count", "free", "taken", "__weakref__")
 
     def __init__(self, memory: torch.Tensor, slot: int) -> None:
         self.memory = memory
         #: The same bytes as a numpy array (byte slices of it are cheaper than tensor views).
         self.array = memory.numpy()
+        self.address = memory.data_ptr()
         self.slot = slot
         self.count = storage_nbytes(memory) // slot
         #: Indices of the slots holding no value.
