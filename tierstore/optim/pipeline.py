@@ -291,12 +291,16 @@ class UpdatePipeline:
         slot.written = True
 
     def _chunk_runs(self, slot: ParamSlot, chunks: list[Chunk]) -> list[list[Chunk]]:
-        """``chunks`` cut into runs of consecutive chunks needing at most ``bucket_bytes``."""
+        """``chunks`` cut into runs of consecutive chunks needing at most ``bucket_bytes``, or two
+        chunks' worth: a short last chunk joins the one before it instead of being one more
+        small read and one more math call of its own (the holds of ``inflight`` runs still fit
+        in the ``2 * inflight + 2`` chunks the tier was planned for)."""
         runs: list[list[Chunk]] = []
         size = 0
+        limit = max(self.bucket_bytes, 2 * max((self.chunk_need(slot, chunk) for chunk in chunks), default=0))
         for chunk in chunks:
             need = self.chunk_need(slot, chunk)
-            if runs and size + need <= self.bucket_bytes:
+            if runs and size + need <= limit:
                 runs[-1].append(chunk)
                 size += need
             else:
