@@ -110,12 +110,57 @@ def generic(rank: int) -> dict[str, Any]:
     return result
 
 
+def hsdp(rank: int) -> dict[str, Any]:
+    """FSDP2 on a 2-D mesh (HSDP: replicate x shard), as (2, 1) and (1, 2): clipping by the
+    global norm (``max_grad_norm=`` and ``opt.clip_grad_norm_``) reduces over the shard dimension
+    only, as torch's ``clip_grad_norm_`` on the DTensor gradients does."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from tierstore.optim import TieredAdamW
+
+    result: dict[str, Any] = {}
+    data = torch.randn(3, 4, 8, generator=torch.Generator().manual_seed(rank))
+    for shape in ((2, 1), (1, 2)):
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+
+        def model(mesh: Any) -> torch.nn.Module:
+            torch.manual_seed(0)
+            net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+            return fully_shard(net, mesh=mesh)
+
+        ref, ours, user = model(mesh), model(mesh), model(mesh)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+        opts = {
+            "max": TieredAdamW(ours.parameters(), lr=1e-2, fused=True, min_offload_numel=4, max_grad_norm=0.05),
+            "opt": TieredAdamW(user.parameters(), lr=1e-2, fused=True, min_offload_numel=4),
+        }
+        norms = []
+        for step in range(3):
+            for m, o in ((ref, ref_opt), (ours, opts["max"]), (user, opts["opt"])):
+                o.zero_grad()
+                m(data[step]).pow(2).mean().backward()
+                if o is ref_opt:
+                    norms.append(float(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05).full_tensor()))
+                elif o is opts["opt"]:
+                    norms.append(float(o.clip_grad_norm_(0.05)))
+                o.step()
+        worst = 0.0
+        for m in (ours, user):
+            for x, y in zip(m.parameters(), ref.parameters(), strict=True):
+                worst = max(worst, float((x.full_tensor() - y.full_tensor()).abs().max() / y.full_tensor().abs().max()))
+        result[str(shape)] = {"error": worst, "norms": norms}
+        for o in opts.values():
+            o.close()
+    return result
+
+
 def run_rank(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=LIMIT_S))
     try:
-        result = {"nan_norm": nan_norm(rank), "frozen": frozen(rank), "generic": generic(rank)}
+        result = {"nan_norm": nan_norm(rank), "frozen": frozen(rank), "generic": generic(rank), "hsdp": hsdp(rank)}
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -137,6 +182,9 @@ def test_sharded_edges(tmp_path: Path) -> None:
         # the NaN reaches every rank's norm (a MAX against a sentinel dropped it) and the weights
         assert r["nan_norm"]["ref_norm"] == r["nan_norm"]["norm"] == "nan" and r["nan_norm"]["same_nans"], r
         assert r["frozen"]["frozen_state"] and r["frozen"]["equal"], r
+        for shape, h in r["hsdp"].items():  # clipped as torch clips DTensor gradients: fp32 rounding apart
+            ref_norms, opt_norms = h["norms"][0::2], h["norms"][1::2]
+            assert h["error"] <= 1e-6 and all(abs(a - b) <= 1e-6 * a for a, b in zip(ref_norms, opt_norms, strict=True)), (shape, h)
         refused = r["generic"].pop("refused")
         assert "elementwise" in refused, refused
         assert all(g["equal"] and g["split"] and g["state_equal"] for g in r["generic"].values()), r["generic"]

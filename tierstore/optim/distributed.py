@@ -3,12 +3,23 @@ parameters, global-norm clipping across ranks, and where each rank's store lives
 
 Sharded state (``process_group=``): every rank sees every parameter, but owns, pages and
 updates the state of about 1/N of them, balanced by bytes (largest first, each to the rank with
-the fewest bytes so far). A parameter is owned whole: a parameter that dominates the model
-makes its rank the largest (its state is not split in chunks yet). ZeRO-1 (default) updates
-after the usual all-reduce (DDP's); ZeRO-2 (``zero_stage=2``, with a model *not* wrapped in
-DDP) reduce-scatters the gradients to their owners at ``step()`` (or ``clip_grad_norm_``)
-instead, so a sum's order differs from an all-reduce's (results agree to fp32 rounding, not bit
-for bit). After the updates each owner broadcasts its new weights, packed per dtype.
+the fewest bytes so far). A parameter larger than an even share of all the state (an embedding
+that dominates the model) is split by rows instead, as DTensor's ``Shard(0)`` splits it, when
+that leaves the largest rank smaller: each rank pages and updates its rows (``ParamRange``, in
+chunks of ``chunk_bytes`` as any large state), and its state is handed out and checkpointed as a
+DTensor sharded by rows, so DCP saves each rank's rows and reshards them on load. ZeRO-1
+(default) updates after the usual all-reduce (DDP's); ZeRO-2 (``zero_stage=2``, with a model
+*not* wrapped in DDP) reduce-scatters the gradients to their owners at ``step()`` (or
+``clip_grad_norm_``) instead, so a sum's order differs from an all-reduce's (results agree to
+fp32 rounding, not bit for bit); the reduce-scatter runs at ``step()``, after backward, not
+overlapped with it. After the updates each owner broadcasts its new weights, packed per dtype.
+
+A step is all-or-nothing across ranks: before any weight moves, the ranks agree (one small
+all-reduce) on whether every rank's updates succeeded. If one failed (a disk error, a corrupt
+record), it raises its own error and the others ``PeerStepError`` naming it, at once rather
+than at gloo's timeout; ``step()`` again on every rank completes the step (nothing is applied
+twice), ``zero_grad()`` on every rank abandons it with the weights exchanged as they are.
+GradScaler's inf flag is agreed the same way, so every rank skips the same steps.
 
 FSDP2 (``fully_shard``): parameters are DTensors, and each rank pages the state of its local
 shard. ``LocalShard`` shows the shard to the optimizer's machinery as a plain tensor (its data,
@@ -548,26 +559,31 @@ class Sharding:
         return torch.linalg.vector_norm(present, norm_type)
 
 
-def mesh_total_norm(local_norms: list[torch.Tensor], norm_type: float, group: Any) -> torch.Tensor:
+def mesh_total_norm(local_norms: list[torch.Tensor], norm_type: float, groups: Sequence[Any]) -> torch.Tensor:
     """The global norm of DTensor gradients from this rank's per-shard norms, reduced as
-    DTensor's partial norm is (``x**p``, sum across ranks, ``**(1/p)``; max for inf)."""
+    DTensor's partial norm is (``x**p``, summed over the mesh's sharded dimensions, ``**(1/p)``;
+    max for inf). ``groups``: one process group per sharded mesh dimension (replicas hold the
+    same shard, so a replicated dimension (HSDP's) is not reduced over)."""
     local = torch.linalg.vector_norm(torch.stack(local_norms), norm_type) if local_norms else torch.tensor(0.0)
     if norm_type == float("inf"):
-        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+        for group in groups:
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
         return local
     powered = local**norm_type
-    dist.all_reduce(powered, group=group)
+    for group in groups:
+        dist.all_reduce(powered, group=group)
     return powered ** (1.0 / norm_type)
 
 
-def mesh_group(slots: Sequence[ParamSlot]) -> Any:
-    """The process group of the DTensor parameters' (one-dimensional) mesh, or None."""
+def mesh_group(slots: Sequence[ParamSlot]) -> tuple[Any, ...] | None:
+    """The process groups of the DTensor parameters' mesh dimensions that shard them (FSDP2's
+    one; HSDP's shard dimension, not its replicate one), or None without DTensor parameters."""
     for slot in slots:
         if isinstance(slot.param, LocalShard):
-            mesh = slot.param.dtensor.device_mesh  # type: ignore[attr-defined]
-            if mesh.ndim != 1:
-                raise NotImplementedError("clipping across a mesh of more than one dimension (HSDP) is not supported")
-            return mesh.get_group()
+            p = slot.param.dtensor
+            mesh = p.device_mesh  # type: ignore[attr-defined]
+            sharded = [dim for dim, placement in enumerate(p.placements) if not placement.is_replicate()]  # type: ignore[attr-defined]
+            return tuple(mesh.get_group(dim) for dim in sharded)
     return None
 
 
