@@ -1,7 +1,7 @@
 """Millions of keys: small values against raw LMDB, memory per key, flush, reopen, hit latency
 (see tierstore/bench/keys.py).
 
-Reproduce:  python benchmarks/bench_keys.py [--quick] [--only threshold|rates|scale|hits] [--dir DIR]
+Reproduce:  python benchmarks/bench_keys.py [--quick] [--only threshold|rates|scale|hits] [--keys N ...] [--dir DIR]
 """
 
 import sys

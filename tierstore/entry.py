@@ -112,8 +112,6 @@ class Copy:
         slab: Slab | None = None,
         index: int = 0,
     ) -> None:
-        if sum(x is not None for x in (buffer, extent, inline, slab)) > 1:
-            raise ValueError("a copy is one of: a buffer, a slot of a slab, an extent, an inline value")
         self.tier = tier
         self.version = version
         self._where: torch.Tensor | Slab | Extent | _Inline | None

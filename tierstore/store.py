@@ -256,13 +256,21 @@ class TierStore:
             tensor = tensor.contiguous()
         meta = meta_of(tensor)
         src = as_bytes(tensor)
-        targets = [self._engine.index_of(tier)] if tier is not None else list(range(len(self._engine.tiers)))
-        entry = self._engine.entries.get(key)
+        engine = self._engine
+        first = engine.index_of(tier)
+        entry = engine.entries.get(key)
         if entry is not None and entry.writer is not None:
-            await self._engine.no_writer(entry, "put")
-            entry = self._engine.entries.get(key)
+            await engine.no_writer(entry, "put")
+            entry = engine.entries.get(key)
         if entry is None:
-            entry = self._engine.entries[key] = Entry(key, meta)
+            entry = engine.entries[key] = Entry(key, meta)
+        if not through and self._put_now(entry, src, meta, first):
+            # Done with no await (so no put of it was in flight meanwhile for anyone to see).
+            engine.observe("put", key, meta.nbytes, first, hit=None)
+            if first == engine.disk_index:
+                await self._after_staged()
+            return
+        targets = [first] if tier is not None else list(range(len(engine.tiers)))
         entry.pending_writes += 1
         try:
             if through:
@@ -272,8 +280,28 @@ class TierStore:
         finally:
             entry.pending_writes -= 1
             entry.wake()  # a write hold waits for puts in flight
-            if not entry.visible and entry.pending_writes == 0 and self._engine.entries.get(key) is entry:
-                del self._engine.entries[key]
+            if not entry.visible and entry.pending_writes == 0 and engine.entries.get(key) is entry:
+                del engine.entries[key]
+
+    def _put_now(self, entry: Entry, src: torch.Tensor, meta: TensorMeta, t: int) -> bool:
+        """A write-back put onto tier ``t`` done at once when it needs no await (a small value
+        with room on a memory tier in CPU memory, or staged on a non-durable disk tier);
+        False, having changed nothing, when it would (the caller then goes the awaited way)."""
+        engine = self._engine
+        if t != engine.disk_index:
+            return engine.put_memory_now(entry, t, src, meta)
+        try:
+            return engine.put_staged(entry, src, meta)
+        except TierFullError:
+            return False  # (refused before anything was queued: the awaited way says why)
+
+    async def _after_staged(self) -> None:
+        """After a small put acknowledged before its commit: keep the backlog bounded."""
+        queued = self._engine.disk.queued_changes
+        if queued >= STAGED_LIMIT:
+            await self._engine.disk.drain()  # a bounded backlog: a crash loses at most about this many
+        elif queued % 256 == 0:
+            await asyncio.sleep(0)  # a put loop that never awaits lets the group commit start
 
     async def _put_back(self, entry: Entry, src: torch.Tensor, meta: TensorMeta, targets: list[int]) -> None:
         """A write-back put: the value lands on the first of ``targets`` with room."""
@@ -325,11 +353,7 @@ class TierStore:
         non-durable disk tier may be acknowledged before its commit (a write-back put; a
         write-through one waits for it)."""
         if staged and self._engine.put_staged(entry, src, meta):
-            queued = self._engine.disk.queued_changes
-            if queued >= STAGED_LIMIT:
-                await self._engine.disk.drain()  # a bounded backlog: a crash loses at most about this many
-            elif queued % 256 == 0:
-                await asyncio.sleep(0)  # a put loop that never awaits lets the group commit start
+            await self._after_staged()
             return
         abandon = asyncio.Event()
         write = self._engine.write_disk(entry, src, meta, None, Priority.DEMAND, abandon=abandon, staged=staged)

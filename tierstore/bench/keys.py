@@ -1,6 +1,6 @@
 """Many small values: put/get rates beside raw LMDB, memory per key, flush, reopen, hit latency.
 
-Reproduce:  python benchmarks/bench_keys.py [--quick] [--dir DIR] [--json PATH] [--plot PATH]
+Reproduce:  python benchmarks/bench_keys.py [--quick] [--only PART] [--keys N ...] [--dir DIR] [--json PATH] [--plot PATH]
 
 Every figure stands beside a baseline measured in the same run, interleaved round by round
 (the machine is shared and noisy), as the median over rounds of the per-round ratio:
@@ -327,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer rounds, sizes and keys (up to 10^5)")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--only", choices=["threshold", "rates", "scale", "hits"], action="append")
+    parser.add_argument("--keys", type=int, nargs="+", default=None,
+                        help="key counts of the scale measurements (default 10^4 10^5 10^6; --quick: 10^4 10^5)")
     parser.add_argument("--dir", type=Path, default=Path(".tierstore/bench-keys"))
     parser.add_argument("--json", type=Path, default=HERE / "benchmarks/results/bench_keys.json")
     parser.add_argument("--plot", type=Path, default=HERE / "benchmarks/results/bench_keys.png")
@@ -347,8 +349,9 @@ def main(argv: list[str] | None = None) -> int:
                                       ("get_per_s", "get/s", ".0f"), ("lmdb_get_per_s", "LMDB get/s", ".0f"), ("get_ratio", "get ratio", ".2f"),
                                       ("sync_get_ratio", "sync get ratio", ".2f")]))
     if "scale" in only:
-        counts = [10_000, 100_000] if args.quick else [10_000, 100_000, 1_000_000]
-        result["scale"] = bench_scale(root / "scale", counts, 100_000)
+        counts = args.keys or ([10_000, 100_000] if args.quick else [10_000, 100_000, 1_000_000])
+        flush_keys = 100_000 if 100_000 in counts else min(counts)
+        result["scale"] = bench_scale(root / "scale", sorted(counts), flush_keys)
         print(table(result["scale"]["memory"], [("keys", "keys", "d"), ("host_bytes_per_key", "host B/key", ".0f")]))
         print(table(result["scale"]["reopen"], [("keys", "keys", "d"), ("reopen_s", "reopen s", ".2f"), ("lmdb_scan_s", "LMDB scan s", ".2f"),
                                                 ("disk_bytes_per_key", "disk-only B/key", ".0f")]))
