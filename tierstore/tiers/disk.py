@@ -553,7 +553,7 @@ class DiskTier(Tier):
             pieces = max(1, min(split, length // MIN_REQUEST))
             # Piece sizes are whole MIN_REQUESTs: few distinct sizes, each a cached operator
             # for combining checksums (see ``combine_checksums``).
-            size = round_up(-(-length // pieces), MIN_REQUEST) if pieces > 1 else length
+            size = round_up(-(-length // pieces), MIN_REQUEST) if pieces > 1 else max(length, 1)  # an empty value: one request
             requests.extend((index, at, min(size, start + length - at)) for at in range(start, start + max(length, 1), size))
         return requests
 
