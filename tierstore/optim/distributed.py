@@ -161,7 +161,7 @@ class ParamRange:
 
     def __init__(self, param: torch.Tensor, rows: tuple[int, int], sharding: Sharding) -> None:
         self.param = param
-        row = param[0].numel() if param.dim() else 1
+        row = param.numel() // param.shape[0] if param.dim() and param.shape[0] else 1
         self.rows = rows
         self.start, self.stop = rows[0] * row, rows[1] * row
         self.dtype = param.dtype
@@ -330,7 +330,7 @@ class Sharding:
             raise ValueError(f"zero_stage must be 1 (update after the all-reduce) or 2 (reduce-scatter to owners), not {zero_stage!r}")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("process_group= needs an initialized torch.distributed process group (init_process_group)")
-        self.group = dist.group.WORLD if group is True else group
+        self.group: Any = dist.group.WORLD if group is True else group
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
         self.zero_stage = zero_stage
@@ -369,7 +369,7 @@ class Sharding:
         owner = self.owner(param)
         if isinstance(owner, int):
             return [(owner, 0, param.numel())]
-        row = param[0].numel()
+        row = param.numel() // param.shape[0]
         return [(rank, first * row, last * row) for rank, (first, last) in enumerate(owner)]
 
     def add(self, param: torch.Tensor) -> torch.Tensor | ParamRange | None:
@@ -440,7 +440,7 @@ class Sharding:
             for p, start, stop in segments[self.rank]:
                 with torch.no_grad():
                     if start == 0 and stop == p.numel():
-                        p.grad.copy_(mine[offset : offset + stop - start].view_as(p.grad))  # type: ignore[union-attr]
+                        p.grad.copy_(mine[offset : offset + stop - start].view(p.grad.shape))  # type: ignore[union-attr]
                     else:  # our rows of a split parameter (the others' rows are left unreduced)
                         p.grad.view(-1)[start:stop].copy_(mine[offset : offset + stop - start])  # type: ignore[union-attr]
                 offset += stop - start
@@ -544,7 +544,8 @@ class Sharding:
                 norms[1, index] = 1.0 / self.world
             elif self.rank == 0:  # ZeRO-1: rank 0 (its first rows' owner) has the whole gradient
                 grad = self.params[index].grad
-                norms[0, index] = torch.linalg.vector_norm(grad, norm_type).float()  # type: ignore[arg-type]
+                assert grad is not None  # (every rank has it: DDP's all-reduce)
+                norms[0, index] = torch.linalg.vector_norm(grad, norm_type).float()
                 norms[1, index] = 1.0
         dist.all_reduce(norms, group=self.group)
         if self.zero_stage == 2 and split:
