@@ -28,7 +28,7 @@ from tierstore.optim.distributed import free_port
 
 LIMIT_S = 90  # the whole spawned job: both device modes, every case
 PG_TIMEOUT_S = 60  # gloo's timeout: a rank left waiting in a broadcast would take this long
-STEPS, FAIL_AT, LR = 4, 2, 1e-2
+STEPS, FAIL_AT, LR = 3, 1, 1e-2
 
 
 class FlakyStore(TierStore):
