@@ -233,7 +233,8 @@ class Engine:
 
     async def _load(self, entry: Entry, t: int, priority: Priority) -> None:
         """Copy the current value of ``entry`` onto memory tier ``t`` from its fastest copy."""
-        await self.no_writer(entry, "read")
+        if entry.writer is not None:
+            await self.no_writer(entry, "read")
         sources = [s for s in entry.readable_tiers() if s != t]
         if not sources:
             raise CorruptionError(f"{entry.key!r} has no valid copy on any tier")
@@ -304,7 +305,8 @@ class Engine:
         raise CorruptionError(f"{entry.key!r}: the catalog keeps holding another version than the store's record of it")
 
     async def _read_uncached(self, entry: Entry, device: torch.device, out: torch.Tensor | None, target: int | None) -> torch.Tensor:
-        await self.no_writer(entry, "read")
+        if entry.writer is not None:
+            await self.no_writer(entry, "read")
         tiers = entry.readable_tiers()
         source = entry.valid(tiers[0]) if tiers else None
         if source is None:

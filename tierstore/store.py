@@ -42,6 +42,7 @@ __all__ = ["TierRef", "TierStore"]
 #: Small puts acknowledged before their commit (non-durable disk tier) queue at most this many
 #: keys; a put beyond it waits for the queue to commit.
 STAGED_LIMIT = 4096
+_CPU = torch.device("cpu")
 
 
 class _FillAbandoned(Exception):
@@ -463,7 +464,7 @@ class TierStore:
         self._engine.require_open()
         t = self._engine.index_of(tier)
         entry = self._engine.visible_entry(key)
-        device = self._engine.tiers[t].device if isinstance(self._engine.tiers[t], MemoryTier) else torch.device("cpu")  # type: ignore[attr-defined]
+        device = self._engine.tiers[t].device if isinstance(self._engine.tiers[t], MemoryTier) else _CPU  # type: ignore[attr-defined]
         if out is not None:
             _check_out(out, entry.meta, device)
         if entry.writer is not None:  # (checked here first: this is the hot path of a hit)
@@ -550,7 +551,7 @@ class TierStore:
         if entry.writer is not None:
             await self._engine.no_writer(entry, "read")
             entry = self._engine.visible_entry(key)
-        return await self._engine.read_uncached(entry, torch.device("cpu"))
+        return await self._engine.read_uncached(entry, _CPU)
 
     async def export_zarr(self, path: str | Path, overwrite: bool = False) -> int:
         """Write every entry as a zarr v3 array under ``path`` (see ``tierstore.snapshot``)."""
