@@ -163,33 +163,3 @@ async def test_run_all_keeps_to_its_limit_and_runs_then_after_the_jobs() -> None
     finally:
         pool.shutdown()
 
-
-async def test_values_split_into_pieces_keep_one_checksum_per_chunk_and_corruption_is_caught(tmp_path: Path) -> None:
-    import crc32c
-
-    from tierstore.errors import ChecksumError
-
-    save_tuning(tmp_path, IOSettings(chunk_size=1 * MiB, io_threads=4, queue_depth=4))  # small values move in 4 pieces
-    values = {f"v{n}": torch.randint(0, 255, (n,), dtype=torch.uint8) for n in (600_000, 1 << 20, 3_000_001, 4 * MiB + 5)}
-    disk = DiskTier(tmp_path, "64MiB")
-    async with TierStore([disk]) as store:
-        for key, value in values.items():
-            await store.put(key, value)
-        records = disk.committed()
-        for key, value in values.items():
-            data = value.numpy().tobytes()
-            chunks = [data[start : start + MiB] for start in range(0, len(data), MiB)]
-            assert records[key].checksums == tuple(crc32c.crc32c(c) for c in chunks)
-            assert torch.equal(await store.get(key), value)
-    # One flipped byte inside the third piece of the 3 MB value's first chunk.
-    record = records["v3000001"]
-    path = disk.segment_path(record.extent.segment)
-    with open(path, "r+b") as handle:
-        handle.seek(record.extent.offset + 600_000)
-        byte = handle.read(1)
-        handle.seek(record.extent.offset + 600_000)
-        handle.write(bytes([byte[0] ^ 0xFF]))
-    async with TierStore([DiskTier(tmp_path, "64MiB")]) as store:
-        with pytest.raises(ChecksumError, match="bytes 0..1048576"):
-            await store.get("v3000001")
-        assert torch.equal(await store.get("v600000"), values["v600000"])

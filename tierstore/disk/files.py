@@ -63,55 +63,6 @@ def checksum_of(buffer: torch.Tensor, start: int, length: int) -> int:
     return checksum(buffer[start : start + length].numpy())
 
 
-_MASK = 0xFFFFFFFF
-#: Shift operators by length (see ``_operator``), for the few request sizes in use.
-_OPERATORS: dict[int, tuple[tuple[int, ...], int]] = {}
-#: Zeros for ``_shift`` (calloc'ed: the pages are the kernel's shared zero page until written).
-_zeros = np.zeros(1 << 20, dtype=np.uint8)
-
-
-def _shift(crc: int, length: int) -> int:
-    """``crc`` carried over ``length`` more bytes of zeros: the CRC-32C of ``A + B`` is
-    ``_shift(crc(A), len(B)) ^ crc(B)``. One pass of the hardware CRC over the zeros."""
-    global _zeros
-    if len(_zeros) < length:
-        _zeros = np.zeros(1 << (length - 1).bit_length(), dtype=np.uint8)
-    return int(crc32c.crc32c(_zeros[:length].data, crc ^ _MASK)) ^ _MASK
-
-
-def _operator(length: int) -> tuple[tuple[int, ...], int]:
-    """``_shift(., length)`` as an affine map over GF(2): the images of the 32 bits and the
-    constant. Applying it is a few XORs instead of a pass over ``length`` bytes."""
-    found = _OPERATORS.get(length)
-    if found is None:
-        constant = _shift(0, length)
-        found = (tuple(_shift(1 << bit, length) ^ constant for bit in range(32)), constant)
-        if len(_OPERATORS) < 256:
-            _OPERATORS[length] = found
-    return found
-
-
-def combine_checksums(pieces: Sequence[tuple[int, int]]) -> int:
-    """The checksum of consecutive pieces from their own checksums: ``pieces`` are
-    ``(checksum, length)`` in order, all of the first one's length but the last. Lets several
-    threads move and check the pieces of one chunk at once while the chunk keeps its one
-    checksum (the format on disk is unchanged)."""
-    crc, regular = pieces[0]
-    for piece_crc, length in pieces[1:]:
-        if length == regular:  # request sizes repeat: a cached operator, a few XORs
-            images, acc = _operator(length)
-            bit = 0
-            while crc:
-                if crc & 1:
-                    acc ^= images[bit]
-                crc >>= 1
-                bit += 1
-            crc = acc ^ piece_crc
-        else:  # the last piece, shorter: a pass over its length of zeros
-            crc = _shift(crc, length) ^ piece_crc
-    return crc
-
-
 def is_disk_full(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS
 

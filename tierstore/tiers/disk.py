@@ -25,7 +25,6 @@ from ..disk.files import (
     TruncatedSegment,
     allocated_bytes,
     checksum_bytes,
-    combine_checksums,
     is_segment_name,
 )
 from ..disk.lock import FolderLock
@@ -59,8 +58,6 @@ _OWN_NAMES = {"lock", "data", "catalog", TUNING_FILE, TUNING_FILE + ".tmp"}
 #: measurement (``benchmarks/bench_keys.py --threshold``): see ``tierstore.bench.keys``.
 INLINE_MAX = 2048
 _PROBE_NAME = ".direct-probe"
-#: Smallest request a chunk is split into to keep ``queue_depth`` requests of a value in flight.
-MIN_REQUEST = 256 << 10
 
 
 class InlineSuperseded(TierStoreError):
@@ -540,32 +537,6 @@ class DiskTier(Tier):
     def _chunks(self, nbytes: int) -> list[tuple[int, int]]:
         return [(start, min(self.chunk_size, nbytes - start)) for start in range(0, max(nbytes, 1), self.chunk_size)]
 
-    def _requests(self, nbytes: int) -> list[tuple[int, int, int]]:
-        """The requests moving a value of ``nbytes``: ``(chunk index, start, length)``. A value
-        of fewer chunks than ``queue_depth`` has its chunks split (into block-aligned pieces
-        of whole multiples of ``MIN_REQUEST``), so it still has about ``queue_depth`` requests in flight;
-        each piece is checksummed by the thread that moves it and the pieces' checksums are
-        combined into the chunk's."""
-        chunks = self._chunks(nbytes)
-        split = -(-self.queue_depth // len(chunks))
-        requests = []
-        for index, (start, length) in enumerate(chunks):
-            pieces = max(1, min(split, length // MIN_REQUEST))
-            # Piece sizes are whole MIN_REQUESTs: few distinct sizes, each a cached operator
-            # for combining checksums (see ``combine_checksums``).
-            size = round_up(-(-length // pieces), MIN_REQUEST) if pieces > 1 else max(length, 1)  # an empty value: one request
-            requests.extend((index, at, min(size, start + length - at)) for at in range(start, start + max(length, 1), size))
-        return requests
-
-    def _chunk_checksums(self, requests: list[tuple[int, int, int]], sums: list[int]) -> list[int]:
-        """Each chunk's checksum from those of its requests (in order)."""
-        pieces: list[list[tuple[int, int]]] = []
-        for (index, _, length), crc in zip(requests, sums, strict=True):
-            if index == len(pieces):
-                pieces.append([])
-            pieces[index].append((crc, length))
-        return [combine_checksums(chunk) if len(chunk) > 1 else chunk[0][0] for chunk in pieces]
-
     async def write(
         self, extent: Extent, src: torch.Tensor, nbytes: int, priority: Priority = Priority.DEMAND, sync: bool = True
     ) -> tuple[int, ...]:
@@ -580,12 +551,10 @@ class DiskTier(Tier):
             if then is not None:
                 await self.pool.run(then, priority)
             return checksums
-        # One job per request, its checksum computed in it; the fdatasync runs on the thread that
-        # finishes the last one: no extra trip through the event loop.
-        requests = self._requests(nbytes)
-        writes = [partial(files.write_chunk, extent.segment, extent.offset + start, src, start, length) for _, start, length in requests]
-        sums = await self.pool.run_all(writes, priority, limit=self.queue_depth, then=then)
-        return tuple(self._chunk_checksums(requests, sums))
+        # One job per chunk, its checksum computed in it; the fdatasync runs on the thread that
+        # finishes the last chunk: no extra trip through the event loop.
+        writes = [partial(files.write_chunk, extent.segment, extent.offset + start, src, start, length) for start, length in self._chunks(nbytes)]
+        return tuple(await self.pool.run_all(writes, priority, limit=self.queue_depth, then=then))
 
     async def sync_segments(self, segments: set[int], priority: Priority = Priority.DEMAND) -> None:
         """Make every write into ``segments`` durable (if the tier is): one fdatasync per file."""
@@ -601,9 +570,8 @@ class DiskTier(Tier):
             await self._read_to_device(files, record, dst, priority)
             return
         extent = record.extent
-        requests = self._requests(record.meta.nbytes)
-        reads = [partial(files.read_chunk, extent.segment, extent.offset + start, dst, start, length) for _, start, length in requests]
-        sums = self._chunk_checksums(requests, await self.pool.run_all(reads, priority, limit=self.queue_depth))
+        reads = [partial(files.read_chunk, extent.segment, extent.offset + start, dst, start, length) for start, length in self._chunks(record.meta.nbytes)]
+        sums = await self.pool.run_all(reads, priority, limit=self.queue_depth)
         for index, ((start, length), got) in enumerate(zip(self._chunks(record.meta.nbytes), sums, strict=True)):
             if got != record.checksums[index]:
                 raise ChecksumError(
