@@ -39,7 +39,8 @@ non-fp32 parameter]) and ``T`` its largest tensor (``4 * numel``):
   the store, and the tensor DCP's reader deserialised: a whole saved tensor, or a saved rank's
   shard of it). Usually one parameter's entry is assembled at a time; the passes cap the rest.
 
-Not the state's size: what lives on disk stays there until its parameter's turn.
+Not the state's size: what lives on disk stays there until its parameter's turn. Not with
+``dcp.async_save``, which stages the whole state dict in memory first.
 """
 
 from __future__ import annotations
@@ -61,8 +62,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ..sync import run
-from .checkpoint import _others, adam_entry, adam_load_entry, model_param, saved_index
-from .distributed import LocalShard, is_dtensor
+from .checkpoint import _laid_out, _others, adam_entry, adam_load_entry, model_param, saved_index
+from .distributed import is_dtensor
 
 if TYPE_CHECKING:
     import os
@@ -132,18 +133,13 @@ def _source(obj: Any) -> _Source | None:
     return held[1]
 
 
-def _placeholder(slot: ParamSlot, shape: torch.Size | tuple[int, ...], source: _Source) -> torch.Tensor:
-    """A meta tensor of ``shape`` (the shard's, as a DTensor laid out like the parameter, for
-    an FSDP2 shard's rows)."""
-    meta = torch.empty(shape, dtype=torch.float32, device="meta")
-    if isinstance(slot.param, LocalShard) and len(shape):
-        from torch.distributed.tensor import DTensor
-
-        p = slot.param.dtensor
-        meta = DTensor.from_local(
-            meta, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()  # type: ignore[attr-defined]
-        )
-    return _register(meta, source)
+def _placeholder(slot: ParamSlot, name: str, source: _Source) -> torch.Tensor:
+    """A meta tensor laid out as ``adam_entry`` lays out ``slot``'s state tensor ``name``: the
+    parameter's shape, or a DTensor like the one it hands out (an FSDP2 shard, a parameter
+    whose rows are split across ranks)."""
+    if name == "step":
+        return _register(torch.empty((), dtype=torch.float32, device="meta"), source)
+    return _register(_laid_out(slot, torch.empty(slot.numel, dtype=torch.float32, device="meta")), source)
 
 
 def _entry_names(optimizer: TieredAdam, slot: ParamSlot) -> list[str]:
@@ -163,7 +159,7 @@ def _placeholder_state_dict(optimizer: TieredAdam) -> dict[str, Any]:
     for slot in optimizer._slots:
         if model_param(slot).requires_grad or slot.index in optimizer._step_counts:
             state[saved_index(optimizer, slot)] = {
-                name: _placeholder(slot, () if name == "step" else slot.shape, _Source(optimizer, slot, name))
+                name: _placeholder(slot, name, _Source(optimizer, slot, name))
                 for name in _entry_names(optimizer, slot)
             }
     for index in _others(optimizer):
