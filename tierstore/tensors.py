@@ -174,16 +174,21 @@ def aligned_empty(nbytes: int, device: torch.device | str = "cpu", pin_memory: b
 
 def page_empty(nbytes: int, pin_memory: bool = False) -> torch.Tensor:
     """A uint8 CPU tensor of exactly ``nbytes`` rounded up to ``ALIGNMENT``, 4096-aligned, for a
-    tier's buffers: from the C heap (``posix_memalign``), or a private mapping when pinned or
-    when the C library cannot be reached.
+    tier's buffers: from the C heap (``posix_memalign``) below ``HEAP_LIMIT``, else (and when
+    pinned, or when the C library cannot be reached) a private mapping of its own.
 
-    The heap reuses memory the process already faulted in (a buffer freed by one store is warm
-    for the next), where a fresh mapping faults every page on first use: copies into new
-    mappings measured 3-5x slower here. The storage is exactly the rounded size, so a tier's
-    accounting equals its buffers. Buffers of at least ``HUGE_PAGE`` ask for huge pages.
+    Small buffers come from the heap, which reuses memory the process already faulted in. Large
+    ones are mappings because the heap does not give freed memory back: glibc raises its mmap
+    threshold to the largest block freed (up to 32 MiB), after which every tier buffer up to
+    that size is carved from per-thread arenas, and the buffers a tier drops (evicted or handed
+    over) stayed in the process, fragmented across arenas: with weights and state paged through
+    the tiers, RSS climbed by hundreds of MiB a step while the tiers' accounting stayed flat. A
+    mapping goes back to the system when its last tensor is freed, so the process holds what the
+    tiers count (the tiers' own pools keep warm buffers for reuse, inside their capacity). The
+    storage is exactly the rounded size. Buffers of at least ``HUGE_PAGE`` ask for huge pages.
     """
     size = round_up(max(nbytes, 1), ALIGNMENT)
-    if pin_memory or _libc is None:
+    if pin_memory or _libc is None or size >= HEAP_LIMIT:
         return mapped_empty(size, pin_memory=pin_memory)
     address = ctypes.c_void_p()
     if _libc.posix_memalign(ctypes.byref(address), ctypes.c_size_t(ALIGNMENT), ctypes.c_size_t(size)) != 0:
@@ -253,6 +258,8 @@ def mapped_empty(nbytes: int, pin_memory: bool = False) -> torch.Tensor:
 
 #: Buffers at least this large ask the kernel for transparent huge pages.
 HUGE_PAGE = 2 << 20
+#: Tier buffers of at least this many bytes are mappings of their own (see ``page_empty``).
+HEAP_LIMIT = 1 << 20
 _MADV_HUGEPAGE = 14
 
 
