@@ -311,12 +311,13 @@ class SegmentFiles:
         """Make the data written to ``segment`` durable."""
         self.io.fdatasync(self._fds[segment])
 
-    def write_chunk(self, segment: int, file_offset: int, src: torch.Tensor, start: int, length: int) -> int:
+    def write_chunk(self, segment: int, file_offset: int, src: torch.Tensor, start: int, length: int, check: bool = True) -> int | None:
         """Write ``src[start:start+length]`` at ``file_offset``; return its checksum (computed
-        in the same job, so a chunk costs one trip to a worker thread)."""
+        in the same job, so a chunk costs one trip to a worker thread), or None if not
+        ``check`` (the caller has it computed beside the write)."""
         fd = self._fds[segment]
         payload = _as_numpy(src[start : start + length])
-        crc = checksum(payload)
+        crc = checksum(payload) if check else None
         pwrite = self.io.pwrite
         if not self.direct:
             _pwrite_all(fd, payload.data, file_offset, pwrite)

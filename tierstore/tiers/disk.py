@@ -25,6 +25,7 @@ from ..disk.files import (
     TruncatedSegment,
     allocated_bytes,
     checksum_bytes,
+    checksum_of,
     is_segment_name,
 )
 from ..disk.lock import FolderLock
@@ -551,9 +552,16 @@ class DiskTier(Tier):
             if then is not None:
                 await self.pool.run(then, priority)
             return checksums
-        # One job per chunk, its checksum computed in it; the fdatasync runs on the thread that
-        # finishes the last chunk: no extra trip through the event loop.
-        writes = [partial(files.write_chunk, extent.segment, extent.offset + start, src, start, length) for start, length in self._chunks(nbytes)]
+        # One batch of jobs, one wake-up of the loop; the fdatasync runs on the thread that ends
+        # the last job. A value of few chunks has its checksums computed by idle threads beside
+        # the writes (measured: 4 MiB puts lost ~10% with the checksum before the write); a larger
+        # one has each chunk's checksum in the job that writes it (no thread is idle).
+        chunks = self._chunks(nbytes)
+        if 2 * len(chunks) <= self.io_threads:
+            writes = [partial(files.write_chunk, extent.segment, extent.offset + start, src, start, length, False) for start, length in chunks]
+            sums = [partial(checksum_of, src, start, length) for start, length in chunks]
+            return tuple((await self.pool.run_all(writes + sums, priority, then=then))[len(chunks) :])
+        writes = [partial(files.write_chunk, extent.segment, extent.offset + start, src, start, length) for start, length in chunks]
         return tuple(await self.pool.run_all(writes, priority, limit=self.queue_depth, then=then))
 
     async def sync_segments(self, segments: set[int], priority: Priority = Priority.DEMAND) -> None:
