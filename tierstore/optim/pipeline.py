@@ -86,6 +86,8 @@ class UpdatePipeline:
         self._prefetched = False
         #: Nothing pages below the state tier: holds never wait for a transfer (but creation).
         self._flat = False
+        #: State-tier bytes the updates in flight may hold at once (from ``plan``).
+        self._room = 0
 
     # -- planning ---------------------------------------------------------------------------------
 
@@ -109,6 +111,7 @@ class UpdatePipeline:
         grads = [self._grad_bytes(slot, tier) for slot in slots if slot.chunks is None] or [0]
         largest = max(needs)
         room = tier.capacity * 9 // 10 - max(grads)  # a tenth left for arrivals and state being created
+        self._room = max(room, 0)
         if largest > room:
             worst = slots[needs.index(largest)]
             raise OptimizerCapacityError(
@@ -292,12 +295,13 @@ class UpdatePipeline:
 
     def _chunk_runs(self, slot: ParamSlot, chunks: list[Chunk]) -> list[list[Chunk]]:
         """``chunks`` cut into runs of consecutive chunks needing at most ``bucket_bytes``, or two
-        chunks' worth: a short last chunk joins the one before it instead of being one more
-        small read and one more math call of its own (the holds of ``inflight`` runs still fit
-        in the ``2 * inflight + 2`` chunks the tier was planned for)."""
+        chunks' worth (so a short last chunk can go with a full one instead of being one more
+        small read and math call of its own; the holds of ``inflight`` runs still fit in the
+        ``2 * inflight + 2`` chunks the tier was planned for)."""
         runs: list[list[Chunk]] = []
         size = 0
-        limit = max(self.bucket_bytes, 2 * max((self.chunk_need(slot, chunk) for chunk in chunks), default=0))
+        pair = 2 * max((self.chunk_need(slot, chunk) for chunk in chunks), default=0)
+        limit = max(self.bucket_bytes, min(pair, self._room // max(self.inflight, 1)))
         for chunk in chunks:
             need = self.chunk_need(slot, chunk)
             if runs and size + need <= limit:
