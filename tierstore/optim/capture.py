@@ -198,7 +198,7 @@ class GradientCapture:
         report.grad_retakes += 1
         report.grad_retake_bytes += grad.nbytes
         slot.capture = fresh
-        fresh.task = asyncio.ensure_future(self._take(slot, fresh, source, None, arrived=False))
+        fresh.task = asyncio.ensure_future(self._take(slot, fresh, source if source is not None else grad, None, arrived=False))
         await fresh.task
         return fresh
 
