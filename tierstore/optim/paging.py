@@ -67,6 +67,7 @@ from .reports import (
     TimeReport,
     memory_report,
     plan_memory,
+    state_residency,
 )
 from .setup import DEFAULT_DISK_ROOT, bind_store, default_store
 from .slots import ParamSlot
@@ -238,6 +239,7 @@ class PagedOptimizer(torch.optim.Optimizer):
                 arrived=self._runner.arrived, report=lambda: self._window.report, timeline=self.timeline,
             )
             run(self._adopt())
+            self._window.watch(lambda: run(state_residency(self.store, self._slots, self.state_tier)))
         except BaseException:
             self._remove_hooks()  # a half-built optimizer must not keep listening to the model
             if self._pipeline is not None:
@@ -461,7 +463,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         return self._window.report
 
     def _close_window(self, now: float) -> None:
-        self._window.close(now, self._runner.steps, self.store.counters.links)
+        self._window.close(now, self._runner.steps, self.store.counters.links, self._runner.last_order)
 
     def time_report(self) -> TimeReport:
         """Where the last step's time went (from the end of the step before to the end of it)."""
@@ -489,7 +491,7 @@ class PagedOptimizer(torch.optim.Optimizer):
     def memory_report(self) -> MemoryReport:
         """Bytes per parameter and totals: weights and grads on the device, state by tier."""
         plan = self.memory_plan() if self._pipeline is not None else None
-        return run(memory_report(self.store, self._slots, self._state_bytes, offloaded, plan))
+        return run(memory_report(self.store, self._slots, self._state_bytes, offloaded, plan, self._window.last))
 
     # -- lifecycle -------------------------------------------------------------------------------
 
