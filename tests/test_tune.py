@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from tierstore import TierStore
-from tierstore.bench.tiers import main as bench_main
 from tierstore.cli import main as cli_main
 from tierstore.disk.tuning import TUNING_FILE, IOSettings, TuningFileWarning, save_tuning
 from tierstore.tiers import DeviceTier, DiskTier, HostTier

@@ -185,8 +185,8 @@ async def measure_disk(
 
     root = folder / f"disk-{size}-{int(durable)}"
     shutil.rmtree(root, ignore_errors=True)
-    io = settings.to_json() if settings is not None else {}
-    disk = DiskTier(root, 3 * count * size + 64 * MiB, durable=durable, **io)
+    io = settings or DEFAULTS
+    disk = DiskTier(root, 3 * count * size + 64 * MiB, durable=durable, chunk_size=io.chunk_size, io_threads=io.io_threads, queue_depth=io.queue_depth)
     plain = [torch.randn(size // 4) for _ in range(count)]
     aligned = [empty(size // 4) for _ in range(count)]
     for a, p in zip(aligned, plain, strict=True):

@@ -311,22 +311,27 @@ class SegmentFiles:
         """Make the data written to ``segment`` durable."""
         self.io.fdatasync(self._fds[segment])
 
-    def write_chunk(self, segment: int, file_offset: int, src: torch.Tensor, start: int, length: int, check: bool = True) -> int | None:
+    def write_chunk(self, segment: int, file_offset: int, src: torch.Tensor, start: int, length: int) -> int:
         """Write ``src[start:start+length]`` at ``file_offset``; return its checksum (computed
-        in the same job, so a chunk costs one trip to a worker thread), or None if not
-        ``check`` (the caller has it computed beside the write)."""
+        in the same job, so a chunk costs one trip to a worker thread)."""
+        crc = checksum(_as_numpy(src[start : start + length]))
+        self.write_unchecked(segment, file_offset, src, start, length)
+        return crc
+
+    def write_unchecked(self, segment: int, file_offset: int, src: torch.Tensor, start: int, length: int) -> None:
+        """Write ``src[start:start+length]`` at ``file_offset`` (its checksum is computed
+        elsewhere, beside the write)."""
         fd = self._fds[segment]
         payload = _as_numpy(src[start : start + length])
-        crc = checksum(payload) if check else None
         pwrite = self.io.pwrite
         if not self.direct:
             _pwrite_all(fd, payload.data, file_offset, pwrite)
-            return crc
+            return
         padded = round_up(length, ALIGNMENT)
         direct = self._direct_span(src, start, length)
         if direct == padded:  # aligned, with room for the padding: straight from the tensor
             _pwrite_all(fd, (_as_numpy(src[start : start + padded])).data, file_offset, pwrite)
-            return crc
+            return
         if direct:
             _pwrite_all(fd, (payload[:direct]).data, file_offset, pwrite)
         rest = length - direct
@@ -338,7 +343,6 @@ class SegmentFiles:
             _pwrite_all(fd, (stage[: padded - direct]).data, file_offset + direct, pwrite)
         finally:
             self._staging.put(staging)
-        return crc
 
     def read_chunk(self, segment: int, file_offset: int, dst: torch.Tensor, start: int, length: int) -> int:
         """Read ``length`` bytes at ``file_offset`` into ``dst[start:]``; return their checksum."""

@@ -8,6 +8,7 @@ import ctypes
 import os
 import shutil
 import weakref
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import ClassVar
@@ -558,9 +559,12 @@ class DiskTier(Tier):
         # one has each chunk's checksum in the job that writes it (no thread is idle).
         chunks = self._chunks(nbytes)
         if 2 * len(chunks) <= self.io_threads:
-            writes = [partial(files.write_chunk, extent.segment, extent.offset + start, src, start, length, False) for start, length in chunks]
-            sums = [partial(checksum_of, src, start, length) for start, length in chunks]
-            return tuple((await self.pool.run_all(writes + sums, priority, then=then))[len(chunks) :])
+            jobs: list[Callable[[], int | None]] = [
+                partial(files.write_unchecked, extent.segment, extent.offset + start, src, start, length) for start, length in chunks
+            ]
+            jobs += [partial(checksum_of, src, start, length) for start, length in chunks]
+            results = await self.pool.run_all(jobs, priority, then=then)
+            return tuple(crc for crc in results[len(chunks) :] if crc is not None)
         writes = [partial(files.write_chunk, extent.segment, extent.offset + start, src, start, length) for start, length in chunks]
         return tuple(await self.pool.run_all(writes, priority, limit=self.queue_depth, then=then))
 
@@ -578,6 +582,8 @@ class DiskTier(Tier):
             await self._read_to_device(files, record, dst, priority)
             return
         extent = record.extent
+        if extent is None:
+            raise ValueError(f"{record.key!r} is kept inline in the catalog, not in an extent: read it with read_inline")
         reads = [partial(files.read_chunk, extent.segment, extent.offset + start, dst, start, length) for start, length in self._chunks(record.meta.nbytes)]
         sums = await self.pool.run_all(reads, priority, limit=self.queue_depth)
         for index, ((start, length), got) in enumerate(zip(self._chunks(record.meta.nbytes), sums, strict=True)):
@@ -616,6 +622,8 @@ class DiskTier(Tier):
         """Read chunk ``index`` (bytes ``start``.. of the value) into ``dst`` at ``at`` (default
         ``start``), verifying its checksum."""
         extent = record.extent
+        if extent is None:
+            raise ValueError(f"{record.key!r} is kept inline in the catalog, not in an extent: read it with read_inline")
         got = files.read_chunk(extent.segment, extent.offset + start, dst, start if at is None else at, length)
         if got != record.checksums[index]:
             raise ChecksumError(
