@@ -198,7 +198,9 @@ def test_state_dict_loads_into_torch_adamw_as_the_dequantised_moments(device_mod
     try:
         _steps(paged, opt, range(3))
         saved = opt.state_dict()
-        assert all(group["state_precision"] == precision for group in saved["param_groups"])
+        # torch's keys only: DCP's strict loading refuses keys one side lacks
+        assert all(set(group) == set(torch_keys) for group in saved["param_groups"]
+                   for torch_keys in [torch.optim.AdamW(paged.parameters()).state_dict()["param_groups"][0]])
         torch_opt = torch.optim.AdamW(paged.parameters(), lr=3e-3)
         torch_opt.load_state_dict(saved)
         for param in paged.parameters():

@@ -70,6 +70,7 @@ class TieredAdam(PagedOptimizer):
 
     decoupled_weight_decay = False
     _supports_sharding = True
+    _unsaved_group_keys = ("state_precision", "master_weights")
 
     def __init__(
         self,

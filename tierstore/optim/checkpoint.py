@@ -19,8 +19,9 @@ first. An entry at step 0 with zero moments loads as "not updated yet": nothing 
 Compressed state (``state_precision="bf16"``/``"8bit"``, ``master_weights="lossless"``) is
 saved decompressed, in fp32, in the same format: ``exp_avg``/``exp_avg_sq`` are the dequantised
 moments the optimizer is using (so ``torch.optim.AdamW`` loads them and continues from exactly
-those values), ``master`` the exact fp32 master. The param groups carry ``state_precision`` and
-``master_weights`` (torch ignores them); loading never changes them: the loading optimizer
+those values), ``master`` the exact fp32 master. The param groups leave ``state_precision`` and
+``master_weights`` out (DCP's strict loading refuses keys one side lacks, so a checkpoint must
+have torch's keys only); loading never changes them: the loading optimizer
 compresses what it loads as it was built to (an fp32 checkpoint into an 8-bit optimizer is
 quantised; our own compressed checkpoint re-encodes to the same codes). With a lossless master,
 what is kept of a loaded ``master`` is its low 16 bits: the high half is the model's weight.

@@ -80,12 +80,6 @@ __all__ = ["DEFAULT_DISK_ROOT", "DEFAULT_NAMESPACE_BASE", "OptimizerCapacityErro
 
 
 class PagedOptimizer(torch.optim.Optimizer):
-    #: ``GradScaler.step`` hands us its scale and inf flag (``grad_scale``/``found_inf``
-    #: attributes) instead of unscaling ``p.grad`` itself: the host copies are unscaled.
-    _step_supports_amp_scaling = True
-    #: Whether the subclass keeps its checkpoints by global parameter index (``process_group=``).
-    _supports_sharding = False
-
     """Base of ``TieredAdam``/``TieredAdamW``/``TieredOptimizer`` (see the module docstring).
 
     Store options (all keyword-only):
@@ -150,6 +144,13 @@ class PagedOptimizer(torch.optim.Optimizer):
     ``StepIncompleteError`` naming the parameters it updated; calling ``step()`` again completes
     it without applying any update twice (``zero_grad()`` abandons it instead).
     """
+    #: ``GradScaler.step`` hands us its scale and inf flag (``grad_scale``/``found_inf``
+    #: attributes) instead of unscaling ``p.grad`` itself: the host copies are unscaled.
+    _step_supports_amp_scaling = True
+    #: Whether the subclass keeps its checkpoints by global parameter index (``process_group=``).
+    _supports_sharding = False
+    #: Param-group keys that choose how state is stored, not how it is updated: not saved.
+    _unsaved_group_keys: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -303,10 +304,13 @@ class PagedOptimizer(torch.optim.Optimizer):
         return await read_weight(slot)
 
     def _groups_for_saving(self) -> list[dict[str, Any]]:
-        """``param_groups`` as torch saves them: hyperparameters, and parameter indices."""
+        """``param_groups`` as torch saves them: hyperparameters, and parameter indices. The
+        storage choices (``_unsaved_group_keys``) are left out: a checkpoint with keys torch's
+        optimizer lacks would not load into it, nor its checkpoint into us, through DCP's strict
+        loading."""
         groups, index = [], 0
         for group in self.param_groups:
-            saved = {k: v for k, v in group.items() if k != "params"}
+            saved = {k: v for k, v in group.items() if k != "params" and k not in self._unsaved_group_keys}
             saved["params"] = list(range(index, index + len(group["params"])))
             index += len(group["params"])
             groups.append(saved)
