@@ -65,7 +65,7 @@ def _demo(argv: list[str]) -> int:
 
 _PASSTHROUGH = {
     "demo": "train a small GPT with its optimizer state paged through device, host and disk tiers",
-    "bench": "tier and link throughput vs raw pread/pwrite (benchmarks/bench_tiers.py)",
+    "bench": "tier and link throughput vs raw pread/pwrite (benchmarks/bench_tiers.py); --tune DIR: I/O settings for DIR's device",
 }
 _PASSTHROUGH_RUN = {"demo": _demo, "bench": _bench}
 
