@@ -334,12 +334,15 @@ class DiskTier(Tier):
     async def aclose(self) -> None:
         if not self.is_open:
             return
-        trim, self._trim_task = self._trim_task, None
         try:
             if self._catalog is not None and self._pid == os.getpid():
                 await self._catalog.drain()  # acknowledged non-durable writes reach the catalog
-            if trim is not None and not trim.cancelled():
-                await trim  # a failure to give space back is reported, after closing
+            # Taken after the drain: a free landing during it may start a trim, which must end
+            # before the files close (it would delete segment files of a closed tier).
+            while (trim := self._trim_task) is not None:
+                self._trim_task = None
+                if not trim.cancelled():
+                    await trim  # a failure to give space back is reported, after closing
             if self._pid == os.getpid():
                 self._punch_released()  # a store closed after deletes leaves no blocks behind
         finally:
