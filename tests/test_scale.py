@@ -239,3 +239,44 @@ def test_peak_memory_is_bounded_by_model_plus_tiers(tmp_path: Path, device_mode:
     assert figures["peak"] <= bound, figures
     assert figures["params"] * 12 > 4 * figures["host_capacity"]  # the state far exceeds the tier
     assert figures["rss"] - figures["baseline"] <= figures["host_used"] + figures["working"] + slack, figures
+
+
+def test_chunks_leave_room_for_an_offloaded_weight_held_whole(tmp_path: Path, device_mode: str) -> None:
+    """A chunked parameter whose weight is offloaded to the same store is held whole on the host
+    tier while its chunks update: chunks and updates in flight share what is left beside it
+    (a 32 MiB weight under a 40-48 MiB host tier hung in step() before), the plan counts it, and
+    a tier smaller than the weight is refused at construction."""
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, torch
+        from tierstore.device import emulate_device
+        from tierstore.optim import OptimizerCapacityError, TieredAdamW
+        from tierstore.store import TierStore
+        from tierstore.swap import offload_parameters
+        from tierstore.sync import run
+        from tierstore.tiers import DeviceTier, DiskTier, HostTier
+
+        with emulate_device({device_mode == "emulated"}):
+            for host in ("32MiB", "40MiB"):
+                model = torch.nn.Sequential(torch.nn.Embedding(16384, 512), torch.nn.Linear(512, 8))  # 32 MiB
+                store = TierStore([DeviceTier("cpu", "48MiB"), HostTier(host), DiskTier({str(tmp_path)!r} + "/" + host, "2GiB", durable=False)])
+                run(store.open())
+                offload_parameters(model, store, tier="disk")
+                try:
+                    opt = TieredAdamW(model.parameters(), store=store, chunk_bytes="8MiB")
+                except OptimizerCapacityError as exc:
+                    print(host, "refused", "offloaded weight" in str(exc))
+                    run(store.aclose())
+                    continue
+                assert opt.memory_plan().tier_need["host"] >= 32 * 2**20
+                for _ in range(2):
+                    model(torch.randint(0, 16384, (4, 8))).sum().backward()
+                    opt.step()
+                    opt.zero_grad()
+                print(host, "trained")
+                opt.close()
+                run(store.aclose())
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[:2] == ["32MiB refused True", "40MiB trained"], done.stdout

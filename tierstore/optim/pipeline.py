@@ -101,8 +101,13 @@ class UpdatePipeline:
         if not isinstance(tier, MemoryTier) or not slots:
             self.bucket_bytes, self.inflight = bucket_bytes or (64 << 20), max_inflight
             return
+        # A weight offloaded to this tier's store is held whole here while its chunks update
+        # (no ranged reads): the chunks and updates in flight share what is left beside it.
+        held = max((slot.numel * slot.param.element_size() for slot in slots if slot.paged
+                    and (o := offloaded(slot.param)) is not None and o[0].store is self._store and o[0].range_tier() == self._tier), default=0)
+        usable = tier.capacity * 9 // 10 - held
         if chunk_bytes > 0:
-            self.chunk_bytes = min(chunk_bytes, max(64 << 10, tier.capacity * 9 // 10 // (2 * max_inflight + 2)))
+            self.chunk_bytes = min(chunk_bytes, max(64 << 10, usable // (2 * max_inflight + 2)))
             for slot in slots:
                 if slot.paged and slot.numel and self._owner._chunkable(slot):
                     per_element = self._owner._state_bytes(slot) / slot.numel + self._grad_bytes(slot, None) / slot.numel
@@ -110,13 +115,14 @@ class UpdatePipeline:
         needs = [self.need(slot) for slot in slots]
         grads = [self._grad_bytes(slot, tier) for slot in slots if slot.chunks is None] or [0]
         largest = max(needs)
-        room = tier.capacity * 9 // 10 - max(grads)  # a tenth left for arrivals and state being created
+        room = usable - max(grads)  # a tenth left for arrivals and state being created
         self._room = max(room, 0)
         if largest > room:
             worst = slots[needs.index(largest)]
             raise OptimizerCapacityError(
                 f"the {self._tier!r} tier ({tier.capacity:,} bytes) cannot hold the state and gradient of parameter "
-                f"{worst.index} ({worst.numel:,} elements: {largest:,} bytes) beside another gradient; give it more capacity"
+                f"{worst.index} ({worst.numel:,} elements: {largest:,} bytes) beside another gradient"
+                + (f" and an offloaded weight held whole ({held:,} bytes)" if held else "") + "; give it more capacity"
                 + ("" if worst.chunks is not None or self._owner._chunkable(worst) and chunk_bytes
                    else ", or page its state in chunks (chunk_bytes=; a TieredOptimizer only where its optimizer is elementwise)")
             )

@@ -136,10 +136,19 @@ def plan_memory(
     largest = max((unit_need(slot) for slot in slots), default=0)
     chunked = [slot for slot in slots if slot.chunks is not None]
     need = {name: 0 for name in names}
+    weights: dict[str, list[int]] = {}
     # What must fit: one update at a time and one more gradient arriving (the pipeline runs
     # fewer updates at once, and prefetches less, when the tier is small; that is slower, not
     # wrong). More buckets in flight and chunks prefetched ahead use what room is left.
     need[state_tier] = largest + max(copied_grads, default=0)
+    # A chunked parameter whose weight is offloaded to this store has the whole weight held on
+    # a memory tier while its chunks update (the store has no ranged reads).
+    for slot in chunked:
+        offload = offloaded(slot.param)
+        if offload is not None and offload[0].store is store:
+            weights.setdefault(offload[0].range_tier(), []).append(slot.numel * slot.param.element_size())
+    for name, sizes in weights.items():
+        need[name] += max(sizes)
     below = [t for t in tiers[position + 1 :]]
     if below:  # everything pages down to the tier below (the disk)
         need[below[-1].name] = paged_state + sum(copied_grads)

@@ -331,7 +331,7 @@ class ParameterOffload:
         """Store a parameter's new value (the optimizer calls this after its update)."""
         await self.store.put(key, value, tier=self.tier)
 
-    def _range_tier(self) -> str:
+    def range_tier(self) -> str:
         """The memory tier a part of a weight is read or written on: ``tier`` if it is one,
         else the slowest memory tier (the weight is held there, never copied whole)."""
         if isinstance(self.store.tier(self.tier), MemoryTier):
@@ -340,14 +340,14 @@ class ParameterOffload:
 
     async def read_weight_range(self, key: str, start: int, stop: int) -> torch.Tensor:
         """Elements ``start:stop`` of a flattened parameter, as a CPU tensor of their own."""
-        async with self.store.hold(key, self._range_tier()) as weight:
+        async with self.store.hold(key, self.range_tier()) as weight:
             part = weight.reshape(-1)[start:stop]
             return part.to("cpu", copy=True)
 
     async def write_weight_range(self, key: str, start: int, value: torch.Tensor) -> None:
         """Write ``value`` over elements ``start:`` of a flattened parameter in the store (the
         optimizer updates a large parameter chunk by chunk)."""
-        async with self.store.hold(key, self._range_tier(), write=True) as weight:
+        async with self.store.hold(key, self.range_tier(), write=True) as weight:
             weight.reshape(-1)[start : start + value.numel()].copy_(value.reshape(-1))
 
 
