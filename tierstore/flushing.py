@@ -17,6 +17,7 @@ from .disk.catalog import DiskRecord
 from .disk.extents import Extent
 from .entry import Copy, Entry
 from .errors import TierFullError
+from .tensors import TensorMeta
 from .units import format_bytes
 from .workers import Priority
 
@@ -106,58 +107,61 @@ async def _flush_locked(engine: Engine, disk: DiskTier, d: int, plan: list[tuple
 
 
 async def _flush_plan_locked(engine: Engine, disk: DiskTier, d: int, plan: list[tuple[Entry, Copy]]) -> None:
-    plan = [(e, c) for e, c in plan if engine.entries.get(e.key) is e and c.version == e.version and not c.retired]
+    # The metadata of each source's value is taken now: a put without an await (a small value
+    # onto memory, ``Engine.put_memory_now``) may give the entry a new value, of another size,
+    # while the writes below are in flight; the source keeps the old one (it is in use).
+    planned = [(e, c, e.meta) for e, c in plan if engine.entries.get(e.key) is e and c.version == e.version and not c.retired]
     # Small values go inline into their records, built here at once (no extent, no I/O task):
     # a flush of many small keys is one transaction.
-    small = [(e, c) for e, c in plan if disk.holds_inline(e.meta.nbytes)]
-    large = [(e, c) for e, c in plan if not disk.holds_inline(e.meta.nbytes)]
-    inline: list[tuple[Entry, Copy, DiskRecord]] = []
+    small = [(e, c, m) for e, c, m in planned if disk.holds_inline(m.nbytes)]
+    large = [(e, c, m) for e, c, m in planned if not disk.holds_inline(m.nbytes)]
+    inline: list[tuple[Entry, Copy, DiskRecord, TensorMeta]] = []
     limit = asyncio.Semaphore(FLUSH_CONCURRENCY)
-    written: list[tuple[Entry, Copy, Extent, tuple[int, ...]]] = []
+    written: list[tuple[Entry, Copy, Extent, tuple[int, ...], TensorMeta]] = []
 
-    async def write(entry: Entry, source: Copy) -> None:
+    async def write(entry: Entry, source: Copy, meta: TensorMeta) -> None:
         async with limit:
-            extent = await disk.allocate(entry.meta.nbytes)
+            extent = await disk.allocate(meta.nbytes)
             try:
                 started = time.perf_counter()
-                checksums = await disk.write(extent, source.buffer, entry.meta.nbytes, Priority.BACKGROUND, sync=False)  # type: ignore[arg-type]
+                checksums = await disk.write(extent, source.buffer, meta.nbytes, Priority.BACKGROUND, sync=False)  # type: ignore[arg-type]
             except BaseException:
                 disk.release(extent)
                 raise
-            written.append((entry, source, extent, checksums))
-            engine.count_link(source.tier, d, entry.meta.nbytes, time.perf_counter() - started)
+            written.append((entry, source, extent, checksums, meta))
+            engine.count_link(source.tier, d, meta.nbytes, time.perf_counter() - started)
 
-    tasks = [asyncio.ensure_future(write(entry, source)) for entry, source in large]
+    tasks = [asyncio.ensure_future(write(entry, source, meta)) for entry, source, meta in large]
     try:
         started = time.perf_counter()
-        for entry, source in small:
-            disk.reserve_inline(entry.meta.nbytes)
+        for entry, source, meta in small:
+            disk.reserve_inline(meta.nbytes)
             try:
-                record = disk.inline_record(entry.key, entry.meta, source.payload(entry.meta.nbytes), source.version)
+                record = disk.inline_record(entry.key, meta, source.payload(meta.nbytes), source.version)
             except BaseException:
-                disk.release_inline(entry.meta.nbytes)
+                disk.release_inline(meta.nbytes)
                 raise
-            inline.append((entry, source, record))
+            inline.append((entry, source, record, meta))
         if inline:
-            engine.count_link(small[0][1].tier, d, sum(e.meta.nbytes for e, _ in small), time.perf_counter() - started)
+            engine.count_link(small[0][1].tier, d, sum(m.nbytes for _, _, m in small), time.perf_counter() - started)
         await asyncio.gather(*tasks)
-        await disk.sync_segments({extent.segment for _, _, extent, _ in written})
+        await disk.sync_segments({extent.segment for _, _, extent, _, _ in written})
         changes: list[tuple[str, DiskRecord | None]] = [
-            (e.key, DiskRecord(e.key, e.meta, extent, c.version, sums)) for e, c, extent, sums in written
+            (e.key, DiskRecord(e.key, m, extent, c.version, sums)) for e, c, extent, sums, m in written
         ]
-        changes += [(e.key, record) for e, _, record in inline]
+        changes += [(e.key, record) for e, _, record, _ in inline]
         await disk.commit(changes)
     except BaseException:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for _, _, extent, _ in written:
+        for _, _, extent, _, _ in written:
             disk.release(extent)
-        for entry, _, _ in inline:
-            disk.release_inline(entry.meta.nbytes)
+        for _, _, _, meta in inline:
+            disk.release_inline(meta.nbytes)
         raise
-    installed = [(e, c, Copy(d, c.version, extent=extent, checksums=sums)) for e, c, extent, sums in written]
-    installed += [(e, c, Copy(d, c.version, inline=e.meta.nbytes)) for e, c, _ in inline]
+    installed = [(e, c, Copy(d, c.version, extent=extent, checksums=sums)) for e, c, extent, sums, _ in written]
+    installed += [(e, c, Copy(d, c.version, inline=m.nbytes)) for e, c, _, m in inline]
     for entry, source, new in installed:
         engine.install_disk(entry, d, new, None)
         engine.counters.tier(engine.names[source.tier]).writebacks += 1
