@@ -1,6 +1,8 @@
 """Host update throughput and paged training steps vs torch.optim.AdamW (see tierstore/bench/optim.py).
 
 Reproduce:  python benchmarks/bench_optim.py [--quick] [--json FILE] [--dir FOLDER]
+            python benchmarks/bench_optim.py --parts f [--f-steps 1000] [--f-long-steps 3000]
+                (compressed state, tierstore/bench/precision.py: bench_optim_f.json, convergence.png)
 """
 
 import sys

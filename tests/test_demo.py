@@ -13,7 +13,7 @@ from tierstore.cli import main
 def test_demo_compare_timeline_plot_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = [
         "demo", "--steps", "6", "--layers", "2", "--dim", "64", "--seq", "32", "--vocab", "64", "--batch", "4",
-        "--host-capacity", "1MiB", "--root", str(tmp_path / "store"), "--compare",
+        "--host-capacity", "512KiB", "--root", str(tmp_path / "store"), "--compare",
         "--timeline", str(tmp_path / "step.json"), "--plot", str(tmp_path / "loss.png"), "--json", str(tmp_path / "run.json"),
     ]
     assert main(args) == 0
@@ -24,6 +24,11 @@ def test_demo_compare_timeline_plot_json(tmp_path: Path, capsys: pytest.CaptureF
     run = json.loads((tmp_path / "run.json").read_text())
     assert len(run["losses"]) == 6 and run["losses"] == run["reference_losses"]
     assert run["memory"]["state_by_tier"]["disk"] > 0  # the state really paged to disk
+    # SSD wear over the whole run: what paging wrote, at the run's pace, on the default 2 TB drive
+    assert "over the run" in out and "SSD wear:" in out and "reaches its rating in" in out
+    wear = run["wear"]
+    assert wear["bytes_written"] > 0 and wear["capacity"] == 2 * 1000**4 and 0 < wear["days_to_rated"] < float("inf")
+    assert wear["seconds"] == pytest.approx(sum(run["step_seconds"]))
 
 
 def test_demo_in_backward(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -53,3 +58,5 @@ def test_demo_bf16_with_compressed_state(tmp_path: Path, capsys: pytest.CaptureF
     assert len(run["losses"]) == 4 and "final_loss_gap" in run
     assert main([*args[:-2], "--dtype", "fp32"]) == 2  # a lossless master needs bf16 weights
     assert "needs --dtype bf16" in capsys.readouterr().err
+    assert main([*args[:-2], "--drive-tbw", "0"]) == 2
+    assert "--drive-tbw must be above 0" in capsys.readouterr().err

@@ -26,6 +26,7 @@ from .sync import run
 from .tensors import ALIGNMENT
 from .tiers import DeviceTier, DiskTier, HostTier
 from .units import format_bytes, parse_bytes, round_up
+from .wear import drive_wear
 
 DEFAULT_ROOT = Path(".tierstore") / "demo"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -62,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--timeline", type=Path, help="write the last step as a Chrome trace (Perfetto, chrome://tracing)")
     out.add_argument("--plot", type=Path, help="write the loss curve(s) as a PNG")
     out.add_argument("--json", type=Path, help="write losses and reports as JSON")
+    out.add_argument("--drive-capacity", default="2TB", help="the SSD the wear figures describe: its capacity")
+    out.add_argument("--drive-tbw", type=float, help="its rated endurance in terabytes written (default: 600 per TB of capacity)")
     return parser
 
 
@@ -134,7 +137,9 @@ def check_args(args: argparse.Namespace) -> str | None:
             return f"--device {args.device}: there are {torch.cuda.device_count()} CUDA devices"
     elif device.type != "cpu":
         return f"--device {args.device}: the demo runs on cpu or cuda"
-    for name in ("device_capacity", "host_capacity", "disk_capacity"):
+    if args.drive_tbw is not None and not args.drive_tbw > 0:
+        return f"--drive-tbw must be above 0, not {args.drive_tbw}"
+    for name in ("device_capacity", "host_capacity", "disk_capacity", "drive_capacity"):
         try:
             parse_bytes(getattr(args, name))
         except ValueError as exc:
@@ -225,7 +230,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nstep time: median {middle[len(middle) // 2] * 1e3:.1f} ms; loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     moved = ", ".join(f"{name} {format_bytes(link['nbytes'])}" for name, link in stats["links"].items())
     print(f"moved: {moved}")
-    result: dict[str, Any] = {"losses": losses, "step_seconds": times, "memory": memory.as_dict(), "last_step": timing.as_dict()}
+    # The whole run's disk writes over its training time: steady paging, not one step's sample.
+    written = sum(link["nbytes"] for name, link in stats["links"].items() if name.endswith("->disk"))
+    wear = drive_wear(written, sum(times), capacity=args.drive_capacity, rated_tbw=args.drive_tbw)
+    print(f"over the run, {format_bytes(written / len(times))} written to disk a step; {wear}")
+    result: dict[str, Any] = {"losses": losses, "step_seconds": times, "memory": memory.as_dict(), "last_step": timing.as_dict(),
+                              "wear": wear.as_dict()}
     if reference is not None:
         ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=args.lr, weight_decay=0.1, fused=True)
         ref_losses, ref_times = train(reference, ref_optimizer, args, "torch AdamW", clip_with_torch=True)

@@ -30,6 +30,7 @@ Reproduce:  python benchmarks/bench_optim.py [--quick] [--json FILE] [--dir FOLD
     with ``torch.nn.utils.clip_grad_norm_`` (which changes every gradient after backward, so each
     is copied again in ``step()``) against ``max_grad_norm=`` (norms of the copies taken in
     backward).
+(f) compressed Adam state (``state_precision``/``master_weights``): see ``tierstore.bench.precision``.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from ..models import GPT, GPTConfig, synthetic_batches
 from ..optim import TieredAdamW
 from ..store import TierStore
 from ..tiers import DiskTier, HostTier
+from . import precision
 from .common import environment, median, table, write_json
 from .tiers import raw_rates
 
@@ -350,8 +352,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="where the model runs: cpu (plain and emulated device) or cuda")
     parser.add_argument("--parts", default="abcd",
                         help="which parts to run: a (update), b (training step), c (the link), d (HF Trainer-driven steps), "
-                             "e (disk-paged step against its bound; host-resident step against fused AdamW)")
+                             "e (disk-paged step against its bound; host-resident step against fused AdamW), "
+                             "f (compressed state: bytes, disk step, convergence; tierstore.bench.precision)")
+    precision.add_arguments(parser)
     args = parser.parse_args(argv)
+    if set(args.parts) == {"f"}:
+        return precision.run(args)
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available here")
     args.steps = 12 if args.quick else 30
@@ -375,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n(d) HF Trainer-driven steps")
         status |= trainer_main([*(["--quick"] if args.quick else []), "--json", str(args.json.with_name("bench_trainer.json")),
                                 "--dir", str(args.dir)])
+    if "f" in args.parts:
+        status |= precision.run(args)
     return status
 
 
