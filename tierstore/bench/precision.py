@@ -304,20 +304,28 @@ def plot(path: Path, losses: dict[str, list[float]], steps: int) -> bool:
               ("bf16 model", ["bf16 model, fp32 master", "bf16 model, lossless + bf16", "bf16 model, lossless + 8bit", "torch bf16"])]
     if long_steps > steps:
         panels.append((f"longer run ({long_steps} steps)", list(LONG)))
-    figure, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False)
-    for ax, (title, names) in zip(axes[0], panels, strict=True):
+    figure, axes = plt.subplots(2, len(panels), figsize=(6 * len(panels), 7.5), squeeze=False, sharex="col")
+    for column, (title, names) in enumerate(panels):
         limit = long_steps if title.startswith("longer") else steps
+        exact = smooth(losses["fp32"][:limit])
+        top, bottom = axes[0][column], axes[1][column]
         if "fp32" not in names:
-            ax.plot(smooth(losses["fp32"][:limit]), color="black", linewidth=2.5, alpha=0.35, label="fp32 (exact, fp32 model)")
+            top.plot(exact, color="black", linewidth=2.5, alpha=0.35, label="fp32 (exact, fp32 model)")
         for name in names:
-            ax.plot(smooth(losses[name][:limit]), "--" if name.startswith("torch") else "-", linewidth=1.3,
-                    label=("torch.optim.AdamW " + name.split()[1]) if name.startswith("torch") else name)
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss (moving average)")
-        ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+            curve = smooth(losses[name][:limit])
+            style = dict(linestyle="--" if name.startswith("torch") else "-", linewidth=1.3,
+                         label=("torch.optim.AdamW " + name.split()[1]) if name.startswith("torch") else name)
+            top.plot(curve, **style)
+            bottom.plot([a - b for a, b in zip(curve, exact, strict=True)], **style)
+        top.set_title(title)
+        top.set_ylabel("loss (moving average)")
+        top.set_yscale("log")
+        bottom.axhline(0.0, color="black", linewidth=0.8, alpha=0.5)
+        bottom.set_ylabel("minus exact fp32's")
+        bottom.set_xlabel("step")
+        for ax in (top, bottom):
+            ax.grid(alpha=0.3)
+        top.legend(fontsize=8)
     figure.suptitle("TieredAdamW state_precision / master_weights against exact fp32 (demo GPT, same seed and data)")
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
