@@ -300,12 +300,21 @@ class StreamingSavePlanner(DefaultSavePlanner):
         if source is None:
             return super().resolve_data(write_item)
         with self._lock:
+            self._remaining[source.owner] -= 1
+            last = self._remaining[source.owner] <= 0
+            if source.name == "step":
+                # The count is in memory: reading the whole state for it would read each
+                # parameter twice where the writer asks for tensors by size (DCP's overlapping
+                # loader does, wherever CUDA is available: every step scalar first).
+                if last and self._cached is not None and self._cached[0] == source.owner:
+                    self._cached = None
+                step = source.optimizer._step_counts.get(source.slot.index)
+                return torch.tensor(0.0) if step is None else step.clone()
             if self._cached is None or self._cached[0] != source.owner:
                 self._cached = None  # the previous parameter's state is freed before the next is read
                 self._cached = (source.owner, run(adam_entry(source.optimizer, source.slot)))
             entry = self._cached[1]
-            self._remaining[source.owner] -= 1
-            if self._remaining[source.owner] <= 0:
+            if last:
                 self._cached = None
         if source.name not in entry:
             raise RuntimeError(f"parameter {source.slot.index}: its state has no {source.name!r} (it changed since the state dict was made)")
@@ -487,6 +496,10 @@ def load_optimizer(
     is assembled at once (the parameters are loaded in that many passes of ``dcp.load``); see the
     module docstring for the whole bound. Call it on every rank, as ``dcp.load``.
 
+    If it fails part-way (a disk error, say: DCP raises a ``CheckpointException``), nothing is
+    lost, but the state is mixed: each parameter has either its loaded state or its state from
+    before the call. Load again to finish.
+
     Parameters
     ----------
     optimizer:
@@ -514,7 +527,8 @@ def load_optimizer(
     count = _pass_count(len(groups), load_kwargs.get("process_group"))
     loaded: set[int] = set()
     saved_groups: list[dict[str, Any]] | None = None
-    optimizer._step_counts.clear()
+    # (no step count is cleared up front: each parameter's is replaced as its state is written,
+    # so a load that fails part-way leaves every parameter with its loaded or its old state)
     for index in range(count):
         part: dict[str, Any] = {"state": {fqn: state[fqn] for fqn in (groups[index] if index < len(groups) else [])}}
         if index == 0:
