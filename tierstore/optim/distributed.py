@@ -557,7 +557,13 @@ class Sharding:
         present = norms[0][norms[1] > 0]
         if present.numel() == 0:
             return torch.tensor(0.0)
-        return torch.linalg.vector_norm(present, norm_type)
+        # torch stacks the norms in the gradients' dtype (bf16 for a bf16 model): the fp32
+        # round trip above is exact, so casting back gives clip_grad_norm_'s total exactly.
+        dtypes = [self.params[int(i)].dtype for i in (norms[1] > 0).nonzero().flatten()]
+        dtype = dtypes[0]
+        for other in dtypes[1:]:
+            dtype = torch.promote_types(dtype, other)
+        return torch.linalg.vector_norm(present.to(dtype), norm_type)
 
 
 def mesh_total_norm(local_norms: list[torch.Tensor], norm_type: float, groups: Sequence[Any]) -> torch.Tensor:

@@ -1,0 +1,99 @@
+"""Sharded TieredAdamW used as a new user would (issue 11), on inputs the other distributed tests
+do not use: gloo, 2 processes spawned from pytest under a time limit, both device modes.
+
+- A bf16 model clipped by the global norm with ``process_group=`` (``max_grad_norm=`` and
+  ``opt.clip_grad_norm_``) gives the weights of the same model clipped by torch's
+  ``clip_grad_norm_`` (which takes the norm of bf16 norms in bf16), bit for bit, and the same
+  total norm."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from tierstore.optim.distributed import free_port
+
+LIMIT_S = 60  # the whole spawned job
+STEPS, LR, MAX_NORM = 3, 1e-2, 0.05
+
+
+def bf16_model() -> DDP:
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4)]
+    return DDP(torch.nn.Sequential(*layers).to(torch.bfloat16))
+
+
+def bf16_clipping(rank: int) -> dict[str, Any]:
+    """Weights after STEPS steps and the first step's total norm, for each way of clipping."""
+    from tierstore.optim import TieredAdamW
+
+    result: dict[str, Any] = {}
+    weights = {}
+    for name in ("torch_clip", "max_grad_norm", "opt_clip", "unsharded_max_grad_norm"):
+        model = bf16_model()
+        options: dict[str, Any] = {"lr": LR, "fused": True, "min_offload_numel": 64}
+        if name != "unsharded_max_grad_norm":
+            options["process_group"] = True
+        if name.endswith("max_grad_norm"):
+            options["max_grad_norm"] = MAX_NORM
+        opt = TieredAdamW(model.parameters(), **options)
+        for step in range(STEPS):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * step + rank)).to(torch.bfloat16)
+            model(x).float().pow(2).mean().backward()
+            if name == "torch_clip":
+                total = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            elif name == "opt_clip":
+                total = opt.clip_grad_norm_(MAX_NORM)
+            if step == 0 and name in ("torch_clip", "opt_clip"):
+                result[f"{name}_total"] = [str(total.dtype), float(total)]
+            opt.step()
+            opt.zero_grad()
+        weights[name] = [p.detach().clone() for p in model.parameters()]
+        opt.close()
+    for name, ws in weights.items():
+        result[name] = all(torch.equal(a, b) for a, b in zip(ws, weights["torch_clip"], strict=True))
+    return result
+
+
+def run_rank(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=LIMIT_S))
+    from tierstore.device import emulate_device
+
+    try:
+        result = {}
+        for mode in ("plain", "emulated"):
+            with emulate_device(mode == "emulated"):
+                result[mode] = {"bf16_clipping": bf16_clipping(rank)}
+        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_user_cases(tmp_path: Path) -> None:
+    script = (
+        "import sys, torch.multiprocessing as mp; sys.path.insert(0, sys.argv[1]); import test_user_distributed as j; "
+        "mp.spawn(j.run_rank, args=(2, int(sys.argv[2]), sys.argv[3]), nprocs=2, join=True)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(Path(__file__).parent), str(free_port()), str(tmp_path)],
+        capture_output=True, text=True, timeout=LIMIT_S,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in ranks:
+        for mode in ("plain", "emulated"):
+            clip = r[mode]["bf16_clipping"]
+            # the same weights as torch's clip_grad_norm_ on the bf16 gradients, sharded or not
+            assert clip["max_grad_norm"] and clip["opt_clip"] and clip["unsharded_max_grad_norm"], (mode, clip)
+            assert clip["opt_clip_total"] == clip["torch_clip_total"], (mode, clip)
