@@ -149,6 +149,8 @@ def test_bytes_stored_per_parameter(device_mode: str, precision: str, master: st
         _steps_linear(model, opt)
         keys = [k for k in opt.namespace.keys() if not k.endswith("/grad")]
         assert len(keys) == 1
+        if (precision, master, device_mode) == ("fp32", "fp32", "plain"):
+            per_param = 8.0  # on the plain CPU the fp32 parameter is the master: no master row
         assert opt.store.info(keys[0])["nbytes"] == per_param * model.weight.numel()
         assert opt.memory_report().state_by_tier["host"] == per_param * model.weight.numel()
     finally:
@@ -316,3 +318,25 @@ def test_lossless_master_is_the_fp32_master_bit_for_bit(device_mode: str, precis
             assert torch.equal(x, y)
     finally:
         opt.close()
+
+
+# -- the compiled 8-bit codec ----------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("signed", [True, False])
+def test_compiled_codec_gives_the_eager_codecs_bits(signed: bool) -> None:
+    from tierstore.optim.precision import BLOCK, dequantize, quantize
+
+    torch.manual_seed(0)
+    n = 5 * BLOCK + 37  # whole blocks (the kernel) and a partial one
+    values = torch.randn(n) * 1e-3 if signed else torch.rand(n) ** 4 * 1e-6
+    values[:BLOCK] = 0  # an all-zero block
+    values[BLOCK : 2 * BLOCK] = values[BLOCK : 2 * BLOCK].sign() * 0.5  # ties on the absmax
+    results = []
+    for compiled in (False, True):
+        codes, scales = torch.empty(n, dtype=torch.uint8), torch.empty(6)
+        quantize(values, signed, codes, scales, compiled=compiled)
+        results.append((codes, scales, dequantize(codes, scales, signed, torch.empty(n), compiled=compiled)))
+    for eager, fast in zip(*results, strict=True):
+        assert torch.equal(eager, fast)

@@ -41,7 +41,7 @@ from .chunks import Chunk, chunk_key
 from .clipping import inverse_scale
 from .distributed import ParamRange
 from .paging import PagedOptimizer, ParamSlot
-from .pipeline import fill_weight_range, read_weight, read_weight_range
+from .pipeline import fill_weight_range, offloaded, read_weight, read_weight_range
 from .precision import PackedState, StateLayout, validate
 
 
@@ -142,17 +142,35 @@ class TieredAdam(PagedOptimizer):
         return StateLayout(group["state_precision"], group["master_weights"] == "lossless", bool(group["amsgrad"]))
 
     def _rows(self, slot: ParamSlot) -> int:
+        """Rows of the decoded state: master and moments."""
         return 4 if self.param_groups[slot.group]["amsgrad"] else 3
+
+    def _param_is_master(self, slot: ParamSlot) -> bool:
+        """Whether ``slot``'s plain fp32 state leaves the master row out: an fp32 parameter in
+        host memory (plain CPU: the link lends) is the fp32 master itself, so the update runs in
+        place on it (as torch's AdamW does), saving a copy per step and 4 B a parameter of state."""
+        group = self.param_groups[slot.group]
+        param = slot.param
+        return (
+            group["state_precision"] == "fp32" and group["master_weights"] == "fp32" and slot.link.lends
+            and type(param) in (torch.Tensor, torch.nn.Parameter) and param.dtype == torch.float32
+            and param.is_contiguous() and offloaded(param) is None
+        )
+
+    def _stored_rows(self, slot: ParamSlot) -> int:
+        """Rows of the plain fp32 entry as stored: the moments, and the master unless the
+        parameter is the master."""
+        return self._rows(slot) - (1 if self._param_is_master(slot) else 0)
 
     def _state_bytes(self, slot: ParamSlot) -> int:
         layout = self._layout(slot)
-        return layout.nbytes(slot.numel) if layout is not None else self._rows(slot) * slot.numel * 4
+        return layout.nbytes(slot.numel) if layout is not None else self._stored_rows(slot) * slot.numel * 4
 
     def _entry_shape(self, slot: ParamSlot, numel: int) -> tuple[tuple[int, ...], torch.dtype]:
         """Shape and dtype of the store entry holding ``numel`` elements' state of ``slot``."""
         layout = self._layout(slot)
         if layout is None:
-            return (self._rows(slot), numel), torch.float32
+            return (self._stored_rows(slot), numel), torch.float32
         return (layout.nbytes(numel),), torch.uint8
 
     def _initial(self, slot: ParamSlot, weight: torch.Tensor) -> torch.Tensor:
@@ -161,16 +179,20 @@ class TieredAdam(PagedOptimizer):
             packed = layout.empty(slot.numel)
             PackedState(layout, packed, slot.numel).set_master(weight.reshape(-1).float())
             return packed
-        packed = torch.zeros(self._rows(slot), slot.numel, dtype=torch.float32)
-        packed[0].copy_(weight.reshape(-1))
+        packed = torch.zeros(self._stored_rows(slot), slot.numel, dtype=torch.float32)
+        if not self._param_is_master(slot):
+            packed[0].copy_(weight.reshape(-1))
         return packed
 
     async def _wrap(self, slot: ParamSlot, packed: torch.Tensor, start: int, stop: int, chunk: Chunk | None = None) -> Any:
-        """What the update gets of an entry: the fp32 rows themselves, or a ``PackedState``
-        (with a lossless master, holding the model's weight for those elements)."""
+        """What the update gets of an entry: the fp32 rows themselves (the parameter's own
+        elements first where it is the master), or a ``PackedState`` (with a lossless master,
+        holding the model's weight for those elements)."""
         layout = self._layout(slot)
         if layout is None:
-            return packed
+            if packed.shape[0] == self._rows(slot):
+                return packed
+            return [slot.param.data.view(-1)[start:stop], *packed.unbind(0)]
         high = None
         if layout.lossless:
             if chunk is not None and chunk.index in slot.chunks_updated and chunk.index not in slot.chunks_written or (
@@ -226,6 +248,9 @@ class TieredAdam(PagedOptimizer):
         layout = self._layout(slot)
         async with self.store.fill(key, shape, dtype, self.state_tier) as packed:
             if layout is None:
+                if self._param_is_master(slot):
+                    packed.zero_()
+                    return
                 packed[1:].zero_()
                 await fill_weight_range(slot, start, stop, packed[0])
                 return
@@ -235,7 +260,15 @@ class TieredAdam(PagedOptimizer):
 
     async def _decode(self, slot: ParamSlot, packed: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """Elements ``start:stop`` of ``slot``'s state as ``(rows, n)`` fp32 (a view of
-        ``packed`` when that is the plain layout)."""
+        ``packed`` when that is the plain layout). A plain entry without the master row (saved
+        where the parameter was the master) gets the parameter's current elements as master."""
+        if packed.dtype == torch.float32 and packed.dim() == 2:
+            if packed.shape[0] == self._rows(slot):
+                return packed
+            rows = torch.empty(self._rows(slot), stop - start, dtype=torch.float32)
+            rows[0].copy_((await read_weight_range(slot, start, stop)).reshape(-1))
+            rows[1:].copy_(packed)
+            return rows
         state = await self._wrap(slot, packed, start, stop)
         return state.decode() if isinstance(state, PackedState) else state
 
@@ -243,7 +276,7 @@ class TieredAdam(PagedOptimizer):
         """``(rows, n)`` fp32 state as ``slot``'s entry holds it (compressed, if so)."""
         layout = self._layout(slot)
         if layout is None:
-            return rows.contiguous()
+            return rows[1:].contiguous() if self._param_is_master(slot) else rows.contiguous()
         packed = layout.empty(rows.shape[1])
         PackedState(layout, packed, rows.shape[1]).encode(rows)
         return packed
@@ -267,7 +300,12 @@ class TieredAdam(PagedOptimizer):
     async def write_state_rows(self, slot: ParamSlot, packed: torch.Tensor) -> None:
         """Store a parameter's whole ``(rows, numel)`` fp32 state, compressed as this optimizer
         keeps it, split into its chunks if it has them (on the store's loop); kept in memory
-        for a parameter too small to page."""
+        for a parameter too small to page. Where the parameter is the master, the master row is
+        written into the parameter."""
+        if self._param_is_master(slot):
+            weight = slot.param.data.view(-1)
+            if weight.data_ptr() != packed[0].data_ptr():
+                weight.copy_(packed[0])
         if not slot.paged:
             slot.resident = {"packed": self._encode(slot, packed)}
             return
@@ -346,7 +384,7 @@ class TieredAdam(PagedOptimizer):
         """The entries holding a saved state of ``slot`` in whichever layout saved it (one
         entry, or chunks of any size: ``chunk_bytes`` may have changed since), as ``(key,
         start, stop)`` in element order; None unless they cover the parameter exactly."""
-        if self._has(slot.key, slot, slot.numel):
+        if slot.key in self.store and self._saved_numel(slot, slot.key) == slot.numel:
             return [(slot.key, 0, slot.numel)]
         pieces: list[tuple[str, int, int]] = []
         start = 0
@@ -364,7 +402,10 @@ class TieredAdam(PagedOptimizer):
         shape, dtype = tuple(info["shape"]), info["dtype"]
         layout = self._layout(slot)
         if layout is None:
-            ok = dtype == torch.float32 and len(shape) == 2 and shape[0] == self._rows(slot) and shape[1] >= 1
+            # with or without the master row: a state saved on the plain CPU, where the
+            # parameter is the master, or under a device link, where it is not
+            rows = (self._rows(slot), self._rows(slot) - 1)
+            ok = dtype == torch.float32 and len(shape) == 2 and shape[0] in rows and shape[1] >= 1
             return shape[1] if ok else None
         numel = layout.numel_of(shape[0]) if dtype == torch.uint8 and len(shape) == 1 else None
         return numel if numel else None
@@ -374,7 +415,9 @@ class TieredAdam(PagedOptimizer):
         chunks, or one entry) and return its keys. One saved piece and one new piece are in
         memory at a time; new pieces whose keys the old layout still uses are staged first."""
         targets = [(c.key, c.start, c.stop) for c in slot.chunks] if slot.paged and slot.chunks is not None else [(slot.key, 0, slot.numel)]
-        if [p[1:] for p in pieces] == [t[1:] for t in targets]:
+        if [p[1:] for p in pieces] == [t[1:] for t in targets] and all(
+            self._has(key, slot, stop - start) for key, start, stop in pieces
+        ):
             return [key for key, _, _ in targets]
         old = {key for key, _, _ in pieces}
         staged: list[str] = []

@@ -38,9 +38,14 @@ truncation, not round-to-nearest), so master = weight bits << 16 | low bits, bit
 from __future__ import annotations
 
 import math
+import os
 import sys
+import threading
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
+from typing import Any
 
 import torch
 
@@ -112,25 +117,104 @@ def _nearest_codes(normal: torch.Tensor, signed: bool) -> torch.Tensor:
     return below.add_(normal > mid.index_select(0, below))
 
 
-def quantize(values: torch.Tensor, signed: bool, codes: torch.Tensor, scales: torch.Tensor) -> None:
+# -- the 8-bit codec, eager and compiled ---------------------------------------------------------
+#
+# The eager codec makes ~10 passes over an entry's memory; the same math as one fused kernel
+# (torch.compile, inductor) makes one, and gives the same bits (the same IEEE division and
+# comparisons; tests/test_precision.py checks it). Entries below ``COMPILE_MIN_NUMEL`` stay
+# eager (a compiled call's fixed cost). ``TIERSTORE_COMPILE_CODEC=0`` keeps everything eager; a
+# compile that fails (no compiler, an unsupported platform) warns once and falls back to eager.
+
+#: Entries of at least this many elements use the compiled codec (when enabled).
+COMPILE_MIN_NUMEL = 1 << 16
+
+
+def _encode_blocks(values: torch.Tensor, table: torch.Tensor, mid: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
+    """Whole blocks ``(blocks, BLOCK)`` of fp32 ``values`` into ``codes`` and ``scales``: the
+    eager ``_quantize_eager``'s math, written as one expression for the compiler to fuse."""
+    absmax = values.abs().amax(dim=1).clamp(min=1e-12)  # an all-zero block still divides
+    normal = (values / absmax.unsqueeze(1)).reshape(-1)
+    below = table[normal.view(torch.int32).bitwise_right_shift(16).bitwise_and(0xFFFF)]
+    codes.copy_((below + (normal > mid[below]).to(torch.int32)).to(torch.uint8))
+    scales.copy_(absmax)
+
+
+def _decode_blocks(codes: torch.Tensor, scales: torch.Tensor, book: torch.Tensor, out: torch.Tensor) -> None:
+    """Whole blocks of ``codes`` and their ``scales`` into flat fp32 ``out``."""
+    out.copy_((book[codes.long()].view(-1, BLOCK) * scales.unsqueeze(1)).view(-1))
+
+
+class _Compiled:
+    """The codec's kernels, compiled on first use (once for any size: dynamic shapes); None
+    where compiling is off or failed."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kernels: dict[str, Callable[..., Any]] | None = None
+        self.failed = False
+
+    def enabled(self) -> bool:
+        return not self.failed and os.environ.get("TIERSTORE_COMPILE_CODEC", "1") != "0"
+
+    def call(self, name: str, *args: torch.Tensor) -> bool:
+        """Run kernel ``name`` on ``args``; False (and eager from now on) if compiling failed."""
+        with self._lock:
+            if self._kernels is None:
+                self._kernels = {
+                    "encode": torch.compile(_encode_blocks, dynamic=True),
+                    "decode": torch.compile(_decode_blocks, dynamic=True),
+                }
+        try:
+            self._kernels[name](*args)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure: the eager codec gives the same bits
+            self.failed = True
+            warnings.warn(f"the compiled 8-bit codec is unavailable ({type(exc).__name__}: {exc}); using the eager one", stacklevel=3)
+            return False
+        return True
+
+
+_COMPILED = _Compiled()
+
+
+def _use_compiled(compiled: bool | None, numel: int) -> bool:
+    if compiled is None:
+        return numel >= COMPILE_MIN_NUMEL and _COMPILED.enabled()
+    return compiled and not _COMPILED.failed
+
+
+def _quantize_eager(values: torch.Tensor, signed: bool, codes: torch.Tensor, scales: torch.Tensor) -> None:
+    for_blocks = values.view(-1, values.numel()) if values.numel() < BLOCK else values.view(-1, BLOCK)
+    absmax = for_blocks.abs().amax(dim=1).clamp_(min=1e-12)  # an all-zero block still divides
+    scales.copy_(absmax)
+    normal = (for_blocks / absmax.unsqueeze(1)).view(-1)
+    codes.copy_(_nearest_codes(normal, signed))
+
+
+def quantize(values: torch.Tensor, signed: bool, codes: torch.Tensor, scales: torch.Tensor, *, compiled: bool | None = None) -> None:
     """Blockwise 8-bit quantisation of flat fp32 ``values`` into ``codes`` (uint8, same count)
-    and ``scales`` (fp32, one per block of ``BLOCK``; the last block may be partial)."""
+    and ``scales`` (fp32, one per block of ``BLOCK``; the last block may be partial).
+    ``compiled``: use the compiled kernel (True), the eager one (False), or the compiled one
+    for large entries where enabled (None); all give the same bits."""
     n = values.numel()
     full = n // BLOCK * BLOCK
-    parts = [(values[:full].view(-1, BLOCK), codes[:full], scales[: full // BLOCK])]
+    if full:
+        blocks, block_codes, block_scales = values[:full].view(-1, BLOCK), codes[:full], scales[: full // BLOCK]
+        if not (_use_compiled(compiled, n) and _COMPILED.call("encode", blocks, *_search_table(signed), block_codes, block_scales)):
+            _quantize_eager(blocks.reshape(-1), signed, block_codes, block_scales)
     if full < n:
-        parts.append((values[full:].view(1, -1), codes[full:], scales[full // BLOCK :]))
-    for block, out, scale in parts:
-        absmax = block.abs().amax(dim=1).clamp_(min=1e-12)  # an all-zero block still divides
-        scale.copy_(absmax)
-        normal = (block / absmax.unsqueeze(1)).view(-1)
-        out.copy_(_nearest_codes(normal, signed))
+        _quantize_eager(values[full:], signed, codes[full:], scales[full // BLOCK :])
 
 
-def dequantize(codes: torch.Tensor, scales: torch.Tensor, signed: bool, out: torch.Tensor) -> torch.Tensor:
-    """The fp32 values of ``codes`` and their block ``scales``, written into flat ``out``."""
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, signed: bool, out: torch.Tensor, *, compiled: bool | None = None) -> torch.Tensor:
+    """The fp32 values of ``codes`` and their block ``scales``, written into flat ``out``
+    (``compiled`` as for ``quantize``)."""
     n = codes.numel()
     full = n // BLOCK * BLOCK
+    if full and _use_compiled(compiled, n) and _COMPILED.call("decode", codes[:full], scales[: full // BLOCK], dynamic_map(signed), out[:full]):
+        if full < n:
+            torch.index_select(dynamic_map(signed), 0, codes[full:].int(), out=out[full:])
+            out[full:].mul_(scales[full // BLOCK :])
+        return out
     torch.index_select(dynamic_map(signed), 0, codes.int(), out=out)
     out[:full].view(-1, BLOCK).mul_(scales[: full // BLOCK].unsqueeze(1))
     if full < n:
