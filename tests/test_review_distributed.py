@@ -24,7 +24,6 @@ import tierstore.optim.dcp as dcp_module
 from tierstore.optim import TieredAdamW, load_optimizer, save_optimizer
 from tierstore.optim.dcp import StreamingFileSystemWriter
 
-pytestmark = pytest.mark.device_modes
 LR = 1e-2
 
 
@@ -66,6 +65,7 @@ class SizeSortedWriter(StreamingFileSystemWriter):
         return super().write_data(dataclasses.replace(plan, items=items), planner)
 
 
+@pytest.mark.device_modes
 def test_streaming_save_reads_each_parameter_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device_mode: str) -> None:
     model = base_model()
     opt = tiered(model)
@@ -95,6 +95,7 @@ def test_streaming_save_reads_each_parameter_once(tmp_path: Path, monkeypatch: p
     loaded.close()
 
 
+@pytest.mark.device_modes
 def test_failed_streaming_load_loses_no_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device_mode: str) -> None:
     saved_model = base_model()
     saved_opt = tiered(saved_model)
@@ -129,3 +130,68 @@ def test_failed_streaming_load_loses_no_state(tmp_path: Path, monkeypatch: pytes
     load_optimizer(opt, tmp_path / "ckpt", model, buffer_bytes=1)
     assert all(same(a, b) for a, b in zip(snapshot(opt, model), checkpoint, strict=True))
     opt.close()
+
+
+# -- collectives under NCCL alone -------------------------------------------------------------------
+#
+# ``init_process_group("nccl")`` (README's recipe on GPUs) registers no CPU backend, so the sharded
+# step's flags and norms, made on the CPU, raised "No backend type associated with device type cpu"
+# at every step. ``"cuda:gloo"`` registers gloo for CUDA tensors only: the same situation on a
+# machine without a GPU, as far as choosing the device goes.
+
+_DEVICE_CHOICE = """
+import os, sys, torch, torch.distributed as dist
+from tierstore.optim.distributed import comm_device, free_port
+for backend in sys.argv[1:]:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group(backend, rank=0, world_size=1)
+    print(backend, comm_device().type, comm_device(dist.new_group([0])).type)
+    dist.destroy_process_group()
+"""
+
+
+def test_collectives_use_a_device_the_backend_serves() -> None:
+    import subprocess
+    import sys
+
+    backends = ["gloo", "cpu:gloo,cuda:gloo", "cuda:gloo"]
+    done = subprocess.run([sys.executable, "-c", _DEVICE_CHOICE, *backends], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-3:] == ["gloo cpu cpu", "cpu:gloo,cuda:gloo cpu cpu", "cuda:gloo cuda cuda"]
+
+
+_NCCL_STEP = """
+import os, torch, torch.distributed as dist
+from tierstore.optim import TieredAdamW
+from tierstore.optim.distributed import free_port
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", rank=0, world_size=1)
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 40), torch.nn.Tanh(), torch.nn.Linear(40, 5)).cuda()
+ref, ours = model(), model()
+ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+opt = TieredAdamW(ours.parameters(), lr=1e-2, fused=True, min_offload_numel=64, process_group=True, max_grad_norm=0.05)
+for step in range(3):
+    x = torch.randn(4, 16, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+    for m, o in ((ref, ref_opt), (ours, opt)):
+        o.zero_grad()
+        m(x).pow(2).mean().backward()
+        if o is ref_opt:
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+        o.step()
+assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), ours.parameters())), "differs from AdamW"
+opt.close()
+dist.destroy_process_group()
+print("ok")
+"""
+
+
+@pytest.mark.gpu
+def test_sharded_step_under_nccl_alone() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _NCCL_STEP], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]

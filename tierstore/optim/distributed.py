@@ -51,7 +51,10 @@ if TYPE_CHECKING:
     from .paging import PagedOptimizer
     from .slots import ParamSlot
 
-__all__ = ["LocalShard", "ParamRange", "PeerStepError", "Sharding", "balance", "free_port", "is_dtensor", "rank_folder", "rank_summary"]
+__all__ = [
+    "LocalShard", "ParamRange", "PeerStepError", "Sharding", "balance", "comm_device", "free_port", "is_dtensor", "rank_folder",
+    "rank_summary",
+]
 
 
 class PeerStepError(StepIncompleteError):
@@ -87,6 +90,22 @@ def is_dtensor(tensor: Any) -> bool:
     except ImportError:  # pragma: no cover - torch built without distributed
         return False
     return isinstance(tensor, DTensor)
+
+
+def comm_device(group: Any = None) -> torch.device:
+    """Where the small tensors of ``group``'s collectives (flags, norms) must live: the CPU when
+    a backend of the group serves it (gloo, ``"cpu:gloo,cuda:nccl"``), else the accelerator
+    (``init_process_group("nccl")`` alone registers no CPU backend: a CPU tensor's collective
+    raises "No backend type associated with device type cpu")."""
+    group = dist.group.WORLD if group is None or group is True else group
+    kinds = [d.type for d in getattr(group, "_device_types", ())]
+    if not kinds:  # (a torch without _device_types, or nothing registered yet)
+        kinds = ["cpu" if "gloo" in str(dist.get_backend(group)) or "mpi" in str(dist.get_backend(group)) else "cuda"]
+    if "cpu" in kinds:
+        return torch.device("cpu")
+    module = getattr(torch, kinds[0], None)
+    available = module is not None and hasattr(module, "is_available") and module.is_available()
+    return torch.device(kinds[0], module.current_device()) if available else torch.device(kinds[0])  # type: ignore[union-attr]
 
 
 def rank_folder(root: str | os.PathLike[str]) -> Path:
@@ -334,6 +353,8 @@ class Sharding:
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
         self.zero_stage = zero_stage
+        #: Where flags and norms cross (the CPU under gloo, the GPU under NCCL alone).
+        self.device = comm_device(self.group)
         tensors = _tensors(groups)
         if any(is_dtensor(t) for t in tensors):
             raise ValueError("parameters are DTensors (FSDP2 shards them already): pass no process_group=")
@@ -410,7 +431,7 @@ class Sharding:
         if self.zero_stage != 2 or self._reduced:
             return
         self._reduced = True
-        present = torch.tensor([p.grad is not None for p in self.params], dtype=torch.int32)
+        present = torch.tensor([p.grad is not None for p in self.params], dtype=torch.int32, device=self.device)
         dist.all_reduce(present, group=self.group)
         uneven = [i for i, n in enumerate(present.tolist()) if n not in (0, self.world)]
         if uneven:
@@ -461,7 +482,7 @@ class Sharding:
         collective, so a failing rank never leaves the others waiting in a broadcast). When one
         failed, the others raise ``PeerStepError`` naming it and its error; the failing ranks
         return, to raise their own error."""
-        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
+        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=self.device)
         dist.all_reduce(flag, group=self.group)
         if error is None:
             self.local_done = True
@@ -482,7 +503,7 @@ class Sharding:
                 "GradScaler with zero_stage=2: each rank's scaler checks its own gradients before the reduce-scatter, so "
                 "ranks would disagree on skipped steps and scales; use zero_stage=1 with DDP (its all-reduce comes first)"
             )
-        flag = torch.tensor([int(found)], dtype=torch.int32)
+        flag = torch.tensor([int(found)], dtype=torch.int32, device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flag.item())
 
@@ -531,9 +552,9 @@ class Sharding:
         # Row 0: each norm from its owner, 0 elsewhere; row 1: whether the owner has a gradient.
         # A sum adds exact zeros, so each entry arrives unchanged, NaN and inf included (a MAX
         # against a sentinel would drop a NaN, and clip_grad_norm_ returns NaN then).
-        norms = torch.zeros((2, len(self.params)), dtype=torch.float32)
+        norms = torch.zeros((2, len(self.params)), dtype=torch.float32, device=self.device)
         split = {i for i, p in enumerate(self.params) if not isinstance(self.owner(p), int)}
-        peak = torch.zeros(len(self.params), dtype=torch.float32)  # ZeRO-2's split inf-norms
+        peak = torch.zeros(len(self.params), dtype=torch.float32, device=self.device)  # ZeRO-2's split inf-norms
         for index, norm in local.items():
             if index not in split:
                 norms[0, index] = norm.float()
@@ -572,6 +593,8 @@ def mesh_total_norm(local_norms: list[torch.Tensor], norm_type: float, groups: S
     max for inf). ``groups``: one process group per sharded mesh dimension (replicas hold the
     same shard, so a replicated dimension (HSDP's) is not reduced over)."""
     local = torch.linalg.vector_norm(torch.stack(local_norms), norm_type) if local_norms else torch.tensor(0.0)
+    if groups:  # (a rank without gradients, or FSDP2's CPU offload under NCCL: where the group reduces)
+        local = local.to(comm_device(groups[0]))
     if norm_type == float("inf"):
         for group in groups:
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
