@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tierstore import TierStore
+from tierstore.errors import EntryHeldError, KeyNotFoundError
 from tierstore.tiers import DiskTier, HostTier
 
 
@@ -34,3 +35,41 @@ async def test_a_flush_writes_the_value_it_planned_when_a_small_put_grows_the_ke
         await store.flush()
     async with TierStore(tiers(tmp_path / "d")) as store:
         assert torch.equal(await store.get("k"), new)
+
+
+async def test_a_pop_that_hands_its_buffer_over_leaves_the_value_readable_until_the_key_is_gone(tmp_path: Path) -> None:
+    old, new = torch.full((5000,), 1.0), torch.full((5000,), 2.0)  # a buffer of its own on the host tier
+    async with TierStore(tiers(tmp_path / "d")) as store:
+        await store.put("k", old)
+        await store.flush()
+        await store.put("k", new)  # the disk keeps the old value until the pop commits the delete
+        pop = asyncio.ensure_future(store.pop("k"))
+        await asyncio.sleep(0)
+        try:
+            assert torch.equal(await store.get("k"), new)  # the pop has not deleted it yet
+        except KeyNotFoundError:
+            pass
+        assert torch.equal(await pop, new)
+        assert "k" not in store
+
+
+async def test_a_hold_taken_while_a_pop_deletes_loses_no_value(tmp_path: Path) -> None:
+    old, new = torch.full((5000,), 1.0), torch.full((5000,), 2.0)
+    async with TierStore(tiers(tmp_path / "d")) as store:
+        await store.put("k", old)
+        await store.flush()
+        await store.put("k", new)
+        pop = asyncio.ensure_future(store.pop("k"))
+        await asyncio.sleep(0)
+        async with store.hold("k") as held:
+            assert torch.equal(held, new)
+            try:
+                popped = await pop
+            except EntryHeldError:  # refused: the key keeps its value
+                popped = None
+            if popped is not None:
+                assert torch.equal(popped, new) and "k" not in store
+                popped.fill_(3.0)  # the caller's own memory now, not the held buffer
+                assert torch.equal(held, new)
+        if popped is None:
+            assert torch.equal(await store.get("k"), new)

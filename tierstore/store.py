@@ -534,14 +534,28 @@ class TierStore:
                 and not owner.pinned
                 and owner.can_hand_over(buffer)
             ):
-                self._engine.retire(entry, candidate.tier, candidate)  # releases the buffer into the pool ...
-                owner.forget(buffer)  # ... from which it leaves the tier, handed to the caller
-                value = from_bytes(buffer, entry.meta)
-                break
-        else:
-            value = await self._engine.read_uncached(entry, device, target=t if isinstance(tier_obj, MemoryTier) else None)
+                return await self._pop_buffer(entry, candidate, owner, buffer)
+        value = await self._engine.read_uncached(entry, device, target=t if isinstance(tier_obj, MemoryTier) else None)
         await self._engine.shielded(self._engine.delete_entry(entry))
         return value
+
+    async def _pop_buffer(self, entry: Entry, copy: Copy, owner: MemoryTier, buffer: torch.Tensor) -> torch.Tensor:
+        """Delete ``entry`` and hand ``copy``'s buffer (of the current value) to the caller. The
+        copy stays in the store, in use, until the delete is done: until then readers still read
+        it, and a delete refused (a hold taken meanwhile) leaves the value where it was."""
+        meta = entry.meta
+        engine = self._engine
+        engine.use(entry, copy)
+        try:
+            await engine.shielded(engine.delete_entry(entry))
+        except BaseException:
+            engine.unuse(entry, copy)
+            raise
+        engine.unuse(entry, copy)  # retired by the delete: the buffer goes back to the pool ...
+        if copy.retired and not copy.in_memory:
+            owner.forget(buffer)  # ... from which it leaves the tier, handed to the caller
+            return from_bytes(buffer, meta)
+        return from_bytes(buffer, meta).clone()  # still used (a hold taken meanwhile): a copy of it
 
     async def read(self, key: str) -> torch.Tensor:
         """The value of ``key`` as a new CPU tensor, read from wherever it is, moving nothing
