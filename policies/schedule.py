@@ -8,13 +8,21 @@ each was accessed on. Every phase's order
 replaces the last one, so a changed order is learned one phase later; ``changes`` counts phases
 whose order differed from the schedule followed.
 
+Orders that alternate between two phases (an optimizer updating in one order, then the reverse,
+so the state updated last is updated first) are learned too: when a phase resembles the one
+two phases back, or the one just before reversed, more than the one just before, the schedule
+followed next is the phase before it, and the one after that
+this phase (``period`` is 2).
+
 ``next_use(key)`` says when a key is needed next (an absolute access count, ``inf`` if not in
-the schedule), so ``MIN(schedule)`` evicts exactly what the schedule needs last.
+the schedule or the phase after it), so ``MIN(schedule)`` evicts exactly what the schedule needs
+last.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections.abc import Iterable
 
@@ -49,6 +57,12 @@ class ScheduleLearned:
         self._recording: list[tuple[str, int, str]] = []
         self._schedule: list[tuple[str, int, str]] = []
         self._positions: dict[str, list[int]] = {}
+        #: The phase expected after the one followed (the same one unless ``period`` is 2).
+        self._after: list[tuple[str, int, str]] = []
+        self._after_positions: dict[str, list[int]] = {}
+        #: The last two phases recorded, latest first.
+        self._recent: list[list[tuple[str, int, str]]] = []
+        self.period = 1
         self._pos = 0  # index in the schedule of the next expected access
         self._clock = 0  # demand accesses seen so far
         self._misaligned = 0
@@ -80,11 +94,20 @@ class ScheduleLearned:
         recorded = [key for key, _, _ in self._recording]
         if self._schedule and (recorded != self.schedule or self._misaligned):
             self.changes += 1
-        self._schedule = self._recording
-        self._positions = {}
-        for index, (key, _, _) in enumerate(self._schedule):
-            self._positions.setdefault(key, []).append(index)
-        self._recording = []
+        recording, self._recording = self._recording, []
+        recent = self._recent
+        # Alternating: this phase is nearer the one two back, or the one before it reversed (an
+        # order reversed each phase), than the one before it.
+        if recent:
+            same = _misses(recent[0], recording, self.window)
+            alternates = (_misses(recent[0][::-1], recording, self.window) < same
+                          or len(recent) == 2 and _misses(recent[1], recording, self.window) < same)
+            self.period = 2 if alternates else 1
+        self._schedule = recent[0] if self.period == 2 else recording
+        self._after = recording
+        self._recent = [recording, *recent[:1]]
+        self._positions = _positions(self._schedule)
+        self._after_positions = self._positions if self._after is self._schedule else _positions(self._after)
         self._pos = 0
         self._misaligned = 0
         self.phases += 1
@@ -96,8 +119,10 @@ class ScheduleLearned:
         budget = self._budget(self._schedule[self._pos % length][2])
         seen: set[str] = set()
         out: list[tuple[str, str | None]] = []
-        for offset in range(length):
-            key, nbytes, tier = self._schedule[(self._pos + offset) % length]
+        # the rest of this phase, then the next one's start (as much as a whole phase)
+        rest = (self._schedule[i] for i in range(self._pos, length))
+        coming = itertools.islice(itertools.chain(rest, self._after), length)
+        for key, nbytes, tier in coming:
             if key in seen:
                 continue
             if nbytes > budget or len(out) >= self.max_keys:
@@ -109,9 +134,40 @@ class ScheduleLearned:
 
     def next_use(self, key: str) -> float:
         positions = self._positions.get(key)
-        if not positions:
+        after = self._after_positions.get(key)
+        if not positions and not after:
             return math.inf
-        length = len(self._schedule)
-        i = bisect.bisect_left(positions, self._pos)
-        distance = positions[i] - self._pos if i < len(positions) else positions[0] + length - self._pos
+        rest = len(self._schedule) - self._pos  # accesses left in this phase
+        i = bisect.bisect_left(positions, self._pos) if positions else 0
+        if positions and i < len(positions):
+            distance = positions[i] - self._pos
+        elif after:
+            distance = rest + after[0]
+        else:  # in this phase only, behind: two phases on
+            distance = rest + len(self._after) + positions[0]  # type: ignore[index]
         return self._clock + distance
+
+
+def _positions(schedule: list[tuple[str, int, str]]) -> dict[str, list[int]]:
+    positions: dict[str, list[int]] = {}
+    for index, (key, _, _) in enumerate(schedule):
+        positions.setdefault(key, []).append(index)
+    return positions
+
+
+def _misses(predicted: list[tuple[str, int, str]], actual: list[tuple[str, int, str]], window: int) -> int:
+    """How many of ``actual``'s accesses following ``predicted`` would not find where it expects
+    them (within ``window`` ahead), as ``on_access`` follows a schedule."""
+    length = len(predicted)
+    if not length:
+        return len(actual)
+    pos = misses = 0
+    for key, _, _ in actual:
+        for offset in range(min(window, length)):
+            if predicted[(pos + offset) % length][0] == key:
+                pos = (pos + offset + 1) % length
+                misses += offset > 0
+                break
+        else:
+            misses += 1
+    return misses

@@ -81,11 +81,12 @@ def test_report_matches_the_kernel_and_the_need(tmp_path: Path, counters: None, 
         assert abs(first[1] - report.disk_write_bytes) <= SLACK
         assert report.disk_write_bytes <= 1.1 * report.disk_need_bytes
         list(_steps(model, opt, 1))  # (the schedule is learned from the first step)
+        per_param = opt.memory_report().state_bytes_per_param  # (8 where the parameter is the master)
         moved = needed = reported = 0
         for read, write in _steps(model, opt, 4):
             report = opt.time_report()
             assert abs(read - report.disk_read_bytes) <= SLACK and abs(write - report.disk_write_bytes) <= SLACK
-            assert report.disk_need_bytes >= 2 * (12 * sum(p.numel() for p in model.parameters()) - HOST) * 0.9
+            assert report.disk_need_bytes >= 2 * (per_param * sum(p.numel() for p in model.parameters()) - HOST) * 0.9
             moved += read + write
             needed += report.disk_need_bytes
             reported += report.disk_read_bytes + report.disk_write_bytes
@@ -99,14 +100,17 @@ def test_report_matches_the_kernel_and_the_need(tmp_path: Path, counters: None, 
 
 @pytest.mark.xfail(
     strict=False,
-    reason="with the same update order every step, state resident when a step starts is pushed out before its "
-    "update (the order's tail) and read again: 1.1-1.3x today; alternating the order each step removes it",
+    reason="state prefetched for the next step is sometimes pushed out again before it is used: 1.03-1.08x on the "
+    "plain CPU (over 1.1x in one run of three), 1.1-1.2x across a link (emulated)",
 )
 def test_io_within_a_tenth_of_the_need(tmp_path: Path, counters: None, device_mode: str) -> None:
+    """The update order alternates each step (the state resident at a step's start is updated
+    first) and the learned schedule follows the two-step pattern: no state is pushed out before
+    its update and read again."""
     model = _model()
     opt = _optimizer(model, tmp_path / "disk")
     try:
-        list(_steps(model, opt, 2))
+        list(_steps(model, opt, 3))  # state created, then the two orders the schedule learns
         moved = needed = 0
         for read, write in _steps(model, opt, 4):
             moved += read + write
@@ -126,7 +130,7 @@ def test_frozen_and_unused_state_moves_no_byte(tmp_path: Path, counters: None, d
     try:
         list(_steps(model, opt, 1))  # every trainable layer gets state
         trained = [p for layer in (model[0], *model[4:6]) for p in layer.parameters()]
-        live_state = 12 * sum(p.numel() for p in trained)
+        live_state = opt.memory_report().state_bytes_per_param * sum(p.numel() for p in trained)
         # Layers 6 and 7 get no gradient from now on. Their state, written at the first step,
         # may still be in the host tier and goes to the disk once; and the schedule learned
         # from the first step prefetches it once more: the next step learns the new order.

@@ -74,6 +74,9 @@ class UpdatePipeline:
         #: This step's GradScaler scale, when the gradients are still scaled (buckets launched
         #: from now on unscale their host copies). The loop's to set.
         self.scale: torch.Tensor | None = None
+        #: This step updates a chunked parameter's chunks last to first (the step's update order
+        #: is reversed: ``StepRunner.reversed_order``). The loop's to set.
+        self.reverse = False
         self.bucket_bytes = 64 << 20
         self.inflight = 1
         #: State bytes per chunk of the parameters paged in chunks (0: none is).
@@ -178,10 +181,11 @@ class UpdatePipeline:
 
     # -- buckets ----------------------------------------------------------------------------------
 
-    async def prefetch_first(self, order: list[ParamSlot]) -> None:
+    async def prefetch_first(self, order: list[ParamSlot], reverse: bool = False) -> None:
         """Once a step, when its first gradient arrives: bring up the states the first updates
-        will need (``order``: last step's), up to half the state tier, behind every demand
-        request. Later states come with the store's prefetch policy, following the holds."""
+        will need (``order``: the coming step's; ``reverse``: its chunks go last to first), up
+        to half the state tier, behind every demand request. Later states come with the store's
+        prefetch policy, following the holds."""
         if self._prefetched:
             return
         self._prefetched = True
@@ -190,7 +194,8 @@ class UpdatePipeline:
         for slot in order:
             if not slot.paged:
                 continue
-            for key, nbytes in self._state_keys(slot):
+            keys_of = self._state_keys(slot)
+            for key, nbytes in reversed(keys_of) if reverse else keys_of:
                 budget -= nbytes
                 if budget < 0:
                     break
@@ -285,7 +290,8 @@ class UpdatePipeline:
             self._gate = asyncio.Semaphore(self.inflight)
         if not slot.updated:
             self._owner._begin_chunks(slot)
-        runs = self._chunk_runs(slot, [chunk for chunk in slot.chunks or [] if chunk.index not in slot.chunks_written])
+        chunks = [chunk for chunk in slot.chunks or [] if chunk.index not in slot.chunks_written]
+        runs = self._chunk_runs(slot, chunks[::-1] if self.reverse else chunks)
         tasks = [asyncio.ensure_future(self._update_run(slot, runs, i, coef, scale, after)) for i in range(len(runs))]
         results = await asyncio.gather(*tasks, return_exceptions=True)
         for result in results:
@@ -359,8 +365,8 @@ class UpdatePipeline:
     @asynccontextmanager
     async def _grad_chunk(self, slot: ParamSlot, chunk: Chunk) -> AsyncIterator[torch.Tensor]:
         """The chunk's slice of this step's gradient on the host: a view of the gradient where
-        the link lends, else copied over the link into a buffer of the state tier (the gradient
-        of a chunked parameter is never copied whole)."""
+        the link lends, else copied over the link into a scratch buffer of the state tier (the
+        gradient of a chunked parameter is never copied whole)."""
         capture = slot.capture
         if capture is None:
             raise RuntimeError(f"internal error: parameter {slot.index} has no gradient to update from")
@@ -368,15 +374,13 @@ class UpdatePipeline:
             yield capture.lent.reshape(-1)[chunk.start : chunk.stop]
             return
         source = _device_grad(slot, capture).reshape(-1)[chunk.start : chunk.stop]
-        key = f"{chunk.key}/grad"
-        async with self._store.fill(key, (chunk.numel,), source.dtype, self._tier) as buffer:
+        async with scratch(self._store, f"{chunk.key}/grad", (chunk.numel,), source.dtype, self._tier) as buffer:
             transfer = slot.link.to_host(buffer, source, after=capture.marker)
             await transfer
             report = self._report()
             report.grads_to_host += transfer.seconds
             report.grads_to_host_bytes += transfer.nbytes
             yield buffer
-        await self._store.delete(key)
 
     def _compute_chunks(
         self, slot: ParamSlot, chunks: list[Chunk], states: list[Any], grads: list[torch.Tensor | None], coef: torch.Tensor | None,
@@ -540,6 +544,24 @@ async def fill_weight_range(slot: ParamSlot, start: int, stop: int, out: torch.T
         out.copy_((await read_weight_range(slot, start, stop)).reshape(-1))
         return
     await slot.link.to_host(out, slot.param.detach().reshape(-1)[start:stop])
+
+
+class _Discard(Exception):
+    """Ends a ``scratch`` block: its buffer is freed without becoming a value."""
+
+
+@asynccontextmanager
+async def scratch(store: TierStore, key: str, shape: tuple[int, ...], dtype: torch.dtype, tier: str) -> AsyncIterator[torch.Tensor]:
+    """A buffer on memory tier ``tier``, counted in its budget while the block runs, that never
+    becomes a value: it cannot be evicted, so it is never written to the disk (a fill whose
+    block raises is freed, not installed; a value put and then deleted could be pushed out to
+    the disk in between)."""
+    try:
+        async with store.fill(key, shape, dtype, tier, durable=False) as buffer:
+            yield buffer
+            raise _Discard
+    except _Discard:
+        pass
 
 
 def _device_grad(slot: ParamSlot, capture: Capture) -> torch.Tensor:

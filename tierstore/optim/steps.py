@@ -1,6 +1,12 @@
 """One optimizer step, on the store's loop: the gradients that arrive during backward, then what
 ``step()`` does with ``p.grad`` as it found it (settle each capture, clip, run the buckets), and
 the per-slot progress that lets a step that failed part-way be completed by ``step()`` again.
+
+After backward, the update order alternates: arrival order one step, reversed the next (and a
+chunked parameter's chunks with it). The state still on the host tier when a step starts is the
+state updated last; updated first in the next step, it is read and written once, instead of
+being pushed out for the first updates and read back at the end. Adam is elementwise and per
+parameter, so the order changes no number.
 """
 
 from __future__ import annotations
@@ -36,7 +42,8 @@ class StepRunner:
         self._in_backward = in_backward
         self.capture: GradientCapture
         self._arrivals = itertools.count()
-        #: The order gradients arrived in last step: this step's updates and prefetches follow it.
+        #: The order gradients arrived in last step: this step's updates and prefetches follow it
+        #: (reversed every other step: ``reversed_order``).
         self.last_order: list[ParamSlot] = []
         #: This step's clipping coefficient (kept across a failed attempt: the norm was of all gradients).
         self.coef: torch.Tensor | None = None
@@ -45,12 +52,23 @@ class StepRunner:
     async def arrived(self, slot: ParamSlot, capture: Capture) -> None:
         """A hook's capture is on the host: prefetch, norm ahead, update in backward."""
         slot.arrival = next(self._arrivals)
-        await self._pipeline.prefetch_first(self.last_order)
+        await self._pipeline.prefetch_first(self.coming_order(), self.reversed_order)
         if self.max_grad_norm is not None and slot.capture is capture:
             capture.norm = await self.norm(slot, capture, 2.0)
         if self._in_backward and slot.capture is capture:
             slot.used = capture
             self._pipeline.add(slot, None, after=capture.marker)
+
+    @property
+    def reversed_order(self) -> bool:
+        """Whether this step updates in reversed arrival order (every other completed step,
+        after backward only: updates in backward run as gradients arrive)."""
+        return not self._in_backward and self.steps % 2 == 1
+
+    def coming_order(self) -> list[ParamSlot]:
+        """The order this step is expected to update in: last step's arrivals, reversed on
+        the steps that reverse."""
+        return self.last_order[::-1] if self.reversed_order else self.last_order
 
     async def norm(self, slot: ParamSlot, capture: Capture, norm_type: float, inverse: torch.Tensor | None = None) -> torch.Tensor:
         """The norm of the captured gradient (unscaled by ``inverse`` first, if given)."""
@@ -107,7 +125,8 @@ class StepRunner:
             coef = self.coef = clip_coefficient(self.max_grad_norm, total)
         if not failures or self.max_grad_norm is None:
             pipeline.launch(None)  # the open bucket of updates in backward
-            for slot in sorted(ready, key=lambda s: s.arrival):
+            pipeline.reverse = self.reversed_order
+            for slot in sorted(ready, key=lambda s: s.arrival, reverse=pipeline.reverse):
                 pipeline.add(slot, coef, after=observed[slot.index][3])
             pipeline.launch(coef)
         failures += await pipeline.finish()
