@@ -195,3 +195,38 @@ def test_sharded_step_under_nccl_alone() -> None:
 
     done = subprocess.run([sys.executable, "-c", _NCCL_STEP], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.device_modes
+def test_failed_load_state_dict_loses_no_state(monkeypatch: pytest.MonkeyPatch, device_mode: str) -> None:
+    """The same for ``load_state_dict`` (what ``set_optimizer_state_dict`` calls): a failure
+    part-way leaves each parameter its loaded or its old state."""
+    import tierstore.optim.checkpoint as checkpoint_module
+
+    saved_model = base_model()
+    saved_opt = tiered(saved_model)
+    train(saved_model, saved_opt, 2, seed=1)
+    state_dict = saved_opt.state_dict()
+    checkpoint = snapshot(saved_opt, saved_model)
+    saved_opt.close()
+    model = base_model()
+    opt = tiered(model)
+    train(model, opt, 3, seed=2)
+    before = snapshot(opt, model)
+    calls = 0
+    real = checkpoint_module.adam_load_entry
+
+    async def failing(optimizer: Any, slot: Any, entry: Any) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise OSError(28, "No space left on device (injected)")
+        await real(optimizer, slot, entry)
+
+    monkeypatch.setattr(checkpoint_module, "adam_load_entry", failing)
+    with pytest.raises(OSError, match="No space left"):
+        opt.load_state_dict(state_dict)
+    after = snapshot(opt, model)
+    for index, (now, old, new) in enumerate(zip(after, before, checkpoint, strict=True)):
+        assert same(now, new) or same(now, old), f"parameter {index}: neither its old nor its loaded state: step {now['step']}"
+    opt.close()

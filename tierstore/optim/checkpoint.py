@@ -201,7 +201,7 @@ def _fresh(saved: Mapping[str, Any]) -> bool:
 
 
 async def _adam_load(optimizer: TieredAdam, saved_state: dict[ParamSlot, dict[str, Any] | None]) -> None:
-    optimizer._step_counts.clear()
+    # (each slot's step count is replaced as it loads: a failure part-way loses no old state)
     for slot, saved in saved_state.items():
         await adam_load_entry(optimizer, slot, saved or {})
 
