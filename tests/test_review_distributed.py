@@ -230,3 +230,44 @@ def test_failed_load_state_dict_loses_no_state(monkeypatch: pytest.MonkeyPatch, 
     for index, (now, old, new) in enumerate(zip(after, before, checkpoint, strict=True)):
         assert same(now, new) or same(now, old), f"parameter {index}: neither its old nor its loaded state: step {now['step']}"
     opt.close()
+
+
+_SUMMARY = """
+import os, sys, torch, torch.distributed as dist
+from tierstore.optim import TieredAdamW
+from tierstore.optim.distributed import rank_summary
+rank = int(sys.argv[1])
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+dist.init_process_group("gloo", rank=rank, world_size=2)
+group = dist.new_group([1])  # a group without global rank 0
+model = torch.nn.Linear(16, 8)
+opt = TieredAdamW(model.parameters(), lr=1e-2, min_offload_numel=64)
+model(torch.randn(4, 16)).sum().backward()
+opt.step()
+if rank == 1:
+    print("summary" if rank_summary(opt, group) is not None else "none")
+opt.close()
+dist.destroy_process_group()
+"""
+
+
+def test_rank_summary_of_a_group_without_rank_0() -> None:
+    """``rank_summary(opt, group)`` gives its table on the group's first rank: it looked for
+    global rank 0, so a group without it had no summary anywhere."""
+    import subprocess
+    import sys
+
+    from tierstore.optim.distributed import free_port
+
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", _SUMMARY, str(r), port], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = []
+    try:
+        for proc in procs:
+            outs.append(proc.communicate(timeout=60))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    assert all(proc.returncode == 0 for proc in procs), [err[-1500:] for _, err in outs]
+    assert outs[1][0].split() == ["summary"]

@@ -618,8 +618,8 @@ def mesh_group(slots: Sequence[ParamSlot]) -> tuple[Any, ...] | None:
 
 
 def rank_summary(optimizer: PagedOptimizer, group: Any = None) -> str | None:
-    """Every rank's state bytes by tier and last step's time, gathered; the table on rank 0
-    (None on the others). A collective: call it on every rank."""
+    """Every rank's state bytes by tier and last step's time, gathered; the table on the
+    group's first rank (None on the others). A collective: call it on every rank of ``group``."""
     memory = optimizer.memory_report()
     time_report = optimizer.time_report()
     row = {
@@ -628,7 +628,7 @@ def rank_summary(optimizer: PagedOptimizer, group: Any = None) -> str | None:
     }
     rows: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(rows, row, group=group)
-    if dist.get_rank() != 0:
+    if dist.get_rank(group) != 0:  # (the group's first rank, not global rank 0: it may be outside the group)
         return None
     from ..units import format_bytes
 
