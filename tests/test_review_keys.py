@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from tierstore import TierStore
-from tierstore.errors import EntryHeldError, KeyNotFoundError
+from tierstore import SyncTierStore, TierStore
+from tierstore.errors import EntryHeldError, KeyNotFoundError, TierFullError
 from tierstore.tiers import DiskTier, HostTier
 
 
@@ -73,3 +74,132 @@ async def test_a_hold_taken_while_a_pop_deletes_loses_no_value(tmp_path: Path) -
                 assert torch.equal(held, new)
         if popped is None:
             assert torch.equal(await store.get("k"), new)
+
+
+SIZES = [0, 4, 100, 512, 1024, 2044, 2048, 2052, 3000, 4096, 20000]  # bytes, around the inline threshold
+
+
+def _value(rng: random.Random, tag: int) -> torch.Tensor:
+    return torch.full((rng.choice(SIZES) // 4,), float(tag))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("durable", [False, True])
+async def test_concurrent_small_and_large_puts_gets_deletes_pops_holds_and_flushes_match_a_dict(tmp_path: Path, durable: bool, seed: int) -> None:
+    keys = [f"k{i}" for i in range(24)]
+    model: dict[str, torch.Tensor] = {}
+    locks = {key: asyncio.Lock() for key in keys}  # one operation at a time per key: the model is exact
+    tags = iter(range(1, 1 << 30))
+    async with TierStore(tiers(tmp_path / "d", durable=durable)) as store:
+
+        async def worker(seed: int) -> None:
+            rng = random.Random(seed)
+            for _ in range(200):
+                key, op = rng.choice(keys), rng.random()
+                async with locks[key]:
+                    if op < 0.4 or (op >= 0.6 and key not in model):
+                        value = _value(rng, next(tags))
+                        try:
+                            await store.put(key, value, tier=rng.choice([None, None, "host", "disk"]), durable=rng.random() < 0.2)
+                        except TierFullError:  # (a tiny host tier with holds open): the old value stays
+                            pass
+                        else:
+                            model[key] = value
+                    elif op < 0.6:
+                        if key in model:
+                            assert torch.equal(await store.get(key), model[key]), key
+                        else:
+                            assert key not in store
+                    elif op < 0.7:
+                        await store.delete(key)
+                        del model[key]
+                    elif op < 0.8:
+                        assert torch.equal(await store.pop(key), model.pop(key)), key
+                    elif op < 0.9:
+                        try:
+                            async with store.hold(key) as held:
+                                assert torch.equal(held, model[key]), key
+                                await asyncio.sleep(0)
+                        except TierFullError:
+                            pass
+                    else:
+                        try:
+                            async with store.hold(key, write=True) as held:
+                                held.add_(1)
+                                model[key] = model[key] + 1
+                                await asyncio.sleep(0)
+                        except TierFullError:
+                            pass
+                if rng.random() < 0.03:
+                    await store.flush()
+
+        async def reader(seed: int) -> None:  # reads and flushes racing everything, unordered
+            rng = random.Random(seed)
+            for _ in range(150):
+                try:
+                    await store.get(rng.choice(keys))
+                except KeyNotFoundError:
+                    pass
+                if rng.random() < 0.1:
+                    await store.flush()
+                await asyncio.sleep(0)
+
+        await asyncio.gather(*(worker(seed * 10 + i) for i in range(6)), reader(seed + 100), reader(seed + 200))
+        assert sorted(store.keys()) == sorted(model)
+        for key, value in model.items():
+            assert torch.equal(await store.get(key), value), key
+        await store.flush()
+        host = store.tier("host")
+        assert host.live_bytes == sum(c.nbytes for e in store._engine.entries.values() for c in e.all_copies() if c.tier == 0)  # type: ignore[attr-defined]
+    async with TierStore(tiers(tmp_path / "d", durable=durable)) as store:
+        assert sorted(store.keys()) == sorted(model)
+        for key, value in model.items():
+            assert torch.equal(await store.get(key), value), key
+
+
+def test_the_sync_facade_from_threads_matches_a_dict(tmp_path: Path) -> None:
+    models: list[dict[str, torch.Tensor]] = [{} for _ in range(4)]
+    errors: list[BaseException] = []
+
+    def make() -> SyncTierStore:
+        return SyncTierStore(tiers(tmp_path / "d", host="512KiB"))
+
+    with make() as store:
+
+        def worker(w: int) -> None:
+            rng, model = random.Random(w), models[w]
+            try:
+                for i in range(150):
+                    key, op = f"w{w}/k{rng.randrange(10)}", rng.random()
+                    if op < 0.45:
+                        value = _value(rng, i)
+                        store.put(key, value)
+                        model[key] = value
+                    elif op < 0.75:
+                        assert torch.equal(store.get(key), model[key]) if key in model else key not in store, key
+                    elif op < 0.85 and key in model:
+                        store.delete(key)
+                        del model[key]
+                    elif op < 0.9 and key in model:
+                        assert torch.equal(store.pop(key), model.pop(key)), key
+                    elif op < 0.95:
+                        store.flush()
+                    elif key in model:
+                        with store.hold(key) as held:
+                            assert torch.equal(held, model[key]), key
+            except BaseException as exc:  # reported below, in the test's thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+        expected = {key: value for model in models for key, value in model.items()}
+        assert sorted(store.keys()) == sorted(expected)
+    with make() as store:
+        assert sorted(store.keys()) == sorted(expected)
+        for key, value in expected.items():
+            assert torch.equal(store.get(key), value), key
