@@ -6,7 +6,11 @@ each test here failed before the fix it names.
   by size: every ``step`` scalar first, which re-read every parameter's whole state).
 - A streaming load that fails part-way loses nothing: each parameter holds either its loaded
   state or its state from before the call (the step counts of the parameters not yet loaded
-  were cleared up front, so their moments were silently restarted from zero).
+  were cleared up front, so their moments were silently restarted from zero); the same for
+  ``load_state_dict``.
+- The sharded step's flags and norms cross on a device the group's backend serves (CPU tensors
+  failed every step under ``init_process_group("nccl")`` alone); a GPU test runs the step there.
+- ``rank_summary`` of a group without global rank 0 gives its table on the group's first rank.
 """
 
 from __future__ import annotations
@@ -139,27 +143,6 @@ def test_failed_streaming_load_loses_no_state(tmp_path: Path, monkeypatch: pytes
 # at every step. ``"cuda:gloo"`` registers gloo for CUDA tensors only: the same situation on a
 # machine without a GPU, as far as choosing the device goes.
 
-_DEVICE_CHOICE = """
-import os, sys, torch, torch.distributed as dist
-from tierstore.optim.distributed import comm_device, free_port
-for backend in sys.argv[1:]:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group(backend, rank=0, world_size=1)
-    print(backend, comm_device().type, comm_device(dist.new_group([0])).type)
-    dist.destroy_process_group()
-"""
-
-
-def test_collectives_use_a_device_the_backend_serves() -> None:
-    import subprocess
-    import sys
-
-    backends = ["gloo", "cpu:gloo,cuda:gloo", "cuda:gloo"]
-    done = subprocess.run([sys.executable, "-c", _DEVICE_CHOICE, *backends], capture_output=True, text=True, timeout=60, check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.splitlines()[-3:] == ["gloo cpu cpu", "cpu:gloo,cuda:gloo cpu cpu", "cuda:gloo cuda cuda"]
-
-
 _NCCL_STEP = """
 import os, torch, torch.distributed as dist
 from tierstore.optim import TieredAdamW
@@ -235,11 +218,13 @@ def test_failed_load_state_dict_loses_no_state(monkeypatch: pytest.MonkeyPatch, 
 _SUMMARY = """
 import os, sys, torch, torch.distributed as dist
 from tierstore.optim import TieredAdamW
-from tierstore.optim.distributed import rank_summary
+from tierstore.optim.distributed import comm_device, rank_summary
 rank = int(sys.argv[1])
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
 dist.init_process_group("gloo", rank=rank, world_size=2)
 group = dist.new_group([1])  # a group without global rank 0
+cuda_only = dist.new_group([0, 1], backend="cuda:gloo")  # as NCCL alone: no CPU backend
+print(comm_device().type, comm_device(dist.new_group([0, 1], backend="cpu:gloo,cuda:gloo")).type, comm_device(cuda_only).type)
 model = torch.nn.Linear(16, 8)
 opt = TieredAdamW(model.parameters(), lr=1e-2, min_offload_numel=64)
 model(torch.randn(4, 16)).sum().backward()
@@ -251,9 +236,11 @@ dist.destroy_process_group()
 """
 
 
-def test_rank_summary_of_a_group_without_rank_0() -> None:
-    """``rank_summary(opt, group)`` gives its table on the group's first rank: it looked for
-    global rank 0, so a group without it had no summary anywhere."""
+def test_collective_devices_and_a_summary_of_a_group_without_rank_0() -> None:
+    """The sharded step's collectives take tensors on a device the group's backend serves
+    (``comm_device``: the CPU where a CPU backend is registered, else the accelerator; see
+    above); ``rank_summary(opt, group)`` gives its table on the group's first rank: it looked
+    for global rank 0, so a group without it had no summary anywhere."""
     import subprocess
     import sys
 
@@ -270,4 +257,5 @@ def test_rank_summary_of_a_group_without_rank_0() -> None:
             if proc.poll() is None:
                 proc.kill()
     assert all(proc.returncode == 0 for proc in procs), [err[-1500:] for _, err in outs]
-    assert outs[1][0].split() == ["summary"]
+    assert outs[0][0].split() == ["cpu", "cpu", "cuda"]
+    assert outs[1][0].split() == ["cpu", "cpu", "cuda", "summary"]
