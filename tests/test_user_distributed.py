@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tierstore.optim.distributed import free_port
 
-LIMIT_S = 60  # the whole spawned job
+LIMIT_S = 90  # the whole spawned job (about 30 s on 2 shared cores)
 STEPS, LR, MAX_NORM = 3, 1e-2, 0.05
 
 
@@ -38,12 +38,11 @@ def bf16_clipping(rank: int) -> dict[str, Any]:
 
     result: dict[str, Any] = {}
     weights = {}
-    for name in ("torch_clip", "max_grad_norm", "opt_clip", "unsharded_max_grad_norm"):
+    for name in ("torch_clip", "max_grad_norm", "opt_clip"):
         model = bf16_model()
         options: dict[str, Any] = {"lr": LR, "fused": True, "min_offload_numel": 64}
-        if name != "unsharded_max_grad_norm":
-            options["process_group"] = True
-        if name.endswith("max_grad_norm"):
+        options["process_group"] = True
+        if name == "max_grad_norm":
             options["max_grad_norm"] = MAX_NORM
         opt = TieredAdamW(model.parameters(), **options)
         for step in range(STEPS):
@@ -94,6 +93,6 @@ def test_sharded_user_cases(tmp_path: Path) -> None:
     for r in ranks:
         for mode in ("plain", "emulated"):
             clip = r[mode]["bf16_clipping"]
-            # the same weights as torch's clip_grad_norm_ on the bf16 gradients, sharded or not
-            assert clip["max_grad_norm"] and clip["opt_clip"] and clip["unsharded_max_grad_norm"], (mode, clip)
+            # the same weights as torch's clip_grad_norm_ on the bf16 gradients
+            assert clip["max_grad_norm"] and clip["opt_clip"], (mode, clip)
             assert clip["opt_clip_total"] == clip["torch_clip_total"], (mode, clip)
