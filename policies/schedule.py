@@ -100,9 +100,11 @@ class ScheduleLearned:
         # order reversed each phase), than the one before it.
         if recent:
             same = _misses(recent[0], recording, self.window)
-            alternates = (_misses(recent[0][::-1], recording, self.window) < same
-                          or len(recent) == 2 and _misses(recent[1], recording, self.window) < same)
-            self.period = 2 if alternates else 1
+            two_back = len(recent) == 2 and _misses(recent[1], recording, self.window) < same
+            # (a reversal after two equal phases is a change of order, not an alternation yet)
+            changing = len(recent) == 1 or _misses(recent[1], recent[0], self.window) > 0
+            reversed_ = changing and _misses(recent[0][::-1], recording, self.window) < same
+            self.period = 2 if two_back or reversed_ else 1
         self._schedule = recent[0] if self.period == 2 else recording
         self._after = recording
         self._recent = [recording, *recent[:1]]

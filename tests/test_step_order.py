@@ -176,3 +176,23 @@ def store_close(store: TierStore) -> None:
 
     if store.is_open:
         run(store.aclose(flush=False))
+
+
+def test_the_schedule_learns_an_order_that_alternates() -> None:
+    from policies import ScheduleLearned
+
+    policy = ScheduleLearned(ahead=2, max_keys=10)
+    forward, backward = list("abcdef"), list("fedcba")
+    for phase in (forward, backward, forward):
+        for key in phase:
+            policy.on_access(key, 1, "host", False)
+        policy.on_step()
+    assert policy.period == 2 and policy.schedule == backward  # the coming phase: reversed
+    changes = policy.changes  # (the first reversal was a change; it was learned from there)
+    for key in backward[:5]:
+        policy.on_access(key, 1, "host", True)
+    assert [key for key, _ in policy.suggest()] == ["a", "b"]  # the end of this phase, then the next's start
+    assert policy.next_use("b") < policy.next_use("c") < policy.next_use("f")  # f: used first, next at the end
+    policy.on_access("a", 1, "host", True)
+    policy.on_step()
+    assert policy.period == 2 and policy.schedule == forward and policy.changes == changes == 1
