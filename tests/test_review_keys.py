@@ -5,6 +5,7 @@ dict model (also through the sync facade from several threads)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 import threading
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from tierstore import SyncTierStore, TierStore
-from tierstore.errors import EntryHeldError, KeyNotFoundError, TierFullError
+from tierstore.errors import EntryHeldError, KeyNotFoundError, NotAStoreFolderError, TierFullError
 from tierstore.tiers import DiskTier, HostTier
 
 
@@ -22,7 +23,9 @@ def tiers(root: Path, host: str = "256KiB", durable: bool = False) -> list:
 
 
 @pytest.mark.parametrize("yields", [2, 3, 4])
-async def test_a_flush_writes_the_value_it_planned_when_a_small_put_grows_the_key_meanwhile(tmp_path: Path, yields: int) -> None:
+async def test_a_flush_writes_the_value_it_planned_when_a_small_put_grows_the_key_meanwhile(
+    tmp_path: Path, yields: int
+) -> None:
     # 3000 bytes: packed in a slab slot on the host tier, an extent on disk (not inline).
     old, new = torch.full((750,), 1.0), torch.full((1000,), 2.0)
     async with TierStore(tiers(tmp_path / "d")) as store:
@@ -38,8 +41,13 @@ async def test_a_flush_writes_the_value_it_planned_when_a_small_put_grows_the_ke
         assert torch.equal(await store.get("k"), new)
 
 
-async def test_a_pop_that_hands_its_buffer_over_leaves_the_value_readable_until_the_key_is_gone(tmp_path: Path) -> None:
-    old, new = torch.full((5000,), 1.0), torch.full((5000,), 2.0)  # a buffer of its own on the host tier
+async def test_a_pop_that_hands_its_buffer_over_leaves_the_value_readable_until_the_key_is_gone(
+    tmp_path: Path,
+) -> None:
+    old, new = (
+        torch.full((5000,), 1.0),
+        torch.full((5000,), 2.0),
+    )  # a buffer of its own on the host tier
     async with TierStore(tiers(tmp_path / "d")) as store:
         await store.put("k", old)
         await store.flush()
@@ -76,7 +84,19 @@ async def test_a_hold_taken_while_a_pop_deletes_loses_no_value(tmp_path: Path) -
             assert torch.equal(await store.get("k"), new)
 
 
-SIZES = [0, 4, 100, 512, 1024, 2044, 2048, 2052, 3000, 4096, 20000]  # bytes, around the inline threshold
+SIZES = [
+    0,
+    4,
+    100,
+    512,
+    1024,
+    2044,
+    2048,
+    2052,
+    3000,
+    4096,
+    20000,
+]  # bytes, around the inline threshold
 
 
 def _value(rng: random.Random, tag: int) -> torch.Tensor:
@@ -85,10 +105,14 @@ def _value(rng: random.Random, tag: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("durable", [False, True])
-async def test_concurrent_small_and_large_puts_gets_deletes_pops_holds_and_flushes_match_a_dict(tmp_path: Path, durable: bool, seed: int) -> None:
+async def test_concurrent_small_and_large_puts_gets_deletes_pops_holds_and_flushes_match_a_dict(
+    tmp_path: Path, durable: bool, seed: int
+) -> None:
     keys = [f"k{i}" for i in range(24)]
     model: dict[str, torch.Tensor] = {}
-    locks = {key: asyncio.Lock() for key in keys}  # one operation at a time per key: the model is exact
+    locks = {
+        key: asyncio.Lock() for key in keys
+    }  # one operation at a time per key: the model is exact
     tags = iter(range(1, 1 << 30))
     async with TierStore(tiers(tmp_path / "d", durable=durable)) as store:
 
@@ -100,8 +124,15 @@ async def test_concurrent_small_and_large_puts_gets_deletes_pops_holds_and_flush
                     if op < 0.4 or (op >= 0.6 and key not in model):
                         value = _value(rng, next(tags))
                         try:
-                            await store.put(key, value, tier=rng.choice([None, None, "host", "disk"]), durable=rng.random() < 0.2)
-                        except TierFullError:  # (a tiny host tier with holds open): the old value stays
+                            await store.put(
+                                key,
+                                value,
+                                tier=rng.choice([None, None, "host", "disk"]),
+                                durable=rng.random() < 0.2,
+                            )
+                        except (
+                            TierFullError
+                        ):  # (a tiny host tier with holds open): the old value stays
                             pass
                         else:
                             model[key] = value
@@ -144,13 +175,17 @@ async def test_concurrent_small_and_large_puts_gets_deletes_pops_holds_and_flush
                     await store.flush()
                 await asyncio.sleep(0)
 
-        await asyncio.gather(*(worker(seed * 10 + i) for i in range(6)), reader(seed + 100), reader(seed + 200))
+        await asyncio.gather(
+            *(worker(seed * 10 + i) for i in range(6)), reader(seed + 100), reader(seed + 200)
+        )
         assert sorted(store.keys()) == sorted(model)
         for key, value in model.items():
             assert torch.equal(await store.get(key), value), key
         await store.flush()
         host = store.tier("host")
-        assert host.live_bytes == sum(c.nbytes for e in store._engine.entries.values() for c in e.all_copies() if c.tier == 0)  # type: ignore[attr-defined]
+        assert host.live_bytes == sum(
+            c.nbytes for e in store._engine.entries.values() for c in e.all_copies() if c.tier == 0
+        )  # type: ignore[attr-defined]
     async with TierStore(tiers(tmp_path / "d", durable=durable)) as store:
         assert sorted(store.keys()) == sorted(model)
         for key, value in model.items():
@@ -176,7 +211,11 @@ def test_the_sync_facade_from_threads_matches_a_dict(tmp_path: Path) -> None:
                         store.put(key, value)
                         model[key] = value
                     elif op < 0.75:
-                        assert torch.equal(store.get(key), model[key]) if key in model else key not in store, key
+                        assert (
+                            torch.equal(store.get(key), model[key])
+                            if key in model
+                            else key not in store
+                        ), key
                     elif op < 0.85 and key in model:
                         store.delete(key)
                         del model[key]
@@ -203,3 +242,41 @@ def test_the_sync_facade_from_threads_matches_a_dict(tmp_path: Path) -> None:
         assert sorted(store.keys()) == sorted(expected)
         for key, value in expected.items():
             assert torch.equal(store.get(key), value), key
+
+
+async def test_a_flush_waiting_for_a_write_hold_leaves_the_garbage_collector_on(
+    tmp_path: Path,
+) -> None:
+    async with TierStore(tiers(tmp_path / "d")) as store:
+        await store.put("a", torch.ones(4))
+        await store.put("b", torch.ones(4))
+        assert gc.isenabled()
+        taken, release = asyncio.Event(), asyncio.Event()
+
+        async def step() -> None:  # a training step holding "a" for writing
+            async with store.hold("a", write=True) as held:
+                taken.set()
+                await release.wait()
+                held.add_(1)
+
+        holder = asyncio.ensure_future(step())
+        await taken.wait()
+        flush = asyncio.ensure_future(store.flush())  # waits for the hold
+        try:
+            for _ in range(5):
+                await asyncio.sleep(0)
+            assert not flush.done()
+            waiting_with_gc = gc.isenabled()
+        finally:
+            release.set()
+            await holder
+        assert waiting_with_gc
+        await flush
+        assert gc.isenabled()
+    with pytest.raises(
+        NotAStoreFolderError
+    ):  # a reopen that fails (a file where the folder should be)
+        (tmp_path / "f").write_bytes(b"x")
+        async with TierStore(tiers(tmp_path / "f")):
+            pass
+    assert gc.isenabled()

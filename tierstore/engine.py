@@ -10,7 +10,6 @@ top of it.
 from __future__ import annotations
 
 import asyncio
-import gc
 import itertools
 import os
 import time
@@ -36,6 +35,7 @@ from .errors import (
     TierStoreError,
     UnknownTierError,
 )
+from .gcpause import gc_paused
 from .keys import check_key
 from .prefetching import PrefetchIssuer
 from .protocols import EvictionPolicy, PrefetchPolicy
@@ -64,32 +64,6 @@ class _Process:
 
 
 _process = _Process
-
-
-class _GCPause:
-    """Pauses the cyclic garbage collector while many long-lived objects are made at once
-    (the entries of a reopened store, the records and copies of a flush): each object made
-    would otherwise count towards collections that walk every entry already there, and at a
-    million keys those walks cost more than the work. Nested and concurrent pauses end with
-    the last; a collector someone else turned off stays off."""
-
-    depth = 0
-
-    def __enter__(self) -> None:
-        if _GCPause.depth == 0 and not gc.isenabled():
-            return
-        _GCPause.depth += 1
-        gc.disable()
-
-    def __exit__(self, *exc_info: object) -> None:
-        if _GCPause.depth == 0:
-            return
-        _GCPause.depth -= 1
-        if _GCPause.depth == 0:
-            gc.enable()
-
-
-_gc_paused = _GCPause
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_Process.forked)
 
@@ -151,7 +125,7 @@ class Engine:
 
     async def open(self, trace_path: Path | None) -> None:
         """Open every tier (the disk tier loads its catalog) and adopt what is on disk."""
-        with _gc_paused():
+        with gc_paused():
             await self._open(trace_path)
 
     async def _open(self, trace_path: Path | None) -> None:
@@ -613,8 +587,7 @@ class Engine:
         """Write every value whose newest copy is only in memory to the disk tier, in one
         catalog transaction (``whole=False``: several when one does not fit); see
         ``tierstore.flushing``."""
-        with _gc_paused():
-            await flushing.flush_all(self, whole)
+        await flushing.flush_all(self, whole)
 
     async def delete_entry(self, entry: Entry) -> None:
         if self.disk_index is not None:

@@ -17,6 +17,7 @@ from .disk.catalog import DiskRecord
 from .disk.extents import Extent
 from .entry import Copy, Entry
 from .errors import TierFullError
+from .gcpause import gc_paused
 from .tensors import TensorMeta
 from .units import format_bytes
 from .workers import Priority
@@ -54,12 +55,13 @@ async def flush_all(engine: Engine, whole: bool = True) -> None:
         if not any(entry.writer is not None for entry in dirty()):
             break
     plan: list[tuple[Entry, Copy]] = []
-    for entry in sorted(dirty(), key=lambda e: e.key):  # no await from the check to here
-        tiers = entry.readable_tiers()
-        source = entry.valid(tiers[0]) if tiers else None
-        if source is not None:
-            engine.use(entry, source)  # no write hold can start on it now
-            plan.append((entry, source))
+    with gc_paused():  # (only around what makes objects per key: never across an await)
+        for entry in sorted(dirty(), key=lambda e: e.key):  # no await from the check to here
+            tiers = entry.readable_tiers()
+            source = entry.valid(tiers[0]) if tiers else None
+            if source is not None:
+                engine.use(entry, source)  # no write hold can start on it now
+                plan.append((entry, source))
     while plan:
         free = disk.capacity - disk.used
         sizes = [disk.stored_size(entry.meta.nbytes) for entry, _ in plan]
@@ -134,23 +136,25 @@ async def _flush_plan_locked(engine: Engine, disk: DiskTier, d: int, plan: list[
     tasks = [asyncio.ensure_future(write(entry, source, meta)) for entry, source, meta in large]
     try:
         started = time.perf_counter()
-        for entry, source, meta in small:
-            disk.reserve_inline(meta.nbytes)
-            try:
-                record = disk.inline_record(entry.key, meta, source.payload(meta.nbytes), source.version)
-            except BaseException:
-                disk.release_inline(meta.nbytes)
-                raise
-            inline.append((entry, source, record, meta))
+        with gc_paused():
+            for entry, source, meta in small:
+                disk.reserve_inline(meta.nbytes)
+                try:
+                    record = disk.inline_record(entry.key, meta, source.payload(meta.nbytes), source.version)
+                except BaseException:
+                    disk.release_inline(meta.nbytes)
+                    raise
+                inline.append((entry, source, record, meta))
         if inline:
             engine.count_link(small[0][1].tier, d, sum(m.nbytes for _, _, m in small), time.perf_counter() - started)
         await asyncio.gather(*tasks)
         await disk.sync_segments({extent.segment for _, _, extent, _, _ in written})
-        changes: list[tuple[str, DiskRecord | None]] = [
-            (e.key, DiskRecord(e.key, m, extent, c.version, sums)) for e, c, extent, sums, m in written
-        ]
-        changes += [(e.key, record) for e, _, record, _ in inline]
-        await disk.commit(changes)
+        with gc_paused():
+            changes: list[tuple[str, DiskRecord | None]] = [
+                (e.key, DiskRecord(e.key, m, extent, c.version, sums)) for e, c, extent, sums, m in written
+            ]
+            changes += [(e.key, record) for e, _, record, _ in inline]
+            await disk.commit(changes)  # (it makes objects per key too; it waits for no hold)
     except BaseException:
         for task in tasks:
             task.cancel()
@@ -160,10 +164,11 @@ async def _flush_plan_locked(engine: Engine, disk: DiskTier, d: int, plan: list[
         for _, _, _, meta in inline:
             disk.release_inline(meta.nbytes)
         raise
-    installed = [(e, c, Copy(d, c.version, extent=extent, checksums=sums)) for e, c, extent, sums, _ in written]
-    installed += [(e, c, Copy(d, c.version, inline=m.nbytes)) for e, c, _, m in inline]
-    for entry, source, new in installed:
-        engine.install_disk(entry, d, new, None)
-        engine.counters.tier(engine.names[source.tier]).writebacks += 1
-        if entry.version == source.version:
-            engine.observe("writeback", entry.key, entry.meta.nbytes, d, hit=None)
+    with gc_paused():
+        installed = [(e, c, Copy(d, c.version, extent=extent, checksums=sums)) for e, c, extent, sums, _ in written]
+        installed += [(e, c, Copy(d, c.version, inline=m.nbytes)) for e, c, _, m in inline]
+        for entry, source, new in installed:
+            engine.install_disk(entry, d, new, None)
+            engine.counters.tier(engine.names[source.tier]).writebacks += 1
+            if entry.version == source.version:
+                engine.observe("writeback", entry.key, entry.meta.nbytes, d, hit=None)
