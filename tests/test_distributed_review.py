@@ -66,7 +66,11 @@ def frozen(rank: int) -> dict[str, Any]:
             o.zero_grad()
             m(data[step]).pow(2).mean().backward()
             o.step()
-    owned = sum(opt.memory_report().state_by_tier.values()) // 12  # elements whose state this rank holds
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    # elements whose state this rank holds (a split parameter's state is a DTensor of its rows)
+    owned = sum(local(opt.state[p]["exp_avg"]).numel() for p in ours.parameters() if "exp_avg" in opt.state[p])
     result = {"owned": owned, "frozen_state": frozen_state == [{}, {}], "equal": _equal(ours, ref)}
     opt.close()
     return result
