@@ -12,7 +12,11 @@ import torch
 from tierstore import DiskTier, HostTier, SyncTierStore
 from tierstore.optim import TieredAdamW
 
-pytestmark = pytest.mark.device_modes
+pytestmark = [
+    pytest.mark.device_modes,
+    pytest.mark.skip(reason="tierstore.optim.adam.PARAMETER_AS_MASTER is off: with it on, a process exiting with "
+                     "such an optimizer open aborted in the C heap (memory-safety fault not yet found)"),
+]
 
 
 def _models() -> tuple[torch.nn.Module, torch.nn.Module]:

@@ -194,7 +194,9 @@ def page_empty(nbytes: int, pin_memory: bool = False) -> torch.Tensor:
     if _libc.posix_memalign(ctypes.byref(address), ctypes.c_size_t(ALIGNMENT), ctypes.c_size_t(size)) != 0:
         raise MemoryError(f"posix_memalign of {size} bytes failed")
     block = (ctypes.c_uint8 * size).from_address(address.value)  # type: ignore[arg-type]
-    weakref.finalize(block, _libc.free, ctypes.c_void_p(address.value))  # when the last tensor on it goes
+    # Freed when the last tensor on it goes, never at interpreter exit: weakref.finalize runs
+    # what is pending then, while tensors (and I/O threads) may still use the block (a segfault).
+    weakref.finalize(block, _libc.free, ctypes.c_void_p(address.value)).atexit = False
     return advise_huge_pages(torch.frombuffer(block, dtype=torch.uint8))
 
 
