@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
@@ -20,11 +18,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from spawned import spawn_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tierstore import HostTier, TierStore
 from tierstore.errors import ChecksumError, StepIncompleteError
-from tierstore.optim.distributed import free_port
 
 LIMIT_S = 90  # the whole spawned job: both device modes, every case
 PG_TIMEOUT_S = 60  # gloo's timeout: a rank left waiting in a broadcast would take this long
@@ -182,16 +180,7 @@ def run_rank(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_a_rank_failing_in_step_and_grad_scaler(tmp_path: Path) -> None:
-    script = (
-        "import sys, torch.multiprocessing as mp; sys.path.insert(0, sys.argv[1]); import test_distributed_faults as j; "
-        "mp.spawn(j.run_rank, args=(2, int(sys.argv[2]), sys.argv[3]), nprocs=2, join=True)"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", script, str(Path(__file__).parent), str(free_port()), str(tmp_path)],
-        capture_output=True, text=True, timeout=LIMIT_S,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = spawn_ranks(__file__, tmp_path, LIMIT_S)
     for mode in ("plain", "emulated"):
         for stage in ("zero1", "zero2"):
             failing, other = ranks[1][mode][stage], ranks[0][mode][stage]

@@ -7,17 +7,14 @@ from __future__ import annotations
 import copy
 import json
 import os
-import subprocess
-import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from spawned import spawn_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-from tierstore.optim.distributed import free_port
 
 LIMIT_S = 60  # the whole spawned job
 
@@ -172,16 +169,7 @@ def run_rank(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_sharded_edges(tmp_path: Path) -> None:
-    script = (
-        "import sys, torch.multiprocessing as mp; sys.path.insert(0, sys.argv[1]); import test_distributed_review as j; "
-        "mp.spawn(j.run_rank, args=(2, int(sys.argv[2]), sys.argv[3]), nprocs=2, join=True)"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", script, str(Path(__file__).parent), str(free_port()), str(tmp_path)],
-        capture_output=True, text=True, timeout=LIMIT_S,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = spawn_ranks(__file__, tmp_path, LIMIT_S)
     for r in ranks:
         # the NaN reaches every rank's norm (a MAX against a sentinel dropped it) and the weights
         assert r["nan_norm"]["ref_norm"] == r["nan_norm"]["norm"] == "nan" and r["nan_norm"]["same_nans"], r

@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from spawned import spawn_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-from tierstore.optim.distributed import free_port
 
 LIMIT_S = 90  # the whole spawned job (about 30 s on 2 shared cores)
 STEPS, LR, MAX_NORM = 3, 1e-2, 0.05
@@ -80,16 +77,7 @@ def run_rank(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_sharded_user_cases(tmp_path: Path) -> None:
-    script = (
-        "import sys, torch.multiprocessing as mp; sys.path.insert(0, sys.argv[1]); import test_user_distributed as j; "
-        "mp.spawn(j.run_rank, args=(2, int(sys.argv[2]), sys.argv[3]), nprocs=2, join=True)"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", script, str(Path(__file__).parent), str(free_port()), str(tmp_path)],
-        capture_output=True, text=True, timeout=LIMIT_S,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = spawn_ranks(__file__, tmp_path, LIMIT_S)
     for r in ranks:
         for mode in ("plain", "emulated"):
             clip = r[mode]["bf16_clipping"]
