@@ -1,13 +1,21 @@
-"""Run a test module's ``run_rank(rank, world, port, out)`` in ``world`` spawned gloo processes
-(each writes ``rank{r}.json`` into ``out``), with a time limit on the whole job."""
+"""Distributed tests' processes: ``spawn_ranks`` runs a test module's ``run_rank(rank, world,
+port, out)`` in ``world`` spawned processes (each writes ``rank{r}.json`` into ``out``) with a
+time limit on the whole job; ``gloo_group`` is the process group each of them joins."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from tierstore.optim.distributed import free_port
 
@@ -26,3 +34,17 @@ def spawn_ranks(test_file: str, out: Path, limit_s: float, world: int = 2) -> li
     )
     assert done.returncode == 0, done.stderr[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@contextmanager
+def gloo_group(rank: int, world: int, port: int, timeout_s: float | None = None) -> Iterator[None]:
+    """Join this spawned rank to a gloo process group on ``127.0.0.1:port`` (torch on one
+    thread: the ranks share the machine's cores), and leave it at the end."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+    dist.init_process_group("gloo", rank=rank, world_size=world, **timeout)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

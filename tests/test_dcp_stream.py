@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from spawned import gloo_group
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
@@ -208,17 +209,11 @@ def reshard_here(out: Path) -> dict[str, Any]:
 
 
 def run_rank(rank: int, world: int, port: int, mode: str, out: str, job: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     from tierstore.device import emulate_device
 
-    try:
-        with emulate_device(mode == "emulated"):
-            result = (save_and_load if job == "save" else reshard)(rank, world, Path(out))
+    with gloo_group(rank, world, port), emulate_device(mode == "emulated"):
+        result = (save_and_load if job == "save" else reshard)(rank, world, Path(out))
         Path(out, f"{job}{world}-rank{rank}.json").write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
 
 
 def _spawn(job: str, world: int, mode: str, out: Path) -> list[dict[str, Any]]:

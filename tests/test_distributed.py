@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -18,8 +17,8 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from spawned import gloo_group
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -101,17 +100,11 @@ def load(path: Path, model: torch.nn.Module, opt: Any) -> None:
 
 
 def run_rank(rank: int, world: int, port: int, mode: str, out: str, job: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     from tierstore.device import emulate_device
 
-    try:
-        with emulate_device(mode == "emulated"):
-            result = (train_and_save if job == "train" else reshard)(rank, world, Path(out))
+    with gloo_group(rank, world, port), emulate_device(mode == "emulated"):
+        result = (train_and_save if job == "train" else reshard)(rank, world, Path(out))
         Path(out, f"{job}{world}-rank{rank}.json").write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
 
 
 def _tiered(params: Any, root: Path, **options: Any) -> Any:

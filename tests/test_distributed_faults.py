@@ -8,17 +8,15 @@ modes. One spawned job runs every case; the ranks run ``run_rank`` below."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from spawned import spawn_ranks
+from spawned import gloo_group, spawn_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tierstore import HostTier, TierStore
@@ -164,19 +162,14 @@ def scaler(rank: int) -> dict[str, Any]:
 
 
 def run_rank(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=PG_TIMEOUT_S))
     from tierstore.device import emulate_device
 
-    try:
+    with gloo_group(rank, world, port, PG_TIMEOUT_S):
         result = {}
         for mode in ("plain", "emulated"):
             with emulate_device(mode == "emulated"):
                 result[mode] = {"zero1": faults(rank, 1), "zero2": faults(rank, 2), "scaler": scaler(rank)}
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_rank_failing_in_step_and_grad_scaler(tmp_path: Path) -> None:

@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from spawned import spawn_ranks
+from spawned import gloo_group, spawn_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 LIMIT_S = 60  # the whole spawned job
@@ -157,14 +154,9 @@ def hsdp(rank: int) -> dict[str, Any]:
 
 
 def run_rank(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=LIMIT_S))
-    try:
+    with gloo_group(rank, world, port, LIMIT_S):
         result = {"nan_norm": nan_norm(rank), "frozen": frozen(rank), "generic": generic(rank), "hsdp": hsdp(rank)}
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
 
 
 

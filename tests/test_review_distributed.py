@@ -69,6 +69,21 @@ class SizeSortedWriter(StreamingFileSystemWriter):
         return super().write_data(dataclasses.replace(plan, items=items), planner)
 
 
+def _fail_third_load(monkeypatch: pytest.MonkeyPatch, module: Any) -> None:
+    """The third parameter ``module`` loads into the tiers fails as a full disk would."""
+    calls = 0
+    real = module.adam_load_entry
+
+    async def failing(optimizer: Any, slot: Any, entry: Any) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise OSError(28, "No space left on device (injected)")
+        await real(optimizer, slot, entry)
+
+    monkeypatch.setattr(module, "adam_load_entry", failing)
+
+
 @pytest.mark.device_modes
 def test_streaming_save_reads_each_parameter_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device_mode: str) -> None:
     model = base_model()
@@ -112,17 +127,7 @@ def test_failed_streaming_load_loses_no_state(tmp_path: Path, monkeypatch: pytes
     opt = tiered(model)
     train(model, opt, 3, seed=2)  # its own state, at step 3
     before = snapshot(opt, model)
-    calls = 0
-    real = dcp_module.adam_load_entry
-
-    async def failing(optimizer: Any, slot: Any, entry: Any) -> None:
-        nonlocal calls
-        calls += 1
-        if calls == 3:
-            raise OSError(28, "No space left on device (injected)")
-        await real(optimizer, slot, entry)
-
-    monkeypatch.setattr(dcp_module, "adam_load_entry", failing)
+    _fail_third_load(monkeypatch, dcp_module)
     with pytest.raises(CheckpointException, match="No space left"):  # (DCP's wrapper of the rank's error)
         load_optimizer(opt, tmp_path / "ckpt", model, buffer_bytes=1)  # one parameter a pass
     after = snapshot(opt, model)
@@ -196,17 +201,7 @@ def test_failed_load_state_dict_loses_no_state(monkeypatch: pytest.MonkeyPatch, 
     opt = tiered(model)
     train(model, opt, 3, seed=2)
     before = snapshot(opt, model)
-    calls = 0
-    real = checkpoint_module.adam_load_entry
-
-    async def failing(optimizer: Any, slot: Any, entry: Any) -> None:
-        nonlocal calls
-        calls += 1
-        if calls == 3:
-            raise OSError(28, "No space left on device (injected)")
-        await real(optimizer, slot, entry)
-
-    monkeypatch.setattr(checkpoint_module, "adam_load_entry", failing)
+    _fail_third_load(monkeypatch, checkpoint_module)
     with pytest.raises(OSError, match="No space left"):
         opt.load_state_dict(state_dict)
     after = snapshot(opt, model)

@@ -9,14 +9,11 @@ do not use: gloo, 2 processes spawned from pytest under a time limit, both devic
 from __future__ import annotations
 
 import json
-import os
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from spawned import spawn_ranks
+from spawned import gloo_group, spawn_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 LIMIT_S = 90  # the whole spawned job (about 30 s on 2 shared cores)
@@ -61,19 +58,14 @@ def bf16_clipping(rank: int) -> dict[str, Any]:
 
 
 def run_rank(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=LIMIT_S))
     from tierstore.device import emulate_device
 
-    try:
+    with gloo_group(rank, world, port, LIMIT_S):
         result = {}
         for mode in ("plain", "emulated"):
             with emulate_device(mode == "emulated"):
                 result[mode] = {"bf16_clipping": bf16_clipping(rank)}
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_sharded_user_cases(tmp_path: Path) -> None:
