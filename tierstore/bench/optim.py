@@ -39,6 +39,7 @@ import argparse
 import copy
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -75,22 +76,21 @@ def disk_bandwidth(folder: Path, nbytes: int = 128 * MiB) -> tuple[float, float]
     return raw_rates(folder, nbytes)
 
 
-def update_throughput(numel: int, tensors: int, reps: int, progress: tqdm) -> list[dict[str, Any]]:
-    """Torch's AdamW step against ours on the same tensors: ours as a whole ``step()`` and as its
-    host update alone (the math on the store's buffers, from the time report)."""
+def _alternating_steps(
+    makers: dict[str, Callable[[list[torch.nn.Parameter]], Any]], numel: int, tensors: int, reps: int, progress: tqdm
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Each optimizer ``makers`` builds steps on its own copy of the same ``tensors`` tensors and
+    gradients, taking turns step by step, ``reps`` times after a first step that creates the
+    state. Returns each one's step times and, for a ``TieredAdamW``, its host-update times."""
     torch.manual_seed(0)
-    base = [torch.nn.Parameter(torch.randn(numel)) for _ in range(tensors)]
+    base = [torch.randn(numel) for _ in range(tensors)]
     grads = [torch.randn(numel) for _ in range(tensors)]
     runs: dict[str, tuple[list[torch.nn.Parameter], Any]] = {}
-    for name, make in (
-        ("torch AdamW fused", lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True)),
-        ("torch AdamW foreach", lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True)),
-        ("TieredAdamW step()", lambda ps: TieredAdamW(ps, lr=1e-3, offload="host")),
-    ):
-        params = [torch.nn.Parameter(p.detach().clone()) for p in base]
+    for name, make in makers.items():
+        params = [torch.nn.Parameter(p.clone()) for p in base]
         runs[name] = (params, make(params))
     times: dict[str, list[float]] = {name: [] for name in runs}
-    times["TieredAdamW host update"] = []
+    host_updates: dict[str, list[float]] = {name: [] for name, (_, opt) in runs.items() if isinstance(opt, TieredAdamW)}
     for rep in range(reps + 1):
         for name, (params, opt) in runs.items():
             for p, g in zip(params, grads, strict=True):
@@ -99,10 +99,23 @@ def update_throughput(numel: int, tensors: int, reps: int, progress: tqdm) -> li
             opt.step()
             if rep:  # the first step creates the state
                 times[name].append(time.perf_counter() - started)
-                if isinstance(opt, TieredAdamW):
-                    times["TieredAdamW host update"].append(opt.time_report().host_update)
+                if name in host_updates:
+                    host_updates[name].append(opt.time_report().host_update)
         progress.update(1)
-    runs["TieredAdamW step()"][1].close()
+    for name in host_updates:
+        runs[name][1].close()
+    return times, host_updates
+
+
+def update_throughput(numel: int, tensors: int, reps: int, progress: tqdm) -> list[dict[str, Any]]:
+    """Torch's AdamW step against ours on the same tensors: ours as a whole ``step()`` and as its
+    host update alone (the math on the store's buffers, from the time report)."""
+    times, host_updates = _alternating_steps({
+        "torch AdamW fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+        "torch AdamW foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
+        "TieredAdamW step()": lambda ps: TieredAdamW(ps, lr=1e-3, offload="host"),
+    }, numel, tensors, reps, progress)
+    times["TieredAdamW host update"] = host_updates["TieredAdamW step()"]
     total = numel * tensors
     rows = []
     for name, samples in times.items():
@@ -217,25 +230,10 @@ def disk_step(args: argparse.Namespace, read_gbs: float, write_gbs: float, progr
 def host_step(numel: int, tensors: int, reps: int, progress: tqdm) -> dict[str, Any]:
     """(e), second half: the whole ``step()`` with all state resident in a host tier against
     ``torch.optim.AdamW(fused=True)`` on the same tensors, alternating (medians)."""
-    torch.manual_seed(0)
-    base = [torch.randn(numel) for _ in range(tensors)]
-    grads = [torch.randn(numel) for _ in range(tensors)]
-    runs: dict[str, tuple[list[torch.nn.Parameter], Any]] = {}
-    for name, make in (("torch", lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True)),
-                       ("tierstore", lambda ps: TieredAdamW(ps, lr=1e-3, offload="host"))):
-        params = [torch.nn.Parameter(p.clone()) for p in base]
-        runs[name] = (params, make(params))
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for rep in range(reps + 1):
-        for name, (params, opt) in runs.items():
-            for p, g in zip(params, grads, strict=True):
-                p.grad = g
-            started = time.perf_counter()
-            opt.step()
-            if rep:  # the first step creates the state
-                times[name].append(time.perf_counter() - started)
-        progress.update(1)
-    runs["tierstore"][1].close()
+    times, _ = _alternating_steps({
+        "torch": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+        "tierstore": lambda ps: TieredAdamW(ps, lr=1e-3, offload="host"),
+    }, numel, tensors, reps, progress)
     torch_s, ours_s = median(times["torch"]), median(times["tierstore"])
     return {"params": numel * tensors, "tensors": tensors, "torch_fused_ms": torch_s * 1e3, "step_ms": ours_s * 1e3,
             "throughput_ratio": torch_s / ours_s}
