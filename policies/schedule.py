@@ -80,9 +80,13 @@ class ScheduleLearned:
         if not self._schedule:
             return
         length = len(self._schedule)
+        # ``_pos`` runs up to ``length`` (the phase done: what comes next is ``_after``), and
+        # only wraps round when a phase goes on past its end (no ``on_step`` between phases).
+        start = self._pos % length
         for offset in range(min(self.window, length)):
-            if self._schedule[(self._pos + offset) % length][0] == key:
-                self._pos = (self._pos + offset + 1) % length
+            index = (start + offset) % length
+            if self._schedule[index][0] == key:
+                self._pos = index + 1
                 if offset:
                     self._misaligned += 1
                 return
@@ -118,7 +122,7 @@ class ScheduleLearned:
         if not self._schedule:
             return []
         length = len(self._schedule)
-        budget = self._budget(self._schedule[self._pos % length][2])
+        budget = self._budget((self._schedule[self._pos] if self._pos < length else self._after[0])[2])
         seen: set[str] = set()
         out: list[tuple[str, str | None]] = []
         # the rest of this phase, then the next one's start (as much as a whole phase)

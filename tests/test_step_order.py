@@ -196,3 +196,22 @@ def test_the_schedule_learns_an_order_that_alternates() -> None:
     policy.on_access("a", 1, "host", True)
     policy.on_step()
     assert policy.period == 2 and policy.schedule == forward and policy.changes == changes == 1
+
+
+def test_a_finished_phase_looks_ahead_to_the_next_one_not_back_to_its_own_start() -> None:
+    """Once the last access of a phase is seen (before ``on_step``), the schedule is at its end:
+    what comes next is the following phase (reversed), not this phase again from its start.
+    Wrapping round here prefetched the state just updated and evicted what the next step
+    needs first."""
+    from policies import ScheduleLearned
+
+    policy = ScheduleLearned(ahead=3, max_keys=10)
+    forward, backward = list("abcdef"), list("fedcba")
+    for phase in (forward, backward, forward):
+        for key in phase:
+            policy.on_access(key, 1, "host", False)
+        policy.on_step()
+    for key in backward:  # the whole phase, no on_step yet
+        policy.on_access(key, 1, "host", True)
+    assert [key for key, _ in policy.suggest()] == ["a", "b", "c"]  # the next phase's start
+    assert policy.next_use("a") < policy.next_use("c") < policy.next_use("f")  # f: updated first here, last next
