@@ -3,6 +3,8 @@
 Reproduce:  python benchmarks/bench_optim.py [--quick] [--json FILE] [--dir FOLDER]
             python benchmarks/bench_optim.py --parts f [--f-steps 1000] [--f-long-steps 3000]
                 (compressed state, tierstore/bench/precision.py: bench_optim_f.json, convergence.png)
+            python benchmarks/bench_optim.py --parts g --dir FOLDER
+                (disk-bound step per state_precision, tierstore/bench/compressed_step.py: bench_optim_g.json)
 """
 
 import sys

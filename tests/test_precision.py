@@ -149,6 +149,8 @@ def test_bytes_stored_per_parameter(device_mode: str, precision: str, master: st
         _steps_linear(model, opt)
         keys = [k for k in opt.namespace.keys() if not k.endswith("/grad")]
         assert len(keys) == 1
+        if (precision, master, device_mode) == ("fp32", "fp32", "plain"):
+            per_param = 8.0  # on the plain CPU the fp32 parameter is the master: no master row
         assert opt.store.info(keys[0])["nbytes"] == per_param * model.weight.numel()
         assert opt.memory_report().state_by_tier["host"] == per_param * model.weight.numel()
     finally:
@@ -338,3 +340,68 @@ def test_compiled_codec_gives_the_eager_codecs_bits(signed: bool) -> None:
         results.append((codes, scales, dequantize(codes, scales, signed, torch.empty(n), compiled=compiled)))
     for eager, fast in zip(*results, strict=True):
         assert torch.equal(eager, fast)
+
+
+# -- the tiled update ------------------------------------------------------------------------------
+
+
+def _adam_rows(rows: list[torch.Tensor], grad: torch.Tensor, step: torch.Tensor) -> None:
+    from torch.optim.adamw import adamw
+
+    adamw([rows[0]], [grad.float()], [rows[1]], [rows[2]], [], [step], foreach=False, fused=True, amsgrad=False,
+          beta1=0.9, beta2=0.999, lr=1e-2, weight_decay=0.1, eps=1e-8, maximize=False)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("precision, master", [("bf16", "fp32"), ("8bit", "fp32"), ("8bit", "lossless"), ("fp32", "lossless")])
+def test_tiled_update_gives_the_bits_of_a_whole_entry_update(monkeypatch: pytest.MonkeyPatch, precision: str, master: str) -> None:
+    # PackedState.update decodes, updates and encodes tile by tile (the compiled 8-bit codec on
+    # whole-block tiles): the same bits as decoding the whole entry into fp32, one AdamW call,
+    # and encoding it back with the eager codec.
+    from tierstore.optim import precision as codec
+
+    monkeypatch.setattr(codec, "TILE", 1024)
+    monkeypatch.setattr(codec, "COMPILE_MIN_NUMEL", 1)
+    numel = 2 * 1024 + 300  # two whole tiles and one ending in a partial block
+    layout = codec.StateLayout(precision, master == "lossless", False)
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(numel, generator=generator).bfloat16() if master == "lossless" else None
+    start = codec.PackedState(layout, layout.empty(numel), numel, weight)
+    rows = torch.randn(3, numel, generator=generator) * torch.tensor([[1.0], [1e-3], [1e-6]])
+    rows[2].abs_()
+    if weight is not None:
+        rows[0] = weight.float()
+    start.encode(rows)
+    for compiled in ("0", "1"):
+        monkeypatch.setenv("TIERSTORE_COMPILE_CODEC", compiled)
+        whole = codec.PackedState(layout, start.buffer.clone(), numel, weight)
+        tiled = codec.PackedState(layout, start.buffer.clone(), numel, weight)
+        for seed in range(3):
+            grad = torch.randn(numel, generator=torch.Generator().manual_seed(seed)) * 1e-3
+            if weight is not None:
+                grad = grad.bfloat16()
+            counts = [torch.tensor(float(seed)), torch.tensor(float(seed))]
+            master_rows = [whole.master(), *(whole.moment(name) for name in layout.moments)]
+            _adam_rows(master_rows, grad, counts[0])
+            whole.set_master(master_rows[0])
+            for name, value in zip(layout.moments, master_rows[1:], strict=True):
+                codes = value.reshape(-1)
+                if precision == "8bit":
+                    codec.quantize(codes, name == "exp_avg", whole.view(f"{name}/codes"), whole.view(f"{name}/scale"), compiled=False)
+                else:
+                    whole.set_moment(name, codes)
+            tiled.update(grad, counts[1], _adam_rows)
+            assert torch.equal(counts[0], counts[1])
+            assert torch.equal(whole.buffer, tiled.buffer), (compiled, seed)
+            if weight is not None:
+                assert torch.equal(whole.weight().view(torch.int16), tiled.weight().view(torch.int16))
+        assert not torch.equal(tiled.buffer, start.buffer)  # it did update
+
+
+def test_tiled_update_refuses_a_gradient_of_another_size() -> None:
+    from tierstore.optim import precision as codec
+
+    layout = codec.StateLayout("bf16", False, False)
+    state = codec.PackedState(layout, layout.empty(512), 512)
+    with pytest.raises(ValueError, match="gradient of 511 elements"):
+        state.update(torch.zeros(511), torch.tensor(0.0), _adam_rows)

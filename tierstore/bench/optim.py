@@ -31,6 +31,7 @@ Reproduce:  python benchmarks/bench_optim.py [--quick] [--json FILE] [--dir FOLD
     is copied again in ``step()``) against ``max_grad_norm=`` (norms of the copies taken in
     backward).
 (f) compressed Adam state (``state_precision``/``master_weights``): see ``tierstore.bench.precision``.
+(g) compressed state where the step is disk-bound: see ``tierstore.bench.compressed_step``.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from ..models import GPT, GPTConfig, synthetic_batches
 from ..optim import TieredAdamW
 from ..store import TierStore
 from ..tiers import DiskTier, HostTier
-from . import precision
+from . import compressed_step, precision
 from .common import environment, median, table, write_json
 from .tiers import raw_rates
 
@@ -351,11 +352,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", default="abcd",
                         help="which parts to run: a (update), b (training step), c (the link), d (HF Trainer-driven steps), "
                              "e (disk-paged step against its bound; host-resident step against fused AdamW), "
-                             "f (compressed state: bytes, disk step, convergence; tierstore.bench.precision)")
+                             "f (compressed state: bytes, disk step, convergence; tierstore.bench.precision), "
+                             "g (compressed state, disk-bound optimizer step; tierstore.bench.compressed_step)")
     precision.add_arguments(parser)
+    compressed_step.add_arguments(parser)
     args = parser.parse_args(argv)
-    if set(args.parts) == {"f"}:
-        return precision.run(args)
+    if set(args.parts) <= {"f", "g"}:
+        return (precision.run(args) if "f" in args.parts else 0) | (compressed_step.run(args) if "g" in args.parts else 0)
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available here")
     args.steps = 12 if args.quick else 30
@@ -381,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
                                 "--dir", str(args.dir)])
     if "f" in args.parts:
         status |= precision.run(args)
+    if "g" in args.parts:
+        status |= compressed_step.run(args)
     return status
 
 

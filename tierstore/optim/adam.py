@@ -483,13 +483,8 @@ class TieredAdam(PagedOptimizer):
         return [self._master(slot, state) for slot, state in zip(slots, states, strict=True)]
 
     def _adam_packed(self, group: dict[str, Any], state: PackedState, grad: torch.Tensor, step: torch.Tensor, grad_scale: torch.Tensor | None) -> None:
-        """Decode ``state`` into fp32, run torch's Adam on it, encode it back."""
-        master = state.master()
-        moments = [state.moment(name) for name in state.layout.moments]
-        self._adam(group, [[master, *moments]], [grad], [step], grad_scale)
-        state.set_master(master)
-        for name, value in zip(state.layout.moments, moments, strict=True):
-            state.set_moment(name, value)
+        """Torch's Adam on ``state``, decoded and encoded back tile by tile (``PackedState.update``)."""
+        state.update(grad, step, lambda rows, tile, count: self._adam(group, [rows], [tile], [count], grad_scale))
 
     def _adam(
         self, group: dict[str, Any], states: list[list[torch.Tensor]], grads: list[torch.Tensor], steps: list[torch.Tensor],

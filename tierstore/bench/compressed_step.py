@@ -1,0 +1,223 @@
+"""(g) compressed Adam state where the step is disk-bound: the update's cost per parameter, and
+an optimizer step alone (gradients given) with most of the state on disk, per ``state_precision``.
+
+Reproduce:  python benchmarks/bench_optim.py --parts g --dir <real-disk folder>        (~3 min on 2 busy cores)
+            python benchmarks/bench_optim.py --parts g --g-params 32M --g-update-sizes 64K 1M 16M
+
+Two measurements, in one run:
+
+- the update alone (``PackedState.update`` with torch's fused AdamW on each tile, as
+  ``TieredAdamW`` runs it; fp32: torch's fused AdamW on the fp32 rows), per setting, entry size
+  and codec (eager, and ``torch.compile``d where the setting has one: 8-bit), in ns per parameter
+  (median of repetitions after two untimed calls, so compiling is not timed); and, for 8-bit,
+  the tile size (``precision.TILE``) against its cost;
+- the disk-bound step: ``--g-params`` parameters in ``--g-tensors`` fp32 tensors (bf16 for the
+  lossless master), their gradients set once, ``opt.step()`` alone with a host tier of
+  ``1/--g-host-fraction`` of each setting's stored state in front of a disk tier in ``--dir``.
+  The settings take turns step by step; per setting the median step time, the disk bytes read +
+  written per step (``time_report()``), those bytes' time at the raw pread/pwrite rates measured
+  in the same run, how much of the step the update took (``host_update``), and the fp32 step
+  time over this setting's (the goal of issue 13: >= 1.8 for ``"8bit"``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.optim.adamw import adamw
+
+from ..device import emulation
+from ..optim import TieredAdamW, precision
+from ..store import TierStore
+from ..tiers import DiskTier, HostTier
+from .common import environment, median, progress, table, write_json
+from .tiers import raw_rates
+
+MiB = 1 << 20
+#: Untimed steps first (state created, the schedule learned).
+WARMUP = 3
+
+#: (name, model dtype, state_precision, master_weights)
+SETTINGS = (
+    ("fp32", torch.float32, "fp32", "fp32"),
+    ("bf16", torch.float32, "bf16", "fp32"),
+    ("8bit", torch.float32, "8bit", "fp32"),
+    ("bf16 model, lossless + 8bit", torch.bfloat16, "8bit", "lossless"),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Part (g)'s options on ``bench_optim``'s parser."""
+    group = parser.add_argument_group("part g (compressed state, disk-bound step)")
+    group.add_argument("--g-params", default="16M", help="parameters of the disk-bound step (K/M suffixes)")
+    group.add_argument("--g-tensors", type=int, default=8, help="tensors they are split into")
+    group.add_argument("--g-host-fraction", type=int, default=8, help="the host tier holds 1/this of each setting's state")
+    group.add_argument("--g-steps", type=int, default=7, help="timed steps per setting, after warm-up")
+    group.add_argument("--g-update-sizes", nargs="+", default=["64K", "1M", "16M"], help="entry sizes of the update measurement")
+
+
+def _count(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(float(text[:-1]) * units[text[-1].upper()]) if text[-1].upper() in units else int(text)
+
+
+def _adam(rows: list[torch.Tensor], grad: torch.Tensor, step: torch.Tensor) -> None:
+    adamw([rows[0]], [grad.float()], [rows[1]], [rows[2]], [], [step], foreach=False, fused=True, amsgrad=False,
+          beta1=0.9, beta2=0.999, lr=1e-3, weight_decay=0.1, eps=1e-8, maximize=False)
+
+
+def _update_call(setting: tuple[str, torch.dtype, str, str], numel: int) -> Callable[[], None]:
+    """One update of an entry of ``numel`` elements in ``setting``'s stored form."""
+    _, dtype, state_precision, master = setting
+    grad = (torch.randn(numel) * 1e-3).to(dtype)
+    step = torch.tensor(0.0)
+    if state_precision == "fp32" and master == "fp32":
+        rows = [torch.randn(numel), torch.zeros(numel), torch.zeros(numel)]
+        return lambda: _adam(rows, grad, step)
+    layout = precision.StateLayout(state_precision, master == "lossless", False)
+    high = torch.randn(numel).to(dtype) if master == "lossless" else None
+    state = precision.PackedState(layout, layout.empty(numel), numel, high)
+    if master != "lossless":
+        state.view("master").normal_()
+    return lambda: state.update(grad, step, _adam)
+
+
+def _time(call: Callable[[], None], reps: int) -> float:
+    call()
+    call()  # compiles (first call) and warms: outside the timed ones
+    times = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - started)
+    return median(times)
+
+
+def update_costs(sizes: list[int], bar: Any) -> list[dict[str, Any]]:
+    """ns per parameter of the update per setting, size and codec; then 8-bit per tile size."""
+    rows = []
+    saved_tile, saved_min = precision.TILE, precision.COMPILE_MIN_NUMEL
+    try:
+        for numel in sizes:
+            reps = max(3, min(15, (1 << 24) // numel))
+            for setting in SETTINGS:
+                codecs = ("eager", "compiled") if setting[2] == "8bit" else ("eager",)
+                for codec in codecs:
+                    precision.COMPILE_MIN_NUMEL = 1 if codec == "compiled" else 1 << 62
+                    seconds = _time(_update_call(setting, numel), reps)
+                    rows.append({"setting": setting[0], "numel": numel, "codec": codec, "tile": precision.TILE,
+                                 "ns_per_param": seconds / numel * 1e9, "mparams_s": numel / seconds / 1e6})
+                    bar.update(1)
+        numel = 1 << 20
+        precision.COMPILE_MIN_NUMEL = 1
+        for tile in (1 << 14, 1 << 16, 1 << 18, 1 << 20):
+            precision.TILE = tile
+            seconds = _time(_update_call(SETTINGS[2], numel), 5)
+            rows.append({"setting": "8bit", "numel": numel, "codec": "compiled", "tile": tile,
+                         "ns_per_param": seconds / numel * 1e9, "mparams_s": numel / seconds / 1e6})
+            bar.update(1)
+    finally:
+        precision.TILE, precision.COMPILE_MIN_NUMEL = saved_tile, saved_min
+    return rows
+
+
+def disk_steps(args: argparse.Namespace, read_gbs: float, write_gbs: float, bar: Any) -> list[dict[str, Any]]:
+    """Each setting's ``opt.step()`` with gradients given and 1/host_fraction of its state on the
+    host, the rest on disk; the settings take turns step by step."""
+    from policies import MIN, ScheduleLearned
+
+    total = _count(args.g_params)
+    per = -(-total // args.g_tensors)
+    runs: dict[str, tuple[TieredAdamW, dict[str, Any]]] = {}
+    generator = torch.Generator().manual_seed(0)
+    try:
+        for name, dtype, state_precision, master in SETTINGS:
+            params = [torch.nn.Parameter((torch.randn(per, generator=generator) * 0.02).to(dtype)) for _ in range(args.g_tensors)]
+            for p in params:
+                p.grad = (torch.randn(per, generator=generator) * 1e-3).to(dtype)
+            layout = precision.StateLayout(state_precision, master == "lossless", False)
+            state = args.g_tensors * (12 * per if state_precision == "fp32" and master == "fp32" else layout.nbytes(per))
+            host = state // args.g_host_fraction
+            if emulation()[0]:
+                host += 2 * per * params[0].element_size()  # gradients cross a link and wait in the state's tier
+            root = args.dir / "optim-g" / name.replace(" ", "_").replace(",", "").replace("+", "and")
+            shutil.rmtree(root, ignore_errors=True)
+            schedule = ScheduleLearned()
+            store = TierStore([HostTier(host), DiskTier(root, max(2 * state, 64 * MiB), durable=False)],
+                              eviction=lambda s=schedule: MIN(s), prefetch=schedule)
+            opt = TieredAdamW(params, lr=1e-3, weight_decay=0.1, fused=True, store=store,
+                              state_precision=state_precision, master_weights=master)
+            runs[name] = (opt, {"setting": name, "dtype": str(dtype).removeprefix("torch."), "state_precision": state_precision,
+                                "master_weights": master, "params": per * args.g_tensors, "stored_bytes": state, "host_tier_bytes": host,
+                                "times": [], "read": [], "write": [], "need": [], "update": [], "disk_read_s": [], "disk_write_s": []})
+        for step in range(WARMUP + args.g_steps):
+            for opt, row in runs.values():
+                started = time.perf_counter()
+                opt.step()
+                elapsed = time.perf_counter() - started
+                if step >= WARMUP:
+                    report = opt.time_report()
+                    row["times"].append(elapsed)
+                    row["read"].append(float(report.disk_read_bytes))
+                    row["write"].append(float(report.disk_write_bytes))
+                    row["need"].append(float(report.disk_need_bytes))
+                    row["update"].append(report.host_update)
+                    row["disk_read_s"].append(report.disk_read)
+                    row["disk_write_s"].append(report.disk_write)
+                bar.update(1)
+    finally:
+        for opt, _ in runs.values():
+            opt.close()
+    rows = []
+    for _, row in runs.values():
+        step_s, read, write = median(row.pop("times")), median(row.pop("read")), median(row.pop("write"))
+        need = median(row.pop("need"))
+        transfer = read / (read_gbs * 1e9) + write / (write_gbs * 1e9)
+        row.update(step_ms=step_s * 1e3, disk_read_bytes=read, disk_write_bytes=write, disk_need_bytes=need,
+                   disk_bytes_per_param=(read + write) / row["params"], transfer_ms=transfer * 1e3,
+                   update_ms=median(row.pop("update")) * 1e3, disk_read_ms=median(row.pop("disk_read_s")) * 1e3,
+                   disk_write_ms=median(row.pop("disk_write_s")) * 1e3, vs_transfer=step_s / transfer if transfer else None)
+        rows.append(row)
+    fp32 = rows[0]["step_ms"]
+    for row in rows:
+        row["fp32_over_this"] = fp32 / row["step_ms"]
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    """Part (g): measure, print the tables, write ``<json stem>_g.json``."""
+    if args.g_steps < 1 or args.g_tensors < 1 or args.g_host_fraction < 1:
+        raise ValueError("--g-steps, --g-tensors and --g-host-fraction must be at least 1")
+    sizes = [_count(s) for s in args.g_update_sizes]
+    total = _count(args.g_params)
+    state_fp32 = 12 * total
+    read_gbs, write_gbs = raw_rates(args.dir, min(256 * MiB, max(64 * MiB, state_fp32 // 2)))
+    jobs = len(sizes) * (len(SETTINGS) + 2) + 4 + (WARMUP + args.g_steps) * len(SETTINGS)
+    with progress(total=jobs, desc="bench_optim (g)", unit="job", leave=False) as bar:
+        updates = update_costs(sizes, bar)
+        steps = disk_steps(args, read_gbs, write_gbs, bar)
+    print(f"(g) the update alone, ns per parameter (torch threads: {torch.get_num_threads()}; tile {precision.TILE:,} elements)")
+    print(table(updates, [("setting", "setting", "s"), ("numel", "elements", ",d"), ("codec", "codec", "s"), ("tile", "tile", ",d"),
+                          ("ns_per_param", "ns/param", ".2f"), ("mparams_s", "M params/s", ".0f")]))
+    print(f"\n(g) disk-bound step: {total:,} parameters in {args.g_tensors} tensors, gradients given, "
+          f"1/{args.g_host_fraction} of the state on the host, the rest on disk ({args.dir}; raw {read_gbs:.2f} GB/s read, {write_gbs:.2f} GB/s write)")
+    print(table(steps, [("setting", "setting", "s"), ("stored_bytes", "stored B", ",.0f"), ("disk_bytes_per_param", "disk B/param/step", ".2f"),
+                        ("step_ms", "step ms", ".0f"), ("transfer_ms", "disk time ms", ".0f"), ("vs_transfer", "step/disk", ".2f"),
+                        ("update_ms", "update ms", ".0f"), ("fp32_over_this", "fp32/this", ".2f")]))
+    eight = next(row for row in steps if row["setting"] == "8bit")
+    print(f"goal (issue 13): 8bit >= 1.8x faster than fp32 disk-bound: {eight['fp32_over_this']:.2f}x "
+          f"({'met' if eight['fp32_over_this'] >= 1.8 else 'not met'})")
+    out = args.json.with_name(f"{args.json.stem}_g.json")
+    write_json(out, {"benchmark": "bench_optim part g", "environment": environment(args.dir), "torch_threads": torch.get_num_threads(),
+                     "disk_read_gbs": read_gbs, "disk_write_gbs": write_gbs, "tile": precision.TILE,
+                     "compile_min_numel": precision.COMPILE_MIN_NUMEL, "params": total, "tensors": args.g_tensors,
+                     "host_fraction": args.g_host_fraction, "timed_steps": args.g_steps, "updates": updates, "disk_steps": steps,
+                     "goal_8bit_vs_fp32": {"want": 1.8, "got": eight["fp32_over_this"]}})
+    print(f"\nJSON: {out}")
+    return 0
+
