@@ -25,7 +25,7 @@ from .copies import INLINE_COPY_BYTES, copy_bytes, cpu_copy
 from .device import READY, TO_DEVICE, TO_HOST, Link, Transfer, link_for
 from .device.caller import caller_work
 from .disk.catalog import DiskRecord
-from .entry import Copy, Entry, shared_meta
+from .entry import Copy, Entry, MemoryCopy, shared_meta
 from .errors import (
     CorruptionError,
     EntryHeldError,
@@ -39,6 +39,7 @@ from .gcpause import gc_paused
 from .keys import check_key
 from .prefetching import PrefetchIssuer
 from .protocols import EvictionPolicy, PrefetchPolicy
+from .recency import CopyLRU
 from .stats import StoreCounters
 from .tensors import TensorMeta, aligned_empty, as_bytes, from_bytes
 from .tiers.base import MemoryTier, Tier
@@ -78,7 +79,8 @@ class Engine:
         self._tiers: list[Tier] = _check_tiers(tiers)
         self.names = [tier.name for tier in self._tiers]
         self.disk_index = len(self._tiers) - 1 if isinstance(self._tiers[-1], DiskTier) else None
-        self.policies: list[EvictionPolicy | None] = _make_policies(self._tiers, eviction if eviction is not None else LRU)
+        self.entries: dict[str, Entry] = {}
+        self.policies: list[EvictionPolicy | None] = _make_policies(self._tiers, eviction if eviction is not None else LRU, self._copy_finder)
         self.prefetch_policy: PrefetchPolicy = prefetch if prefetch is not None else NoPrefetch()
         #: The policy that never suggests anything is not asked on every access.
         self._no_prefetch = type(self.prefetch_policy) is NoPrefetch
@@ -86,7 +88,6 @@ class Engine:
             self.prefetch_policy.set_capacities({tier.name: tier.capacity for tier in self._tiers})
         self.trace: TraceRecorder | None = None
         self.cpu = WorkerPool(cpu_threads, "cpu")
-        self.entries: dict[str, Entry] = {}
         self.versions = itertools.count(1)
         #: Grows whenever a key appears or disappears (for caches of the key set).
         self.key_changes = 0
@@ -148,12 +149,8 @@ class Engine:
                 if record.version > newest:
                     newest = record.version
             # Values inline in the catalog (their checksum stays there beside their bytes): the
-            # metadata comes shared already, and the loop makes nothing else per key.
-            on_disk = Entry.on_disk
-            for key, meta, version in disk.loaded_inline:
-                entries[key] = on_disk(key, meta, Copy(d, version, inline=meta.nbytes))
-                if version > newest:
-                    newest = version
+            # metadata comes shared already; an entry per key, its copy made on first use.
+            newest = max(newest, Entry.adopt_inline(disk.loaded_inline, d, entries))
             disk.loaded, disk.loaded_inline = {}, ()
         self.versions = itertools.count(newest + 1)
         self.key_changes += 1  # the keys found on disk
@@ -361,7 +358,7 @@ class Engine:
             return False
         started = time.perf_counter()
         packed = tier.allocate_packed(nbytes)
-        copy = Copy(t, 0, slab=packed[0], index=packed[1]) if packed is not None else Copy(t, 0, buffer=tier.allocate(nbytes))
+        copy = MemoryCopy(t, 0, slab=packed[0], index=packed[1]) if packed is not None else MemoryCopy(t, 0, buffer=tier.allocate(nbytes))
         if nbytes:
             cpu_copy(copy.view(nbytes), src[:nbytes])
         self.count_link(None, t, nbytes, time.perf_counter() - started)
@@ -411,9 +408,9 @@ class Engine:
         # kept per value (a million small keys must not cost a million tensor objects).
         packed = tier.allocate_packed(nbytes)
         if packed is not None:
-            copy = Copy(t, 0, slab=packed[0], index=packed[1])
+            copy = MemoryCopy(t, 0, slab=packed[0], index=packed[1])
         else:
-            copy = Copy(t, 0, buffer=tier.allocate(nbytes))
+            copy = MemoryCopy(t, 0, buffer=tier.allocate(nbytes))
         started = time.perf_counter()
         arriving = asyncio.get_running_loop().create_future()
         self.incoming[t].add(arriving)
@@ -566,7 +563,7 @@ class Engine:
         disk.reserve_inline(nbytes)
         try:
             version = next(self.versions)
-            disk.stage([(entry.key, disk.inline_record(entry.key, meta, src, version))])
+            disk.stage_inline(entry.key, meta, src, version)
         except BaseException:
             disk.release_inline(nbytes)
             raise
@@ -610,12 +607,13 @@ class Engine:
         disk copy stays as the durable base until a write-back replaces it."""
         if entry.version == 0:
             self.key_changes += 1  # the key appears
+        copies = entry.all_copies()  # (an adopted entry's copy is made with the version it has now)
         entry.version = version if version is not None else next(self.versions)
         if meta is not None and meta is not entry.meta:
             entry.meta = shared_meta(meta)
         if keep is not None:
             keep.version = entry.version
-        for copy in entry.all_copies():
+        for copy in copies:
             if copy is not keep and copy.tier != self.disk_index:
                 self.retire(entry, copy.tier, copy)
 
@@ -624,7 +622,9 @@ class Engine:
             entry.drop_copy(t)
         if copy.in_policy:
             policy = self.policies[t]
-            if policy is not None:
+            if policy.__class__ is CopyLRU:
+                policy.remove(copy)  # type: ignore[arg-type]
+            elif policy is not None:
                 policy.on_remove(entry.key)
             copy.in_policy = False
         copy.retired = True
@@ -693,17 +693,32 @@ class Engine:
             self._free(copy)
         entry.wake()
 
+    def _copy_finder(self, t: int) -> Callable[[str], Copy | None]:
+        """Tier ``t``'s copy of a key (for a ``CopyLRU`` asked by key)."""
+        entries = self.entries
+
+        def find(key: str) -> Copy | None:
+            entry = entries.get(key)
+            return entry.copy_on(t) if entry is not None else None
+
+        return find
+
     def policy_insert(self, entry: Entry, copy: Copy) -> None:
         policy = self.policies[copy.tier]
         if policy is not None and copy.in_memory and not copy.in_policy:
-            policy.on_insert(entry.key, copy.nbytes)
+            if policy.__class__ is CopyLRU:
+                policy.insert(copy, entry.key)  # type: ignore[arg-type]
+            else:
+                policy.on_insert(entry.key, copy.nbytes)
             copy.in_policy = True
 
     def hit(self, entry: Entry, copy: Copy) -> None:
         """Tell ``copy``'s tier policy that it was read (every hit, any size, any path)."""
         if copy.in_policy:
             policy = self.policies[copy.tier]
-            if policy is not None:
+            if policy.__class__ is CopyLRU:
+                policy.touch(copy)  # type: ignore[arg-type]
+            elif policy is not None:
                 policy.on_hit(entry.key)
 
     async def wait_until(self, entry: Entry, ready: Callable[[], bool]) -> None:
@@ -919,12 +934,18 @@ def _check_tiers(tiers: Sequence[Tier]) -> list[Tier]:
     return tiers
 
 
-def _make_policies(tiers: list[Tier], eviction: Any) -> list[EvictionPolicy | None]:
-    """One eviction policy per tier that can evict (all but the last)."""
+def _make_policies(tiers: list[Tier], eviction: Any, finder: Callable[[int], Callable[[str], Any]]) -> list[EvictionPolicy | None]:
+    """One eviction policy per tier that can evict (all but the last). The class ``policies.LRU``
+    (the default) becomes a ``CopyLRU`` on a memory tier: the same order, no state per key."""
+    from policies import LRU
+
     evicting = [tier.name for tier in tiers[:-1]]
     capacities = {tier.name: tier.capacity for tier in tiers}
+    index = {tier.name: t for t, tier in enumerate(tiers)}
 
     def build(spec: Any, name: str) -> EvictionPolicy:
+        if spec is LRU and isinstance(tiers[index[name]], MemoryTier):
+            return CopyLRU(finder(index[name]))
         if isinstance(spec, type) or (callable(spec) and not isinstance(spec, EvictionPolicy)):
             policy = spec()
         else:
@@ -939,8 +960,6 @@ def _make_policies(tiers: list[Tier], eviction: Any) -> list[EvictionPolicy | No
         unknown = set(eviction) - {tier.name for tier in tiers}
         if unknown:
             raise UnknownTierError(f"eviction policies given for unknown tiers {sorted(unknown)}")
-        from policies import LRU
-
         return [build(eviction.get(tier.name, LRU), tier.name) for tier in tiers[:-1]] + [None]
     if isinstance(eviction, EvictionPolicy) and not isinstance(eviction, type) and len(evicting) > 1:
         raise TypeError("one policy instance cannot serve several tiers: pass its class (or a factory, or a dict by tier name)")

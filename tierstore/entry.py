@@ -13,7 +13,7 @@ metadata is shared between keys (``shared_meta``).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -244,6 +244,21 @@ class Copy:
         return f"Copy(tier={self.tier}, version={self.version}, {where}, users={self.users})"
 
 
+class MemoryCopy(Copy):
+    """A copy on a memory tier: a ``Copy`` that can also sit in its tier's recency list
+    (``tierstore.recency.CopyLRU``), linked through itself: the default policy keeps no
+    object or table entry per key. Disk copies (most copies of a reopened store) stay plain."""
+
+    __slots__ = ("lru_older", "lru_newer", "lru_key")
+
+    def __init__(self, tier: int, version: int, buffer: torch.Tensor | None = None, *, slab: Slab | None = None, index: int = 0) -> None:
+        super().__init__(tier, version, buffer, slab=slab, index=index)
+        #: Neighbours in the recency list (None while not in it) and the key it answers with.
+        self.lru_older: MemoryCopy | None = None
+        self.lru_newer: MemoryCopy | None = None
+        self.lru_key: str | None = None
+
+
 class _Rare:
     """The parts of an entry that few entries need at a time (see ``Entry``)."""
 
@@ -257,6 +272,13 @@ class _Rare:
         self.disk_lock: asyncio.Lock | None = None
         self.hold_tokens: set[int] | None = None
         self.waiters: list[asyncio.Future[None]] | None = None
+
+    def is_plain_lock(self) -> bool:
+        """Whether the disk lock is all this holds."""
+        return (
+            self.pending_writes == 0 and self.writer is None and self.writer_token == 0 and self.loading is None
+            and self.hold_tokens is None and self.waiters is None
+        )
 
 
 class Entry:
@@ -284,19 +306,36 @@ class Entry:
         self.meta = shared_meta(meta)
         self.version = version
         # None, one Copy, or a tuple of them by tier: most keys have one or two copies, and a
-        # dict per key would cost more than the rest of the entry.
-        self._copies: Copy | tuple[Copy, ...] | None = None
+        # dict per key would cost more than the rest of the entry. An entry adopted from the
+        # catalog holds an ``_InlineOnDisk`` mark instead, until its copy is first asked for.
+        self._copies: Copy | tuple[Copy, ...] | _InlineOnDisk | None = None
         #: What few entries need at a time (write holds, loads, waiters, the disk lock), made
         #: on first use (``_Rare``).
         self._rare: _Rare | None = None
 
     @classmethod
-    def on_disk(cls, key: str, meta: TensorMeta, copy: Copy) -> Entry:
-        """An entry found on open whose one copy is ``copy`` (``meta`` shared already)."""
-        entry = cls.__new__(cls)
-        entry.key, entry.meta, entry.version, entry._copies = key, meta, copy.version, copy
-        entry._rare = None
-        return entry
+    def adopt_inline(cls, found: Iterable[tuple[str, TensorMeta, int]], d: int, into: dict[str, Entry]) -> int:
+        """Make an entry in ``into`` for each ``(key, meta, version)`` of a value inline in the
+        catalog of disk tier ``d`` (``meta`` shared already); returns the newest version.
+
+        The entries hold no ``Copy`` yet: one is made when the entry's copies are first asked
+        for (``Copy`` of the entry's version, inline, ``meta.nbytes``), so a million keys open
+        with one object each. The engine asks for them before it changes the version."""
+        new, mark, newest = cls.__new__, _inline_on_disk(d), 0
+        for key, meta, version in found:
+            entry = new(cls)
+            entry.key, entry.meta, entry.version, entry._copies, entry._rare = key, meta, version, mark, None
+            into[key] = entry
+            if version > newest:
+                newest = version
+        return newest
+
+    def _adopted(self) -> Copy | tuple[Copy, ...] | None:
+        """The copies, the one of an adopted entry made now (see ``adopt_inline``)."""
+        copies = self._copies
+        if copies.__class__ is _InlineOnDisk:
+            copies = self._copies = Copy(copies.tier, self.version, inline=self.meta.nbytes)
+        return copies  # type: ignore[return-value]
 
     def _rare_set(self, name: str, value: Any) -> None:
         rare = self._rare
@@ -350,20 +389,22 @@ class Entry:
     @property
     def copies(self) -> dict[int, Copy]:
         """The copies by tier index (a snapshot: changing it changes nothing)."""
-        copies = self._copies
+        copies = self._adopted()
         if copies is None:
             return {}
-        if copies.__class__ is Copy:
+        if isinstance(copies, Copy):
             return {copies.tier: copies}
-        return {copy.tier: copy for copy in copies}  # type: ignore[union-attr]
+        return {copy.tier: copy for copy in copies}
 
     def all_copies(self) -> tuple[Copy, ...]:
         """Every copy, fastest tier first."""
         copies = self._copies
         if copies is None:
             return ()
-        if copies.__class__ is Copy:
+        if isinstance(copies, Copy):
             return (copies,)
+        if copies.__class__ is _InlineOnDisk:
+            return (self._adopted(),)  # type: ignore[return-value]
         return copies  # type: ignore[return-value]
 
     def copy_on(self, tier: int) -> Copy | None:
@@ -371,8 +412,10 @@ class Entry:
         copies = self._copies
         if copies is None:
             return None
-        if copies.__class__ is Copy:
+        if isinstance(copies, Copy):
             return copies if copies.tier == tier else None
+        if copies.__class__ is _InlineOnDisk:
+            return self._adopted() if copies.tier == tier else None  # type: ignore[return-value]
         for copy in copies:  # type: ignore[union-attr]
             if copy.tier == tier:
                 return copy
@@ -380,11 +423,11 @@ class Entry:
 
     def set_copy(self, copy: Copy) -> None:
         """Make ``copy`` this entry's copy on its tier (replacing the one there)."""
-        copies = self._copies
-        if copies is None or (copies.__class__ is Copy and copies.tier == copy.tier):
+        copies = self._adopted()
+        if copies is None or (isinstance(copies, Copy) and copies.tier == copy.tier):
             self._copies = copy
             return
-        if copies.__class__ is Copy:
+        if isinstance(copies, Copy):
             self._copies = (copies, copy) if copies.tier < copy.tier else (copy, copies)
             return
         others = [c for c in self.all_copies() if c.tier != copy.tier]
@@ -419,17 +462,24 @@ class Entry:
     def disk_lock(self) -> asyncio.Lock:
         """Serialises catalog changes of this key (write, write-back, delete) so they commit in
         order (created on first use)."""
-        lock = self._disk_lock
+        rare = self._rare
+        if rare is None:
+            rare = self._rare = _Rare()  # (direct: a flush asks for 10^5 of them at once)
+        lock = rare.disk_lock
         if lock is None:
-            lock = self._disk_lock = asyncio.Lock()
+            lock = rare.disk_lock = asyncio.Lock()
         return lock
 
     def forget_idle_lock(self) -> None:
         """Let the disk lock go if no one holds or waits for it (a million keys written once
         must not keep a million locks); the next catalog change makes a new one."""
-        lock = self._disk_lock
+        rare = self._rare
+        lock = rare.disk_lock if rare is not None else None
         if lock is not None and not lock.locked() and not getattr(lock, "_waiters", True):
-            self._disk_lock = None
+            if rare.is_plain_lock():  # type: ignore[union-attr]
+                self._rare = None
+            else:
+                rare.disk_lock = None  # type: ignore[union-attr]
 
     @property
     def disk_busy(self) -> bool:
@@ -493,6 +543,26 @@ class Entry:
 
     def held(self) -> bool:
         return any(copy.holds for copy in self.all_copies())
+
+
+class _InlineOnDisk:
+    """The mark of an entry adopted from disk tier ``tier``'s catalog whose inline copy is not
+    made yet (``Entry.adopt_inline``); one per tier index, shared by every such entry."""
+
+    __slots__ = ("tier",)
+
+    def __init__(self, tier: int) -> None:
+        self.tier = tier
+
+
+_INLINE_ON_DISK: dict[int, _InlineOnDisk] = {}
+
+
+def _inline_on_disk(d: int) -> _InlineOnDisk:
+    mark = _INLINE_ON_DISK.get(d)
+    if mark is None:
+        mark = _INLINE_ON_DISK[d] = _InlineOnDisk(d)
+    return mark
 
 
 def _tier_of(copy: Copy) -> int:
