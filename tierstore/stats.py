@@ -53,7 +53,10 @@ class StoreCounters:
     prefetch: PrefetchCounters = field(default_factory=PrefetchCounters)
 
     def tier(self, name: str) -> TierCounters:
-        return self.tiers.setdefault(name, TierCounters())
+        found = self.tiers.get(name)  # (asked on every access: no counters made to be thrown away)
+        if found is None:
+            found = self.tiers[name] = TierCounters()
+        return found
 
     def link(self, source: str, target: str) -> LinkStats:
         return self.links.setdefault(f"{source}->{target}", LinkStats())

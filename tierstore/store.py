@@ -31,8 +31,9 @@ from .namespaces import Namespace, NamespaceInfo, NamespaceRegistry
 from .prefetching import PrefetchHandle
 from .protocols import PrefetchPolicy
 from .stats import StoreCounters
-from .tensors import TensorMeta, as_bytes, check_tensor, from_bytes
+from .tensors import TensorMeta, as_bytes, check_tensor, from_bytes, supported_dtypes
 from .tiers.base import MemoryTier, Tier
+from .tiers.disk import InlineSuperseded
 from .units import format_bytes
 from .workers import Priority
 
@@ -245,7 +246,16 @@ class TierStore:
         ``flush()`` or close). A put that lands on the disk tier itself is always written
         through. See README, "Durability".
         """
+        landed = self._put_small_now(key, tensor, tier, durable)
+        if landed is not None:
+            if landed == self._engine.disk_index:
+                await self._after_staged()
+            return
         self._engine.require_open()
+        if self._engine.disk_index is not None and self._engine.disk.commit_failed:
+            # Puts acknowledged earlier could not commit: try them again before anything new,
+            # and say so (this put is not done) if they still cannot.
+            await self._engine.disk.drain()
         key = check_key(key)
         through = self.durable if durable is None else bool(durable)
         if through and self._engine.disk_index is None:
@@ -284,6 +294,41 @@ class TierStore:
             if not entry.visible and entry.pending_writes == 0 and engine.entries.get(key) is entry:
                 del engine.entries[key]
 
+    def _put_small_now(self, key: str, tensor: torch.Tensor, tier: TierRef, durable: bool | None) -> int | None:
+        """All of a put that needs no await, done at once: a small write-back value onto a
+        non-durable disk tier (queued for the next catalog transaction) or into CPU memory with
+        room; returns the tier it landed on. None, having changed nothing, for every other put
+        (and bad input: the full ``put`` says what is wrong). The sync facade calls this on the
+        loop thread directly, with no task."""
+        engine = self._engine
+        if (self.durable if durable is None else durable) or engine.frozen or not engine.is_open or engine.closing:
+            return None
+        if not _plain_cpu(tensor):
+            return None
+        try:
+            key = check_key(key)
+            first = engine.index_of(tier)
+            engine.require_open()
+        except TierStoreError:
+            return None
+        meta = meta_of(tensor)
+        disk = first == engine.disk_index
+        if engine.disk_index is not None and (engine.disk.commit_failed or (disk and engine.disk.queued_changes >= STAGED_LIMIT - 1)):
+            return None  # (the full put tries failed commits again, or waits for the backlog)
+        entry = engine.entries.get(key)
+        if entry is not None and entry.writer is not None:
+            return None
+        created = entry is None
+        if entry is None:
+            entry = engine.entries[key] = Entry(key, meta)
+        done = self._put_staged_now(entry, tensor, meta) if disk else engine.put_memory_now(entry, first, as_bytes(tensor), meta)
+        if done:
+            engine.observe("put", key, meta.nbytes, first, hit=None)
+            return first
+        if created and not entry.visible and entry.pending_writes == 0 and engine.entries.get(key) is entry:
+            del engine.entries[key]
+        return None
+
     def _put_now(self, entry: Entry, src: torch.Tensor, meta: TensorMeta, t: int) -> bool:
         """A write-back put onto tier ``t`` done at once when it needs no await (a small value
         with room on a memory tier in CPU memory, or staged on a non-durable disk tier);
@@ -293,6 +338,20 @@ class TierStore:
             return engine.put_memory_now(entry, t, src, meta)
         try:
             return engine.put_staged(entry, src, meta)
+        except TierFullError:
+            return False  # (refused before anything was queued: the awaited way says why)
+
+    def _put_staged_now(self, entry: Entry, tensor: torch.Tensor, meta: TensorMeta) -> bool:
+        """A small write-back put onto a non-durable disk tier, queued for the next catalog
+        transaction with no await; its bytes are read once, straight from ``tensor``'s memory
+        (no views made). False, having changed nothing, when it cannot be done so."""
+        disk = self._engine.disk
+        nbytes = meta.nbytes
+        if disk.durable or not disk.holds_inline(nbytes) or not tensor.is_cpu:
+            return False
+        data = ctypes.string_at(tensor.data_ptr(), nbytes) if nbytes else b""
+        try:
+            return self._engine.put_staged(entry, data, meta)  # type: ignore[arg-type]  # (bytes of exactly the value)
         except TierFullError:
             return False  # (refused before anything was queued: the awaited way says why)
 
@@ -461,6 +520,9 @@ class TierStore:
         While another task or thread holds ``key`` for writing, this waits for the release; from
         inside the caller's own write hold of ``key`` it raises ``EntryHeldError``.
         """
+        value = self._get_small_now(key, tier, out)
+        if value is not None:
+            return value
         self._engine.require_open()
         t = self._engine.index_of(tier)
         entry = self._engine.visible_entry(key)
@@ -475,6 +537,12 @@ class TierStore:
         self._engine.count_access(t, hit, entry)
         self._engine.observe("get", key, entry.meta.nbytes, t, hit=hit)
         if t == self._engine.disk_index:
+            if copy is not None and copy.inline is not None and out is None and not copy.writing:
+                # A small value inline in the catalog: read and verified with no await.
+                try:
+                    return self._engine.disk.read_inline_tensor(key, copy.version, entry.meta)
+                except InlineSuperseded:
+                    pass  # (a newer value is being installed: the awaited way waits for it)
             return await self._engine.read_uncached(entry, device, out)
         if copy is not None:
             self._engine.hit(entry, copy)
@@ -495,6 +563,88 @@ class TierStore:
             return await self._engine.clone(entry, copy, t, out)
         finally:
             self._engine.unuse(entry, copy)
+
+    def _get_small_now(self, key: str, tier: TierRef, out: torch.Tensor | None) -> torch.Tensor | None:
+        """All of a get that needs no await, done at once: a small value inline in the disk
+        tier's catalog, or a small hit in CPU memory, read into a new tensor. None, having
+        changed nothing, for every other get (and bad input: the full ``get`` says what is
+        wrong). The sync facade calls this on the loop thread directly, with no task."""
+        engine = self._engine
+        if out is not None or not engine.is_open or engine.closing or not isinstance(key, str):
+            return None
+        try:
+            entry = engine.entries.get(check_key(key))
+            t = engine.index_of(tier)
+            engine.require_open()
+        except TierStoreError:
+            return None
+        if entry is None or not entry.visible or entry.writer is not None:
+            return None
+        copy = entry.valid(t)
+        if copy is None:
+            return None
+        meta = entry.meta
+        if t == engine.disk_index:
+            if copy.inline is None or copy.writing:
+                return None
+            try:
+                value = engine.disk.read_inline_tensor(key, copy.version, meta)
+            except InlineSuperseded:
+                return None  # (a newer value is being installed: the full get waits for it)
+            engine.count_access(t, True, entry)
+            engine.observe("get", key, meta.nbytes, t, hit=True)
+            return value
+        tier_object = engine.tiers[t]
+        if (
+            meta.nbytes > INLINE_COPY_BYTES
+            or not copy.in_memory
+            or copy.last_use is not None
+            or not isinstance(tier_object, MemoryTier)
+            or tier_object.device.type != "cpu"
+        ):
+            return None
+        engine.count_access(t, True, entry)
+        engine.observe("get", key, meta.nbytes, t, hit=True)
+        engine.hit(entry, copy)
+        # A small hit in CPU memory: one memmove into a new tensor, with no views made.
+        value = torch.empty(meta.shape, dtype=meta.dtype)
+        if meta.nbytes:
+            ctypes.memmove(value.data_ptr(), copy.address, meta.nbytes)
+        return value
+
+    def _peek_inline(self, key: object, tier: TierRef) -> torch.Tensor | None:
+        """The current value of a small ``key`` kept inline in the disk tier's catalog, read
+        while changing nothing, so that it may run on another thread than the loop's (the sync
+        facade's get): it reads the entry's version, then the catalog's record of the key, and
+        returns that record's verified bytes only if it holds that very version. None whenever
+        it cannot be sure (anything else, a change under way, any error): the caller then does
+        the full get. The access is not counted here (``_count_get`` does it on the loop)."""
+        engine = self._engine
+        try:
+            if not isinstance(key, str) or is_reserved(key) or not engine.is_open or engine.closing:
+                return None
+            d = engine.disk_index
+            if d is None or engine.index_of(tier) != d:
+                return None
+            entry = engine.entries.get(key)
+            if entry is None or entry.writer is not None:
+                return None
+            version = entry.version
+            if not version:
+                return None
+            # (no look at the entry's copies: making an adopted one's is a change. The catalog
+            # holding an inline record of this very version is the proof: versions are unique.)
+            return engine.disk.read_inline_tensor(key, version, entry.meta)
+        except Exception:  # (closing, replaced, corrupt: the full get says what is wrong)
+            return None
+
+    def _count_get(self, key: str, tier: TierRef) -> None:
+        """Count a get that ``_peek_inline`` served (on the loop thread, after the fact)."""
+        entry = self._engine.entries.get(key)
+        if entry is not None and self._engine.is_open:
+            t = self._engine.index_of(tier)
+            self._engine.count_access(t, True, entry)
+            self._engine.observe("get", key, entry.meta.nbytes, t, hit=True)
 
     async def pop(self, key: str, tier: TierRef = None) -> torch.Tensor:
         """Remove ``key`` and return its value on ``tier``'s device (default: the fastest tier).
@@ -728,6 +878,25 @@ class TierStore:
         """Remove orphaned namespaces (recorded, not claimed live): the auto ones, or ``names``.
         Returns what was removed (with ``dry_run``, what would be)."""
         return await self._namespaces.gc(names=names, dry_run=dry_run)
+
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_DTYPES = frozenset(supported_dtypes())
+
+
+def _plain_cpu(tensor: object) -> bool:
+    """Whether ``tensor`` is a contiguous dense CPU tensor whose memory holds its value as is
+    (what ``check_tensor`` accepts unchanged), found with a few cheap attribute reads."""
+    return (
+        type(tensor) in _PLAIN_TYPES
+        and tensor.is_cpu  # type: ignore[attr-defined]
+        and tensor.layout is torch.strided  # type: ignore[attr-defined]
+        and not tensor.is_nested  # type: ignore[attr-defined]
+        and tensor.dtype in _PLAIN_DTYPES  # type: ignore[attr-defined]
+        and tensor.is_contiguous()  # type: ignore[attr-defined]
+        and not tensor.is_conj()  # type: ignore[attr-defined]
+        and not tensor.is_neg()  # type: ignore[attr-defined]
+    )
 
 
 def _check_out(out: object, meta: TensorMeta, device: torch.device) -> None:

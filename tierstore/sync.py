@@ -26,6 +26,7 @@ import os
 import sys
 import threading
 import traceback
+import weakref
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -47,6 +48,8 @@ __all__ = [
     "SyncNamespace",
     "SyncPrefetch",
     "SyncTierStore",
+    "call_now",
+    "close_at_exit",
     "close_open_stores",
     "loop_thread",
     "public_verbs",
@@ -68,12 +71,15 @@ _thread: threading.Thread | None = None
 # Strong references on purpose: an open store holds files and a folder lock that only close()
 # releases, and a store dropped without close() must still have its puts flushed at exit.
 _open_stores: dict[int, SyncTierStore] = {}
+# Closed at exit before the stores (weakly held: one collected needs no closing).
+_exit_closers: weakref.WeakSet[Any] = weakref.WeakSet()
 _exit_hook_registered = False
 
 
 def _reset_after_fork() -> None:
-    global _loop, _thread, _lock, _open_stores
+    global _loop, _thread, _lock, _open_stores, _exit_closers
     _loop, _thread, _lock = None, None, threading.Lock()
+    _exit_closers = weakref.WeakSet()
     _open_stores = {}  # the parent's stores are not usable here; closing them is the parent's job
 
 
@@ -144,6 +150,52 @@ def run(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
     return task.result()  # the task is done: reading its outcome from this thread is safe
 
 
+def call_now(function: Callable[..., T], *args: Any) -> T:
+    """Call ``function(*args)``, a plain function that must not block, on the tierstore loop
+    thread in a copy of the caller's context, and return its result (or raise its error): one
+    hand-over each way and no task, for the parts of verbs that need no await. Not from the
+    loop thread itself (``RuntimeError``)."""
+    loop = loop_thread()
+    if threading.current_thread() is _thread:
+        raise RuntimeError("a blocking tierstore call was made from the tierstore loop thread; await the async API there")
+    context = contextvars.copy_context()
+    finished = threading.Lock()
+    finished.acquire()
+    outcome: list[Any] = []
+
+    def call() -> None:
+        try:
+            outcome.append(context.run(function, *args))
+        except BaseException as exc:  # (handed to the caller's thread)
+            outcome.append(_Raised(exc))
+        finally:
+            finished.release()
+
+    loop.call_soon_threadsafe(call)
+    interrupted = False
+    while True:  # the call may still be reading the caller's memory: wait for it regardless
+        try:
+            finished.acquire()
+            break
+        except KeyboardInterrupt:
+            interrupted = True
+    if interrupted:
+        raise KeyboardInterrupt
+    result = outcome[0]
+    if isinstance(result, _Raised):
+        raise result.error
+    return result
+
+
+class _Raised:
+    """The error a call on the loop thread raised, handed to the caller's thread."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
 def _cancel_and_wait(loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any], finished: threading.Event) -> None:
     """Cancel ``task`` and wait until it has finished (it may defer the cancellation until it
     no longer uses the caller's memory)."""
@@ -186,12 +238,30 @@ def _close_at_exit() -> None:
     close_open_stores()
 
 
-def close_open_stores() -> None:
-    """Flush and close every ``SyncTierStore`` still open (run at interpreter exit).
+def close_at_exit(closable: Any) -> None:
+    """Have ``closable.close()`` called at interpreter exit, before the sync stores close, if it
+    is still alive then (it is held weakly). For owners of a store that the exit hook does not
+    see, e.g. an optimizer's own ``TierStore``: its prefetches and write-backs run on daemon
+    threads, and a daemon thread still freeing tensors when the interpreter finalizes is ended
+    inside a C++ destructor, which aborts the process ("terminate called without an active
+    exception")."""
+    _register_exit_hook()
+    _exit_closers.add(closable)
 
-    Each store is closed even if another fails; a failure is printed to stderr with its
-    traceback, as Python reports any error at exit.
+
+def close_open_stores() -> None:
+    """Close what ``close_at_exit`` registered, then flush and close every ``SyncTierStore``
+    still open (run at interpreter exit).
+
+    Each is closed even if another fails; a failure is printed to stderr with its traceback, as
+    Python reports any error at exit.
     """
+    for closable in list(_exit_closers):
+        try:
+            closable.close()
+        except Exception:
+            print(f"tierstore: closing {closable!r} at exit failed:", file=sys.stderr)
+            traceback.print_exc()
     for store in list(_open_stores.values()):
         try:
             store.close()
@@ -340,10 +410,28 @@ class SyncTierStore:
     # -- the rest forward as they are (written out for type checkers and readers) -------------
 
     def put(self, key: str, tensor: torch.Tensor, tier: TierRef = None, *, durable: bool | None = None) -> None:
+        if (
+            isinstance(tensor, torch.Tensor)
+            and tensor.device.type == "cpu"
+            and not (self.store.durable if durable is None else durable)
+            and call_now(self.store._put_small_now, key, tensor, tier, durable) is not None
+        ):
+            return  # a small write-back put, done on the loop thread with no task (one hand-over)
         with marking_caller(tensor.device if isinstance(tensor, torch.Tensor) else None):  # copy after this thread's kernels
             run(self.store.put(key, tensor, tier, durable=durable))
 
     def get(self, key: str, tier: TierRef = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            # A small value inline in the disk tier's catalog is read on this thread (the
+            # catalog, with a version check; the access is counted on the loop afterwards)...
+            value = self.store._peek_inline(key, tier)
+            if value is not None:
+                loop_thread().call_soon_threadsafe(self.store._count_get, key, tier)
+                return value
+            # ... another small one (CPU memory) on the loop thread, with no task.
+            value = call_now(self.store._get_small_now, key, tier, None)
+            if value is not None:
+                return value
         return run(self.store.get(key, tier, out=out))
 
     def read(self, key: str) -> torch.Tensor:

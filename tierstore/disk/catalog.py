@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -74,6 +74,8 @@ class DiskRecord:
     def to_bytes(self) -> bytes:
         """The binary record (format version 3): a fixed header, the dtype name, the shape,
         the key, then an extent and its checksums, or the checksum and bytes of an inline value."""
+        if self.inline and self.data is not None and len(self.checksums) == 1:
+            return inline_bytes(self.key, self.meta, self.version, self.checksums[0], self.data)
         dtype = _DTYPE_NAMES.get(str(self.meta.dtype))
         if dtype is None:
             dtype = _DTYPE_NAMES[str(self.meta.dtype)] = dtype_name(self.meta.dtype).encode("ascii")
@@ -175,6 +177,48 @@ class DiskRecord:
         return cls(key, meta, Extent(segment, offset, length), version, tuple(checksums))
 
 
+#: A queued catalog change: key -> its new record (or, for a staged small put, the record's
+#: binary form), or None to delete it.
+_Change = tuple[str, "DiskRecord | bytes | None"]
+
+
+#: The dtype-and-shape part of inline records, by metadata (a store keeps few distinct ones).
+_DESCRIBED: dict[TensorMeta, tuple[int, int, bytes]] = {}
+_MAX_DESCRIBED = 4096
+
+
+def inline_bytes(key: str, meta: TensorMeta, version: int, checksum: int, data: bytes) -> bytes:
+    """The binary record of a value kept inline (what ``DiskRecord.to_bytes`` writes for one),
+    made without a record object: the record a small put stages."""
+    described = _DESCRIBED.get(meta)
+    if described is None:
+        name = dtype_name(meta.dtype).encode("ascii")
+        shape = meta.shape
+        described = (len(shape), len(name), name + struct.pack(f"<{len(shape)}q", *shape))
+        if len(_DESCRIBED) < _MAX_DESCRIBED:
+            _DESCRIBED[meta] = described
+    ndim, name_length, dtype_and_shape = described
+    encoded = key.encode("utf-8")
+    return b"".join(
+        (_HEAD.pack(_BINARY, _INLINE, ndim, name_length, len(encoded), version), dtype_and_shape, encoded, _CHECKSUM.pack(checksum), data)
+    )
+
+
+def _inline_of(raw: bytes | memoryview, key: str) -> tuple[int, int, bytes | bytearray] | None:
+    """``(version, checksum, bytes)`` of a binary record if it holds an inline value (the bytes
+    copied out once, into a bytearray a tensor can take over), else None; raises ``ValueError``
+    (or ``struct.error``) if it is malformed or names another key."""
+    magic, kind, ndim, dtype_len, key_len, version = _HEAD.unpack_from(raw, 0)
+    if magic != _BINARY or kind != _INLINE:
+        return None  # (a JSON record, format 1 or 2, is never inline)
+    at = _HEAD.size + dtype_len + 8 * ndim
+    if raw[at : at + key_len] != key.encode("utf-8"):
+        raise ValueError("the record names another key")
+    at += key_len
+    (checksum,) = _CHECKSUM.unpack_from(raw, at)
+    return version, checksum, bytearray(raw[at + _CHECKSUM.size :])
+
+
 @dataclass(frozen=True)
 class CatalogLayout:
     """The format settings fixed when a folder is created."""
@@ -258,13 +302,13 @@ class Catalog:
         self._entries: Any = None
         self._meta: Any = None
         self._writer: ThreadPoolExecutor | None = None
-        self._pending: list[tuple[list[tuple[str, DiskRecord | None]], asyncio.Future[None], bool]] = []
+        self._pending: list[tuple[list[_Change], asyncio.Future[None] | None, bool]] = []
         #: Changes queued or being committed, per key, oldest first, each with whether its
         #: writer waits for it (``get`` reads the newest). A waited change that fails is taken
         #: out and the one before it shows again, so the older ones stay until one commits.
-        self._staged: dict[str, list[tuple[tuple[str, DiskRecord | None], bool]]] = {}
+        self._staged: dict[str, list[tuple[_Change, bool]]] = {}
         #: Staged groups whose transaction failed, for the next one.
-        self._retry: list[tuple[list[tuple[str, DiskRecord | None]], asyncio.Future[None], bool]] = []
+        self._retry: list[tuple[list[_Change], asyncio.Future[None] | None, bool]] = []
         #: The failure of a staged group nobody waited for (raised by ``drain``).
         self.error: BaseException | None = None
         self._flushing: asyncio.Task[None] | None = None
@@ -426,7 +470,8 @@ class Catalog:
         Runs on the caller's thread (a read of the memory-mapped tree, no lock)."""
         chain = self._staged.get(key)
         if chain is not None:
-            return chain[-1][0][1]
+            record = chain[-1][0][1]
+            return DiskRecord.from_bytes(record) if isinstance(record, bytes) else record
         if self._env is None:
             raise StoreClosedError(f"the catalog in {self.path} is closed")
         with self._env.begin(db=self._entries, buffers=True) as txn:
@@ -438,35 +483,32 @@ class Catalog:
             except ValueError as exc:
                 raise CatalogError(f"catalog record of {key!r} in {self.path} is corrupt: {exc}") from None
 
-    def inline_value(self, key: str) -> tuple[int, int, bytes] | None:
+    def inline_value(self, key: str) -> tuple[int, int, bytes | bytearray] | None:
         """``(version, checksum, bytes)`` of ``key``'s newest record (as ``get``) if its value is
         inline, else None: the read path of a small value, parsing only what it needs."""
         chain = self._staged.get(key)
         if chain is not None:
             record = chain[-1][0][1]
-            if record is None or not record.inline or record.data is None:
+            if record is None:
                 return None
-            return record.version, record.checksums[0], record.data
-        if self._env is None:
-            raise StoreClosedError(f"the catalog in {self.path} is closed")
-        with self._env.begin(db=self._entries, buffers=True) as txn:
-            raw = txn.get(key_digest(key))
-            if raw is None:
-                return None
-            try:
-                magic, kind, ndim, dtype_len, key_len, version = _HEAD.unpack_from(raw, 0)
-                if magic != _BINARY:
-                    return None  # a JSON record (format 1, 2) is never inline
-                if kind != _INLINE:
+            if not isinstance(record, bytes):
+                if not record.inline or record.data is None:
                     return None
-                at = _HEAD.size + dtype_len + 8 * ndim
-                if str(raw[at : at + key_len], "utf-8") != key:
-                    raise ValueError("the record names another key")
-                at += key_len
-                (checksum,) = _CHECKSUM.unpack_from(raw, at)
-                return version, checksum, bytes(raw[at + _CHECKSUM.size :])
-            except (struct.error, UnicodeDecodeError, ValueError) as exc:
-                raise CatalogError(f"catalog record of {key!r} in {self.path} is corrupt: {exc}") from None
+                return record.version, record.checksums[0], record.data
+            raw: bytes | memoryview = record
+            return self._inline_of(raw, key)
+        env = self._env
+        if env is None:
+            raise StoreClosedError(f"the catalog in {self.path} is closed")
+        with env.begin(db=self._entries, buffers=True) as txn:
+            raw = txn.get(key_digest(key))
+            return None if raw is None else self._inline_of(raw, key)
+
+    def _inline_of(self, raw: bytes | memoryview, key: str) -> tuple[int, int, bytes | bytearray] | None:
+        try:
+            return _inline_of(raw, key)
+        except (struct.error, UnicodeDecodeError, ValueError) as exc:
+            raise CatalogError(f"catalog record of {key!r} in {self.path} is corrupt: {exc}") from None
 
     def commit_now(self, changes: list[tuple[str, DiskRecord | None]], layout: CatalogLayout | None = None) -> None:
         """``commit`` on the caller's thread, for the open path (before the tier serves anything)."""
@@ -496,12 +538,28 @@ class Catalog:
         them) for the next one; ``drain`` raises the failure if they still cannot commit."""
         return self._enqueue(changes, waited=False)
 
+    def stage_inline(self, key: str, raw: bytes) -> None:
+        """``stage`` of one inline record already in its binary form (``inline_bytes``): the
+        small non-durable put, with no record object and no future made."""
+        if self._writer is None:
+            raise StoreClosedError(f"the catalog in {self.path} is closed")
+        change: _Change = (key, raw)
+        chain = self._staged.get(key)
+        if chain is None:
+            self._staged[key] = [(change, False)]
+        else:
+            chain.append((change, False))
+        self._pending.append(([change], None, False))
+        flushing = self._flushing
+        if flushing is None or flushing.done():
+            self._flushing = asyncio.get_running_loop().create_task(self._flush())
+
     def _enqueue(self, changes: list[tuple[str, DiskRecord | None]], waited: bool) -> asyncio.Future[None]:
         if self._writer is None:
             raise StoreClosedError(f"the catalog in {self.path} is closed")
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
-        group = [(key, record) for key, record in changes]
+        group: list[_Change] = [(key, record) for key, record in changes]
         for change in group:
             self._staged.setdefault(change[0], []).append((change, waited))
         self._pending.append((group, done, waited))
@@ -521,6 +579,11 @@ class Catalog:
         """Keys with changes waiting for a transaction."""
         return len(self._staged)
 
+    @property
+    def failed(self) -> bool:
+        """Whether queued changes failed to commit and wait for another try (``drain``)."""
+        return bool(self._retry)
+
     async def drain(self) -> None:
         """Return once every change queued so far is committed; raises the failure of changes
         that still cannot commit (``stage``), which stay queued."""
@@ -534,9 +597,9 @@ class Catalog:
             if task is None or task.done():
                 break
             await asyncio.shield(task)
-            if self._retry:
-                error, self.error = self.error, None
-                raise error if error is not None else CatalogError(f"the catalog in {self.path} could not commit queued changes")
+            if self._retry:  # (the error stays until they commit: every later drain says so)
+                raise self.error if self.error is not None else CatalogError(f"the catalog in {self.path} could not commit queued changes")
+        self.error = None
 
     async def _flush(self) -> None:
         loop = asyncio.get_running_loop()
@@ -563,14 +626,14 @@ class Catalog:
             for group, done, _ in batch:
                 self._committed(group, done)
 
-    def _current(self, group: list[tuple[str, DiskRecord | None]]) -> list[tuple[str, DiskRecord | None]]:
+    def _current(self, group: list[_Change]) -> list[_Change]:
         """The changes of an acknowledged (not waited) group still to apply: those no newer
         change committed over, and that no newer acknowledged change replaces. One replaced only
         by waited changes is kept (applied first in the same transaction): those may fail, and
         it must then still be there."""
         return [change for change in group if self._wanted(change)]
 
-    def _wanted(self, change: tuple[str, DiskRecord | None]) -> bool:
+    def _wanted(self, change: _Change) -> bool:
         found = False
         for queued, waited in self._staged.get(change[0], ()):
             if queued is change:
@@ -579,7 +642,7 @@ class Catalog:
                 return False
         return found
 
-    def _committed(self, group: list[tuple[str, DiskRecord | None]], done: asyncio.Future[None]) -> None:
+    def _committed(self, group: list[_Change], done: asyncio.Future[None] | None) -> None:
         # A committed change also ends every older one of its key: they must never apply now.
         for change in group:
             chain = self._staged.get(change[0])
@@ -593,7 +656,7 @@ class Catalog:
                 del self._staged[change[0]]
         _settle(done, None)
 
-    def _failed(self, group: list[tuple[str, DiskRecord | None]], done: asyncio.Future[None], waited: bool, exc: BaseException) -> None:
+    def _failed(self, group: list[_Change], done: asyncio.Future[None] | None, waited: bool, exc: BaseException) -> None:
         if waited:  # its writer is told, and the value before it (queued or committed) shows again
             for change in group:
                 chain = self._staged.get(change[0])
@@ -605,11 +668,10 @@ class Catalog:
             _settle(done, exc)
             return
         # Acknowledged already: keep it for the next transaction (and ``drain``).
-        if self.error is None:
-            self.error = exc
+        self.error = exc
         self._retry.append((group, done, waited))
 
-    def _write_sync(self, changes: list[tuple[str, DiskRecord | None]], layout: CatalogLayout | None) -> None:
+    def _write_sync(self, changes: Sequence[_Change], layout: CatalogLayout | None) -> None:
         while True:
             try:
                 with self._env.begin(write=True) as txn:
@@ -618,7 +680,7 @@ class Catalog:
                         if record is None:
                             txn.delete(digest, db=self._entries)
                         else:
-                            txn.put(digest, record.to_bytes(), db=self._entries)
+                            txn.put(digest, record if isinstance(record, bytes) else record.to_bytes(), db=self._entries)
                     if layout is not None:
                         txn.put(_META_KEY, layout.to_bytes(), db=self._meta)
                 if layout is not None and not self.durable:
@@ -638,8 +700,8 @@ class _SlowPath(Exception):
     """A record the fast scan leaves to the full parser (not an inline binary one, or odd)."""
 
 
-def _settle(done: asyncio.Future[None], exc: BaseException | None) -> None:
-    if done.done():
+def _settle(done: asyncio.Future[None] | None, exc: BaseException | None) -> None:
+    if done is None or done.done():
         return
     if exc is None:
         done.set_result(None)

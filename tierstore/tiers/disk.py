@@ -8,7 +8,6 @@ import ctypes
 import os
 import shutil
 import weakref
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import ClassVar
@@ -17,7 +16,7 @@ import numpy as np
 import torch
 
 from ..device import link_for
-from ..disk.catalog import Catalog, CatalogLayout, DiskRecord
+from ..disk.catalog import Catalog, CatalogLayout, DiskRecord, inline_bytes
 from ..disk.compact import compact, plan_compaction
 from ..disk.extents import Extent, ExtentAllocator
 from ..disk.files import (
@@ -26,8 +25,9 @@ from ..disk.files import (
     TruncatedSegment,
     allocated_bytes,
     checksum_bytes,
-    checksum_of,
+    combine_pieces,
     is_segment_name,
+    split_chunks,
 )
 from ..disk.lock import FolderLock
 from ..disk.tuning import TUNING_FILE
@@ -60,6 +60,22 @@ _OWN_NAMES = {"lock", "data", "catalog", TUNING_FILE, TUNING_FILE + ".tmp"}
 #: measurement (``benchmarks/bench_keys.py --threshold``): see ``tierstore.bench.keys``.
 INLINE_MAX = 2048
 _PROBE_NAME = ".direct-probe"
+
+
+class _Process:
+    """This process's pid, kept current across ``fork`` (every catalog access compares it: a
+    cached value spares a system call on the hot path of small values)."""
+
+    pid = os.getpid()
+
+    @classmethod
+    def forked(cls) -> None:
+        cls.pid = os.getpid()
+
+
+_process = _Process
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_Process.forked)
 
 
 class InlineSuperseded(TierStoreError):
@@ -557,19 +573,12 @@ class DiskTier(Tier):
                 await self.pool.run(then, priority)
             return checksums
         # One batch of jobs, one wake-up of the loop; the fdatasync runs on the thread that ends
-        # the last job. A value of few chunks has its checksums computed by idle threads beside
-        # the writes (measured: 4 MiB puts lost ~10% with the checksum before the write); a larger
-        # one has each chunk's checksum in the job that writes it (no thread is idle).
+        # the last job. A value of fewer chunks than the queue depth is cut into pieces moved in
+        # parallel, each checksummed in its own job (see split_chunks).
         chunks = self._chunks(nbytes)
-        if 2 * len(chunks) <= self.io_threads:
-            jobs: list[Callable[[], int | None]] = [
-                partial(files.write_unchecked, extent.segment, extent.offset + start, src, start, length) for start, length in chunks
-            ]
-            jobs += [partial(checksum_of, src, start, length) for start, length in chunks]
-            results = await self.pool.run_all(jobs, priority, then=then)
-            return tuple(crc for crc in results[len(chunks) :] if crc is not None)
-        writes = [partial(files.write_chunk, extent.segment, extent.offset + start, src, start, length) for start, length in chunks]
-        return tuple(await self.pool.run_all(writes, priority, limit=self.queue_depth, then=then))
+        pieces = split_chunks(chunks, self.queue_depth)
+        writes = [partial(files.write_chunk, extent.segment, extent.offset + start, src, start, length) for _, start, length in pieces]
+        return combine_pieces(pieces, await self.pool.run_all(writes, priority, limit=self.queue_depth, then=then), len(chunks))
 
     async def sync_segments(self, segments: set[int], priority: Priority = Priority.DEMAND) -> None:
         """Make every write into ``segments`` durable (if the tier is): one fdatasync per file."""
@@ -587,9 +596,11 @@ class DiskTier(Tier):
         extent = record.extent
         if extent is None:
             raise ValueError(f"{record.key!r} is kept inline in the catalog, not in an extent: read it with read_inline")
-        reads = [partial(files.read_chunk, extent.segment, extent.offset + start, dst, start, length) for start, length in self._chunks(record.meta.nbytes)]
-        sums = await self.pool.run_all(reads, priority, limit=self.queue_depth)
-        for index, ((start, length), got) in enumerate(zip(self._chunks(record.meta.nbytes), sums, strict=True)):
+        chunks = self._chunks(record.meta.nbytes)
+        pieces = split_chunks(chunks, self.queue_depth)
+        reads = [partial(files.read_chunk, extent.segment, extent.offset + start, dst, start, length) for _, start, length in pieces]
+        sums = combine_pieces(pieces, await self.pool.run_all(reads, priority, limit=self.queue_depth), len(chunks))
+        for index, ((start, length), got) in enumerate(zip(chunks, sums, strict=True)):
             if got != record.checksums[index]:
                 raise ChecksumError(
                     f"{record.key!r}: bytes {start}..{start + length} read from {files.path(extent.segment).name} "
@@ -656,7 +667,7 @@ class DiskTier(Tier):
             data = ctypes.string_at(src.data_ptr(), nbytes) if nbytes else b""
         return DiskRecord(key, meta, None, version, (checksum_bytes(data),), data, inline=True)
 
-    def _inline_data(self, key: str, version: int) -> bytes:
+    def _inline_data(self, key: str, version: int) -> bytes | bytearray:
         """The verified bytes of the inline value ``version`` of ``key``. Raises
         ``InlineSuperseded`` if the catalog holds another version now (a newer value committed
         and not yet installed by its writer)."""
@@ -664,7 +675,7 @@ class DiskTier(Tier):
         if found is None or found[0] != version:
             raise InlineSuperseded(key)
         _, checksum, data = found
-        if checksum_bytes(data) != checksum:
+        if checksum_bytes(data) != checksum:  # type: ignore[arg-type]  # (any buffer: a bytearray from the catalog)
             raise ChecksumError(f"{key!r}: the {len(data)} bytes kept inline in the catalog of {self.root} fail their checksum; the catalog is corrupt")
         return data
 
@@ -679,6 +690,15 @@ class DiskTier(Tier):
         else:
             dst[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
 
+    def read_inline_tensor(self, key: str, version: int, meta: TensorMeta) -> torch.Tensor:
+        """The inline value ``version`` of ``key`` as a new CPU tensor of ``meta``'s dtype and
+        shape, verified (the get of a small value: one copy of its bytes, at most one view)."""
+        data = self._inline_data(key, version)
+        if not data:
+            return torch.empty(meta.shape, dtype=meta.dtype)
+        value = torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=meta.dtype)
+        return value if len(meta.shape) == 1 else value.view(meta.shape)
+
     def read_inline_new(self, key: str, version: int) -> torch.Tensor:
         """The inline value ``version`` of ``key`` in a new uint8 CPU tensor, verified."""
         data = self._inline_data(key, version)
@@ -691,6 +711,14 @@ class DiskTier(Tier):
         the future ends once they are committed."""
         self._require_open()
         return self._require_catalog().stage(changes)
+
+    def stage_inline(self, key: str, meta: TensorMeta, src: torch.Tensor | bytes, version: int) -> None:
+        """``stage`` of the inline record of ``src`` (as ``inline_record`` makes it), queued in
+        its binary form: the small non-durable put, with no record object made."""
+        catalog = self._require_catalog()
+        if not isinstance(src, bytes):
+            src = self.inline_record(key, meta, src, version).data or b""
+        catalog.stage_inline(key, inline_bytes(key, meta, version, checksum_bytes(src), src))
 
     def release_when(self, committed: asyncio.Future[None], extent: Extent) -> None:
         """Release ``extent`` once ``committed`` ends (the commit that stops referencing it): its
@@ -714,6 +742,12 @@ class DiskTier(Tier):
     def queued_changes(self) -> int:
         """Catalog changes acknowledged and waiting for their transaction."""
         return self._catalog.queued if self._catalog is not None else 0
+
+    @property
+    def commit_failed(self) -> bool:
+        """Whether acknowledged catalog changes failed to commit (a full disk) and wait for
+        another try: the next put tries again first (``drain``) and raises if they still fail."""
+        return self._catalog is not None and self._catalog.failed
 
     async def drain(self) -> None:
         """Return once every catalog change queued so far is committed."""
@@ -745,7 +779,7 @@ class DiskTier(Tier):
         return self.root / "data" / f"segment-{segment:06d}.bin"
 
     def _check_process(self) -> None:
-        if self._pid is not None and self._pid != os.getpid():
+        if self._pid is not None and self._pid != _process.pid:
             raise StoreForkedError(
                 f"disk tier {self.name!r} at {self.root} was opened by process {self._pid}; this process "
                 f"({os.getpid()}) was forked from it and cannot use it: open a new store here if it needs one"
