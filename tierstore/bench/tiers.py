@@ -14,9 +14,12 @@ summary the geometric mean of the ratios over the disk cells of 4 MiB and more.
 
 DeepSpeed's asynchronous I/O op (libaio) is a second baseline when ``deepspeed`` is importable,
 at the settings its ``ds_nvme_tune`` found fastest in our runs (block 4 MiB, queue depth 32,
-parallelism 2). To get it: ``apt-get install libaio-dev`` (the OS package), then
-``pip install --no-build-isolation deepspeed`` (the source package, built against the
-installed torch); the op is compiled on first use (``ds_report`` shows whether it can be).
+parallelism 2; ``--deepspeed-settings`` changes them). It moves the same buffers as ours and
+the raw loop: its page-locked tensors (it bounces anything else through a copy), backed by huge
+pages where the kernel can. To get it: ``apt-get install libaio-dev`` (the OS package), then
+``DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed==0.19.8`` (the source package,
+built against the installed torch, not a project dependency); the op is compiled with g++ on
+first use, which takes minutes (``ds_report`` shows whether it can be).
 
 ``--tune FOLDER`` sweeps chunk size, worker threads and queue depth (one at a time, keeping the
 best of each) with the disk tier's own put/get path on a scratch folder inside FOLDER, prints
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import math
 import os
 import shutil
@@ -84,12 +88,33 @@ class DeepSpeedAIO:
     def __init__(self, folder: Path, block: int = 4 * MiB, queue_depth: int = 32, parallelism: int = 2) -> None:
         from deepspeed.ops.op_builder import AsyncIOBuilder  # optional: see the module docstring
 
+        # (block size, queue depth, single submit, overlap events, intra-op parallelism)
         self.handle = AsyncIOBuilder().load(verbose=False).aio_handle(block, queue_depth, False, True, parallelism)
         self.folder = folder
-        self.settings = {"block": block, "queue_depth": queue_depth, "parallelism": parallelism}
+        self.settings = {"block": block, "queue_depth": queue_depth, "parallelism": parallelism, "single_submit": False, "overlap_events": True}
+
+    def buffers(self, count: int, numel: int) -> list[torch.Tensor]:
+        """``count`` float32 buffers DeepSpeed moves without its bounce copy (its page-locked
+        tensors: on a CPU-only torch nothing else counts as pinned), asked for huge pages too;
+        every side of the comparison uses these same buffers."""
+        example = torch.empty(0, dtype=torch.float32)
+        buffers = [self.handle.new_cpu_locked_tensor(numel, example) for _ in range(count)]
+        for buffer in buffers:
+            _collapse_huge_pages(buffer)
+        return buffers
+
+    def free(self, buffers: list[torch.Tensor]) -> None:
+        for buffer in buffers:
+            self.handle.free_cpu_locked_tensor(buffer)
 
     def _path(self, index: int) -> str:
         return str(self.folder / f"deepspeed-{index}.bin")
+
+    def prepare(self, buffers: list[torch.Tensor]) -> None:
+        """Write each file once, unmeasured: the raw loop's file is preallocated, and the disk
+        tier's segments are, so DeepSpeed's timed writes overwrite allocated blocks too."""
+        for index, buffer in enumerate(buffers):
+            self.handle.sync_pwrite(buffer, self._path(index))
 
     def write(self, buffer: torch.Tensor, index: int, fsync: bool) -> None:
         self.handle.sync_pwrite(buffer, self._path(index))
@@ -108,10 +133,22 @@ class DeepSpeedAIO:
             Path(self._path(index)).unlink(missing_ok=True)
 
 
-def deepspeed_aio(folder: Path) -> DeepSpeedAIO | None:
+_MADV_COLLAPSE = 25  # Linux 6.1+: back a range with huge pages now, not when khugepaged gets to it
+
+
+def _collapse_huge_pages(buffer: torch.Tensor) -> None:
+    """Ask for huge pages behind a buffer allocated (and page-locked) elsewhere; best effort."""
+    from ..tensors import _libc, advise_huge_pages
+
+    advise_huge_pages(buffer.view(torch.uint8).reshape(-1))
+    if _libc is not None:
+        _libc.madvise(ctypes.c_void_p(buffer.data_ptr()), ctypes.c_size_t(buffer.numel() * buffer.element_size()), _MADV_COLLAPSE)
+
+
+def deepspeed_aio(folder: Path, block: int = 4 * MiB, queue_depth: int = 32, parallelism: int = 2) -> DeepSpeedAIO | None:
     """DeepSpeed's AIO baseline, or None where ``deepspeed`` (or its op) is not available."""
     try:
-        return DeepSpeedAIO(folder)
+        return DeepSpeedAIO(folder, block, queue_depth, parallelism)
     except Exception:  # not installed, or the op cannot be built here (no libaio-dev)
         return None
 
@@ -188,7 +225,8 @@ async def measure_disk(
     io = settings or DEFAULTS
     disk = DiskTier(root, 3 * count * size + 64 * MiB, durable=durable, chunk_size=io.chunk_size, io_threads=io.io_threads, queue_depth=io.queue_depth)
     plain = [torch.randn(size // 4) for _ in range(count)]
-    aligned = [empty(size // 4) for _ in range(count)]
+    # With DeepSpeed measured, all sides use its page-locked buffers (see DeepSpeedAIO.buffers).
+    aligned = deepspeed.buffers(count, size // 4) if deepspeed is not None else [empty(size // 4) for _ in range(count)]
     for a, p in zip(aligned, plain, strict=True):
         a.copy_(p)
     # The raw loop moves the same bytes between the same memory as ours: how memory was
@@ -202,6 +240,8 @@ async def measure_disk(
     cpu_times: dict[str, list[float]] = {name: [] for name in timings}
     async with TierStore([disk]) as store:
         raw = RawFile(folder / f"raw-{size}", count * size, disk.direct_io, disk.chunk_size, disk.io_threads)
+        if deepspeed is not None:
+            deepspeed.prepare(raw_buffers)
         try:
             for rep in range(reps):
                 async def puts(tensors: list[torch.Tensor] = aligned) -> None:
@@ -259,6 +299,8 @@ async def measure_disk(
             if deepspeed is not None:
                 deepspeed.close(count)
         direct = disk.direct_io
+    if deepspeed is not None:
+        deepspeed.free(aligned)
     shutil.rmtree(root, ignore_errors=True)
     (folder / f"raw-{size}").unlink(missing_ok=True)
     total = count * size
@@ -546,6 +588,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tune", type=Path, metavar="DIR", default=None,
                         help=f"sweep chunk size, threads and queue depth on DIR's device and save the best in DIR/{TUNING_FILE}")
     parser.add_argument("--tune-mib", type=int, default=256, help="MiB moved per setting and direction by --tune (default 256)")
+    parser.add_argument("--deepspeed-settings", default="4,32,2", metavar="BLOCK_MIB,QUEUE_DEPTH,PARALLELISM",
+                        help="DeepSpeed AIO baseline settings (default 4,32,2), used when deepspeed is importable")
     args = parser.parse_args(argv)
     if args.tune is not None:
         return tune_main(args.tune, args.tune_mib, args.json)
@@ -559,7 +603,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     latency: list[dict[str, Any]] = []
 
-    deepspeed = deepspeed_aio(args.dir)
+    block_mib, depth, parallelism = (float(part) for part in args.deepspeed_settings.split(","))
+    deepspeed = deepspeed_aio(args.dir, int(block_mib * MiB), int(depth), int(parallelism))
     # The disk cells use the settings `--tune` saved for this folder, if it did (the raw loop
     # takes the same chunk size and threads).
     tuned = load_tuning(args.dir)

@@ -63,6 +63,97 @@ def checksum_of(buffer: torch.Tensor, start: int, length: int) -> int:
     return checksum(buffer[start : start + length].numpy())
 
 
+# CRC-32C (Castagnoli), reflected: the polynomial crc32c uses.
+_CRC32C_POLY = 0x82F63B78
+
+
+def _multmodp(a: int, b: int) -> int:
+    """``a * b`` modulo the CRC polynomial (bit-reflected, as zlib's ``multmodp``)."""
+    m = 1 << 31
+    p = 0
+    while True:
+        if a & m:
+            p ^= b
+            if not a & (m - 1):
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _CRC32C_POLY if b & 1 else b >> 1
+
+
+def _x2n_table() -> list[int]:
+    table = [1 << 30]  # x^1
+    for _ in range(31):
+        table.append(_multmodp(table[-1], table[-1]))
+    return table
+
+
+_X2N = _x2n_table()
+_SHIFTS: dict[int, tuple[list[int], ...]] = {}
+
+
+def _shift_tables(length: int) -> tuple[list[int], ...]:
+    """Moving a CRC past ``length`` bytes is multiplying it by x^(8 * length) modulo the
+    polynomial, a linear map of its 32 bits: kept as four byte-indexed tables (four lookups a
+    combine instead of a 32-step loop)."""
+    tables = _SHIFTS.get(length)
+    if tables is None:
+        shift, n, k = 1 << 31, length, 3
+        while n:
+            if n & 1:
+                shift = _multmodp(_X2N[k & 31], shift)
+            n >>= 1
+            k += 1
+        basis = [_multmodp(shift, 1 << bit) for bit in range(32)]
+        built = []
+        for byte in range(4):
+            table = [0] * 256
+            for j in range(1, 256):
+                low = (j & -j).bit_length() - 1
+                table[j] = table[j & (j - 1)] ^ basis[8 * byte + low]
+            built.append(table)
+        tables = tuple(built)
+        if len(_SHIFTS) >= 64:  # a tier uses a few piece lengths; odd ones must not pile up
+            _SHIFTS.clear()
+        _SHIFTS[length] = tables
+    return tables
+
+
+def checksum_combine(first: int, second: int, second_length: int) -> int:
+    """The checksum of two byte strings end to end, from their checksums (zlib's
+    ``crc32_combine`` for CRC-32C): pieces of one chunk are checked in parallel, on the
+    threads that move them, and recorded as the chunk's one checksum."""
+    t0, t1, t2, t3 = _shift_tables(second_length)
+    return t0[first & 255] ^ t1[(first >> 8) & 255] ^ t2[(first >> 16) & 255] ^ t3[first >> 24] ^ second
+
+
+#: The smallest piece ``split_chunks`` cuts: below it a request's fixed cost (a thread hop, a
+#: system call) outweighs what moving it beside others gains.
+MIN_PIECE = 1 << 20
+
+
+def split_chunks(chunks: Sequence[tuple[int, int]], requests: int, min_piece: int = MIN_PIECE) -> list[tuple[int, int, int]]:
+    """``(chunk index, start, length)`` of the requests that move a value of ``chunks``
+    (``(start, length)`` each): a value of fewer chunks than ``requests`` has each chunk cut
+    into block-aligned pieces of at least ``min_piece`` bytes, so that about ``requests`` of
+    them are in flight (a single 4 MiB value is not one request at queue depth 1); the
+    checksum stays one per chunk (``combine_pieces``)."""
+    parts = max(1, requests // max(1, len(chunks)))
+    pieces = []
+    for index, (start, length) in enumerate(chunks):
+        step = max(min_piece, round_up(-(-length // parts), ALIGNMENT))
+        pieces += [(index, start + at, min(step, length - at)) for at in range(0, max(length, 1), step)]
+    return pieces
+
+
+def combine_pieces(pieces: Sequence[tuple[int, int, int]], checksums: Sequence[int], chunks: int) -> tuple[int, ...]:
+    """Each chunk's checksum from those of its pieces (``split_chunks`` order)."""
+    combined: list[int | None] = [None] * chunks
+    for (index, _, length), crc in zip(pieces, checksums, strict=True):
+        before = combined[index]
+        combined[index] = crc if before is None else checksum_combine(before, crc, length)
+    return tuple(crc if crc is not None else checksum_bytes(b"") for crc in combined)
+
+
 def is_disk_full(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS
 

@@ -8,7 +8,6 @@ import ctypes
 import os
 import shutil
 import weakref
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import ClassVar
@@ -26,8 +25,9 @@ from ..disk.files import (
     TruncatedSegment,
     allocated_bytes,
     checksum_bytes,
-    checksum_of,
+    combine_pieces,
     is_segment_name,
+    split_chunks,
 )
 from ..disk.lock import FolderLock
 from ..disk.tuning import TUNING_FILE
@@ -573,19 +573,12 @@ class DiskTier(Tier):
                 await self.pool.run(then, priority)
             return checksums
         # One batch of jobs, one wake-up of the loop; the fdatasync runs on the thread that ends
-        # the last job. A value of few chunks has its checksums computed by idle threads beside
-        # the writes (measured: 4 MiB puts lost ~10% with the checksum before the write); a larger
-        # one has each chunk's checksum in the job that writes it (no thread is idle).
+        # the last job. A value of fewer chunks than the queue depth is cut into pieces moved in
+        # parallel, each checksummed in its own job (see split_chunks).
         chunks = self._chunks(nbytes)
-        if 2 * len(chunks) <= self.io_threads:
-            jobs: list[Callable[[], int | None]] = [
-                partial(files.write_unchecked, extent.segment, extent.offset + start, src, start, length) for start, length in chunks
-            ]
-            jobs += [partial(checksum_of, src, start, length) for start, length in chunks]
-            results = await self.pool.run_all(jobs, priority, then=then)
-            return tuple(crc for crc in results[len(chunks) :] if crc is not None)
-        writes = [partial(files.write_chunk, extent.segment, extent.offset + start, src, start, length) for start, length in chunks]
-        return tuple(await self.pool.run_all(writes, priority, limit=self.queue_depth, then=then))
+        pieces = split_chunks(chunks, self.queue_depth)
+        writes = [partial(files.write_chunk, extent.segment, extent.offset + start, src, start, length) for _, start, length in pieces]
+        return combine_pieces(pieces, await self.pool.run_all(writes, priority, limit=self.queue_depth, then=then), len(chunks))
 
     async def sync_segments(self, segments: set[int], priority: Priority = Priority.DEMAND) -> None:
         """Make every write into ``segments`` durable (if the tier is): one fdatasync per file."""
@@ -603,9 +596,11 @@ class DiskTier(Tier):
         extent = record.extent
         if extent is None:
             raise ValueError(f"{record.key!r} is kept inline in the catalog, not in an extent: read it with read_inline")
-        reads = [partial(files.read_chunk, extent.segment, extent.offset + start, dst, start, length) for start, length in self._chunks(record.meta.nbytes)]
-        sums = await self.pool.run_all(reads, priority, limit=self.queue_depth)
-        for index, ((start, length), got) in enumerate(zip(self._chunks(record.meta.nbytes), sums, strict=True)):
+        chunks = self._chunks(record.meta.nbytes)
+        pieces = split_chunks(chunks, self.queue_depth)
+        reads = [partial(files.read_chunk, extent.segment, extent.offset + start, dst, start, length) for _, start, length in pieces]
+        sums = combine_pieces(pieces, await self.pool.run_all(reads, priority, limit=self.queue_depth), len(chunks))
+        for index, ((start, length), got) in enumerate(zip(chunks, sums, strict=True)):
             if got != record.checksums[index]:
                 raise ChecksumError(
                     f"{record.key!r}: bytes {start}..{start + length} read from {files.path(extent.segment).name} "

@@ -1,0 +1,72 @@
+"""A value of few chunks moves as parallel pieces; its checksums stay one CRC-32C per chunk."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import crc32c
+import pytest
+import torch
+
+from tierstore import DiskTier, TierStore
+from tierstore.disk.files import checksum_combine, combine_pieces, split_chunks
+from tierstore.errors import ChecksumError
+
+MiB = 1 << 20
+
+
+def test_combined_checksums_equal_the_checksum_of_the_joined_bytes() -> None:
+    rng = random.Random(7)
+    for _ in range(200):
+        first, second = os.urandom(rng.randint(0, 9000)), os.urandom(rng.randint(0, 9000))
+        assert checksum_combine(crc32c.crc32c(first), crc32c.crc32c(second), len(second)) == crc32c.crc32c(first + second)
+
+
+def test_pieces_cover_each_chunk_in_aligned_requests_of_at_least_the_minimum() -> None:
+    chunks = [(0, 4 * MiB), (4 * MiB, 3 * MiB + 100)]
+    pieces = split_chunks(chunks, requests=8)
+    assert [p for p in pieces if p[0] == 0] == [(0, 0, MiB), (0, MiB, MiB), (0, 2 * MiB, MiB), (0, 3 * MiB, MiB)]
+    assert sum(length for index, _, length in pieces if index == 1) == 3 * MiB + 100
+    assert all(start % 4096 == 0 for _, start, _ in pieces)
+    # enough chunks for the queue depth already: one request each
+    assert split_chunks(chunks, requests=2) == [(0, 0, 4 * MiB), (1, 4 * MiB, 3 * MiB + 100)]
+    # a small value is never cut below the minimum piece
+    assert split_chunks([(0, 64 * 1024)], requests=16) == [(0, 0, 64 * 1024)]
+
+    data = os.urandom(7 * MiB + 100)
+    sums = [crc32c.crc32c(data[start : start + length]) for _, start, length in pieces]
+    assert combine_pieces(pieces, sums, 2) == tuple(crc32c.crc32c(data[s : s + n]) for s, n in chunks)
+
+
+async def test_a_one_chunk_value_round_trips_with_its_chunk_checksum_recorded(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path, "64MiB", chunk_size="4MiB", io_threads=4, queue_depth=4)
+    value = torch.randn(MiB + 5)  # 4 MiB + 20 bytes: a full chunk and a short one
+    async with TierStore([disk]) as store:
+        await store.put("v", value)
+        record = disk.committed()["v"]
+        raw = value.numpy().tobytes()
+        assert record.checksums == (crc32c.crc32c(raw[: 4 * MiB]), crc32c.crc32c(raw[4 * MiB :]))
+        out = torch.empty_like(value)
+        await store.get("v", out=out)
+        assert torch.equal(out, value)
+        assert torch.equal(await store.get("v"), value)
+
+
+@pytest.mark.parametrize("where", [0, 3 * MiB + 17])  # in the first piece, in the last
+async def test_a_flipped_byte_in_any_piece_fails_the_chunk_checksum(tmp_path: Path, where: int) -> None:
+    disk = DiskTier(tmp_path, "64MiB", chunk_size="4MiB", io_threads=4, queue_depth=4)
+    async with TierStore([disk]) as store:
+        await store.put("v", torch.randn(MiB))
+        extent = disk.committed()["v"].extent
+        assert extent is not None
+        path = disk.segment_path(extent.segment)
+    with open(path, "r+b") as handle:
+        handle.seek(extent.offset + where)
+        byte = handle.read(1)
+        handle.seek(extent.offset + where)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    async with TierStore([DiskTier(tmp_path, "64MiB", chunk_size="4MiB", io_threads=4, queue_depth=4)]) as store:
+        with pytest.raises(ChecksumError):
+            await store.get("v", out=torch.empty(MiB))
