@@ -10,7 +10,9 @@ Every figure stands beside a baseline measured in the same run, interleaved roun
   and the catalog bytes an inline value costs; ``INLINE_MAX`` is chosen from it;
 - ``rates``: 1 KiB puts and gets into a disk-only store, sequential awaits of the async API
   and the sync facade, against raw LMDB with the same sync setting (one transaction per put,
-  one read transaction per get returning bytes);
+  one read transaction per get returning bytes); durable puts from ``CONCURRENT_WRITERS`` tasks
+  at once (group commit) against the same LMDB figure; a run of some parts (``--only``) keeps
+  the other parts' figures of the JSON it rewrites;
 - ``memory``: anonymous memory (``RssAnon``) per key with 10^4, 10^5, 10^6 tiny values on the
   host tier, and per key of a disk-only store after reopening, each in a fresh process;
 - ``flush``: ``flush()`` of 10^5 small dirty keys; the baseline is the extent path
@@ -43,6 +45,8 @@ from ..tiers import DiskTier, HostTier
 from .common import environment, median, progress, table, write_json
 
 HERE = Path(__file__).resolve().parents[2]
+#: Tasks putting at once in the durable group-commit figure of ``rates``.
+CONCURRENT_WRITERS = 8
 SIZES = [256, 1024, 2048, 4096, 8192, 16384, 65536]
 
 
@@ -107,6 +111,21 @@ async def store_rates(folder: Path, n: int, size: int, durable: bool, inline_max
     return puts, gets
 
 
+async def concurrent_puts(folder: Path, n: int, size: int, writers: int = CONCURRENT_WRITERS) -> float:
+    """Durable puts per second from ``writers`` tasks putting at once (each a sequential loop):
+    what group commit gives, many puts sharing the sync of one transaction."""
+    async with TierStore([DiskTier(_fresh(folder), "4GiB", durable=True)]) as store:
+        value = torch.randint(0, 256, (size,), dtype=torch.uint8)
+
+        async def write(first: int) -> None:
+            for i in range(first, n, writers):
+                await store.put(f"k{i}", value)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(write(w) for w in range(writers)))
+        return n / (time.perf_counter() - started)
+
+
 def sync_rates(folder: Path, n: int, size: int, durable: bool) -> tuple[float, float]:
     """As ``store_rates`` through ``SyncTierStore`` (a loop thread per call)."""
     with SyncTierStore([DiskTier(_fresh(folder), "4GiB", durable=durable)]) as store:
@@ -163,6 +182,8 @@ async def bench_rates(root: Path, rounds: int, quick: bool) -> list[dict[str, An
             put, get = await asyncio.to_thread(sync_rates, root / "sync", n, 1024, durable)
             figures["sync_put"].append(put)
             figures["sync_get"].append(get)
+            if durable:
+                figures.setdefault("concurrent_put", []).append(await concurrent_puts(root / "concurrent", 2 * n, 1024))
             bar.update()
         ratio = lambda a, b, figures=figures: median([x / y for x, y in zip(figures[a], figures[b], strict=True)])  # noqa: E731
         rows.append({
@@ -173,6 +194,9 @@ async def bench_rates(root: Path, rounds: int, quick: bool) -> list[dict[str, An
             "sync_get_per_s": median(figures["sync_get"]), "sync_get_ratio": ratio("sync_get", "lmdb_get"),
             "goal": 0.8 if durable else 0.5,
         })
+        if durable:  # group commit: concurrent puts share a transaction's sync
+            rows[-1].update({"concurrent_writers": CONCURRENT_WRITERS, "concurrent_put_per_s": median(figures["concurrent_put"]),
+                             "concurrent_put_ratio": ratio("concurrent_put", "lmdb_put")})
     bar.close()
     return rows
 
@@ -348,6 +372,10 @@ def main(argv: list[str] | None = None) -> int:
                                       ("put_ratio", "ratio", ".2f"), ("sync_put_ratio", "sync ratio", ".2f"), ("goal", "goal", ".1f"),
                                       ("get_per_s", "get/s", ".0f"), ("lmdb_get_per_s", "LMDB get/s", ".0f"), ("get_ratio", "get ratio", ".2f"),
                                       ("sync_get_ratio", "sync get ratio", ".2f")]))
+        for row in result["rates"]:
+            if "concurrent_put_per_s" in row:
+                print(f"durable puts from {row['concurrent_writers']} tasks at once: {row['concurrent_put_per_s']:.0f}/s, "
+                      f"{row['concurrent_put_ratio']:.2f}x LMDB's one-at-a-time sync puts (group commit)")
     if "scale" in only:
         counts = args.keys or ([10_000, 100_000] if args.quick else [10_000, 100_000, 1_000_000])
         flush_keys = 100_000 if 100_000 in counts else min(counts)
@@ -362,6 +390,15 @@ def main(argv: list[str] | None = None) -> int:
         result["hits"] = asyncio.run(bench_hits(rounds, 2000 if args.quick else 10000))
         print(table(result["hits"], [("size", "bytes", "d"), ("async_us", "async µs", ".1f"), ("sync_us", "sync µs", ".1f"),
                                      ("dict_clone_us", "dict+clone µs", ".2f"), ("async_over_floor", "async/floor", ".1f")]))
+    if args.only and args.json.exists():  # a run of some parts keeps the others' last figures
+        try:
+            previous = json.loads(args.json.read_text())
+        except (OSError, ValueError):
+            previous = {}
+        kept = {part: figures for part, figures in previous.items() if part not in result and part not in ("environment", "rounds", "kept")}
+        if kept:
+            result.update(kept)
+            result["kept"] = {"parts": sorted(kept), "environment": previous.get("environment")}
     write_json(args.json, result)
     if "scale" in result:
         plot(result, args.plot)

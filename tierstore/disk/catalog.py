@@ -38,6 +38,9 @@ FORMAT_VERSION = 3
 _UNVERSIONED = 1
 _META_KEY = b"format"
 _INITIAL_MAP_SIZE = 256 << 20
+#: Seconds a staged change (a small non-durable put) waits before a transaction starts for it,
+#: so that puts arriving one by one share transactions (``Catalog.stage_inline``).
+STAGE_WINDOW = 0.002
 
 
 #: First byte of a binary record (format version 3); JSON records (versions 1 and 2) start
@@ -312,6 +315,8 @@ class Catalog:
         #: The failure of a staged group nobody waited for (raised by ``drain``).
         self.error: BaseException | None = None
         self._flushing: asyncio.Task[None] | None = None
+        #: The timer that starts committing staged changes (``stage_inline``), if one is set.
+        self._kick: asyncio.TimerHandle | None = None
         self.layout: CatalogLayout | None = None
 
     def open(self, create_layout: CatalogLayout | None) -> CatalogLayout:
@@ -396,6 +401,9 @@ class Catalog:
             raise CatalogError(f"the catalog {self.path / 'data.mdb'} is truncated: {actual} of {needed} bytes")
 
     def close(self) -> None:
+        if self._kick is not None:
+            self._kick.cancel()
+            self._kick = None
         if self._writer is not None:
             self._writer.shutdown(wait=True)
             self._writer = None
@@ -551,7 +559,17 @@ class Catalog:
             chain.append((change, False))
         self._pending.append(([change], None, False))
         flushing = self._flushing
-        if flushing is None or flushing.done():
+        if (flushing is None or flushing.done()) and self._kick is None:
+            # Not at once: puts that come one at a time (the sync facade's, each a round trip of
+            # the loop) share the transaction instead of one each.
+            self._kick = asyncio.get_running_loop().call_later(STAGE_WINDOW, self._start_flush)
+
+    def _start_flush(self) -> None:
+        """Start committing what is queued, if nothing is committing it already."""
+        if self._kick is not None:
+            self._kick.cancel()
+            self._kick = None
+        if self._pending and self._writer is not None and (self._flushing is None or self._flushing.done()):
             self._flushing = asyncio.get_running_loop().create_task(self._flush())
 
     def _enqueue(self, changes: list[tuple[str, DiskRecord | None]], waited: bool) -> asyncio.Future[None]:
@@ -591,8 +609,7 @@ class Catalog:
             if self._retry:
                 groups, self._retry = self._retry, []
                 self._pending[:0] = groups
-                if self._flushing is None or self._flushing.done():
-                    self._flushing = asyncio.get_running_loop().create_task(self._flush())
+            self._start_flush()
             task = self._flushing
             if task is None or task.done():
                 break
