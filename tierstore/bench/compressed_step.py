@@ -1,7 +1,7 @@
 """(g) compressed Adam state where the step is disk-bound: the update's cost per parameter, and
 an optimizer step alone (gradients given) with most of the state on disk, per ``state_precision``.
 
-Reproduce:  python benchmarks/bench_optim.py --parts g --dir <real-disk folder>        (~3 min on 2 busy cores)
+Reproduce:  python benchmarks/bench_optim.py --parts g --dir <real-disk folder> --g-threads 1   (the committed results)
             python benchmarks/bench_optim.py --parts g --g-params 32M --g-update-sizes 64K 1M 16M
 
 Two measurements, in one run:
@@ -59,6 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--g-host-fraction", type=int, default=8, help="the host tier holds 1/this of each setting's state")
     group.add_argument("--g-steps", type=int, default=7, help="timed steps per setting, after warm-up")
     group.add_argument("--g-update-sizes", nargs="+", default=["64K", "1M", "16M"], help="entry sizes of the update measurement")
+    group.add_argument("--g-threads", type=int, help="torch threads (default: torch's); on a busy machine 1 avoids OpenMP's spin-waits")
 
 
 def _count(text: str) -> int:
@@ -193,6 +194,8 @@ def run(args: argparse.Namespace) -> int:
     """Part (g): measure, print the tables, write ``<json stem>_g.json``."""
     if args.g_steps < 1 or args.g_tensors < 1 or args.g_host_fraction < 1:
         raise ValueError("--g-steps, --g-tensors and --g-host-fraction must be at least 1")
+    if args.g_threads is not None:
+        torch.set_num_threads(args.g_threads)
     sizes = [_count(s) for s in args.g_update_sizes]
     total = _count(args.g_params)
     state_fp32 = 12 * total

@@ -144,17 +144,31 @@ def _decode_blocks(codes: torch.Tensor, scales: torch.Tensor, book: torch.Tensor
     out.copy_((book[codes.long()].view(-1, BLOCK) * scales.unsqueeze(1)).view(-1))
 
 
-def _encode_pair(m: torch.Tensor, v: torch.Tensor, signed: tuple[torch.Tensor, torch.Tensor], unsigned: tuple[torch.Tensor, torch.Tensor],
-                 m_codes: torch.Tensor, m_scales: torch.Tensor, v_codes: torch.Tensor, v_scales: torch.Tensor) -> None:
-    """Both moments of a tile in one kernel (one compiled call instead of two)."""
-    _encode_blocks(m, *signed, m_codes, m_scales)
-    _encode_blocks(v, *unsigned, v_codes, v_scales)
+def _encode_pair(m: torch.Tensor, v: torch.Tensor, signed: tuple[torch.Tensor, torch.Tensor],
+                 unsigned: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Both moments of a tile (whole blocks, ``(blocks, BLOCK)``) in one kernel: their codes and
+    scales as new tensors. Returned, not written into the entry's views: inputs that are views
+    of one buffer and mutated would make the compiled function rebuild their common base on
+    every call."""
+    out = []
+    for values, (table, mid) in ((m, signed), (v, unsigned)):
+        absmax = values.abs().amax(dim=1).clamp(min=1e-12)
+        normal = (values / absmax.unsqueeze(1)).reshape(-1)
+        below = table[normal.view(torch.int32).bitwise_right_shift(16).bitwise_and(0xFFFF)]
+        out += [(below + (normal > mid[below]).to(torch.int32)).to(torch.uint8), absmax]
+    return tuple(out)
 
 
 def _decode_pair(m_codes: torch.Tensor, m_scales: torch.Tensor, v_codes: torch.Tensor, v_scales: torch.Tensor,
-                 signed: torch.Tensor, unsigned: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
-    _decode_blocks(m_codes, m_scales, signed, m)
-    _decode_blocks(v_codes, v_scales, unsigned, v)
+                 signed: torch.Tensor, unsigned: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both moments of a tile of whole blocks decoded into new fp32 tensors."""
+    return ((signed[m_codes.long()].view(-1, BLOCK) * m_scales.unsqueeze(1)).view(-1),
+            (unsigned[v_codes.long()].view(-1, BLOCK) * v_scales.unsqueeze(1)).view(-1))
+
+
+#: Inductor options: no bounds check on the code-book lookups (their indices are a uint8 code
+#: or the high 16 bits of a word, in range by construction; the check costs a pass per vector).
+_OPTIONS = {"assert_indirect_indexing": False}
 
 
 class _Compiled:
@@ -169,21 +183,25 @@ class _Compiled:
     def enabled(self) -> bool:
         return not self.failed and os.environ.get("TIERSTORE_COMPILE_CODEC", "1") != "0"
 
-    def call(self, name: str, *args: Any) -> bool:
-        """Run kernel ``name`` on ``args``; False (and eager from now on) if compiling failed."""
+    def call(self, name: str, *args: Any) -> Any:
+        """Run kernel ``name`` on ``args``: its result (True if None); False (and eager from now
+        on) if compiling failed."""
+        # Detached: a view's base (the whole entry, different for every entry and tile) would
+        # add guards on it that take longer to check than a tile's kernel runs.
+        args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
         with self._lock:
             if self._kernels is None:
-                self._kernels = {name: torch.compile(kernel, dynamic=True) for name, kernel in _KERNELS.items()}
+                self._kernels = {name: torch.compile(kernel, dynamic=True, options=_OPTIONS) for name, kernel in _KERNELS.items()}
         try:
             # Without duck sizing: a tile's sizes and its views' offsets into the entry's buffer
             # that happen to be equal would otherwise become guards, and a recompile per tile.
             with torch.fx.experimental._config.patch(use_duck_shape=False):
-                self._kernels[name](*args)
+                result = self._kernels[name](*args)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: the eager codec gives the same bits
             self.failed = True
             warnings.warn(f"the compiled 8-bit codec is unavailable ({type(exc).__name__}: {exc}); using the eager one", stacklevel=3)
             return False
-        return True
+        return True if result is None else result
 
 
 _KERNELS: dict[str, Callable[..., None]] = {"encode": _encode_blocks, "decode": _decode_blocks, "encode_pair": _encode_pair, "decode_pair": _decode_pair}
@@ -448,12 +466,14 @@ class PackedState:
                 row.copy_(self.view(name)[start:stop])
             return rows
         blocks = slice(start // BLOCK, -(-stop // BLOCK))
-        if not (compiled and size % BLOCK == 0 and len(moments) == 2 and _COMPILED.call(
-                "decode_pair", self.view("exp_avg/codes")[start:stop], self.view("exp_avg/scale")[blocks],
-                self.view("exp_avg_sq/codes")[start:stop], self.view("exp_avg_sq/scale")[blocks],
-                dynamic_map(True), dynamic_map(False), rows[1], rows[2])):
-            for name, row in zip(moments, rows[1:], strict=True):
-                dequantize(self.view(f"{name}/codes")[start:stop], self.view(f"{name}/scale")[blocks], name == "exp_avg", row, compiled=compiled)
+        if compiled and size % BLOCK == 0 and len(moments) == 2:
+            decoded = _COMPILED.call("decode_pair", self.view("exp_avg/codes")[start:stop], self.view("exp_avg/scale")[blocks],
+                                     self.view("exp_avg_sq/codes")[start:stop], self.view("exp_avg_sq/scale")[blocks],
+                                     dynamic_map(True), dynamic_map(False))
+            if decoded is not False:
+                return [rows[0], *decoded]
+        for name, row in zip(moments, rows[1:], strict=True):
+            dequantize(self.view(f"{name}/codes")[start:stop], self.view(f"{name}/scale")[blocks], name == "exp_avg", row, compiled=compiled)
         return rows
 
     def _encode_tile(self, start: int, stop: int, rows: list[torch.Tensor], high: torch.Tensor | None, compiled: bool) -> None:
@@ -469,12 +489,15 @@ class PackedState:
                 self.view(name)[start:stop].copy_(row)  # round to nearest, as set_moment
         elif self.layout.precision == "8bit":
             size, blocks = stop - start, slice(start // BLOCK, -(-stop // BLOCK))
-            if not (compiled and size % BLOCK == 0 and len(moments) == 2 and _COMPILED.call(
-                    "encode_pair", rows[1].view(-1, BLOCK), rows[2].view(-1, BLOCK), _search_table(True), _search_table(False),
-                    self.view("exp_avg/codes")[start:stop], self.view("exp_avg/scale")[blocks],
-                    self.view("exp_avg_sq/codes")[start:stop], self.view("exp_avg_sq/scale")[blocks])):
-                for name, row in zip(moments, rows[1:], strict=True):
-                    quantize(row, name == "exp_avg", self.view(f"{name}/codes")[start:stop], self.view(f"{name}/scale")[blocks], compiled=compiled)
+            if compiled and size % BLOCK == 0 and len(moments) == 2:
+                encoded = _COMPILED.call("encode_pair", rows[1].view(-1, BLOCK), rows[2].view(-1, BLOCK), _search_table(True), _search_table(False))
+                if encoded is not False:
+                    for name, codes, scales in ((moments[0], *encoded[:2]), (moments[1], *encoded[2:])):
+                        self.view(f"{name}/codes")[start:stop].copy_(codes)
+                        self.view(f"{name}/scale")[blocks].copy_(scales)
+                    return
+            for name, row in zip(moments, rows[1:], strict=True):
+                quantize(row, name == "exp_avg", self.view(f"{name}/codes")[start:stop], self.view(f"{name}/scale")[blocks], compiled=compiled)
 
     # -- whole rows (checkpoints, restarts) --------------------------------------------------------
 
