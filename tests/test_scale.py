@@ -151,7 +151,7 @@ def test_memory_plan_before_the_first_step_and_refusal(tmp_path: Path, device_mo
     try:
         plan = opt.memory_plan()
         assert plan.fits and plan.chunked_parameters == 1
-        assert plan.tier_need["disk"] >= VOCAB * DIM * 12
+        assert plan.tier_need["disk"] >= VOCAB * DIM * (8 if device_mode == "plain" else 12)  # plain CPU: no master row
         assert 0 < plan.tier_need["host"] <= 4 << 20
         assert opt.memory_report().plan == plan
         assert "memory plan (fits)" in str(opt.memory_report())

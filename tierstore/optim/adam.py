@@ -45,13 +45,6 @@ from .pipeline import fill_weight_range, offloaded, read_weight, read_weight_ran
 from .precision import PackedState, StateLayout, validate
 
 
-#: Whether an fp32 parameter on the plain CPU serves as its own master (see
-#: ``TieredAdam._param_is_master``). Off: with it on, a process that exits with such an
-#: optimizer still open aborted in the C heap at interpreter exit (about 1 run in 4 of
-#: tests/test_trainers_memory.py's script), a memory-safety fault not yet found.
-PARAMETER_AS_MASTER = False
-
-
 class TieredAdam(PagedOptimizer):
     """``torch.optim.Adam`` (L2 weight decay) with state paged through a store.
 
@@ -159,7 +152,7 @@ class TieredAdam(PagedOptimizer):
         group = self.param_groups[slot.group]
         param = slot.param
         return (
-            PARAMETER_AS_MASTER and group["state_precision"] == "fp32" and group["master_weights"] == "fp32" and slot.link.lends
+            group["state_precision"] == "fp32" and group["master_weights"] == "fp32" and slot.link.lends
             and type(param) in (torch.Tensor, torch.nn.Parameter) and param.dtype == torch.float32
             and param.is_contiguous() and offloaded(param) is None
         )

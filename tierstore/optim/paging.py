@@ -44,7 +44,7 @@ from ..device import link_for
 from ..errors import StepIncompleteError
 from ..namespaces import Namespace
 from ..store import TierStore
-from ..sync import SyncTierStore, loop_thread, run
+from ..sync import SyncTierStore, close_at_exit, loop_thread, run
 from ..units import parse_bytes
 from .capture import GradientCapture, observe
 from .chunks import DEFAULT_CHUNK_BYTES
@@ -248,6 +248,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             if self.namespace is not None:  # nor keep its namespace
                 run(self.namespace.drop() if self.namespace.auto else self.namespace.release())
             raise
+        close_at_exit(self)  # its store's background I/O must not outlive the interpreter (see there)
 
     @property
     def inflight(self) -> int:
