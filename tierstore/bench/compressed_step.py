@@ -9,8 +9,8 @@ Two measurements, in one run:
 - the update alone (``PackedState.update`` with torch's fused AdamW on each tile, as
   ``TieredAdamW`` runs it; fp32: torch's fused AdamW on the fp32 rows), per setting, entry size
   and codec (eager, and ``torch.compile``d where the setting has one: 8-bit), in ns per parameter
-  (median of repetitions after two untimed calls, so compiling is not timed); and, for 8-bit,
-  the tile size (``precision.TILE``) against its cost;
+  (median of repetitions after two untimed calls, so compiling is not timed); and, for the
+  compiled 8-bit codec, the tile size (``precision.COMPILED_TILE``) against its cost;
 - the disk-bound step: ``--g-params`` parameters in ``--g-tensors`` fp32 tensors (bf16 for the
   lossless master), their gradients set once, ``opt.step()`` alone with a host tier of
   ``1/--g-host-fraction`` of each setting's stored state in front of a disk tier in ``--dir``.
@@ -102,7 +102,7 @@ def _time(call: Callable[[], None], reps: int) -> float:
 def update_costs(sizes: list[int], bar: Any) -> list[dict[str, Any]]:
     """ns per parameter of the update per setting, size and codec; then 8-bit per tile size."""
     rows = []
-    saved_tile, saved_min = precision.TILE, precision.COMPILE_MIN_NUMEL
+    saved_tile, saved_compiled_tile, saved_min = precision.TILE, precision.COMPILED_TILE, precision.COMPILE_MIN_NUMEL
     try:
         for numel in sizes:
             reps = max(3, min(15, (1 << 24) // numel))
@@ -111,19 +111,20 @@ def update_costs(sizes: list[int], bar: Any) -> list[dict[str, Any]]:
                 for codec in codecs:
                     precision.COMPILE_MIN_NUMEL = 1 if codec == "compiled" else 1 << 62
                     seconds = _time(_update_call(setting, numel), reps)
-                    rows.append({"setting": setting[0], "numel": numel, "codec": codec, "tile": precision.TILE,
+                    rows.append({"setting": setting[0], "numel": numel, "codec": codec,
+                                 "tile": min(numel, precision.COMPILED_TILE if codec == "compiled" else precision.TILE),
                                  "ns_per_param": seconds / numel * 1e9, "mparams_s": numel / seconds / 1e6})
                     bar.update(1)
         numel = 1 << 20
         precision.COMPILE_MIN_NUMEL = 1
         for tile in (1 << 14, 1 << 16, 1 << 18, 1 << 20):
-            precision.TILE = tile
+            precision.COMPILED_TILE = tile
             seconds = _time(_update_call(SETTINGS[2], numel), 5)
             rows.append({"setting": "8bit", "numel": numel, "codec": "compiled", "tile": tile,
                          "ns_per_param": seconds / numel * 1e9, "mparams_s": numel / seconds / 1e6})
             bar.update(1)
     finally:
-        precision.TILE, precision.COMPILE_MIN_NUMEL = saved_tile, saved_min
+        precision.TILE, precision.COMPILED_TILE, precision.COMPILE_MIN_NUMEL = saved_tile, saved_compiled_tile, saved_min
     return rows
 
 
@@ -204,7 +205,8 @@ def run(args: argparse.Namespace) -> int:
     with progress(total=jobs, desc="bench_optim (g)", unit="job", leave=False) as bar:
         updates = update_costs(sizes, bar)
         steps = disk_steps(args, read_gbs, write_gbs, bar)
-    print(f"(g) the update alone, ns per parameter (torch threads: {torch.get_num_threads()}; tile {precision.TILE:,} elements)")
+    print(f"(g) the update alone, ns per parameter (torch threads: {torch.get_num_threads()}; tiles of {precision.TILE:,} elements, "
+          f"{precision.COMPILED_TILE:,} compiled; the last rows: compiled 8-bit per tile size)")
     print(table(updates, [("setting", "setting", "s"), ("numel", "elements", ",d"), ("codec", "codec", "s"), ("tile", "tile", ",d"),
                           ("ns_per_param", "ns/param", ".2f"), ("mparams_s", "M params/s", ".0f")]))
     print(f"\n(g) disk-bound step: {total:,} parameters in {args.g_tensors} tensors, gradients given, "
@@ -217,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
           f"({'met' if eight['fp32_over_this'] >= 1.8 else 'not met'})")
     out = args.json.with_name(f"{args.json.stem}_g.json")
     write_json(out, {"benchmark": "bench_optim part g", "environment": environment(args.dir), "torch_threads": torch.get_num_threads(),
-                     "disk_read_gbs": read_gbs, "disk_write_gbs": write_gbs, "tile": precision.TILE,
+                     "disk_read_gbs": read_gbs, "disk_write_gbs": write_gbs, "tile": precision.TILE, "compiled_tile": precision.COMPILED_TILE,
                      "compile_min_numel": precision.COMPILE_MIN_NUMEL, "params": total, "tensors": args.g_tensors,
                      "host_fraction": args.g_host_fraction, "timed_steps": args.g_steps, "updates": updates, "disk_steps": steps,
                      "goal_8bit_vs_fp32": {"want": 1.8, "got": eight["fp32_over_this"]}})

@@ -126,7 +126,7 @@ def _nearest_codes(normal: torch.Tensor, signed: bool) -> torch.Tensor:
 # compile that fails (no compiler, an unsupported platform) warns once and falls back to eager.
 
 #: Entries of at least this many elements use the compiled codec (when enabled).
-COMPILE_MIN_NUMEL = 1 << 16
+COMPILE_MIN_NUMEL = 1 << 18
 
 
 def _encode_blocks(values: torch.Tensor, table: torch.Tensor, mid: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
@@ -255,8 +255,12 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, signed: bool, out: tor
 
 
 #: Elements per tile of ``PackedState.update``: the tile's fp32 rows and gradient (4 x 256 KiB
-#: without amsgrad) stay in a core's L2 cache. Measured in ``tierstore.bench.precision``'s part g.
+#: without amsgrad) stay in a core's L2 cache.
 TILE = 1 << 16
+#: Elements per tile where the compiled 8-bit codec runs: a compiled call has a fixed cost
+#: (its guards) of about a 64K-element tile's math, so its tiles are larger (measured with
+#: ``bench_optim --parts g``: 1M-element tiles 4x cheaper per parameter than 64K ones).
+COMPILED_TILE = 1 << 20
 
 _SCRATCH = threading.local()
 
@@ -434,12 +438,13 @@ class PackedState:
         layout = self.layout
         if layout.lossless and self.high is None:
             raise RuntimeError("internal error: a lossless master needs the model's bf16 weight")
-        compiled = layout.precision == "8bit" and _use_compiled(None, min(self.numel, TILE))
-        scratch = _scratch_rows(layout.rows, min(self.numel, TILE))
+        compiled = layout.precision == "8bit" and _use_compiled(None, self.numel)
+        tile = COMPILED_TILE if compiled else TILE
+        scratch = _scratch_rows(layout.rows, min(self.numel, tile))
         high = torch.empty(self.numel, dtype=torch.bfloat16) if layout.lossless else None
         before, counted = step.clone(), step.clone()
-        for start in range(0, max(self.numel, 1), TILE):
-            stop = min(start + TILE, self.numel)
+        for start in range(0, max(self.numel, 1), tile):
+            stop = min(start + tile, self.numel)
             rows = self._decode_tile(start, stop, scratch, compiled)
             counted = before.clone()
             adam(rows, flat[start:stop], counted)
