@@ -161,11 +161,6 @@ def test_the_order_alternates_exactly_with_state_on_disk(tmp_path: Path, device_
     _alternating(tmp_path)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="across a link, a whole (unchunked) gradient taken in backward is a store value until its update, "
-    "and MIN may push it out to the disk (the bias gradients here)",
-)
 def test_whole_gradients_that_fit_never_reach_the_disk(tmp_path: Path, device_mode: str) -> None:
     victims = _alternating(tmp_path)
     assert not [key for key in victims if key.endswith("/grad")]

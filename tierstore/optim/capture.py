@@ -9,7 +9,10 @@ counts only if ``p.grad`` is still the tensor it was taken from, at the same ver
 version counter moves with every in-place change). Otherwise the gradient is copied again, then.
 
 Where the link lends (plain CPU: device memory is host memory) nothing is copied: the update
-reads ``p.grad`` itself.
+reads ``p.grad`` itself. Where state pages below the state tier (``defer``), a gradient is not
+copied when its hook fires either: a gradient held as a value on the state tier competes with
+the state for it, and pushed out it goes to the disk and back. The update copies it over the
+link into a scratch buffer that lives as long as its bucket (``UpdatePipeline.grad_for_update``).
 
 Threads: the hook runs on an autograd thread and only counts (under a lock), marks the link and
 hands the gradient to the loop; everything else here runs on the loop.
@@ -76,6 +79,9 @@ class GradientCapture:
         #: Slots whose gradients come from DDP's communication hook (see ``tierstore.optim.ddp``).
         self._ddp: dict[int, ParamSlot] = {}
         self._end_queued = False
+        #: Leave contiguous gradients where the model keeps them until their update (the
+        #: optimizer sets it where state pages below the state tier; see the module docstring).
+        self.defer = False
 
     # -- autograd thread -------------------------------------------------------------------------
 
@@ -136,8 +142,15 @@ class GradientCapture:
         capture = Capture(None if ddp else weakref.ref(grad), version, marker=marker, ddp=ddp, memory=None if ddp else memory_of(grad))
         if slot.link.lends:
             capture.lent = grad
+        elif not ddp:
+            capture.deferred = self._defers(grad)
         slot.capture = capture
         capture.task = asyncio.ensure_future(self._take(slot, capture, grad, previous, arrived=True))
+
+    def _defers(self, grad: torch.Tensor) -> bool:
+        """Whether ``grad`` stays where it is until its update copies it (a copy over the link
+        reads contiguous memory: another layout is copied now, as it is)."""
+        return self.defer and grad.is_contiguous()
 
     def _set_expected(self, expected: list[tuple[ParamSlot, weakref.ref[torch.Tensor], int]]) -> None:
         for slot, ref, version in expected:
@@ -152,7 +165,7 @@ class GradientCapture:
     async def _take(self, slot: ParamSlot, capture: Capture, grad: torch.Tensor, previous: Capture | None, *, arrived: bool) -> None:
         if previous is not None and previous.task is not None:  # one copy into the key at a time
             await asyncio.gather(previous.task, return_exceptions=True)
-        if capture.lent is None and slot.chunks is None:  # a chunked one crosses chunk by chunk, in its update
+        if capture.lent is None and slot.chunks is None and not capture.deferred:  # (else: crossing in its update)
             async with self._store.fill(slot.grad_key, grad.shape, grad.dtype, self._tier) as buffer:
                 transfer = slot.link.to_host(buffer, grad, after=capture.marker)
                 await transfer
@@ -197,6 +210,7 @@ class GradientCapture:
         report = self._report()
         report.grad_retakes += 1
         report.grad_retake_bytes += grad.nbytes
+        fresh.deferred = (source is None or source is grad) and self._defers(grad)
         slot.capture = fresh
         fresh.task = asyncio.ensure_future(self._take(slot, fresh, source if source is not None else grad, None, arrived=False))
         await fresh.task

@@ -239,6 +239,7 @@ class PagedOptimizer(torch.optim.Optimizer):
                 self.store, state_tier, self._loop, hint=gradient_accumulation_steps, in_backward=step_in_backward,
                 arrived=self._runner.arrived, report=lambda: self._window.report, timeline=self.timeline,
             )
+            self._capture.defer = self._pipeline.pages_below
             run(self._adopt())
             self._window.watch(lambda: run(state_residency(self.store, self._slots, self.state_tier)))
         except BaseException:

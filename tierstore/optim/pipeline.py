@@ -92,6 +92,11 @@ class UpdatePipeline:
         #: State-tier bytes the updates in flight may hold at once (from ``plan``).
         self._room = 0
 
+    @property
+    def pages_below(self) -> bool:
+        """Whether state can page below the state tier (as ``plan`` found the store)."""
+        return not self._flat
+
     # -- planning ---------------------------------------------------------------------------------
 
     def plan(self, slots: Sequence[ParamSlot], bucket_bytes: int, max_inflight: int, in_backward: bool, chunk_bytes: int = 0) -> None:
@@ -218,7 +223,10 @@ class UpdatePipeline:
         ``after``: the link's marker of the device work that must end before weights are written.
         A slot paged in chunks is updated on its own, chunk by chunk."""
         if slot.chunks is not None:
-            task = asyncio.ensure_future(self._update_chunked(slot, coef, self.scale, after))
+            # In the step's order: the slots added before it go first (their bucket launched),
+            # and its runs queue for the in-flight places now, before the slots added after it.
+            self.launch(coef)
+            task = asyncio.ensure_future(self._update_chunked(slot, self._start_runs(slot, coef, self.scale, after)))
             self._running.append(([slot], task))
             return
         need = self.need(slot)
@@ -252,7 +260,7 @@ class UpdatePipeline:
         todo = [slot for slot in slots if not slot.updated]
         async with self._gate, AsyncExitStack() as stack:
             states = await _enter_all(stack, [self._owner._state(slot) for slot in slots], at_once=self._flat)
-            grads = await _enter_all(stack, [self.grad(slot) for slot in todo], at_once=self._flat)
+            grads = await _enter_all(stack, [self.grad_for_update(slot) for slot in todo], at_once=self._flat)
             job = partial(self._compute_bucket, slots, states, grads, coef, scale)
             outgoing, started, computed, ended = await self.math(job)
             for slot in todo:
@@ -276,23 +284,50 @@ class UpdatePipeline:
             raise RuntimeError(f"internal error: parameter {slot.index} has no gradient to update from")
         if capture.lent is not None:
             return nullcontext(capture.lent)
-        if slot.chunks is not None:  # not copied whole: its norm is taken where it is
+        if slot.chunks is not None or capture.deferred:  # not copied whole (yet): its norm is taken where it is
             return nullcontext(_device_grad(slot, capture))
         return self._store.hold(slot.grad_key, self._tier)
 
+    def grad_for_update(self, slot: ParamSlot) -> AbstractAsyncContextManager[torch.Tensor]:
+        """This step's gradient of ``slot`` on the host, for its update: as ``grad``, but a
+        deferred capture is copied over the link now, into a scratch buffer of the state tier
+        that goes with the bucket (never a value, so never written to the disk)."""
+        capture = slot.capture
+        if capture is not None and capture.deferred and capture.lent is None and slot.chunks is None:
+            grad = _device_grad(slot, capture)
+            return self._grad_copy(slot, capture, grad.reshape(-1), slot.grad_key, grad.shape)
+        return self.grad(slot)
+
+    @asynccontextmanager
+    async def _grad_copy(
+        self, slot: ParamSlot, capture: Capture, source: torch.Tensor, key: str, shape: torch.Size
+    ) -> AsyncIterator[torch.Tensor]:
+        """``source`` (flat, on the device) copied over the link into a scratch buffer of ``shape``."""
+        async with scratch(self._store, key, (source.numel(),), source.dtype, self._tier) as buffer:
+            transfer = slot.link.to_host(buffer, source, after=capture.marker)
+            await transfer
+            report = self._report()
+            report.grads_to_host += transfer.seconds
+            report.grads_to_host_bytes += transfer.nbytes
+            self._timeline.add(f"grad {slot.index}", "grads to host", transfer.started or 0.0, transfer.ended or 0.0, bytes=transfer.nbytes)
+            yield buffer.view(shape)
+
     # -- chunks -------------------------------------------------------------------------------------
 
-    async def _update_chunked(self, slot: ParamSlot, coef: torch.Tensor | None, scale: torch.Tensor | None, after: Any) -> None:
-        """Update ``slot`` chunk by chunk (chunks already done by a failed attempt are skipped):
-        consecutive chunks in runs of up to ``bucket_bytes`` (one math call, one thread hop
-        each), each run taking one of the ``inflight`` places in turn."""
+    def _start_runs(self, slot: ParamSlot, coef: torch.Tensor | None, scale: torch.Tensor | None, after: Any) -> list[asyncio.Future[None]]:
+        """Start updating ``slot`` chunk by chunk (chunks already done by a failed attempt are
+        skipped): consecutive chunks in runs of up to ``bucket_bytes`` (one math call, one thread
+        hop each), each run taking one of the ``inflight`` places in turn."""
         if self._gate is None:
             self._gate = asyncio.Semaphore(self.inflight)
         if not slot.updated:
             self._owner._begin_chunks(slot)
         chunks = [chunk for chunk in slot.chunks or [] if chunk.index not in slot.chunks_written]
         runs = self._chunk_runs(slot, chunks[::-1] if self.reverse else chunks)
-        tasks = [asyncio.ensure_future(self._update_run(slot, runs, i, coef, scale, after)) for i in range(len(runs))]
+        return [asyncio.ensure_future(self._update_run(slot, runs, i, coef, scale, after)) for i in range(len(runs))]
+
+    async def _update_chunked(self, slot: ParamSlot, tasks: list[asyncio.Future[None]]) -> None:
+        """Wait for the runs of ``slot`` (``_start_runs``), then finish its update."""
         results = await asyncio.gather(*tasks, return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
@@ -374,12 +409,7 @@ class UpdatePipeline:
             yield capture.lent.reshape(-1)[chunk.start : chunk.stop]
             return
         source = _device_grad(slot, capture).reshape(-1)[chunk.start : chunk.stop]
-        async with scratch(self._store, f"{chunk.key}/grad", (chunk.numel,), source.dtype, self._tier) as buffer:
-            transfer = slot.link.to_host(buffer, source, after=capture.marker)
-            await transfer
-            report = self._report()
-            report.grads_to_host += transfer.seconds
-            report.grads_to_host_bytes += transfer.nbytes
+        async with self._grad_copy(slot, capture, source, f"{chunk.key}/grad", source.shape) as buffer:
             yield buffer
 
     def _compute_chunks(

@@ -43,6 +43,8 @@ class Capture:
     #: Where the gradient's memory was and how it was laid out: ``p.grad.data = other`` keeps
     #: the tensor object and its version counter but not these.
     memory: tuple[int, tuple[int, ...], tuple[int, ...]] | None = None
+    #: Not copied when taken: the update copies it over the link into a scratch buffer.
+    deferred: bool = False
 
     def matches(self, grad: torch.Tensor | None, version: int | None) -> bool:
         """Whether this copy is ``grad`` at ``version`` (``p.grad`` as ``step()`` sees it), in
