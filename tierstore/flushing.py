@@ -112,12 +112,13 @@ async def _flush_plan_locked(engine: Engine, disk: DiskTier, d: int, plan: list[
     # The metadata of each source's value is taken now: a put without an await (a small value
     # onto memory, ``Engine.put_memory_now``) may give the entry a new value, of another size,
     # while the writes below are in flight; the source keeps the old one (it is in use).
-    planned = [(e, c, e.meta) for e, c in plan if engine.entries.get(e.key) is e and c.version == e.version and not c.retired]
-    # Small values go inline into their records, built here at once (no extent, no I/O task):
-    # a flush of many small keys is one transaction.
-    small = [(e, c, m) for e, c, m in planned if disk.holds_inline(m.nbytes)]
-    large = [(e, c, m) for e, c, m in planned if not disk.holds_inline(m.nbytes)]
-    inline: list[tuple[Entry, Copy, DiskRecord, TensorMeta]] = []
+    with gc_paused():  # (10^5 small keys make 10^5 tuples here: no full collection meanwhile)
+        planned = [(e, c, e.meta) for e, c in plan if engine.entries.get(e.key) is e and c.version == e.version and not c.retired]
+        # Small values go inline into their records, built here at once (no extent, no I/O
+        # task): a flush of many small keys is one transaction.
+        small = [(e, c, m) for e, c, m in planned if disk.holds_inline(m.nbytes)]
+        large = [(e, c, m) for e, c, m in planned if not disk.holds_inline(m.nbytes)]
+    inline: list[tuple[Entry, Copy, bytes, TensorMeta]] = []
     limit = asyncio.Semaphore(FLUSH_CONCURRENCY)
     written: list[tuple[Entry, Copy, Extent, tuple[int, ...], TensorMeta]] = []
 
@@ -139,8 +140,8 @@ async def _flush_plan_locked(engine: Engine, disk: DiskTier, d: int, plan: list[
         with gc_paused():
             for entry, source, meta in small:
                 disk.reserve_inline(meta.nbytes)
-                try:
-                    record = disk.inline_record(entry.key, meta, source.payload(meta.nbytes), source.version)
+                try:  # (the record in its binary form: no record object per key)
+                    record = disk.inline_raw(entry.key, meta, source.payload(meta.nbytes), source.version)
                 except BaseException:
                     disk.release_inline(meta.nbytes)
                     raise
@@ -150,7 +151,7 @@ async def _flush_plan_locked(engine: Engine, disk: DiskTier, d: int, plan: list[
         await asyncio.gather(*tasks)
         await disk.sync_segments({extent.segment for _, _, extent, _, _ in written})
         with gc_paused():
-            changes: list[tuple[str, DiskRecord | None]] = [
+            changes: list[tuple[str, DiskRecord | bytes | None]] = [
                 (e.key, DiskRecord(e.key, m, extent, c.version, sums)) for e, c, extent, sums, m in written
             ]
             changes += [(e.key, record) for e, _, record, _ in inline]
@@ -167,8 +168,15 @@ async def _flush_plan_locked(engine: Engine, disk: DiskTier, d: int, plan: list[
     with gc_paused():
         installed = [(e, c, Copy(d, c.version, extent=extent, checksums=sums)) for e, c, extent, sums, _ in written]
         installed += [(e, c, Copy(d, c.version, inline=m.nbytes)) for e, c, _, m in inline]
+        writebacks = [0] * len(engine.names)
         for entry, source, new in installed:
             engine.install_disk(entry, d, new, None)
-            engine.counters.tier(engine.names[source.tier]).writebacks += 1
+            writebacks[source.tier] += 1
             if entry.version == source.version:
                 engine.observe("writeback", entry.key, entry.meta.nbytes, d, hit=None)
+        for t, count in enumerate(writebacks):
+            if count:
+                engine.counters.tier(engine.names[t]).writebacks += count
+        # The per-key tuples freed while paused: the collector, back on, finds no young
+        # objects of this flush to walk (at 10^5 keys that walk cost a fifth of the flush).
+        del installed, changes, inline, planned, small, large

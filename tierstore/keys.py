@@ -14,6 +14,7 @@ import hashlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from functools import partial
 
 from .errors import InvalidKeyError
 
@@ -60,6 +61,11 @@ def check_key(key: object) -> str:
     return key
 
 
+#: The hash of a key's UTF-8 bytes whose ``digest()`` is its catalog address (for loops over
+#: encoded keys, such as the catalog's scan on open: no decoding and encoding back).
+address_hash = partial(hashlib.blake2b, digest_size=20)
+
+
 def key_digest(key: str) -> bytes:
     """The 20-byte catalog address of ``key``."""
-    return hashlib.blake2b(key.encode("utf-8"), digest_size=20).digest()
+    return address_hash(key.encode("utf-8")).digest()

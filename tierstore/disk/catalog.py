@@ -23,7 +23,7 @@ import lmdb
 import torch
 
 from ..errors import CatalogError, DiskFullError, StoreClosedError
-from ..keys import key_digest
+from ..keys import address_hash, key_digest
 from ..tensors import TensorMeta, dtype_from_name, dtype_name
 from .extents import Extent
 from .files import is_disk_full
@@ -51,6 +51,10 @@ _EXTENT, _INLINE = 1, 2
 _HEAD = struct.Struct("<BBBBIQ")
 _EXTENT_PART = struct.Struct("<IQQI")  # segment, offset, length, number of checksums
 _CHECKSUM = struct.Struct("<I")
+#: The same header read as half-words for the scan on open: magic and kind (``_INLINE_TAG`` for
+#: an inline record), ndim and the dtype name's length (low byte, high byte), key length, version.
+_SCAN_HEAD = struct.Struct("<HHIQ")
+_INLINE_TAG = _BINARY | _INLINE << 8
 _DTYPE_NAMES: dict[str, bytes] = {}
 _DTYPES_BY_NAME: dict[bytes, torch.dtype] = {}
 
@@ -183,6 +187,24 @@ class DiskRecord:
 #: A queued catalog change: key -> its new record (or, for a staged small put, the record's
 #: binary form), or None to delete it.
 _Change = tuple[str, "DiskRecord | bytes | None"]
+
+
+@dataclass
+class InlineScan:
+    """The values inline in a catalog, as ``Catalog.scan`` found them: the i-th key's metadata
+    (shared objects) and version are ``metas[i]`` and ``versions[i]``; ``nbytes`` is their
+    total size. Iterating yields ``(key, meta, version)``."""
+
+    keys: list[str]
+    metas: list[TensorMeta]
+    versions: list[int]
+    nbytes: int
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __iter__(self) -> Iterator[tuple[str, TensorMeta, int]]:
+        return zip(self.keys, self.metas, self.versions, strict=True)
 
 
 #: The dtype-and-shape part of inline records, by metadata (a store keeps few distinct ones).
@@ -425,43 +447,59 @@ class Catalog:
                     raise CatalogError(f"catalog record for {record.key!r} is filed under the wrong address")
                 yield digest, record
 
-    def scan(self) -> tuple[dict[str, DiskRecord], list[tuple[str, TensorMeta, int]]]:
+    def scan(self) -> tuple[dict[str, DiskRecord], InlineScan]:
         """Every committed record, validated as ``records`` does, split for a fast open: the
-        records of values in extents by key, and ``(key, meta, version)`` of each value inline
-        (no record object made for those: a store of a million small keys opens in seconds).
-        Equal metadata comes back as one shared object."""
-        extents: dict[str, DiskRecord] = {}
-        inline: list[tuple[str, TensorMeta, int]] = []
-        add = inline.append
-        metas: dict[bytes, TensorMeta] = {}
-        head, head_size = _HEAD.unpack_from, _HEAD.size
+        records of values in extents by key, and the keys, metadata and versions of the values
+        inline (no record object made for those: a store of a million small keys opens in
+        seconds). Equal metadata comes back as one shared object."""
         from ..entry import shared_meta  # (entry imports the tiers, which import this module)
 
-        with self._env.begin(db=self._entries, buffers=True) as txn:
+        extents: dict[str, DiskRecord] = {}
+        found = InlineScan([], [], [], 0)
+        keys, metas, versions = found.keys, found.metas, found.versions
+        add_key, add_meta, add_version = keys.append, metas.append, versions.append
+        # What follows the fixed header of an inline record (dtype name, then shape) ->
+        # (the header's dtype-and-shape half-word, the shared meta, its nbytes). A store keeps
+        # few distinct ones; each is parsed in full once (the slow path), then recognized.
+        described: dict[bytes, tuple[int, TensorMeta, int]] = {}
+        head, head_size, checksum_size, tag_inline = _SCAN_HEAD.unpack_from, _SCAN_HEAD.size, _CHECKSUM.size, _INLINE_TAG
+        hasher, inline_bytes = address_hash, 0
+        # (records as bytes, not buffers: slicing bytes is cheaper than making memoryviews)
+        with self._env.begin(db=self._entries) as txn:
             for digest, raw in txn.cursor():
                 try:
-                    magic, kind, ndim, dtype_len, key_len, version = head(raw, 0)
-                    if magic != _BINARY or kind != _INLINE:
+                    tag, form, key_len, version = head(raw, 0)
+                    at = head_size + (form >> 8) + 8 * (form & 0xFF)  # past the dtype name and shape
+                    known = described.get(raw[head_size:at])
+                    if known is None or tag != tag_inline or known[0] != form or not key_len:
                         raise _SlowPath
-                    at = head_size + dtype_len + 8 * ndim
-                    described = bytes(raw[2:4]) + raw[head_size:at]  # ndim, dtype name length, dtype name, shape
-                    meta = metas.get(described)
-                    if meta is None:
-                        meta = metas[described] = shared_meta(DiskRecord.from_bytes(raw, with_data=False).meta)
-                    key = str(raw[at : at + key_len], "utf-8")
-                    if not key or len(raw) - at - key_len - _CHECKSUM.size != meta.nbytes:
+                    end = at + key_len
+                    nbytes = known[2]
+                    if len(raw) - end - checksum_size != nbytes:
                         raise _SlowPath  # (the full parse names what is wrong)
-                except (_SlowPath, struct.error, UnicodeDecodeError, ValueError):
-                    record = self._parse(bytes(digest), raw)
+                    encoded = raw[at:end]
+                    if hasher(encoded).digest() != digest:
+                        raise _SlowPath  # (the full parse raises for a record under another key's address)
+                    add_key(encoded.decode("utf-8"))
+                except (_SlowPath, struct.error, UnicodeDecodeError):
+                    record = self._parse(digest, raw)
                     if record.extent is not None:
                         extents[record.key] = record
-                    else:
-                        add((record.key, shared_meta(record.meta), record.version))
+                        continue
+                    meta = shared_meta(record.meta)
+                    if raw[0] == _BINARY:  # (the next records of this dtype and shape take the fast path)
+                        form = _SCAN_HEAD.unpack_from(raw, 0)[1]
+                        described[raw[head_size : head_size + (form >> 8) + 8 * (form & 0xFF)]] = (form, meta, meta.nbytes)
+                    add_key(record.key)
+                    add_meta(meta)
+                    add_version(record.version)
+                    inline_bytes += meta.nbytes
                     continue
-                if key_digest(key) != digest:
-                    raise CatalogError(f"catalog record for {key!r} is filed under the wrong address")
-                add((key, meta, version))
-        return extents, inline
+                add_meta(known[1])
+                add_version(version)
+                inline_bytes += nbytes
+        found.nbytes = inline_bytes
+        return extents, found
 
     def _parse(self, digest: bytes, raw: bytes | memoryview) -> DiskRecord:
         try:

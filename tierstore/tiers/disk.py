@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..device import link_for
-from ..disk.catalog import Catalog, CatalogLayout, DiskRecord, inline_bytes
+from ..disk.catalog import Catalog, CatalogLayout, DiskRecord, InlineScan, inline_bytes
 from ..disk.compact import compact, plan_compaction
 from ..disk.extents import Extent, ExtentAllocator
 from ..disk.files import (
@@ -149,9 +149,9 @@ class DiskTier(Tier):
     """
 
     kind: ClassVar[str] = "disk"
-    #: ``(key, meta, version)`` of each value inline in the catalog, found on open (the store
-    #: adopts them as entries; ``loaded`` holds the records of the values in extents).
-    loaded_inline: list[tuple[str, TensorMeta, int]] | tuple[()] = ()
+    #: The values inline in the catalog, found on open (the store adopts them as entries;
+    #: ``loaded`` holds the records of the values in extents).
+    loaded_inline: InlineScan | tuple[()] = ()
 
     def __init__(
         self,
@@ -343,7 +343,7 @@ class DiskTier(Tier):
                 self._catalog.commit_now([], layout)
             self._allocator.drop_tail(count)
             self._files.remove_tail(count)
-        self._inline_bytes = sum(meta.nbytes for _, meta, _ in inline)
+        self._inline_bytes = inline.nbytes
         self.loaded = records
         self.loaded_inline = inline
 
@@ -655,17 +655,14 @@ class DiskTier(Tier):
         """The catalog record holding the first ``meta.nbytes`` bytes of the uint8 buffer ``src``
         (or ``src`` itself, bytes of exactly the value) inline, with their checksum (a copy:
         ``src`` may be reused once this returns)."""
-        if isinstance(src, bytes):
-            data = src
-        else:
-            nbytes = meta.nbytes
-            if src.device.type != "cpu":
-                src = src[:nbytes].cpu()
-            if src.numel() < nbytes or src.element_size() != 1 or not src.is_contiguous():
-                raise ValueError(f"inline record of {key!r} needs a contiguous byte buffer of {nbytes} bytes")
-            # (a contiguous CPU buffer of at least nbytes: read its memory at once, no views)
-            data = ctypes.string_at(src.data_ptr(), nbytes) if nbytes else b""
+        data = _payload(key, meta, src)
         return DiskRecord(key, meta, None, version, (checksum_bytes(data),), data, inline=True)
+
+    def inline_raw(self, key: str, meta: TensorMeta, src: torch.Tensor | bytes, version: int) -> bytes:
+        """``inline_record``'s record in its binary form, made without a record object (what a
+        flush of many small keys commits)."""
+        data = _payload(key, meta, src)
+        return inline_bytes(key, meta, version, checksum_bytes(data), data)
 
     def _inline_data(self, key: str, version: int) -> bytes | bytearray:
         """The verified bytes of the inline value ``version`` of ``key``. Raises
@@ -753,11 +750,19 @@ class DiskTier(Tier):
         """Return once every catalog change queued so far is committed."""
         await self._require_catalog().drain()
 
-    async def commit(self, changes: list[tuple[str, DiskRecord | None]]) -> None:
-        """Apply catalog changes (key -> record, or None to delete) durably, in one transaction."""
+    async def commit(self, changes: list[tuple[str, DiskRecord | bytes | None]]) -> None:
+        """Apply catalog changes (key -> record, or the binary form of an inline one as
+        ``inline_raw`` makes it, or None to delete) durably, in one transaction."""
         self._require_open()
-        with self.io.catalog_commit(changes, None):
-            await self._require_catalog().commit(changes)
+        with self.io.catalog_commit(self._as_records(changes), None):
+            await self._require_catalog().commit(changes)  # type: ignore[arg-type]
+
+    def _as_records(self, changes: list[tuple[str, DiskRecord | bytes | None]]) -> list[tuple[str, DiskRecord | None]]:
+        """``changes`` as records, for an ``io`` that watches commits (fault injection); as they
+        are for the plain one, which ignores them (no parse per key of a large flush)."""
+        if type(self.io).catalog_commit is FileIO.catalog_commit:
+            return changes  # type: ignore[return-value]
+        return [(key, DiskRecord.from_bytes(r) if isinstance(r, bytes) else r) for key, r in changes]
 
     def committed(self) -> dict[str, DiskRecord]:
         """The records in the catalog now, by key: where each committed value lies on disk (for
@@ -796,3 +801,17 @@ class DiskTier(Tier):
         if self._files is None:
             raise StoreClosedError(f"disk tier {self.name!r} at {self.root} is not open")
         return self._files
+
+
+def _payload(key: str, meta: TensorMeta, src: torch.Tensor | bytes) -> bytes:
+    """The first ``meta.nbytes`` bytes of the uint8 buffer ``src`` (``src`` itself if bytes),
+    copied out."""
+    if isinstance(src, bytes):
+        return src
+    nbytes = meta.nbytes
+    if src.device.type != "cpu":
+        src = src[:nbytes].cpu()
+    if src.numel() < nbytes or src.element_size() != 1 or not src.is_contiguous():
+        raise ValueError(f"inline record of {key!r} needs a contiguous byte buffer of {nbytes} bytes")
+    # (a contiguous CPU buffer of at least nbytes: read its memory at once, no views)
+    return ctypes.string_at(src.data_ptr(), nbytes) if nbytes else b""
