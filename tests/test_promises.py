@@ -342,13 +342,18 @@ async def test_a_store_collected_while_open_releases_its_folder(tmp_path: Path) 
 
 def slow_writes(disk: DiskTier, seconds: float) -> None:
     """Make every data write of ``disk`` take ``seconds`` longer (fault injection)."""
-    write = disk.write
+    write, write_committed = disk.write, disk.write_committed
 
     async def slow(*args, **kwargs):  # type: ignore[no-untyped-def]
         await asyncio.sleep(seconds)
         return await write(*args, **kwargs)
 
+    async def slow_committed(*args, **kwargs):  # type: ignore[no-untyped-def]  # (a put's write and commit)
+        await asyncio.sleep(seconds)
+        return await write_committed(*args, **kwargs)
+
     disk.write = slow  # type: ignore[method-assign]
+    disk.write_committed = slow_committed  # type: ignore[method-assign]
 
 
 async def test_a_cancelled_flush_keeps_its_sources_until_its_commit(tmp_path: Path) -> None:

@@ -495,15 +495,21 @@ class Engine:
                         return
                     extent = await disk.allocate(meta.nbytes)
                     started = time.perf_counter()
-                    try:
-                        checksums = await disk.write(extent, src, meta.nbytes, priority)
-                        stale = version is not None and (entry.version != version or self.entries.get(entry.key) is not entry)
+                    written = entry
+
+                    def record_for(checksums: tuple[int, ...]) -> DiskRecord | None:
+                        # (on the I/O thread that ends the write, just before the commit: reads only)
+                        stale = version is not None and (written.version != version or self.entries.get(written.key) is not written)
                         if stale or (abandon is not None and abandon.is_set()):
+                            return None
+                        return DiskRecord(written.key, meta, extent, version if version is not None else next(self.versions), checksums)
+
+                    try:
+                        record = await disk.write_committed(extent, src, meta.nbytes, record_for, priority)
+                        if record is None:
                             disk.release(extent)
                             return
-                        record_version = version if version is not None else next(self.versions)
-                        record = DiskRecord(entry.key, meta, extent, record_version, checksums)
-                        await disk.commit([(entry.key, record)])
+                        record_version, checksums = record.version, record.checksums
                     except BaseException:
                         disk.release(extent)
                         raise

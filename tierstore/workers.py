@@ -41,17 +41,22 @@ class _Batch:
         limit: int,
         then: Callable[[], Any] | None,
         loop: asyncio.AbstractEventLoop,
+        finish: Callable[[list[Any]], Any] | None = None,
     ) -> None:
         self.pool = pool
         self.fns: list[Callable[[], Any]] | None = list(fns)
         self.priority = priority
         self.limit = limit
         self.then = then
+        self.finish = finish
         self.loop = loop
         self.future: asyncio.Future[list[Any]] = loop.create_future()
         self.results: list[Any] = [None] * len(self.fns)
         self.errors: dict[int, BaseException] = {}
         self.skip = False
+        #: Whether the outcome went to ``future`` (under the lock: a cancelled caller swaps in
+        #: a new future to wait on, unless it was)
+        self.delivered = False
         self._left = len(self.fns)
         self._next = 0
         self._lock = threading.Lock()
@@ -92,12 +97,20 @@ class _Batch:
                 self.then()
             except BaseException as exc:
                 self.errors[len(self.results)] = exc
+        if self.finish is not None and not self.errors and not self.skip:
+            try:
+                self.finish(self.results)
+            except BaseException as exc:
+                self.errors[len(self.results) + 1] = exc
         # An idle thread must not keep the batch's functions (and the buffers they name) alive
         # until the next job: a freed tier buffer would stay allocated outside every budget.
         self.fns = None
-        self.then = None
+        self.then = self.finish = None
         error = self.errors[min(self.errors)] if self.errors else None
-        _deliver(self.loop, self.future, self.results, error)
+        with self._lock:
+            self.delivered = True
+            future = self.future
+        _deliver(self.loop, future, self.results, error)
 
 
 _STOP = None
@@ -146,13 +159,16 @@ class WorkerPool:
         priority: Priority = Priority.DEMAND,
         limit: int | None = None,
         then: Callable[[], Any] | None = None,
+        finish: Callable[[list[T]], Any] | None = None,
     ) -> list[T]:
         """Run every function concurrently on the pool; return their results in order.
 
         ``limit``: at most this many of them queued or running at once (default: all; the
         pool's threads bound it anyway). ``then``: run on a worker thread once every function
         has returned without error, before the results come back (e.g. an fdatasync after the
-        writes: no extra trip through the event loop).
+        writes: no extra trip through the event loop). ``finish``: run on that thread after
+        ``then``, given the results (e.g. the catalog commit of what was written); an exception
+        it raises is raised here.
 
         If any raises, the first exception (in the order of ``fns``) is raised after all have
         finished. If the caller is cancelled, jobs not yet started are skipped, ``then`` is not
@@ -161,20 +177,26 @@ class WorkerPool:
         if not self._workers:
             raise RuntimeError(f"worker pool {self.name!r} is not running")
         if not fns:
-            if then is not None:
-                await self.run(then, priority)
+            if then is not None or finish is not None:
+                await self.run(lambda: _then_finish(then, finish), priority)
             return []
         if limit is not None and limit < 1:
             raise ValueError(f"limit must be at least 1, not {limit}")
-        batch = _Batch(self, fns, int(priority), limit or len(fns), then, asyncio.get_running_loop())
+        batch = _Batch(self, fns, int(priority), limit or len(fns), then, asyncio.get_running_loop(), finish)
         batch.submit_first()
         try:
-            results = await asyncio.shield(batch.future)
+            # (not shielded: one turn of the loop less; a cancellation cancels this future,
+            # and the jobs still running report to a new one)
+            return await batch.future
         except asyncio.CancelledError:
-            batch.skip = True
-            await wait_uncancelled(batch.future)
+            with batch._lock:
+                batch.skip = True
+                rest = None if batch.delivered else batch.loop.create_future()
+                if rest is not None:
+                    batch.future = rest
+            if rest is not None:
+                await wait_uncancelled(rest)
             raise
-        return results
 
     def _put(self, batch: _Batch, index: int) -> None:
         self._queue.put((batch.priority, next(self._seq), batch, index))
@@ -186,6 +208,13 @@ class WorkerPool:
                 return
             batch.run(index)
             batch = None  # (see _Batch._finish)
+
+
+def _then_finish(then: Callable[[], Any] | None, finish: Callable[[list[Any]], Any] | None) -> None:
+    if then is not None:
+        then()
+    if finish is not None:
+        finish([])
 
 
 def _deliver(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:

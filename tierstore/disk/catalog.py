@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import json
 import struct
+import threading
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -340,6 +342,12 @@ class Catalog:
         #: The timer that starts committing staged changes (``stage_inline``), if one is set.
         self._kick: asyncio.TimerHandle | None = None
         self.layout: CatalogLayout | None = None
+        #: Held by whichever thread runs a write transaction (the writer, or a worker thread
+        #: committing the record of what it just wrote: ``commit_here``): one at a time.
+        self._txn_lock = threading.RLock()
+        #: Commits handed straight to the writer thread (``commit``'s uncontended path) and
+        #: not yet done: while any is, the next ones queue for a shared transaction.
+        self._direct = 0
 
     def open(self, create_layout: CatalogLayout | None) -> CatalogLayout:
         """Open the database. A new one gets ``create_layout`` (None: a new one is an error, as
@@ -575,7 +583,70 @@ class Catalog:
             await loop.run_in_executor(self._writer, self._write_sync, changes, layout)
             self.layout = layout
             return
+        if self._idle() and not any(key in self._staged for key, _ in changes):
+            await self._commit_direct(changes)
+            return
         await asyncio.shield(self._enqueue(changes, waited=True))
+
+    def _idle(self) -> bool:
+        """Nothing queued, failed or being committed: a commit arriving now would be alone."""
+        flushing = self._flushing
+        return not self._direct and not self._pending and not self._retry and (flushing is None or flushing.done())
+
+    async def _commit_direct(self, changes: list[tuple[str, DiskRecord | None]]) -> None:
+        """An uncontended commit: its transaction handed to the writer thread at once, which
+        settles the one future waited for here (no flush task, no executor future). Commits
+        arriving meanwhile queue and share the next transaction (group commit)."""
+        writer = self._writer
+        if writer is None:
+            raise StoreClosedError(f"the catalog in {self.path} is closed")
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        group: list[_Change] = list(changes)
+
+        def job() -> None:
+            try:
+                self._write_sync(group, None)
+            except BaseException as exc:
+                _deliver(loop, done, exc)
+            else:
+                _deliver(loop, done, None)
+
+        self._direct += 1
+        try:
+            writer.submit(job)
+            # (a cancelled caller stops waiting; the transaction goes on, as a queued one would)
+            await done
+        finally:
+            self._direct -= 1
+
+    def commit_here(
+        self, changes: list[tuple[str, DiskRecord | None]], scope: Callable[[], AbstractContextManager[None]] | None = None
+    ) -> bool:
+        """On a worker thread: durably apply ``changes`` in a transaction of their own, run on
+        this thread, if the catalog is idle (no transaction running, nothing queued, none of
+        their keys with a change under way); ``scope()`` is entered around the transaction.
+        False (nothing done, ``scope`` not entered) otherwise: the caller then ``commit``s
+        them on the loop, in a shared transaction. The caller keeps other changes of these
+        keys from starting meanwhile (the engine's disk lock)."""
+        if self._env is None or not self._txn_lock.acquire(blocking=False):
+            return False
+        try:
+            # (read from this thread: a change queued by the loop just after this check
+            # waits for the lock, and names none of these keys)
+            if self._direct or self._pending or self._retry or any(key in self._staged for key, _ in changes):
+                return False
+            flushing = self._flushing
+            if flushing is not None and not flushing.done():
+                return False
+            if scope is None:
+                self._write_sync(changes, None)
+            else:
+                with scope():
+                    self._write_sync(changes, None)
+            return True
+        finally:
+            self._txn_lock.release()
 
     def stage(self, changes: list[tuple[str, DiskRecord | None]]) -> asyncio.Future[None]:
         """Queue ``changes`` for the next transaction without waiting for it (a non-durable
@@ -727,6 +798,10 @@ class Catalog:
         self._retry.append((group, done, waited))
 
     def _write_sync(self, changes: Sequence[_Change], layout: CatalogLayout | None) -> None:
+        with self._txn_lock:
+            self._write_locked(changes, layout)
+
+    def _write_locked(self, changes: Sequence[_Change], layout: CatalogLayout | None) -> None:
         while True:
             try:
                 with self._env.begin(write=True) as txn:
@@ -749,6 +824,13 @@ class Catalog:
                 if is_disk_full(exc) or "No space left" in str(exc):
                     raise DiskFullError(28, f"the catalog in {self.path} cannot grow: {exc}") from None
                 raise CatalogError(f"the catalog in {self.path} failed to commit: {exc}") from None
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, done: asyncio.Future[None], exc: BaseException | None) -> None:
+    try:
+        loop.call_soon_threadsafe(_settle, done, exc)
+    except RuntimeError:  # a closed loop: nobody is waiting any more
+        pass
 
 
 class _SlowPath(Exception):

@@ -8,6 +8,7 @@ import ctypes
 import os
 import shutil
 import weakref
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import ClassVar
@@ -206,6 +207,8 @@ class DiskTier(Tier):
         self._pid: int | None = None
         self._grow_lock: asyncio.Lock | None = None
         self._trim_task: asyncio.Task[None] | None = None
+        #: ``write_committed`` calls under way (one alone may commit on its I/O thread).
+        self._writing = 0
         #: Records found on open, by key (the store adopts them as entries).
         self.loaded: dict[str, DiskRecord] = {}
 
@@ -579,6 +582,56 @@ class DiskTier(Tier):
         pieces = split_chunks(chunks, self.queue_depth)
         writes = [partial(files.write_chunk, extent.segment, extent.offset + start, src, start, length) for _, start, length in pieces]
         return combine_pieces(pieces, await self.pool.run_all(writes, priority, limit=self.queue_depth, then=then), len(chunks))
+
+    async def write_committed(
+        self,
+        extent: Extent,
+        src: torch.Tensor,
+        nbytes: int,
+        record_for: Callable[[tuple[int, ...]], DiskRecord | None],
+        priority: Priority = Priority.DEMAND,
+    ) -> DiskRecord | None:
+        """``write`` then ``commit`` of the record ``record_for(checksums)`` makes (None: give
+        up, nothing committed), in one trip from the loop where it can be: the thread that
+        ends the last data job (after the fdatasync) commits the record itself when the catalog
+        is idle (``Catalog.commit_here``) and no other such write is under way on this tier;
+        otherwise (their commits are coming: they share a transaction), or for a buffer in
+        device memory, the record joins the loop's group commit. ``record_for`` runs on that
+        thread (it must only read loop state). Returns the committed record, or None if given
+        up."""
+        files, catalog = self._require_open(), self._require_catalog()
+        if src.device.type != "cpu":
+            record = record_for(await self.write(extent, src, nbytes, priority))
+            if record is not None:
+                await self.commit([(record.key, record)])
+            return record
+        then = partial(files.sync, extent.segment) if self.durable else None
+        chunks = self._chunks(nbytes)
+        pieces = split_chunks(chunks, self.queue_depth)
+        writes = [partial(files.write_chunk, extent.segment, extent.offset + start, src, start, length) for _, start, length in pieces]
+        outcome: list[tuple[DiskRecord | None, bool]] = []
+
+        def finish(results: list[int]) -> None:
+            record = record_for(combine_pieces(pieces, results, len(chunks)))
+            changes: list[tuple[str, DiskRecord | None]] = [] if record is None else [(record.key, record)]
+            alone = self._writing == 1  # (read here: others started since would share with it)
+            here = alone and record is not None and catalog.commit_here(changes, partial(self.io.catalog_commit, changes, None))
+            outcome.append((record, here))
+
+        self._writing += 1
+        try:
+            await self.pool.run_all(writes, priority, limit=self.queue_depth, then=then, finish=finish)
+        except asyncio.CancelledError:
+            if not (outcome and outcome[0][1]):
+                raise
+            # (committed on the thread as the caller was cancelled: the write took effect, and
+            # its extent is the key's now; the caller must see it so, not free it)
+        finally:
+            self._writing -= 1
+        record, committed = outcome[0]
+        if record is not None and not committed:
+            await self.commit([(record.key, record)])
+        return record
 
     async def sync_segments(self, segments: set[int], priority: Priority = Priority.DEMAND) -> None:
         """Make every write into ``segments`` durable (if the tier is): one fdatasync per file."""
