@@ -195,6 +195,11 @@ class Engine:
             finally:
                 self.cpu.shutdown()
                 self.entries.clear()
+                # The policies forget every copy too: the default one links them (and so their
+                # buffers) through itself, which would keep a closed store's memory alive.
+                for policy in self.policies:
+                    if policy is not None:
+                        policy.reset()
 
     # -- reading -------------------------------------------------------------------------------
 

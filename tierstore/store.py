@@ -41,7 +41,8 @@ __all__ = ["TierRef", "TierStore"]
 
 
 #: Small puts acknowledged before their commit (non-durable disk tier) queue at most this many
-#: keys; a put beyond it waits for the queue to commit.
+#: catalog changes (a newer put of a key not yet committing replaces its queued change); a put
+#: beyond it waits for the queue to commit.
 STAGED_LIMIT = 4096
 _CPU = torch.device("cpu")
 
@@ -100,6 +101,8 @@ class TierStore:
             raise ValueError("durable=True needs a DiskTier to write through to")
         self.durable = bool(durable)
         self._loop: asyncio.AbstractEventLoop | None = None
+        #: Small puts acknowledged before their commit, in the store's life (``_after_staged``).
+        self._staged_puts = 0
         self._namespaces = NamespaceRegistry(self)
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -321,12 +324,15 @@ class TierStore:
         created = entry is None
         if entry is None:
             entry = engine.entries[key] = Entry(key, meta)
-        done = self._put_staged_now(entry, tensor, meta) if disk else engine.put_memory_now(entry, first, as_bytes(tensor), meta)
+        done = False
+        try:
+            done = self._put_staged_now(entry, tensor, meta) if disk else engine.put_memory_now(entry, first, as_bytes(tensor), meta)
+        finally:  # (also when that raised: a closed or forked disk tier must leave no entry behind)
+            if not done and created and not entry.visible and entry.pending_writes == 0 and engine.entries.get(key) is entry:
+                del engine.entries[key]
         if done:
             engine.observe("put", key, meta.nbytes, first, hit=None)
             return first
-        if created and not entry.visible and entry.pending_writes == 0 and engine.entries.get(key) is entry:
-            del engine.entries[key]
         return None
 
     def _put_now(self, entry: Entry, src: torch.Tensor, meta: TensorMeta, t: int) -> bool:
@@ -357,11 +363,13 @@ class TierStore:
 
     async def _after_staged(self) -> None:
         """After a small put acknowledged before its commit: keep the backlog bounded."""
-        queued = self._engine.disk.queued_changes
-        if queued >= STAGED_LIMIT:
+        self._staged_puts += 1
+        if self._engine.disk.queued_changes >= STAGED_LIMIT:
             await self._engine.disk.drain()  # a bounded backlog: a crash loses at most about this many
-        elif queued % 256 == 0:
-            await asyncio.sleep(0)  # a put loop that never awaits lets the group commit start
+        elif self._staged_puts % 256 == 0:
+            # A put loop that never awaits lets the group commit start (counted in puts: puts
+            # of one key replace each other in the backlog, which then never grows).
+            await asyncio.sleep(0)
 
     async def _put_back(self, entry: Entry, src: torch.Tensor, meta: TensorMeta, targets: list[int]) -> None:
         """A write-back put: the value lands on the first of ``targets`` with room."""
@@ -611,40 +619,6 @@ class TierStore:
         if meta.nbytes:
             ctypes.memmove(value.data_ptr(), copy.address, meta.nbytes)
         return value
-
-    def _peek_inline(self, key: object, tier: TierRef) -> torch.Tensor | None:
-        """The current value of a small ``key`` kept inline in the disk tier's catalog, read
-        while changing nothing, so that it may run on another thread than the loop's (the sync
-        facade's get): it reads the entry's version, then the catalog's record of the key, and
-        returns that record's verified bytes only if it holds that very version. None whenever
-        it cannot be sure (anything else, a change under way, any error): the caller then does
-        the full get. The access is not counted here (``_count_get`` does it on the loop)."""
-        engine = self._engine
-        try:
-            if not isinstance(key, str) or is_reserved(key) or not engine.is_open or engine.closing:
-                return None
-            d = engine.disk_index
-            if d is None or engine.index_of(tier) != d:
-                return None
-            entry = engine.entries.get(key)
-            if entry is None or entry.writer is not None:
-                return None
-            version = entry.version
-            if not version:
-                return None
-            # (no look at the entry's copies: making an adopted one's is a change. The catalog
-            # holding an inline record of this very version is the proof: versions are unique.)
-            return engine.disk.read_inline_tensor(key, version, entry.meta)
-        except Exception:  # (closing, replaced, corrupt: the full get says what is wrong)
-            return None
-
-    def _count_get(self, key: str, tier: TierRef) -> None:
-        """Count a get that ``_peek_inline`` served (on the loop thread, after the fact)."""
-        entry = self._engine.entries.get(key)
-        if entry is not None and self._engine.is_open:
-            t = self._engine.index_of(tier)
-            self._engine.count_access(t, True, entry)
-            self._engine.observe("get", key, entry.meta.nbytes, t, hit=True)
 
     async def pop(self, key: str, tier: TierRef = None) -> torch.Tensor:
         """Remove ``key`` and return its value on ``tier``'s device (default: the fastest tier).

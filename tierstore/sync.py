@@ -422,13 +422,9 @@ class SyncTierStore:
 
     def get(self, key: str, tier: TierRef = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
         if out is None:
-            # A small value inline in the disk tier's catalog is read on this thread (the
-            # catalog, with a version check; the access is counted on the loop afterwards)...
-            value = self.store._peek_inline(key, tier)
-            if value is not None:
-                loop_thread().call_soon_threadsafe(self.store._count_get, key, tier)
-                return value
-            # ... another small one (CPU memory) on the loop thread, with no task.
+            # A small value (inline in the disk tier's catalog, or in CPU memory) is read on the
+            # loop thread with no task: one hand-over each way. (Only the loop touches the
+            # store's state, the catalog's memory map included: see DESIGN.md.)
             value = call_now(self.store._get_small_now, key, tier, None)
             if value is not None:
                 return value

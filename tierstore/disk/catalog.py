@@ -334,6 +334,13 @@ class Catalog:
         #: writer waits for it (``get`` reads the newest). A waited change that fails is taken
         #: out and the one before it shows again, so the older ones stay until one commits.
         self._staged: dict[str, list[tuple[_Change, bool]]] = {}
+        #: The changes in ``_staged``, all keys together (what ``queued`` says).
+        self._changes = 0
+        #: Per key in ``_staged``, its newest acknowledged (not waited) change, with (for one
+        #: ``stage_inline`` queued) its group and the ``_pending`` list holding that group: while
+        #: that list is still ``_pending`` the group is not committing, and a newer put of the
+        #: key replaces the change in place instead of queuing another.
+        self._newest: dict[str, tuple[_Change, list[_Change] | None, list[Any] | None]] = {}
         #: Staged groups whose transaction failed, for the next one.
         self._retry: list[tuple[list[_Change], asyncio.Future[None] | None, bool]] = []
         #: The failure of a staged group nobody waited for (raised by ``drain``).
@@ -662,11 +669,29 @@ class Catalog:
             raise StoreClosedError(f"the catalog in {self.path} is closed")
         change: _Change = (key, raw)
         chain = self._staged.get(key)
+        pending = self._pending
         if chain is None:
             self._staged[key] = [(change, False)]
         else:
+            newest = self._newest.get(key)
+            if newest is not None and newest[2] is pending and chain[-1][0] is newest[0]:
+                # Its last change is an acknowledged put not yet committing (and no one waits
+                # for it): replaced in place, so puts of one key keep one change queued.
+                group = newest[1]
+                group[0] = change  # type: ignore[index]
+                chain[-1] = (change, False)
+                self._newest[key] = (change, group, pending)
+                self._kick_later()
+                return
             chain.append((change, False))
-        self._pending.append(([change], None, False))
+        group = [change]
+        pending.append((group, None, False))
+        self._newest[key] = (change, group, pending)
+        self._changes += 1
+        self._kick_later()
+
+    def _kick_later(self) -> None:
+        """Start committing soon, unless a commit is already under way or due."""
         flushing = self._flushing
         if (flushing is None or flushing.done()) and self._kick is None:
             # Not at once: puts that come one at a time (the sync facade's, each a round trip of
@@ -689,6 +714,9 @@ class Catalog:
         group: list[_Change] = [(key, record) for key, record in changes]
         for change in group:
             self._staged.setdefault(change[0], []).append((change, waited))
+            if not waited:
+                self._newest[change[0]] = (change, None, None)
+        self._changes += len(group)
         self._pending.append((group, done, waited))
         if self._flushing is None or self._flushing.done():
             self._flushing = loop.create_task(self._flush())
@@ -703,8 +731,8 @@ class Catalog:
 
     @property
     def queued(self) -> int:
-        """Keys with changes waiting for a transaction."""
-        return len(self._staged)
+        """Changes waiting for (or in) a transaction, all keys together."""
+        return self._changes
 
     @property
     def failed(self) -> bool:
@@ -724,7 +752,7 @@ class Catalog:
                 break
             await asyncio.shield(task)
             if self._retry:  # (the error stays until they commit: every later drain says so)
-                raise self.error if self.error is not None else CatalogError(f"the catalog in {self.path} could not commit queued changes")
+                raise _again(self.error, self.path) from self.error
         self.error = None
 
     async def _flush(self) -> None:
@@ -760,13 +788,9 @@ class Catalog:
         return [change for change in group if self._wanted(change)]
 
     def _wanted(self, change: _Change) -> bool:
-        found = False
-        for queued, waited in self._staged.get(change[0], ()):
-            if queued is change:
-                found = True
-            elif found and not waited:
-                return False
-        return found
+        # (the newest acknowledged change of its key leaves ``_newest`` once committed over)
+        newest = self._newest.get(change[0])
+        return newest is not None and newest[0] is change
 
     def _committed(self, group: list[_Change], done: asyncio.Future[None] | None) -> None:
         # A committed change also ends every older one of its key: they must never apply now.
@@ -777,7 +801,11 @@ class Catalog:
             at = next((i for i, (queued, _) in enumerate(chain) if queued is change), None)
             if at is None:
                 continue
+            newest = self._newest.get(change[0])
+            if newest is not None and any(queued is newest[0] for queued, _ in chain[: at + 1]):
+                del self._newest[change[0]]
             del chain[: at + 1]
+            self._changes -= at + 1
             if not chain:
                 del self._staged[change[0]]
         _settle(done, None)
@@ -788,7 +816,9 @@ class Catalog:
                 chain = self._staged.get(change[0])
                 if chain is None:
                     continue
-                chain[:] = [(queued, w) for queued, w in chain if queued is not change]
+                kept = [(queued, w) for queued, w in chain if queued is not change]
+                self._changes -= len(chain) - len(kept)
+                chain[:] = kept
                 if not chain:
                     del self._staged[change[0]]
             _settle(done, exc)
@@ -824,6 +854,18 @@ class Catalog:
                 if is_disk_full(exc) or "No space left" in str(exc):
                     raise DiskFullError(28, f"the catalog in {self.path} cannot grow: {exc}") from None
                 raise CatalogError(f"the catalog in {self.path} failed to commit: {exc}") from None
+
+
+def _again(error: BaseException | None, path: Path) -> BaseException:
+    """A new error saying again that queued changes cannot commit (each ``drain`` raises its
+    own: one object raised twice would grow its traceback): of ``error``'s kind (a full disk
+    stays a ``DiskFullError``), else a ``CatalogError``."""
+    if isinstance(error, (DiskFullError, CatalogError)):
+        try:
+            return type(error)(*error.args)
+        except Exception:  # (an error class with another signature)
+            pass
+    return CatalogError(f"the catalog in {path} could not commit queued changes: {error}")
 
 
 def _deliver(loop: asyncio.AbstractEventLoop, done: asyncio.Future[None], exc: BaseException | None) -> None:

@@ -765,6 +765,7 @@ class DiskTier(Tier):
     def stage_inline(self, key: str, meta: TensorMeta, src: torch.Tensor | bytes, version: int) -> None:
         """``stage`` of the inline record of ``src`` (as ``inline_record`` makes it), queued in
         its binary form: the small non-durable put, with no record object made."""
+        self._require_open()
         catalog = self._require_catalog()
         if not isinstance(src, bytes):
             src = self.inline_record(key, meta, src, version).data or b""
