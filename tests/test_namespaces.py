@@ -19,7 +19,7 @@ from tierstore.sync import run
 
 def tiers(folder: Path) -> list[object]:
     """A host tier smaller than the optimizers' state, so state pages to disk and back."""
-    return [HostTier("24KiB"), DiskTier(folder, "64MiB", chunk_size="64KiB")]
+    return [HostTier("16KiB"), DiskTier(folder, "64MiB", chunk_size="64KiB")]
 
 
 def sync_store(folder: Path) -> SyncTierStore:
