@@ -1,6 +1,6 @@
 """The fast paths of small values (issue 15, rates): a non-durable put queued for the next
 catalog transaction with no await, a get of an inline value with no await, and the sync
-facade's get reading the catalog on the caller's thread. Each must behave as the full verb
+facade's small get as one plain call on the loop thread. Each must behave as the full verb
 does: visible at once, failures reported, nothing lost, every tensor kind taken as it is."""
 
 from __future__ import annotations
@@ -210,7 +210,7 @@ def test_sync_gets_of_small_values_are_counted_and_see_every_change(tmp_path: Pa
 
 
 def test_sync_gets_beside_a_writer_thread_read_whole_values_only(tmp_path: Path) -> None:
-    """The sync facade reads small values on the caller's thread while the loop changes them:
+    """Sync gets of small values from one thread while another thread overwrites them:
     each read is one value that was put, whole, and never an error."""
     with SyncTierStore([disk(tmp_path / "d")]) as store:
         keys = [f"k{i}" for i in range(8)]
