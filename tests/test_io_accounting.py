@@ -24,6 +24,10 @@ PROC_IO = Path("/proc/self/io")
 WIDTH, LAYERS = 128, 8  # 132k parameters: 1.6 MB of Adam state, paged through a 256 KiB host tier
 HOST = 256 << 10
 SLACK = 64 << 10  # catalog pages and the like, beside megabytes of state
+#: What the kernel may count beside the state for each catalog transaction: the catalog is LMDB,
+#: written through the page cache, so its pages reach the counters when the kernel writes them
+#: back (a leaf, a branch, the meta page: measured 2-3 KiB a transaction on average, in bursts).
+PER_TRANSACTION = 4 << 10
 
 
 def _kernel_io() -> tuple[int, int]:
@@ -72,13 +76,17 @@ def _steps(model: torch.nn.Sequential, opt: TieredAdamW, count: int, use: int | 
 def test_report_matches_the_kernel_and_the_need(tmp_path: Path, counters: None, device_mode: str) -> None:
     model = _model()
     opt = _optimizer(model, tmp_path / "disk")
+    disk = opt.store.tier("disk")
     try:
+        transactions = disk.transactions  # type: ignore[attr-defined]
         first = next(_steps(model, opt, 1))
         report = opt.time_report()
-        # The first step creates the state: what does not fit in the host tier is written once.
+        # The first step creates the state: what does not fit in the host tier is written once
+        # (each parameter's record committed on its own: the catalog's pages ride along).
+        slack = SLACK + PER_TRANSACTION * (disk.transactions - transactions)  # type: ignore[attr-defined]
         assert report.disk_read_bytes == 0 and first[0] <= SLACK
         assert report.disk_need_bytes > 0
-        assert abs(first[1] - report.disk_write_bytes) <= SLACK
+        assert abs(first[1] - report.disk_write_bytes) <= slack
         assert report.disk_write_bytes <= 1.1 * report.disk_need_bytes
         list(_steps(model, opt, 1))  # (the schedule is learned from the first step)
         per_param = opt.memory_report().state_bytes_per_param  # (8 where the parameter is the master)
