@@ -80,6 +80,12 @@ class ScheduleLearned:
         if not self._schedule:
             return
         length = len(self._schedule)
+        if self._pos >= length and self._after is not self._schedule:
+            # The phase followed is done and no ``on_step`` came: the next one is ``_after``
+            # (alternating: then the one just followed again).
+            self._schedule, self._after = self._after, self._schedule
+            self._positions, self._after_positions = self._after_positions, self._positions
+            self._pos, length = 0, len(self._schedule)
         # ``_pos`` runs up to ``length`` (the phase done: what comes next is ``_after``), and
         # only wraps round when a phase goes on past its end (no ``on_step`` between phases).
         start = self._pos % length

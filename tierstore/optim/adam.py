@@ -66,6 +66,14 @@ class TieredAdam(PagedOptimizer):
         *truncated* (not rounded to nearest, as with ``"fp32"``), and the master is exact.
     Both may be set per parameter group; they are this optimizer's storage choice, so a loaded
     state dict does not change them (its moments are compressed as this optimizer stores them).
+
+    Writes to a parameter from outside between steps (``model.load_state_dict``, ``p.mul_``
+    under ``torch.no_grad()``, ``p.data = ...``, ``model.to(memory_format=...)``) count, as in
+    torch: where the fp32 master is kept apart from the parameter (a device, a bf16 parameter,
+    compressed state), the next update reloads it from the parameter (exactly for an fp32 one;
+    a bf16 one loses the master's extra bits, with a warning). They are seen by torch's version
+    counter and the parameter's address; an in-place write through ``p.data`` (``p.data.mul_``)
+    is seen by neither and is overwritten by the next step's weight.
     """
 
     decoupled_weight_decay = False
@@ -104,6 +112,7 @@ class TieredAdam(PagedOptimizer):
             raise ValueError("fused and foreach cannot both be True")
         validate(state_precision, master_weights)
         self._step_counts: dict[int, torch.Tensor] = {}
+        self._warned_foreign = False
         #: A chunked parameter's step count before this step's update, and after it.
         self._chunk_steps: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         defaults = {
@@ -148,14 +157,26 @@ class TieredAdam(PagedOptimizer):
     def _param_is_master(self, slot: ParamSlot) -> bool:
         """Whether ``slot``'s plain fp32 state leaves the master row out: an fp32 parameter in
         host memory (plain CPU: the link lends) is the fp32 master itself, so the update runs in
-        place on it (as torch's AdamW does), saving a copy per step and 4 B a parameter of state."""
-        group = self.param_groups[slot.group]
+        place on it (as torch's AdamW does), saving a copy per step and 4 B a parameter of state.
+        Decided once per parameter, when its state is first laid out: a parameter that later
+        stops being usable in place (``model.to(memory_format=torch.channels_last)``, a later
+        ``offload_parameters``) keeps this layout, its master row built from it at each update
+        (``_wrap``), so its state is never reset by a change of layout."""
+        if slot.param_master is None:
+            group = self.param_groups[slot.group]
+            param = slot.param
+            slot.param_master = (
+                group["state_precision"] == "fp32" and group["master_weights"] == "fp32" and slot.link.lends
+                and type(param) in (torch.Tensor, torch.nn.Parameter) and param.dtype == torch.float32
+                and param.is_contiguous() and offloaded(param) is None
+            )
+        return slot.param_master
+
+    @staticmethod
+    def _in_place(slot: ParamSlot) -> bool:
+        """Whether the update can run on the parameter's own memory (its master row)."""
         param = slot.param
-        return (
-            group["state_precision"] == "fp32" and group["master_weights"] == "fp32" and slot.link.lends
-            and type(param) in (torch.Tensor, torch.nn.Parameter) and param.dtype == torch.float32
-            and param.is_contiguous() and offloaded(param) is None
-        )
+        return param.dtype == torch.float32 and param.is_contiguous() and offloaded(param) is None
 
     def _stored_rows(self, slot: ParamSlot) -> int:
         """Rows of the plain fp32 entry as stored: the moments, and the master unless the
@@ -189,10 +210,16 @@ class TieredAdam(PagedOptimizer):
         elements first where it is the master), or a ``PackedState`` (with a lossless master,
         holding the model's weight for those elements)."""
         layout = self._layout(slot)
+        fresh = chunk.index not in slot.chunks_updated if chunk is not None else not slot.updated
         if layout is None:
-            if packed.shape[0] == self._rows(slot):
-                return packed
-            return [slot.param.data.view(-1)[start:stop], *packed.unbind(0)]
+            if packed.shape[0] != self._rows(slot):  # the parameter is the master
+                if self._in_place(slot):
+                    return [slot.param.data.view(-1)[start:stop], *packed.unbind(0)]
+                master = (await read_weight_range(slot, start, stop)).to(torch.float32, copy=True).reshape(-1)
+                return [master, *packed.unbind(0)]
+            if fresh and self._reloads(slot):
+                await fill_weight_range(slot, start, stop, packed[0])
+            return packed
         high = None
         if layout.lossless:
             if chunk is not None and chunk.index in slot.chunks_updated and chunk.index not in slot.chunks_written or (
@@ -206,7 +233,29 @@ class TieredAdam(PagedOptimizer):
                     stacklevel=2,
                 )
             high = await (read_weight(slot) if (start, stop) == (0, slot.numel) else read_weight_range(slot, start, stop))
-        return PackedState(layout, packed, stop - start, high)
+        state = PackedState(layout, packed, stop - start, high)
+        if fresh and self._reloads(slot):
+            state.set_master((high if high is not None else await read_weight_range(slot, start, stop)).reshape(-1).float())
+        return state
+
+    def _reloads(self, slot: ParamSlot) -> bool:
+        """Whether the master (kept apart from the parameter) must be reloaded from the
+        parameter before this update: it was written from outside since the optimizer wrote it
+        (``ParamSlot.foreign_write``), and torch's optimizer would update what it holds now. An
+        fp32 parameter reloads exactly; a lower-precision one loses the master's extra bits (a
+        lossless master's low halves restart at zero), with a warning, once."""
+        if not slot.foreign_write() or offloaded(slot.param) is not None:
+            return False
+        if slot.param.dtype != torch.float32 and not self._warned_foreign:
+            self._warned_foreign = True
+            warnings.warn(
+                f"parameter {slot.index} ({slot.param.dtype}) was written from outside the optimizer since its last "
+                "step (load_state_dict, an in-place change under no_grad, p.data = ...): its fp32 master is reloaded "
+                "from it, and the bits the master held beyond the parameter's precision are lost (load the optimizer's "
+                "state_dict after the model's to keep them)",
+                stacklevel=2,
+            )
+        return True
 
     @asynccontextmanager
     async def _state(self, slot: ParamSlot) -> AsyncIterator[Any]:
@@ -303,9 +352,12 @@ class TieredAdam(PagedOptimizer):
         for a parameter too small to page. Where the parameter is the master, the master row is
         written into the parameter."""
         if self._param_is_master(slot):
-            weight = slot.param.data.view(-1)
-            if weight.data_ptr() != packed[0].data_ptr():
-                weight.copy_(packed[0])
+            offload = offloaded(slot.param)
+            if offload is not None:
+                await offload[0].write_weight(offload[1], packed[0].view(slot.shape).to(slot.param.dtype))
+            elif slot.param.data.data_ptr() != packed[0].data_ptr():
+                slot.param.data.copy_(packed[0].view(slot.shape))
+        slot.note_written()  # the master is loaded: a later write to the parameter replaces it
         if not slot.paged:
             slot.resident = {"packed": self._encode(slot, packed)}
             return

@@ -79,9 +79,10 @@ class GradientCapture:
         #: Slots whose gradients come from DDP's communication hook (see ``tierstore.optim.ddp``).
         self._ddp: dict[int, ParamSlot] = {}
         self._end_queued = False
-        #: Leave contiguous gradients where the model keeps them until their update (the
-        #: optimizer sets it where state pages below the state tier; see the module docstring).
-        self.defer = False
+        #: Whether state pages below the state tier now (the optimizer sets it to its pipeline's
+        #: ``pages_below``): contiguous gradients then stay where the model keeps them until
+        #: their update (see the module docstring).
+        self.pages_below: Callable[[], bool] = lambda: False
 
     # -- autograd thread -------------------------------------------------------------------------
 
@@ -150,7 +151,7 @@ class GradientCapture:
     def _defers(self, grad: torch.Tensor) -> bool:
         """Whether ``grad`` stays where it is until its update copies it (a copy over the link
         reads contiguous memory: another layout is copied now, as it is)."""
-        return self.defer and grad.is_contiguous()
+        return grad.is_contiguous() and self.pages_below()
 
     def _set_expected(self, expected: list[tuple[ParamSlot, weakref.ref[torch.Tensor], int]]) -> None:
         for slot, ref, version in expected:
@@ -201,16 +202,21 @@ class GradientCapture:
         if capture is not None and not stale and capture.matches(grad, version):
             if capture.task is not None:
                 await capture.task  # its error, if the copy failed
+            if capture.deferred:
+                # not copied yet: its copy orders after the device work step() saw queued
+                # (the hook's marker is older: p.grad may have been written since, in place)
+                capture.marker = marker
             return capture
         fresh = Capture(weakref.ref(grad), version or 0, marker=marker, memory=memory_of(grad))
         if slot.link.lends:  # nothing to copy, nothing to wait for
             fresh.lent = grad
             slot.capture = fresh
             return fresh
-        report = self._report()
-        report.grad_retakes += 1
-        report.grad_retake_bytes += grad.nbytes
         fresh.deferred = (source is None or source is grad) and self._defers(grad)
+        if not fresh.deferred:  # (a deferred one is copied once, by its update, as any)
+            report = self._report()
+            report.grad_retakes += 1
+            report.grad_retake_bytes += grad.nbytes
         slot.capture = fresh
         fresh.task = asyncio.ensure_future(self._take(slot, fresh, source if source is not None else grad, None, arrived=False))
         await fresh.task

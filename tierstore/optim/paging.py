@@ -239,7 +239,8 @@ class PagedOptimizer(torch.optim.Optimizer):
                 self.store, state_tier, self._loop, hint=gradient_accumulation_steps, in_backward=step_in_backward,
                 arrived=self._runner.arrived, report=lambda: self._window.report, timeline=self.timeline,
             )
-            self._capture.defer = self._pipeline.pages_below
+            pipeline = self._pipeline
+            self._capture.pages_below = lambda: pipeline.pages_below
             run(self._adopt())
             self._window.watch(lambda: run(state_residency(self.store, self._slots, self.state_tier)))
         except BaseException:
@@ -442,12 +443,19 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's gradients and anything this optimizer took of them without stepping
-        (a step left incomplete by an error is abandoned: its updates so far stay)."""
+        (a step left incomplete by an error is abandoned: its updates so far stay).
+
+        With ``step_in_backward=True``, updates that backward started are waited for first:
+        they were launched with the gradients backward left, as if ``step()`` had run, and
+        complete with them (never with the cleared ones). One that failed raises
+        ``StepIncompleteError`` here, after the gradients are cleared and the step abandoned."""
+        self._capture.new_step()
+        failures = run(self._runner.end())  # before the gradients go: updates in flight read them
         super().zero_grad(set_to_none)
         if self._sharding is not None:
             self._sharding.abandon()  # (a step failed on a rank: the weights so far are exchanged)
-        self._capture.new_step()
-        run(self._runner.end())
+        if failures:
+            raise self._runner.abandoned_error(failures)
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -506,9 +514,10 @@ class PagedOptimizer(torch.optim.Optimizer):
         store if the optimizer made it. A default namespace is dropped with its keys; a named
         one keeps the state (and step counts) for a later optimizer claiming it."""
         self._remove_hooks()
+        failures: list[Any] = []
         if getattr(self, "_runner", None) is not None and self.store.is_open:
             with contextlib.suppress(Exception):  # a step left half done (its error was raised then)
-                run(self._runner.end())
+                failures = run(self._runner.end())
         if self._pipeline is not None:
             self._pipeline.shutdown()
         namespace = self.namespace
@@ -522,6 +531,8 @@ class PagedOptimizer(torch.optim.Optimizer):
                 run(namespace.release())
         if self._owns_store:
             run(self.store.aclose(flush=namespace is not None and not namespace.auto))
+        if failures:  # updates started in backward, never stepped, that failed: closed, then said
+            raise self._runner.abandoned_error(failures)
 
     def _remove_hooks(self) -> None:
         for slot in self._slots:

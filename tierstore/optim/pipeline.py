@@ -106,6 +106,8 @@ class UpdatePipeline:
         tier holds for ``2 * max_inflight + 2`` chunks: those updating and those prefetched) is
         paged in chunks. Raise ``OptimizerCapacityError`` if the tier cannot hold one update."""
         tier = self._store.tier(self._tier)
+        tiers = self._store.tiers
+        self._flat = tiers.index(tier) == len(tiers) - 1
         if not isinstance(tier, MemoryTier) or not slots:
             self.bucket_bytes, self.inflight = bucket_bytes or (64 << 20), max_inflight
             return
@@ -134,8 +136,6 @@ class UpdatePipeline:
                 + ("" if worst.chunks is not None or self._owner._chunkable(worst) and chunk_bytes
                    else ", or page its state in chunks (chunk_bytes=; a TieredOptimizer only where its optimizer is elementwise)")
             )
-        tiers = self._store.tiers
-        self._flat = tiers.index(tier) == len(tiers) - 1
         if self._flat and all(slot.link.lends for slot in slots):
             # Nothing pages below the state tier and nothing crosses a link: no transfers to
             # overlap, and a second bucket's bookkeeping would only slow the math. One bucket
@@ -339,6 +339,7 @@ class UpdatePipeline:
             report.updates += 1
             report.update_elements += slot.numel
         slot.written = True
+        slot.note_written()
 
     def _chunk_runs(self, slot: ParamSlot, chunks: list[Chunk]) -> list[list[Chunk]]:
         """``chunks`` cut into runs of consecutive chunks needing at most ``bucket_bytes``, or two
@@ -363,6 +364,13 @@ class UpdatePipeline:
         self, slot: ParamSlot, runs: list[list[Chunk]], index: int, coef: torch.Tensor | None, scale: torch.Tensor | None, after: Any
     ) -> None:
         assert self._gate is not None
+        param = slot.param
+        if isinstance(param, torch.Tensor) and not param.is_contiguous() and offloaded(param) is None:
+            raise RuntimeError(
+                f"parameter {slot.index} is paged in chunks of its flat elements, and it is no longer contiguous "
+                "(model.to(memory_format=torch.channels_last) after the optimizer was made?): change the layout "
+                "before making the optimizer, or pass chunk_bytes=None"
+            )
         chunks = runs[index]
         async with self._gate:
             self._prefetch_runs(runs[index + self.inflight : index + 2 * self.inflight])
@@ -509,6 +517,7 @@ class UpdatePipeline:
                 continue
             if weight is None:
                 slot.written = True
+                slot.note_written()
                 continue
             offload = offloaded(slot.param)
             if offload is not None:  # the weight lives in a store (offload_parameters)
@@ -516,6 +525,7 @@ class UpdatePipeline:
                 await offload[0].write_weight(offload[1], weight.to(slot.param.dtype))
                 report.weights_to_device += time.perf_counter() - started
                 slot.written = True
+                slot.note_written()
             else:
                 try:
                     transfers.append((slot, slot.link.to_device(slot.param.data, weight, after=after)))
@@ -528,6 +538,7 @@ class UpdatePipeline:
                 errors.append(exc)
                 continue
             slot.written = True
+            slot.note_written()
             report.weights_to_device += transfer.seconds
             report.weights_to_device_bytes += transfer.nbytes
             self._timeline.add(f"weights {slot.index}", "weights to device", transfer.started or 0.0, transfer.ended or 0.0, bytes=transfer.nbytes)

@@ -266,12 +266,12 @@ _SCRATCH = threading.local()
 
 
 def _scratch_rows(rows: int, size: int) -> torch.Tensor:
-    """This thread's fp32 tile scratch, at least ``(rows, size)`` (kept: one allocation a thread)."""
-    held = getattr(_SCRATCH, "rows", None)
-    if held is None or held.shape[0] < rows or held.shape[1] < size:
-        held = torch.empty(max(rows, held.shape[0] if held is not None else 0), max(size, held.shape[1] if held is not None else 0))
-        _SCRATCH.rows = held
-    return held
+    """This thread's fp32 tile scratch of ``(rows, size)`` (kept: one allocation a thread, as
+    large as the largest asked for)."""
+    held = getattr(_SCRATCH, "flat", None)
+    if held is None or held.numel() < rows * size:
+        held = _SCRATCH.flat = torch.empty(rows * size)
+    return held[: rows * size].view(rows, size)
 
 
 def validate(state_precision: str, master_weights: str) -> None:
@@ -431,7 +431,12 @@ class PackedState:
         each decoded into a per-thread fp32 scratch that stays in cache and encoded back right
         after, so memory sees every field once each way and no full-size fp32 copy exists. Every
         tile's ``adam`` starts from the same count; ``step`` ends as the last left it. Elementwise
-        math, so the numbers are those of one call on the whole entry."""
+        math, so the numbers are those of one call on the whole entry.
+
+        Not all-or-nothing: an exception in a tile leaves the tiles before it updated in the
+        entry, and an update retried on it (``step()`` after ``StepIncompleteError``) updates
+        them again (the error is one of the math itself, not of the store: those are raised
+        before the update starts)."""
         flat = grad.reshape(-1)
         if flat.numel() != self.numel:
             raise ValueError(f"a gradient of {flat.numel()} elements for a state of {self.numel}")
@@ -440,12 +445,12 @@ class PackedState:
             raise RuntimeError("internal error: a lossless master needs the model's bf16 weight")
         compiled = layout.precision == "8bit" and _use_compiled(None, self.numel)
         tile = COMPILED_TILE if compiled else TILE
-        scratch = _scratch_rows(layout.rows, min(self.numel, tile))
+        width = min(self.numel, tile)  # (elements of a scratch row: allocated as the tiles need)
         high = torch.empty(self.numel, dtype=torch.bfloat16) if layout.lossless else None
         before, counted = step.clone(), step.clone()
         for start in range(0, max(self.numel, 1), tile):
             stop = min(start + tile, self.numel)
-            rows = self._decode_tile(start, stop, scratch, compiled)
+            rows = self._decode_tile(start, stop, width, compiled)
             counted = before.clone()
             adam(rows, flat[start:stop], counted)
             self._encode_tile(start, stop, rows, high, compiled)
@@ -453,30 +458,37 @@ class PackedState:
         if high is not None:
             self.high = high
 
-    def _decode_tile(self, start: int, stop: int, scratch: torch.Tensor, compiled: bool) -> list[torch.Tensor]:
+    def _decode_tile(self, start: int, stop: int, width: int, compiled: bool) -> list[torch.Tensor]:
         """Elements ``start:stop`` as fp32 rows: views of the buffer where a field is fp32 (an
-        fp32 master, fp32 moments), decoded into ``scratch`` rows otherwise."""
+        fp32 master, fp32 moments), decoded into this thread's scratch rows (of ``width``
+        elements) otherwise; the compiled 8-bit kernels return their moments, so then only a
+        lossless master takes a scratch row."""
         size = stop - start
-        rows = [self.view("master")[start:stop] if not self.layout.lossless else scratch[0, :size]]
+        moments = self.layout.moments
+        pair = compiled and self.layout.precision == "8bit" and size % BLOCK == 0 and len(moments) == 2
+        needed = int(self.layout.lossless) if pair or self.layout.precision == "fp32" else self.layout.rows
+        scratch = _scratch_rows(needed, width) if needed else None
+        rows = [self.view("master")[start:stop] if not self.layout.lossless else scratch[0, :size]]  # type: ignore[index]
         if self.layout.lossless:
             words = rows[0].view(torch.int16).view(-1, 2)
             words[:, 0].copy_(self.view("master_low")[start:stop])
             words[:, 1].copy_(self.high.reshape(-1)[start:stop].view(torch.int16))  # type: ignore[union-attr]
-        moments = self.layout.moments
         if self.layout.precision == "fp32":
             return rows + [self.view(name)[start:stop] for name in moments]
+        if pair:
+            decoded = _COMPILED.call("decode_pair", self.view("exp_avg/codes")[start:stop], self.view("exp_avg/scale")[start // BLOCK : stop // BLOCK],
+                                     self.view("exp_avg_sq/codes")[start:stop], self.view("exp_avg_sq/scale")[start // BLOCK : stop // BLOCK],
+                                     dynamic_map(True), dynamic_map(False))
+            if decoded is not False:
+                return [rows[0], *decoded]
+            scratch = _scratch_rows(self.layout.rows, width)  # (a lossless master's row stays where it was decoded)
+        assert scratch is not None
         rows += [scratch[i, :size] for i in range(1, 1 + len(moments))]
         if self.layout.precision == "bf16":
             for name, row in zip(moments, rows[1:], strict=True):
                 row.copy_(self.view(name)[start:stop])
             return rows
         blocks = slice(start // BLOCK, -(-stop // BLOCK))
-        if compiled and size % BLOCK == 0 and len(moments) == 2:
-            decoded = _COMPILED.call("decode_pair", self.view("exp_avg/codes")[start:stop], self.view("exp_avg/scale")[blocks],
-                                     self.view("exp_avg_sq/codes")[start:stop], self.view("exp_avg_sq/scale")[blocks],
-                                     dynamic_map(True), dynamic_map(False))
-            if decoded is not False:
-                return [rows[0], *decoded]
         for name, row in zip(moments, rows[1:], strict=True):
             dequantize(self.view(f"{name}/codes")[start:stop], self.view(f"{name}/scale")[blocks], name == "exp_avg", row, compiled=compiled)
         return rows

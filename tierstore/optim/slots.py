@@ -92,6 +92,15 @@ class ParamSlot:
     #: Chunks of this step's update already applied / whose weight is written (``chunks`` only).
     chunks_updated: set[int] = field(default_factory=set)
     chunks_written: set[int] = field(default_factory=set)
+    #: Whether the parameter is its own fp32 master (the plain layout without a master row),
+    #: decided once, when its state is first laid out (``TieredAdam``); None: not decided yet.
+    param_master: bool | None = None
+    #: The parameter's ``(version, data address)`` after the optimizer last wrote it: anything
+    #: else means a write from outside (``load_state_dict``, ``p.mul_`` under ``no_grad``,
+    #: ``p.data = ...``), which the update takes into its master (``foreign_write``).
+    seen: tuple[int, int] | None = None
+    #: This step's update reloads the master from the parameter (a write from outside).
+    reload: bool = False
 
     @property
     def grad_key(self) -> str:
@@ -101,9 +110,20 @@ class ParamSlot:
     def numel(self) -> int:
         return self.shape.numel()
 
+    def note_written(self) -> None:
+        """The optimizer wrote the parameter (or its master is the parameter's value now)."""
+        if isinstance(self.param, torch.Tensor):  # (a rank's view of a sharded one is not tracked)
+            self.seen = (self.param._version, self.param.data_ptr())
+
+    def foreign_write(self) -> bool:
+        """Whether the parameter was written from outside since the optimizer last wrote it.
+        Torch's version counter sees in-place writes to ``p`` (not those through ``p.data``,
+        which has a counter of its own) and a new ``p.data`` changes its address."""
+        return self.seen is not None and self.seen != (self.param._version, self.param.data_ptr())
+
     def reset_step(self) -> None:
         """Forget this step's gradient and progress (the step ended or was abandoned)."""
         self.capture = self.used = None
-        self.updated = self.written = False
+        self.updated = self.written = self.reload = False
         self.chunks_updated.clear()
         self.chunks_written.clear()

@@ -185,14 +185,29 @@ class StepRunner:
         error.__cause__ = cause
         return error
 
-    async def end(self) -> None:
-        """Forget this step's gradients (and their host copies) and progress."""
+    async def end(self) -> list[tuple[list[ParamSlot], BaseException]]:
+        """Forget this step's gradients (and their host copies) and progress, once the updates
+        already launched (in backward) have ended; return those that failed, with their errors
+        (never reported otherwise: ``step()`` did not see them)."""
         await self._captures_settled()  # (an arrival may still add to a bucket)
-        await self._pipeline.finish(drop_open=True)
+        failures = await self._pipeline.finish(drop_open=True)
         for slot in self._slots:
             await self.capture.discard(slot)
             slot.reset_step()
         self.coef = None
+        return failures
+
+    def abandoned_error(self, failures: list[tuple[list[ParamSlot], BaseException]]) -> StepIncompleteError:
+        """The error of updates launched in backward that failed in a step then abandoned."""
+        failed = sorted({slot.index for bucket, _ in failures for slot in bucket})
+        cause = failures[0][1]
+        error = StepIncompleteError(
+            f"updates started in backward failed for parameters {failed} ({type(cause).__name__}: {cause}); "
+            "the step was abandoned (zero_grad() or close(); the other updates of it stay applied)",
+            [], failed,
+        )
+        error.__cause__ = cause
+        return error
 
     async def set_clip(self, coef: torch.Tensor) -> None:
         """The coefficient ``opt.clip_grad_norm_`` computed for this step's gradients."""
