@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from typing import Any
+
 import pytest
 import torch
 
@@ -31,3 +34,25 @@ def device_mode(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if metafunc.definition.get_closest_marker("device_modes") is not None and "device_mode" in metafunc.fixturenames:
         metafunc.parametrize("device_mode", ["plain", "emulated"], indirect=True)
+
+
+@pytest.fixture
+def full_for() -> Iterator[set[str]]:
+    """Keys whose catalog transactions fail as on a full disk (the whole transaction, as LMDB
+    would), while they are in the set."""
+    from tierstore.disk.catalog import Catalog
+    from tierstore.errors import DiskFullError
+
+    keys: set[str] = set()
+    real = Catalog._write_sync
+
+    def write(self: Catalog, changes: Sequence[tuple[str, Any]], layout: Any) -> None:
+        if any(key in keys for key, _ in changes):
+            raise DiskFullError(28, "no space left on device (injected)")
+        real(self, changes, layout)
+
+    Catalog._write_sync = write  # type: ignore[method-assign]
+    try:
+        yield keys
+    finally:
+        Catalog._write_sync = real  # type: ignore[method-assign]

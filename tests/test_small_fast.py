@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,6 @@ import pytest
 import torch
 
 from tierstore import SyncTierStore, TierStore
-from tierstore.disk.catalog import Catalog
 from tierstore.errors import (
     DiskFullError,
     EntryHeldError,
@@ -31,22 +29,6 @@ def disk(root: Path, durable: bool = False) -> DiskTier:
     return DiskTier(root, "64MiB", chunk_size="64KiB", durable=durable)
 
 
-@pytest.fixture
-def full_for() -> Iterator[set[str]]:
-    """Keys whose catalog transactions fail as on a full disk, while they are in the set."""
-    keys: set[str] = set()
-    real = Catalog._write_sync
-
-    def write(self: Catalog, changes: Sequence[tuple[str, Any]], layout: Any) -> None:
-        if any(key in keys for key, _ in changes):
-            raise DiskFullError(28, "no space left on device (injected)")
-        real(self, changes, layout)
-
-    Catalog._write_sync = write  # type: ignore[method-assign]
-    try:
-        yield keys
-    finally:
-        Catalog._write_sync = real  # type: ignore[method-assign]
 
 
 def kinds() -> dict[str, torch.Tensor]:

@@ -10,10 +10,8 @@ import gc
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
 import pytest
 import torch
@@ -21,7 +19,6 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import tierstore
 from tierstore import SyncTierStore, TierStore
-from tierstore.disk.catalog import Catalog
 from tierstore.errors import DiskFullError, StoreClosedError
 from tierstore.tiers import DiskTier, HostTier
 
@@ -32,22 +29,6 @@ def disk(root: Path, durable: bool = False) -> DiskTier:
     return DiskTier(root, "64MiB", chunk_size="64KiB", durable=durable)
 
 
-@pytest.fixture
-def full_for() -> Iterator[set[str]]:
-    """Keys whose catalog transactions fail as on a full disk, while they are in the set."""
-    keys: set[str] = set()
-    real = Catalog._write_sync
-
-    def write(self: Catalog, changes: Sequence[tuple[str, Any]], layout: Any) -> None:
-        if any(key in keys for key, _ in changes):
-            raise DiskFullError(28, "no space left on device (injected)")
-        real(self, changes, layout)
-
-    Catalog._write_sync = write  # type: ignore[method-assign]
-    try:
-        yield keys
-    finally:
-        Catalog._write_sync = real  # type: ignore[method-assign]
 
 
 def test_a_sync_get_never_reads_the_disk_tier_on_the_callers_thread(tmp_path: Path) -> None:

@@ -5,15 +5,12 @@ commit."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from tierstore import TierStore
-from tierstore.disk.catalog import Catalog, DiskRecord
 from tierstore.errors import CapacityError, DiskFullError
 from tierstore.tiers import DiskTier
 
@@ -22,23 +19,6 @@ def disk(root: Path) -> DiskTier:
     return DiskTier(root, "64MiB", chunk_size="64KiB", durable=False)
 
 
-@pytest.fixture
-def full_for() -> Iterator[set[str]]:
-    """Keys whose catalog transactions fail as on a full disk (the whole transaction, as LMDB
-    would), while they are in the set."""
-    keys: set[str] = set()
-    real = Catalog._write_sync
-
-    def write(self: Catalog, changes: list[tuple[str, DiskRecord | None]], layout: Any) -> None:
-        if any(key in keys for key, _ in changes):
-            raise DiskFullError(28, "no space left on device (injected)")
-        real(self, changes, layout)
-
-    Catalog._write_sync = write  # type: ignore[method-assign]
-    try:
-        yield keys
-    finally:
-        Catalog._write_sync = real  # type: ignore[method-assign]
 
 
 async def queue_behind_a_transaction(store: TierStore) -> None:
