@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         tail = max(1, len(losses) // 10)  # the last tenth's mean, as a final loss less noisy than the last step's
         final, ref_final = sum(losses[-tail:]) / tail, sum(ref_losses[-tail:]) / tail
         print(f"\ncompare with torch.optim.AdamW in memory ({args.dtype} parameters): largest loss difference {gap:.2e} over "
-              f"{args.steps} steps, final loss {final:.4f} against {ref_final:.4f} ({final - ref_final:+.4f}); "
+              f"{args.steps} steps, final loss (mean of the last {tail} steps) {final:.4f} against {ref_final:.4f} ({final - ref_final:+.4f}); "
               f"its median step {ref_middle[len(ref_middle) // 2] * 1e3:.1f} ms")
         result["reference_losses"] = ref_losses
         result["final_loss_gap"] = final - ref_final

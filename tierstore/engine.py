@@ -838,7 +838,7 @@ class Engine:
 
     def require_open(self) -> None:
         if not self.is_open:
-            raise StoreClosedError("the store is not open: use 'async with TierStore(...)' or 'await store.open()'")
+            raise StoreClosedError("the store is not open: use 'async with TierStore(...)' or 'await store.open()' (the blocking SyncTierStore: 'with SyncTierStore(...)' or its .open())")
         if self._pid != _process.pid:
             raise StoreForkedError(
                 f"this store was opened by process {self._pid}; a forked child (pid {os.getpid()}) cannot use it: "

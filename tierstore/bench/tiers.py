@@ -548,7 +548,7 @@ async def _in_flight_results(limit: int, coros: list[Any]) -> list[Any]:
 
 def tune_main(folder: Path, volume_mib: int, json_path: Path | None) -> int:
     """``tierstore bench --tune FOLDER``: sweep, print, save the best beside the store."""
-    folder.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # a store's folder: 0700, as DiskTier makes it
     value_bytes = min(64 * MiB, volume_mib * MiB // 2)
     started = time.perf_counter()
     with tqdm(total=3, desc="tierstore bench --tune (chunk size, threads, queue depth)", unit="sweep", leave=False, disable=None) as bar:

@@ -126,7 +126,11 @@ def save_tuning(root: str | os.PathLike[str], settings: IOSettings, details: dic
     path = tuning_path(root)
     document = {"format": _FORMAT, "version": _VERSION, "settings": settings.to_json(), **(details or {})}
     temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(json.dumps(document, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    # 0600, as the store's other files: opened with the mode (no moment readable by others)
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+        file.write(json.dumps(document, indent=2, allow_nan=False) + "\n")
+    os.chmod(temporary, 0o600)  # an old temporary file keeps its mode through O_CREAT
     os.replace(temporary, path)
     return path
 
@@ -152,6 +156,11 @@ def resolve(
     if queue_depth is None and saved is None:  # by default every thread can serve one value
         values["queue_depth"] = values["io_threads"]
         sources["queue_depth"] = "default: io_threads"
+    elif queue_depth is None and values["queue_depth"] > values["io_threads"]:
+        # a saved depth beyond fewer threads given as an argument: no more requests than threads
+        # serve them can be in flight (the --tune sweep never saves more either)
+        values["queue_depth"] = values["io_threads"]
+        sources["queue_depth"] = f"{origin}, capped at io_threads"
     if given["chunk_size"] is not None and given["chunk_size"] % ALIGNMENT:
         values["chunk_size"] = -(-given["chunk_size"] // ALIGNMENT) * ALIGNMENT  # as before: rounded up to a block
     settings = IOSettings(**values)

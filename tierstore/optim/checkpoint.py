@@ -10,11 +10,20 @@ With sharded state (``process_group=``) a rank's dict holds the state of the par
 and an empty entry for each of the others (DCP's strict loading wants an entry per parameter;
 an empty one has nothing to save or load), so the ranks' dicts together are the whole state.
 
-Every trainable parameter has an entry, a fresh one (step 0, zero moments) before its first
-update, and ``opt.state`` is never empty for an optimizer with trainable parameters: DCP's
-``get/set_optimizer_state_dict`` call ``step()`` with zero gradients (``_init_optim_state``) to
-create state when ``opt.state`` is empty, which here would write all the state into the store
-first. An entry at step 0 with zero moments loads as "not updated yet": nothing is written.
+As in torch, ``state_dict()`` has no entry for a parameter never updated (no gradient yet, or
+frozen). Through DCP (``get_optimizer_state_dict``, and this package's streaming
+``optimizer_state_dict``) every trainable parameter has one, a fresh one (step 0, zero moments)
+before its first update: DCP's state dict is also the template ``dcp.load`` fills, and
+``set_optimizer_state_dict`` refuses one lacking a trainable parameter. Torch's AdamW gets those
+entries from ``_init_optim_state``, which steps an optimizer whose ``opt.state`` is empty with
+zero gradients; here that would write all the state into the store first, so ``opt.state`` is
+never empty for an optimizer with trainable parameters (it reads a fresh entry for one never
+updated). An entry at step 0 with zero moments loads as "not updated yet": nothing is written.
+
+State tensors take the parameter's layout (its strides, as torch's ``zeros_like(p,
+memory_format=torch.preserve_format)``): torch's fused Adam reads the state's memory in the
+parameter's order. Loading reads a saved tensor element by element, whatever its strides. The
+param groups save ``fused`` as the implementation the update uses (``saved_groups``).
 
 Compressed state (``state_precision="bf16"``/``"8bit"``, ``master_weights="lossless"``) is
 saved decompressed, in fp32, in the same format: ``exp_avg``/``exp_avg_sq`` are the dequantised
@@ -48,7 +57,7 @@ if TYPE_CHECKING:
     from .paging import PagedOptimizer
     from .slots import ParamSlot
 
-__all__ = ["LazyState", "adam_entry", "adam_load_entry", "adam_load_state_dict", "adam_state_dict"]
+__all__ = ["LazyState", "adam_entry", "adam_load_entry", "adam_load_state_dict", "adam_state_dict", "saved_groups"]
 
 #: Param-group keys that are the optimizer's storage choice, not hyperparameters: a loaded
 #: state dict does not change them.
@@ -69,10 +78,21 @@ def model_param(slot: ParamSlot) -> torch.Tensor:
 
 
 def _laid_out(slot: ParamSlot, flat: torch.Tensor) -> torch.Tensor:
-    """A flat state row as the parameter is laid out: its shape, or a DTensor like it."""
+    """A flat state row (the elements in the parameter's logical order) as the parameter is
+    laid out: its shape and its strides (a channels_last weight's state is channels_last), or a
+    DTensor like it.
+
+    Torch's Adam makes its state with ``zeros_like(p, memory_format=torch.preserve_format)``,
+    and its fused kernel pairs the state's memory with the parameter's memory, strides unread:
+    a contiguous state loaded beside a channels_last weight would update the wrong elements."""
     if isinstance(slot.param, (LocalShard, ParamRange)):
         return slot.param.as_dtensor(flat)
-    return flat.reshape(slot.shape)
+    shaped = flat.reshape(slot.shape)
+    param = slot.param
+    if param.is_contiguous():
+        return shaped
+    laid = torch.empty_like(param, dtype=flat.dtype, device=flat.device, memory_format=torch.preserve_format)
+    return laid.copy_(shaped)  # element by element: the values land where the strides say
 
 
 def _local(slot: ParamSlot, name: str, value: Any) -> torch.Tensor:
@@ -130,11 +150,40 @@ def adam_state_dict(optimizer: TieredAdam) -> dict[str, Any]:
         # it: moving it would read all of it into memory (onto the GPU, on a GPU) and write it
         # all back. So that round trip gets a placeholder, which load_state_dict recognises.
         token = optimizer._unmoved_token = (id(optimizer), next(_tokens))
-        return {"state": {}, "param_groups": optimizer._groups_for_saving(), UNMOVED: list(token)}
-    return run(_adam_state_dict(optimizer))
+        return {"state": {}, "param_groups": saved_groups(optimizer), UNMOVED: list(token)}
+    return run(_adam_state_dict(optimizer, every_trainable=_dcp_state_dict()))
+
+
+def saved_groups(optimizer: TieredAdam) -> list[dict[str, Any]]:
+    """``param_groups`` as saved: torch's keys, with ``fused`` the implementation the update
+    uses. ``fused=None`` means "the default" to torch too, but torch's default for AdamW is the
+    for-loop (CPU) or foreach (CUDA) kernel and ours is the fused one, so a torch optimizer
+    loading a saved None would continue with other arithmetic (ulp-level differences from the
+    first step on); saving the choice made keeps the continuation bit for bit."""
+    groups = optimizer._groups_for_saving()
+    for group in groups:
+        if group.get("fused") is None:
+            group["fused"] = not group.get("foreach")  # TieredAdam's rule: fused unless foreach asked for
+    return groups
 
 
 _tokens = itertools.count()
+
+
+def _dcp_state_dict() -> bool:
+    """Whether the caller is DCP's ``get_optimizer_state_dict``: the state dict it builds is the
+    template ``dcp.load`` fills, and ``set_optimizer_state_dict`` refuses one without an entry for
+    every trainable parameter (torch's own AdamW gets them from ``_init_optim_state``, which
+    steps a stateless optimizer with zero gradients; here that would write every parameter's state
+    into the store first)."""
+    frame = sys._getframe(1)
+    for _ in range(6):
+        frame = frame.f_back  # type: ignore[assignment]
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "_get_optim_state_dict" and frame.f_globals.get("__name__") == "torch.distributed.checkpoint.state_dict":
+            return True
+    return False
 
 
 def _accelerate_placement() -> bool:
@@ -150,14 +199,15 @@ def _accelerate_placement() -> bool:
     return False
 
 
-async def _adam_state_dict(optimizer: TieredAdam) -> dict[str, Any]:
+async def _adam_state_dict(optimizer: TieredAdam, every_trainable: bool) -> dict[str, Any]:
     state: dict[int, dict[str, torch.Tensor]] = {}
     for slot in optimizer._slots:
-        if model_param(slot).requires_grad or slot.index in optimizer._step_counts:
+        stepped = slot.index in optimizer._step_counts
+        if stepped or (every_trainable and model_param(slot).requires_grad):
             state[saved_index(optimizer, slot)] = await adam_entry(optimizer, slot)
     for index in _others(optimizer):
         state[index] = {}
-    return {"state": dict(sorted(state.items())), "param_groups": optimizer._groups_for_saving()}
+    return {"state": dict(sorted(state.items())), "param_groups": saved_groups(optimizer)}
 
 
 def _others(optimizer: PagedOptimizer) -> list[int]:

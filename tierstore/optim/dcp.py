@@ -62,7 +62,15 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ..sync import run
-from .checkpoint import _laid_out, _others, adam_entry, adam_load_entry, model_param, saved_index
+from .checkpoint import (
+    _laid_out,
+    _others,
+    adam_entry,
+    adam_load_entry,
+    model_param,
+    saved_groups,
+    saved_index,
+)
 from .distributed import is_dtensor
 
 if TYPE_CHECKING:
@@ -164,7 +172,7 @@ def _placeholder_state_dict(optimizer: TieredAdam) -> dict[str, Any]:
             }
     for index in _others(optimizer):
         state[index] = {}
-    return {"state": dict(sorted(state.items())), "param_groups": optimizer._groups_for_saving()}
+    return {"state": dict(sorted(state.items())), "param_groups": saved_groups(optimizer)}
 
 
 def _check(optimizer: Any) -> None:
@@ -526,7 +534,7 @@ def load_optimizer(
     groups = _passes(state, buffer_bytes)
     count = _pass_count(len(groups), load_kwargs.get("process_group"))
     loaded: set[int] = set()
-    saved_groups: list[dict[str, Any]] | None = None
+    loaded_groups: list[dict[str, Any]] | None = None
     # (no step count is cleared up front: each parameter's is replaced as its state is written,
     # so a load that fails part-way leaves every parameter with its loaded or its old state)
     for index in range(count):
@@ -537,13 +545,13 @@ def load_optimizer(
         dcp.load({key: part} if part["state"] or index == 0 else {}, checkpoint_id=checkpoint_id, planner=planner, **load_kwargs)
         loaded.update(source.slot.index for source in planner.loaded)
         if index == 0:
-            saved_groups = part["param_groups"]
+            loaded_groups = part["param_groups"]
     for slot in optimizer._slots:
         if slot.index not in loaded:  # frozen, or another rank's: nothing of it is kept here
             slot.resident = None
             optimizer._step_counts.pop(slot.index, None)
             run(optimizer.delete_state(slot))
-    _set_groups(optimizer, saved_groups or [])
+    _set_groups(optimizer, loaded_groups or [])
 
 
 def _set_groups(optimizer: TieredAdam, saved: list[dict[str, Any]]) -> None:

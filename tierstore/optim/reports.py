@@ -26,8 +26,10 @@ class MemoryReport:
     """Bytes per parameter and totals, by place.
 
     ``device``: the model's weights and gradients (they stay on the device in their own dtype);
-    ``state_by_tier``: the optimizer's fp32 master weights and moments, by store tier;
-    ``resident_state``: state of parameters too small to page, kept in host memory.
+    ``state_by_tier``: the optimizer's state (master weights and moments, as stored), by store tier;
+    ``resident_state``: state of parameters too small to page, kept in host memory;
+    ``state_contents``: what the state of a parameter holds (``"fp32 master + fp32 moments"``,
+    ``"low 16 bits of the master + 8-bit moments"`` ...) -> the parameters (elements) stored so.
     """
 
     parameters: int
@@ -45,6 +47,7 @@ class MemoryReport:
     #: (``TimeReport.wear``); None before a step that paged to disk.
     disk_write_bytes_per_step: int | None = None
     wear: DriveWear | None = None
+    state_contents: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -55,7 +58,7 @@ class MemoryReport:
             f"optimizer memory for {self.parameters:,} parameters ({self.paged_parameters:,} paged)",
             f"  model on the device: {self.device_weight_bytes / n:.1f} + {self.device_grad_bytes / n:.1f} bytes/param "
             f"(weights + grads) = {format_bytes(self.device_weight_bytes + self.device_grad_bytes)}",
-            f"  optimizer state, {self.state_bytes_per_param:.0f} bytes/param (fp32 master + moments), by store tier:",
+            f"  optimizer state, {self.state_bytes_per_param:.0f} bytes/param{self._contents()}, by store tier:",
         ]
         for tier, nbytes in self.state_by_tier.items():
             lines.append(f"    {tier:<8} {nbytes / n:5.1f} bytes/param = {format_bytes(nbytes)}")
@@ -73,6 +76,31 @@ class MemoryReport:
             "does not make those fit (tierstore.swap moves activations and parameters)."
         )
         return "\n".join(lines)
+
+    def _contents(self) -> str:
+        """`` (what is stored)`` for the state line: one setting, or each with its share."""
+        if not self.state_contents:
+            return ""
+        if len(self.state_contents) == 1:
+            return f" ({next(iter(self.state_contents))})"
+        total = max(sum(self.state_contents.values()), 1)
+        return " (" + "; ".join(f"{n / total:.0%}: {what}" for what, n in self.state_contents.items()) + ")"
+
+
+def state_contents(optimizer: Any, slot: ParamSlot) -> str:
+    """What the optimizer stores for ``slot``'s parameter, in words (``MemoryReport``)."""
+    group = optimizer.param_groups[slot.group]
+    precision, master = group.get("state_precision"), group.get("master_weights")
+    if precision is None:  # an optimizer without storage choices keeps its own state as it is
+        return "the optimizer's state as it keeps it"
+    moments = {"fp32": "fp32 moments", "bf16": "bf16 moments", "8bit": "8-bit moments"}.get(precision, f"{precision} moments")
+    if master == "lossless":
+        kept = "low 16 bits of the master"  # (its high half is the bf16 weight itself)
+    elif precision == "fp32" and getattr(optimizer, "_param_is_master", lambda _: False)(slot):
+        kept = "no master copy (the fp32 weight is the master)"
+    else:
+        kept = "fp32 master"
+    return f"{kept} + {moments}"
 
 
 @dataclass
@@ -324,6 +352,13 @@ async def memory_report(
                 for tier in store.where(key)[:1]:
                     by_tier[tier] += nbytes
     params = sum(slot.numel for slot in slots)
+    # the optimizer these slots are of: its bound _state_bytes (how to store is a group setting)
+    owner = getattr(state_bytes, "__self__", None)
+    contents: dict[str, int] = {}
+    if owner is not None and hasattr(owner, "param_groups"):
+        for slot in slots:
+            what = state_contents(owner, slot)
+            contents[what] = contents.get(what, 0) + slot.numel
     weights = sum(slot.numel * slot.param.element_size() for slot in slots if offloaded(slot.param) is None)
     grads = sum(slot.numel * slot.param.element_size() for slot in slots if slot.param.requires_grad)
     state = sum(state_bytes(slot) for slot in slots)
@@ -335,6 +370,7 @@ async def memory_report(
         state_by_tier=by_tier, resident_state_bytes=resident, resident_parameters=resident_params,
         state_bytes_per_param=state / max(params, 1), tiers=tiers, plan=plan,
         disk_write_bytes_per_step=written, wear=last.wear() if last is not None and paged_to_disk else None,
+        state_contents=contents,
     )
 
 
