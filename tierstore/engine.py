@@ -38,6 +38,7 @@ from .errors import (
 from .gcpause import gc_paused
 from .keys import check_key
 from .prefetching import PrefetchIssuer
+from .process import this_process
 from .protocols import EvictionPolicy, PrefetchPolicy
 from .recency import CopyLRU
 from .stats import StoreCounters
@@ -53,20 +54,6 @@ TierRef = int | str | Tier | None
 _MAX_REREADS = 100
 
 
-class _Process:
-    """This process's pid, kept current across ``fork`` (every verb compares it: a cached value
-    spares a system call on the hot path)."""
-
-    pid = os.getpid()
-
-    @classmethod
-    def forked(cls) -> None:
-        cls.pid = os.getpid()
-
-
-_process = _Process
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_Process.forked)
 
 
 
@@ -839,7 +826,7 @@ class Engine:
     def require_open(self) -> None:
         if not self.is_open:
             raise StoreClosedError("the store is not open: use 'async with TierStore(...)' or 'await store.open()' (the blocking SyncTierStore: 'with SyncTierStore(...)' or its .open())")
-        if self._pid != _process.pid:
+        if self._pid != this_process.pid:
             raise StoreForkedError(
                 f"this store was opened by process {self._pid}; a forked child (pid {os.getpid()}) cannot use it: "
                 "open a store of its own in the child"

@@ -44,6 +44,7 @@ from ..errors import (
     TierFullError,
     TierStoreError,
 )
+from ..process import this_process
 from ..tensors import ALIGNMENT, TensorMeta, aligned_empty
 from ..units import format_bytes, parse_bytes, round_up
 from ..workers import Priority, WorkerPool
@@ -63,20 +64,6 @@ INLINE_MAX = 2048
 _PROBE_NAME = ".direct-probe"
 
 
-class _Process:
-    """This process's pid, kept current across ``fork`` (every catalog access compares it: a
-    cached value spares a system call on the hot path of small values)."""
-
-    pid = os.getpid()
-
-    @classmethod
-    def forked(cls) -> None:
-        cls.pid = os.getpid()
-
-
-_process = _Process
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_Process.forked)
 
 
 class InlineSuperseded(TierStoreError):
@@ -838,7 +825,7 @@ class DiskTier(Tier):
         return self.root / "data" / f"segment-{segment:06d}.bin"
 
     def _check_process(self) -> None:
-        if self._pid is not None and self._pid != _process.pid:
+        if self._pid is not None and self._pid != this_process.pid:
             raise StoreForkedError(
                 f"disk tier {self.name!r} at {self.root} was opened by process {self._pid}; this process "
                 f"({os.getpid()}) was forked from it and cannot use it: open a new store here if it needs one"
