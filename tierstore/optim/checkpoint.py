@@ -176,25 +176,24 @@ def _dcp_state_dict() -> bool:
     every trainable parameter (torch's own AdamW gets them from ``_init_optim_state``, which
     steps a stateless optimizer with zero gradients; here that would write every parameter's state
     into the store first)."""
-    frame = sys._getframe(1)
-    for _ in range(6):
-        frame = frame.f_back  # type: ignore[assignment]
-        if frame is None:
-            return False
-        if frame.f_code.co_name == "_get_optim_state_dict" and frame.f_globals.get("__name__") == "torch.distributed.checkpoint.state_dict":
-            return True
-    return False
+    return _called_from("_get_optim_state_dict", "torch.distributed.checkpoint.state_dict")
 
 
 def _accelerate_placement() -> bool:
     """Whether the caller is accelerate's ``AcceleratedOptimizer`` placing the state on its device
     (its ``__init__`` with ``device_placement=True``, what ``Accelerator.prepare`` runs)."""
-    frame = sys._getframe(1)
-    for _ in range(6):
+    return _called_from("__init__", "accelerate.optimizer")
+
+
+def _called_from(function: str, module: str, depth: int = 6) -> bool:
+    """Whether ``module.function`` is among the ``depth`` frames above the caller of the
+    function that calls this (a library's call into ours that its API does not tell apart)."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
         frame = frame.f_back  # type: ignore[assignment]
         if frame is None:
             return False
-        if frame.f_code.co_name == "__init__" and frame.f_globals.get("__name__") == "accelerate.optimizer":
+        if frame.f_code.co_name == function and frame.f_globals.get("__name__") == module:
             return True
     return False
 
