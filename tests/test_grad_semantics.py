@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from flipped import flipped_byte
 
 from tierstore import DiskTier, HostTier, TierStore
 from tierstore.device import link_for
@@ -300,7 +301,7 @@ def test_a_checksum_error_in_step_names_the_parameters_and_step_again_completes(
                 continue
             run(settle(opt.store))
             slot = next(slot for slot in opt._slots if slot.paged and opt.store.where(slot.key) == ["disk"])
-            with _flipped_byte(opt.store, slot.key):  # its state, before this step reads it
+            with flipped_byte(opt.store, slot.key):  # its state, before this step reads it
                 o.zero_grad()
                 net(data[step]).pow(2).mean().backward()
                 with pytest.raises(StepIncompleteError, match=r"were updated, \[.*\] were not \(ChecksumError") as caught:
@@ -314,30 +315,6 @@ def test_a_checksum_error_in_step_names_the_parameters_and_step_again_completes(
     opt.close()
 
 
-class _flipped_byte:
-    """Flip a byte of ``key``'s record on disk, and flip it back on exit."""
-
-    def __init__(self, store: TierStore, key: str) -> None:
-        disk = store.tier("disk")
-
-        async def locate() -> tuple[Path, int]:
-            extent = disk.committed()[key].extent  # type: ignore[attr-defined]
-            return disk.segment_path(extent.segment), extent.offset + 100  # type: ignore[attr-defined]
-
-        self.path, self.offset = run(locate())
-
-    def _flip(self) -> None:
-        with open(self.path, "r+b") as handle:
-            handle.seek(self.offset)
-            byte = handle.read(1)
-            handle.seek(self.offset)
-            handle.write(bytes([byte[0] ^ 0x10]))
-
-    def __enter__(self) -> None:
-        self._flip()
-
-    def __exit__(self, *exc: object) -> None:
-        self._flip()
 
 
 def test_a_gradient_given_new_memory_through_data_counts(device_mode: str) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from flipped import flipped_byte
 
 from tierstore import DiskTier, HostTier, TierStore
 from tierstore.errors import StepIncompleteError
@@ -70,7 +71,7 @@ def test_abandoning_raises_an_update_in_backward_that_failed(tmp_path: Path, aba
     run(settle(opt.store))
     on_disk = [slot for slot in opt._slots if slot.paged and opt.store.where(slot.key) == ["disk"]]
     assert on_disk
-    with _flipped_byte(opt.store, on_disk[0].key):  # its state, before backward's update reads it
+    with flipped_byte(opt.store, on_disk[0].key):  # its state, before backward's update reads it
         model(x).pow(2).mean().backward()
         with pytest.raises(StepIncompleteError, match=r"failed for parameters .*step was abandoned") as caught:
             opt.zero_grad() if abandon == "zero_grad" else opt.close()
@@ -84,30 +85,6 @@ def test_abandoning_raises_an_update_in_backward_that_failed(tmp_path: Path, aba
     opt.close()
 
 
-class _flipped_byte:
-    """Flip a byte of ``key``'s record on disk, and flip it back on exit."""
-
-    def __init__(self, store: TierStore, key: str) -> None:
-        disk = store.tier("disk")
-
-        async def locate() -> tuple[Path, int]:
-            extent = disk.committed()[key].extent  # type: ignore[attr-defined]
-            return disk.segment_path(extent.segment), extent.offset + 100  # type: ignore[attr-defined]
-
-        self.path, self.offset = run(locate())
-
-    def _flip(self) -> None:
-        with open(self.path, "r+b") as handle:
-            handle.seek(self.offset)
-            byte = handle.read(1)
-            handle.seek(self.offset)
-            handle.write(bytes([byte[0] ^ 0x10]))
-
-    def __enter__(self) -> None:
-        self._flip()
-
-    def __exit__(self, *exc: object) -> None:
-        self._flip()
 
 
 # -- 2. a parameter whose layout changes mid-training --------------------------------------------
