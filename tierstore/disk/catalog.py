@@ -582,7 +582,9 @@ class Catalog:
     async def commit(self, changes: list[tuple[str, DiskRecord | None]], layout: CatalogLayout | None = None) -> None:
         """Durably apply ``changes`` (key -> new record, or None to delete) in one transaction
         shared with whatever other commits are waiting (group commit); returns once it is on
-        disk. Reads (``get``) see the changes from the moment this is called."""
+        disk. Reads (``get``) see queued changes from the moment this is called; an uncontended
+        one, handed straight to the writer thread, from its commit on (its callers hold the
+        key's disk lock until then)."""
         loop = asyncio.get_running_loop()
         if layout is not None:  # rare (a new segment): its own transaction
             if self._writer is None:
@@ -619,13 +621,22 @@ class Catalog:
             else:
                 _deliver(loop, done, None)
 
+        def settled(future: asyncio.Future[None]) -> None:
+            # (the catalog is busy until the transaction ends, also for a cancelled caller: a
+            # later commit of the same key must not overtake it)
+            self._direct -= 1
+            if not future.cancelled():
+                future.exception()  # (retrieved: a cancelled caller no longer waits for it)
+
         self._direct += 1
+        done.add_done_callback(settled)
         try:
             writer.submit(job)
-            # (a cancelled caller stops waiting; the transaction goes on, as a queued one would)
-            await done
-        finally:
-            self._direct -= 1
+        except BaseException:
+            done.cancel()
+            raise
+        # (a cancelled caller stops waiting; the transaction goes on, as a queued one would)
+        await asyncio.shield(done)
 
     def commit_here(
         self, changes: list[tuple[str, DiskRecord | None]], scope: Callable[[], AbstractContextManager[None]] | None = None
