@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ..store import TierStore
-from .reports import Timeline, TimeReport
+from .reports import Timeline, TimeReport, count_grad_transfer
 from .slots import Capture, ParamSlot, memory_of
 
 #: What step() saw of one parameter: ``(slot, p.grad, its version, a marker of the link, the
@@ -170,10 +170,7 @@ class GradientCapture:
             async with self._store.fill(slot.grad_key, grad.shape, grad.dtype, self._tier) as buffer:
                 transfer = slot.link.to_host(buffer, grad, after=capture.marker)
                 await transfer
-            report = self._report()
-            report.grads_to_host += transfer.seconds
-            report.grads_to_host_bytes += transfer.nbytes
-            self._timeline.add(f"grad {slot.index}", "grads to host", transfer.started or 0.0, transfer.ended or 0.0, bytes=transfer.nbytes)
+            count_grad_transfer(self._report(), self._timeline, slot.index, transfer)
         if arrived:
             await self._arrived(slot, capture)
 

@@ -32,7 +32,7 @@ from ..tiers import MemoryTier
 from ..workers import CallerPool, Priority, WorkerPool
 from .chunks import Chunk, plan_chunks
 from .clipping import inverse_scale
-from .reports import Timeline, TimeReport
+from .reports import Timeline, TimeReport, count_grad_transfer
 from .slots import Capture, ParamSlot
 
 
@@ -306,10 +306,7 @@ class UpdatePipeline:
         async with scratch(self._store, key, (source.numel(),), source.dtype, self._tier) as buffer:
             transfer = slot.link.to_host(buffer, source, after=capture.marker)
             await transfer
-            report = self._report()
-            report.grads_to_host += transfer.seconds
-            report.grads_to_host_bytes += transfer.nbytes
-            self._timeline.add(f"grad {slot.index}", "grads to host", transfer.started or 0.0, transfer.ended or 0.0, bytes=transfer.nbytes)
+            count_grad_transfer(self._report(), self._timeline, slot.index, transfer)
             yield buffer.view(shape)
 
     # -- chunks -------------------------------------------------------------------------------------

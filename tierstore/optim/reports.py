@@ -424,6 +424,14 @@ class Timeline:
         Path(path).write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
 
 
+def count_grad_transfer(report: TimeReport, timeline: Timeline, index: int, transfer: Any) -> None:
+    """Count a finished gradient copy to the host (a link ``Transfer``) in the step's report
+    and timeline."""
+    report.grads_to_host += transfer.seconds
+    report.grads_to_host_bytes += transfer.nbytes
+    timeline.add(f"grad {index}", "grads to host", transfer.started or 0.0, transfer.ended or 0.0, bytes=transfer.nbytes)
+
+
 def _track_order(track: str) -> tuple[int, str]:
     order = ["compute", "train loop", "host update"]
     return (order.index(track) if track in order else len(order), track)
