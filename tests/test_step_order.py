@@ -4,6 +4,7 @@ chunked parameter's chunks updated in runs (one math call for several chunks), e
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -173,15 +174,22 @@ def store_close(store: TierStore) -> None:
         run(store.aclose(flush=False))
 
 
-def test_the_schedule_learns_an_order_that_alternates() -> None:
+def _learned_alternation(ahead: int) -> tuple[Any, list[str], list[str]]:
+    """A ``ScheduleLearned`` shown a forward, backward, forward order of six keys (a step each),
+    with the two orders."""
     from policies import ScheduleLearned
 
-    policy = ScheduleLearned(ahead=2, max_keys=10)
+    policy = ScheduleLearned(ahead=ahead, max_keys=10)
     forward, backward = list("abcdef"), list("fedcba")
     for phase in (forward, backward, forward):
         for key in phase:
             policy.on_access(key, 1, "host", False)
         policy.on_step()
+    return policy, forward, backward
+
+
+def test_the_schedule_learns_an_order_that_alternates() -> None:
+    policy, forward, backward = _learned_alternation(ahead=2)
     assert policy.period == 2 and policy.schedule == backward  # the coming phase: reversed
     changes = policy.changes  # (the first reversal was a change; it was learned from there)
     for key in backward[:5]:
@@ -198,14 +206,7 @@ def test_a_finished_phase_looks_ahead_to_the_next_one_not_back_to_its_own_start(
     what comes next is the following phase (reversed), not this phase again from its start.
     Wrapping round here prefetched the state just updated and evicted what the next step
     needs first."""
-    from policies import ScheduleLearned
-
-    policy = ScheduleLearned(ahead=3, max_keys=10)
-    forward, backward = list("abcdef"), list("fedcba")
-    for phase in (forward, backward, forward):
-        for key in phase:
-            policy.on_access(key, 1, "host", False)
-        policy.on_step()
+    policy, forward, backward = _learned_alternation(ahead=3)
     for key in backward:  # the whole phase, no on_step yet
         policy.on_access(key, 1, "host", True)
     assert [key for key, _ in policy.suggest()] == ["a", "b", "c"]  # the next phase's start
