@@ -652,10 +652,7 @@ class Catalog:
         try:
             # (read from this thread: a change queued by the loop just after this check
             # waits for the lock, and names none of these keys)
-            if self._direct or self._pending or self._retry or any(key in self._staged for key, _ in changes):
-                return False
-            flushing = self._flushing
-            if flushing is not None and not flushing.done():
+            if not self._idle() or any(key in self._staged for key, _ in changes):
                 return False
             if scope is None:
                 self._write_sync(changes, None)
@@ -729,8 +726,7 @@ class Catalog:
                 self._newest[change[0]] = (change, None, None)
         self._changes += len(group)
         self._pending.append((group, done, waited))
-        if self._flushing is None or self._flushing.done():
-            self._flushing = loop.create_task(self._flush())
+        self._start_flush()
         return done
 
     @property
