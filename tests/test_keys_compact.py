@@ -53,7 +53,7 @@ def test_copy_lru_chooses_what_lru_chooses(seed: int) -> None:
             plain.on_remove(key)
         elif op < 0.995:
             skipped = set(rng.sample(list(copies), rng.randrange(0, 30)))
-            allowed = (lambda k: k not in skipped) if skipped else None
+            allowed = (lambda k, skipped=skipped: k not in skipped) if skipped else None
             assert linked.victim(allowed) == plain.victim(allowed)
         else:
             linked.reset()

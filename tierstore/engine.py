@@ -25,6 +25,7 @@ from .copies import INLINE_COPY_BYTES, copy_bytes, cpu_copy
 from .device import READY, TO_DEVICE, TO_HOST, Link, Transfer, link_for
 from .device.caller import caller_work
 from .disk.catalog import DiskRecord
+from .disk.extents import Extent
 from .entry import Copy, Entry, MemoryCopy, shared_meta
 from .errors import (
     CorruptionError,
@@ -489,7 +490,7 @@ class Engine:
                     started = time.perf_counter()
                     written = entry
 
-                    def record_for(checksums: tuple[int, ...]) -> DiskRecord | None:
+                    def record_for(checksums: tuple[int, ...], written: Entry = written, extent: Extent = extent) -> DiskRecord | None:
                         # (on the I/O thread that ends the write, just before the commit: reads only)
                         stale = version is not None and (written.version != version or self.entries.get(written.key) is not written)
                         if stale or (abandon is not None and abandon.is_set()):

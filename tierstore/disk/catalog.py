@@ -11,12 +11,13 @@ so durable puts share the sync of one commit; a non-durable write may be queued 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import struct
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -876,10 +877,8 @@ def _again(error: BaseException | None, path: Path) -> BaseException:
 
 
 def _deliver(loop: asyncio.AbstractEventLoop, done: asyncio.Future[None], exc: BaseException | None) -> None:
-    try:
+    with contextlib.suppress(RuntimeError):  # (a closed loop: nobody is waiting any more)
         loop.call_soon_threadsafe(_settle, done, exc)
-    except RuntimeError:  # a closed loop: nobody is waiting any more
-        pass
 
 
 class _SlowPath(Exception):
