@@ -64,8 +64,6 @@ INLINE_MAX = 2048
 _PROBE_NAME = ".direct-probe"
 
 
-
-
 class InlineSuperseded(TierStoreError):
     """Internal: the catalog holds another version of an inline value than the one asked for
     (its writer is installing a newer one); the reader waits for it and reads again."""
@@ -563,12 +561,21 @@ class DiskTier(Tier):
                 await self.pool.run(then, priority)
             return checksums
         # One batch of jobs, one wake-up of the loop; the fdatasync runs on the thread that ends
-        # the last job. A value of fewer chunks than the queue depth is cut into pieces moved in
-        # parallel, each checksummed in its own job (see split_chunks).
+        # the last job.
+        pieces, count, writes = self._write_jobs(files, extent, src, nbytes)
+        return combine_pieces(pieces, await self.pool.run_all(writes, priority, limit=self.queue_depth, then=then), count)
+
+    def _write_jobs(
+        self, files: SegmentFiles, extent: Extent, src: torch.Tensor, nbytes: int
+    ) -> tuple[list[tuple[int, int, int]], int, list[Callable[[], int]]]:
+        """The jobs writing the first ``nbytes`` of ``src`` into ``extent``, each returning its
+        piece's checksum: a value of fewer chunks than the queue depth is cut into pieces moved
+        in parallel (see ``split_chunks``). Returns the pieces, the number of chunks (for
+        ``combine_pieces``) and the jobs."""
         chunks = self._chunks(nbytes)
         pieces = split_chunks(chunks, self.queue_depth)
         writes = [partial(files.write_chunk, extent.segment, extent.offset + start, src, start, length) for _, start, length in pieces]
-        return combine_pieces(pieces, await self.pool.run_all(writes, priority, limit=self.queue_depth, then=then), len(chunks))
+        return pieces, len(chunks), writes
 
     async def write_committed(
         self,
@@ -593,13 +600,11 @@ class DiskTier(Tier):
                 await self.commit([(record.key, record)])
             return record
         then = partial(files.sync, extent.segment) if self.durable else None
-        chunks = self._chunks(nbytes)
-        pieces = split_chunks(chunks, self.queue_depth)
-        writes = [partial(files.write_chunk, extent.segment, extent.offset + start, src, start, length) for _, start, length in pieces]
+        pieces, count, writes = self._write_jobs(files, extent, src, nbytes)
         outcome: list[tuple[DiskRecord | None, bool]] = []
 
         def finish(results: list[int]) -> None:
-            record = record_for(combine_pieces(pieces, results, len(chunks)))
+            record = record_for(combine_pieces(pieces, results, count))
             changes: list[tuple[str, DiskRecord | None]] = [] if record is None else [(record.key, record)]
             alone = self._writing == 1  # (read here: others started since would share with it)
             here = alone and record is not None and catalog.commit_here(changes, partial(self.io.catalog_commit, changes, None))
@@ -753,10 +758,7 @@ class DiskTier(Tier):
         """``stage`` of the inline record of ``src`` (as ``inline_record`` makes it), queued in
         its binary form: the small non-durable put, with no record object made."""
         self._require_open()
-        catalog = self._require_catalog()
-        if not isinstance(src, bytes):
-            src = self.inline_record(key, meta, src, version).data or b""
-        catalog.stage_inline(key, inline_bytes(key, meta, version, checksum_bytes(src), src))
+        self._require_catalog().stage_inline(key, self.inline_raw(key, meta, src, version))
 
     def release_when(self, committed: asyncio.Future[None], extent: Extent) -> None:
         """Release ``extent`` once ``committed`` ends (the commit that stops referencing it): its
