@@ -398,14 +398,12 @@ class Entry:
 
     def all_copies(self) -> tuple[Copy, ...]:
         """Every copy, fastest tier first."""
-        copies = self._copies
+        copies = self._adopted()
         if copies is None:
             return ()
         if isinstance(copies, Copy):
             return (copies,)
-        if copies.__class__ is _InlineOnDisk:
-            return (self._adopted(),)  # type: ignore[return-value]
-        return copies  # type: ignore[return-value]
+        return copies
 
     def copy_on(self, tier: int) -> Copy | None:
         """Tier ``tier``'s copy (valid or not), or None."""
