@@ -129,19 +129,30 @@ def _nearest_codes(normal: torch.Tensor, signed: bool) -> torch.Tensor:
 COMPILE_MIN_NUMEL = 1 << 18
 
 
-def _encode_blocks(values: torch.Tensor, table: torch.Tensor, mid: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
-    """Whole blocks ``(blocks, BLOCK)`` of fp32 ``values`` into ``codes`` and ``scales``: the
-    eager ``_quantize_eager``'s math, written as one expression for the compiler to fuse."""
+def _coded(values: torch.Tensor, table: torch.Tensor, mid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole blocks ``(blocks, BLOCK)`` of fp32 ``values`` as their codes and scales: the eager
+    ``_quantize_eager``'s math, written as one expression for the compiler to fuse."""
     absmax = values.abs().amax(dim=1).clamp(min=1e-12)  # an all-zero block still divides
     normal = (values / absmax.unsqueeze(1)).reshape(-1)
     below = table[normal.view(torch.int32).bitwise_right_shift(16).bitwise_and(0xFFFF)]
-    codes.copy_((below + (normal > mid[below]).to(torch.int32)).to(torch.uint8))
+    return (below + (normal > mid[below]).to(torch.int32)).to(torch.uint8), absmax
+
+
+def _decoded(codes: torch.Tensor, scales: torch.Tensor, book: torch.Tensor) -> torch.Tensor:
+    """Whole blocks of ``codes`` and their ``scales`` as flat fp32 values."""
+    return (book[codes.long()].view(-1, BLOCK) * scales.unsqueeze(1)).view(-1)
+
+
+def _encode_blocks(values: torch.Tensor, table: torch.Tensor, mid: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
+    """Whole blocks of fp32 ``values`` into ``codes`` and ``scales`` (``_coded``)."""
+    coded, absmax = _coded(values, table, mid)
+    codes.copy_(coded)
     scales.copy_(absmax)
 
 
 def _decode_blocks(codes: torch.Tensor, scales: torch.Tensor, book: torch.Tensor, out: torch.Tensor) -> None:
     """Whole blocks of ``codes`` and their ``scales`` into flat fp32 ``out``."""
-    out.copy_((book[codes.long()].view(-1, BLOCK) * scales.unsqueeze(1)).view(-1))
+    out.copy_(_decoded(codes, scales, book))
 
 
 def _encode_pair(m: torch.Tensor, v: torch.Tensor, signed: tuple[torch.Tensor, torch.Tensor],
@@ -150,20 +161,13 @@ def _encode_pair(m: torch.Tensor, v: torch.Tensor, signed: tuple[torch.Tensor, t
     scales as new tensors. Returned, not written into the entry's views: inputs that are views
     of one buffer and mutated would make the compiled function rebuild their common base on
     every call."""
-    out = []
-    for values, (table, mid) in ((m, signed), (v, unsigned)):
-        absmax = values.abs().amax(dim=1).clamp(min=1e-12)
-        normal = (values / absmax.unsqueeze(1)).reshape(-1)
-        below = table[normal.view(torch.int32).bitwise_right_shift(16).bitwise_and(0xFFFF)]
-        out += [(below + (normal > mid[below]).to(torch.int32)).to(torch.uint8), absmax]
-    return tuple(out)
+    return (*_coded(m, *signed), *_coded(v, *unsigned))
 
 
 def _decode_pair(m_codes: torch.Tensor, m_scales: torch.Tensor, v_codes: torch.Tensor, v_scales: torch.Tensor,
                  signed: torch.Tensor, unsigned: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Both moments of a tile of whole blocks decoded into new fp32 tensors."""
-    return ((signed[m_codes.long()].view(-1, BLOCK) * m_scales.unsqueeze(1)).view(-1),
-            (unsigned[v_codes.long()].view(-1, BLOCK) * v_scales.unsqueeze(1)).view(-1))
+    return _decoded(m_codes, m_scales, signed), _decoded(v_codes, v_scales, unsigned)
 
 
 #: Inductor options: no bounds check on the code-book lookups (their indices are a uint8 code
