@@ -32,6 +32,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import fmean
 from typing import Any
 
 import torch
@@ -140,7 +141,7 @@ def train_step(model: GPT, optimizer: Any, tokens: torch.Tensor, clip: float) ->
 
 def disk_steps(args: argparse.Namespace, demo: argparse.Namespace, read_gbs: float, write_gbs: float, bar: Any) -> dict[str, Any]:
     """Each setting with half of its state on disk, and torch's AdamW in memory per dtype,
-    alternating step by step: medians of step time and disk bytes, and the losses."""
+    alternating step by step: medians of step time, means of disk bytes, and the losses."""
     from policies import MIN, ScheduleLearned
 
     variants: dict[str, tuple[GPT, Any, Setting | None]] = {}
@@ -189,7 +190,10 @@ def disk_steps(args: argparse.Namespace, demo: argparse.Namespace, read_gbs: flo
     for name, (_, _, measured) in variants.items():
         row: dict[str, Any] = {"step_ms": median(times[name]) * 1e3, "losses": losses[name]}
         if measured is not None:
-            read, write, need = (median(moved[name][k]) for k in ("read", "write", "need"))
+            # Means, not medians: bytes are not noisy, and a step's reads and writes may alternate
+            # (an entry read in one step is written back in the next), so the median of each
+            # alone can pair one step's reads with another's writes.
+            read, write, need = (fmean(moved[name][k]) for k in ("read", "write", "need"))
             paged = facts[name]["paged_parameters"]
             compute = median(times[f"torch {measured.dtype}"])
             transfer = read / (read_gbs * 1e9) + write / (write_gbs * 1e9)
