@@ -126,12 +126,15 @@ def _nearest_codes(normal: torch.Tensor, signed: bool) -> torch.Tensor:
 # compile that fails (no compiler, an unsupported platform) warns once and falls back to eager.
 
 #: Entries of at least this many elements use the compiled codec (when enabled).
-COMPILE_MIN_NUMEL = 1 << 18
+COMPILE_MIN_NUMEL = 1 << 15
 
 
 def _coded(values: torch.Tensor, table: torch.Tensor, mid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Whole blocks ``(blocks, BLOCK)`` of fp32 ``values`` as their codes and scales: the eager
+    """Whole blocks of flat fp32 ``values`` as their codes and scales: the eager
     ``_quantize_eager``'s math, written as one expression for the compiler to fuse."""
+    # Flat in, blocks made here: a (blocks, BLOCK) input's second size would be a symbol under
+    # dynamic shapes, and each element's scale an integer division by it (2.6x slower).
+    values = values.view(-1, BLOCK)
     absmax = values.abs().amax(dim=1).clamp(min=1e-12)  # an all-zero block still divides
     normal = (values / absmax.unsqueeze(1)).reshape(-1)
     below = table[normal.view(torch.int32).bitwise_right_shift(16).bitwise_and(0xFFFF)]
@@ -140,7 +143,8 @@ def _coded(values: torch.Tensor, table: torch.Tensor, mid: torch.Tensor) -> tupl
 
 def _decoded(codes: torch.Tensor, scales: torch.Tensor, book: torch.Tensor) -> torch.Tensor:
     """Whole blocks of ``codes`` and their ``scales`` as flat fp32 values."""
-    return (book[codes.long()].view(-1, BLOCK) * scales.unsqueeze(1)).view(-1)
+    # int32 indices: int64 ones make the compiled lookup widen every vector of codes (3x slower).
+    return (book[codes.int()].view(-1, BLOCK) * scales.unsqueeze(1)).view(-1)
 
 
 def _encode_blocks(values: torch.Tensor, table: torch.Tensor, mid: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
@@ -157,7 +161,7 @@ def _decode_blocks(codes: torch.Tensor, scales: torch.Tensor, book: torch.Tensor
 
 def _encode_pair(m: torch.Tensor, v: torch.Tensor, signed: tuple[torch.Tensor, torch.Tensor],
                  unsigned: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """Both moments of a tile (whole blocks, ``(blocks, BLOCK)``) in one kernel: their codes and
+    """Both moments of a tile (flat, whole blocks) in one kernel: their codes and
     scales as new tensors. Returned, not written into the entry's views: inputs that are views
     of one buffer and mutated would make the compiled function rebuild their common base on
     every call."""
@@ -182,6 +186,7 @@ class _Compiled:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._kernels: dict[str, Callable[..., Any]] | None = None
+        self._traced: set[str] = set()
         self.failed = False
 
     def enabled(self) -> bool:
@@ -197,10 +202,16 @@ class _Compiled:
             if self._kernels is None:
                 self._kernels = {name: torch.compile(kernel, dynamic=True, options=_OPTIONS) for name, kernel in _KERNELS.items()}
         try:
-            # Without duck sizing: a tile's sizes and its views' offsets into the entry's buffer
-            # that happen to be equal would otherwise become guards, and a recompile per tile.
-            with torch.fx.experimental._config.patch(use_duck_shape=False):
+            if name in self._traced:
                 result = self._kernels[name](*args)
+            else:
+                # Traced without duck sizing: a tile's sizes and its views' offsets into the
+                # entry's buffer that happen to be equal would otherwise become guards, and a
+                # recompile per tile. Only the first call traces (dynamic shapes): the later
+                # ones skip the config patch, which costs as much as a small tile's kernel.
+                with torch.fx.experimental._config.patch(use_duck_shape=False):
+                    result = self._kernels[name](*args)
+                self._traced.add(name)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: the eager codec gives the same bits
             self.failed = True
             warnings.warn(f"the compiled 8-bit codec is unavailable ({type(exc).__name__}: {exc}); using the eager one", stacklevel=3)
@@ -234,9 +245,9 @@ def quantize(values: torch.Tensor, signed: bool, codes: torch.Tensor, scales: to
     n = values.numel()
     full = n // BLOCK * BLOCK
     if full:
-        blocks, block_codes, block_scales = values[:full].view(-1, BLOCK), codes[:full], scales[: full // BLOCK]
+        blocks, block_codes, block_scales = values[:full], codes[:full], scales[: full // BLOCK]
         if not (_use_compiled(compiled, n) and _COMPILED.call("encode", blocks, *_search_table(signed), block_codes, block_scales)):
-            _quantize_eager(blocks.reshape(-1), signed, block_codes, block_scales)
+            _quantize_eager(blocks, signed, block_codes, block_scales)
     if full < n:
         _quantize_eager(values[full:], signed, codes[full:], scales[full // BLOCK :])
 
@@ -511,7 +522,7 @@ class PackedState:
         elif self.layout.precision == "8bit":
             size, blocks = stop - start, slice(start // BLOCK, -(-stop // BLOCK))
             if compiled and size % BLOCK == 0 and len(moments) == 2:
-                encoded = _COMPILED.call("encode_pair", rows[1].view(-1, BLOCK), rows[2].view(-1, BLOCK), _search_table(True), _search_table(False))
+                encoded = _COMPILED.call("encode_pair", rows[1], rows[2], _search_table(True), _search_table(False))
                 if encoded is not False:
                     for name, codes, scales in ((moments[0], *encoded[:2]), (moments[1], *encoded[2:])):
                         self.view(f"{name}/codes")[start:stop].copy_(codes)
