@@ -33,6 +33,7 @@ from .errors import (
     KeyNotFoundError,
     StoreClosedError,
     StoreForkedError,
+    TierFullError,
     TierStoreError,
     UnknownTierError,
 )
@@ -543,6 +544,78 @@ class Engine:
             raise
         self.count_link(source_tier, d, nbytes, time.perf_counter() - started)
         self.install_disk(entry, d, Copy(d, record_version, inline=nbytes), meta if version is None else None)
+
+    def commit_small_now(self, entry: Entry, src: torch.Tensor | bytes, meta: TensorMeta) -> asyncio.Future[None] | None:
+        """A put of a small value committed inline in the catalog, started with no await: the
+        key's disk lock taken at once, the record handed to the catalog's writer thread, and the
+        value installed (the lock released) by the returned future's first callback, on the loop,
+        once the transaction is durable. The future raises what the commit raised (nothing then
+        changed). None, with nothing done, when that cannot start at once (a value not small, a
+        catalog change of the key or of the catalog under way, commits watched by a fault
+        injector): the caller then goes the awaited way (``write_disk``)."""
+        disk = self.disk
+        d = self.disk_index
+        nbytes = meta.nbytes
+        if d is None or not disk.holds_inline(nbytes):
+            return None
+        entry = self._live_entry(entry, meta)
+        lock = entry.try_disk_lock()
+        if lock is None:
+            return None
+        committed: asyncio.Future[None] | None = None
+        try:
+            disk.reserve_inline(nbytes)
+            try:
+                version = next(self.versions)
+                committed = disk.commit_soon([(entry.key, disk.inline_raw(entry.key, meta, src, version))])
+            finally:
+                if committed is None:
+                    disk.release_inline(nbytes)
+        finally:
+            if committed is None:
+                lock.release()
+                entry.forget_idle_lock()
+        if committed is None:
+            return None
+        started = time.perf_counter()
+
+        def installed(future: asyncio.Future[None]) -> None:
+            try:
+                if future.cancelled() or future.exception() is not None:
+                    disk.release_inline(nbytes)
+                else:
+                    self.count_link(None, d, nbytes, time.perf_counter() - started)
+                    self.install_disk(entry, d, Copy(d, version, inline=nbytes), meta)
+            finally:
+                lock.release()
+                entry.forget_idle_lock()
+
+        committed.add_done_callback(installed)
+        self.writes.add(committed)  # type: ignore[arg-type]  # (``aclose`` waits for it, as for a write task)
+        committed.add_done_callback(self.writes.discard)  # type: ignore[arg-type]
+        return committed
+
+    def stage_new_small(self, key: str, data: bytes, meta: TensorMeta) -> bool:
+        """A small put of a key with no entry onto a non-durable disk tier, done at once with
+        no await (``put_staged`` of a new key): the record queued for the next transaction and
+        the entry made with its inline copy. ``data`` is the value's bytes, ``meta`` shared.
+        False (nothing done) when the tier has no room for it."""
+        disk = self.disk
+        d = self.disk_index
+        nbytes = meta.nbytes
+        try:
+            disk.reserve_inline(nbytes)
+        except TierFullError:
+            return False  # (the awaited way says why)
+        version = next(self.versions)
+        try:
+            disk.stage_inline(key, meta, data, version)
+        except BaseException:
+            disk.release_inline(nbytes)
+            raise
+        self.entries[key] = Entry.inline_on_disk(key, meta, version, d)  # type: ignore[arg-type]
+        self.key_changes += 1  # the key appears
+        return True
 
     def put_staged(self, entry: Entry, src: torch.Tensor, meta: TensorMeta) -> bool:
         """A put of a small value onto a non-durable disk tier, done at once with no await: its

@@ -330,6 +330,15 @@ class Entry:
                 newest = version
         return newest
 
+    @classmethod
+    def inline_on_disk(cls, key: str, meta: TensorMeta, version: int, d: int) -> Entry:
+        """A new entry whose one copy is ``version`` of its value inline in the catalog of disk
+        tier ``d`` (as ``adopt_inline`` makes them; ``meta`` shared already): the entry of a
+        small put of a new key staged on a non-durable disk tier, one object made."""
+        entry = cls.__new__(cls)
+        entry.key, entry.meta, entry.version, entry._copies, entry._rare = key, meta, version, _inline_on_disk(d), None
+        return entry
+
     def _adopted(self) -> Copy | tuple[Copy, ...] | None:
         """The copies, the one of an adopted entry made now (see ``adopt_inline``)."""
         copies = self._copies
@@ -467,6 +476,20 @@ class Entry:
         if lock is None:
             lock = rare.disk_lock = asyncio.Lock()
         return lock
+
+    def try_disk_lock(self) -> asyncio.Lock | None:
+        """The disk lock, taken with no await if no one holds it or waits for it (the caller
+        releases it); None, with nothing taken, otherwise."""
+        lock = self.disk_lock
+        if lock.locked() or getattr(lock, "_waiters", None):
+            return None
+        acquiring = lock.acquire()
+        try:
+            acquiring.send(None)  # (a free lock nobody waits for is taken without suspending)
+        except StopIteration:
+            return lock
+        acquiring.close()
+        return None
 
     def forget_idle_lock(self) -> None:
         """Let the disk lock go if no one holds or waits for it (a million keys written once

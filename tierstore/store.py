@@ -35,7 +35,7 @@ from .tensors import TensorMeta, as_bytes, check_tensor, from_bytes, supported_d
 from .tiers.base import MemoryTier, Tier
 from .tiers.disk import InlineSuperseded
 from .units import format_bytes
-from .workers import Priority
+from .workers import Priority, wait_uncancelled
 
 __all__ = ["TierRef", "TierStore"]
 
@@ -252,7 +252,11 @@ class TierStore:
         landed = self._put_small_now(key, tensor, tier, durable)
         if landed is not None:
             if landed == self._engine.disk_index:
-                await self._after_staged()
+                # (``_after_staged`` spelled out: no coroutine made for the common case)
+                self._staged_puts += 1
+                if self._engine.disk.queued_changes >= STAGED_LIMIT or self._staged_puts % 256 == 0:
+                    self._staged_puts -= 1
+                    await self._after_staged()
             return
         self._engine.require_open()
         if self._engine.disk_index is not None and self._engine.disk.commit_failed:
@@ -314,10 +318,11 @@ class TierStore:
             engine.require_open()
         except TierStoreError:
             return None
+        if first == engine.disk_index:
+            return self._stage_small_now(key, tensor)
         meta = meta_of(tensor)
-        disk = first == engine.disk_index
-        if engine.disk_index is not None and (engine.disk.commit_failed or (disk and engine.disk.queued_changes >= STAGED_LIMIT - 1)):
-            return None  # (the full put tries failed commits again, or waits for the backlog)
+        if engine.disk_index is not None and engine.disk.commit_failed:
+            return None  # (the full put tries failed commits again)
         entry = engine.entries.get(key)
         if entry is not None and entry.writer is not None:
             return None
@@ -326,14 +331,36 @@ class TierStore:
             entry = engine.entries[key] = Entry(key, meta)
         done = False
         try:
-            done = self._put_staged_now(entry, tensor, meta) if disk else engine.put_memory_now(entry, first, as_bytes(tensor), meta)
-        finally:  # (also when that raised: a closed or forked disk tier must leave no entry behind)
+            done = engine.put_memory_now(entry, first, as_bytes(tensor), meta)
+        finally:  # (also when that raised: no entry left behind)
             if not done and created and not entry.visible and entry.pending_writes == 0 and engine.entries.get(key) is entry:
                 del engine.entries[key]
         if done:
             engine.observe("put", key, meta.nbytes, first, hit=None)
             return first
         return None
+
+    def _stage_small_now(self, key: str, tensor: torch.Tensor) -> int | None:
+        """``_put_small_now`` onto the disk tier (``key`` checked, ``tensor`` a plain CPU
+        one): a small value on a non-durable disk tier queued for the next catalog transaction;
+        a new key gets its entry with the inline copy in one object. Returns the disk tier's
+        index, or None, having changed nothing, when the full put must do it."""
+        engine = self._engine
+        disk = engine.disk
+        meta = meta_of(tensor)
+        nbytes = meta.nbytes
+        if disk.durable or not disk.holds_inline(nbytes) or disk.commit_failed or disk.queued_changes >= STAGED_LIMIT - 1:
+            return None  # (committed before acknowledged, in an extent, failed commits tried again, or a backlog)
+        entry = engine.entries.get(key)
+        data = ctypes.string_at(tensor.data_ptr(), nbytes) if nbytes else b""
+        if entry is None:
+            if not engine.stage_new_small(key, data, meta):
+                return None
+        elif entry.writer is not None or not self._put_staged_now(entry, data, meta):
+            return None
+        d = engine.disk_index
+        engine.observe("put", key, nbytes, d, hit=None)
+        return d
 
     def _put_now(self, entry: Entry, src: torch.Tensor, meta: TensorMeta, t: int) -> bool:
         """A write-back put onto tier ``t`` done at once when it needs no await (a small value
@@ -347,15 +374,10 @@ class TierStore:
         except TierFullError:
             return False  # (refused before anything was queued: the awaited way says why)
 
-    def _put_staged_now(self, entry: Entry, tensor: torch.Tensor, meta: TensorMeta) -> bool:
-        """A small write-back put onto a non-durable disk tier, queued for the next catalog
-        transaction with no await; its bytes are read once, straight from ``tensor``'s memory
-        (no views made). False, having changed nothing, when it cannot be done so."""
-        disk = self._engine.disk
-        nbytes = meta.nbytes
-        if disk.durable or not disk.holds_inline(nbytes) or not tensor.is_cpu:
-            return False
-        data = ctypes.string_at(tensor.data_ptr(), nbytes) if nbytes else b""
+    def _put_staged_now(self, entry: Entry, data: bytes, meta: TensorMeta) -> bool:
+        """A small write-back put of ``data`` (the value's bytes, read once straight from the
+        tensor's memory) onto a non-durable disk tier, queued for the next catalog transaction
+        with no await. False, having changed nothing, when it cannot be done so."""
         try:
             return self._engine.put_staged(entry, data, meta)  # type: ignore[arg-type]  # (bytes of exactly the value)
         except TierFullError:
@@ -422,6 +444,14 @@ class TierStore:
         write-through one waits for it)."""
         if staged and self._engine.put_staged(entry, src, meta):
             await self._after_staged()
+            return
+        committed = self._engine.commit_small_now(entry, src, meta)
+        if committed is not None:  # (a small value: one hand-over to the catalog's writer and back)
+            try:
+                await asyncio.shield(committed)
+            except asyncio.CancelledError:
+                await wait_uncancelled(committed)  # (the commit is under way: its outcome first)
+                raise
             return
         abandon = asyncio.Event()
         write = self._engine.write_disk(entry, src, meta, None, Priority.DEMAND, abandon=abandon, staged=staged)

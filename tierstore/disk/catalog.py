@@ -607,12 +607,27 @@ class Catalog:
         """An uncontended commit: its transaction handed to the writer thread at once, which
         settles the one future waited for here (no flush task, no executor future). Commits
         arriving meanwhile queue and share the next transaction (group commit)."""
+        # (a cancelled caller stops waiting; the transaction goes on, as a queued one would)
+        await asyncio.shield(self._hand_over(list(changes)))
+
+    def commit_soon(self, changes: list[_Change]) -> asyncio.Future[None] | None:
+        """``commit`` with no await, if the catalog is idle (nothing queued, failed or being
+        committed, none of these keys with a change under way): the transaction is handed to the
+        writer thread at once, and the returned future ends once it is durable (raising what the
+        commit raised). None, with nothing done, otherwise: the caller then ``commit``s."""
+        if self._writer is None or not self._idle() or any(key in self._staged for key, _ in changes):
+            return None
+        return self._hand_over(changes)
+
+    def _hand_over(self, group: list[_Change]) -> asyncio.Future[None]:
+        """Hand ``group`` to the writer thread as one transaction; it settles the returned future
+        through a single ``call_soon_threadsafe`` (one wake-up of the loop). The catalog counts
+        as busy until then (``_idle``), so a later commit of the same key cannot overtake it."""
         writer = self._writer
         if writer is None:
             raise StoreClosedError(f"the catalog in {self.path} is closed")
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
-        group: list[_Change] = list(changes)
 
         def job() -> None:
             try:
@@ -623,8 +638,7 @@ class Catalog:
                 _deliver(loop, done, None)
 
         def settled(future: asyncio.Future[None]) -> None:
-            # (the catalog is busy until the transaction ends, also for a cancelled caller: a
-            # later commit of the same key must not overtake it)
+            # (busy until the transaction ends, also for a cancelled caller)
             self._direct -= 1
             if not future.cancelled():
                 future.exception()  # (retrieved: a cancelled caller no longer waits for it)
@@ -636,8 +650,7 @@ class Catalog:
         except BaseException:
             done.cancel()
             raise
-        # (a cancelled caller stops waiting; the transaction goes on, as a queued one would)
-        await asyncio.shield(done)
+        return done
 
     def commit_here(
         self, changes: list[tuple[str, DiskRecord | None]], scope: Callable[[], AbstractContextManager[None]] | None = None

@@ -800,6 +800,15 @@ class DiskTier(Tier):
         with self.io.catalog_commit(self._as_records(changes), None):
             await self._require_catalog().commit(changes)  # type: ignore[arg-type]
 
+    def commit_soon(self, changes: list[tuple[str, DiskRecord | bytes | None]]) -> asyncio.Future[None] | None:
+        """``commit`` started with no await when the catalog is idle (``Catalog.commit_soon``):
+        the future ends once the transaction is durable. None (nothing done) otherwise, or when
+        an ``io`` watches commits (fault injection: ``commit`` scopes each one)."""
+        self._require_open()
+        if type(self.io).catalog_commit is not FileIO.catalog_commit:
+            return None
+        return self._require_catalog().commit_soon(changes)  # type: ignore[arg-type]
+
     def _as_records(self, changes: list[tuple[str, DiskRecord | bytes | None]]) -> list[tuple[str, DiskRecord | None]]:
         """``changes`` as records, for an ``io`` that watches commits (fault injection); as they
         are for the plain one, which ignores them (no parse per key of a large flush)."""
