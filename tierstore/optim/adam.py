@@ -43,6 +43,7 @@ from .distributed import ParamRange
 from .paging import PagedOptimizer, ParamSlot
 from .pipeline import fill_weight_range, offloaded, read_weight, read_weight_range
 from .precision import PackedState, StateLayout, validate
+from .resident import Piece
 
 
 class TieredAdam(PagedOptimizer):
@@ -555,6 +556,50 @@ class TieredAdam(PagedOptimizer):
             decoupled_weight_decay=group.get("decoupled_weight_decay", self.decoupled_weight_decay),
             grad_scale=grad_scale if fused else None,
         )
+
+    def _resident_pieces(self, slot: ParamSlot) -> list[Piece] | None:
+        """The pieces of ``slot``'s state for the resident step (``tierstore.optim.resident``):
+        the plain fp32 state of a parameter that is its own master and updated in place (plain
+        CPU); None for any other (its master to reload or write back, compressed state)."""
+        if self._layout(slot) is not None or not self._param_is_master(slot) or not self._in_place(slot):
+            return None
+        if not slot.paged:
+            shape, dtype = self._entry_shape(slot, slot.numel)
+            packed = slot.resident["packed"] if slot.resident is not None else None
+            if packed is None or tuple(packed.shape) != shape or packed.dtype != dtype:
+                return None  # (created by the pipeline's first update)
+            return [Piece(None, 0, slot.numel, shape, dtype)]
+        if slot.chunks is None:
+            return [Piece(slot.key, 0, slot.numel, *self._entry_shape(slot, slot.numel))]
+        return [Piece(chunk.key, chunk.start, chunk.stop, *self._entry_shape(slot, chunk.numel)) for chunk in slot.chunks]
+
+    def _update_resident(
+        self, slots: list[ParamSlot], pieces: list[list[Piece]], states: list[list[torch.Tensor]], grads: list[torch.Tensor]
+    ) -> None:
+        """Torch's Adam over every piece of ``slots`` at once, one call per parameter group,
+        in place on the parameters (each their own master) and the held ``states``. A chunked
+        parameter's pieces each start from its count, as its chunks do in the pipeline."""
+        by_group: dict[int, tuple[list[list[torch.Tensor]], list[torch.Tensor], list[torch.Tensor]]] = {}
+        counts = self._step_counts
+        for slot, parts, entries, grad in zip(slots, pieces, states, grads, strict=True):
+            rows, tiles, steps = by_group.setdefault(slot.group, ([], [], []))
+            count = counts.get(slot.index)
+            if count is None:
+                count = counts[slot.index] = torch.tensor(0.0)
+            param = slot.param.data.view(-1)
+            flat = grad.reshape(-1)
+            if len(parts) == 1:
+                rows.append([param, *entries[0].unbind(0)])
+                tiles.append(flat)
+                steps.append(count)
+                continue
+            for piece, entry in zip(parts, entries, strict=True):
+                rows.append([param[piece.start : piece.stop], *entry.unbind(0)])
+                tiles.append(flat[piece.start : piece.stop])
+                steps.append(count.clone())
+            counts[slot.index] = steps[-1]  # (counted up by the update, as every piece's)
+        for group_index, (rows, tiles, steps) in by_group.items():
+            self._adam(self.param_groups[group_index], rows, tiles, steps, None)
 
     def _begin_chunks(self, slot: ParamSlot) -> None:
         """Before the first chunk of this step's update: every chunk starts from this count

@@ -59,6 +59,7 @@ from .distributed import (
     rank_folder,
 )
 from .pipeline import OptimizerCapacityError, UpdatePipeline, offloaded, read_weight
+from .resident import Piece, ResidentStep
 from .reports import (
     MemoryPlan,
     MemoryReport,
@@ -235,6 +236,9 @@ class PagedOptimizer(torch.optim.Optimizer):
             if not plan.fits:  # refused now rather than failing mid-step
                 raise OptimizerCapacityError("this configuration cannot fit: " + "; ".join(plan.problems) + f"\n{plan}")
             self._runner = StepRunner(self._slots, self.store, self._pipeline, max_grad_norm=max_grad_norm, in_backward=step_in_backward)
+            self._runner.resident = ResidentStep(
+                self.store, state_tier, self, self._pipeline.math, report=lambda: self._window.report, timeline=self.timeline
+            )
             self._capture = self._runner.capture = GradientCapture(
                 self.store, state_tier, self._loop, hint=gradient_accumulation_steps, in_backward=step_in_backward,
                 arrived=self._runner.arrived, report=lambda: self._window.report, timeline=self.timeline,
@@ -242,7 +246,8 @@ class PagedOptimizer(torch.optim.Optimizer):
             pipeline = self._pipeline
             self._capture.pages_below = lambda: pipeline.pages_below
             run(self._adopt())
-            self._window.watch(lambda: run(state_residency(self.store, self._slots, self.state_tier)))
+            # (a loop round trip at the end of every step, saved where no tier lies below the state's)
+            self._window.watch(lambda: run(state_residency(self.store, self._slots, self.state_tier)) if pipeline.pages_below else None)
         except BaseException:
             self._remove_hooks()  # a half-built optimizer must not keep listening to the model
             if self._pipeline is not None:
@@ -336,6 +341,17 @@ class PagedOptimizer(torch.optim.Optimizer):
     @abstractmethod
     def _apply(self, slot: ParamSlot, state: Any, grad: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
         """Update ``state`` with ``grad`` (worker thread); return the fp32 master weight."""
+
+    def _resident_pieces(self, slot: ParamSlot) -> list[Piece] | None:
+        """The pieces of ``slot``'s state the resident step (``tierstore.optim.resident``) may
+        update now; None (the default): it may not, the pipeline updates it."""
+        return None
+
+    def _update_resident(
+        self, slots: list[ParamSlot], pieces: list[list[Piece]], states: list[list[torch.Tensor]], grads: list[torch.Tensor]
+    ) -> None:
+        """The resident step's math (training thread); subclasses giving pieces provide it."""
+        raise NotImplementedError
 
     def _apply_many(
         self, slots: list[ParamSlot], states: list[Any], grads: list[torch.Tensor], grad_scale: torch.Tensor | None = None

@@ -22,6 +22,7 @@ from ..store import TierStore
 from .capture import GradientCapture, Observed
 from .clipping import clip_coefficient, inverse_scale, total_norm
 from .pipeline import UpdatePipeline
+from .resident import ResidentStep
 from .slots import Capture, ParamSlot
 
 #: GradScaler's ``(grad_scale, found an inf)`` when ``step()`` runs inside ``GradScaler.step``.
@@ -48,6 +49,8 @@ class StepRunner:
         #: This step's clipping coefficient (kept across a failed attempt: the norm was of all gradients).
         self.coef: torch.Tensor | None = None
         self.steps = 0
+        #: All at once when every state is resident (``tierstore.optim.resident``); set by the optimizer.
+        self.resident: ResidentStep | None = None
 
     async def arrived(self, slot: ParamSlot, capture: Capture) -> None:
         """A hook's capture is on the host: prefetch, norm ahead, update in backward."""
@@ -126,9 +129,16 @@ class StepRunner:
         if not failures or self.max_grad_norm is None:
             pipeline.launch(None)  # the open bucket of updates in backward
             pipeline.reverse = self.reversed_order
-            for slot in sorted(ready, key=lambda s: s.arrival, reverse=pipeline.reverse):
-                pipeline.add(slot, coef, after=observed[slot.index][3])
-            pipeline.launch(coef)
+            order = sorted(ready, key=lambda s: s.arrival, reverse=pipeline.reverse)
+            at_once = None
+            if self.resident is not None and not self._in_backward and pipeline.scale is None:
+                at_once = await self.resident.run(order, coef)
+            if at_once is not None:
+                failures += at_once
+            else:
+                for slot in order:
+                    pipeline.add(slot, coef, after=observed[slot.index][3])
+                pipeline.launch(coef)
         failures += await pipeline.finish()
         if changed:
             await self.end()

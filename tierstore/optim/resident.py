@@ -1,0 +1,146 @@
+"""The resident step: one update of every parameter at once when all the state is in host
+memory already and nothing crosses a link.
+
+The pipeline (``tierstore.optim.pipeline``) is built to overlap transfers with math: buckets,
+chunks run by run, a thread hop and a few tasks each. With every state entry resident on the
+state tier and the gradients lent (plain CPU), there is nothing to overlap, and that machinery
+is pure cost beside the update itself. Here instead the loop checks every entry at once (in
+the store, on the state tier, held by no one), takes a write hold on each through the store
+(``TierStore.hold``: its accounting, dirty tracking and read/write promises stay as they are),
+and hands the whole update to the training thread in one call, which runs torch's Adam over all
+of it (one fused kernel call per parameter group, grouped by device and dtype as torch groups
+them). The numbers are the pipeline's: Adam is elementwise, so one call over every tensor (or
+every chunk) gives the same bits as one call per bucket.
+
+Anything else (state to create or paged below, a hold taken by someone else, a device link,
+GradScaler's scale, updates in backward, an earlier attempt's progress) takes the pipeline,
+whose step is the same update.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from ..store import TierStore
+from .reports import Timeline, TimeReport
+from .slots import ParamSlot
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One part of a parameter's state updated by the resident step: elements ``start:stop``
+    of the flat parameter, whose state is the store entry ``key`` (of ``shape`` and ``dtype``),
+    or the slot's own in-memory state (``key`` None: a parameter too small to page)."""
+
+    key: str | None
+    start: int
+    stop: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class ResidentUpdater(Protocol):
+    """What the resident step asks of the optimizer (``TieredAdam``)."""
+
+    def _resident_pieces(self, slot: ParamSlot) -> list[Piece] | None: ...
+    def _update_resident(
+        self, slots: list[ParamSlot], pieces: list[list[Piece]], states: list[list[torch.Tensor]], grads: list[torch.Tensor]
+    ) -> None: ...
+
+
+class ResidentStep:
+    """The resident step of ``owner`` over ``store``'s ``tier`` (see the module docstring).
+    ``math`` runs a function on the training thread (``UpdatePipeline.math``)."""
+
+    def __init__(
+        self, store: TierStore, tier: str, owner: ResidentUpdater, math: Callable[[Callable[[], Any]], Any], *,
+        report: Callable[[], TimeReport], timeline: Timeline,
+    ) -> None:
+        self._store = store
+        self._tier = tier
+        self._owner = owner
+        self._math = math
+        self._report = report
+        self._timeline = timeline
+        #: Steps the resident step ran (the others took the pipeline).
+        self.steps = 0
+
+    def pieces(self, slots: Sequence[ParamSlot]) -> list[list[Piece]] | None:
+        """Each slot's pieces, if the resident step can update all of them now: every slot's
+        gradient lent, no progress of an earlier attempt, every entry on the state tier with
+        its layout, held by no one; else None."""
+        store, tier = self._store, self._tier
+        result: list[list[Piece]] = []
+        for slot in slots:
+            capture = slot.capture
+            if capture is None or capture.lent is None or slot.updated or slot.written or slot.chunks_updated:
+                return None
+            pieces = self._owner._resident_pieces(slot)
+            if pieces is None:
+                return None
+            for piece in pieces:
+                if piece.key is None:
+                    continue
+                if piece.key not in store:
+                    return None
+                info = store.info(piece.key)
+                if info["held"] or tier not in info["tiers"] or tuple(info["shape"]) != piece.shape or info["dtype"] != piece.dtype:
+                    return None
+            result.append(pieces)
+        return result
+
+    async def run(self, slots: list[ParamSlot], coef: torch.Tensor | None) -> list[tuple[list[ParamSlot], BaseException]] | None:
+        """Update ``slots`` (``coef``: the clipping coefficient) in one call on the training
+        thread, holding every state entry for writing meanwhile; return the failures (all the
+        slots, or none), or None, having done nothing, if the resident step does not apply."""
+        if not slots:
+            return None
+        pieces = self.pieces(slots)
+        if pieces is None:
+            return None
+        async with AsyncExitStack() as stack:
+            states: list[list[torch.Tensor]] = []  # per slot: each piece's entry
+            try:
+                for slot, parts in zip(slots, pieces, strict=True):
+                    entries = []
+                    for piece in parts:
+                        if piece.key is None:
+                            assert slot.resident is not None
+                            entries.append(slot.resident["packed"])
+                        else:
+                            entries.append(await stack.enter_async_context(self._store.hold(piece.key, self._tier, write=True)))
+                    states.append(entries)
+            except Exception:  # noqa: BLE001 - taken meanwhile (a delete, a close): the pipeline decides
+                return None
+            grads = [slot.capture.lent for slot in slots]  # type: ignore[union-attr]
+            try:
+                started, computed = await self._math(lambda: self._compute(slots, pieces, states, grads, coef))
+            except Exception as exc:  # noqa: BLE001 - the step reports it (no slot counts as updated)
+                return [(slots, exc)]
+            for slot in slots:
+                slot.updated = slot.written = True
+                slot.note_written()
+        report = self._report()
+        elements = sum(slot.numel for slot in slots)
+        report.host_update += computed - started
+        report.updates += len(slots)
+        report.update_elements += elements
+        self._timeline.add(f"resident update x{len(slots)}", "host update", started, computed, elements=elements)
+        self.steps += 1
+        return []
+
+    def _compute(
+        self, slots: list[ParamSlot], pieces: list[list[Piece]], states: list[list[torch.Tensor]], grads: list[Any],
+        coef: torch.Tensor | None,
+    ) -> tuple[float, float]:
+        started = time.perf_counter()
+        if coef is not None:  # as the pipeline clips (and as clip_grad_norm_ multiplies)
+            grads = [grad.mul(coef.to(grad.device)) for grad in grads]
+        self._owner._update_resident(slots, pieces, states, grads)
+        return started, time.perf_counter()
