@@ -7,6 +7,11 @@ arrival there is an insert into that tier's policy, which must come in the order
 write-backs to the disk run concurrently. A batch finishes before room is asked again, and the
 room check is the last thing before the caller allocates: the tiers then look as the policy
 decided, and as ``tierstore.sim.replay_store_trace`` replays.
+
+An early write-back (``write_early``) writes a memory copy to the disk tier below ahead of its
+eviction and keeps it: the eviction that later chooses it drops it without a write on the
+requester's path. While the write runs the copy stays a candidate; a demotion that chooses it
+waits for the write, then finds the value on the disk.
 """
 
 from __future__ import annotations
@@ -22,6 +27,10 @@ from .workers import Priority
 
 if TYPE_CHECKING:
     from .engine import Engine
+
+#: Early write-backs in flight, by the id of the memory copy each writes (alive meanwhile: each
+#: holds a use of its copy).
+_early: dict[int, asyncio.Task[None]] = {}
 
 
 async def make_room(engine: Engine, t: int, nbytes: int, priority: Priority) -> None:
@@ -103,7 +112,7 @@ def _next_victim(engine: Engine, t: int) -> tuple[Entry, Copy] | None:
         copy = entry.copy_on(t) if entry is not None else None
         if copy is None:
             return True
-        if copy.users or not copy.in_policy:
+        if copy.users > (id(copy) in _early) or not copy.in_policy:  # (an early write-back's use: it waits for it)
             return False
         if last_memory is None or entry.valid(t + 1) is not None:  # type: ignore[union-attr]
             return True
@@ -145,6 +154,9 @@ async def _demote(engine: Engine, entry: Entry, t: int, copy: Copy, priority: Pr
     or takes it during the write-back, the copy stays (a held buffer may be changing, and
     a write hold makes it the only current value)."""
     try:
+        early = _early.get(id(copy))
+        if early is not None:
+            await asyncio.wait([early])  # then the value is on the disk (unless it changed)
         if copy.holds or copy.users > 1:
             return  # taken meanwhile: it stays
         version = copy.version
@@ -160,6 +172,40 @@ async def _demote(engine: Engine, entry: Entry, t: int, copy: Copy, priority: Pr
         engine.unuse(entry, copy)
         if not copy.retired and entry.copy_on(t) is copy:
             engine.policy_insert(entry, copy)  # it stayed: the policy knows it again
+
+
+def write_early(engine: Engine, entry: Entry, t: int, priority: Priority = Priority.PREFETCH) -> bool:
+    """Start writing ``entry``'s current copy on memory tier ``t`` to the disk tier right below
+    it, keeping the copy (see the module docstring). Returns False, starting nothing, when there
+    is nothing to do: no current copy there, a write hold open, the value already on a slower
+    tier, a write-back of it under way, or no disk tier right below. The store's close waits
+    for the write; a write that fails changes nothing (the eviction writes it then)."""
+    copy = entry.valid(t)
+    if copy is None or copy.writing or entry.writer is not None or id(copy) in _early or copy.buffer is None:
+        return False
+    if engine.disk_index != t + 1 or any(s > t for s in entry.valid_tiers()):
+        return False
+    engine.use(entry, copy)
+    key = id(copy)
+
+    async def write() -> None:
+        try:
+            await engine.write_back(entry, copy, priority)
+            if entry.valid(t + 1) is not None:
+                engine.observe("writeback", entry.key, entry.meta.nbytes, t + 1, hit=None)
+        finally:
+            _early.pop(key, None)
+            engine.unuse(entry, copy)
+
+    task = engine._track(write())
+    _early[key] = task
+    task.add_done_callback(_retrieve)
+    return True
+
+
+def _retrieve(task: asyncio.Task[None]) -> None:
+    if not task.cancelled():
+        task.exception()  # (an early write-back that failed: the eviction writes the value itself)
 
 
 def _raise_failed(tier: Tier, task: asyncio.Task[None]) -> None:

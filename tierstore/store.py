@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from . import holds
+from . import eviction, holds
 from .copies import INLINE_COPY_BYTES
 from .device.caller import caller_work
 from .engine import Engine, TierRef
@@ -838,6 +838,15 @@ class TierStore:
         if self._engine.issuer is None:
             raise StoreClosedError("the store is not open")
         return self._engine.issuer.start(entries, t)
+
+    def write_back(self, keys: Iterable[str], tier: TierRef = None) -> int:
+        """Start writing the current values of ``keys`` held on memory tier ``tier`` to the disk
+        tier right below it, behind demand requests, keeping them there: evicting them later
+        costs no write. Keys absent there, held for writing or already on the disk are skipped.
+        Returns how many writes started (``close`` waits for them)."""
+        self._engine.require_open()
+        t = self._engine.index_of(tier)
+        return sum(eviction.write_early(self._engine, entry, t) for key in keys if (entry := self._engine.lookup(key)) is not None)
 
     async def flush(self) -> None:
         """Write every entry whose current value is not on the disk tier down to it, in one

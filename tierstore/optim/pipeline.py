@@ -9,7 +9,14 @@ chunks at a time, and the chunks after them are prefetched meanwhile.
 
 A bucket is several parameters updated together (one fused call, one thread hop), as many as
 ``bucket_bytes`` of state and gradients hold, in the order the gradients arrived. ``inflight``
-buckets run at once, so one's transfers overlap the other's math. Each slot records how far its
+buckets run at once, so one's transfers overlap the other's math.
+
+Where state pages to a disk below the state tier, the states updated first in a step are those
+evicted to make room for the states read later in it (the order alternates each step, so they
+are needed last in the next one). Each is written back as soon as its update ends, as many bytes
+as the step will read (``TierStore.write_back``, keeping the copy): the eviction that makes room
+for a read then drops a clean copy, and the read is not queued behind a write on the critical
+path. Each slot records how far its
 update got (state updated, weight written): a step that failed part-way is completed by running
 the pipeline again, and no update is applied twice.
 """
@@ -84,6 +91,8 @@ class UpdatePipeline:
         self._gate: asyncio.Semaphore | None = None
         self._open: list[ParamSlot] = []
         self._open_bytes = 0
+        #: Of ``_open_bytes``, what must come up to the state tier (not there when added).
+        self._open_incoming = 0
         self._after: Any = None
         self._running: list[tuple[list[ParamSlot], asyncio.Task[None]]] = []
         self._prefetched = False
@@ -91,6 +100,10 @@ class UpdatePipeline:
         self._flat = False
         #: State-tier bytes the updates in flight may hold at once (from ``plan``).
         self._room = 0
+        self._slots: list[ParamSlot] = []
+        self._in_backward = False
+        #: Bytes of state still to write back early this step (None: not counted yet this step).
+        self._early_bytes: int | None = None
 
     @property
     def pages_below(self) -> bool:
@@ -108,6 +121,7 @@ class UpdatePipeline:
         tier = self._store.tier(self._tier)
         tiers = self._store.tiers
         self._flat = tiers.index(tier) == len(tiers) - 1
+        self._slots, self._in_backward = list(slots), in_backward
         if not isinstance(tier, MemoryTier) or not slots:
             self.bucket_bytes, self.inflight = bucket_bytes or (64 << 20), max_inflight
             return
@@ -194,6 +208,7 @@ class UpdatePipeline:
         if self._prefetched:
             return
         self._prefetched = True
+        self._count_early_writes()
         budget = self._store.tier(self._tier).capacity // 2
         keys = []
         for slot in order:
@@ -211,6 +226,36 @@ class UpdatePipeline:
         if keys:
             await self._store.prefetch(keys, self._tier)
 
+    def _count_early_writes(self) -> None:
+        """Once a step, before its first update: the bytes of state to write back early, which
+        is what the step's reads need beyond the room free on the state tier (none when updating
+        in backward: the order does not alternate, so the states updated first are not the
+        ones evicted)."""
+        if self._early_bytes is not None:
+            return
+        self._early_bytes = 0
+        tier = self._store.tier(self._tier)
+        if self._flat or self._in_backward or not isinstance(tier, MemoryTier):
+            return
+        missing = sum(tier.value_size(nbytes) for slot in self._slots if slot.paged for key, nbytes in self._state_keys(slot)
+                      if key not in self._store or self._tier not in self._store.where(key))
+        self._early_bytes = max(0, missing - tier.free)
+
+    def _write_early(self, keys: list[tuple[str, int]]) -> None:
+        """Write back the states just updated (``keys``, in update order) while the step's
+        early write-backs last (see the module docstring)."""
+        if not self._early_bytes:
+            return
+        tier = self._store.tier(self._tier)
+        picked = []
+        for key, nbytes in keys:
+            if self._early_bytes <= 0:
+                break
+            picked.append(key)
+            self._early_bytes -= tier.value_size(nbytes)
+        if picked and self._store.is_open:
+            self._store.write_back(picked, self._tier)
+
     def _state_keys(self, slot: ParamSlot) -> list[tuple[str, int]]:
         """The store keys of a slot's state with their bytes, in update order."""
         if slot.chunks is None:
@@ -222,6 +267,7 @@ class UpdatePipeline:
         """Add ``slot`` to the open bucket, first launching it if ``slot`` would overfill it.
         ``after``: the link's marker of the device work that must end before weights are written.
         A slot paged in chunks is updated on its own, chunk by chunk."""
+        self._count_early_writes()
         if slot.chunks is not None:
             # In the step's order: the slots added before it go first (their bucket launched),
             # and its runs queue for the in-flight places now, before the slots added after it.
@@ -230,15 +276,37 @@ class UpdatePipeline:
             self._running.append(([slot], task))
             return
         need = self.need(slot)
-        if self._open and self._open_bytes + need > self.bucket_bytes:
+        incoming = need - self._resident_state(slot)
+        if self._open and self._bucket_full(need, incoming):
             self.launch(coef)
         self._open.append(slot)
         self._open_bytes += need
+        self._open_incoming += incoming
         self._after = after
+
+    def _resident_state(self, slot: ParamSlot) -> int:
+        """State-tier bytes of ``slot``'s state if it is on the state tier now, else 0."""
+        if not slot.paged or self._flat or slot.key not in self._store or self._tier not in self._store.where(slot.key):
+            return 0
+        tier = self._store.tier(self._tier)
+        return tier.value_size(self._owner._state_bytes(slot)) if isinstance(tier, MemoryTier) else 0
+
+    def _bucket_full(self, need: int, incoming: int) -> bool:
+        """Whether the open bucket must launch before a slot needing ``need`` bytes (``incoming``
+        of them to come up) joins it. ``bucket_bytes`` bounds what a bucket brings up (so reads
+        and math overlap); states already on the tier cost no read, only their hold: such a
+        bucket grows up to its share of the room (what ``plan`` counted on for the buckets in
+        flight), and launches once it holds what the step writes back early, so that those
+        writes start after the first math call."""
+        if self._open_bytes + need > max(self.bucket_bytes, self._room // max(self.inflight, 1)):
+            return True
+        if self._open_incoming + incoming > self.bucket_bytes:
+            return True
+        return bool(self._early_bytes) and self._open_bytes - self._open_incoming >= self._early_bytes  # type: ignore[operator]
 
     def launch(self, coef: torch.Tensor | None) -> None:
         if self._open:
-            bucket, self._open, self._open_bytes = self._open, [], 0
+            bucket, self._open, self._open_bytes, self._open_incoming = self._open, [], 0, 0
             self._running.append((bucket, asyncio.ensure_future(self._update(bucket, coef, self.scale, self._after))))
 
     async def finish(self, *, drop_open: bool = False) -> list[tuple[list[ParamSlot], BaseException]]:
@@ -246,10 +314,11 @@ class UpdatePipeline:
         others have finished: one bucket's failure does not stop the rest). ``drop_open``: forget
         the bucket not launched yet (the step is abandoned)."""
         if drop_open:
-            self._open, self._open_bytes = [], 0
+            self._open, self._open_bytes, self._open_incoming = [], 0, 0
         running, self._running = self._running, []
         results = await asyncio.gather(*(task for _, task in running), return_exceptions=True)
         self._prefetched = False
+        self._early_bytes = None
         return [(bucket, result) for (bucket, _), result in zip(running, results, strict=True) if isinstance(result, BaseException)]
 
     async def _update(self, slots: list[ParamSlot], coef: torch.Tensor | None, scale: torch.Tensor | None, after: Any) -> None:
@@ -271,6 +340,7 @@ class UpdatePipeline:
             report.update_elements += sum(s.numel for s in todo)
             self._timeline.add(f"update x{len(todo)}", "host update", started, computed, elements=sum(s.numel for s in todo))
             await self._write_weights(slots, outgoing, after, computed, ended)
+        self._write_early([(slot.key, self._owner._state_bytes(slot)) for slot in todo if slot.paged])
         for slot in todo:
             capture = slot.capture
             if capture is not None and capture.lent is None and slot.grad_key in self._store:
@@ -393,6 +463,8 @@ class UpdatePipeline:
                     slot.chunks_written.add(chunk.index)
                 if error is not None:
                     raise error
+            per = self._owner._state_bytes(slot) / max(slot.numel, 1)
+            self._write_early([(chunk.key, int(chunk.numel * per)) for chunk, do in zip(done, todo, strict=False) if do])
 
     def _prefetch_runs(self, runs: list[list[Chunk]]) -> None:
         """Ask for the state of the runs after this one (large requests, issued ahead, behind
