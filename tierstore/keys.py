@@ -46,6 +46,8 @@ def reserved_keys() -> Iterator[None]:
 
 def check_key(key: object) -> str:
     """Return ``key`` if it is a usable key, else raise ``InvalidKeyError``."""
+    if key.__class__ is str and 0 < len(key) <= MAX_KEY_BYTES and key.isascii() and not key.startswith(RESERVED_PREFIX):
+        return key  # (the common key: ASCII is UTF-8 byte for character)
     if not isinstance(key, str):
         raise InvalidKeyError(f"keys are str, not {type(key).__name__}: {key!r:.80}")
     if not key:

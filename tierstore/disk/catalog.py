@@ -782,7 +782,13 @@ class Catalog:
             batch, self._pending = self._pending, []
             # An acknowledged change a newer one replaced is dropped: applying it after a newer
             # one committed would put the older value back.
-            batch = [(group, done, waited) if waited else (self._current(group), done, waited) for group, done, waited in batch]
+            newest_of = self._newest
+            batch = [
+                (group, done, waited)
+                if waited or (len(group) == 1 and (newest := newest_of.get(group[0][0])) is not None and newest[0] is group[0])
+                else (self._current(group), done, waited)
+                for group, done, waited in batch
+            ]
             changes = [change for group, _, _ in batch for change in group]
             try:
                 await loop.run_in_executor(self._writer, self._write_sync, changes, None)
@@ -815,9 +821,18 @@ class Catalog:
 
     def _committed(self, group: list[_Change], done: asyncio.Future[None] | None) -> None:
         # A committed change also ends every older one of its key: they must never apply now.
+        staged, newest_of = self._staged, self._newest
         for change in group:
-            chain = self._staged.get(change[0])
+            key = change[0]
+            chain = staged.get(key)
             if chain is None:
+                continue
+            if len(chain) == 1 and chain[0][0] is change:  # (the common case: the key's only change)
+                del staged[key]
+                newest = newest_of.get(key)
+                if newest is not None and newest[0] is change:
+                    del newest_of[key]
+                self._changes -= 1
                 continue
             at = next((i for i, (queued, _) in enumerate(chain) if queued is change), None)
             if at is None:
@@ -856,12 +871,12 @@ class Catalog:
         while True:
             try:
                 with self._env.begin(write=True) as txn:
+                    entries, put, digest_of = self._entries, txn.put, key_digest
                     for key, record in changes:
-                        digest = key_digest(key)
                         if record is None:
-                            txn.delete(digest, db=self._entries)
+                            txn.delete(digest_of(key), db=entries)
                         else:
-                            txn.put(digest, record if isinstance(record, bytes) else record.to_bytes(), db=self._entries)
+                            put(digest_of(key), record if record.__class__ is bytes else record.to_bytes(), db=entries)
                     if layout is not None:
                         txn.put(_META_KEY, layout.to_bytes(), db=self._meta)
                 if layout is not None and not self.durable:
