@@ -342,6 +342,61 @@ def test_compiled_codec_gives_the_eager_codecs_bits(signed: bool) -> None:
         assert torch.equal(eager, fast)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("signed", [True, False])
+def test_compiled_codec_gives_the_eager_codecs_bits_for_every_bucket(signed: bool) -> None:
+    # Every fp32 high half a normalised value can have (|x| <= 1, both signs where signed), each
+    # with random low bits and on both sides of its bucket: the compiled kernel's two lookups by
+    # the high half give the eager search's codes.
+    from tierstore.optim.precision import BLOCK, dequantize, quantize
+
+    generator = torch.Generator().manual_seed(1)
+    highs = torch.arange(0, 0x3F81, dtype=torch.int32)
+    if signed:
+        highs = torch.cat([highs, highs | 0x8000])
+    words = (highs.repeat(3) << 16) | torch.cat([torch.zeros_like(highs), torch.full_like(highs, 0xFFFF),
+                                                 torch.randint(0, 0xFFFF, highs.shape, generator=generator, dtype=torch.int32)])
+    values = words.view(torch.float32).clamp(-1.0, 1.0)
+    values = torch.cat([values, torch.zeros(-values.numel() % (BLOCK - 1))]).view(-1, BLOCK - 1)
+    values = torch.cat([torch.ones(values.shape[0], 1), values], dim=1).reshape(-1)  # every block's absmax is 1
+    n = values.numel()
+    results = []
+    for compiled in (False, True):
+        codes, scales = torch.empty(n, dtype=torch.uint8), torch.empty(n // BLOCK)
+        quantize(values, signed, codes, scales, compiled=compiled)
+        results.append((codes, scales, dequantize(codes, scales, signed, torch.empty(n), compiled=compiled)))
+    for eager, fast in zip(*results, strict=True):
+        assert torch.equal(eager, fast)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_compiled_codec_traces_once_for_tiles_of_any_size_and_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A tile's sizes and its views' offsets into the entry differ from tile to tile and entry to
+    # entry: a guard on any of them would recompile per tile (and, past dynamo's cache limit,
+    # run the kernels eager without a word).
+    from torch._dynamo.utils import counters
+
+    from tierstore.optim import precision as codec
+
+    monkeypatch.setenv("TIERSTORE_COMPILE_CODEC", "1")
+    monkeypatch.setattr(codec, "COMPILE_MIN_NUMEL", 1)
+    monkeypatch.setattr(codec, "COMPILED_TILE", 4096)
+    layout = codec.StateLayout("8bit", False, False)
+
+    def updates(sizes: list[int]) -> None:
+        for numel in sizes:
+            state = codec.PackedState(layout, layout.empty(numel), numel)
+            state.view("master").normal_()
+            state.update(torch.randn(numel) * 1e-3, torch.tensor(0.0), _adam_rows)
+
+    updates([4096, 3 * 4096 + 512, 4096 + 256])  # traced here: full and partial tiles, and a one-block tile (its own graph)
+    if codec._COMPILED.failed:
+        pytest.skip("no compiler for the compiled codec here")
+    graphs = counters["stats"]["unique_graphs"]
+    updates([2048, 5 * 4096 + 768, 2 * 4096 + 256, 7 * 1024, 9 * 4096 + 3 * 256])
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 # -- the tiled update ------------------------------------------------------------------------------
 
 
