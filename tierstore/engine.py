@@ -592,7 +592,7 @@ class Engine:
 
         committed.add_done_callback(installed)
         self.writes.add(committed)  # type: ignore[arg-type]  # (``aclose`` waits for it, as for a write task)
-        committed.add_done_callback(self.writes.discard)  # type: ignore[arg-type]
+        committed.add_done_callback(self.writes.discard)
         return committed
 
     def stage_new_small(self, key: str, data: bytes, meta: TensorMeta) -> bool:
@@ -613,7 +613,7 @@ class Engine:
         except BaseException:
             disk.release_inline(nbytes)
             raise
-        self.entries[key] = Entry.inline_on_disk(key, meta, version, d)  # type: ignore[arg-type]
+        self.entries[key] = Entry.inline_on_disk(key, meta, version, d)  # type: ignore[arg-type]  # (a disk tier: d is set)
         self.key_changes += 1  # the key appears
         return True
 

@@ -876,7 +876,7 @@ class Catalog:
                         if record is None:
                             txn.delete(digest_of(key), db=entries)
                         else:
-                            put(digest_of(key), record if record.__class__ is bytes else record.to_bytes(), db=entries)
+                            put(digest_of(key), record if isinstance(record, bytes) else record.to_bytes(), db=entries)
                     if layout is not None:
                         txn.put(_META_KEY, layout.to_bytes(), db=self._meta)
                 if layout is not None and not self.durable:

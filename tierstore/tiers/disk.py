@@ -807,7 +807,7 @@ class DiskTier(Tier):
         self._require_open()
         if type(self.io).catalog_commit is not FileIO.catalog_commit:
             return None
-        return self._require_catalog().commit_soon(changes)  # type: ignore[arg-type]
+        return self._require_catalog().commit_soon(changes)
 
     def _as_records(self, changes: list[tuple[str, DiskRecord | bytes | None]]) -> list[tuple[str, DiskRecord | None]]:
         """``changes`` as records, for an ``io`` that watches commits (fault injection); as they
