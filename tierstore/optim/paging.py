@@ -59,7 +59,6 @@ from .distributed import (
     rank_folder,
 )
 from .pipeline import OptimizerCapacityError, UpdatePipeline, offloaded, read_weight
-from .resident import Piece, ResidentStep
 from .reports import (
     MemoryPlan,
     MemoryReport,
@@ -70,6 +69,7 @@ from .reports import (
     plan_memory,
     state_residency,
 )
+from .resident import Piece, ResidentStep
 from .setup import DEFAULT_DISK_ROOT, bind_store, default_store
 from .slots import ParamSlot
 from .steps import StepRunner
