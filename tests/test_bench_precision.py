@@ -31,8 +31,11 @@ def test_part_f_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     for name, row in rows.items():
         assert row["paged_parameters"] > 0 and row["host_tier_bytes"] > 0
         assert row["disk_bytes_per_param_step"] > 0, name  # half the state is on disk: every step pages
-        # over two steps: an entry read in one step may be written back in the next
-        assert row["disk_read_bytes"] + row["disk_write_bytes"] >= row["disk_need_bytes"] > 0
+        # near the need, not exactly it: two steps right after warm-up, an entry read in one step
+        # may be written back in the next, and a write-back still in flight when a step ends counts
+        # in the next (tests/test_io_accounting.py holds the steady state to 1.1x)
+        assert row["disk_need_bytes"] > 0
+        assert 0.5 <= (row["disk_read_bytes"] + row["disk_write_bytes"]) / row["disk_need_bytes"] <= 3, name
         assert row["step_ms"] > 0 and row["compute_ms"] > 0 and row["vs_bound"] > 0 and row["step_vs_fp32"] > 0
         assert math.isfinite(row["final_loss"]) and math.isfinite(row["torch_final_loss"])
         # the disk-paged steps and the host-resident curve run the same math on the same data
