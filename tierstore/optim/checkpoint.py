@@ -42,6 +42,7 @@ one parameter's; ``load_state_dict`` writes into the tiers one parameter at a ti
 
 from __future__ import annotations
 
+import copy
 import itertools
 import sys
 from collections.abc import Iterator, Mapping
@@ -234,7 +235,8 @@ def adam_load_state_dict(optimizer: TieredAdam, state_dict: dict[str, Any]) -> N
         if len(saved["params"]) != len(group["params"]):
             raise ValueError("loaded state dict contains a parameter group that doesn't match the size of optimizer's group")
     for saved, group in zip(groups, optimizer.param_groups, strict=True):
-        group.update({k: v for k, v in saved.items() if k not in _STORAGE_KEYS})
+        # deep copies, as torch takes: a tensor lr shared with the source would follow its scheduler
+        group.update({k: copy.deepcopy(v) for k, v in saved.items() if k not in _STORAGE_KEYS})
         group.setdefault("decoupled_weight_decay", optimizer.decoupled_weight_decay)
     ids = [i for saved in groups for i in saved["params"]]
     saved_state = {slot: state_dict["state"].get(ids[saved_index(optimizer, slot)]) for slot in optimizer._slots}

@@ -14,6 +14,7 @@ whole, and a state tier too small for one of them is refused with ``OptimizerCap
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import AsyncIterator, Iterable
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -262,7 +263,7 @@ class TieredOptimizer(PagedOptimizer):
         ):
             raise ValueError("loaded state dict does not match the optimizer's parameter groups")
         for saved, group in zip(groups, self.param_groups, strict=True):
-            group.update({k: v for k, v in saved.items() if k != "params"})
+            group.update({k: copy.deepcopy(v) for k, v in saved.items() if k != "params"})  # as torch: never shared
         ids = [i for saved in groups for i in saved["params"]]
         run(self._load_state({slot: state_dict["state"].get(ids[saved_index(self, slot)]) for slot in self._slots}))
 
