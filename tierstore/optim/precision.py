@@ -130,8 +130,9 @@ def _nearest_codes(normal: torch.Tensor, signed: bool) -> torch.Tensor:
 #
 # The eager codec makes ~10 passes over an entry's memory; the same math as one fused kernel
 # (torch.compile, inductor) makes one, and gives the same bits (the same IEEE division and
-# comparisons; tests/test_precision.py checks it). Entries below ``COMPILE_MIN_NUMEL`` stay
-# eager (a compiled call's fixed cost). ``TIERSTORE_COMPILE_CODEC=0`` keeps everything eager; a
+# comparisons; tests/test_precision.py checks it), except the scale of a block holding a NaN: a
+# NaN either way, its payload may differ (such a block is lost to the update anyway). Entries
+# below ``COMPILE_MIN_NUMEL`` stay eager (a compiled call's fixed cost). ``TIERSTORE_COMPILE_CODEC=0`` keeps everything eager; a
 # compile that fails (no compiler, an unsupported platform) warns once and falls back to eager.
 
 #: Entries of at least this many elements use the compiled codec (when enabled).
