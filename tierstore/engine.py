@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -55,6 +55,8 @@ TierRef = int | str | Tier | None
 #: and read again, before giving up (each wait is for a commit that then installs it).
 _MAX_REREADS = 100
 
+T = TypeVar("T")
+
 
 
 
@@ -91,7 +93,7 @@ class Engine:
         self.background: set[asyncio.Task[Any]] = set()
         #: Writes that must finish even if their caller is cancelled (disk puts, write-backs);
         #: ``aclose`` drains them.
-        self.writes: set[asyncio.Task[Any]] = set()
+        self.writes: set[asyncio.Future[Any]] = set()
         self._prefetched: set[tuple[str, int]] = set()
         self.issuer: PrefetchIssuer | None = None
         self.counters = StoreCounters()
@@ -159,19 +161,24 @@ class Engine:
         if not self.is_open or self.closing:
             return
         self.closing = True
-        for task in list(self.background):
-            task.cancel()
-        await asyncio.gather(*self.background, return_exceptions=True)
-        while self.writes or any(self.demotions):
-            await asyncio.gather(*self.writes, *(t for pending in self.demotions for t in pending), return_exceptions=True)
-        if self.disk_index is not None:
-            try:
+        try:
+            for task in list(self.background):
+                task.cancel()
+            await asyncio.gather(*self.background, return_exceptions=True)
+            while self.writes or any(self.demotions):
+                # Shielded: a cancelled close (``wait_for(aclose(), t)``) must not cancel a write
+                # or a commit under way, whose cleanup would then free what it still writes.
+                pending = [*self.writes, *(t for tasks in self.demotions for t in tasks)]
+                await asyncio.gather(*(asyncio.shield(w) for w in pending), return_exceptions=True)
+            if self.disk_index is not None:
                 if flush:
                     await self.flush_all(whole=False)
                 await self.disk.drain()  # small puts acknowledged before their commit, flush or not
-            except BaseException:
-                self.closing = False  # it stays open, nothing lost: make room and close again
-                raise
+        except BaseException:
+            # It stays open, nothing lost (a flush the disk had no room for, or a cancelled
+            # close): close again later.
+            self.closing = False
+            raise
         self.is_open = False
         self.closing = False
         try:
@@ -463,10 +470,11 @@ class Engine:
         source_tier: int | None = None,
         abandon: asyncio.Event | None = None,
         staged: bool = True,
-    ) -> None:
+    ) -> int | None:
         """Copy-on-write to the disk tier: new extent, data (+fsync), catalog commit, install, free
         the old extent. ``version`` None is a put (a new value); otherwise a write-back of that
         version, skipped if it is no longer current. Must run to completion (callers shield it).
+        Returns the version a put committed (None: it gave up, or a write-back).
         Once ``abandon`` is set (the put's caller was cancelled), a write whose commit has not
         begun gives up and changes nothing. A small value goes inline into its catalog record
         (``_write_inline``; ``staged``: on a non-durable tier it may be acknowledged before its
@@ -481,12 +489,12 @@ class Engine:
                     if self.entries.get(entry.key) is not entry:
                         if version is None:
                             continue  # deleted while we waited: write to the new entry
-                        return
+                        return None
                     if (version is not None and entry.version != version) or (abandon is not None and abandon.is_set()):
-                        return
+                        return None
                     if disk.holds_inline(meta.nbytes):
-                        await self._write_inline(entry, d, src, meta, version, source_tier, staged=staged)
-                        return
+                        written_version = await self._write_inline(entry, d, src, meta, version, source_tier, staged=staged)
+                        return written_version if version is None else None
                     extent = await disk.allocate(meta.nbytes)
                     started = time.perf_counter()
                     written = entry
@@ -502,7 +510,7 @@ class Engine:
                         record = await disk.write_committed(extent, src, meta.nbytes, record_for, priority)
                         if record is None:
                             disk.release(extent)
-                            return
+                            return None
                         record_version, checksums = record.version, record.checksums
                     except BaseException:
                         disk.release(extent)
@@ -515,18 +523,22 @@ class Engine:
                     entry.set_copy(new)
                     if version is None:
                         self.new_version(entry, keep=new, meta=meta, version=record_version)
-                    return
+                        return record_version
+                    return None
         finally:
             entry.forget_idle_lock()  # (the entry a put wrote to, if it was deleted meanwhile)
+            if version is None:
+                self.drop_if_unused(entry)  # (one made here for a put that gave up)
 
     async def _write_inline(
         self, entry: Entry, d: int, src: torch.Tensor, meta: TensorMeta, version: int | None, source_tier: int | None, staged: bool
-    ) -> None:
+    ) -> int:
         """Write a small value inline into its catalog record (the caller holds ``entry``'s disk
         lock): one catalog change, no extent and no data-file sync. On a durable tier (or when
         not ``staged``, or when the old value's extent must outlive the commit) it returns once
         the transaction holding it is committed; on a non-durable one the change is queued for
-        the next transaction and the value installed at once (reads in the process see it)."""
+        the next transaction and the value installed at once (reads in the process see it).
+        Returns the version written."""
         disk = self.disk
         started = time.perf_counter()
         nbytes = meta.nbytes
@@ -544,15 +556,17 @@ class Engine:
             raise
         self.count_link(source_tier, d, nbytes, time.perf_counter() - started)
         self.install_disk(entry, d, Copy(d, record_version, inline=nbytes), meta if version is None else None)
+        return record_version
 
-    def commit_small_now(self, entry: Entry, src: torch.Tensor | bytes, meta: TensorMeta) -> asyncio.Future[None] | None:
+    def commit_small_now(self, entry: Entry, src: torch.Tensor | bytes, meta: TensorMeta) -> asyncio.Future[int] | None:
         """A put of a small value committed inline in the catalog, started with no await: the
         key's disk lock taken at once, the record handed to the catalog's writer thread, and the
-        value installed (the lock released) by the returned future's first callback, on the loop,
-        once the transaction is durable. The future raises what the commit raised (nothing then
-        changed). None, with nothing done, when that cannot start at once (a value not small, a
-        catalog change of the key or of the catalog under way, commits watched by a fault
-        injector): the caller then goes the awaited way (``write_disk``)."""
+        value installed (the lock released), on the loop, once the transaction is durable. The
+        returned future then gives the version committed, or raises what the commit raised
+        (nothing then changed). Cancelling it cancels nothing: the commit goes on (``aclose``
+        waits for it). None, with nothing done, when that cannot start at once (a value not
+        small, a catalog change of the key or of the catalog under way): the caller then goes
+        the awaited way (``write_disk``)."""
         disk = self.disk
         d = self.disk_index
         nbytes = meta.nbytes
@@ -576,12 +590,22 @@ class Engine:
                 lock.release()
                 entry.forget_idle_lock()
         if committed is None:
+            self.drop_if_unused(entry)
             return None
         started = time.perf_counter()
+        # The commit's own future is the catalog's and no one else's: the caller gets another
+        # one, so no caller can cancel it (which would free the space and the lock while the
+        # writer thread still commits).
+        outcome: asyncio.Future[int] = asyncio.get_running_loop().create_future()
 
         def installed(future: asyncio.Future[None]) -> None:
+            failure: BaseException | None = None
             try:
-                if future.cancelled() or future.exception() is not None:
+                if future.cancelled():
+                    failure = asyncio.CancelledError()
+                else:
+                    failure = future.exception()
+                if failure is not None:
                     disk.release_inline(nbytes)
                 else:
                     self.count_link(None, d, nbytes, time.perf_counter() - started)
@@ -589,11 +613,17 @@ class Engine:
             finally:
                 lock.release()
                 entry.forget_idle_lock()
+                self.drop_if_unused(entry)  # (one made for this put, whose commit failed)
+                if not outcome.done():
+                    if failure is None:
+                        outcome.set_result(version)
+                    else:
+                        outcome.set_exception(failure)
 
         committed.add_done_callback(installed)
-        self.writes.add(committed)  # type: ignore[arg-type]  # (``aclose`` waits for it, as for a write task)
+        self.writes.add(committed)  # (``aclose`` waits for it, as for a write task)
         committed.add_done_callback(self.writes.discard)
-        return committed
+        return outcome
 
     def stage_new_small(self, key: str, data: bytes, meta: TensorMeta) -> bool:
         """A small put of a key with no entry onto a non-durable disk tier, done at once with
@@ -658,19 +688,29 @@ class Engine:
         ``tierstore.flushing``."""
         await flushing.flush_all(self, whole)
 
-    async def delete_entry(self, entry: Entry) -> None:
+    async def delete_entry(self, entry: Entry, expect_version: int | None = None) -> bool:
+        """Delete ``entry`` (if it is still the key's entry). With ``expect_version``, only if
+        its value is still that version (a pop deletes only the value it read). Returns whether
+        it deleted it."""
         if self.disk_index is not None:
-            async with entry.disk_lock:
-                if self.entries.get(entry.key) is not entry:
-                    return
-                if entry.held():
-                    raise EntryHeldError(f"{entry.key!r} is held; release it before deleting")
-                if entry.copy_on(self.disk_index) is not None:
-                    await self.disk.commit([(entry.key, None)])
-                self._remove(entry)
-            entry.forget_idle_lock()
-        elif self.entries.get(entry.key) is entry:
+            try:
+                async with entry.disk_lock:
+                    if self.entries.get(entry.key) is not entry:
+                        return False
+                    if expect_version is not None and entry.version != expect_version:
+                        return False  # (a put committed while this waited for the lock)
+                    if entry.held():
+                        raise EntryHeldError(f"{entry.key!r} is held; release it before deleting")
+                    if entry.copy_on(self.disk_index) is not None:
+                        await self.disk.commit([(entry.key, None)])
+                    self._remove(entry)
+                    return True
+            finally:
+                entry.forget_idle_lock()
+        if self.entries.get(entry.key) is entry and (expect_version is None or entry.version == expect_version):
             self._remove(entry)
+            return True
+        return False
 
     # -- residency bookkeeping (the only places that change copies) --------------------------------
 
@@ -820,6 +860,12 @@ class Engine:
             self.key_changes += 1  # the key disappears
         entry.version = 0
 
+    def drop_if_unused(self, entry: Entry) -> None:
+        """Forget ``entry`` if it is the key's entry but holds no value yet and no put of it
+        is in flight (made for a put that gave up or failed, after a delete)."""
+        if not entry.visible and entry.pending_writes == 0 and not entry.disk_busy and self.entries.get(entry.key) is entry:
+            del self.entries[entry.key]
+
     def _live_entry(self, entry: Entry, meta: TensorMeta) -> Entry:
         """The entry a put should write to: ``entry`` unless it was deleted meanwhile."""
         live = self.entries.get(entry.key)
@@ -941,9 +987,9 @@ class Engine:
         task.add_done_callback(self.writes.discard)
         return task
 
-    async def shielded(self, coro: Awaitable[None], abandon: asyncio.Event | None = None) -> None:
+    async def shielded(self, coro: Awaitable[T], abandon: asyncio.Event | None = None) -> T:
         """Run ``coro`` to completion even if the caller is cancelled (it changes durable state);
-        ``aclose`` waits for it.
+        ``aclose`` waits for it. Returns what ``coro`` returns.
 
         With ``abandon`` (a put reading the caller's memory), a cancelled caller sets it and gets
         control back only once ``coro`` has ended: by then the write either gave up before its
@@ -951,7 +997,7 @@ class Engine:
         no longer read. Without it, the caller gets control back at once."""
         task = self._track(coro)
         try:
-            await asyncio.shield(task)
+            return await asyncio.shield(task)  # type: ignore[no-any-return]
         except asyncio.CancelledError:
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
             if abandon is not None:

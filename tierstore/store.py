@@ -418,13 +418,13 @@ class TierStore:
         value in place), then cached on the first memory tier of ``targets`` with room."""
         engine = self._engine
         d = engine.disk_index
-        await self._put_disk(entry, src, meta, staged=False)
+        committed = await self._put_disk(entry, src, meta, staged=False)
         landed = d
         for t in targets:
             if t == d:
                 break
             live = engine.entries.get(entry.key)
-            if live is None or d is None or live.valid(d) is None:
+            if committed is None or live is None or d is None or live.version != committed or live.valid(d) is None:
                 break  # replaced or deleted meanwhile: the newer value is what to cache
             try:
                 await engine.cache_copy(live, t, src)
@@ -436,26 +436,26 @@ class TierStore:
         if landed != d:
             engine.observe("writeback", entry.key, meta.nbytes, d, hit=None)
 
-    async def _put_disk(self, entry: Entry, src: torch.Tensor, meta: TensorMeta, staged: bool) -> None:
-        """Commit ``src`` as the new value on the disk tier. A cancelled caller gets control back
-        once the outcome is settled: given up before the commit (the old value stays), or
-        committed; either way ``src`` is no longer read. ``staged``: a small value on a
-        non-durable disk tier may be acknowledged before its commit (a write-back put; a
-        write-through one waits for it)."""
+    async def _put_disk(self, entry: Entry, src: torch.Tensor, meta: TensorMeta, staged: bool) -> int | None:
+        """Commit ``src`` as the new value on the disk tier; returns the version it got (None
+        when acknowledged before its commit). A cancelled caller gets control back once the
+        outcome is settled: given up before the commit (the old value stays), or committed;
+        either way ``src`` is no longer read. ``staged``: a small value on a non-durable disk
+        tier may be acknowledged before its commit (a write-back put; a write-through one waits
+        for it)."""
         if staged and self._engine.put_staged(entry, src, meta):
             await self._after_staged()
-            return
+            return None
         committed = self._engine.commit_small_now(entry, src, meta)
         if committed is not None:  # (a small value: one hand-over to the catalog's writer and back)
             try:
-                await asyncio.shield(committed)
+                return await asyncio.shield(committed)
             except asyncio.CancelledError:
                 await wait_uncancelled(committed)  # (the commit is under way: its outcome first)
                 raise
-            return
         abandon = asyncio.Event()
         write = self._engine.write_disk(entry, src, meta, None, Priority.DEMAND, abandon=abandon, staged=staged)
-        await self._engine.shielded(write, abandon)
+        return await self._engine.shielded(write, abandon)
 
     def fill(
         self, key: str, shape: Sequence[int], dtype: torch.dtype, tier: TierRef = None, *, durable: bool | None = None
@@ -658,6 +658,16 @@ class TierStore:
         the store and is returned as it is (no copy; the tier's accounting drops it); otherwise
         the value is read from its fastest copy. A pop cancelled once it has begun deleting
         still deletes the key (its value then reaches no one), as a cancelled delete would."""
+        while True:
+            value = await self._pop_once(key, tier)
+            if value is not None:
+                return value
+            # (a put committed a newer value while the pop waited to delete: it deletes only
+            # the value it returns, so it reads again)
+
+    async def _pop_once(self, key: str, tier: TierRef) -> torch.Tensor | None:
+        """One try of ``pop``: None, having deleted nothing, when the value changed between its
+        read and its delete."""
         self._engine.require_open()
         if self._engine.frozen:
             await self._engine.until_thawed()
@@ -689,23 +699,28 @@ class TierStore:
                 and owner.can_hand_over(buffer)
             ):
                 return await self._pop_buffer(entry, candidate, owner, buffer)
+        version = entry.version
         value = await self._engine.read_uncached(entry, device, target=t if isinstance(tier_obj, MemoryTier) else None)
-        await self._engine.shielded(self._engine.delete_entry(entry))
+        if not await self._engine.shielded(self._engine.delete_entry(entry, expect_version=version)):
+            return None
         return value
 
-    async def _pop_buffer(self, entry: Entry, copy: Copy, owner: MemoryTier, buffer: torch.Tensor) -> torch.Tensor:
+    async def _pop_buffer(self, entry: Entry, copy: Copy, owner: MemoryTier, buffer: torch.Tensor) -> torch.Tensor | None:
         """Delete ``entry`` and hand ``copy``'s buffer (of the current value) to the caller. The
         copy stays in the store, in use, until the delete is done: until then readers still read
-        it, and a delete refused (a hold taken meanwhile) leaves the value where it was."""
+        it, and a delete refused (a hold taken meanwhile) leaves the value where it was. None
+        (nothing deleted) when a newer value replaced it meanwhile."""
         meta = entry.meta
         engine = self._engine
         engine.use(entry, copy)
         try:
-            await engine.shielded(engine.delete_entry(entry))
+            deleted = await engine.shielded(engine.delete_entry(entry, expect_version=copy.version))
         except BaseException:
             engine.unuse(entry, copy)
             raise
-        engine.unuse(entry, copy)  # retired by the delete: the buffer goes back to the pool ...
+        engine.unuse(entry, copy)
+        if not deleted:
+            return None  # retired by the delete: the buffer goes back to the pool ...
         if copy.retired and not copy.in_memory:
             owner.forget(buffer)  # ... from which it leaves the tier, handed to the caller
             return from_bytes(buffer, meta)

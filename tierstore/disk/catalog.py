@@ -610,19 +610,25 @@ class Catalog:
         # (a cancelled caller stops waiting; the transaction goes on, as a queued one would)
         await asyncio.shield(self._hand_over(list(changes)))
 
-    def commit_soon(self, changes: list[_Change]) -> asyncio.Future[None] | None:
+    def commit_soon(
+        self, changes: list[_Change], scope: Callable[[], AbstractContextManager[None]] | None = None
+    ) -> asyncio.Future[None] | None:
         """``commit`` with no await, if the catalog is idle (nothing queued, failed or being
         committed, none of these keys with a change under way): the transaction is handed to the
         writer thread at once, and the returned future ends once it is durable (raising what the
-        commit raised). None, with nothing done, otherwise: the caller then ``commit``s."""
+        commit raised). None, with nothing done, otherwise: the caller then ``commit``s.
+        ``scope()`` is entered around the transaction, on the writer thread (``commit_here``)."""
         if self._writer is None or not self._idle() or any(key in self._staged for key, _ in changes):
             return None
-        return self._hand_over(changes)
+        return self._hand_over(changes, scope)
 
-    def _hand_over(self, group: list[_Change]) -> asyncio.Future[None]:
-        """Hand ``group`` to the writer thread as one transaction; it settles the returned future
-        through a single ``call_soon_threadsafe`` (one wake-up of the loop). The catalog counts
-        as busy until then (``_idle``), so a later commit of the same key cannot overtake it."""
+    def _hand_over(
+        self, group: list[_Change], scope: Callable[[], AbstractContextManager[None]] | None = None
+    ) -> asyncio.Future[None]:
+        """Hand ``group`` to the writer thread as one transaction (in ``scope()`` if given); it
+        settles the returned future through a single ``call_soon_threadsafe`` (one wake-up of
+        the loop). The catalog counts as busy until then (``_idle``), so a later commit of the
+        same key cannot overtake it."""
         writer = self._writer
         if writer is None:
             raise StoreClosedError(f"the catalog in {self.path} is closed")
@@ -631,7 +637,11 @@ class Catalog:
 
         def job() -> None:
             try:
-                self._write_sync(group, None)
+                if scope is None:
+                    self._write_sync(group, None)
+                else:
+                    with scope():
+                        self._write_sync(group, None)
             except BaseException as exc:
                 _deliver(loop, done, exc)
             else:
