@@ -8,9 +8,9 @@ sleeping."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -188,11 +188,13 @@ class ThreadRecorder(Recorder):
         super().__init__()
         self.threads: list[int] = []
 
+    @contextlib.contextmanager
     def catalog_commit(
         self, changes: Sequence[tuple[str, DiskRecord | None]], layout: CatalogLayout | None
-    ) -> AbstractContextManager[None]:
+    ) -> Iterator[None]:
         self.threads.append(threading.get_ident())
-        return super().catalog_commit(changes, layout)
+        with super().catalog_commit(changes, layout):
+            yield
 
 
 async def test_power_cut_recorder_sees_the_durable_small_put_hand_over(tmp_path: Path) -> None:

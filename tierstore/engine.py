@@ -94,6 +94,9 @@ class Engine:
         #: Writes that must finish even if their caller is cancelled (disk puts, write-backs);
         #: ``aclose`` drains them.
         self.writes: set[asyncio.Future[Any]] = set()
+        #: Early write-backs in flight (``tierstore.eviction.write_early``), by the id of the memory
+        #: copy each writes (alive meanwhile: each holds a use of its copy).
+        self.early_writes: dict[int, asyncio.Task[None]] = {}
         self._prefetched: set[tuple[str, int]] = set()
         self.issuer: PrefetchIssuer | None = None
         self.counters = StoreCounters()
@@ -601,10 +604,7 @@ class Engine:
         def installed(future: asyncio.Future[None]) -> None:
             failure: BaseException | None = None
             try:
-                if future.cancelled():
-                    failure = asyncio.CancelledError()
-                else:
-                    failure = future.exception()
+                failure = asyncio.CancelledError() if future.cancelled() else future.exception()
                 if failure is not None:
                     disk.release_inline(nbytes)
                 else:
@@ -997,7 +997,7 @@ class Engine:
         no longer read. Without it, the caller gets control back at once."""
         task = self._track(coro)
         try:
-            return await asyncio.shield(task)  # type: ignore[no-any-return]
+            return await asyncio.shield(task)
         except asyncio.CancelledError:
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
             if abandon is not None:

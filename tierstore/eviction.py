@@ -28,11 +28,6 @@ from .workers import Priority
 if TYPE_CHECKING:
     from .engine import Engine
 
-#: Early write-backs in flight, by the id of the memory copy each writes (alive meanwhile: each
-#: holds a use of its copy).
-_early: dict[int, asyncio.Task[None]] = {}
-
-
 async def make_room(engine: Engine, t: int, nbytes: int, priority: Priority) -> None:
     """Evict from tier ``t`` until a value of ``nbytes`` can be allocated there (the rules are
     the module's); returns once every demotion it started has finished."""
@@ -112,7 +107,7 @@ def _next_victim(engine: Engine, t: int) -> tuple[Entry, Copy] | None:
         copy = entry.copy_on(t) if entry is not None else None
         if copy is None:
             return True
-        if copy.users > (id(copy) in _early) or not copy.in_policy:  # (an early write-back's use: it waits for it)
+        if copy.users > (id(copy) in engine.early_writes) or not copy.in_policy:  # (an early write-back's use: it waits for it)
             return False
         if last_memory is None or entry.valid(t + 1) is not None:  # type: ignore[union-attr]
             return True
@@ -154,7 +149,7 @@ async def _demote(engine: Engine, entry: Entry, t: int, copy: Copy, priority: Pr
     or takes it during the write-back, the copy stays (a held buffer may be changing, and
     a write hold makes it the only current value)."""
     try:
-        early = _early.get(id(copy))
+        early = engine.early_writes.get(id(copy))
         if early is not None:
             await asyncio.wait([early])  # then the value is on the disk (unless it changed)
         if copy.holds or copy.users > 1:
@@ -181,7 +176,7 @@ def write_early(engine: Engine, entry: Entry, t: int, priority: Priority = Prior
     tier, a write-back of it under way, or no disk tier right below. The store's close waits
     for the write; a write that fails changes nothing (the eviction writes it then)."""
     copy = entry.valid(t)
-    if copy is None or copy.writing or entry.writer is not None or id(copy) in _early or copy.buffer is None:
+    if copy is None or copy.writing or entry.writer is not None or id(copy) in engine.early_writes or copy.buffer is None:
         return False
     if engine.disk_index != t + 1 or any(s > t for s in entry.valid_tiers()):
         return False
@@ -194,11 +189,11 @@ def write_early(engine: Engine, entry: Entry, t: int, priority: Priority = Prior
             if entry.valid(t + 1) is not None:
                 engine.observe("writeback", entry.key, entry.meta.nbytes, t + 1, hit=None)
         finally:
-            _early.pop(key, None)
+            engine.early_writes.pop(key, None)
             engine.unuse(entry, copy)
 
     task = engine._track(write())
-    _early[key] = task
+    engine.early_writes[key] = task
     task.add_done_callback(_retrieve)
     return True
 
