@@ -848,6 +848,8 @@ class TierStore:
         every demand request. Returns at once with a handle: ``await handle`` waits (and returns
         a summary), ``handle.cancel()`` stops what has not started."""
         self._engine.require_open()
+        if isinstance(keys, (str, bytes)):
+            raise TypeError(f"prefetch takes an iterable of keys, not one key: prefetch([{keys!r}])")
         t = self._engine.index_of(tier)
         entries = [self._engine.visible_entry(key) for key in keys]
         if self._engine.issuer is None:
@@ -855,13 +857,25 @@ class TierStore:
         return self._engine.issuer.start(entries, t)
 
     def write_back(self, keys: Iterable[str], tier: TierRef = None) -> int:
-        """Start writing the current values of ``keys`` held on memory tier ``tier`` to the disk
-        tier right below it, behind demand requests, keeping them there: evicting them later
-        costs no write. Keys absent there, held for writing or already on the disk are skipped.
-        Returns how many writes started (``close`` waits for them)."""
+        """Start writing the current values of ``keys`` held on memory tier ``tier`` (default:
+        the one right above the disk tier) to the disk tier right below it, behind demand
+        requests, keeping them there: evicting them later costs no write. Not a coroutine: it
+        starts the writes and returns how many started (``aclose`` waits for them). Keys not on
+        that tier (or not in the store), held for writing or already on the disk are skipped;
+        a tier with no disk tier right below it raises ``UnknownTierError``."""
         self._engine.require_open()
-        t = self._engine.index_of(tier)
-        return sum(eviction.write_early(self._engine, entry, t) for key in keys if (entry := self._engine.lookup(key)) is not None)
+        engine = self._engine
+        if isinstance(keys, (str, bytes)):
+            raise TypeError(f"write_back takes an iterable of keys, not one key: write_back([{keys!r}])")
+        if not engine.disk_index:  # (None, or a disk tier with no memory tier above it)
+            raise UnknownTierError("write_back needs a memory tier above a disk tier; this store has none")
+        t = engine.disk_index - 1 if tier is None else engine.index_of(tier)
+        if t + 1 != engine.disk_index:
+            raise UnknownTierError(
+                f"write_back writes from the memory tier right above the disk tier ({engine.names[engine.disk_index - 1]!r}), "
+                f"not from {engine.names[t]!r}")
+        entries = [engine.lookup(check_key(key)) for key in keys]
+        return sum(eviction.write_early(engine, entry, t) for entry in entries if entry is not None)
 
     async def flush(self) -> None:
         """Write every entry whose current value is not on the disk tier down to it, in one
