@@ -71,6 +71,9 @@ class GradientCapture:
         self._hint = hint
         self._in_backward = in_backward
         self._arrived = arrived
+        #: ``arrived``'s work done on the spot where it has nothing to wait for (True), else
+        #: nothing done (False): the capture's task awaits ``arrived``. The step's to set.
+        self.arrived_now: Callable[[ParamSlot, Capture], bool] = lambda slot, capture: False
         self._report = report
         self._timeline = timeline
         # Hook side (autograd/training threads), under the lock: passes per slot this step.
@@ -146,6 +149,8 @@ class GradientCapture:
         elif not ddp:
             capture.deferred = self._defers(grad)
         slot.capture = capture
+        if capture.lent is not None and (previous is None or previous.task is None or previous.task.done()) and self.arrived_now(slot, capture):
+            return  # nothing to copy or wait for: no task
         capture.task = asyncio.ensure_future(self._take(slot, capture, grad, previous, arrived=True))
 
     def _defers(self, grad: torch.Tensor) -> bool:

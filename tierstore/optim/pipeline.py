@@ -200,6 +200,11 @@ class UpdatePipeline:
 
     # -- buckets ----------------------------------------------------------------------------------
 
+    @property
+    def prefetch_issued(self) -> bool:
+        """Whether this step's ``prefetch_first`` ran."""
+        return self._prefetched
+
     async def prefetch_first(self, order: list[ParamSlot], reverse: bool = False) -> None:
         """Once a step, when its first gradient arrives: bring up the states the first updates
         will need (``order``: the coming step's; ``reverse``: its chunks go last to first), up
@@ -214,7 +219,7 @@ class UpdatePipeline:
         for slot in order:
             if not slot.paged:
                 continue
-            keys_of = self._state_keys(slot)
+            keys_of = self.state_keys(slot)
             for key, nbytes in reversed(keys_of) if reverse else keys_of:
                 budget -= nbytes
                 if budget < 0:
@@ -237,15 +242,19 @@ class UpdatePipeline:
         tier = self._store.tier(self._tier)
         if self._flat or self._in_backward or not isinstance(tier, MemoryTier):
             return
-        missing = sum(tier.value_size(nbytes) for slot in self._slots if slot.paged for key, nbytes in self._state_keys(slot)
+        missing = sum(tier.value_size(nbytes) for slot in self._slots if slot.paged for key, nbytes in self.state_keys(slot)
                       if key not in self._store or self._tier not in self._store.where(key))
         self._early_bytes = max(0, missing - tier.free)
 
     def _write_early(self, keys: list[tuple[str, int]]) -> None:
         """Write back the states just updated (``keys``, in update order) while the step's
         early write-backs last (see the module docstring)."""
-        if not self._early_bytes:
-            return
+        self.write_back(self._pick_early(keys))
+
+    def _pick_early(self, keys: list[tuple[str, int]]) -> list[str]:
+        """Of ``keys`` (in update order), those the step writes back early, counted off."""
+        if not self._early_bytes or self._early_bytes <= 0:
+            return []
         tier = self._store.tier(self._tier)
         picked = []
         for key, nbytes in keys:
@@ -253,10 +262,50 @@ class UpdatePipeline:
                 break
             picked.append(key)
             self._early_bytes -= tier.value_size(nbytes)
-        if picked and self._store.is_open:
-            self._store.write_back(picked, self._tier)
+        return picked
 
-    def _state_keys(self, slot: ParamSlot) -> list[tuple[str, int]]:
+    def write_back(self, keys: list[str]) -> None:
+        """Write ``keys`` (updated, picked by ``early_writes``) back to the disk early, keeping them."""
+        if keys and self._store.is_open:
+            self._store.write_back(keys, self._tier)
+
+    # -- updates outside the buckets (``tierstore.optim.resident``) -----------------------------------
+
+
+    def share(self) -> int | None:
+        """State-tier bytes one update in flight (a bucket, or an update outside the buckets
+        taking one of the places) may hold: its share of the room (None: no bound, nothing
+        pages below)."""
+        return None if self._flat else max(self.bucket_bytes, self._room // max(self.inflight, 1))
+
+    def state_held(self, slot: ParamSlot) -> int:
+        """State-tier bytes of all of ``slot``'s state (every chunk of it) held at once."""
+        tier = self._store.tier(self._tier)
+        if not slot.paged or not isinstance(tier, MemoryTier):
+            return 0
+        return sum(tier.value_size(nbytes) for _, nbytes in self.state_keys(slot))
+
+    def early_pending(self) -> int:
+        """State-tier bytes this step still writes back early (counted once a step)."""
+        self._count_early_writes()
+        return max(self._early_bytes or 0, 0)
+
+    def early_writes(self, slots: list[ParamSlot]) -> list[str]:
+        """The state keys of ``slots`` (updated outside the buckets, in update order) that the
+        step writes back early once their update ends, counted off now so the buckets after
+        them are planned without them."""
+        self._count_early_writes()
+        return self._pick_early([key for slot in slots if slot.paged for key in self.state_keys(slot)])
+
+    @asynccontextmanager
+    async def place(self) -> AsyncIterator[None]:
+        """One of the ``inflight`` places, as a bucket takes one."""
+        if self._gate is None:
+            self._gate = asyncio.Semaphore(self.inflight)
+        async with self._gate:
+            yield
+
+    def state_keys(self, slot: ParamSlot) -> list[tuple[str, int]]:
         """The store keys of a slot's state with their bytes, in update order."""
         if slot.chunks is None:
             return [(slot.key, self._owner._state_bytes(slot))]
@@ -298,11 +347,12 @@ class UpdatePipeline:
         bucket grows up to its share of the room (what ``plan`` counted on for the buckets in
         flight), and launches once it holds what the step writes back early, so that those
         writes start after the first math call."""
-        if self._open_bytes + need > max(self.bucket_bytes, self._room // max(self.inflight, 1)):
+        if self._open_bytes + need > (self.share() or self.bucket_bytes):
             return True
         if self._open_incoming + incoming > self.bucket_bytes:
             return True
-        return bool(self._early_bytes) and self._open_bytes - self._open_incoming >= self._early_bytes  # type: ignore[operator]
+        early = self._early_bytes or 0  # (below 0 once the last early write-back is picked)
+        return early > 0 and self._open_bytes - self._open_incoming >= early
 
     def launch(self, coef: torch.Tensor | None) -> None:
         if self._open:
@@ -329,7 +379,8 @@ class UpdatePipeline:
         todo = [slot for slot in slots if not slot.updated]
         async with self._gate, AsyncExitStack() as stack:
             states = await _enter_all(stack, [self._owner._state(slot) for slot in slots], at_once=self._flat)
-            grads = await _enter_all(stack, [self.grad_for_update(slot) for slot in todo], at_once=self._flat)
+            lent = all(slot.capture is not None and slot.capture.lent is not None for slot in todo)  # (nothing to wait for)
+            grads = await _enter_all(stack, [self.grad_for_update(slot) for slot in todo], at_once=self._flat or lent)
             job = partial(self._compute_bucket, slots, states, grads, coef, scale)
             outgoing, started, computed, ended = await self.math(job)
             for slot in todo:
@@ -702,7 +753,7 @@ async def _enter_all(stack: AsyncExitStack, managers: list[AbstractAsyncContextM
     """Enter several async context managers at once (their transfers overlap) into ``stack``;
     if one fails, the ones entered are still exited with the stack. ``at_once``: there is
     nothing to overlap (all in memory): enter them one after the other, without a task each."""
-    if at_once:
+    if at_once or len(managers) == 1:
         return [await stack.enter_async_context(manager) for manager in managers]
 
     async def enter(manager: AbstractAsyncContextManager[Any]) -> Any:

@@ -12,6 +12,11 @@ of it (one fused kernel call per parameter group, grouped by device and dtype as
 them). The numbers are the pipeline's: Adam is elementwise, so one call over every tensor (or
 every chunk) gives the same bits as one call per bucket.
 
+A step whose state is partly paged below (the disk-paged step) is mixed: the slots whose
+entries are resident when it starts (``split``: in update order, up to a bucket's share of the
+tier) are updated here in one call, taking one of the pipeline's places in flight as a bucket
+would, while the others go through the pipeline as their reads land.
+
 Anything else (state to create or paged below, a hold taken by someone else, a device link,
 GradScaler's scale, updates in backward, an earlier attempt's progress) takes the pipeline,
 whose step is the same update.
@@ -30,6 +35,17 @@ import torch
 from ..store import TierStore
 from .reports import Timeline, TimeReport
 from .slots import ParamSlot
+
+
+@dataclass(frozen=True)
+class Held:
+    """Write holds on the state entries of ``slots`` (``ResidentStep.hold``), released by
+    ``ResidentStep.update``."""
+
+    slots: list[ParamSlot]
+    pieces: list[list[Piece]]
+    states: list[list[torch.Tensor]]
+    stack: AsyncExitStack
 
 
 @dataclass(frozen=True)
@@ -68,32 +84,48 @@ class ResidentStep:
         self._math = math
         self._report = report
         self._timeline = timeline
-        #: Steps the resident step ran (the others took the pipeline).
+        #: Steps the resident step ran whole (the others took the pipeline, or were mixed).
         self.steps = 0
+        #: Mixed steps: their resident part updated here, the rest by the pipeline.
+        self.mixed_steps = 0
 
     def pieces(self, slots: Sequence[ParamSlot]) -> list[list[Piece]] | None:
-        """Each slot's pieces, if the resident step can update all of them now: every slot's
-        gradient lent, no progress of an earlier attempt, every entry on the state tier with
-        its layout, held by no one; else None."""
-        store, tier = self._store, self._tier
+        """Each slot's pieces, if the resident step can update all of them now (``slot_pieces``
+        gives them for every slot); else None."""
         result: list[list[Piece]] = []
         for slot in slots:
-            capture = slot.capture
-            if capture is None or capture.lent is None or slot.updated or slot.written or slot.chunks_updated:
-                return None
-            pieces = self._owner._resident_pieces(slot)
+            pieces = self.slot_pieces(slot)
             if pieces is None:
                 return None
-            for piece in pieces:
-                if piece.key is None:
-                    continue
-                if piece.key not in store:
-                    return None
-                info = store.info(piece.key)
-                if info["held"] or tier not in info["tiers"] or tuple(info["shape"]) != piece.shape or info["dtype"] != piece.dtype:
-                    return None
             result.append(pieces)
         return result
+
+    def slot_pieces(self, slot: ParamSlot) -> list[Piece] | None:
+        """The pieces of ``slot``, if the resident step can update it now: its gradient lent, no
+        progress of an earlier attempt, every entry on the state tier with its layout, held by
+        no one; else None."""
+        capture = slot.capture
+        if capture is None or capture.lent is None or slot.updated or slot.written or slot.chunks_updated:
+            return None
+        pieces = self._owner._resident_pieces(slot)
+        if pieces is None:
+            return None
+        store, tier = self._store, self._tier
+        for piece in pieces:
+            if piece.key is None:
+                continue
+            if piece.key not in store:
+                return None
+            info = store.info(piece.key)
+            if info["held"] or tier not in info["tiers"] or tuple(info["shape"]) != piece.shape or info["dtype"] != piece.dtype:
+                return None
+        return pieces
+
+    def split(self, slots: Sequence[ParamSlot]) -> tuple[list[ParamSlot], list[list[Piece]]]:
+        """The slots of ``slots`` (in their order) the resident step can update now, with their
+        pieces."""
+        eligible = [(slot, parts) for slot in slots if (parts := self.slot_pieces(slot)) is not None]
+        return [slot for slot, _ in eligible], [parts for _, parts in eligible]
 
     async def run(self, slots: list[ParamSlot], coef: torch.Tensor | None) -> list[tuple[list[ParamSlot], BaseException]] | None:
         """Update ``slots`` (``coef``: the clipping coefficient) in one call on the training
@@ -104,23 +136,44 @@ class ResidentStep:
         pieces = self.pieces(slots)
         if pieces is None:
             return None
-        async with AsyncExitStack() as stack:
-            states: list[list[torch.Tensor]] = []  # per slot: each piece's entry
-            try:
-                for slot, parts in zip(slots, pieces, strict=True):
-                    entries = []
-                    for piece in parts:
-                        if piece.key is None:
-                            assert slot.resident is not None
-                            entries.append(slot.resident["packed"])
-                        else:
-                            entries.append(await stack.enter_async_context(self._store.hold(piece.key, self._tier, write=True)))
-                    states.append(entries)
-            except Exception:  # noqa: BLE001 - taken meanwhile (a delete, a close): the pipeline decides
-                return None
+        held = await self.hold(slots, pieces)
+        if held is None:
+            return None
+        return await self.update(held, coef)
+
+    async def hold(self, slots: list[ParamSlot], pieces: list[list[Piece]]) -> Held | None:
+        """Take a write hold on every state entry of ``slots`` (their ``pieces``, from
+        ``pieces`` or ``split``) for ``update``; None, holding nothing, if one cannot be taken
+        (a delete or a close meanwhile: the pipeline decides)."""
+        stack = AsyncExitStack()
+        states: list[list[torch.Tensor]] = []  # per slot: each piece's entry
+        try:
+            for slot, parts in zip(slots, pieces, strict=True):
+                entries = []
+                for piece in parts:
+                    if piece.key is None:
+                        assert slot.resident is not None
+                        entries.append(slot.resident["packed"])
+                    else:
+                        entries.append(await stack.enter_async_context(self._store.hold(piece.key, self._tier, write=True)))
+                states.append(entries)
+        except Exception:  # noqa: BLE001 - taken meanwhile (a delete, a close): the pipeline decides
+            await stack.aclose()
+            return None
+        except BaseException:
+            await stack.aclose()
+            raise
+        return Held(slots, pieces, states, stack)
+
+    async def update(self, held: Held, coef: torch.Tensor | None, *, whole: bool = True) -> list[tuple[list[ParamSlot], BaseException]]:
+        """Update the slots of ``held`` in one call on the training thread, then release their
+        holds; return the failures (all the slots, or none). ``whole``: they are all the step
+        updates (else the pipeline updates the others: a mixed step)."""
+        slots = held.slots
+        async with held.stack:
             grads = [slot.capture.lent for slot in slots]  # type: ignore[union-attr]
             try:
-                started, computed = await self._math(lambda: self._compute(slots, pieces, states, grads, coef))
+                started, computed = await self._math(lambda: self._compute(slots, held.pieces, held.states, grads, coef))
             except Exception as exc:  # noqa: BLE001 - the step reports it (no slot counts as updated)
                 return [(slots, exc)]
             for slot in slots:
@@ -131,8 +184,12 @@ class ResidentStep:
         report.host_update += computed - started
         report.updates += len(slots)
         report.update_elements += elements
-        self._timeline.add(f"resident update x{len(slots)}", "host update", started, computed, elements=elements)
-        self.steps += 1
+        name = "resident update" if whole else "resident part"
+        self._timeline.add(f"{name} x{len(slots)}", "host update", started, computed, elements=elements)
+        if whole:
+            self.steps += 1
+        else:
+            self.mixed_steps += 1
         return []
 
     def _compute(

@@ -22,7 +22,7 @@ from ..store import TierStore
 from .capture import GradientCapture, Observed
 from .clipping import clip_coefficient, inverse_scale, total_norm
 from .pipeline import UpdatePipeline
-from .resident import ResidentStep
+from .resident import Held, ResidentStep
 from .slots import Capture, ParamSlot
 
 #: GradScaler's ``(grad_scale, found an inf)`` when ``step()`` runs inside ``GradScaler.step``.
@@ -41,7 +41,7 @@ class StepRunner:
         self._pipeline = pipeline
         self.max_grad_norm = max_grad_norm
         self._in_backward = in_backward
-        self.capture: GradientCapture
+        self._capture: GradientCapture
         self._arrivals = itertools.count()
         #: The order gradients arrived in last step: this step's updates and prefetches follow it
         #: (reversed every other step: ``reversed_order``).
@@ -51,6 +51,26 @@ class StepRunner:
         self.steps = 0
         #: All at once when every state is resident (``tierstore.optim.resident``); set by the optimizer.
         self.resident: ResidentStep | None = None
+
+    @property
+    def capture(self) -> GradientCapture:
+        return self._capture
+
+    @capture.setter
+    def capture(self, capture: GradientCapture) -> None:
+        self._capture = capture
+        capture.arrived_now = self.arrived_now
+
+    def arrived_now(self, slot: ParamSlot, capture: Capture) -> bool:
+        """``arrived``, done now if it has nothing to wait for (the step's prefetch issued, no
+        norm to take ahead); else False, having done nothing."""
+        if not self._pipeline.prefetch_issued or self.max_grad_norm is not None:
+            return False
+        slot.arrival = next(self._arrivals)
+        if self._in_backward and slot.capture is capture:
+            slot.used = capture
+            self._pipeline.add(slot, None, after=capture.marker)
+        return True
 
     async def arrived(self, slot: ParamSlot, capture: Capture) -> None:
         """A hook's capture is on the host: prefetch, norm ahead, update in backward."""
@@ -130,15 +150,14 @@ class StepRunner:
             pipeline.launch(None)  # the open bucket of updates in backward
             pipeline.reverse = self.reversed_order
             order = sorted(ready, key=lambda s: s.arrival, reverse=pipeline.reverse)
-            at_once = None
+            resident = None
             if self.resident is not None and not self._in_backward and pipeline.scale is None:
-                at_once = await self.resident.run(order, coef)
-            if at_once is not None:
-                failures += at_once
-            else:
-                for slot in order:
-                    pipeline.add(slot, coef, after=observed[slot.index][3])
-                pipeline.launch(coef)
+                resident, order = await self._start_resident(pipeline, order, coef)
+            for slot in order:
+                pipeline.add(slot, coef, after=observed[slot.index][3])
+            pipeline.launch(coef)
+            if resident is not None:
+                failures += await resident
         failures += await pipeline.finish()
         if changed:
             await self.end()
@@ -158,6 +177,57 @@ class StepRunner:
         self._store.mark_step()
         self.steps += 1
         await self.end()
+
+    async def _start_resident(
+        self, pipeline: UpdatePipeline, order: list[ParamSlot], coef: torch.Tensor | None
+    ) -> tuple[asyncio.Task[list[tuple[list[ParamSlot], BaseException]]] | None, list[ParamSlot]]:
+        """Hold the states resident now and start their update in one call (``ResidentStep``);
+        return its task and the slots left to the pipeline, in order. All of them when every
+        slot is resident; else, as the pipeline's first bucket would be, those the step writes
+        back early first (so those writes start after the call) in one of the places in flight,
+        up to its share of the room (so the reads of the others find room)."""
+        resident = self.resident
+        assert resident is not None
+        chosen, pieces = resident.split(order)
+        if not chosen:
+            return None, order
+        if len(chosen) < len(order):
+            share, pending = pipeline.share(), pipeline.early_pending()
+            size = count = 0
+            for slot in chosen:
+                need = pipeline.state_held(slot)
+                if share is not None and count and size + need > share:
+                    break
+                size += need
+                count += 1
+                if share is not None and 0 < pending <= size:  # the early write-backs are all in
+                    break
+            chosen, pieces = chosen[:count], pieces[:count]
+        early = pipeline.early_writes(chosen)
+        held = await resident.hold(chosen, pieces)
+        if held is None:  # (taken meanwhile: these go through the pipeline, written back when evicted)
+            return None, order
+        taken = set(chosen)
+        rest = [slot for slot in order if slot not in taken]
+        return asyncio.ensure_future(self._update_resident(pipeline, held, coef, early, whole=not rest)), rest
+
+    async def _update_resident(
+        self, pipeline: UpdatePipeline, held: Held, coef: torch.Tensor | None, early: list[str], *, whole: bool
+    ) -> list[tuple[list[ParamSlot], BaseException]]:
+        """The update of ``held`` in one of the pipeline's places, then the early write-backs of
+        its states (``early``)."""
+        assert self.resident is not None
+        try:
+            async with pipeline.place():
+                failures = await self.resident.update(held, coef, whole=whole)
+        except BaseException as exc:
+            await held.stack.aclose()  # (already closed if the update ran)
+            if not isinstance(exc, Exception):
+                raise
+            return [(held.slots, exc)]
+        if not failures:
+            pipeline.write_back(early)
+        return failures
 
     async def _settle(self, pending: list[Observed], stale: bool) -> list[Capture | None | BaseException]:
         """Settle every capture of ``pending`` (errors returned in place): those with nothing to
