@@ -12,10 +12,13 @@ of it (one fused kernel call per parameter group, grouped by device and dtype as
 them). The numbers are the pipeline's: Adam is elementwise, so one call over every tensor (or
 every chunk) gives the same bits as one call per bucket.
 
-A step whose state is partly paged below (the disk-paged step) is mixed: the slots whose
-entries are resident when it starts (``split``: in update order, up to a bucket's share of the
-tier) are updated here in one call, taking one of the pipeline's places in flight as a bucket
-would, while the others go through the pipeline as their reads land.
+A step whose state is partly paged below (the disk-paged step) is mixed: the first slots in
+update order whose entries are resident when it starts (those the step writes back early, up to
+a bucket's share of the room: ``StepRunner``) are updated here in one call, in one of the
+pipeline's places in flight as its first bucket would be, while the others go through the
+pipeline as their reads land. Holding more of the resident entries at once was tried: the
+reads of the others then evict resident states not held yet, which are read back later in the
+step (I/O over the need).
 
 Anything else (state to create or paged below, a hold taken by someone else, a device link,
 GradScaler's scale, updates in backward, an earlier attempt's progress) takes the pipeline,
