@@ -256,6 +256,7 @@ class UpdatePipeline:
         if not self._early_bytes or self._early_bytes <= 0:
             return []
         tier = self._store.tier(self._tier)
+        assert isinstance(tier, MemoryTier)  # (early write-backs are counted on memory tiers only)
         picked = []
         for key, nbytes in keys:
             if self._early_bytes <= 0:
