@@ -252,9 +252,10 @@ class TierStore:
         landed = self._put_small_now(key, tensor, tier, durable)
         if landed is not None:
             if landed == self._engine.disk_index:
-                # (``_after_staged`` spelled out: no coroutine made for the common case)
+                # (``_after_staged`` spelled out: no coroutine made for the common case; the
+                # backlog is below ``STAGED_LIMIT`` here, ``_stage_small_now`` having checked it)
                 self._staged_puts += 1
-                if self._engine.disk.queued_changes >= STAGED_LIMIT or self._staged_puts % 256 == 0:
+                if self._staged_puts % 256 == 0:
                     self._staged_puts -= 1
                     await self._after_staged()
             return

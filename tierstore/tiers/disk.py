@@ -757,8 +757,12 @@ class DiskTier(Tier):
     def stage_inline(self, key: str, meta: TensorMeta, src: torch.Tensor | bytes, version: int) -> None:
         """``stage`` of the inline record of ``src`` (as ``inline_record`` makes it), queued in
         its binary form: the small non-durable put, with no record object made."""
-        self._require_open()
-        self._require_catalog().stage_inline(key, self.inline_raw(key, meta, src, version))
+        catalog = self._catalog
+        if catalog is None or self._files is None or (self._pid is not None and self._pid != this_process.pid):
+            self._require_open()  # (raises what is wrong)
+            catalog = self._require_catalog()
+        data = src if src.__class__ is bytes else _payload(key, meta, src)
+        catalog.stage_inline(key, inline_bytes(key, meta, version, checksum_bytes(data), data))  # type: ignore[arg-type]
 
     def release_when(self, committed: asyncio.Future[None], extent: Extent) -> None:
         """Release ``extent`` once ``committed`` ends (the commit that stops referencing it): its
