@@ -630,8 +630,8 @@ class Engine:
         no await (``put_staged`` of a new key): the record queued for the next transaction and
         the entry made with its inline copy. ``data`` is the value's bytes, ``meta`` shared.
         False (nothing done) when the tier has no room for it."""
-        disk = self.disk
         d = self.disk_index
+        disk: DiskTier = self._tiers[d]  # type: ignore[index,assignment]  # (the caller staged onto it)
         nbytes = meta.nbytes
         try:
             disk.reserve_inline(nbytes)

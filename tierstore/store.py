@@ -350,7 +350,7 @@ class TierStore:
         disk = engine.disk
         meta = meta_of(tensor)
         nbytes = meta.nbytes
-        if disk.durable or not disk.holds_inline(nbytes) or disk.commit_failed or disk.queued_changes >= STAGED_LIMIT - 1:
+        if not disk.can_stage(nbytes, STAGED_LIMIT - 1):
             return None  # (committed before acknowledged, in an extent, failed commits tried again, or a backlog)
         entry = engine.entries.get(key)
         data = ctypes.string_at(tensor.data_ptr(), nbytes) if nbytes else b""

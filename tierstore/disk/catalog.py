@@ -216,18 +216,25 @@ class InlineScan:
 #: The dtype-and-shape part of inline records, by metadata (a store keeps few distinct ones).
 _DESCRIBED: dict[TensorMeta, tuple[int, int, bytes]] = {}
 _MAX_DESCRIBED = 4096
+#: The last metadata described, with its part (one tuple, read at once: any thread may swap it):
+#: a run of puts of one shape and dtype skips the hash of the metadata.
+_LAST_DESCRIBED: list[tuple[TensorMeta | None, tuple[int, int, bytes]]] = [(None, (0, 0, b""))]
 
 
 def inline_bytes(key: str, meta: TensorMeta, version: int, checksum: int, data: bytes) -> bytes:
     """The binary record of a value kept inline (what ``DiskRecord.to_bytes`` writes for one),
     made without a record object: the record a small put stages."""
-    described = _DESCRIBED.get(meta)
-    if described is None:
-        name = dtype_name(meta.dtype).encode("ascii")
-        shape = meta.shape
-        described = (len(shape), len(name), name + struct.pack(f"<{len(shape)}q", *shape))
-        if len(_DESCRIBED) < _MAX_DESCRIBED:
-            _DESCRIBED[meta] = described
+    last_meta, described = _LAST_DESCRIBED[0]
+    if last_meta is not meta:
+        found = _DESCRIBED.get(meta)
+        if found is None:
+            name = dtype_name(meta.dtype).encode("ascii")
+            shape = meta.shape
+            found = (len(shape), len(name), name + struct.pack(f"<{len(shape)}q", *shape))
+            if len(_DESCRIBED) < _MAX_DESCRIBED:
+                _DESCRIBED[meta] = found
+        described = found
+        _LAST_DESCRIBED[0] = (meta, found)
     ndim, name_length, dtype_and_shape = described
     encoded = key.encode("utf-8")
     return b"".join(

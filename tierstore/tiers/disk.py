@@ -754,6 +754,16 @@ class DiskTier(Tier):
         self._require_open()
         return self._require_catalog().stage(changes)
 
+    def can_stage(self, nbytes: int, backlog: int) -> bool:
+        """Whether a value of ``nbytes`` can be staged now (``stage_inline``): the tier is not
+        durable, keeps it inline, has no failed commits to try again, and fewer than
+        ``backlog`` changes wait for their transaction (one call for the small put's checks)."""
+        catalog = self._catalog
+        return (
+            not self.durable and nbytes <= self.inline_max and self.inline_max > 0
+            and catalog is not None and catalog.queued < backlog and not catalog.failed
+        )
+
     def stage_inline(self, key: str, meta: TensorMeta, src: torch.Tensor | bytes, version: int) -> None:
         """``stage`` of the inline record of ``src`` (as ``inline_record`` makes it), queued in
         its binary form: the small non-durable put, with no record object made."""
