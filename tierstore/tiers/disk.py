@@ -772,7 +772,7 @@ class DiskTier(Tier):
             self._require_open()  # (raises what is wrong)
             catalog = self._require_catalog()
         data = src if src.__class__ is bytes else _payload(key, meta, src)
-        catalog.stage_inline(key, inline_bytes(key, meta, version, checksum_bytes(data), data))  # type: ignore[arg-type]
+        catalog.stage_inline(key, inline_bytes(key, meta, version, checksum_bytes(data), data))
 
     def release_when(self, committed: asyncio.Future[None], extent: Extent) -> None:
         """Release ``extent`` once ``committed`` ends (the commit that stops referencing it): its
