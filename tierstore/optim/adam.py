@@ -79,6 +79,7 @@ class TieredAdam(PagedOptimizer):
 
     decoupled_weight_decay = False
     _supports_sharding = True
+    _sparse_advice = ", please consider torch.optim.SparseAdam instead"
     _unsaved_group_keys = ("state_precision", "master_weights")
 
     def __init__(

@@ -105,8 +105,8 @@ class GradientCapture:
         if queue_end:
             torch.autograd.Variable._execution_engine.queue_callback(self._after_finalize)
         grad = param.grad
-        if ddp or passes % self._hint or grad is None:
-            return  # DDP's hook captures it; or an earlier pass of several; or step() takes it
+        if ddp or passes % self._hint or grad is None or grad.layout is not torch.strided:
+            return  # DDP's hook captures it; or an earlier pass of several; or step() takes it (a sparse one: refuses it)
         self._loop.call_soon_threadsafe(self._start, slot, grad, grad._version, slot.link.mark(), False)
 
     def bucket_ready(self, slot: ParamSlot, view: torch.Tensor) -> None:

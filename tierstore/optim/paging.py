@@ -381,6 +381,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         if getattr(self, "found_inf", None) is not None:  # inside GradScaler.step
             found = bool(self.found_inf.item())  # type: ignore[attr-defined]
             scaling = (getattr(self, "grad_scale", None), sharding.found_inf(found) if sharding is not None else found)
+        if not resumed:
+            self._refuse_sparse()
         try:
             if not resumed:
                 finishing = asyncio.run_coroutine_threadsafe(self._runner.finish(observe(self._slots), scaling), self._loop)
@@ -406,6 +408,19 @@ class PagedOptimizer(torch.optim.Optimizer):
             sharding.end_step()
         self._close_window(ended)
         return loss
+
+    #: Appended to the error on a sparse gradient (TieredAdam names torch's SparseAdam, as torch does).
+    _sparse_advice = ""
+
+    def _refuse_sparse(self) -> None:
+        """Raise ``RuntimeError``, before anything changes, if a ``p.grad`` is sparse (as torch's
+        Adam does): the state is paged dense, and a sparse gradient cannot be copied to it."""
+        for slot in self._slots:
+            grad = slot.param.grad
+            if grad is not None and grad.layout is not torch.strided:
+                raise RuntimeError(
+                    f"{type(self).__name__} does not support sparse gradients (parameter {slot.index} has a {grad.layout} "
+                    f"gradient){self._sparse_advice}")
 
     # -- across ranks ----------------------------------------------------------------------------
 

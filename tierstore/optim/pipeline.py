@@ -98,6 +98,8 @@ class UpdatePipeline:
         self._prefetched = False
         #: Nothing pages below the state tier: holds never wait for a transfer (but creation).
         self._flat = False
+        #: The state tier is a memory tier right above the disk tier (early write-backs apply).
+        self._writes_early = False
         #: State-tier bytes the updates in flight may hold at once (from ``plan``).
         self._room = 0
         self._slots: list[ParamSlot] = []
@@ -121,6 +123,9 @@ class UpdatePipeline:
         tier = self._store.tier(self._tier)
         tiers = self._store.tiers
         self._flat = tiers.index(tier) == len(tiers) - 1
+        # Early write-backs go from the memory tier right above the disk tier only (``write_back``
+        # refuses any other: a device tier above the host, a store with no disk).
+        self._writes_early = not self._flat and tiers[tiers.index(tier) + 1].kind == "disk"
         self._slots, self._in_backward = list(slots), in_backward
         if not isinstance(tier, MemoryTier) or not slots:
             self.bucket_bytes, self.inflight = bucket_bytes or (64 << 20), max_inflight
@@ -240,7 +245,7 @@ class UpdatePipeline:
             return
         self._early_bytes = 0
         tier = self._store.tier(self._tier)
-        if self._flat or self._in_backward or not isinstance(tier, MemoryTier):
+        if not self._writes_early or self._in_backward or not isinstance(tier, MemoryTier):
             return
         missing = sum(tier.value_size(nbytes) for slot in self._slots if slot.paged for key, nbytes in self.state_keys(slot)
                       if key not in self._store or self._tier not in self._store.where(key))
@@ -248,11 +253,22 @@ class UpdatePipeline:
 
     def _write_early(self, keys: list[tuple[str, int]]) -> None:
         """Write back the states just updated (``keys``, in update order) while the step's
-        early write-backs last (see the module docstring)."""
-        self.write_back(self._pick_early(keys))
+        early write-backs last (see the module docstring), counting off only the writes that
+        started (a key already on the disk, or held, is skipped by the store)."""
+        if not self._early_bytes or self._early_bytes <= 0 or not self._store.is_open:
+            return
+        tier = self._store.tier(self._tier)
+        assert isinstance(tier, MemoryTier)  # (early write-backs are counted on memory tiers only)
+        for key, nbytes in keys:
+            if self._early_bytes <= 0:
+                break
+            if self._store.write_back([key], self._tier):
+                self._early_bytes -= tier.value_size(nbytes)
 
-    def _pick_early(self, keys: list[tuple[str, int]]) -> list[str]:
-        """Of ``keys`` (in update order), those the step writes back early, counted off."""
+    def _pick_early(self, keys: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        """Of ``keys`` (in update order), those the step writes back early, counted off now
+        (``write_back`` counts back those whose write does not start), with their sizes on the
+        state tier."""
         if not self._early_bytes or self._early_bytes <= 0:
             return []
         tier = self._store.tier(self._tier)
@@ -261,14 +277,19 @@ class UpdatePipeline:
         for key, nbytes in keys:
             if self._early_bytes <= 0:
                 break
-            picked.append(key)
-            self._early_bytes -= tier.value_size(nbytes)
+            size = tier.value_size(nbytes)
+            picked.append((key, size))
+            self._early_bytes -= size
         return picked
 
-    def write_back(self, keys: list[str]) -> None:
-        """Write ``keys`` (updated, picked by ``early_writes``) back to the disk early, keeping them."""
-        if keys and self._store.is_open:
-            self._store.write_back(keys, self._tier)
+    def write_back(self, picked: list[tuple[str, int]]) -> None:
+        """Write back early the keys ``early_writes`` picked (updated since), keeping them;
+        those whose write does not start are counted back (while this step's count lasts)."""
+        if not picked or not self._store.is_open:
+            return
+        for key, size in picked:
+            if not self._store.write_back([key], self._tier) and self._early_bytes is not None:
+                self._early_bytes += size
 
     # -- updates outside the buckets (``tierstore.optim.resident``) -----------------------------------
 
@@ -291,7 +312,7 @@ class UpdatePipeline:
         self._count_early_writes()
         return max(self._early_bytes or 0, 0)
 
-    def early_writes(self, slots: list[ParamSlot]) -> list[str]:
+    def early_writes(self, slots: list[ParamSlot]) -> list[tuple[str, int]]:
         """The state keys of ``slots`` (updated outside the buckets, in update order) that the
         step writes back early once their update ends, counted off now so the buckets after
         them are planned without them."""
@@ -382,10 +403,13 @@ class UpdatePipeline:
             states = await _enter_all(stack, [self._owner._state(slot) for slot in slots], at_once=self._flat)
             lent = all(slot.capture is not None and slot.capture.lent is not None for slot in todo)  # (nothing to wait for)
             grads = await _enter_all(stack, [self.grad_for_update(slot) for slot in todo], at_once=self._flat or lent)
-            job = partial(self._compute_bucket, slots, states, grads, coef, scale)
-            outgoing, started, computed, ended = await self.math(job)
-            for slot in todo:
-                slot.updated = True
+            done: list[ParamSlot] = []  # (appended on the math thread, read here once it returned)
+            job = partial(self._compute_bucket, slots, states, grads, coef, scale, done)
+            try:
+                outgoing, started, computed, ended = await self.math(job)
+            finally:  # a group's call failed: the groups before it count as updated (not twice on a retry)
+                for slot in done:
+                    slot.updated = True
             report = self._report()
             report.host_update += computed - started
             report.updates += len(todo)
@@ -596,11 +620,13 @@ class UpdatePipeline:
         report.weights_to_device_bytes += transfer.nbytes
 
     def _compute_bucket(
-        self, slots: list[ParamSlot], states: list[Any], grads: list[torch.Tensor], coef: torch.Tensor | None, scale: torch.Tensor | None
+        self, slots: list[ParamSlot], states: list[Any], grads: list[torch.Tensor], coef: torch.Tensor | None, scale: torch.Tensor | None,
+        done: list[ParamSlot],
     ) -> tuple[list[torch.Tensor | None], float, float, float]:
-        """The math of a bucket (training or worker thread); then the new weights: written into
-        parameters whose link lends, converted to the parameter's dtype for the others (a link
-        copies bytes). Returns what to send per slot and when each part ran."""
+        """The math of a bucket (training or worker thread), one call per parameter group, each
+        group's slots appended to ``done`` once its call returned; then the new weights: written
+        into parameters whose link lends, converted to the parameter's dtype for the others (a
+        link copies bytes). Returns what to send per slot and when each part ran."""
         started = time.perf_counter()
         todo = [i for i, slot in enumerate(slots) if not slot.updated]
         if scale is not None and coef is not None:  # unscale, then clip: as scaler.unscale_ + clip_grad_norm_
@@ -609,10 +635,15 @@ class UpdatePipeline:
         if coef is not None:
             grads = [grad.mul(coef.to(grad.device)) for grad in grads]
         masters: list[torch.Tensor] = [self._owner._master(slot, state) for slot, state in zip(slots, states, strict=True)]
-        if todo:
-            new = self._owner._apply_many([slots[i] for i in todo], [states[i] for i in todo], grads, scale)
-            for i, master in zip(todo, new, strict=True):
+        by_group: dict[int, list[int]] = {}  # (positions in todo, as grads)
+        for n, i in enumerate(todo):
+            by_group.setdefault(slots[i].group, []).append(n)
+        for members in by_group.values():
+            chosen = [todo[n] for n in members]
+            new = self._owner._apply_many([slots[i] for i in chosen], [states[i] for i in chosen], [grads[n] for n in members], scale)
+            for i, master in zip(chosen, new, strict=True):
                 masters[i] = master
+            done.extend(slots[i] for i in chosen)
         computed = time.perf_counter()
         outgoing: list[torch.Tensor | None] = []
         for slot, master in zip(slots, masters, strict=True):

@@ -169,19 +169,27 @@ class ResidentStep:
         return Held(slots, pieces, states, stack)
 
     async def update(self, held: Held, coef: torch.Tensor | None, *, whole: bool = True) -> list[tuple[list[ParamSlot], BaseException]]:
-        """Update the slots of ``held`` in one call on the training thread, then release their
-        holds; return the failures (all the slots, or none). ``whole``: they are all the step
-        updates (else the pipeline updates the others: a mixed step)."""
+        """Update the slots of ``held`` on the training thread (one call per parameter group,
+        in one hop), then release their holds; return the failures: the slots of the group
+        whose call failed and of those after it (the groups before it count as updated, so
+        ``step()`` again does not update them twice). ``whole``: they are all the step updates
+        (else the pipeline updates the others: a mixed step)."""
         slots = held.slots
+        done: list[ParamSlot] = []  # (appended on the training thread, read here once it returned)
+        failure: Exception | None = None
+        started = computed = 0.0
         async with held.stack:
             grads = [slot.capture.lent for slot in slots]  # type: ignore[union-attr]
             try:
-                started, computed = await self._math(lambda: self._compute(slots, held.pieces, held.states, grads, coef))
-            except Exception as exc:  # noqa: BLE001 - the step reports it (no slot counts as updated)
-                return [(slots, exc)]
-            for slot in slots:
+                started, computed = await self._math(lambda: self._compute(slots, held.pieces, held.states, grads, coef, done))
+            except Exception as exc:  # noqa: BLE001 - the step reports it for the slots not updated
+                failure = exc
+            for slot in done:
                 slot.updated = slot.written = True
                 slot.note_written()
+        if failure is not None:
+            finished = set(done)
+            return [([slot for slot in slots if slot not in finished], failure)]
         report = self._report()
         elements = sum(slot.numel for slot in slots)
         report.host_update += computed - started
@@ -197,10 +205,16 @@ class ResidentStep:
 
     def _compute(
         self, slots: list[ParamSlot], pieces: list[list[Piece]], states: list[list[torch.Tensor]], grads: list[Any],
-        coef: torch.Tensor | None,
+        coef: torch.Tensor | None, done: list[ParamSlot],
     ) -> tuple[float, float]:
         started = time.perf_counter()
         if coef is not None:  # as the pipeline clips (and as clip_grad_norm_ multiplies)
             grads = [grad.mul(coef.to(grad.device)) for grad in grads]
-        self._owner._update_resident(slots, pieces, states, grads)
+        by_group: dict[int, list[int]] = {}
+        for i, slot in enumerate(slots):
+            by_group.setdefault(slot.group, []).append(i)
+        for indices in by_group.values():  # (torch's Adam runs one call per group too)
+            group = [slots[i] for i in indices]
+            self._owner._update_resident(group, [pieces[i] for i in indices], [states[i] for i in indices], [grads[i] for i in indices])
+            done.extend(group)
         return started, time.perf_counter()

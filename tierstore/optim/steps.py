@@ -212,7 +212,7 @@ class StepRunner:
         return asyncio.ensure_future(self._update_resident(pipeline, held, coef, early, whole=not rest)), rest
 
     async def _update_resident(
-        self, pipeline: UpdatePipeline, held: Held, coef: torch.Tensor | None, early: list[str], *, whole: bool
+        self, pipeline: UpdatePipeline, held: Held, coef: torch.Tensor | None, early: list[tuple[str, int]], *, whole: bool
     ) -> list[tuple[list[ParamSlot], BaseException]]:
         """The update of ``held`` in one of the pipeline's places, then the early write-backs of
         its states (``early``)."""
@@ -225,8 +225,8 @@ class StepRunner:
             if not isinstance(exc, Exception):
                 raise
             return [(held.slots, exc)]
-        if not failures:
-            pipeline.write_back(early)
+        done = {key for slot in held.slots if slot.written for key, _ in pipeline.state_keys(slot)}
+        pipeline.write_back([(key, size) for key, size in early if key in done])
         return failures
 
     async def _settle(self, pending: list[Observed], stale: bool) -> list[Capture | None | BaseException]:
