@@ -44,6 +44,8 @@ _INITIAL_MAP_SIZE = 256 << 20
 #: The most changes a transaction with no sync may hold to be committed on the loop's thread
 #: (``Catalog._flush``); larger ones (a ``flush()`` of many keys) go to the writer thread.
 _ON_LOOP_MAX = 1024
+#: Transactions of up to this many changes apply them one by one, in order (no sorting).
+_FEW_CHANGES = 4
 #: Seconds a staged change (a small non-durable put) waits before a transaction starts for it,
 #: so that puts arriving one by one share transactions (``Catalog.stage_inline``).
 STAGE_WINDOW = 0.002
@@ -919,6 +921,19 @@ class Catalog:
     def _write_locked(self, changes: Sequence[_Change], layout: CatalogLayout | None) -> None:
         while True:
             try:
+                if len(changes) <= _FEW_CHANGES:  # (a put's own transaction: applied in order)
+                    with self._env.begin(write=True) as txn:
+                        for key, record in changes:
+                            if record is None:
+                                txn.delete(key_digest(key), db=self._entries)
+                            else:
+                                raw = record if isinstance(record, bytes) else record.to_bytes()
+                                txn.put(key_digest(key), raw, db=self._entries)
+                        if layout is not None:
+                            txn.put(_META_KEY, layout.to_bytes(), db=self._meta)
+                    if layout is not None and not self.durable:
+                        self._env.sync(True)  # (see below)
+                    return
                 # Each key's last change wins (as applying them in order would); the puts go in
                 # key order through one ``putmulti``: one C loop, neighbouring leaves in turn.
                 final: dict[bytes, bytes | None] = {}
