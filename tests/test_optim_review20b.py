@@ -108,3 +108,32 @@ def test_a_state_tier_without_a_disk_right_below_steps(device_mode: str, tmp_pat
     finally:
         opt.close()
         store.close()
+
+
+def test_a_tight_host_tier_with_state_growing_mid_run_steps(device_mode: str, tmp_path: Path) -> None:
+    # A new user's shape: the host tier holds ~60% of the state, two parameters get their first
+    # gradient only at step 4 (their state is created then), mixed steps with two groups.
+    def make() -> list[torch.nn.Parameter]:
+        torch.manual_seed(1)
+        return [torch.nn.Parameter(torch.randn(256, 256)) for _ in range(6)] + [torch.nn.Parameter(torch.randn(300))]
+
+    def groups(params: list[torch.nn.Parameter]) -> list[dict]:
+        return [{"params": params[:4]}, {"params": params[4:], "lr": 2e-3, "amsgrad": True, "weight_decay": 0.2}]
+
+    theirs, ours = make(), make()
+    exact = torch.optim.AdamW(groups(theirs), lr=1e-3, fused=True)
+    store = SyncTierStore([HostTier("2200KiB"), DiskTier(tmp_path / "d", "64MiB", durable=False)]).open()
+    opt = TieredAdamW(groups(ours), lr=1e-3, store=store)
+    try:
+        generator = torch.Generator().manual_seed(3)
+        for step in range(8):
+            for i, (p, q) in enumerate(zip(ours, theirs, strict=True)):
+                p.grad = None if i >= 4 and step < 4 else torch.randn(p.shape, generator=generator)
+                q.grad = None if p.grad is None else p.grad.clone()
+            exact.step()
+            opt.step()
+            assert all(torch.equal(p, q) for p, q in zip(ours, theirs, strict=True)), step
+        assert any("disk" in store.where(key) for key in store.keys())  # (it paged)
+    finally:
+        opt.close()
+        store.close()

@@ -149,17 +149,18 @@ class ResidentStep:
         ``pieces`` or ``split``) for ``update``; None, holding nothing, if one cannot be taken
         (a delete or a close meanwhile: the pipeline decides)."""
         stack = AsyncExitStack()
-        states: list[list[torch.Tensor]] = []  # per slot: each piece's entry
+        states: list[list[Any]] = [[None] * len(parts) for parts in pieces]  # per slot: each piece's entry
+        keyed: list[tuple[str, int, int]] = []
+        for i, (slot, parts) in enumerate(zip(slots, pieces, strict=True)):
+            for j, piece in enumerate(parts):
+                if piece.key is None:
+                    assert slot.resident is not None
+                    states[i][j] = slot.resident["packed"]
+                else:
+                    keyed.append((piece.key, i, j))
         try:
-            for slot, parts in zip(slots, pieces, strict=True):
-                entries = []
-                for piece in parts:
-                    if piece.key is None:
-                        assert slot.resident is not None
-                        entries.append(slot.resident["packed"])
-                    else:
-                        entries.append(await stack.enter_async_context(self._store.hold(piece.key, self._tier, write=True)))
-                states.append(entries)
+            for key, i, j in sorted(keyed):  # (one order for every holder of several: no deadlock)
+                states[i][j] = await stack.enter_async_context(self._store.hold(key, self._tier, write=True))
         except Exception:  # noqa: BLE001 - taken meanwhile (a delete, a close): the pipeline decides
             await stack.aclose()
             return None
