@@ -162,6 +162,8 @@ class ResidentStep:
             for key, i, j in sorted(keyed):  # (one order for every holder of several: no deadlock)
                 states[i][j] = await stack.enter_async_context(self._store.hold(key, self._tier, write=True))
         except Exception:  # noqa: BLE001 - taken meanwhile (a delete, a close): the pipeline decides
+            # (the holds taken are released as writes, a new version each: harmless, the
+            # pipeline updates those same entries in this step, which versions them anyway)
             await stack.aclose()
             return None
         except BaseException:
