@@ -5,6 +5,7 @@ dict model (also through the sync facade from several threads)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import random
 import threading
@@ -167,10 +168,8 @@ async def test_concurrent_small_and_large_puts_gets_deletes_pops_holds_and_flush
         async def reader(seed: int) -> None:  # reads and flushes racing everything, unordered
             rng = random.Random(seed)
             for _ in range(150):
-                try:
+                with contextlib.suppress(KeyNotFoundError):
                     await store.get(rng.choice(keys))
-                except KeyNotFoundError:
-                    pass
                 if rng.random() < 0.1:
                     await store.flush()
                 await asyncio.sleep(0)
