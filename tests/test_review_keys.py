@@ -55,10 +55,8 @@ async def test_a_pop_that_hands_its_buffer_over_leaves_the_value_readable_until_
         await store.put("k", new)  # the disk keeps the old value until the pop commits the delete
         pop = asyncio.ensure_future(store.pop("k"))
         await asyncio.sleep(0)
-        try:
+        with contextlib.suppress(KeyNotFoundError):
             assert torch.equal(await store.get("k"), new)  # the pop has not deleted it yet
-        except KeyNotFoundError:
-            pass
         assert torch.equal(await pop, new)
         assert "k" not in store
 
