@@ -28,14 +28,18 @@ STEPS, FAIL_AT, LR = 3, 1, 1e-2
 
 
 class FlakyStore(TierStore):
-    """A store whose next write hold of a state entry (an update) raises ``ChecksumError``
-    once armed, as a corrupted record read from disk would."""
+    """A store whose write holds of one state entry (the first one an update asks for once
+    armed) raise ``ChecksumError`` while it stays armed, as a corrupted record read from disk
+    would: the resident step's hold and the pipeline's after it fail alike."""
 
     armed = False
+    failing: str | None = None
 
     def hold(self, key: str, tier: Any = None, write: bool = False) -> Any:
-        if write and self.armed and not key.endswith("/grad"):
-            self.armed = False
+        if not self.armed:
+            self.failing = None
+        elif write and not key.endswith("/grad") and self.failing in (None, key):
+            self.failing = key
             return self._fail(key)
         return super().hold(key, tier, write)
 
@@ -98,6 +102,7 @@ def faults(rank: int, zero_stage: int) -> dict[str, Any]:
                     result["message"] = str(exc)
                     result["failed"] = getattr(exc, "failed", None)
                 result["agree_before_retry"] = _same_on_all_ranks(model)
+                opt.store.armed = False
                 o.step()  # completes the step: rank 1 applies the rest, every rank the new weights
             else:
                 o.step()
@@ -110,6 +115,7 @@ def faults(rank: int, zero_stage: int) -> dict[str, Any]:
     opt2.store.armed = rank == 0
     with suppress(StepIncompleteError):
         opt2.step()
+    opt2.store.armed = False
     opt2.zero_grad()
     result["abandoned_agree"] = _same_on_all_ranks(model)
     model(data[1]).pow(2).mean().backward()

@@ -99,6 +99,7 @@ CALLS: dict[str, Callable[[Any], Any]] = {
     "delete": lambda s: s.delete("k"),
     "flush": lambda s: s.flush(),
     "prefetch": lambda s: s.prefetch(["k"]),
+    "write_back": lambda s: s.write_back(["k"]),
     "hold": lambda s: s.hold("k"),
     "fill": lambda s: s.fill("k", (2,), torch.float32),
     "keys": lambda s: s.keys(),
