@@ -369,7 +369,7 @@ class UpdatePipeline:
         bucket grows up to its share of the room (what ``plan`` counted on for the buckets in
         flight), and launches once it holds what the step writes back early, so that those
         writes start after the first math call."""
-        if self._open_bytes + need > (self.share() or self.bucket_bytes):
+        if self._open_bytes + need > self.bucket_bytes:
             return True
         if self._open_incoming + incoming > self.bucket_bytes:
             return True
