@@ -364,11 +364,10 @@ class UpdatePipeline:
 
     def _bucket_full(self, need: int, incoming: int) -> bool:
         """Whether the open bucket must launch before a slot needing ``need`` bytes (``incoming``
-        of them to come up) joins it. ``bucket_bytes`` bounds what a bucket brings up (so reads
-        and math overlap); states already on the tier cost no read, only their hold: such a
-        bucket grows up to its share of the room (what ``plan`` counted on for the buckets in
-        flight), and launches once it holds what the step writes back early, so that those
-        writes start after the first math call."""
+        of them to come up) joins it. ``bucket_bytes`` bounds what a bucket holds, resident or
+        not (a bucket grown to its share of the room hung a step where two optimizers share one
+        store: each counts the room as its own); it also launches once it holds what the step
+        writes back early, so that those writes start after the first math call."""
         if self._open_bytes + need > self.bucket_bytes:
             return True
         if self._open_incoming + incoming > self.bucket_bytes:
