@@ -90,3 +90,12 @@ def test_substitutions_touch_only_devices_and_folders(tmp_path: Path) -> None:
     assert f'DiskTier("{tmp_path}/nvme/ts", "1TiB")' in out
     if not torch.cuda.is_available():
         assert 'DeviceTier("cpu", "8GiB")' in out and 'x.to("cpu")' in out
+
+
+def test_readme_disk_tiers_fit_a_small_disk() -> None:
+    """A disk tier's capacity is checked against the file system's free space when it opens, and
+    CI's machine has about 15 GiB free: a README block asking for more fails there only."""
+    units = {"MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+    for line, code in BLOCKS:
+        for number, unit in re.findall(r"""DiskTier\([^,]+,\s*["'](\d+)(MiB|GiB|TiB)["']""", code):
+            assert int(number) * units[unit] <= 4 * 2**30, f"README.md block at line {line} asks for a {number}{unit} disk tier"
