@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -275,4 +276,44 @@ def test_a_named_namespace_of_other_shapes_warns_and_starts_over(tmp_path: Path)
     with pytest.warns(UserWarning, match="another shape"):
         opt = TieredAdamW(other.parameters(), store=store, namespace="gen", min_offload_numel=1)
     opt.close()
+    store.close()
+
+
+@pytest.mark.device_modes
+def test_optimizers_stepping_from_two_threads_on_one_store_match_torch(tmp_path: Path) -> None:
+    """Two optimizers sharing a store whose host tier holds a fraction of their state, stepped at
+    the same time from two threads. Each sizes its buckets by the room as if it were its own;
+    stepping at once they took parts of it and waited for the rest (a hang under the emulated
+    device, TierFullError on the plain CPU). Steps on one store now run one at a time."""
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(64, 96 + 16 * k), torch.nn.ReLU(), torch.nn.Linear(96 + 16 * k, 32)) for k in range(3)]
+    refs = [copy.deepcopy(m) for m in models]
+    store = SyncTierStore([HostTier("200KiB"), DiskTier(tmp_path / "store", "64MiB", chunk_size="64KiB")]).open()
+    opts = [TieredAdamW(m.parameters(), lr=1e-2, store=store, min_offload_numel=16, bucket_bytes=8192) for m in models]
+    ref_opts = [torch.optim.AdamW(r.parameters(), lr=1e-2, fused=True) for r in refs]
+    errors: list[BaseException] = []
+
+    def train(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: list[torch.Tensor]) -> None:
+        try:
+            for batch in batches:
+                opt.zero_grad()
+                model(batch).square().mean().backward()
+                opt.step()
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    batches = [[torch.randn(8, 64) for _ in range(6)] for _ in models]
+    threads = [threading.Thread(target=train, args=(m, o, b), daemon=True) for m, o, b in zip(models, opts, batches)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads), "the steps hung"
+    assert errors == []
+    for ref, opt, b in zip(refs, ref_opts, batches):
+        train(ref, opt, b)
+    for model, ref in zip(models, refs):
+        assert_same(model, ref)
+    for opt in opts:
+        opt.close()
     store.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import weakref
 from functools import partial
 
 import torch
@@ -27,6 +28,21 @@ from .slots import Capture, ParamSlot
 
 #: GradScaler's ``(grad_scale, found an inf)`` when ``step()`` runs inside ``GradScaler.step``.
 Scaling = tuple["torch.Tensor | None", bool]
+
+
+_step_locks: weakref.WeakKeyDictionary[TierStore, asyncio.Lock] = weakref.WeakKeyDictionary()
+
+
+def _one_step_at_a_time(store: TierStore) -> asyncio.Lock:
+    """The lock that lets one optimizer step at a time on ``store``. Each optimizer sizes its
+    buckets by the room on the state tier as if the room were its own; two steps at once (from
+    two threads) each took part of it and waited for the rest (a hang under the emulated
+    device, ``TierFullError`` on the plain CPU). One at a time, they are the sequential steps
+    that work."""
+    lock = _step_locks.get(store)
+    if lock is None:
+        lock = _step_locks[store] = asyncio.Lock()
+    return lock
 
 
 class StepRunner:
@@ -102,7 +118,8 @@ class StepRunner:
         pipeline = self._pipeline
         pipeline.in_step = True
         try:
-            await self._run(pipeline, observed, scaling)
+            async with _one_step_at_a_time(self._store):
+                await self._run(pipeline, observed, scaling)
         finally:
             pipeline.in_step = False
             pipeline.scale = None
