@@ -6,11 +6,12 @@ Reproduce:  python benchmarks/bench_optim.py --parts g --dir <real-disk folder> 
 
 Two measurements, in one run:
 
-- the update alone (``PackedState.update`` with torch's fused AdamW on each tile, as
-  ``TieredAdamW`` runs it; fp32: torch's fused AdamW on the fp32 rows), per setting, entry size
-  and codec (eager, and ``torch.compile``d where the setting has one: 8-bit), in ns per parameter
-  (median of repetitions after two untimed calls, so compiling is not timed); and, for the
-  compiled 8-bit codec, the tile size (``precision.COMPILED_TILE``) against its cost;
+- the update alone (``PackedState.update`` with torch's fused AdamW on each tile; fp32:
+  torch's fused AdamW on the fp32 rows), per setting, entry size and codec (eager; for 8-bit
+  moments also ``compiled``: the compiled codec around torch's fused AdamW, and ``fused``: one
+  compiled kernel a tile that decodes, updates and encodes, as ``TieredAdamW`` runs it), in ns
+  per parameter (median of repetitions after two untimed calls, so compiling is not timed); and,
+  for the fused 8-bit kernel, the tile size (``precision.COMPILED_TILE``) against its cost;
 - the disk-bound step: ``--g-params`` parameters in ``--g-tensors`` fp32 tensors (bf16 for the
   lossless master), their gradients set once, ``opt.step()`` alone with a host tier of
   ``1/--g-host-fraction`` of each setting's stored state in front of a disk tier in ``--dir``.
@@ -72,8 +73,14 @@ def _adam(rows: list[torch.Tensor], grad: torch.Tensor, step: torch.Tensor) -> N
           beta1=0.9, beta2=0.999, lr=1e-3, weight_decay=0.1, eps=1e-8, maximize=False)
 
 
-def _update_call(setting: tuple[str, torch.dtype, str, str], numel: int) -> Callable[[], None]:
-    """One update of an entry of ``numel`` elements in ``setting``'s stored form."""
+#: The settings of ``_adam``, for the fused 8-bit kernel.
+HYPER = precision.AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.1, True)
+
+
+def _update_call(setting: tuple[str, torch.dtype, str, str], numel: int, fused: bool = True) -> Callable[[], None]:
+    """One update of an entry of ``numel`` elements in ``setting``'s stored form (``fused``:
+    given ``_adam``'s settings, as ``TieredAdamW`` runs it: one compiled kernel a tile for
+    8-bit moments where the codec is compiled)."""
     _, dtype, state_precision, master = setting
     grad = (torch.randn(numel) * 1e-3).to(dtype)
     step = torch.tensor(0.0)
@@ -85,7 +92,8 @@ def _update_call(setting: tuple[str, torch.dtype, str, str], numel: int) -> Call
     state = precision.PackedState(layout, layout.empty(numel), numel, high)
     if master != "lossless":
         state.view("master").normal_()
-    return lambda: state.update(grad, step, _adam)
+    hyper = HYPER if fused else None
+    return lambda: state.update(grad, step, _adam, hyper)
 
 
 def _time(call: Callable[[], None], reps: int) -> float:
@@ -107,12 +115,12 @@ def update_costs(sizes: list[int], bar: Any) -> list[dict[str, Any]]:
         for numel in sizes:
             reps = max(3, min(15, (1 << 24) // numel))
             for setting in SETTINGS:
-                codecs = ("eager", "compiled") if setting[2] == "8bit" else ("eager",)
+                codecs = ("eager", "compiled", "fused") if setting[2] == "8bit" else ("eager",)
                 for codec in codecs:
-                    precision.COMPILE_MIN_NUMEL = 1 if codec == "compiled" else 1 << 62
-                    seconds = _time(_update_call(setting, numel), reps)
+                    precision.COMPILE_MIN_NUMEL = 1 << 62 if codec == "eager" else 1
+                    seconds = _time(_update_call(setting, numel, fused=codec == "fused"), reps)
                     rows.append({"setting": setting[0], "numel": numel, "codec": codec,
-                                 "tile": min(numel, precision.COMPILED_TILE if codec == "compiled" else precision.TILE),
+                                 "tile": min(numel, precision.TILE if codec == "eager" else precision.COMPILED_TILE),
                                  "ns_per_param": seconds / numel * 1e9, "mparams_s": numel / seconds / 1e6})
                     bar.update(1)
         numel = 1 << 20
@@ -120,7 +128,7 @@ def update_costs(sizes: list[int], bar: Any) -> list[dict[str, Any]]:
         for tile in (1 << 14, 1 << 16, 1 << 18, 1 << 20):
             precision.COMPILED_TILE = tile
             seconds = _time(_update_call(SETTINGS[2], numel), 5)
-            rows.append({"setting": "8bit", "numel": numel, "codec": "compiled", "tile": tile,
+            rows.append({"setting": "8bit", "numel": numel, "codec": "fused", "tile": tile,
                          "ns_per_param": seconds / numel * 1e9, "mparams_s": numel / seconds / 1e6})
             bar.update(1)
     finally:
@@ -201,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
     total = _count(args.g_params)
     state_fp32 = 12 * total
     read_gbs, write_gbs = raw_rates(args.dir, min(256 * MiB, max(64 * MiB, state_fp32 // 2)))
-    jobs = len(sizes) * (len(SETTINGS) + 2) + 4 + (WARMUP + args.g_steps) * len(SETTINGS)
+    jobs = len(sizes) * (len(SETTINGS) + 4) + 4 + (WARMUP + args.g_steps) * len(SETTINGS)
     with progress(total=jobs, desc="bench_optim (g)", unit="job", leave=False) as bar:
         updates = update_costs(sizes, bar)
         steps = disk_steps(args, read_gbs, write_gbs, bar)

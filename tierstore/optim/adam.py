@@ -42,7 +42,7 @@ from .clipping import inverse_scale
 from .distributed import ParamRange
 from .paging import PagedOptimizer, ParamSlot
 from .pipeline import fill_weight_range, offloaded, read_weight, read_weight_range
-from .precision import PackedState, StateLayout, validate
+from .precision import AdamHyper, PackedState, StateLayout, validate
 from .resident import Piece
 
 
@@ -530,8 +530,12 @@ class TieredAdam(PagedOptimizer):
         return [self._master(slot, state) for slot, state in zip(slots, states, strict=True)]
 
     def _adam_packed(self, group: dict[str, Any], state: PackedState, grad: torch.Tensor, step: torch.Tensor, grad_scale: torch.Tensor | None) -> None:
-        """Torch's Adam on ``state``, decoded and encoded back tile by tile (``PackedState.update``)."""
-        state.update(grad, step, lambda rows, tile, count: self._adam(group, [rows], [tile], [count], grad_scale))
+        """Torch's Adam on ``state``, decoded and encoded back tile by tile (``PackedState.update``;
+        8-bit moments: one compiled kernel a tile, given the group's settings as ``AdamHyper``)."""
+        beta1, beta2 = group["betas"]
+        hyper = AdamHyper(group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
+                          bool(group.get("decoupled_weight_decay", self.decoupled_weight_decay)), bool(group["maximize"]), grad_scale)
+        state.update(grad, step, lambda rows, tile, count: self._adam(group, [rows], [tile], [count], grad_scale), hyper)
 
     def _adam(
         self, group: dict[str, Any], states: list[list[torch.Tensor]], grads: list[torch.Tensor], steps: list[torch.Tensor],

@@ -45,7 +45,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -184,6 +184,89 @@ def _decode_pair(m_codes: torch.Tensor, m_scales: torch.Tensor, v_codes: torch.T
     return _decoded(m_codes, m_scales, signed), _decoded(v_codes, v_scales, unsigned)
 
 
+class AdamHyper(NamedTuple):
+    """One parameter group's AdamW settings, for the fused 8-bit update (``PackedState.update``):
+    ``lr`` may be a tensor; ``decoupled``: AdamW's weight decay (else Adam's L2 term);
+    ``grad_scale``: GradScaler's scale, the gradient divided by it first."""
+
+    lr: float | torch.Tensor
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    decoupled: bool
+    maximize: bool = False
+    grad_scale: torch.Tensor | None = None
+
+    def scalars(self, step: float) -> torch.Tensor:
+        """The kernel's scalars for count ``step`` (after counting this update), computed in
+        float64 and rounded to fp32 as torch's fused AdamW does: one tensor, so new values
+        (a scheduled lr, the bias corrections of every step) are new data, not a recompile."""
+        lr = float(self.lr)
+        bias1 = 1 - self.beta1**step
+        bias2_sqrt = math.sqrt(1 - self.beta2**step)
+        gmul = 1.0 if self.grad_scale is None else float(self.grad_scale.double().reciprocal().float())
+        if self.maximize:
+            gmul = -gmul
+        decay = 1 - lr * self.weight_decay if self.decoupled else 1.0
+        l2 = 0.0 if self.decoupled else self.weight_decay
+        return torch.tensor([lr / bias1, decay, l2, self.beta1, 1 - self.beta1, self.beta2, 1 - self.beta2, bias2_sqrt, self.eps, gmul],
+                            dtype=torch.float32)
+
+
+def _adam_math(master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
+               s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """AdamW on fp32 values (``AdamHyper.scalars``' order), as torch's fused CPU kernel writes it."""
+    g = grad.float() * s[9] + master * s[2]
+    m = m * s[3] + g * s[4]
+    v = v * s[5] + g * g * s[6]
+    denom = v.sqrt() / s[7] + s[8]
+    return master * s[1] - s[0] * m / denom, m, v
+
+
+def _adam8_fp32(master: torch.Tensor, m_codes: torch.Tensor, m_scales: torch.Tensor, v_codes: torch.Tensor, v_scales: torch.Tensor,
+                grad: torch.Tensor, s: torch.Tensor, signed: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                unsigned: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+    """One tile of the 8-bit update with an fp32 master in one pass: both moments decoded
+    (``signed``/``unsigned``: code book, search table, midpoints), AdamW, the master and the
+    moments' codes and scales written in place (the entry's views)."""
+    m = _decoded(m_codes, m_scales, signed[0])
+    v = _decoded(v_codes, v_scales, unsigned[0])
+    new_master, m, v = _adam_math(master, m, v, grad, s)
+    m_new, m_absmax = _coded(m, signed[1], signed[2])
+    v_new, v_absmax = _coded(v, unsigned[1], unsigned[2])
+    master.copy_(new_master)
+    m_codes.copy_(m_new)
+    m_scales.copy_(m_absmax)
+    v_codes.copy_(v_new)
+    v_scales.copy_(v_absmax)
+
+
+def _adam8_lossless(low: torch.Tensor, high: torch.Tensor, high_out: torch.Tensor, m_codes: torch.Tensor, m_scales: torch.Tensor,
+                    v_codes: torch.Tensor, v_scales: torch.Tensor, grad: torch.Tensor, s: torch.Tensor,
+                    signed: tuple[torch.Tensor, torch.Tensor, torch.Tensor], unsigned: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+    """``_adam8_fp32`` with a lossless master: read as the bf16 weight's bits (``high``) over the
+    stored low halves, written back as both halves (``high_out``: the new weight, truncated)."""
+    words = (high.view(torch.int16).to(torch.int32) << 16) | (low.to(torch.int32) & 0xFFFF)
+    m = _decoded(m_codes, m_scales, signed[0])
+    v = _decoded(v_codes, v_scales, unsigned[0])
+    new_master, m, v = _adam_math(words.view(torch.float32), m, v, grad, s)
+    m_new, m_absmax = _coded(m, signed[1], signed[2])
+    v_new, v_absmax = _coded(v, unsigned[1], unsigned[2])
+    bits = new_master.view(torch.int32)
+    low.copy_((bits & 0xFFFF).to(torch.int16))
+    high_out.view(torch.int16).copy_((bits >> 16).to(torch.int16))
+    m_codes.copy_(m_new)
+    m_scales.copy_(m_absmax)
+    v_codes.copy_(v_new)
+    v_scales.copy_(v_absmax)
+
+
+@cache
+def _codebook(signed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (dynamic_map(signed), *_kernel_tables(signed))
+
+
 #: Inductor options: no bounds check on the code-book lookups (their indices are a uint8 code
 #: or the high 16 bits of a word, in range by construction; the check costs a pass per vector).
 _OPTIONS = {"assert_indirect_indexing": False}
@@ -196,7 +279,7 @@ class _Compiled:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._kernels: dict[str, Callable[..., Any]] | None = None
-        self._traced: set[str] = set()
+        self._traced: set[tuple[Any, ...]] = set()
         self.failed = False
 
     def enabled(self) -> bool:
@@ -211,8 +294,10 @@ class _Compiled:
         with self._lock:
             if self._kernels is None:
                 self._kernels = {name: torch.compile(kernel, dynamic=True, options=_OPTIONS) for name, kernel in _KERNELS.items()}
+        # (A kernel traces again for other dtypes, e.g. a bf16 model's gradient: also undisturbed.)
+        traced = (name, *(a.dtype for a in args if isinstance(a, torch.Tensor)))
         try:
-            if name in self._traced:
+            if traced in self._traced:
                 result = self._kernels[name](*args)
             else:
                 # Traced without duck sizing: a tile's sizes and its views' offsets into the
@@ -221,7 +306,7 @@ class _Compiled:
                 # ones skip the config patch, which costs as much as a small tile's kernel.
                 with torch.fx.experimental._config.patch(use_duck_shape=False):
                     result = self._kernels[name](*args)
-                self._traced.add(name)
+                self._traced.add(traced)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: the eager codec gives the same bits
             self.failed = True
             warnings.warn(f"the compiled 8-bit codec is unavailable ({type(exc).__name__}: {exc}); using the eager one", stacklevel=3)
@@ -229,7 +314,8 @@ class _Compiled:
         return True if result is None else result
 
 
-_KERNELS: dict[str, Callable[..., None]] = {"encode": _encode_blocks, "decode": _decode_blocks, "encode_pair": _encode_pair, "decode_pair": _decode_pair}
+_KERNELS: dict[str, Callable[..., None]] = {"encode": _encode_blocks, "decode": _decode_blocks, "encode_pair": _encode_pair, "decode_pair": _decode_pair,
+                                            "adam8_fp32": _adam8_fp32, "adam8_lossless": _adam8_lossless}
 _COMPILED = _Compiled()
 
 
@@ -450,7 +536,8 @@ class PackedState:
 
     # -- the update, tile by tile ------------------------------------------------------------------
 
-    def update(self, grad: torch.Tensor, step: torch.Tensor, adam: Callable[[list[torch.Tensor], torch.Tensor, torch.Tensor], None]) -> None:
+    def update(self, grad: torch.Tensor, step: torch.Tensor, adam: Callable[[list[torch.Tensor], torch.Tensor, torch.Tensor], None],
+               hyper: AdamHyper | None = None) -> None:
         """One optimizer step on this entry: ``adam(rows, grad, step)`` (fp32 rows: master, then
         the moments; updated in place, ``step`` counted up) runs on tiles of ``TILE`` elements,
         each decoded into a per-thread fp32 scratch that stays in cache and encoded back right
@@ -461,7 +548,13 @@ class PackedState:
         Not all-or-nothing: an exception in a tile leaves the tiles before it updated in the
         entry, and an update retried on it (``step()`` after ``StepIncompleteError``) updates
         them again (the error is one of the math itself, not of the store: those are raised
-        before the update starts)."""
+        before the update starts).
+
+        With ``hyper`` (the AdamW that ``adam`` runs, its settings), 8-bit moments without
+        amsgrad and the compiled codec, a tile of whole blocks is instead one compiled kernel
+        that decodes, updates and encodes in one pass over memory, in place (``_adam8_fp32``):
+        the same math, its rounding not torch's bit for bit (within fp32 tolerance before the
+        moments are quantised)."""
         flat = grad.reshape(-1)
         if flat.numel() != self.numel:
             raise ValueError(f"a gradient of {flat.numel()} elements for a state of {self.numel}")
@@ -473,8 +566,13 @@ class PackedState:
         width = min(self.numel, tile)  # (elements of a scratch row: allocated as the tiles need)
         high = torch.empty(self.numel, dtype=torch.bfloat16) if layout.lossless else None
         before, counted = step.clone(), step.clone()
+        fused = hyper is not None and compiled and len(layout.moments) == 2
+        scalars = hyper.scalars(float(before) + 1) if fused and hyper is not None else None
         for start in range(0, max(self.numel, 1), tile):
             stop = min(start + tile, self.numel)
+            if scalars is not None and not _COMPILED.failed and stop > start and (stop - start) % BLOCK == 0 and self._fused_tile(start, stop, flat, scalars, high):
+                counted = before + 1  # (as torch's Adam counts)
+                continue
             rows = self._decode_tile(start, stop, width, compiled)
             counted = before.clone()
             adam(rows, flat[start:stop], counted)
@@ -482,6 +580,21 @@ class PackedState:
         step.copy_(counted)
         if high is not None:
             self.high = high
+
+    def _fused_tile(self, start: int, stop: int, grad: torch.Tensor, scalars: torch.Tensor, high: torch.Tensor | None) -> bool:
+        """The 8-bit update of elements ``start:stop`` (whole blocks) as one compiled kernel,
+        written in place; False if the compiled kernels are unavailable (nothing written)."""
+        # In place into views of one buffer: they do not overlap, which the compiled function
+        # checks (a guard) and then writes each directly (no rebuilt base, no copy back).
+        blocks = slice(start // BLOCK, stop // BLOCK)
+        moments = (self.view("exp_avg/codes")[start:stop], self.view("exp_avg/scale")[blocks],
+                   self.view("exp_avg_sq/codes")[start:stop], self.view("exp_avg_sq/scale")[blocks])
+        books = (_codebook(True), _codebook(False))
+        if high is None:
+            return _COMPILED.call("adam8_fp32", self.view("master")[start:stop], *moments, grad[start:stop], scalars, *books) is not False
+        assert self.high is not None
+        return _COMPILED.call("adam8_lossless", self.view("master_low")[start:stop], self.high.reshape(-1)[start:stop], high[start:stop],
+                              *moments, grad[start:stop], scalars, *books) is not False
 
     def _decode_tile(self, start: int, stop: int, width: int, compiled: bool) -> list[torch.Tensor]:
         """Elements ``start:stop`` as fp32 rows: views of the buffer where a field is fp32 (an
