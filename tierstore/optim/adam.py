@@ -40,6 +40,7 @@ from .checkpoint import adam_entry, adam_load_state_dict, adam_state_dict
 from .chunks import Chunk, chunk_key
 from .clipping import inverse_scale
 from .distributed import ParamRange
+from .memory_order import InMemoryOrder, memory_order
 from .paging import PagedOptimizer, ParamSlot
 from .pipeline import fill_weight_range, offloaded, read_weight, read_weight_range
 from .precision import AdamHyper, PackedState, StateLayout, validate
@@ -523,11 +524,35 @@ class TieredAdam(PagedOptimizer):
             steps = [self._step_counts.setdefault(slots[i].index, torch.tensor(0.0)) for i in members]
             plain = [(i, step) for i, step in zip(members, steps, strict=True) if not isinstance(states[i], PackedState)]
             if plain:
-                self._adam(group, [list(states[i]) for i, _ in plain], [grads[i] for i, _ in plain], [step for _, step in plain], grad_scale)
+                rows, tiles = [list(states[i]) for i, _ in plain], [grads[i] for i, _ in plain]
+                laid = self._in_memory_order(group, [slots[i] for i, _ in plain], rows, tiles)
+                self._adam(group, rows, tiles, [step for _, step in plain], grad_scale)
+                for copy in laid:
+                    copy.write_back()
             for i, step in zip(members, steps, strict=True):
                 if isinstance(states[i], PackedState):
                     self._adam_packed(group, states[i], grads[i], step, grad_scale)
         return [self._master(slot, state) for slot, state in zip(slots, states, strict=True)]
+
+    def _in_memory_order(
+        self, group: dict[str, Any], slots: list[ParamSlot], rows: list[list[torch.Tensor]], grads: list[torch.Tensor]
+    ) -> list[InMemoryOrder]:
+        """For torch's fused kernel, replace (in ``rows`` and ``grads``) the state and gradient of
+        each non-contiguous parameter by copies in its memory order, as torch's fused Adam
+        updates it (``tierstore.optim.memory_order``); return the copies, to write back."""
+        if not (group["fused"] if group["fused"] is not None else not group["foreach"]):
+            return []
+        laid: list[InMemoryOrder] = []
+        for n, slot in enumerate(slots):
+            param = slot.param
+            if type(param) not in (torch.Tensor, torch.nn.Parameter) or (dims := memory_order(param)) is None:
+                continue
+            if any(row.numel() != param.numel() for row in rows[n]) or grads[n].numel() != param.numel():
+                continue
+            copy = InMemoryOrder(param, dims, rows[n], grads[n])
+            rows[n], grads[n] = copy.rows, copy.grad
+            laid.append(copy)
+        return laid
 
     def _adam_packed(self, group: dict[str, Any], state: PackedState, grad: torch.Tensor, step: torch.Tensor, grad_scale: torch.Tensor | None) -> None:
         """Torch's Adam on ``state``, decoded and encoded back tile by tile (``PackedState.update``;

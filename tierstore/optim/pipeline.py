@@ -163,7 +163,7 @@ class UpdatePipeline:
             whole = sum(needs) // (4 if in_backward else 1)
             self.bucket_bytes, self.inflight = max(bucket_bytes or whole, largest), 1
             return
-        inflight = max(1, min(max_inflight, room // largest))
+        inflight = max(1, min(max_inflight, room // max(largest, 1)))  # (0: every parameter too small to page)
         # At least four buckets a step, so in-backward updates start early and transfers overlap;
         # and buckets in flight take at most a quarter of the tier, whose rest caches state.
         bucket = bucket_bytes or min(64 << 20, room // (4 * inflight), sum(needs) // 4)
