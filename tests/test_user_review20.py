@@ -51,3 +51,13 @@ def test_the_sync_facade_checks_the_same(tmp_path: Path) -> None:
         with pytest.raises(TypeError):
             store.write_back("k")
         assert store.write_back(["k"]) == 1
+
+
+def test_sync_prefetch_refuses_one_str_too(tmp_path: Path) -> None:
+    """The blocking facade turned the keys into a list first: "ab" became keys 'a' and 'b'."""
+    with SyncTierStore([HostTier("1MiB"), DiskTier(tmp_path / "d", "16MiB")]) as store:
+        for key in ("a", "b", "ab"):
+            store.put(key, torch.ones(10))
+        with pytest.raises(TypeError, match="prefetch"):
+            store.prefetch("ab")
+        assert store.prefetch(["ab"]).wait() is not None

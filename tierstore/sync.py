@@ -405,7 +405,8 @@ class SyncTierStore:
                 run(manager.__aexit__(None, None, None))
 
     def prefetch(self, keys: Iterable[str], tier: TierRef = None) -> SyncPrefetch:
-        return SyncPrefetch(run(self.store.prefetch(list(keys), tier)))
+        # (one str is refused by the store, as a key, not read as its characters)
+        return SyncPrefetch(run(self.store.prefetch(keys if isinstance(keys, (str, bytes)) else list(keys), tier)))
 
     # -- the rest forward as they are (written out for type checkers and readers) -------------
 
