@@ -768,7 +768,8 @@ class TierStore:
 
         While held the entry cannot be evicted from that tier. With ``write=True`` the yielded
         tensor may be changed in place, and the changes become the new value when the hold is
-        released (they reach the disk on eviction, ``flush`` or close). A write hold is
+        released (they reach the disk on eviction, ``flush`` or close); released by an
+        exception too: what was written before it stays, nothing rolls back. A write hold is
         exclusive: it waits until no one else reads, copies or holds that copy, and until it
         ends, every other reader of ``key`` (get, flush, prefetch, another hold) waits; code
         inside the write hold that reads ``key`` through the store gets ``EntryHeldError``
