@@ -224,12 +224,25 @@ def _adam_math(master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: tor
     return master * s[1] - s[0] * m / denom, m, v
 
 
+def _same_tile(elements: tuple[torch.Tensor, ...], scales: tuple[torch.Tensor, ...]) -> None:
+    """Tell the compiler that ``elements`` all have one size, a tile's, and ``scales`` one
+    element per block of it. Traced without duck sizing, each input's size is a symbol of its
+    own, and loops over different symbols do not fuse (a loop, a pass over memory, per input);
+    these equalities hold on every call, so their guards never fail."""
+    size = elements[0].shape[0]
+    for tensor in elements[1:]:
+        torch._check(tensor.shape[0] == size)
+    for tensor in scales:
+        torch._check(tensor.shape[0] * BLOCK == size)
+
+
 def _adam8_fp32(master: torch.Tensor, m_codes: torch.Tensor, m_scales: torch.Tensor, v_codes: torch.Tensor, v_scales: torch.Tensor,
                 grad: torch.Tensor, s: torch.Tensor, signed: tuple[torch.Tensor, torch.Tensor],
                 unsigned: tuple[torch.Tensor, torch.Tensor]) -> None:
     """One tile of the 8-bit update with an fp32 master in one kernel: both moments decoded
     (``signed``/``unsigned``: ``_codebook``), AdamW, the master and the
     moments' codes and scales written in place (the entry's views)."""
+    _same_tile((master, m_codes, v_codes, grad), (m_scales, v_scales))
     m = _decoded(m_codes, m_scales, signed[0])
     v = _decoded(v_codes, v_scales, unsigned[0])
     new_master, m, v = _adam_math(master, m, v, grad, s)
@@ -247,6 +260,7 @@ def _adam8_lossless(low: torch.Tensor, high: torch.Tensor, high_out: torch.Tenso
                     signed: tuple[torch.Tensor, torch.Tensor], unsigned: tuple[torch.Tensor, torch.Tensor]) -> None:
     """``_adam8_fp32`` with a lossless master: read as the bf16 weight's bits (``high``) over the
     stored low halves, written back as both halves (``high_out``: the new weight, truncated)."""
+    _same_tile((low, high, high_out, m_codes, v_codes, grad), (m_scales, v_scales))
     words = (high.view(torch.int16).to(torch.int32) << 16) | (low.to(torch.int32) & 0xFFFF)
     m = _decoded(m_codes, m_scales, signed[0])
     v = _decoded(v_codes, v_scales, unsigned[0])
