@@ -90,6 +90,10 @@ class StoreClosedError(TierStoreError, RuntimeError):
     """The store (or tier) is not open."""
 
 
+class OptimizerClosedError(StoreClosedError):
+    """The optimizer was closed (``opt.close()``): it steps, reports and saves no more."""
+
+
 class NamespaceClaimedError(TierStoreError, RuntimeError):
     """A key namespace is claimed by someone else (live in this process, or recorded by an
     earlier run for another owner), or overlaps one that is; nothing was changed."""

@@ -145,6 +145,7 @@ UNMOVED = "tierstore_state_stays_in_the_store"
 
 def adam_state_dict(optimizer: TieredAdam) -> dict[str, Any]:
     """``TieredAdam.state_dict`` (see the module docstring)."""
+    optimizer._require_open("state_dict")
     if _accelerate_placement():
         # accelerate "moves" an optimizer's state to its device with
         # load_state_dict(move_to_device(state_dict())). Paged state stays where the store keeps
@@ -222,6 +223,7 @@ def _others(optimizer: PagedOptimizer) -> list[int]:
 def adam_load_state_dict(optimizer: TieredAdam, state_dict: dict[str, Any]) -> None:
     """``TieredAdam.load_state_dict``: a state dict of this class (any rank count, through DCP)
     or of ``torch.optim.Adam``/``AdamW``; written into the store one parameter at a time."""
+    optimizer._require_open("load_state_dict")
     groups = state_dict["param_groups"]
     unmoved = state_dict.get(UNMOVED)
     if unmoved is not None:

@@ -199,6 +199,7 @@ class TieredOptimizer(PagedOptimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's format: ``{"state": {index: {name: value}}, "param_groups": [...]}``."""
+        self._require_open("state_dict")
         return run(self._state_dict())
 
     async def _state_dict(self) -> dict[str, Any]:
@@ -257,6 +258,7 @@ class TieredOptimizer(PagedOptimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of this class or of the wrapped optimizer class."""
+        self._require_open("load_state_dict")
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups) or any(
             len(s["params"]) != len(g["params"]) for s, g in zip(groups, self.param_groups, strict=True)

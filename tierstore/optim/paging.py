@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from ..device import link_for
-from ..errors import StepIncompleteError
+from ..errors import OptimizerClosedError, StepIncompleteError
 from ..namespaces import Namespace
 from ..store import TierStore
 from ..sync import SyncTierStore, close_at_exit, loop_thread, run
@@ -368,6 +368,7 @@ class PagedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Update every parameter whose ``p.grad`` is not None, with ``p.grad`` as it is now.
         The time spent here is the training loop's stall."""
+        self._require_open("step")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -479,7 +480,11 @@ class PagedOptimizer(torch.optim.Optimizer):
         With ``step_in_backward=True``, updates that backward started are waited for first:
         they were launched with the gradients backward left, as if ``step()`` had run, and
         complete with them (never with the cleared ones). One that failed raises
-        ``StepIncompleteError`` here, after the gradients are cleared and the step abandoned."""
+        ``StepIncompleteError`` here, after the gradients are cleared and the step abandoned.
+        Once the optimizer is closed it only clears the gradients, as torch's does."""
+        if getattr(self, "_closed", False):
+            super().zero_grad(set_to_none)
+            return
         self._capture.new_step()
         failures = run(self._runner.end())  # before the gradients go: updates in flight read them
         super().zero_grad(set_to_none)
@@ -495,6 +500,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         """The state by parameter, read from the store on access (``tierstore.optim.checkpoint.LazyState``)."""
         from .checkpoint import LazyState
 
+        self._require_open("state")
         return LazyState(self)
 
     @state.setter
@@ -535,6 +541,7 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     def memory_report(self) -> MemoryReport:
         """Bytes per parameter and totals: weights and grads on the device, state by tier."""
+        self._require_open("memory_report")
         plan = self.memory_plan() if self._pipeline is not None else None
         return run(memory_report(self.store, self._slots, self._state_bytes, offloaded, plan, self._window.last))
 
@@ -545,6 +552,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         store if the optimizer made it. A default namespace is dropped with its keys; a named
         one keeps the state (and step counts) for a later optimizer claiming it."""
         self._remove_hooks()
+        self._closed = True
         failures: list[Any] = []
         if getattr(self, "_runner", None) is not None and self.store.is_open:
             with contextlib.suppress(Exception):  # a step left half done (its error was raised then)
@@ -564,6 +572,14 @@ class PagedOptimizer(torch.optim.Optimizer):
             run(self.store.aclose(flush=namespace is not None and not namespace.auto))
         if failures:  # updates started in backward, never stepped, that failed: closed, then said
             raise self._runner.abandoned_error(failures)
+
+    def _require_open(self, verb: str) -> None:
+        """Raise ``OptimizerClosedError`` naming ``verb`` once ``close()`` ran."""
+        if getattr(self, "_closed", False):
+            namespace = self.namespace
+            kept = (f"its state stays in namespace {namespace.name!r} for a new optimizer that claims it"
+                    if namespace is not None and not namespace.auto else "its state was dropped")
+            raise OptimizerClosedError(f"{type(self).__name__}.{verb}(): this optimizer was closed (opt.close()); {kept}; make a new one")
 
     def _remove_hooks(self) -> None:
         for slot in self._slots:
