@@ -130,6 +130,9 @@ def test_bad_inputs_get_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main(["simulate", "optimizer:keys=4", "--capacity", "1MiB"]) != 0
     err = capsys.readouterr().err
     assert "nope" in err and "host=" in err
+    # the disk holds everything: a capacity for it would simulate a disk-sized cache tier
+    assert main(["simulate", "optimizer:keys=4", "--capacity", "disk=1MiB"]) != 0
+    assert "the simulated disk holds everything" in capsys.readouterr().err
 
 
 def test_the_custom_policy_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
