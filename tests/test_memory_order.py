@@ -62,3 +62,16 @@ def test_only_parameters_too_small_to_page_with_state_on_disk(tmp_path: Path, de
     for a, b in zip(ref, mine, strict=True):
         assert torch.equal(a, b)
     opt.close()
+
+
+def test_a_non_contiguous_parameter_too_large_for_the_tier_gets_the_right_advice(tmp_path: Path, device_mode: str) -> None:
+    """Its state is never paged in chunks, so the error told the user to set the ``chunk_bytes``
+    they had set; it says to make the parameter contiguous (which then fits, in chunks)."""
+    from tierstore.optim.pipeline import OptimizerCapacityError
+
+    weight = torch.randn(96, 80)
+    options = {"offload": "disk", "host_capacity": "96KiB", "chunk_bytes": "16KiB"}
+    with pytest.raises(OptimizerCapacityError, match="make it contiguous") as raised:
+        TieredAdamW([torch.nn.Parameter(weight.t())], disk_root=tmp_path / "a", **options)
+    assert "page its state in chunks" not in str(raised.value)
+    TieredAdamW([torch.nn.Parameter(weight.t().contiguous())], disk_root=tmp_path / "b", **options).close()

@@ -152,8 +152,7 @@ class UpdatePipeline:
                 f"the {self._tier!r} tier ({tier.capacity:,} bytes) cannot hold the state and gradient of parameter "
                 f"{worst.index} ({worst.numel:,} elements: {largest:,} bytes) beside another gradient"
                 + (f" and an offloaded weight held whole ({held:,} bytes)" if held else "") + "; give it more capacity"
-                + ("" if worst.chunks is not None or self._owner._chunkable(worst) and chunk_bytes
-                   else ", or page its state in chunks (chunk_bytes=; a TieredOptimizer only where its optimizer is elementwise)")
+                + _chunk_advice(worst, self._owner._chunkable(worst), chunk_bytes)
             )
         if self._flat and all(slot.link.lends for slot in slots):
             # Nothing pages below the state tier and nothing crosses a link: no transfers to
@@ -795,3 +794,16 @@ async def _enter_all(stack: AsyncExitStack, managers: list[AbstractAsyncContextM
         if isinstance(result, BaseException):
             raise result
     return results
+
+
+def _chunk_advice(slot: ParamSlot, chunkable: bool, chunk_bytes: int) -> str:
+    """What else lets ``slot`` fit a tier too small for its whole state (paging it in chunks)."""
+    if slot.chunks is not None or chunkable and chunk_bytes:
+        return ""
+    param = slot.param
+    if isinstance(param, torch.Tensor) and not param.is_contiguous():
+        return (", or make it contiguous (p.data = p.data.contiguous() before making the optimizer): "
+                "a non-contiguous parameter's state is not paged in chunks")
+    if chunkable:
+        return ", or page its state in chunks (chunk_bytes=)"
+    return ", or page its state in chunks (chunk_bytes=; a TieredOptimizer only where its optimizer is elementwise)"
