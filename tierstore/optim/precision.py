@@ -224,6 +224,11 @@ def _adam_math(master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: tor
     return master * s[1] - s[0] * m / denom, m, v
 
 
+def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s memory as a tensor with a storage of its own (offset 0)."""
+    return torch.from_dlpack(tensor.detach())
+
+
 def _same_tile(elements: tuple[torch.Tensor, ...], scales: tuple[torch.Tensor, ...]) -> None:
     """Tell the compiler that ``elements`` all have one size, a tile's, and ``scales`` one
     element per block of it. Traced without duck sizing, each input's size is a symbol of its
@@ -611,17 +616,21 @@ class PackedState:
     def _fused_tile(self, start: int, stop: int, grad: torch.Tensor, scalars: torch.Tensor, high: torch.Tensor | None) -> bool:
         """The 8-bit update of elements ``start:stop`` (whole blocks) as one compiled kernel,
         written in place; False if the compiled kernels are unavailable (nothing written)."""
-        # In place into views of one buffer: they do not overlap, which the compiled function
-        # checks (a guard) and then writes each directly (no rebuilt base, no copy back).
+        # Written in place: the fields of this tile are disjoint pieces of one buffer, each
+        # passed as a tensor of its own storage (DLPack: the same memory), so the compiler sees
+        # unrelated inputs. As views of one storage, the dtype views' offsets into it became
+        # guards (alignment of one field's end), a recompile per entry layout, one of which
+        # failed inside the compiler.
         blocks = slice(start // BLOCK, stop // BLOCK)
         moments = (self.view("exp_avg/codes")[start:stop], self.view("exp_avg/scale")[blocks],
                    self.view("exp_avg_sq/codes")[start:stop], self.view("exp_avg_sq/scale")[blocks])
         books = (_codebook(True), _codebook(False))
         if high is None:
-            return _COMPILED.call("adam8_fp32", self.view("master")[start:stop], *moments, grad[start:stop], scalars, *books) is not False
+            tensors = (self.view("master")[start:stop], *moments, grad[start:stop])
+            return _COMPILED.call("adam8_fp32", *map(_own_storage, tensors), scalars, *books) is not False
         assert self.high is not None
-        return _COMPILED.call("adam8_lossless", self.view("master_low")[start:stop], self.high.reshape(-1)[start:stop], high[start:stop],
-                              *moments, grad[start:stop], scalars, *books) is not False
+        tensors = (self.view("master_low")[start:stop], self.high.reshape(-1)[start:stop], high[start:stop], *moments, grad[start:stop])
+        return _COMPILED.call("adam8_lossless", *map(_own_storage, tensors), scalars, *books) is not False
 
     def _decode_tile(self, start: int, stop: int, width: int, compiled: bool) -> list[torch.Tensor]:
         """Elements ``start:stop`` as fp32 rows: views of the buffer where a field is fp32 (an
