@@ -406,6 +406,11 @@ def test_csv_numeric_keys_and_chosen_columns(tmp_path: Path) -> None:
     path.write_text("5,-3\n")
     with pytest.raises(TraceError, match="negative"):
         load_trace(path)
+    path.write_text("a,1.5\nb,2.9\n")  # string keys: the row-by-row reader, which truncated these
+    with pytest.raises(TraceError, match="not a whole number of bytes"):
+        load_trace(path)
+    path.write_text("a,1e3\nb,2.0\n")  # whole numbers however written
+    assert load_trace(path).sizes.tolist() == [1000, 2]
 
 
 # -- prefetch metrics on hand-made traces ---------------------------------------------------------

@@ -249,11 +249,14 @@ def _load_csv_plain(path: Path, key_col: int, size_col: int, delimiter: str) -> 
             if len(row) < width:
                 raise TraceError(f"{path}:{number + 1}: expected at least {width} columns (key in {key_col}, size in {size_col}), got {row!r}")
             try:
-                size = int(float(row[size_col]))
+                exact = float(row[size_col])
             except ValueError:
                 if number == 0:
                     continue  # a header line
                 raise TraceError(f"{path}:{number + 1}: size {row[size_col]!r} is not a number") from None
+            if not exact.is_integer():
+                raise TraceError(f"{path}:{number + 1}: size {row[size_col]!r} is not a whole number of bytes")
+            size = int(exact)
             if size < 0:
                 raise TraceError(f"{path}:{number + 1}: negative size {size}")
             keys.append(row[key_col])
