@@ -153,9 +153,27 @@ def hsdp(rank: int) -> dict[str, Any]:
     return result
 
 
+def fsdp_too_large(rank: int, out: str) -> str:
+    """An FSDP2 parameter whose local shard's state exceeds the host tier: its shard is not paged
+    in chunks, and the error said to set ``chunk_bytes`` (set or not). What it says now."""
+    from torch.distributed.fsdp import fully_shard
+
+    from tierstore.optim import TieredAdamW
+    from tierstore.optim.pipeline import OptimizerCapacityError
+
+    torch.manual_seed(0)
+    net = fully_shard(torch.nn.Sequential(torch.nn.Embedding(1024, 64)))
+    try:
+        TieredAdamW(net.parameters(), offload="disk", disk_root=Path(out, f"too-large-{rank}"), host_capacity="256KiB", chunk_bytes="64KiB")
+    except OptimizerCapacityError as exc:
+        return str(exc)
+    return ""
+
+
 def run_rank(rank: int, world: int, port: int, out: str) -> None:
     with gloo_group(rank, world, port, LIMIT_S):
-        result = {"nan_norm": nan_norm(rank), "frozen": frozen(rank), "generic": generic(rank), "hsdp": hsdp(rank)}
+        result = {"nan_norm": nan_norm(rank), "frozen": frozen(rank), "generic": generic(rank), "hsdp": hsdp(rank),
+                  "fsdp_too_large": fsdp_too_large(rank, out)}
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
 
 
@@ -163,6 +181,7 @@ def run_rank(rank: int, world: int, port: int, out: str) -> None:
 def test_sharded_edges(tmp_path: Path) -> None:
     ranks = spawn_ranks(__file__, tmp_path, LIMIT_S)
     for r in ranks:
+        assert "shard it over more ranks" in r["fsdp_too_large"] and "chunk_bytes" not in r["fsdp_too_large"], r["fsdp_too_large"]
         # the NaN reaches every rank's norm (a MAX against a sentinel dropped it) and the weights
         assert r["nan_norm"]["ref_norm"] == r["nan_norm"]["norm"] == "nan" and r["nan_norm"]["same_nans"], r
         assert r["frozen"]["frozen_state"] and r["frozen"]["equal"], r

@@ -39,6 +39,7 @@ from ..tiers import MemoryTier
 from ..workers import CallerPool, Priority, WorkerPool
 from .chunks import Chunk, plan_chunks
 from .clipping import inverse_scale
+from .distributed import LocalShard
 from .reports import Timeline, TimeReport, count_grad_transfer
 from .slots import Capture, ParamSlot
 
@@ -801,6 +802,8 @@ def _chunk_advice(slot: ParamSlot, chunkable: bool, chunk_bytes: int) -> str:
     if slot.chunks is not None or chunkable and chunk_bytes:
         return ""
     param = slot.param
+    if isinstance(param, LocalShard):  # (FSDP2's sharded parameters)
+        return ", or shard it over more ranks (an FSDP2 parameter's local shard is not paged in chunks: its whole state must fit)"
     if isinstance(param, torch.Tensor) and not param.is_contiguous():
         return (", or make it contiguous (p.data = p.data.contiguous() before making the optimizer): "
                 "a non-contiguous parameter's state is not paged in chunks")
