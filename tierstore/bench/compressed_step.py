@@ -214,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
         updates = update_costs(sizes, bar)
         steps = disk_steps(args, read_gbs, write_gbs, bar)
     print(f"(g) the update alone, ns per parameter (torch threads: {torch.get_num_threads()}; tiles of {precision.TILE:,} elements, "
-          f"{precision.COMPILED_TILE:,} compiled, for entries from {precision.COMPILE_MIN_NUMEL:,} elements; the last rows: compiled 8-bit per tile size)")
+          f"{precision.COMPILED_TILE:,} compiled, for entries from {precision.COMPILE_MIN_NUMEL:,} elements; the last rows: fused 8-bit per tile size)")
     print(table(updates, [("setting", "setting", "s"), ("numel", "elements", ",d"), ("codec", "codec", "s"), ("tile", "tile", ",d"),
                           ("ns_per_param", "ns/param", ".2f"), ("mparams_s", "M params/s", ".0f")]))
     print(f"\n(g) disk-bound step: {total:,} parameters in {args.g_tensors} tensors, gradients given, "

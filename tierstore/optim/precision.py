@@ -134,6 +134,10 @@ def _nearest_codes(normal: torch.Tensor, signed: bool) -> torch.Tensor:
 # NaN either way, its payload may differ (such a block is lost to the update anyway). Entries
 # below ``COMPILE_MIN_NUMEL`` stay eager (a compiled call's fixed cost). ``TIERSTORE_COMPILE_CODEC=0`` keeps everything eager; a
 # compile that fails (no compiler, an unsupported platform) warns once and falls back to eager.
+# ``PackedState.update`` given the group's ``AdamHyper`` goes one further for 8-bit moments
+# without amsgrad: one kernel a tile decodes both moments, runs AdamW and encodes them, written in
+# place (``_adam8_fp32``/``_adam8_lossless``); its rounding is its own, not torch's fused AdamW's
+# bit for bit (tests/test_fused_8bit.py bounds the difference).
 
 #: Entries of at least this many elements use the compiled codec (when enabled).
 COMPILE_MIN_NUMEL = 1 << 15
@@ -629,8 +633,8 @@ class PackedState:
             tensors = (self.view("master")[start:stop], *moments, grad[start:stop])
             return _COMPILED.call("adam8_fp32", *map(_own_storage, tensors), scalars, *books) is not False
         assert self.high is not None
-        tensors = (self.view("master_low")[start:stop], self.high.reshape(-1)[start:stop], high[start:stop], *moments, grad[start:stop])
-        return _COMPILED.call("adam8_lossless", *map(_own_storage, tensors), scalars, *books) is not False
+        halves = (self.view("master_low")[start:stop], self.high.reshape(-1)[start:stop], high[start:stop])
+        return _COMPILED.call("adam8_lossless", *map(_own_storage, (*halves, *moments, grad[start:stop])), scalars, *books) is not False
 
     def _decode_tile(self, start: int, stop: int, width: int, compiled: bool) -> list[torch.Tensor]:
         """Elements ``start:stop`` as fp32 rows: views of the buffer where a field is fp32 (an
