@@ -28,7 +28,7 @@ def compiled_small(monkeypatch: pytest.MonkeyPatch) -> None:
 def _require_compiled() -> None:
     """Skip where no C++ compiler exists; elsewhere the compiled kernels must have worked (a
     failure falls back to the unfused path with a warning, which would pass these tests)."""
-    if codec._COMPILED.failed:
+    if codec._COMPILED.failed or codec._FUSED.failed:
         if not any(shutil.which(cxx) for cxx in ("g++", "c++", "clang++")):
             pytest.skip("no compiler for the compiled kernels here")
         pytest.fail("the compiled 8-bit kernels failed to compile (see the warning)")
@@ -183,3 +183,28 @@ def test_tiered_adam_8bit_with_the_fused_kernel_follows_torch(device_mode: str, 
             assert float(drift.mean()) < 0.05 * lr and float(drift.max()) < lr, (float(drift.mean()) / lr, float(drift.max()) / lr)
     finally:
         opt.close()
+
+
+def test_a_fused_kernel_that_fails_to_compile_leaves_the_unfused_update(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A compiler failure in the fused kernel warns once and falls back to the unfused update,
+    # with the compiled codec still on: the same bits as never asking for the fused kernel.
+    layout = StateLayout("8bit", False, False)
+    generator = torch.Generator().manual_seed(4)
+    numel = 2 * 4096
+    start = _state(layout, numel, generator)
+    hyper = CASES["adamw"]
+    grad = _grad(numel, generator, torch.float32)
+    plain = PackedState(layout, start.buffer.clone(), numel)
+    plain.update(grad.clone(), torch.tensor(0.0), _torch_adam(hyper))
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("no such compiler (injected)")
+
+    fused = codec._Compiled({"adam8_fp32": broken, "adam8_lossless": broken}, "the fused 8-bit AdamW kernel", "the unfused update")
+    fused._kernels = {"adam8_fp32": broken, "adam8_lossless": broken}  # (as compiled: calling them fails)
+    monkeypatch.setattr(codec, "_FUSED", fused)
+    state = PackedState(layout, start.buffer.clone(), numel)
+    with pytest.warns(UserWarning, match="fused 8-bit AdamW kernel is unavailable"):
+        state.update(grad.clone(), torch.tensor(0.0), _torch_adam(hyper), hyper)
+    assert fused.failed and not codec._COMPILED.failed
+    assert torch.equal(state.buffer, plain.buffer)

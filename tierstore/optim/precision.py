@@ -309,11 +309,13 @@ _OPTIONS = {"assert_indirect_indexing": False}
 
 
 class _Compiled:
-    """The codec's kernels, compiled on first use (once for any size: dynamic shapes); None
-    where compiling is off or failed."""
+    """Kernels (``kernels``, by name), compiled on first use (once for any size: dynamic
+    shapes); ``failed`` once compiling one failed (``what`` is then unavailable, ``instead`` runs)."""
 
-    def __init__(self) -> None:
+    def __init__(self, kernels: dict[str, Callable[..., Any]], what: str, instead: str) -> None:
         self._lock = threading.Lock()
+        self._source = kernels
+        self._what, self._instead = what, instead
         self._kernels: dict[str, Callable[..., Any]] | None = None
         self._traced: set[tuple[Any, ...]] = set()
         self.failed = False
@@ -329,7 +331,7 @@ class _Compiled:
         args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
         with self._lock:
             if self._kernels is None:
-                self._kernels = {name: torch.compile(kernel, dynamic=True, options=_OPTIONS) for name, kernel in _KERNELS.items()}
+                self._kernels = {name: torch.compile(kernel, dynamic=True, options=_OPTIONS) for name, kernel in self._source.items()}
         # (A kernel traces again for other dtypes, e.g. a bf16 model's gradient: also undisturbed.)
         traced = (name, *(a.dtype for a in args if isinstance(a, torch.Tensor)))
         try:
@@ -343,16 +345,17 @@ class _Compiled:
                 with torch.fx.experimental._config.patch(use_duck_shape=False):
                     result = self._kernels[name](*args)
                 self._traced.add(traced)
-        except Exception as exc:  # noqa: BLE001 - any compiler failure: the eager codec gives the same bits
+        except Exception as exc:  # noqa: BLE001 - any compiler failure: the fallback gives the same numbers
             self.failed = True
-            warnings.warn(f"the compiled 8-bit codec is unavailable ({type(exc).__name__}: {exc}); using the eager one", stacklevel=3)
+            warnings.warn(f"{self._what} is unavailable ({type(exc).__name__}: {exc}); using {self._instead}", stacklevel=3)
             return False
         return True if result is None else result
 
 
-_KERNELS: dict[str, Callable[..., None]] = {"encode": _encode_blocks, "decode": _decode_blocks, "encode_pair": _encode_pair, "decode_pair": _decode_pair,
-                                            "adam8_fp32": _adam8_fp32, "adam8_lossless": _adam8_lossless}
-_COMPILED = _Compiled()
+_KERNELS: dict[str, Callable[..., Any]] = {"encode": _encode_blocks, "decode": _decode_blocks, "encode_pair": _encode_pair, "decode_pair": _decode_pair}
+_COMPILED = _Compiled(_KERNELS, "the compiled 8-bit codec", "the eager one")
+#: The fused 8-bit AdamW kernels: failing, they leave the compiled codec (the unfused update) on.
+_FUSED = _Compiled({"adam8_fp32": _adam8_fp32, "adam8_lossless": _adam8_lossless}, "the fused 8-bit AdamW kernel", "the unfused update")
 
 
 def _use_compiled(compiled: bool | None, numel: int) -> bool:
@@ -606,7 +609,7 @@ class PackedState:
         scalars = hyper.scalars(float(before) + 1) if fused and hyper is not None else None
         for start in range(0, max(self.numel, 1), tile):
             stop = min(start + tile, self.numel)
-            if scalars is not None and not _COMPILED.failed and stop > start and (stop - start) % BLOCK == 0 and self._fused_tile(start, stop, flat, scalars, high):
+            if scalars is not None and not _FUSED.failed and stop > start and (stop - start) % BLOCK == 0 and self._fused_tile(start, stop, flat, scalars, high):
                 counted = before + 1  # (as torch's Adam counts)
                 continue
             rows = self._decode_tile(start, stop, width, compiled)
@@ -631,10 +634,10 @@ class PackedState:
         books = (_codebook(True), _codebook(False))
         if high is None:
             tensors = (self.view("master")[start:stop], *moments, grad[start:stop])
-            return _COMPILED.call("adam8_fp32", *map(_own_storage, tensors), scalars, *books) is not False
+            return _FUSED.call("adam8_fp32", *map(_own_storage, tensors), scalars, *books) is not False
         assert self.high is not None
         halves = (self.view("master_low")[start:stop], self.high.reshape(-1)[start:stop], high[start:stop])
-        return _COMPILED.call("adam8_lossless", *map(_own_storage, (*halves, *moments, grad[start:stop])), scalars, *books) is not False
+        return _FUSED.call("adam8_lossless", *map(_own_storage, (*halves, *moments, grad[start:stop])), scalars, *books) is not False
 
     def _decode_tile(self, start: int, stop: int, width: int, compiled: bool) -> list[torch.Tensor]:
         """Elements ``start:stop`` as fp32 rows: views of the buffer where a field is fp32 (an
