@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from ..device import Link
+from ..errors import StoreClosedError
 from ..namespaces import Namespace
 from ..store import TierStore
 from ..sync import SyncTierStore, loop_thread, run
@@ -350,9 +351,12 @@ async def _cross_when_stored(store: TierStore, saved: _Saved, link: Link) -> tor
 def _forget(loop: asyncio.AbstractEventLoop, store: TierStore, key: str, stored: Any) -> None:
     """A saved tensor backward never used (its graph was freed): drop it from the store."""
     async def drop() -> None:
-        await asyncio.wrap_future(stored)
-        if key in store:
-            await store.delete(key)
+        try:
+            await asyncio.wrap_future(stored)
+            if store.is_open and key in store:
+                await store.delete(key)
+        except StoreClosedError:  # the store closed (before or during the put): nothing left to drop
+            pass
 
     if not loop.is_closed():
         loop.call_soon_threadsafe(lambda: asyncio.ensure_future(drop()))

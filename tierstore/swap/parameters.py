@@ -37,6 +37,7 @@ import asyncio
 import sys
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +79,9 @@ class _Weight:
     #: Units computing with it now; the store hold ends when the last one lets go.
     holders: set[int] = field(default_factory=set)
     hold: Any = None  # the store hold's context manager while it is held
+    #: ``param._version`` when the placeholder went in: an in-place change of the placeholder
+    #: (``p.mul_(2)`` under ``no_grad``) bumps it, and would be lost.
+    version: int = 0
 
 
 @dataclass(frozen=True, eq=False)
@@ -139,6 +143,9 @@ class ParameterOffload:
         self._order: list[int] = []  # units in the order they were held this step
         self._learned: list[int] = []
         self._cursor = 0
+        # The state_dict (a weak reference) being filled or loaded now, and the weights it got
+        # or wrote: a tied weight is read once and shared by its names, or written once.
+        self._in_dict: tuple[Any, dict[str, Any]] = (None, {})
         self._attach()
 
     # -- moving the weights in and out -------------------------------------------------------------
@@ -165,14 +172,20 @@ class ParameterOffload:
             self.report.offloaded += 1
             self.report.bytes_out += weight.param.nbytes
             weight.param.data = _placeholder(weight.param)
+            weight.version = weight.param._version
             _REGISTRY[weight.param] = (self, weight.key)
         self._hooks.append(self.module.register_forward_pre_hook(lambda *_: self._enter_saving()))
         self._hooks.append(self.module.register_forward_hook(lambda *_: self._exit_saving(), always_call=True))
         for index, unit in enumerate(self._units):
             self._hooks.append(unit.module.register_forward_pre_hook(lambda *_, i=index: self._hold(i)))
             # always_call: a forward that raises still lets go of the unit's weights
-            self._hooks.append(unit.module.register_forward_hook(lambda *_, i=index: self._release(i), always_call=True))
+            self._hooks.append(unit.module.register_forward_hook(lambda *_, i=index: self._release_after_forward(i), always_call=True))
             self._hooks.append(unit.module.register_full_backward_pre_hook(lambda *_, i=index: self._hold(i)))
+        for unit in self._units:  # checkpoints see the stored weights, and load into the store
+            # (torch marks a state_dict hook with an attribute: a function, not a bound method)
+            self._hooks.append(unit.module.register_state_dict_post_hook(lambda *args: self._state_dict_hook(*args)))
+            self._hooks.append(unit.module.register_load_state_dict_pre_hook(lambda *args: self._load_state_dict_hook(*args)))
+            self._hooks.append(unit.module.register_load_state_dict_post_hook(lambda module, _: self._loaded(module)))
         for weight in self._weights:
             if weight.param.requires_grad:  # its gradient is complete: no unit computes with it any more
                 self._hooks.append(weight.param.register_post_accumulate_grad_hook(lambda _, w=weight: self._let_go([w], everyone=True)))
@@ -204,13 +217,18 @@ class ParameterOffload:
     # -- what autograd saves -------------------------------------------------------------------------------
 
     def _enter_saving(self) -> None:
+        if _in_backward():  # a checkpoint's recompute: its own hooks must see what the forward saves
+            self._saving.append(None)
+            return
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         hooks.__enter__()
         self._saving.append(hooks)
 
     def _exit_saving(self) -> None:
         if self._saving:
-            self._saving.pop().__exit__(None, None, None)
+            hooks = self._saving.pop()
+            if hooks is not None:
+                hooks.__exit__(None, None, None)
         if sys.exc_info()[1] is not None:  # the forward raised: no backward follows its units
             self._order = []
             self._cursor = 0
@@ -248,6 +266,7 @@ class ParameterOffload:
     def _hold_weights(self, weights: list[_Weight], holder: int) -> None:
         started = time.perf_counter()
         todo = [w for w in weights if w.hold is None]
+        _check_unchanged(todo)
         if todo:
             managers = [self.store.hold(w.key, self.device_tier) for w in todo]
             values = run(_enter_all(managers))
@@ -259,6 +278,15 @@ class ParameterOffload:
             self.report.add_moved(sum(v.nbytes for v in values), ended - started, out=False)
         for weight in weights:
             weight.holders.add(holder)
+
+    def _release_after_forward(self, index: int) -> None:
+        """After the unit's forward. A forward that runs inside backward is a checkpoint
+        recomputing it (``torch.utils.checkpoint``): what it saved for backward are plain
+        aliases of the held weights (the checkpoint's hooks, not ours, packed them), and its
+        backward follows at once, so the weights stay held until their gradients are
+        accumulated (or, frozen, until the unit's next forward), as after a backward pre-hook."""
+        if not _in_backward():
+            self._release(index)
 
     def _release(self, index: int) -> None:
         """The unit is done computing (its forward ended, or raised)."""
@@ -277,6 +305,7 @@ class ParameterOffload:
                 weight.holders.clear()
             if weight.hold is not None and not weight.holders:
                 weight.param.data = _placeholder(weight.param)
+                weight.version = weight.param._version
                 managers.append(weight.hold)
                 weight.hold = None
         if managers:
@@ -314,6 +343,117 @@ class ParameterOffload:
             self._learned, self._order = self._order, []
         self._cursor = 0
 
+    # -- state_dict and load_state_dict ------------------------------------------------------------
+
+    def _own_weights(self, module: nn.Module, prefix: str, state_dict: dict[str, Any]) -> list[tuple[str, _Weight]]:
+        """``(state_dict key, weight)`` for ``module``'s own offloaded parameters in ``state_dict``."""
+        found = []
+        for name, param in module._parameters.items():
+            weight = self._weight_of.get(id(param)) if param is not None else None
+            if weight is not None and weight.param is param and prefix + name in state_dict and offloaded(param) is not None:
+                found.append((prefix + name, weight))
+        return found
+
+    def _seen_in(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """What this ``state_dict`` call has read or written so far (tied weights)."""
+        ref = self._in_dict[0]
+        if ref is None or ref() is not state_dict:
+            try:
+                self._in_dict = (weakref.ref(state_dict), {})
+            except TypeError:  # a destination that cannot be weakly referenced: no sharing
+                return {}
+        return self._in_dict[1]
+
+    def _state_dict_hook(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any]) -> None:
+        """``module.state_dict()`` gets the weights from the store (on each parameter's device,
+        in its dtype and shape, as ``detach()`` puts them back) instead of the zero-size
+        placeholders. ``keep_vars=True`` keeps the Parameter objects themselves (that is what
+        it asks for): outside a forward their data is the placeholder."""
+        todo = [(key, weight) for key, weight in self._own_weights(module, prefix, state_dict) if state_dict[key] is not weight.param]
+        if not todo:
+            return
+        _check_unchanged([weight for _, weight in todo if weight.hold is None])
+        seen = self._seen_in(state_dict)
+        wanted = [weight for _, weight in todo if weight.key not in seen]
+        if wanted:
+            for weight, value in zip(wanted, run(self._read_all(wanted)), strict=True):
+                seen[weight.key] = value
+        for key, weight in todo:
+            state_dict[key] = seen[weight.key]
+
+    async def _read_all(self, weights: list[_Weight]) -> list[torch.Tensor]:
+        values = []
+        for weight in weights:
+            param = weight.param
+            if self.link.lends:
+                value = (await self.store.read(weight.key)).to(param.device)
+            else:
+                value = await to_device(self.store, weight.key, param.device, self.link)
+            values.append(value.to(param.dtype).view(weight.shape))
+        return values
+
+    def _load_state_dict_hook(
+        self,
+        module: nn.Module,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        """``module.load_state_dict()`` writes the given weights into the store. Each offloaded
+        parameter's entry in torch's copy of the dict is then the parameter itself, so torch's
+        own copy (or ``assign=True``) leaves the placeholder as it is, and its key, missing and
+        unexpected, counts as usual. A shape mismatch is reported in torch's words."""
+        writes = []
+        for key, weight in self._own_weights(module, prefix, state_dict):
+            value = state_dict[key]
+            if not torch.overrides.is_tensor_like(value):
+                continue  # torch reports it
+            if len(weight.shape) == 0 and tuple(value.shape) == (1,):  # as torch: a 0.3-era scalar
+                value = value[0]
+            if value.shape != weight.shape:
+                error_msgs.append(
+                    f"size mismatch for {key}: copying a param with shape {value.shape} from checkpoint, "
+                    f"the shape in current model is {weight.shape}."
+                )
+            else:
+                writes.append((weight, value))
+            state_dict[key] = weight.param
+        if writes:
+            self._write_all(writes, self._seen_in(state_dict))
+
+    def _loaded(self, module: nn.Module) -> None:
+        """After torch's load of ``module``: its copy into each placeholder (a no-op) counted
+        as an in-place change, which was not one."""
+        for param in module._parameters.values():
+            weight = self._weight_of.get(id(param)) if param is not None else None
+            if weight is not None and weight.hold is None:
+                weight.version = param._version
+
+    def _write_all(self, writes: list[tuple[_Weight, torch.Tensor]], seen: dict[str, Any]) -> None:
+        if any(hooks is not None for hooks in self._saving):
+            raise RuntimeError("load_state_dict() during a forward of a module under offload_parameters: load between steps")
+        writes = [(w, v) for w, v in writes if seen.get(w.key) is not v]  # a tied weight's second name, same tensor
+        if not writes:
+            return
+        # Holds left from a backward (a frozen unit's) end first: the store then takes the new value.
+        self._let_go([w for w, _ in writes], everyone=True)
+        for releasing in self._releasing:
+            releasing.result()
+        self._releasing = []
+        sources = [value.detach().to(device=w.param.device, dtype=w.param.dtype).contiguous() for w, value in writes]
+        marker = self.link.mark()  # the copies follow the kernels that made the sources
+        run(self._store_values([w for w, _ in writes], sources, marker))
+        for weight, value in writes:
+            seen[weight.key] = value
+
+    async def _store_values(self, weights: list[_Weight], sources: list[torch.Tensor], marker: Any) -> None:
+        for weight, source in zip(weights, sources, strict=True):
+            await to_store(self.store, weight.key, source, self.tier, self.link, marker)
+
     # -- for the optimizer ----------------------------------------------------------------------------------
 
     def shape_of(self, key: str) -> torch.Size:
@@ -349,6 +489,22 @@ class ParameterOffload:
         optimizer updates a large parameter chunk by chunk)."""
         async with self.store.hold(key, self.range_tier(), write=True) as weight:
             weight.reshape(-1)[start : start + value.numel()].copy_(value.reshape(-1))
+
+
+def _check_unchanged(weights: list[_Weight]) -> None:
+    """Refuse to go on after an in-place change of a placeholder: it changed nothing stored."""
+    for weight in weights:
+        if weight.param._version != weight.version:
+            raise RuntimeError(
+                f"parameter {weight.key.rsplit('/', 1)[-1]!r} (stored as {weight.key!r}) was changed in place while offloaded (e.g. p.mul_() under torch.no_grad()): "
+                f"between forwards its data is a size-0 placeholder and the weight lives in the store, so the change was lost; "
+                f"change offloaded weights with load_state_dict() (or after ParameterOffload.detach())"
+            )
+
+
+def _in_backward() -> bool:
+    """Whether this thread is running a backward pass (autograd's engine sets a graph task)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _placeholder(param: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,214 @@
+"""What a new user found in swapping: state_dict/load_state_dict under offload_parameters,
+non-reentrant activation checkpointing with offloaded weights, and freeing offloaded
+activations after their store closed."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from tierstore import DeviceTier, DiskTier, HostTier, SyncTierStore
+from tierstore.optim import TieredAdamW
+from tierstore.swap import offload_activations, offload_parameters
+
+pytestmark = pytest.mark.device_modes
+
+
+class Net(nn.Module):
+    """Embedding, two MLP blocks (optionally checkpointed), an output layer (optionally tied)."""
+
+    def __init__(self, tied: bool = False, ckpt: str | None = None) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 32)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(32, 96), nn.GELU(), nn.Linear(96, 32)) for _ in range(2)])
+        self.out = nn.Linear(32, 50, bias=False)
+        if tied:
+            self.out.weight = self.emb.weight
+        self.ckpt = ckpt
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        for i, block in enumerate(self.blocks):
+            if self.ckpt is not None and i == 1:
+                h = h + checkpoint(block, h, use_reentrant=self.ckpt == "reentrant")
+            else:
+                h = h + block(h)
+        return self.out(h)
+
+
+def store(tmp_path: Path, device: str = "64KiB") -> SyncTierStore:
+    return SyncTierStore([DeviceTier("cpu", device), HostTier("8MiB"), DiskTier(tmp_path / "d", "64MiB", durable=False)]).open()
+
+
+def batch(step: int) -> torch.Tensor:
+    return torch.randint(0, 50, (4, 12), generator=torch.Generator().manual_seed(step))
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, params: object = None) -> list[float]:
+    losses = []
+    for step in steps:
+        opt.zero_grad()
+        loss = model(batch(step)).square().mean()
+        loss.backward()
+        opt.step()
+        if params is not None:
+            params.mark_step()  # type: ignore[attr-defined]
+        losses.append(loss.item())
+    return losses
+
+
+def assert_same(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> None:
+    assert list(ours) == list(theirs)
+    for key in theirs:
+        assert ours[key].dtype == theirs[key].dtype and ours[key].device == theirs[key].device, key
+        torch.testing.assert_close(ours[key], theirs[key], rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_state_dict_and_load_state_dict_follow_the_store_while_training(tmp_path: Path, tier: str) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    twin = copy.deepcopy(model)
+    sync = store(tmp_path)
+    params = offload_parameters(model, sync, tier=tier)
+    opt = TieredAdamW(model.parameters(), lr=1e-2, store=sync, min_offload_numel=64, fused=True)
+    reference = torch.optim.AdamW(twin.parameters(), lr=1e-2, fused=True)
+    assert train(model, opt, range(3), params) == train(twin, reference, range(3))
+    assert all(p.numel() == 0 for p in model.parameters())  # the weights are in the store ...
+    assert_same(model.state_dict(), twin.state_dict())  # ... and a checkpoint holds them
+    assert_same(model.blocks[0].state_dict(), twin.blocks[0].state_dict())  # a submodule's too
+
+    torch.manual_seed(1)
+    other = Net().state_dict()
+    assert str(model.load_state_dict(other)) == str(twin.load_state_dict(other))
+    assert_same(model.state_dict(), other)
+    assert train(model, opt, range(3, 6), params) == train(twin, reference, range(3, 6))
+    assert_same(model.state_dict(), twin.state_dict())
+    params.detach()
+    assert_same(dict(model.named_parameters()), dict(twin.named_parameters()))
+    opt.close()
+    sync.close()
+
+
+def test_load_state_dict_reports_as_torch_does(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    twin = copy.deepcopy(model)
+    sync = store(tmp_path)
+    params = offload_parameters(model, sync)
+    before = model.state_dict()
+
+    wrong = dict(twin.state_dict(), **{"blocks.0.0.weight": torch.zeros(5, 32)})
+    with pytest.raises(RuntimeError) as ours:
+        model.load_state_dict(wrong)
+    with pytest.raises(RuntimeError) as theirs:
+        twin.load_state_dict(wrong)
+    assert "size mismatch for blocks.0.0.weight: copying a param with shape torch.Size([5, 32]) from checkpoint, " \
+        "the shape in current model is torch.Size([96, 32])." in str(ours.value)
+    assert str(ours.value) == str(theirs.value)
+
+    partial = {k: v + 1 for k, v in before.items() if k != "out.weight"}
+    partial["extra"] = torch.ones(1)
+    with pytest.raises(RuntimeError, match="(?s)Missing key.*out.weight.*Unexpected key.*extra"):
+        model.load_state_dict(partial)
+    result = model.load_state_dict(partial, strict=False)
+    assert result.missing_keys == ["out.weight"] and result.unexpected_keys == ["extra"]
+    after = model.state_dict()
+    assert torch.equal(after["out.weight"], before["out.weight"])
+    assert torch.equal(after["emb.weight"], before["emb.weight"] + 1)
+    assert model.load_state_dict(before, assign=True).missing_keys == []  # the store takes it, the placeholder stays
+    assert_same(model.state_dict(), before)
+    params.detach()
+    sync.close()
+
+
+def test_tied_weights_and_keep_vars(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Net(tied=True)
+    twin = copy.deepcopy(model)
+    sync = store(tmp_path)
+    params = offload_parameters(model, sync)
+    state = model.state_dict()
+    assert_same(state, twin.state_dict())
+    assert state["out.weight"] is state["emb.weight"]  # one stored weight, one tensor, as torch aliases them
+    new = (state["emb.weight"] * 3).clone()
+    model.load_state_dict({**state, "emb.weight": new, "out.weight": new})
+    assert torch.equal(model.state_dict()["out.weight"], new)
+    tokens = batch(0)
+    twin.load_state_dict({**state, "emb.weight": new, "out.weight": new})
+    assert torch.equal(model(tokens), twin(tokens))
+    # keep_vars=True asks for the Parameter objects: those stay (a placeholder outside forward)
+    kept = model.state_dict(keep_vars=True)
+    assert kept["emb.weight"] is model.emb.weight and kept["emb.weight"].numel() == 0
+    params.detach()
+    sync.close()
+
+
+def test_an_in_place_change_of_a_placeholder_raises_instead_of_being_lost(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    sync = store(tmp_path)
+    params = offload_parameters(model, sync)
+    tokens = batch(0)
+    model(tokens)
+    with torch.no_grad():
+        model.blocks[0][0].weight.mul_(2)
+    with pytest.raises(RuntimeError, match=r"'blocks.0.0.weight'.*changed in place while offloaded.*load_state_dict"):
+        model(tokens)
+    with pytest.raises(RuntimeError, match="changed in place while offloaded"):
+        model.state_dict()
+    # the way to change a weight: load it (which also clears the complaint)
+    twin = Net()
+    model.load_state_dict(twin.state_dict())
+    assert torch.equal(model(tokens), twin(tokens))
+    params.detach()
+    sync.close()
+
+
+@pytest.mark.parametrize("ckpt", ["non-reentrant", "reentrant"])
+def test_checkpointed_blocks_with_offloaded_weights_give_torch_gradients(tmp_path: Path, ckpt: str) -> None:
+    torch.manual_seed(0)
+    model = Net(tied=True, ckpt=ckpt)
+    twin = copy.deepcopy(model)
+    sync = store(tmp_path, device="48KiB")  # less than the weights: units come and go
+    params = offload_parameters(model, sync)
+    activations = offload_activations(sync, min_bytes=1024)
+    for step in range(3):
+        with activations:
+            loss = model(batch(step)).square().mean()
+        loss.backward()
+        expected = twin(batch(step)).square().mean()
+        expected.backward()
+        assert loss.item() == expected.item()
+        for (name, ours), theirs in zip(model.named_parameters(), twin.parameters(), strict=True):
+            torch.testing.assert_close(ours.grad, theirs.grad, rtol=0, atol=0, msg=name)
+        model.zero_grad()
+        twin.zero_grad()
+        params.mark_step()
+    activations.close()
+    params.detach()
+    sync.close()
+
+
+def test_freeing_offloaded_activations_after_the_store_closed_is_quiet(caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256))
+    with SyncTierStore([HostTier("8MiB")]) as sync:
+        activations = offload_activations(sync, min_bytes=4096)
+        with activations:
+            loss = model(torch.randn(64, 256)).square().sum()
+    assert activations.report.offloaded > 0
+    with caplog.at_level(logging.ERROR):
+        del loss, activations  # the graph and the offloader go: what the graph saved is dropped
+        gc.collect()
+        with SyncTierStore([HostTier("1MiB")]) as other:  # a round trip through the loop: the drops ran
+            other.put("x", torch.ones(1))
+        gc.collect()  # an unretrieved task's exception is logged when the task is collected
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage() or r.exc_info], caplog.text
