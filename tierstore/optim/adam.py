@@ -247,7 +247,10 @@ class TieredAdam(PagedOptimizer):
         (``ParamSlot.foreign_write``), and torch's optimizer would update what it holds now. An
         fp32 parameter reloads exactly; a lower-precision one loses the master's extra bits (a
         lossless master's low halves restart at zero), with a warning, once."""
-        if not slot.foreign_write() or offloaded(slot.param) is not None:
+        if offloaded(slot.param) is not None:  # its data comes and goes (placeholder, held buffer): the version counts
+            if slot.seen is None or slot.seen[0] == slot.param._version:  # load_state_dict bumps it
+                return False
+        elif not slot.foreign_write():
             return False
         if slot.param.dtype != torch.float32 and not self._warned_foreign:
             self._warned_foreign = True
