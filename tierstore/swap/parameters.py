@@ -23,6 +23,13 @@ Gradients land in ``param.grad`` as usual; ``TieredAdamW`` (or any ``PagedOptimi
 that a parameter is offloaded and writes its updated weight into the store instead of into the
 placeholder. ``detach()`` puts the weights back into the module.
 
+Checkpoints: ``module.state_dict()`` reads the weights from the store (``keep_vars=True`` keeps
+the Parameter objects, placeholders outside a forward) and ``module.load_state_dict()`` writes
+them into it, through the module's state_dict hooks. An in-place change of a placeholder
+(``p.mul_`` under ``no_grad``) would be lost: torch's version counter shows it, and the next
+hold or ``state_dict()`` raises. A checkpoint's recomputation (``torch.utils.checkpoint``) runs
+the forward inside backward: its units stay held until their gradients are accumulated.
+
 Crossings: the weights go into the store at the start, and back at ``detach()``, over the
 device's link (``crossing.py``); holding a weight on the device tier crosses the tier's link
 inside the store.
@@ -431,7 +438,7 @@ class ParameterOffload:
         for param in module._parameters.values():
             weight = self._weight_of.get(id(param)) if param is not None else None
             if weight is not None and weight.hold is None:
-                weight.version = param._version
+                weight.version = weight.param._version
 
     def _write_all(self, writes: list[tuple[_Weight, torch.Tensor]], seen: dict[str, Any]) -> None:
         if any(hooks is not None for hooks in self._saving):
