@@ -241,23 +241,48 @@ class CallerPool:
         await wait_uncancelled(future)  # a job handed out is always waited for
         return future.result()
 
-    def drain_until(self, done: Any) -> None:
-        """Run jobs on this thread until ``done`` (a concurrent.futures.Future) completes."""
+    def interrupt(self) -> None:
+        """Tell ``drain_until`` that Ctrl-C was pressed (``SimpleQueue.put`` is reentrant: a
+        signal handler may call this)."""
+        self._jobs.put(_INTERRUPTED)
+
+    def drain_until(self, done: Any, interrupt: Callable[[], None] | None = None) -> None:
+        """Run jobs on this thread until ``done`` (a concurrent.futures.Future) completes.
+
+        Ctrl-C (``interrupt()`` from a SIGINT handler, or a KeyboardInterrupt raised by a job)
+        is not handed to the coroutine (raised on the loop it would end the loop thread, and this
+        thread would wait for it forever): ``interrupt()`` is called once (to cancel what
+        ``done`` waits for), jobs are run on until ``done`` completes, and then
+        KeyboardInterrupt is raised here."""
         done.add_done_callback(lambda _: self._jobs.put(None))
+        interrupted = False
         while True:
             item = self._jobs.get()
             if item is None:
                 if done.done():
-                    return
+                    break
+                continue
+            if item is _INTERRUPTED:
+                if not interrupted and interrupt is not None:
+                    interrupt()
+                interrupted = True
                 continue
             fn, loop, future = item
             try:
                 result = fn()
+            except KeyboardInterrupt:  # the job stopped: its awaiter is cancelled, nothing runs on
+                loop.call_soon_threadsafe(future.cancel)
+                self._jobs.put(_INTERRUPTED)
             except BaseException as exc:  # delivered to the awaiting coroutine
                 loop.call_soon_threadsafe(_settle_future, future, None, exc)
             else:
                 loop.call_soon_threadsafe(_settle_future, future, result, None)
             item = fn = result = None  # type: ignore[assignment]  # (see WorkerPool._serve)
+        if interrupted:
+            raise KeyboardInterrupt
+
+
+_INTERRUPTED = object()
 
 
 def _settle_future(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:

@@ -28,11 +28,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
+import threading
 import time
 import warnings
 import weakref
 from abc import abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractAsyncContextManager
 from functools import partial
 from pathlib import Path
@@ -386,9 +388,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             self._refuse_sparse()
         try:
             if not resumed:
-                finishing = asyncio.run_coroutine_threadsafe(self._runner.finish(observe(self._slots), scaling), self._loop)
-                self._pipeline.drain_until(finishing)  # type: ignore[union-attr]
-                finishing.result()
+                self._finish_step(scaling)
         except StepIncompleteError as exc:
             if sharding is not None:
                 sharding.agree(exc)  # the other ranks raise too, instead of waiting for our weights
@@ -409,6 +409,27 @@ class PagedOptimizer(torch.optim.Optimizer):
             sharding.end_step()
         self._close_window(ended)
         return loss
+
+    def _finish_step(self, scaling: Any) -> None:
+        """Run the step's loop side (``StepRunner.finish``), draining the math it hands this
+        thread. On Ctrl-C, wherever it lands here, the step's task is cancelled and its cleanup
+        (holds, jobs handed to this thread) runs to the end before KeyboardInterrupt leaves:
+        otherwise the task would wait for this thread forever, holding the store's room."""
+        pipeline = self._pipeline
+        assert pipeline is not None
+        step = self._runner.finish(observe(self._slots), scaling)
+        finishing = None
+        cancel = partial(self._loop.call_soon_threadsafe, _cancel_task_of, step)
+        try:
+            with _sigint_to(pipeline.interrupted):
+                finishing = asyncio.run_coroutine_threadsafe(step, self._loop)
+                pipeline.drain_until(finishing, cancel)
+            finishing.result()
+        except KeyboardInterrupt:  # (raised outside drain_until: by another SIGINT handler, say)
+            if finishing is not None and not finishing.done():
+                cancel()
+                pipeline.drain_until(finishing)
+            raise
 
     #: Appended to the error on a sparse gradient (TieredAdam names torch's SparseAdam, as torch does).
     _sparse_advice = ""
@@ -589,6 +610,28 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError(f"{type(self).__name__} cannot be pickled; save opt.state_dict() instead")
+
+
+@contextlib.contextmanager
+def _sigint_to(handler: Callable[[], None]) -> Iterator[None]:
+    """Within, Ctrl-C calls ``handler`` instead of raising KeyboardInterrupt wherever the main
+    thread happens to be (between taking a job and running it, a job would be lost). Only on
+    the main thread under Python's default SIGINT handler; anything else is left alone."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, lambda *_: handler())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _cancel_task_of(coroutine: Any) -> None:
+    """Cancel the task running ``coroutine`` (on the loop thread)."""
+    for task in asyncio.all_tasks():
+        if task.get_coro() is coroutine:
+            task.cancel()
 
 
 def _hook(optimizer: weakref.ref[PagedOptimizer], slot: ParamSlot, param: torch.Tensor) -> None:

@@ -199,9 +199,14 @@ class UpdatePipeline:
             return await self._caller.run(fn)
         return await self._compute.run(fn, Priority.DEMAND)
 
-    def drain_until(self, done: Any) -> None:
-        """The training thread, waiting for ``done``: run math handed to it meanwhile."""
-        self._caller.drain_until(done)
+    def drain_until(self, done: Any, interrupt: Callable[[], None] | None = None) -> None:
+        """The training thread, waiting for ``done``: run math handed to it meanwhile (Ctrl-C:
+        ``CallerPool.drain_until``)."""
+        self._caller.drain_until(done, interrupt)
+
+    def interrupted(self) -> None:
+        """Ctrl-C while ``drain_until`` runs (from a signal handler)."""
+        self._caller.interrupt()
 
     # -- buckets ----------------------------------------------------------------------------------
 

@@ -67,6 +67,7 @@ class StepRunner:
         self.steps = 0
         #: All at once when every state is resident (``tierstore.optim.resident``); set by the optimizer.
         self.resident: ResidentStep | None = None
+        self._resident_task: asyncio.Task[list[tuple[list[ParamSlot], BaseException]]] | None = None
 
     @property
     def capture(self) -> GradientCapture:
@@ -119,7 +120,11 @@ class StepRunner:
         pipeline.in_step = True
         try:
             async with _one_step_at_a_time(self._store):
-                await self._run(pipeline, observed, scaling)
+                try:
+                    await self._run(pipeline, observed, scaling)
+                except asyncio.CancelledError:  # Ctrl-C in step(): abandoned, once what it launched has ended
+                    await self._abandon()
+                    raise
         finally:
             pipeline.in_step = False
             pipeline.scale = None
@@ -170,6 +175,7 @@ class StepRunner:
             resident = None
             if self.resident is not None and not self._in_backward and pipeline.scale is None:
                 resident, order = await self._start_resident(pipeline, order, coef)
+                self._resident_task = resident
             for slot in order:
                 pipeline.add(slot, coef, after=observed[slot.index][3])
             pipeline.launch(coef)
@@ -281,6 +287,16 @@ class StepRunner:
         )
         error.__cause__ = cause
         return error
+
+    async def _abandon(self) -> None:
+        """After a cancelled step: wait for the updates it launched (their holds and the jobs
+        they hand the training thread, which ``drain_until`` still runs), then forget the step as
+        ``end`` does; their errors are dropped (the step was interrupted, not failed)."""
+        resident, self._resident_task = self._resident_task, None
+        if resident is not None and not resident.done():
+            await asyncio.gather(resident, return_exceptions=True)
+        cleanup = asyncio.ensure_future(self.end())
+        await asyncio.gather(cleanup, return_exceptions=True)
 
     async def end(self) -> list[tuple[list[ParamSlot], BaseException]]:
         """Forget this step's gradients (and their host copies) and progress, once the updates
