@@ -521,7 +521,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         """The state by parameter, read from the store on access (``tierstore.optim.checkpoint.LazyState``)."""
         from .checkpoint import LazyState
 
-        self._require_open("state")
+        if getattr(self, "_closed", False):
+            return {}  # (trainers read it at teardown: a closed optimizer has no state, like a fresh torch one)
         return LazyState(self)
 
     @state.setter

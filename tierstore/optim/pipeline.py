@@ -385,6 +385,12 @@ class UpdatePipeline:
             bucket, self._open, self._open_bytes, self._open_incoming = self._open, [], 0, 0
             self._running.append((bucket, asyncio.ensure_future(self._update(bucket, coef, self.scale, self._after))))
 
+    async def launched_done(self) -> None:
+        """Wait until the buckets launched so far have ended (their outcomes stay for ``finish``)."""
+        tasks = [task for _, task in self._running if not task.done()]
+        if tasks:
+            await asyncio.wait(tasks)
+
     async def finish(self, *, drop_open: bool = False) -> list[tuple[list[ParamSlot], BaseException]]:
         """Wait for every bucket launched; return those that failed, with their errors (the
         others have finished: one bucket's failure does not stop the rest). ``drop_open``: forget

@@ -31,6 +31,8 @@ Scaling = tuple["torch.Tensor | None", bool]
 
 
 _step_locks: weakref.WeakKeyDictionary[TierStore, asyncio.Lock] = weakref.WeakKeyDictionary()
+#: The step runners of each store (the optimizers sharing it).
+_runners: weakref.WeakKeyDictionary[TierStore, weakref.WeakSet[StepRunner]] = weakref.WeakKeyDictionary()
 
 
 def _one_step_at_a_time(store: TierStore) -> asyncio.Lock:
@@ -68,6 +70,7 @@ class StepRunner:
         #: All at once when every state is resident (``tierstore.optim.resident``); set by the optimizer.
         self.resident: ResidentStep | None = None
         self._resident_task: asyncio.Task[list[tuple[list[ParamSlot], BaseException]]] | None = None
+        _runners.setdefault(store, weakref.WeakSet()).add(self)
 
     @property
     def capture(self) -> GradientCapture:
@@ -120,6 +123,7 @@ class StepRunner:
         pipeline.in_step = True
         try:
             async with _one_step_at_a_time(self._store):
+                await self._others_in_backward_done()
                 try:
                     await self._run(pipeline, observed, scaling)
                 except asyncio.CancelledError:  # Ctrl-C in step(): abandoned, once what it launched has ended
@@ -287,6 +291,15 @@ class StepRunner:
         )
         error.__cause__ = cause
         return error
+
+    async def _others_in_backward_done(self) -> None:
+        """Wait for the updates other optimizers on this store launched in backward
+        (``step_in_backward=True``; their own ``step()`` collects how they ended). This step
+        plans its buckets with the whole room; run beside them, both waited for room the other
+        held (one backward feeding two optimizers, stepped one after the other)."""
+        for other in list(_runners.get(self._store, ())):
+            if other is not self and other._in_backward:
+                await other._pipeline.launched_done()
 
     async def _abandon(self) -> None:
         """After a cancelled step: wait for the updates it launched (their holds and the jobs

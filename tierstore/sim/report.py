@@ -57,7 +57,7 @@ def parse_capacities(spec: str) -> dict[str, int]:
         name, sep, value = item.partition("=")
         if not sep or not name:
             raise ValueError(f"cannot read capacity {item!r}; write e.g. host=2GiB or device=1GiB,host=4GiB")
-        if name == "disk":
+        if name.lower() == "disk":
             raise ValueError(f"{item!r}: the simulated disk holds everything and takes no capacity; "
                              "give the memory tiers above it, e.g. host=2GiB or device=1GiB,host=4GiB")
         capacities[name] = parse_bytes(value)
