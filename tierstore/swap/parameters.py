@@ -413,7 +413,14 @@ class ParameterOffload:
         """``module.load_state_dict()`` writes the given weights into the store. Each offloaded
         parameter's entry in torch's copy of the dict is then the parameter itself, so torch's
         own copy (or ``assign=True``) leaves the placeholder as it is, and its key, missing and
-        unexpected, counts as usual. A shape mismatch is reported in torch's words."""
+        unexpected, counts as usual. A shape mismatch is reported in torch's words.
+        ``assign=True`` is refused: torch copies nothing then, so an optimizer keeping its own
+        master would not see the load and would write its stale master over it."""
+        if local_metadata.get("assign_to_params_buffers") and any(True for _ in self._own_weights(module, prefix, state_dict)):
+            raise ValueError(
+                "load_state_dict(assign=True) on a module under offload_parameters: its weights live in the store; "
+                "load without assign= (the store takes the values), or detach() first"
+            )
         writes = []
         for key, weight in self._own_weights(module, prefix, state_dict):
             value = state_dict[key]
