@@ -12,7 +12,10 @@ from pathlib import Path
 import pytest
 
 SCRIPT = r"""
-import _thread, sys, threading, time, torch
+import _thread, signal, sys, threading, time, torch
+# (a process started in the background, as CI's may be, inherits SIGINT ignored: Python's own
+# handler is what an interactive run has, and what Ctrl-C goes through)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from tierstore.device import emulate_device
 from tierstore.optim import TieredAdamW
 
