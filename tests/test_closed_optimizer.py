@@ -13,7 +13,7 @@ from tierstore.optim import TieredAdamW
 
 def test_a_closed_optimizer_says_it_is_closed(tmp_path: Path) -> None:
     model = torch.nn.Linear(80, 70)
-    opt = TieredAdamW(model.parameters(), offload="disk", disk_root=tmp_path / "s", host_capacity="64KiB")
+    opt = TieredAdamW(model.parameters(), offload="disk", disk_root=tmp_path / "s", host_capacity="256KiB")
     model(torch.randn(2, 80)).sum().backward()
     opt.step()
     opt.close()
