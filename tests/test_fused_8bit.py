@@ -6,6 +6,7 @@ and for the absence of recompiles across steps, tiles and learning rates."""
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -142,20 +143,29 @@ def test_fused_kernel_traces_once_for_steps_tiles_and_learning_rates() -> None:
     assert counters["stats"]["unique_graphs"] == graphs
 
 
-def test_without_the_compiler_the_update_is_the_unfused_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TIERSTORE_COMPILE_CODEC", "0")
+def _one_update(seed: int) -> Callable[[AdamHyper | None], torch.Tensor]:
+    """An 8-bit state of two tiles and a gradient (from ``seed``): the function returned runs one
+    AdamW update on a fresh copy of the state, offering the fused kernel its settings (given
+    ``CASES["adamw"]``) or not (None), and returns the updated buffer."""
     layout = StateLayout("8bit", False, False)
-    generator = torch.Generator().manual_seed(3)
+    generator = torch.Generator().manual_seed(seed)
     numel = 2 * 4096
     start = _state(layout, numel, generator)
     hyper = CASES["adamw"]
     grad = _grad(numel, generator, torch.float32)
-    results = []
-    for given in (hyper, None):
+
+    def update(given: AdamHyper | None) -> torch.Tensor:
         state = PackedState(layout, start.buffer.clone(), numel)
-        state.update(grad, torch.tensor(0.0), _torch_adam(hyper), given)
-        results.append(state.buffer)
-    assert torch.equal(results[0], results[1])
+        state.update(grad.clone(), torch.tensor(0.0), _torch_adam(hyper), given)
+        return state.buffer
+
+    return update
+
+
+def test_without_the_compiler_the_update_is_the_unfused_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIERSTORE_COMPILE_CODEC", "0")
+    update = _one_update(3)
+    assert torch.equal(update(CASES["adamw"]), update(None))
 
 
 @pytest.mark.device_modes
@@ -188,14 +198,8 @@ def test_tiered_adam_8bit_with_the_fused_kernel_follows_torch(device_mode: str, 
 def test_a_fused_kernel_that_fails_to_compile_leaves_the_unfused_update(monkeypatch: pytest.MonkeyPatch) -> None:
     # A compiler failure in the fused kernel warns once and falls back to the unfused update,
     # with the compiled codec still on: the same bits as never asking for the fused kernel.
-    layout = StateLayout("8bit", False, False)
-    generator = torch.Generator().manual_seed(4)
-    numel = 2 * 4096
-    start = _state(layout, numel, generator)
-    hyper = CASES["adamw"]
-    grad = _grad(numel, generator, torch.float32)
-    plain = PackedState(layout, start.buffer.clone(), numel)
-    plain.update(grad.clone(), torch.tensor(0.0), _torch_adam(hyper))
+    update = _one_update(4)
+    plain = update(None)
 
     def broken(*args: object) -> None:
         raise RuntimeError("no such compiler (injected)")
@@ -203,8 +207,7 @@ def test_a_fused_kernel_that_fails_to_compile_leaves_the_unfused_update(monkeypa
     fused = codec._Compiled({"adam8_fp32": broken, "adam8_lossless": broken}, "the fused 8-bit AdamW kernel", "the unfused update")
     fused._kernels = {"adam8_fp32": broken, "adam8_lossless": broken}  # (as compiled: calling them fails)
     monkeypatch.setattr(codec, "_FUSED", fused)
-    state = PackedState(layout, start.buffer.clone(), numel)
     with pytest.warns(UserWarning, match="fused 8-bit AdamW kernel is unavailable"):
-        state.update(grad.clone(), torch.tensor(0.0), _torch_adam(hyper), hyper)
+        tried = update(CASES["adamw"])
     assert fused.failed and not codec._COMPILED.failed
-    assert torch.equal(state.buffer, plain.buffer)
+    assert torch.equal(tried, plain)
