@@ -246,7 +246,19 @@ class CallerPool:
         signal handler may call this)."""
         self._jobs.put(_INTERRUPTED)
 
-    def drain_until(self, done: Any, interrupt: Callable[[], None] | None = None) -> None:
+    def take_interrupts(self) -> bool:
+        """Once ``drain_until`` returned: empty the queue (only its markers can be left, an
+        interrupt's among them when Ctrl-C came after the last job) and say whether Ctrl-C was
+        pressed, so that it neither is lost nor cancels the next ``drain_until``'s work."""
+        pressed = False
+        while True:
+            try:
+                item = self._jobs.get_nowait()
+            except queue.Empty:
+                return pressed
+            pressed = pressed or item is _INTERRUPTED
+
+    def drain_until(self, done: Any, interrupt: Callable[[], object] | None = None) -> None:
         """Run jobs on this thread until ``done`` (a concurrent.futures.Future) completes.
 
         Ctrl-C (``interrupt()`` from a SIGINT handler, or a KeyboardInterrupt raised by a job)

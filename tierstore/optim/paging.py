@@ -424,12 +424,16 @@ class PagedOptimizer(torch.optim.Optimizer):
             with _sigint_to(pipeline.interrupted):
                 finishing = asyncio.run_coroutine_threadsafe(step, self._loop)
                 pipeline.drain_until(finishing, cancel)
-            finishing.result()
         except KeyboardInterrupt:  # (raised outside drain_until: by another SIGINT handler, say)
             if finishing is not None and not finishing.done():
                 cancel()
                 pipeline.drain_until(finishing)
             raise
+        finally:
+            pressed = pipeline.take_interrupts()
+        if pressed:  # after the step's last job: the step is done, and Ctrl-C stands
+            raise KeyboardInterrupt
+        finishing.result()
 
     #: Appended to the error on a sparse gradient (TieredAdam names torch's SparseAdam, as torch does).
     _sparse_advice = ""

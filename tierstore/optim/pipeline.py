@@ -199,7 +199,7 @@ class UpdatePipeline:
             return await self._caller.run(fn)
         return await self._compute.run(fn, Priority.DEMAND)
 
-    def drain_until(self, done: Any, interrupt: Callable[[], None] | None = None) -> None:
+    def drain_until(self, done: Any, interrupt: Callable[[], object] | None = None) -> None:
         """The training thread, waiting for ``done``: run math handed to it meanwhile (Ctrl-C:
         ``CallerPool.drain_until``)."""
         self._caller.drain_until(done, interrupt)
@@ -207,6 +207,11 @@ class UpdatePipeline:
     def interrupted(self) -> None:
         """Ctrl-C while ``drain_until`` runs (from a signal handler)."""
         self._caller.interrupt()
+
+    def take_interrupts(self) -> bool:
+        """After ``drain_until``: whether Ctrl-C came after the step's last job
+        (``CallerPool.take_interrupts``)."""
+        return self._caller.take_interrupts()
 
     # -- buckets ----------------------------------------------------------------------------------
 
