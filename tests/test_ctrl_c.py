@@ -39,10 +39,11 @@ with emulate_device(sys.argv[2] == "emulated"):
             model(torch.randn(4, 512)).square().mean().backward()
             timer.start()
             opt.step()
-            time.sleep(took)  # (an interrupt after the step lands here)
+            time.sleep(took)  # (an interrupt after the step lands here,
+            timer.join()  # or here if the timer thread was starved)
         except KeyboardInterrupt:
             interrupted += 1
-        timer.join()
+            timer.join()
     step()  # the store and the optimizer still work
     opt.close()
     print("interrupted", interrupted)
