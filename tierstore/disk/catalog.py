@@ -16,7 +16,6 @@ import json
 import struct
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -30,6 +29,7 @@ from ..keys import address_hash, key_digest
 from ..tensors import TensorMeta, dtype_from_name, dtype_name
 from .extents import Extent
 from .files import is_disk_full
+from .serial import SerialExecutor
 
 FORMAT = "tierstore-disk"
 #: The on-disk layout this code writes. 1: the first release (segment files of any sizes, JSON
@@ -342,7 +342,7 @@ class Catalog:
         self._env: Any = None
         self._entries: Any = None
         self._meta: Any = None
-        self._writer: ThreadPoolExecutor | None = None
+        self._writer: SerialExecutor | None = None
         self._pending: list[tuple[list[_Change], asyncio.Future[None] | None, bool]] = []
         #: Changes queued or being committed, per key, oldest first, each with whether its
         #: writer waits for it (``get`` reads the newest). A waited change that fails is taken
@@ -398,7 +398,7 @@ class Catalog:
             self.layout = CatalogLayout.from_bytes(raw, self.path)
             if self.layout.format_version < FORMAT_VERSION:
                 self._upgrade(self.layout)
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierstore-catalog")
+        self._writer = SerialExecutor("tierstore-catalog")
         return self.layout
 
     def _upgrade(self, layout: CatalogLayout) -> None:
@@ -669,7 +669,7 @@ class Catalog:
         self._direct += 1
         done.add_done_callback(settled)
         try:
-            writer.submit(job)
+            writer.run_soon(job)
         except BaseException:
             done.cancel()
             raise
