@@ -236,7 +236,7 @@ class TieredAdam(PagedOptimizer):
                     stacklevel=2,
                 )
             high = await (read_weight(slot) if (start, stop) == (0, slot.numel) else read_weight_range(slot, start, stop))
-        state = PackedState(layout, packed, stop - start, high)
+        state = PackedState(layout, packed, stop - start, high, param_numel=slot.numel)  # (its kernels: the parameter's)
         if fresh and self._reloads(slot):
             state.set_master((high if high is not None else await read_weight_range(slot, start, stop)).reshape(-1).float())
         return state

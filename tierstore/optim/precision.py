@@ -137,7 +137,9 @@ def _nearest_codes(normal: torch.Tensor, signed: bool) -> torch.Tensor:
 # ``PackedState.update`` given the group's ``AdamHyper`` goes one further for 8-bit moments
 # without amsgrad: one kernel a tile decodes both moments, runs AdamW and encodes them, written in
 # place (``_adam8_fp32``/``_adam8_lossless``); its rounding is its own, not torch's fused AdamW's
-# bit for bit (tests/test_fused_8bit.py bounds the difference).
+# bit for bit (tests/test_fused_8bit.py bounds the difference). So the update chooses it by the
+# parameter's size (``PackedState.param_numel``), not its entry's: the same run then gives the same
+# bits with its state in memory, on the host or paged in chunks (tests/test_8bit_placement.py).
 
 #: Entries of at least this many elements use the compiled codec (when enabled).
 COMPILE_MIN_NUMEL = 1 << 15
@@ -415,6 +417,17 @@ COMPILED_TILE = 1 << 20
 _SCRATCH = threading.local()
 
 
+def _tiles(numel: int, tile: int, *, split_partial: bool) -> list[tuple[int, int]]:
+    """The ``(start, stop)`` tiles of an entry of ``numel`` elements: ``tile`` elements each
+    (at least one tile, if empty); ``split_partial``: a partial last block is a tile of its own,
+    so the same elements are whole-block tiles however the parameter is split into entries."""
+    full = numel // BLOCK * BLOCK if split_partial else numel
+    tiles = [(start, min(start + tile, full)) for start in range(0, full, tile)]
+    if full < numel or not tiles:
+        tiles.append((full, numel))
+    return tiles
+
+
 def _scratch_rows(rows: int, size: int) -> torch.Tensor:
     """This thread's fp32 tile scratch of ``(rows, size)`` (kept: one allocation a thread, as
     large as the largest asked for)."""
@@ -508,14 +521,21 @@ class StateLayout:
 class PackedState:
     """One entry's compressed state: ``buffer`` (uint8, held in the store or resident) read and
     written through its ``layout``. ``high``: with a lossless master, the bf16 weight the model
-    holds for these elements (the master's high halves), in host memory."""
+    holds for these elements (the master's high halves), in host memory. ``param_numel``: the
+    elements of the whole parameter whose state this entry is (a piece of; default ``numel``):
+    the update chooses its kernels by it, never by the entry's size, so a parameter's numbers
+    do not depend on how its state is split into entries (kept whole, or paged in chunks)."""
 
-    def __init__(self, layout: StateLayout, buffer: torch.Tensor, numel: int, high: torch.Tensor | None = None) -> None:
+    def __init__(self, layout: StateLayout, buffer: torch.Tensor, numel: int, high: torch.Tensor | None = None,
+                 param_numel: int | None = None) -> None:
         if buffer.dtype != torch.uint8 or buffer.numel() != layout.nbytes(numel):
             raise ValueError(f"a packed state of {numel} elements is {layout.nbytes(numel)} uint8 bytes, not {buffer.numel()} {buffer.dtype}")
+        if param_numel is not None and param_numel < numel:
+            raise ValueError(f"a packed state of {numel} elements cannot be a piece of a parameter of {param_numel}")
         self.layout = layout
         self.buffer = buffer
         self.numel = numel
+        self.param_numel = numel if param_numel is None else param_numel
         self.high = high
         self._fields = layout.fields(numel)
 
@@ -593,22 +613,24 @@ class PackedState:
         amsgrad and the compiled codec, a tile of whole blocks is instead one compiled kernel
         that decodes, updates and encodes in one pass over memory, in place (``_adam8_fp32``):
         the same math, its rounding not torch's bit for bit (within fp32 tolerance before the
-        moments are quantised)."""
+        moments are quantised). Which elements take it is the parameter's, not the entry's:
+        all of a parameter of at least ``COMPILE_MIN_NUMEL`` elements (``param_numel``) but a
+        partial last block, which is its own tile (chunks are whole blocks, so only a
+        parameter's last chunk holds it)."""
         flat = grad.reshape(-1)
         if flat.numel() != self.numel:
             raise ValueError(f"a gradient of {flat.numel()} elements for a state of {self.numel}")
         layout = self.layout
         if layout.lossless and self.high is None:
             raise RuntimeError("internal error: a lossless master needs the model's bf16 weight")
-        compiled = layout.precision == "8bit" and _use_compiled(None, self.numel)
+        compiled = layout.precision == "8bit" and _use_compiled(None, self.param_numel)
         tile = COMPILED_TILE if compiled else TILE
         width = min(self.numel, tile)  # (elements of a scratch row: allocated as the tiles need)
         high = torch.empty(self.numel, dtype=torch.bfloat16) if layout.lossless else None
         before, counted = step.clone(), step.clone()
         fused = hyper is not None and compiled and len(layout.moments) == 2
         scalars = hyper.scalars(float(before) + 1) if fused and hyper is not None else None
-        for start in range(0, max(self.numel, 1), tile):
-            stop = min(start + tile, self.numel)
+        for start, stop in _tiles(self.numel, tile, split_partial=compiled):
             if scalars is not None and not _FUSED.failed and stop > start and (stop - start) % BLOCK == 0 and self._fused_tile(start, stop, flat, scalars, high):
                 counted = before + 1  # (as torch's Adam counts)
                 continue
