@@ -5,7 +5,8 @@ while a submodule computes with them.
 default, or disk) and leaves a zero-size placeholder in the module. Around each submodule that
 owns parameters (a *unit*), hooks hold its parameters on the device tier -- the store's own
 buffers -- for its forward, release them after it (even when it raises), hold them again before
-its backward and release each once its gradient is accumulated. A release ends the store's hold
+its backward and release each once its gradient is accumulated (a frozen one, or one that gets
+no gradient, when the backward ends). A release ends the store's hold
 only after the kernels queued until then, which may still read the weights, are done
 (``link.mark()`` on the training thread, awaited on the loop). Autograd would keep a reference to the
 forward-time buffers of the weights it saves for backward (and read them there, after the store
@@ -28,7 +29,9 @@ the Parameter objects, placeholders outside a forward) and ``module.load_state_d
 them into it, through the module's state_dict hooks. An in-place change of a placeholder
 (``p.mul_`` under ``no_grad``) would be lost: torch's version counter shows it, and the next
 hold or ``state_dict()`` raises. A checkpoint's recomputation (``torch.utils.checkpoint``) runs
-the forward inside backward: its units stay held until their gradients are accumulated.
+the forward inside backward: its units stay held until their gradients are accumulated, so
+the weights of a checkpointed region must fit on the device tier together (else a
+``TierFullError`` says so).
 
 Crossings: the weights go into the store at the start, and back at ``detach()``, over the
 device's link (``crossing.py``); holding a weight on the device tier crosses the tier's link
@@ -53,6 +56,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..device import Link
+from ..errors import TierFullError
 from ..namespaces import Namespace
 from ..store import TierStore
 from ..sync import SyncTierStore, loop_thread, run
@@ -150,9 +154,19 @@ class ParameterOffload:
         self._order: list[int] = []  # units in the order they were held this step
         self._learned: list[int] = []
         self._cursor = 0
-        # The state_dict (a weak reference) being filled or loaded now, and the weights it got
-        # or wrote: a tied weight is read once and shared by its names, or written once.
+        #: Units held by each backward now running (by graph task): at its end, they let go.
+        self._in_backward: dict[int, set[int]] = {}
+        #: Units a checkpoint recomputes in the running backward (their weights must all fit).
+        self._recomputing: set[int] = set()
+        #: The ``state_dict()`` call in progress: the modules it entered, with their prefixes,
+        #: and the weights it read (a tied weight is read once and shared by its names).
+        self._reading: list[tuple[nn.Module, str]] = []
+        self._read: dict[str, torch.Tensor] = {}
+        # The state_dict (a weak reference) being loaded now, and the weights written from it
+        # (a tied weight is written once).
         self._in_dict: tuple[Any, dict[str, Any]] = (None, {})
+        #: Weights a ``load_state_dict()`` covers now: their version before, and whether written.
+        self._loading: dict[_Weight, tuple[int, bool]] = {}
         self._attach()
 
     # -- moving the weights in and out -------------------------------------------------------------
@@ -184,13 +198,18 @@ class ParameterOffload:
         self._hooks.append(self.module.register_forward_pre_hook(lambda *_: self._enter_saving()))
         self._hooks.append(self.module.register_forward_hook(lambda *_: self._exit_saving(), always_call=True))
         for index, unit in enumerate(self._units):
-            self._hooks.append(unit.module.register_forward_pre_hook(lambda *_, i=index: self._hold(i)))
+            self._hooks.append(unit.module.register_forward_pre_hook(lambda *_, i=index: self._hold(i, forward=True)))
             # always_call: a forward that raises still lets go of the unit's weights
             self._hooks.append(unit.module.register_forward_hook(lambda *_, i=index: self._release_after_forward(i), always_call=True))
             self._hooks.append(unit.module.register_full_backward_pre_hook(lambda *_, i=index: self._hold(i)))
-        for unit in self._units:  # checkpoints see the stored weights, and load into the store
+        units = {id(unit.module) for unit in self._units}
+        for sub in self.module.modules():  # where a state_dict() call starts and ends
             # (torch marks a state_dict hook with an attribute: a function, not a bound method)
-            self._hooks.append(unit.module.register_state_dict_post_hook(lambda *args: self._state_dict_hook(*args)))
+            is_unit = id(sub) in units
+            self._hooks.append(sub.register_state_dict_pre_hook(lambda module, prefix, _: self._state_dict_enter(module, prefix)))
+            self._hooks.append(sub.register_state_dict_post_hook(
+                lambda module, state_dict, prefix, _, u=is_unit: self._state_dict_hook(module, state_dict, prefix, u)))
+        for unit in self._units:  # checkpoints see the stored weights, and load into the store
             self._hooks.append(unit.module.register_load_state_dict_pre_hook(lambda *args: self._load_state_dict_hook(*args)))
             self._hooks.append(unit.module.register_load_state_dict_post_hook(lambda module, _: self._loaded(module)))
         for weight in self._weights:
@@ -239,6 +258,8 @@ class ParameterOffload:
         if sys.exc_info()[1] is not None:  # the forward raised: no backward follows its units
             self._order = []
             self._cursor = 0
+        if not self._saving and not _in_backward():
+            self._recomputing.clear()  # (left by a backward that raised)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         base = tensor if id(tensor) in self._weight_of else tensor._base
@@ -264,19 +285,54 @@ class ParameterOffload:
 
     # -- around each unit --------------------------------------------------------------------------------
 
-    def _hold(self, index: int) -> None:
+    def _hold(self, index: int, forward: bool = False) -> None:
         """Hold the unit's weights on the device tier (one round trip to the loop for all)."""
         self._order.append(index)
         self._prefetch_after(len(self._order) - 1, index)
+        if forward and _in_backward():
+            self._recomputing.add(index)
         self._hold_weights(self._units[index].weights, index)
+
+    def _note_backward(self, holder: int) -> None:
+        """A backward holds ``holder``'s weights: they are let go when it ends at the latest
+        (a frozen weight gets no gradient, whose accumulation would let go of it)."""
+        task = torch._C._current_graph_task_id()
+        units = self._in_backward.get(task)
+        if units is None:
+            units = self._in_backward[task] = set()
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_backward(task))
+        units.add(holder)
+
+    def _end_backward(self, task: int) -> None:
+        """A backward ended: what it held is no longer needed by it."""
+        for index in self._in_backward.pop(task, ()):
+            weights = [w for w in self._units[index].weights if index in w.holders]
+            for weight in weights:
+                weight.holders.discard(index)
+            self._let_go(weights)
+            self._recomputing.discard(index)
 
     def _hold_weights(self, weights: list[_Weight], holder: int) -> None:
         started = time.perf_counter()
         todo = [w for w in weights if w.hold is None]
         _check_unchanged(todo)
+        if _in_backward():
+            self._note_backward(holder)
         if todo:
             managers = [self.store.hold(w.key, self.device_tier) for w in todo]
-            values = run(_enter_all(managers))
+            try:
+                values = run(_enter_all(managers))
+            except TierFullError as error:
+                recomputed = [i for i in sorted(self._recomputing) if any(i in w.holders for w in self._units[i].weights)]
+                if not recomputed:
+                    raise
+                names = ", ".join(self._units[i].name for i in recomputed)
+                raise TierFullError(
+                    f"{error}; a checkpoint (torch.utils.checkpoint) is recomputing units {names} in backward: what the "
+                    f"recomputation saves refers to their weights' buffers on the device tier {self.device_tier!r}, so "
+                    f"all weights of a checkpointed region stay held there together until their gradients are "
+                    f"accumulated; checkpoint smaller regions (one block each) or give the device tier more room"
+                ) from error
             for weight, manager, value in zip(todo, managers, values, strict=True):
                 weight.hold = manager
                 weight.param.data = value if value.device == weight.param.device else value.to(weight.param.device)
@@ -291,7 +347,7 @@ class ParameterOffload:
         recomputing it (``torch.utils.checkpoint``): what it saved for backward are plain
         aliases of the held weights (the checkpoint's hooks, not ours, packed them), and its
         backward follows at once, so the weights stay held until their gradients are
-        accumulated (or, frozen, until the unit's next forward), as after a backward pre-hook."""
+        accumulated (or, frozen, until the backward ends), as after a backward pre-hook."""
         if not _in_backward():
             self._release(index)
 
@@ -361,8 +417,19 @@ class ParameterOffload:
                 found.append((prefix + name, weight))
         return found
 
+    def _state_dict_enter(self, module: nn.Module, prefix: str) -> None:
+        """``module.state_dict()`` starts: a new call unless torch recurses into a child of the
+        module it entered last (a call that raised left its modules entered: a new one starts)."""
+        nested = False
+        if self._reading:
+            parent, at = self._reading[-1]
+            nested = any(child is module and prefix == f"{at}{name}." for name, child in parent._modules.items())
+        if not nested:
+            self._reading, self._read = [], {}
+        self._reading.append((module, prefix))
+
     def _seen_in(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """What this ``state_dict`` call has read or written so far (tied weights)."""
+        """What this ``load_state_dict`` has written so far (tied weights)."""
         ref = self._in_dict[0]
         if ref is None or ref() is not state_dict:
             try:
@@ -371,16 +438,27 @@ class ParameterOffload:
                 return {}
         return self._in_dict[1]
 
-    def _state_dict_hook(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any]) -> None:
+    def _state_dict_hook(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, unit: bool) -> None:
         """``module.state_dict()`` gets the weights from the store (on each parameter's device,
         in its dtype and shape, as ``detach()`` puts them back) instead of the zero-size
         placeholders. ``keep_vars=True`` keeps the Parameter objects themselves (that is what
-        it asks for): outside a forward their data is the placeholder."""
+        it asks for): outside a forward their data is the placeholder. Each call reads anew
+        (a ``destination`` given again gets the current weights)."""
+        try:
+            if unit:
+                self._read_into(module, state_dict, prefix)
+        finally:
+            if self._reading and self._reading[-1] == (module, prefix):
+                self._reading.pop()
+            if not self._reading:  # the call ends: what it read is the caller's alone
+                self._read = {}
+
+    def _read_into(self, module: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
         todo = [(key, weight) for key, weight in self._own_weights(module, prefix, state_dict) if state_dict[key] is not weight.param]
         if not todo:
             return
         _check_unchanged([weight for _, weight in todo if weight.hold is None])
-        seen = self._seen_in(state_dict)
+        seen = self._read
         wanted = [weight for _, weight in todo if weight.key not in seen]
         if wanted:
             for weight, value in zip(wanted, run(self._read_all(wanted)), strict=True):
@@ -436,16 +514,24 @@ class ParameterOffload:
             else:
                 writes.append((weight, value))
             state_dict[key] = weight.param
+            self._loading[weight] = (weight.param._version, False)
         if writes:
             self._write_all(writes, self._seen_in(state_dict))
+            for weight, _ in writes:
+                self._loading[weight] = (weight.param._version, True)
 
     def _loaded(self, module: nn.Module) -> None:
-        """After torch's load of ``module``: its copy into each placeholder (a no-op) counted
-        as an in-place change, which was not one."""
+        """After torch's load of ``module``: its copy into each covered placeholder (a no-op)
+        counted as an in-place change, which was not one. A weight the load wrote is changed
+        by it; one it did not write keeps what the user did to it before (the next forward
+        still refuses an in-place change it did not replace)."""
         for param in module._parameters.values():
             weight = self._weight_of.get(id(param)) if param is not None else None
-            if weight is not None and weight.hold is None:
-                weight.version = weight.param._version
+            if weight is None or weight not in self._loading:
+                continue
+            before, written = self._loading.pop(weight)
+            now = weight.param._version
+            weight.version = now if written else weight.version + now - before
 
     def _write_all(self, writes: list[tuple[_Weight, torch.Tensor]], seen: dict[str, Any]) -> None:
         if any(hooks is not None for hooks in self._saving):
