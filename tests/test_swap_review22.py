@@ -183,3 +183,40 @@ def test_a_checkpointed_region_larger_than_the_device_tier_says_so() -> None:
         loss.backward()
     params.detach()
     sync.close()
+
+
+class Adapted(nn.Module):
+    """A frozen linear layer with a trainable low-rank adapter beside it (as LoRA)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.base = nn.Linear(dim, dim)
+        self.base.requires_grad_(False)
+        self.down = nn.Parameter(torch.randn(dim, 2) / dim)
+        self.up = nn.Parameter(torch.zeros(2, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.base(x) + x @ self.down @ self.up)
+
+
+def test_a_frozen_base_larger_than_the_device_tier_trains_unit_by_unit() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(Adapted(64) for _ in range(8)))  # 8 x 16.25 KiB frozen
+    twin = copy.deepcopy(model)
+    sync = store(device="64KiB")  # (was: TierFullError in backward, every frozen unit still held)
+    params = offload_parameters(model, sync)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = TieredAdamW(trainable, lr=1e-2, store=sync, min_offload_numel=64, fused=True)
+    reference = torch.optim.AdamW([p for p in twin.parameters() if p.requires_grad], lr=1e-2, fused=True)
+    for n in range(3):
+        x = torch.randn(16, 64, generator=torch.Generator().manual_seed(n))
+        for net, optimizer in ((model, opt), (twin, reference)):
+            optimizer.zero_grad()
+            net(x).square().mean().backward()
+            optimizer.step()
+        params.mark_step()
+        assert held(sync, params.namespace.name) == []
+    assert_same(model.state_dict(), twin.state_dict())
+    opt.close()
+    params.detach()
+    sync.close()

@@ -5,8 +5,9 @@ while a submodule computes with them.
 default, or disk) and leaves a zero-size placeholder in the module. Around each submodule that
 owns parameters (a *unit*), hooks hold its parameters on the device tier -- the store's own
 buffers -- for its forward, release them after it (even when it raises), hold them again before
-its backward and release each once its gradient is accumulated (a frozen one, or one that gets
-no gradient, when the backward ends). A release ends the store's hold
+its backward and release each once its gradient is accumulated (a frozen one once the unit's
+backward computed its inputs' gradients; any left, such as one without a gradient, when the
+backward ends). A release ends the store's hold
 only after the kernels queued until then, which may still read the weights, are done
 (``link.mark()`` on the training thread, awaited on the loop). Autograd would keep a reference to the
 forward-time buffers of the weights it saves for backward (and read them there, after the store
@@ -202,6 +203,7 @@ class ParameterOffload:
             # always_call: a forward that raises still lets go of the unit's weights
             self._hooks.append(unit.module.register_forward_hook(lambda *_, i=index: self._release_after_forward(i), always_call=True))
             self._hooks.append(unit.module.register_full_backward_pre_hook(lambda *_, i=index: self._hold(i)))
+            self._hooks.append(unit.module.register_full_backward_hook(lambda *args, i=index: self._frozen_done(i, args[1])))
         units = {id(unit.module) for unit in self._units}
         for sub in self.module.modules():  # where a state_dict() call starts and ends
             # (torch marks a state_dict hook with an attribute: a function, not a bound method)
@@ -302,6 +304,20 @@ class ParameterOffload:
             units = self._in_backward[task] = set()
             torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_backward(task))
         units.add(holder)
+
+    def _frozen_done(self, index: int, grad_inputs: Any) -> None:
+        """The unit's backward computed the gradients of its inputs: its frozen weights (no
+        gradient accumulation lets go of them) are let go now, unless a checkpoint recomputed
+        the unit (what the recomputation saved refers to their buffers, not through our
+        references) or no input needed a gradient (torch then calls this before the unit's
+        backward ran); the backward's end lets go of those. A use after this (a frozen weight
+        feeding another's gradient) holds it again."""
+        if index in self._recomputing or all(g is None for g in grad_inputs):
+            return
+        weights = [w for w in self._units[index].weights if not w.param.requires_grad and index in w.holders]
+        for weight in weights:
+            weight.holders.discard(index)
+        self._let_go(weights)
 
     def _end_backward(self, task: int) -> None:
         """A backward ended: what it held is no longer needed by it."""
