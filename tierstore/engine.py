@@ -566,7 +566,8 @@ class Engine:
         key's disk lock taken at once, the record handed to the catalog's writer thread, and the
         value installed (the lock released), on the loop, once the transaction is durable. The
         returned future then gives the version committed, or raises what the commit raised
-        (nothing then changed). Cancelling it cancels nothing: the commit goes on (``aclose``
+        (nothing then changed). It cannot be cancelled: a task cancelled while awaiting it
+        gets its ``CancelledError`` once the outcome is settled (the commit goes on; ``aclose``
         waits for it). None, with nothing done, when that cannot start at once (a value not
         small, a catalog change of the key or of the catalog under way): the caller then goes
         the awaited way (``write_disk``)."""
@@ -579,51 +580,28 @@ class Engine:
         lock = entry.try_disk_lock()
         if lock is None:
             return None
-        committed: asyncio.Future[None] | None = None
+        commit: _SmallCommit | None = None
         try:
             disk.reserve_inline(nbytes)
             try:
                 version = next(self.versions)
-                committed = disk.commit_soon([(entry.key, disk.inline_raw(entry.key, meta, src, version))])
+                raw = disk.inline_raw(entry.key, meta, src, version)
+                commit = _SmallCommit(self, entry, lock, meta, version, d)
+                self.writes.add(commit.done)  # (``aclose`` waits for it, as for a write task)
+                if not disk.commit_soon([(entry.key, raw)], commit.finish):
+                    self.writes.discard(commit.done)
+                    commit = None
             finally:
-                if committed is None:
+                if commit is None:
                     disk.release_inline(nbytes)
         finally:
-            if committed is None:
+            if commit is None:
                 lock.release()
                 entry.forget_idle_lock()
-        if committed is None:
+        if commit is None:
             self.drop_if_unused(entry)
             return None
-        started = time.perf_counter()
-        # The commit's own future is the catalog's and no one else's: the caller gets another
-        # one, so no caller can cancel it (which would free the space and the lock while the
-        # writer thread still commits).
-        outcome: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-
-        def installed(future: asyncio.Future[None]) -> None:
-            failure: BaseException | None = None
-            try:
-                failure = asyncio.CancelledError() if future.cancelled() else future.exception()
-                if failure is not None:
-                    disk.release_inline(nbytes)
-                else:
-                    self.count_link(None, d, nbytes, time.perf_counter() - started)
-                    self.install_disk(entry, d, Copy(d, version, inline=nbytes), meta)
-            finally:
-                lock.release()
-                entry.forget_idle_lock()
-                self.drop_if_unused(entry)  # (one made for this put, whose commit failed)
-                if not outcome.done():
-                    if failure is None:
-                        outcome.set_result(version)
-                    else:
-                        outcome.set_exception(failure)
-
-        committed.add_done_callback(installed)
-        self.writes.add(committed)  # (``aclose`` waits for it, as for a write task)
-        committed.add_done_callback(self.writes.discard)
-        return outcome
+        return commit.done
 
     def stage_new_small(self, key: str, data: bytes, meta: TensorMeta) -> bool:
         """A small put of a key with no entry onto a non-durable disk tier, done at once with
@@ -1082,3 +1060,53 @@ def _make_policies(tiers: list[Tier], eviction: Any, finder: Callable[[int], Cal
     if isinstance(eviction, EvictionPolicy) and not isinstance(eviction, type) and len(evicting) > 1:
         raise TypeError("one policy instance cannot serve several tiers: pass its class (or a factory, or a dict by tier name)")
     return [build(eviction, tier.name) for tier in tiers[:-1]] + [None]
+
+
+class _Uncancellable(asyncio.Future[int]):
+    """A future that refuses ``cancel``: a task cancelled while awaiting it is told so (its
+    ``CancelledError``) only once the future is done, as a ``shield`` and a second wait would
+    do, with no second future and no callbacks."""
+
+    __slots__ = ()
+
+    def cancel(self, msg: Any = None) -> bool:
+        return False
+
+
+class _SmallCommit:
+    """A durable small put under way (``Engine.commit_small_now``): ``finish`` runs on the loop
+    once the catalog's writer thread has committed it (the one callback it schedules), installs
+    the value, lets the key's disk lock go and settles ``done``, the one future the caller
+    awaits."""
+
+    __slots__ = ("engine", "entry", "lock", "meta", "version", "d", "started", "done")
+
+    def __init__(self, engine: Engine, entry: Entry, lock: asyncio.Lock, meta: TensorMeta, version: int, d: int) -> None:
+        self.engine = engine
+        self.entry = entry
+        self.lock = lock
+        self.meta = meta
+        self.version = version
+        self.d = d
+        self.started = time.perf_counter()
+        self.done: asyncio.Future[int] = _Uncancellable()
+
+    def finish(self, error: BaseException | None) -> None:
+        engine = self.engine
+        entry = self.entry
+        nbytes = self.meta.nbytes
+        try:
+            if error is not None:
+                engine.disk.release_inline(nbytes)
+            else:
+                engine.count_link(None, self.d, nbytes, time.perf_counter() - self.started)
+                engine.install_disk(entry, self.d, Copy(self.d, self.version, inline=nbytes), self.meta)
+        finally:
+            self.lock.release()
+            entry.forget_idle_lock()
+            engine.drop_if_unused(entry)  # (one made for this put, whose commit failed)
+            engine.writes.discard(self.done)
+            if error is None:
+                self.done.set_result(self.version)
+            else:
+                self.done.set_exception(error)

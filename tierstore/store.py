@@ -35,7 +35,7 @@ from .tensors import TensorMeta, as_bytes, check_tensor, from_bytes, supported_d
 from .tiers.base import MemoryTier, Tier
 from .tiers.disk import InlineSuperseded
 from .units import format_bytes
-from .workers import Priority, wait_uncancelled
+from .workers import Priority
 
 __all__ = ["TierRef", "TierStore"]
 
@@ -249,6 +249,10 @@ class TierStore:
         ``flush()`` or close). A put that lands on the disk tier itself is always written
         through. See README, "Durability".
         """
+        soon = self._commit_small_soon(key, tensor, tier, durable)
+        if soon is not None:  # (a small value committed on the disk tier: one hand-over and back)
+            await self._committed_small(*soon)
+            return
         landed = self._put_small_now(key, tensor, tier, durable)
         if landed is not None:
             if landed == self._engine.disk_index:
@@ -363,6 +367,60 @@ class TierStore:
         engine.observe("put", key, nbytes, d, hit=None)
         return d
 
+    def _commit_small_soon(
+        self, key: str, tensor: torch.Tensor, tier: TierRef, durable: bool | None
+    ) -> tuple[Entry, asyncio.Future[int], int] | None:
+        """The start of a put that lands on the disk tier itself (the only tier, or the one
+        asked for) and waits for its commit (a durable put, or any put onto a durable disk
+        tier) of a small value: its record handed to the catalog's writer thread with no await
+        (``Engine.commit_small_now``). Returns the entry, the commit's future and the value's
+        size; None, having changed nothing, for every other put (and bad input: the full
+        ``put`` says what is wrong)."""
+        engine = self._engine
+        d = engine.disk_index
+        if d is None or engine.frozen or not engine.is_open or engine.closing:
+            return None
+        disk = engine.disk
+        if not (disk.durable or (self.durable if durable is None else durable)) or disk.commit_failed:
+            return None  # (a write-back put onto a non-durable tier may be staged; failed commits first)
+        try:
+            if engine.index_of(tier) != d:
+                return None  # (a memory tier first: the put caches there)
+            key = check_key(key)
+            engine.require_open()
+        except TierStoreError:
+            return None
+        if not _plain_cpu(tensor):
+            return None
+        meta = meta_of(tensor)
+        nbytes = meta.nbytes
+        if not disk.holds_inline(nbytes):
+            return None
+        entry = engine.entries.get(key)
+        if entry is None:
+            entry = engine.entries[key] = Entry(key, meta)
+        elif entry.writer is not None:
+            return None
+        data = ctypes.string_at(tensor.data_ptr(), nbytes) if nbytes else b""
+        committed = engine.commit_small_now(entry, data, meta)  # (drops an entry made here if not)
+        if committed is None:
+            return None
+        return entry, committed, nbytes
+
+    async def _committed_small(self, entry: Entry, committed: asyncio.Future[int], nbytes: int) -> None:
+        """The rest of a put ``_commit_small_soon`` started: back once its commit is settled
+        (the future cannot be cancelled: a cancelled caller is told then)."""
+        engine = self._engine
+        entry.pending_writes += 1
+        try:
+            await committed
+        finally:
+            entry.pending_writes -= 1
+            entry.wake()  # a write hold waits for puts in flight
+            if not entry.visible and entry.pending_writes == 0 and engine.entries.get(entry.key) is entry:
+                del engine.entries[entry.key]
+        engine.observe("put", entry.key, nbytes, engine.disk_index, hit=None)
+
     def _put_now(self, entry: Entry, src: torch.Tensor, meta: TensorMeta, t: int) -> bool:
         """A write-back put onto tier ``t`` done at once when it needs no await (a small value
         with room on a memory tier in CPU memory, or staged on a non-durable disk tier);
@@ -449,11 +507,8 @@ class TierStore:
             return None
         committed = self._engine.commit_small_now(entry, src, meta)
         if committed is not None:  # (a small value: one hand-over to the catalog's writer and back)
-            try:
-                return await asyncio.shield(committed)
-            except asyncio.CancelledError:
-                await wait_uncancelled(committed)  # (the commit is under way: its outcome first)
-                raise
+            # (it cannot be cancelled: a cancelled caller is told once the outcome is settled)
+            return await committed
         abandon = asyncio.Event()
         write = self._engine.write_disk(entry, src, meta, None, Priority.DEMAND, abandon=abandon, staged=staged)
         return await self._engine.shielded(write, abandon)

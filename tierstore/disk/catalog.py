@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -620,60 +621,48 @@ class Catalog:
         """An uncontended commit: its transaction handed to the writer thread at once, which
         settles the one future waited for here (no flush task, no executor future). Commits
         arriving meanwhile queue and share the next transaction (group commit)."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._hand_over(list(changes), None, partial(_settle_retrieved, done))
         # (a cancelled caller stops waiting; the transaction goes on, as a queued one would)
-        await asyncio.shield(self._hand_over(list(changes)))
+        await asyncio.shield(done)
 
     def commit_soon(
-        self, changes: list[_Change], scope: Callable[[], AbstractContextManager[None]] | None = None
-    ) -> asyncio.Future[None] | None:
+        self,
+        changes: list[_Change],
+        then: Callable[[BaseException | None], None],
+        scope: Callable[[], AbstractContextManager[None]] | None = None,
+    ) -> bool:
         """``commit`` with no await, if the catalog is idle (nothing queued, failed or being
         committed, none of these keys with a change under way): the transaction is handed to the
-        writer thread at once, and the returned future ends once it is durable (raising what the
-        commit raised). None, with nothing done, otherwise: the caller then ``commit``s.
-        ``scope()`` is entered around the transaction, on the writer thread (``commit_here``)."""
-        if self._writer is None or not self._idle() or any(key in self._staged for key, _ in changes):
-            return None
-        return self._hand_over(changes, scope)
+        writer thread at once, and ``then(error)`` runs on the loop once it is durable (``error``
+        None) or failed (what it raised). False, with nothing done, otherwise: the caller then
+        ``commit``s. ``scope()`` is entered around the transaction, on the writer thread
+        (``commit_here``)."""
+        if self._writer is None or not self._idle() or (self._staged and any(key in self._staged for key, _ in changes)):
+            return False
+        self._hand_over(changes, scope, then)
+        return True
 
     def _hand_over(
-        self, group: list[_Change], scope: Callable[[], AbstractContextManager[None]] | None = None
-    ) -> asyncio.Future[None]:
+        self,
+        group: list[_Change],
+        scope: Callable[[], AbstractContextManager[None]] | None,
+        then: Callable[[BaseException | None], None],
+    ) -> None:
         """Hand ``group`` to the writer thread as one transaction (in ``scope()`` if given); it
-        settles the returned future through a single ``call_soon_threadsafe`` (one wake-up of
-        the loop). The catalog counts as busy until then (``_idle``), so a later commit of the
-        same key cannot overtake it."""
+        calls ``then`` on the loop through a single ``call_soon_threadsafe`` (one wake-up of the
+        loop, no future). The catalog counts as busy until then (``_idle``), so a later commit
+        of the same key cannot overtake it."""
         writer = self._writer
         if writer is None:
             raise StoreClosedError(f"the catalog in {self.path} is closed")
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[None] = loop.create_future()
-
-        def job() -> None:
-            try:
-                if scope is None:
-                    self._write_sync(group, None)
-                else:
-                    with scope():
-                        self._write_sync(group, None)
-            except BaseException as exc:
-                _deliver(loop, done, exc)
-            else:
-                _deliver(loop, done, None)
-
-        def settled(future: asyncio.Future[None]) -> None:
-            # (busy until the transaction ends, also for a cancelled caller)
-            self._direct -= 1
-            if not future.cancelled():
-                future.exception()  # (retrieved: a cancelled caller no longer waits for it)
-
+        job = _Direct(self, group, scope, then, asyncio.get_running_loop())
         self._direct += 1
-        done.add_done_callback(settled)
         try:
-            writer.run_soon(job)
+            writer.run_soon(job.run)
         except BaseException:
-            done.cancel()
+            self._direct -= 1
             raise
-        return done
 
     def commit_here(
         self, changes: list[tuple[str, DiskRecord | None]], scope: Callable[[], AbstractContextManager[None]] | None = None
@@ -977,9 +966,51 @@ def _again(error: BaseException | None, path: Path) -> BaseException:
     return CatalogError(f"the catalog in {path} could not commit queued changes: {error}")
 
 
-def _deliver(loop: asyncio.AbstractEventLoop, done: asyncio.Future[None], exc: BaseException | None) -> None:
-    with contextlib.suppress(RuntimeError):  # (a closed loop: nobody is waiting any more)
-        loop.call_soon_threadsafe(_settle, done, exc)
+class _Direct:
+    """One transaction handed straight to the writer thread (``Catalog._hand_over``): ``run``
+    on the writer, ``finish`` back on the loop. An object with slots and bound methods rather
+    than closures: a durable small put makes one of these and nothing else here."""
+
+    __slots__ = ("catalog", "group", "scope", "then", "loop")
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        group: list[_Change],
+        scope: Callable[[], AbstractContextManager[None]] | None,
+        then: Callable[[BaseException | None], None],
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.catalog = catalog
+        self.group = group
+        self.scope = scope
+        self.then = then
+        self.loop = loop
+
+    def run(self) -> None:
+        error: BaseException | None = None
+        try:
+            if self.scope is None:
+                self.catalog._write_sync(self.group, None)
+            else:
+                with self.scope():
+                    self.catalog._write_sync(self.group, None)
+        except BaseException as exc:
+            error = exc
+        with contextlib.suppress(RuntimeError):  # (a closed loop: nobody is waiting any more)
+            self.loop.call_soon_threadsafe(self.finish, error)
+
+    def finish(self, error: BaseException | None) -> None:
+        # (busy until the transaction ends, also for a caller that stopped waiting)
+        self.catalog._direct -= 1
+        self.then(error)
+
+
+def _settle_retrieved(done: asyncio.Future[None], exc: BaseException | None) -> None:
+    """``_settle``, the failure marked as seen: a cancelled caller no longer waits for it."""
+    _settle(done, exc)
+    if exc is not None and not done.cancelled():
+        done.exception()
 
 
 class _SlowPath(Exception):

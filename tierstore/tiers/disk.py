@@ -814,16 +814,19 @@ class DiskTier(Tier):
         with self.io.catalog_commit(self._as_records(changes), None):
             await self._require_catalog().commit(changes)  # type: ignore[arg-type]
 
-    def commit_soon(self, changes: list[tuple[str, DiskRecord | bytes | None]]) -> asyncio.Future[None] | None:
+    def commit_soon(
+        self, changes: list[tuple[str, DiskRecord | bytes | None]], then: Callable[[BaseException | None], None]
+    ) -> bool:
         """``commit`` started with no await when the catalog is idle (``Catalog.commit_soon``):
-        the future ends once the transaction is durable. None (nothing done) otherwise. An
-        ``io`` that watches commits (fault injection) gets its ``catalog_commit`` scope around
-        the transaction, on the writer thread, as ``commit`` gives it around the awaited one."""
+        ``then(error)`` runs on the loop once the transaction is durable (``error`` None) or
+        failed. False (nothing done) otherwise. An ``io`` that watches commits (fault
+        injection) gets its ``catalog_commit`` scope around the transaction, on the writer
+        thread, as ``commit`` gives it around the awaited one."""
         self._require_open()
         catalog = self._require_catalog()
         if type(self.io).catalog_commit is FileIO.catalog_commit:
-            return catalog.commit_soon(changes)
-        return catalog.commit_soon(changes, partial(self.io.catalog_commit, self._as_records(changes), None))
+            return catalog.commit_soon(changes, then)
+        return catalog.commit_soon(changes, then, partial(self.io.catalog_commit, self._as_records(changes), None))
 
     def _as_records(self, changes: list[tuple[str, DiskRecord | bytes | None]]) -> list[tuple[str, DiskRecord | None]]:
         """``changes`` as records, for an ``io`` that watches commits (fault injection); as they
