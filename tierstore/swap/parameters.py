@@ -260,8 +260,9 @@ class ParameterOffload:
         if sys.exc_info()[1] is not None:  # the forward raised: no backward follows its units
             self._order = []
             self._cursor = 0
-        if not self._saving and not _in_backward():
-            self._recomputing.clear()  # (left by a backward that raised)
+        if not self._saving and not _in_backward():  # (left by a backward that raised)
+            self._recomputing.clear()
+            self._in_backward.clear()
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         base = tensor if id(tensor) in self._weight_of else tensor._base
