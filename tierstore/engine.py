@@ -574,7 +574,7 @@ class Engine:
         disk = self.disk
         d = self.disk_index
         nbytes = meta.nbytes
-        if d is None or not disk.holds_inline(nbytes):
+        if d is None or not disk.holds_inline(nbytes) or not disk.can_commit_soon(entry.key):
             return None
         entry = self._live_entry(entry, meta)
         lock = entry.try_disk_lock()

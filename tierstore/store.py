@@ -394,8 +394,8 @@ class TierStore:
             return None
         meta = meta_of(tensor)
         nbytes = meta.nbytes
-        if not disk.holds_inline(nbytes):
-            return None
+        if not disk.holds_inline(nbytes) or not disk.can_commit_soon(key):
+            return None  # (a large value, or a busy catalog: queued for a shared transaction)
         entry = engine.entries.get(key)
         if entry is None:
             entry = engine.entries[key] = Entry(key, meta)

@@ -626,6 +626,11 @@ class Catalog:
         # (a cancelled caller stops waiting; the transaction goes on, as a queued one would)
         await asyncio.shield(done)
 
+    def idle_for(self, key: str) -> bool:
+        """Whether ``commit_soon`` of a change of ``key`` would start now (checked before
+        making the record: under contention the put goes the queued way at once)."""
+        return self._writer is not None and key not in self._staged and self._idle()
+
     def commit_soon(
         self,
         changes: list[_Change],

@@ -814,6 +814,11 @@ class DiskTier(Tier):
         with self.io.catalog_commit(self._as_records(changes), None):
             await self._require_catalog().commit(changes)  # type: ignore[arg-type]
 
+    def can_commit_soon(self, key: str) -> bool:
+        """Whether ``commit_soon`` of a change of ``key`` would start now (``Catalog.idle_for``)."""
+        catalog = self._catalog
+        return catalog is not None and catalog.idle_for(key)
+
     def commit_soon(
         self, changes: list[tuple[str, DiskRecord | bytes | None]], then: Callable[[BaseException | None], None]
     ) -> bool:
