@@ -280,16 +280,19 @@ def test_a_named_namespace_of_other_shapes_warns_and_starts_over(tmp_path: Path)
 
 
 @pytest.mark.device_modes
-def test_optimizers_stepping_from_two_threads_on_one_store_match_torch(tmp_path: Path) -> None:
+@pytest.mark.parametrize("in_backward", [False, True], ids=["after_backward", "in_backward"])
+def test_optimizers_stepping_from_two_threads_on_one_store_match_torch(tmp_path: Path, in_backward: bool) -> None:
     """Two optimizers sharing a store whose host tier holds a fraction of their state, stepped at
     the same time from two threads. Each sizes its buckets by the room as if it were its own;
     stepping at once they took parts of it and waited for the rest (a hang under the emulated
-    device, TierFullError on the plain CPU). Steps on one store now run one at a time."""
+    device, TierFullError on the plain CPU). Steps on one store now run one at a time; and with
+    step_in_backward=True one optimizer's updates run in backward at a time, the others' in step()."""
     torch.manual_seed(0)
     models = [torch.nn.Sequential(torch.nn.Linear(64, 96 + 16 * k), torch.nn.ReLU(), torch.nn.Linear(96 + 16 * k, 32)) for k in range(3)]
     refs = [copy.deepcopy(m) for m in models]
     store = SyncTierStore([HostTier("200KiB"), DiskTier(tmp_path / "store", "64MiB", chunk_size="64KiB")]).open()
-    opts = [TieredAdamW(m.parameters(), lr=1e-2, store=store, min_offload_numel=16, bucket_bytes=8192) for m in models]
+    opts = [TieredAdamW(m.parameters(), lr=1e-2, store=store, min_offload_numel=16, bucket_bytes=8192, step_in_backward=in_backward)
+            for m in models]
     ref_opts = [torch.optim.AdamW(r.parameters(), lr=1e-2, fused=True) for r in refs]
     errors: list[BaseException] = []
 
@@ -320,12 +323,14 @@ def test_optimizers_stepping_from_two_threads_on_one_store_match_torch(tmp_path:
 
 
 @pytest.mark.device_modes
-@pytest.mark.parametrize("in_backward", [(False, True)], ids=["plain+in_backward"])
+@pytest.mark.parametrize("in_backward", [(False, True), (True, True)], ids=["plain+in_backward", "both_in_backward"])
 def test_one_backward_feeding_two_optimizers_on_one_store_match_torch(tmp_path: Path, in_backward: tuple[bool, bool]) -> None:
     """A GAN-like loss whose one backward gives gradients to two optimizers sharing a small store,
     the second updating in backward. Stepped one after the other, the first planned its buckets
     with the whole room while the second's updates launched in backward still held part of it:
-    TierFullError (under the emulated device, on most runs). A step now waits for them first."""
+    TierFullError (under the emulated device, on most runs). A step now waits for them first.
+    Both updating in backward, each took part of the room and waited for the rest (a hang under
+    the emulated device): one optimizer's updates run in backward at a time now."""
     models = []
     for k in range(2):
         torch.manual_seed(k)

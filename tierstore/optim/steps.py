@@ -33,6 +33,8 @@ Scaling = tuple["torch.Tensor | None", bool]
 _step_locks: weakref.WeakKeyDictionary[TierStore, asyncio.Lock] = weakref.WeakKeyDictionary()
 #: The step runners of each store (the optimizers sharing it).
 _runners: weakref.WeakKeyDictionary[TierStore, weakref.WeakSet[StepRunner]] = weakref.WeakKeyDictionary()
+#: Per store, the runner whose updates run in backward now (``StepRunner.may_update_in_backward``).
+_in_backward_owner: weakref.WeakKeyDictionary[TierStore, weakref.ref[StepRunner]] = weakref.WeakKeyDictionary()
 
 
 def _one_step_at_a_time(store: TierStore) -> asyncio.Lock:
@@ -87,7 +89,7 @@ class StepRunner:
         if not self._pipeline.prefetch_issued or self.max_grad_norm is not None:
             return False
         slot.arrival = next(self._arrivals)
-        if self._in_backward and slot.capture is capture:
+        if self._in_backward and slot.capture is capture and self.may_update_in_backward():
             slot.used = capture
             self._pipeline.add(slot, None, after=capture.marker)
         return True
@@ -98,9 +100,28 @@ class StepRunner:
         await self._pipeline.prefetch_first(self.coming_order(), self.reversed_order)
         if self.max_grad_norm is not None and slot.capture is capture:
             capture.norm = await self.norm(slot, capture, 2.0)
-        if self._in_backward and slot.capture is capture:
+        if self._in_backward and slot.capture is capture and self.may_update_in_backward():
             slot.used = capture
             self._pipeline.add(slot, None, after=capture.marker)
+
+    def may_update_in_backward(self) -> bool:
+        """Whether this optimizer's updates may start in backward now: one optimizer on a store
+        at a time does (it claims the store until its step, or ``zero_grad``, ends). Each plans
+        its buckets with the whole room of the state tier; two updating in backward at once
+        took parts of it and waited for the rest (``TierFullError``, or a hang under the
+        emulated device). The other's gradients wait for its ``step()``, as with
+        ``step_in_backward=False``, which first waits for the updates of the one in backward."""
+        owner = _in_backward_owner.get(self._store)
+        runner = owner() if owner is not None else None
+        if runner is None:
+            _in_backward_owner[self._store] = weakref.ref(self)
+            return True
+        return runner is self
+
+    def _release_backward(self) -> None:
+        owner = _in_backward_owner.get(self._store)
+        if owner is not None and owner() is self:
+            del _in_backward_owner[self._store]
 
     @property
     def reversed_order(self) -> bool:
@@ -317,6 +338,7 @@ class StepRunner:
         (never reported otherwise: ``step()`` did not see them)."""
         await self._captures_settled()  # (an arrival may still add to a bucket)
         failures = await self._pipeline.finish(drop_open=True)
+        self._release_backward()
         for slot in self._slots:
             await self.capture.discard(slot)
             slot.reset_step()
