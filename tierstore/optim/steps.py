@@ -35,6 +35,8 @@ _step_locks: weakref.WeakKeyDictionary[TierStore, asyncio.Lock] = weakref.WeakKe
 _runners: weakref.WeakKeyDictionary[TierStore, weakref.WeakSet[StepRunner]] = weakref.WeakKeyDictionary()
 #: Per store, the runner whose updates run in backward now (``StepRunner.may_update_in_backward``).
 _in_backward_owner: weakref.WeakKeyDictionary[TierStore, weakref.ref[StepRunner]] = weakref.WeakKeyDictionary()
+#: Per store, the runner whose step holds ``_one_step_at_a_time`` now.
+_stepping: weakref.WeakKeyDictionary[TierStore, weakref.ref[StepRunner]] = weakref.WeakKeyDictionary()
 
 
 def _one_step_at_a_time(store: TierStore) -> asyncio.Lock:
@@ -106,15 +108,20 @@ class StepRunner:
 
     def may_update_in_backward(self) -> bool:
         """Whether this optimizer's updates may start in backward now: one optimizer on a store
-        at a time does (it claims the store until its step, or ``zero_grad``, ends). Each plans
-        its buckets with the whole room of the state tier; two updating in backward at once
-        took parts of it and waited for the rest (``TierFullError``, or a hang under the
-        emulated device). The other's gradients wait for its ``step()``, as with
-        ``step_in_backward=False``, which first waits for the updates of the one in backward."""
-        owner = _in_backward_owner.get(self._store)
+        at a time does (it claims the store until its step, or ``zero_grad``, ends), and none
+        while another optimizer's step runs. Each plans its buckets with the whole room of the
+        state tier; two streams of updates at once took parts of it and waited for the rest
+        (``TierFullError``, or a hang under the emulated device). A gradient turned away here
+        waits for its optimizer's ``step()``, as with ``step_in_backward=False`` (and a step
+        first waits for the updates already started in backward)."""
+        store = self._store
+        stepping = _stepping.get(store)
+        if stepping is not None and stepping() is not self:
+            return False
+        owner = _in_backward_owner.get(store)
         runner = owner() if owner is not None else None
         if runner is None:
-            _in_backward_owner[self._store] = weakref.ref(self)
+            _in_backward_owner[store] = weakref.ref(self)
             return True
         return runner is self
 
@@ -144,12 +151,17 @@ class StepRunner:
         pipeline.in_step = True
         try:
             async with _one_step_at_a_time(self._store):
-                await self._others_in_backward_done()
+                # (from here on no other optimizer's update starts in backward: see below)
+                _stepping[self._store] = weakref.ref(self)
                 try:
-                    await self._run(pipeline, observed, scaling)
-                except asyncio.CancelledError:  # Ctrl-C in step(): abandoned, once what it launched has ended
-                    await self._abandon()
-                    raise
+                    await self._others_in_backward_done()
+                    try:
+                        await self._run(pipeline, observed, scaling)
+                    except asyncio.CancelledError:  # Ctrl-C in step(): abandoned, once what it launched has ended
+                        await self._abandon()
+                        raise
+                finally:
+                    del _stepping[self._store]
         finally:
             pipeline.in_step = False
             pipeline.scale = None
