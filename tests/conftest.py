@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -55,4 +56,30 @@ def full_for() -> Iterator[set[str]]:
     try:
         yield keys
     finally:
+        Catalog._write_sync = real  # type: ignore[method-assign]
+
+
+@pytest.fixture
+def commit_gate() -> Iterator[threading.Event]:
+    """Catalog transactions of keys starting with ``slow`` wait while the event is clear (it
+    starts set); those of keys starting with ``fail`` raise as on a full disk."""
+    from tierstore.disk.catalog import Catalog
+    from tierstore.errors import DiskFullError
+
+    event = threading.Event()
+    event.set()
+    real = Catalog._write_sync
+
+    def write(self: Catalog, changes: Sequence[tuple[str, Any]], layout: Any) -> None:
+        if any(key.startswith(("slow", "fail")) for key, _ in changes):
+            assert event.wait(10), "the test never opened the gate"
+        if any(key.startswith("fail") for key, _ in changes):
+            raise DiskFullError(28, "no space left on device (injected)")
+        real(self, changes, layout)
+
+    Catalog._write_sync = write  # type: ignore[method-assign]
+    try:
+        yield event
+    finally:
+        event.set()
         Catalog._write_sync = real  # type: ignore[method-assign]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,6 @@ import pytest
 import torch
 
 from tierstore import TierStore
-from tierstore.disk.catalog import Catalog
 from tierstore.errors import DiskFullError
 from tierstore.tiers import DiskTier, HostTier
 
@@ -31,27 +29,6 @@ def small(seed: int, n: int = 64) -> torch.Tensor:
     return torch.randint(-1000, 1000, (n,), dtype=torch.int32, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.fixture
-def gate() -> Iterator[threading.Event]:
-    """Catalog transactions of keys starting with ``slow`` wait while the event is clear (it
-    starts set); those of keys starting with ``fail`` raise as on a full disk."""
-    event = threading.Event()
-    event.set()
-    real = Catalog._write_sync
-
-    def write(self: Catalog, changes: Sequence[tuple[str, Any]], layout: Any) -> None:
-        if any(key.startswith(("slow", "fail")) for key, _ in changes):
-            assert event.wait(10), "the test never opened the gate"
-        if any(key.startswith("fail") for key, _ in changes):
-            raise DiskFullError(28, "no space left on device (injected)")
-        real(self, changes, layout)
-
-    Catalog._write_sync = write  # type: ignore[method-assign]
-    try:
-        yield event
-    finally:
-        event.set()
-        Catalog._write_sync = real  # type: ignore[method-assign]
 
 
 async def test_a_write_back_put_onto_a_durable_disk_tier_is_committed_on_return(tmp_path: Path) -> None:
@@ -66,18 +43,18 @@ async def test_a_write_back_put_onto_a_durable_disk_tier_is_committed_on_return(
             assert torch.equal(await store.get(f"k{i}"), small(i))
 
 
-async def test_close_waits_for_the_commit_of_a_cancelled_put(tmp_path: Path, gate: threading.Event) -> None:
+async def test_close_waits_for_the_commit_of_a_cancelled_put(tmp_path: Path, commit_gate: threading.Event) -> None:
     store = TierStore([disk(tmp_path / "d")])
     await store.open()
     await store.put("slow", small(1))
-    gate.clear()
+    commit_gate.clear()
     task = asyncio.create_task(store.put("slow", small(2)))
     await asyncio.sleep(0.02)  # (its transaction waits at the gate, on the writer thread)
     task.cancel()
     closing = asyncio.create_task(store.aclose())
     await asyncio.sleep(0.05)
     assert not task.done() and not closing.done()  # both wait for the commit under way
-    gate.set()
+    commit_gate.set()
     with pytest.raises(asyncio.CancelledError):
         await task
     await closing
@@ -85,14 +62,14 @@ async def test_close_waits_for_the_commit_of_a_cancelled_put(tmp_path: Path, gat
         assert torch.equal(await store.get("slow"), small(2))
 
 
-async def test_a_failed_commit_raises_and_a_cancelled_caller_is_told_once_it_is_settled(tmp_path: Path, gate: threading.Event) -> None:
+async def test_a_failed_commit_raises_and_a_cancelled_caller_is_told_once_it_is_settled(tmp_path: Path, commit_gate: threading.Event) -> None:
     async with TierStore([disk(tmp_path / "d")]) as store:
         tier: Any = store.tier("disk")
         await store.put("k", small(0))
         with pytest.raises(DiskFullError):
             await store.put("fail", small(1))
         used = tier.used
-        gate.clear()
+        commit_gate.clear()
         task = asyncio.create_task(store.put("fail", small(2)))
         await asyncio.sleep(0.02)
         task.cancel()
@@ -100,7 +77,7 @@ async def test_a_failed_commit_raises_and_a_cancelled_caller_is_told_once_it_is_
         assert not task.done()
         reported: list[dict[str, Any]] = []
         asyncio.get_running_loop().set_exception_handler(lambda loop, context: reported.append(context))
-        gate.set()
+        commit_gate.set()
         with pytest.raises(asyncio.CancelledError):  # (cancelled: not the commit's failure)
             await task
         del task

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,6 @@ import pytest
 import torch
 
 from tierstore import TierStore
-from tierstore.disk.catalog import Catalog
 from tierstore.errors import DiskFullError, KeyNotFoundError, TierFullError
 from tierstore.tiers import DiskTier
 
@@ -30,25 +28,6 @@ def small(seed: int, n: int = 256) -> torch.Tensor:
     return torch.randint(-1000, 1000, (n,), dtype=torch.int32, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.fixture
-def gate() -> Iterator[threading.Event]:
-    """Catalog transactions of keys starting with ``slow`` wait while the event is clear
-    (it starts set)."""
-    event = threading.Event()
-    event.set()
-    real = Catalog._write_sync
-
-    def write(self: Catalog, changes: Sequence[tuple[str, Any]], layout: Any) -> None:
-        if any(key.startswith("slow") for key, _ in changes):
-            assert event.wait(10), "the test never opened the gate"
-        real(self, changes, layout)
-
-    Catalog._write_sync = write  # type: ignore[method-assign]
-    try:
-        yield event
-    finally:
-        event.set()
-        Catalog._write_sync = real  # type: ignore[method-assign]
 
 
 async def test_a_durable_small_put_is_one_transaction_committed_on_return(tmp_path: Path) -> None:
@@ -68,16 +47,16 @@ async def test_a_durable_small_put_is_one_transaction_committed_on_return(tmp_pa
             assert torch.equal(await store.get(f"k{i}"), small(i))
 
 
-async def test_a_cancelled_durable_put_returns_once_its_commit_is_settled(tmp_path: Path, gate: threading.Event) -> None:
+async def test_a_cancelled_durable_put_returns_once_its_commit_is_settled(tmp_path: Path, commit_gate: threading.Event) -> None:
     async with TierStore([disk(tmp_path / "d", durable=True)]) as store:
         await store.put("slow", small(1))
-        gate.clear()
+        commit_gate.clear()
         task = asyncio.create_task(store.put("slow", small(2)))
         await asyncio.sleep(0.05)  # (the transaction is on the writer thread, waiting at the gate)
         task.cancel()
         await asyncio.sleep(0.05)
         assert not task.done()  # the caller gets control back only with the outcome known
-        gate.set()
+        commit_gate.set()
         with pytest.raises(asyncio.CancelledError):
             await task
         assert torch.equal(await store.get("slow"), small(2))  # it had begun: it took effect
@@ -116,16 +95,16 @@ async def _value_of(store: TierStore, key: str) -> torch.Tensor | None:
         return None
 
 
-async def test_durable_puts_and_deletes_of_one_key_at_once_agree_with_the_disk(tmp_path: Path, gate: threading.Event) -> None:
+async def test_durable_puts_and_deletes_of_one_key_at_once_agree_with_the_disk(tmp_path: Path, commit_gate: threading.Event) -> None:
     async with TierStore([disk(tmp_path / "d", durable=True)]) as store:
         await store.put("slow", small(0))
-        gate.clear()
+        commit_gate.clear()
         first = asyncio.create_task(store.put("slow", small(1)))
         await asyncio.sleep(0.02)  # (its transaction waits at the gate; the others queue behind)
         rest = [asyncio.create_task(store.put("slow", small(2))), asyncio.create_task(store.delete("slow")),
                 asyncio.create_task(store.put("slow", small(3)))]
         await asyncio.sleep(0.02)
-        gate.set()
+        commit_gate.set()
         await asyncio.gather(first, *rest)
         seen = await _value_of(store, "slow")
         assert seen is None or any(torch.equal(seen, small(i)) for i in (2, 3))
