@@ -517,6 +517,17 @@ class PagedOptimizer(torch.optim.Optimizer):
             self._sharding.abandon()  # (a step failed on a rank: the weights so far are exchanged)
         if failures:
             raise self._runner.abandoned_error(failures)
+        unstepped = self._runner.updated_without_step
+        if unstepped:
+            shown = ", ".join(map(str, unstepped[:8])) + (", ..." if len(unstepped) > 8 else "")
+            warnings.warn(
+                f"step_in_backward=True: parameters {shown} were updated during a backward although step() was not "
+                "called before zero_grad(): every backward that reaches a parameter updates it. A loss that should not "
+                "train these parameters (a GAN's generator loss reaching the discriminator) needs them frozen "
+                "(requires_grad_(False)) around its backward, or use step_in_backward=False",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     # -- state ---------------------------------------------------------------------------------
 

@@ -74,6 +74,11 @@ class StepRunner:
         #: All at once when every state is resident (``tierstore.optim.resident``); set by the optimizer.
         self.resident: ResidentStep | None = None
         self._resident_task: asyncio.Task[list[tuple[list[ParamSlot], BaseException]]] | None = None
+        #: Whether ``step()`` was called since the last step ended.
+        self._step_called = False
+        #: The parameters updated in backward although the step ended without ``step()``
+        #: (``zero_grad()``; updates not launched yet are dropped then): set by ``end``.
+        self.updated_without_step: list[int] = []
         _runners.setdefault(store, weakref.WeakSet()).add(self)
 
     @property
@@ -149,6 +154,7 @@ class StepRunner:
     async def finish(self, observed: list[Observed], scaling: Scaling | None) -> None:
         pipeline = self._pipeline
         pipeline.in_step = True
+        self._step_called = True
         try:
             async with _one_step_at_a_time(self._store):
                 # (from here on no other optimizer's update starts in backward: see below)
@@ -351,6 +357,8 @@ class StepRunner:
         await self._captures_settled()  # (an arrival may still add to a bucket)
         failures = await self._pipeline.finish(drop_open=True)
         self._release_backward()
+        self.updated_without_step = [] if self._step_called else sorted(s.index for s in self._slots if s.updated)
+        self._step_called = False
         for slot in self._slots:
             await self.capture.discard(slot)
             slot.reset_step()
