@@ -116,3 +116,53 @@ async def test_a_durable_put_with_a_memory_tier_first_is_still_cached_there(tmp_
     async with TierStore([HostTier("1MiB"), disk(tmp_path / "d")]) as store:
         assert torch.equal(await store.get("cached"), small(1))
         assert torch.equal(await store.get("direct"), small(2))
+
+
+async def test_a_hand_over_that_raises_leaves_the_key_usable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer thread refusing the job (here: out of memory once) fails that put only: the
+    key's disk lock and the space it reserved are given back, and later puts and close go on
+    (they hung: the lock stayed held and close waited for a commit that never started)."""
+    from tierstore.disk.serial import SerialExecutor
+
+    real = SerialExecutor.run_soon
+    refusals = [MemoryError("injected")]
+
+    def run_soon(self: SerialExecutor, job: Any) -> None:
+        if refusals:
+            raise refusals.pop()
+        real(self, job)
+
+    store = TierStore([disk(tmp_path / "d")])
+    await store.open()
+    await store.put("k", small(1))
+    used = store.tier("disk").used  # type: ignore[attr-defined]
+    monkeypatch.setattr(SerialExecutor, "run_soon", run_soon)
+    with pytest.raises(MemoryError):
+        await store.put("k", small(2))
+    assert torch.equal(await store.get("k"), small(1))
+    assert store.tier("disk").used == used  # type: ignore[attr-defined]
+    await asyncio.wait_for(store.put("k", small(3)), 10)
+    assert torch.equal(await store.get("k"), small(3))
+    await asyncio.wait_for(store.aclose(), 10)
+
+
+def test_the_writer_thread_refuses_jobs_in_a_forked_child() -> None:
+    """A forked child has no copy of the thread: a job handed over there would never run."""
+    import os
+
+    from tierstore.disk.serial import SerialExecutor
+
+    executor = SerialExecutor("test-writer")
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: report through the exit status only
+            try:
+                executor.run_soon(lambda: None)
+            except RuntimeError as error:
+                os._exit(0 if "forked child" in str(error) else 2)
+            os._exit(1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert executor.submit(lambda: 7).result(timeout=10) == 7  # (the parent's still works)
+    finally:
+        executor.shutdown()

@@ -588,9 +588,13 @@ class Engine:
                 raw = disk.inline_raw(entry.key, meta, src, version)
                 commit = _SmallCommit(self, entry, lock, meta, version, d)
                 self.writes.add(commit.done)  # (``aclose`` waits for it, as for a write task)
-                if not disk.commit_soon([(entry.key, raw)], commit.finish):
-                    self.writes.discard(commit.done)
-                    commit = None
+                started = False
+                try:
+                    started = disk.commit_soon([(entry.key, raw)], commit.finish)
+                finally:
+                    if not started:
+                        self.writes.discard(commit.done)
+                        commit = None
             finally:
                 if commit is None:
                     disk.release_inline(nbytes)
@@ -1089,7 +1093,7 @@ class _SmallCommit:
         self.version = version
         self.d = d
         self.started = time.perf_counter()
-        self.done: asyncio.Future[int] = _Uncancellable()
+        self.done: asyncio.Future[int] = _Uncancellable(loop=asyncio.get_running_loop())
 
     def finish(self, error: BaseException | None) -> None:
         engine = self.engine
@@ -1099,8 +1103,10 @@ class _SmallCommit:
             if error is not None:
                 engine.disk.release_inline(nbytes)
             else:
-                engine.count_link(None, self.d, nbytes, time.perf_counter() - self.started)
                 engine.install_disk(entry, self.d, Copy(self.d, self.version, inline=nbytes), self.meta)
+                engine.count_link(None, self.d, nbytes, time.perf_counter() - self.started)
+        except BaseException as failed:  # (committed, but not installed: the caller must hear it)
+            error = error or failed
         finally:
             self.lock.release()
             entry.forget_idle_lock()

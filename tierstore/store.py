@@ -247,7 +247,9 @@ class TierStore:
         disk tier before returning (on stable storage if the ``DiskTier`` is durable); False
         acknowledges it once a memory tier holds it (it reaches the disk on eviction,
         ``flush()`` or close). A put that lands on the disk tier itself is always written
-        through. See README, "Durability".
+        through. See README, "Durability". A put that waits for a disk commit (or sync) goes on
+        when its caller is cancelled, and the caller's ``CancelledError`` (or a timeout's
+        ``TimeoutError``) comes once the commit is settled: the value may then be the new one.
         """
         soon = self._commit_small_soon(key, tensor, tier, durable)
         if soon is not None:  # (a small value committed on the disk tier: one hand-over and back)

@@ -10,6 +10,7 @@ queue, no Python-level lock) is the only thing the two threads share here.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -29,6 +30,7 @@ class SerialExecutor(Executor):
     def __init__(self, name: str) -> None:
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._closed = False
+        self._pid = os.getpid()  # (a forked child has no such thread: see ``run_soon``)
         self._lock = threading.Lock()  # (only ``submit`` against ``shutdown``: never per job)
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
@@ -38,6 +40,8 @@ class SerialExecutor(Executor):
         its own outcome: an exception escaping it is lost."""
         if self._closed:
             raise RuntimeError("cannot hand a job over after shutdown")
+        if os.getpid() != self._pid:
+            raise RuntimeError(f"the thread {self._thread.name!r} is in the parent process: a forked child cannot use it")
         self._jobs.put(job)
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
@@ -60,6 +64,9 @@ class SerialExecutor(Executor):
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stop taking jobs; the thread runs those handed over already, then ends (waited for
         if ``wait``). ``cancel_futures`` is not supported: every job handed over runs."""
+        if os.getpid() != self._pid:  # (a forked child: no thread to stop; the lock may be a copy held)
+            self._closed = True
+            return
         with self._lock:
             if not self._closed:
                 self._closed = True
