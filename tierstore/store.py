@@ -421,7 +421,8 @@ class TierStore:
             entry.wake()  # a write hold waits for puts in flight
             if not entry.visible and entry.pending_writes == 0 and engine.entries.get(entry.key) is entry:
                 del engine.entries[entry.key]
-        engine.observe("put", entry.key, nbytes, engine.disk_index, hit=None)
+            if committed.done() and committed.exception() is None:  # (also for a caller cancelled meanwhile)
+                engine.observe("put", entry.key, nbytes, engine.disk_index, hit=None)
 
     def _put_now(self, entry: Entry, src: torch.Tensor, meta: TensorMeta, t: int) -> bool:
         """A write-back put onto tier ``t`` done at once when it needs no await (a small value
