@@ -594,6 +594,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         if getattr(self, "_runner", None) is not None and self.store.is_open:
             with contextlib.suppress(Exception):  # a step left half done (its error was raised then)
                 failures = run(self._runner.end())
+        if getattr(self, "_runner", None) is not None:
+            self._runner.release_backward()  # (also when end() failed: others may update in backward)
         if self._pipeline is not None:
             self._pipeline.shutdown()
         namespace = self.namespace

@@ -76,6 +76,8 @@ class StepRunner:
         self._resident_task: asyncio.Task[list[tuple[list[ParamSlot], BaseException]]] | None = None
         #: Whether ``step()`` was called since the last step ended.
         self._step_called = False
+        #: Whether any of its parameters' state pages (only those take room the others plan with).
+        self._pages = any(slot.paged for slot in slots)
         #: The parameters updated in backward although the step ended without ``step()``
         #: (``zero_grad()``; updates not launched yet are dropped then): set by ``end``.
         self.updated_without_step: list[int] = []
@@ -123,6 +125,8 @@ class StepRunner:
         stepping = _stepping.get(store)
         if stepping is not None and stepping() is not self:
             return False
+        if not self._pages:
+            return True  # (its state stays where it is: it takes no room the others plan with)
         owner = _in_backward_owner.get(store)
         runner = owner() if owner is not None else None
         if runner is None:
@@ -130,7 +134,8 @@ class StepRunner:
             return True
         return runner is self
 
-    def _release_backward(self) -> None:
+    def release_backward(self) -> None:
+        """Give up the claim to update in backward on the store, if this optimizer holds it."""
         owner = _in_backward_owner.get(self._store)
         if owner is not None and owner() is self:
             del _in_backward_owner[self._store]
@@ -354,9 +359,11 @@ class StepRunner:
         """Forget this step's gradients (and their host copies) and progress, once the updates
         already launched (in backward) have ended; return those that failed, with their errors
         (never reported otherwise: ``step()`` did not see them)."""
-        await self._captures_settled()  # (an arrival may still add to a bucket)
-        failures = await self._pipeline.finish(drop_open=True)
-        self._release_backward()
+        try:
+            await self._captures_settled()  # (an arrival may still add to a bucket)
+            failures = await self._pipeline.finish(drop_open=True)
+        finally:
+            self.release_backward()
         self.updated_without_step = [] if self._step_called else sorted(s.index for s in self._slots if s.updated)
         self._step_called = False
         for slot in self._slots:
