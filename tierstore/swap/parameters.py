@@ -94,6 +94,12 @@ class _Weight:
     #: ``param._version`` when the placeholder went in: an in-place change of the placeholder
     #: (``p.mul_(2)`` under ``no_grad``) bumps it, and would be lost.
     version: int = 0
+    #: The held buffer on the parameter's device, while ``hold`` is set.
+    value: torch.Tensor | None = None
+    #: A frozen weight's private copy, while units a checkpoint recomputes compute with it
+    #: (``borrowers`` of them): what the recomputation saves refers to it, not to store memory.
+    lent: torch.Tensor | None = None
+    borrowers: int = 0
 
 
 @dataclass(frozen=True, eq=False)
@@ -105,6 +111,17 @@ class _ParamRef:
     stride: tuple[int, ...]
     offset: int
     whole: bool
+
+
+@dataclass(eq=False)
+class _Reading:
+    """One ``state_dict()`` call in progress."""
+
+    #: The modules it entered, with their prefixes, outermost first.
+    entered: list[tuple[nn.Module, str]]
+    #: The weights it read, by key (a tied weight is read once and shared by its names); weak:
+    #: the destination holds them, and a call that raised keeps nothing alive.
+    read: dict[str, weakref.ref[torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -157,12 +174,14 @@ class ParameterOffload:
         self._cursor = 0
         #: Units held by each backward now running (by graph task): at its end, they let go.
         self._in_backward: dict[int, set[int]] = {}
-        #: Units a checkpoint recomputes in the running backward (their weights must all fit).
+        #: Units with trainable weights a checkpoint recomputes in the running backward (those
+        #: weights stay held until their gradients are accumulated: they must all fit).
         self._recomputing: set[int] = set()
-        #: The ``state_dict()`` call in progress: the modules it entered, with their prefixes,
-        #: and the weights it read (a tied weight is read once and shared by its names).
-        self._reading: list[tuple[nn.Module, str]] = []
-        self._read: dict[str, torch.Tensor] = {}
+        #: Per unit a checkpoint is recomputing now, the frozen weights it borrowed copies of.
+        self._lent: dict[int, list[list[_Weight]]] = {}
+        #: The ``state_dict()`` calls in progress, innermost last (one a hook of another
+        #: started runs inside it).
+        self._reading: list[_Reading] = []
         # The state_dict (a weak reference) being loaded now, and the weights written from it
         # (a tied weight is written once).
         self._in_dict: tuple[Any, dict[str, Any]] = (None, {})
@@ -261,8 +280,12 @@ class ParameterOffload:
             self._order = []
             self._cursor = 0
         if not self._saving and not _in_backward():  # (left by a backward that raised)
+            for task in list(self._in_backward):
+                self._end_backward(task)
+            for index in list(self._lent):
+                while self._lent.get(index):
+                    self._give_back(index)
             self._recomputing.clear()
-            self._in_backward.clear()
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         base = tensor if id(tensor) in self._weight_of else tensor._base
@@ -289,12 +312,49 @@ class ParameterOffload:
     # -- around each unit --------------------------------------------------------------------------------
 
     def _hold(self, index: int, forward: bool = False) -> None:
-        """Hold the unit's weights on the device tier (one round trip to the loop for all)."""
+        """Hold the unit's weights on the device tier (one round trip to the loop for all).
+        A forward inside backward is a checkpoint recomputing the unit: its frozen weights
+        are lent as private copies instead (see ``_lend``)."""
         self._order.append(index)
         self._prefetch_after(len(self._order) - 1, index)
+        weights = self._units[index].weights
         if forward and _in_backward():
-            self._recomputing.add(index)
-        self._hold_weights(self._units[index].weights, index)
+            frozen = [w for w in weights if not w.param.requires_grad]
+            weights = [w for w in weights if w.param.requires_grad]
+            self._lend(index, frozen)
+            if weights:
+                self._recomputing.add(index)
+        self._hold_weights(weights, index)
+
+    def _lend(self, index: int, weights: list[_Weight]) -> None:
+        """A checkpoint recomputes the unit: what its forward saves is kept by the checkpoint
+        (torch's own saved-tensor hooks, not ours) until the region's backward used it, and
+        would refer to the weights it computed with. Frozen weights get no gradient whose
+        accumulation would tell when that is, so the unit computes with a copy of each that
+        autograd owns (freed when the nodes that saved it ran, as an activation) and the
+        store's hold ends at once; ``_give_back`` puts the placeholder back after the forward."""
+        fresh = [w for w in weights if w.borrowers == 0]
+        self._hold_weights(fresh, _LENDER)
+        for weight in fresh:
+            weight.lent = weight.param.data.clone()
+            weight.holders.discard(_LENDER)
+        for weight in weights:
+            weight.borrowers += 1
+            weight.param.data = weight.lent  # type: ignore[assignment]
+        self._let_go(fresh)  # after the copies (the release waits for the kernels queued so far)
+        self._lent.setdefault(index, []).append(weights)
+
+    def _give_back(self, index: int) -> None:
+        """The recomputed forward of the unit ended: it no longer computes with its copies
+        (what it saved keeps them alive as long as autograd needs them)."""
+        for weight in self._lent[index].pop():
+            weight.borrowers -= 1
+            if weight.borrowers == 0:
+                weight.lent = None
+                weight.param.data = weight.value if weight.hold is not None else _placeholder(weight.param)  # type: ignore[assignment]
+                weight.version = weight.param._version
+        if not self._lent[index]:
+            del self._lent[index]
 
     def _note_backward(self, holder: int) -> None:
         """A backward holds ``holder``'s weights: they are let go when it ends at the latest
@@ -308,12 +368,12 @@ class ParameterOffload:
 
     def _frozen_done(self, index: int, grad_inputs: Any) -> None:
         """The unit's backward computed the gradients of its inputs: its frozen weights (no
-        gradient accumulation lets go of them) are let go now, unless a checkpoint recomputed
-        the unit (what the recomputation saved refers to their buffers, not through our
-        references) or no input needed a gradient (torch then calls this before the unit's
-        backward ran); the backward's end lets go of those. A use after this (a frozen weight
-        feeding another's gradient) holds it again."""
-        if index in self._recomputing or all(g is None for g in grad_inputs):
+        gradient accumulation lets go of them) are let go now, unless no input needed a
+        gradient (torch then calls this before the unit's backward ran); the backward's end
+        lets go of those. What a checkpoint's recomputation saved refers to copies of them
+        (``_lend``), not to these holds. A use after this (a frozen weight feeding another's
+        gradient) holds it again."""
+        if all(g is None for g in grad_inputs):
             return
         weights = [w for w in self._units[index].weights if not w.param.requires_grad and index in w.holders]
         for weight in weights:
@@ -333,26 +393,31 @@ class ParameterOffload:
         started = time.perf_counter()
         todo = [w for w in weights if w.hold is None]
         _check_unchanged(todo)
-        if _in_backward():
+        if _in_backward() and holder != _LENDER:
             self._note_backward(holder)
         if todo:
             managers = [self.store.hold(w.key, self.device_tier) for w in todo]
             try:
                 values = run(_enter_all(managers))
             except TierFullError as error:
-                recomputed = [i for i in sorted(self._recomputing) if any(i in w.holders for w in self._units[i].weights)]
+                recomputed = [
+                    i for i in sorted(self._recomputing) if any(i in w.holders and w.param.requires_grad for w in self._units[i].weights)
+                ]
                 if not recomputed:
                     raise
                 names = ", ".join(self._units[i].name for i in recomputed)
                 raise TierFullError(
                     f"{error}; a checkpoint (torch.utils.checkpoint) is recomputing units {names} in backward: what the "
-                    f"recomputation saves refers to their weights' buffers on the device tier {self.device_tier!r}, so "
-                    f"all weights of a checkpointed region stay held there together until their gradients are "
-                    f"accumulated; checkpoint smaller regions (one block each) or give the device tier more room"
+                    f"recomputation saves refers to their trainable weights' buffers on the device tier {self.device_tier!r}, "
+                    f"so the trainable weights of a checkpointed region stay held there together until their gradients "
+                    f"are accumulated (frozen weights are copied and let go at once); checkpoint smaller regions, freeze "
+                    f"more of the region, or give the device tier more room"
                 ) from error
             for weight, manager, value in zip(todo, managers, values, strict=True):
                 weight.hold = manager
-                weight.param.data = value if value.device == weight.param.device else value.to(weight.param.device)
+                weight.value = value if value.device == weight.param.device else value.to(weight.param.device)
+                if not weight.borrowers:  # (a recomputation computes with its copy)
+                    weight.param.data = weight.value
             ended = time.perf_counter()
             self.report.add_stall(started, ended)
             self.report.add_moved(sum(v.nbytes for v in values), ended - started, out=False)
@@ -362,11 +427,13 @@ class ParameterOffload:
     def _release_after_forward(self, index: int) -> None:
         """After the unit's forward. A forward that runs inside backward is a checkpoint
         recomputing it (``torch.utils.checkpoint``): what it saved for backward are plain
-        aliases of the held weights (the checkpoint's hooks, not ours, packed them), and its
-        backward follows at once, so the weights stay held until their gradients are
-        accumulated (or, frozen, until the backward ends), as after a backward pre-hook."""
+        aliases of the held trainable weights (the checkpoint's hooks, not ours, packed
+        them), and its backward follows at once, so those stay held until their gradients
+        are accumulated, as after a backward pre-hook; its frozen weights' copies go back."""
         if not _in_backward():
             self._release(index)
+        elif self._lent.get(index):
+            self._give_back(index)
 
     def _release(self, index: int) -> None:
         """The unit is done computing (its forward ended, or raised)."""
@@ -384,10 +451,11 @@ class ParameterOffload:
             if everyone:
                 weight.holders.clear()
             if weight.hold is not None and not weight.holders:
-                weight.param.data = _placeholder(weight.param)
-                weight.version = weight.param._version
+                if not weight.borrowers:  # (a recomputation computes with its copy)
+                    weight.param.data = _placeholder(weight.param)
+                    weight.version = weight.param._version
                 managers.append(weight.hold)
-                weight.hold = None
+                weight.hold = weight.value = None
         if managers:
             marker = self.link.mark()
             self._releasing = [f for f in self._releasing if not f.done()]
@@ -436,14 +504,17 @@ class ParameterOffload:
 
     def _state_dict_enter(self, module: nn.Module, prefix: str) -> None:
         """``module.state_dict()`` starts: a new call unless torch recurses into a child of the
-        module it entered last (a call that raised left its modules entered: a new one starts)."""
-        nested = False
+        module the innermost call entered last. A call that raised left its modules entered:
+        it is dropped once none of its modules' ``state_dict()`` still runs."""
+        running = _running_state_dicts()[1:]  # (the first is this module's own)
+        while self._reading and not any(m is self._reading[-1].entered[-1][0] for m in running):
+            self._reading.pop()
         if self._reading:
-            parent, at = self._reading[-1]
-            nested = any(child is module and prefix == f"{at}{name}." for name, child in parent._modules.items())
-        if not nested:
-            self._reading, self._read = [], {}
-        self._reading.append((module, prefix))
+            parent, at = self._reading[-1].entered[-1]
+            if any(child is module and prefix == f"{at}{name}." for name, child in parent._modules.items()):
+                self._reading[-1].entered.append((module, prefix))
+                return
+        self._reading.append(_Reading([(module, prefix)]))
 
     def _seen_in(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """What this ``load_state_dict`` has written so far (tied weights)."""
@@ -465,23 +536,26 @@ class ParameterOffload:
             if unit:
                 self._read_into(module, state_dict, prefix)
         finally:
-            if self._reading and self._reading[-1] == (module, prefix):
-                self._reading.pop()
-            if not self._reading:  # the call ends: what it read is the caller's alone
-                self._read = {}
+            entered = self._reading[-1].entered if self._reading else []
+            if entered and entered[-1][0] is module and entered[-1][1] == prefix:
+                entered.pop()
+                if not entered:  # the call ends: what it read is the caller's alone
+                    self._reading.pop()
 
     def _read_into(self, module: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
         todo = [(key, weight) for key, weight in self._own_weights(module, prefix, state_dict) if state_dict[key] is not weight.param]
         if not todo:
             return
         _check_unchanged([weight for _, weight in todo if weight.hold is None])
-        seen = self._read
-        wanted = [weight for _, weight in todo if weight.key not in seen]
+        seen = self._reading[-1].read if self._reading else {}
+        values = {w.key: value for _, w in todo if w.key in seen and (value := seen[w.key]()) is not None}
+        wanted = list({w.key: w for _, w in todo if w.key not in values}.values())
         if wanted:
             for weight, value in zip(wanted, run(self._read_all(wanted)), strict=True):
-                seen[weight.key] = value
+                values[weight.key] = value
+                seen[weight.key] = weakref.ref(value)
         for key, weight in todo:
-            state_dict[key] = seen[weight.key]
+            state_dict[key] = values[weight.key]
 
     async def _read_all(self, weights: list[_Weight]) -> list[torch.Tensor]:
         values = []
@@ -608,6 +682,10 @@ class ParameterOffload:
             weight.reshape(-1)[start : start + value.numel()].copy_(value.reshape(-1))
 
 
+#: The holder of a frozen weight's hold while a copy of it is made (``_lend``).
+_LENDER = -1
+
+
 def _check_unchanged(weights: list[_Weight]) -> None:
     """Refuse to go on after an in-place change of a placeholder: it changed nothing stored."""
     for weight in weights:
@@ -617,6 +695,18 @@ def _check_unchanged(weights: list[_Weight]) -> None:
                 f"between forwards its data is a size-0 placeholder and the weight lives in the store, so the change was lost; "
                 f"change offloaded weights with load_state_dict() (or after ParameterOffload.detach())"
             )
+
+
+def _running_state_dicts() -> list[Any]:
+    """The modules whose ``nn.Module.state_dict`` runs on this thread now, innermost first."""
+    code = nn.Module.state_dict.__code__
+    modules = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            modules.append(frame.f_locals.get("self"))
+        frame = frame.f_back  # type: ignore[assignment]
+    return modules
 
 
 def _in_backward() -> bool:
