@@ -206,7 +206,7 @@ def test_retain_graph_backward_twice_through_checkpointed_blocks() -> None:
 
 def test_without_checkpoints_the_same_model_trains_too() -> None:
     torch.manual_seed(4)
-    train_against_torch(Net(blocks=3, reentrant=None), "24KiB", steps=2)
+    train_against_torch(Net(blocks=3, reentrant=None), "32KiB", steps=2)
 
 
 class Two(nn.Module):

@@ -30,9 +30,11 @@ the Parameter objects, placeholders outside a forward) and ``module.load_state_d
 them into it, through the module's state_dict hooks. An in-place change of a placeholder
 (``p.mul_`` under ``no_grad``) would be lost: torch's version counter shows it, and the next
 hold or ``state_dict()`` raises. A checkpoint's recomputation (``torch.utils.checkpoint``) runs
-the forward inside backward: its units stay held until their gradients are accumulated, so
-the weights of a checkpointed region must fit on the device tier together (else a
-``TierFullError`` says so).
+the forward inside backward, and torch's checkpoint keeps what it saves: its units' trainable
+weights stay held until their gradients are accumulated, so those of a checkpointed region
+must fit on the device tier together (else a ``TierFullError`` says so); its frozen weights
+are copied for it (autograd frees the copies, as activations) and let go at once, so a frozen
+base larger than the device tier trains checkpointed too.
 
 Crossings: the weights go into the store at the start, and back at ``detach()``, over the
 device's link (``crossing.py``); holding a weight on the device tier crosses the tier's link
@@ -333,6 +335,8 @@ class ParameterOffload:
         accumulation would tell when that is, so the unit computes with a copy of each that
         autograd owns (freed when the nodes that saved it ran, as an activation) and the
         store's hold ends at once; ``_give_back`` puts the placeholder back after the forward."""
+        if not weights:
+            return
         fresh = [w for w in weights if w.borrowers == 0]
         self._hold_weights(fresh, _LENDER)
         for weight in fresh:
