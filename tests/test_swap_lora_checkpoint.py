@@ -155,6 +155,44 @@ def test_a_frozen_base_several_times_the_device_tier_trains_checkpointed_per_blo
     train_against_torch(model, "48KiB")
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_frozen_norm_weights_pass_the_checkpoints_recomputation_check(reentrant: bool) -> None:
+    # Torch's non-reentrant checkpoint saves a frozen leaf parameter as the parameter itself
+    # and compares what it recomputed with the forward's (shapes) after the recomputation: a
+    # placeholder put back after the unit's recomputed forward failed that check
+    # (CheckpointError), as every HF model with a frozen base and gradient checkpointing does.
+    torch.manual_seed(3)
+    model = Net(blocks=3, reentrant=reentrant)
+    for block in model.blocks:
+        block.ln.requires_grad_(False)
+    train_against_torch(model, "48KiB", steps=2)
+
+
+@pytest.mark.parametrize("reentrant", [False, True, None], ids=["non_reentrant", "reentrant", "no_checkpoint"])
+def test_a_weight_unfrozen_after_offloading_is_let_go_once_its_gradient_is_accumulated(reentrant: bool | None) -> None:
+    """A weight frozen when offloaded and made trainable later gets the gradient hook that lets
+    go of it (torch takes the hook only on a tensor that requires a gradient): it was held
+    until the backward ended."""
+    torch.manual_seed(4)
+    model = Net(blocks=3, reentrant=reentrant)
+    twin = copy.deepcopy(model)
+    sync = store("1MiB")
+    params = offload_parameters(model, sync)
+    for net in (model, twin):
+        net.blocks[0].f1.base.weight.requires_grad_(True)
+    weight = model.blocks[0].f1.base.weight
+    let_go_at: list[list[str]] = []
+    # (blocks[0].ln runs its backward after f1's: by then f1's base weight is let go)
+    model.blocks[0].ln.register_full_backward_pre_hook(lambda *_: let_go_at.append(held(sync, params.namespace.name)))
+    model(batch(0)).backward()
+    twin(batch(0)).backward()
+    assert let_go_at and all(not key.endswith("blocks.0.f1.base.weight") for key in let_go_at[0])
+    torch.testing.assert_close(weight.grad, twin.blocks[0].f1.base.weight.grad, rtol=0, atol=0)
+    assert held(sync, params.namespace.name) == []
+    params.detach()
+    sync.close()
+
+
 def test_a_tiny_device_tier_reuses_buffers_while_recomputed_weights_are_still_read() -> None:
     # no room for two frozen weights: every hold reuses the memory the previous one let go
     torch.manual_seed(1)

@@ -102,6 +102,8 @@ class _Weight:
     #: (``borrowers`` of them): what the recomputation saves refers to it, not to store memory.
     lent: torch.Tensor | None = None
     borrowers: int = 0
+    #: Whether its post-accumulate-grad hook is registered (``_hook_gradient``).
+    hooked: bool = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -236,8 +238,15 @@ class ParameterOffload:
             self._hooks.append(unit.module.register_load_state_dict_pre_hook(lambda *args: self._load_state_dict_hook(*args)))
             self._hooks.append(unit.module.register_load_state_dict_post_hook(lambda module, _: self._loaded(module)))
         for weight in self._weights:
-            if weight.param.requires_grad:  # its gradient is complete: no unit computes with it any more
-                self._hooks.append(weight.param.register_post_accumulate_grad_hook(lambda _, w=weight: self._let_go([w], everyone=True)))
+            self._hook_gradient(weight)
+
+    def _hook_gradient(self, weight: _Weight) -> None:
+        """Once a trainable weight's gradient is accumulated no unit computes with it any more:
+        let go of it then. (Torch takes such a hook only on a tensor that requires a gradient:
+        a weight unfrozen later gets its hook when it is next held.)"""
+        if weight.param.requires_grad and not weight.hooked:
+            weight.hooked = True
+            self._hooks.append(weight.param.register_post_accumulate_grad_hook(lambda _, w=weight: self._let_go([w], everyone=True)))
 
     async def _store_all(self, sources: list[torch.Tensor], marker: Any) -> None:
         for weight, source in zip(self._weights, sources, strict=True):
@@ -334,7 +343,10 @@ class ParameterOffload:
         would refer to the weights it computed with. Frozen weights get no gradient whose
         accumulation would tell when that is, so the unit computes with a copy of each that
         autograd owns (freed when the nodes that saved it ran, as an activation) and the
-        store's hold ends at once; ``_give_back`` puts the placeholder back after the forward."""
+        store's hold ends at once. The parameter keeps its copy until the unit's backward is
+        done (``_frozen_done``, or the backward's end): torch's checkpoint saves a frozen leaf
+        parameter as the parameter itself (not a detached alias), checks what it recomputed
+        against the forward's (shapes), and reads it when the node runs."""
         if not weights:
             return
         fresh = [w for w in weights if w.borrowers == 0]
@@ -349,8 +361,8 @@ class ParameterOffload:
         self._lent.setdefault(index, []).append(weights)
 
     def _give_back(self, index: int) -> None:
-        """The recomputed forward of the unit ended: it no longer computes with its copies
-        (what it saved keeps them alive as long as autograd needs them)."""
+        """The recomputed unit's backward is done: its parameters no longer show their copies
+        (what autograd still keeps of them stays alive as long as it needs them)."""
         for weight in self._lent[index].pop():
             weight.borrowers -= 1
             if weight.borrowers == 0:
@@ -379,24 +391,34 @@ class ParameterOffload:
         gradient) holds it again."""
         if all(g is None for g in grad_inputs):
             return
+        if self._lent.get(index):
+            self._give_back(index)
         weights = [w for w in self._units[index].weights if not w.param.requires_grad and index in w.holders]
         for weight in weights:
             weight.holders.discard(index)
         self._let_go(weights)
 
     def _end_backward(self, task: int) -> None:
-        """A backward ended: what it held is no longer needed by it."""
+        """A backward ended: what it held is no longer needed by it, nor the copies lent for
+        its recomputations (a unit whose inputs needed no gradient gets no ``_frozen_done``)."""
         for index in self._in_backward.pop(task, ()):
             weights = [w for w in self._units[index].weights if index in w.holders]
             for weight in weights:
                 weight.holders.discard(index)
             self._let_go(weights)
             self._recomputing.discard(index)
+        if not self._in_backward:
+            for index in list(self._lent):
+                while self._lent.get(index):
+                    self._give_back(index)
 
     def _hold_weights(self, weights: list[_Weight], holder: int) -> None:
         started = time.perf_counter()
         todo = [w for w in weights if w.hold is None]
         _check_unchanged(todo)
+        for weight in todo:
+            if not weight.hooked and weight.param.requires_grad:
+                self._hook_gradient(weight)
         if _in_backward() and holder != _LENDER:
             self._note_backward(holder)
         if todo:
@@ -433,11 +455,10 @@ class ParameterOffload:
         recomputing it (``torch.utils.checkpoint``): what it saved for backward are plain
         aliases of the held trainable weights (the checkpoint's hooks, not ours, packed
         them), and its backward follows at once, so those stay held until their gradients
-        are accumulated, as after a backward pre-hook; its frozen weights' copies go back."""
+        are accumulated, as after a backward pre-hook; its frozen weights keep their copies
+        until its backward is done (``_lend``)."""
         if not _in_backward():
             self._release(index)
-        elif self._lent.get(index):
-            self._give_back(index)
 
     def _release(self, index: int) -> None:
         """The unit is done computing (its forward ended, or raised)."""
