@@ -1,7 +1,8 @@
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -37,49 +38,60 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("device_mode", ["plain", "emulated"], indirect=True)
 
 
-@pytest.fixture
-def full_for() -> Iterator[set[str]]:
-    """Keys whose catalog transactions fail as on a full disk (the whole transaction, as LMDB
-    would), while they are in the set."""
+@contextlib.contextmanager
+def _before_catalog_commits(check: Callable[[Sequence[tuple[str, Any]]], None]) -> Iterator[None]:
+    """Run ``check(changes)`` on the writing thread before each catalog transaction (it may
+    wait, or raise to fail the whole transaction, as LMDB would)."""
     from tierstore.disk.catalog import Catalog
-    from tierstore.errors import DiskFullError
 
-    keys: set[str] = set()
     real = Catalog._write_sync
 
     def write(self: Catalog, changes: Sequence[tuple[str, Any]], layout: Any) -> None:
-        if any(key in keys for key, _ in changes):
-            raise DiskFullError(28, "no space left on device (injected)")
+        check(changes)
         real(self, changes, layout)
 
     Catalog._write_sync = write  # type: ignore[method-assign]
     try:
-        yield keys
+        yield
     finally:
         Catalog._write_sync = real  # type: ignore[method-assign]
+
+
+def _disk_full() -> BaseException:
+    from tierstore.errors import DiskFullError
+
+    return DiskFullError(28, "no space left on device (injected)")
+
+
+@pytest.fixture
+def full_for() -> Iterator[set[str]]:
+    """Keys whose catalog transactions fail as on a full disk (the whole transaction, as LMDB
+    would), while they are in the set."""
+    keys: set[str] = set()
+
+    def check(changes: Sequence[tuple[str, Any]]) -> None:
+        if any(key in keys for key, _ in changes):
+            raise _disk_full()
+
+    with _before_catalog_commits(check):
+        yield keys
 
 
 @pytest.fixture
 def commit_gate() -> Iterator[threading.Event]:
     """Catalog transactions of keys starting with ``slow`` wait while the event is clear (it
     starts set); those of keys starting with ``fail`` raise as on a full disk."""
-    from tierstore.disk.catalog import Catalog
-    from tierstore.errors import DiskFullError
-
     event = threading.Event()
     event.set()
-    real = Catalog._write_sync
 
-    def write(self: Catalog, changes: Sequence[tuple[str, Any]], layout: Any) -> None:
+    def check(changes: Sequence[tuple[str, Any]]) -> None:
         if any(key.startswith(("slow", "fail")) for key, _ in changes):
             assert event.wait(10), "the test never opened the gate"
         if any(key.startswith("fail") for key, _ in changes):
-            raise DiskFullError(28, "no space left on device (injected)")
-        real(self, changes, layout)
+            raise _disk_full()
 
-    Catalog._write_sync = write  # type: ignore[method-assign]
     try:
-        yield event
+        with _before_catalog_commits(check):
+            yield event
     finally:
         event.set()
-        Catalog._write_sync = real  # type: ignore[method-assign]
