@@ -333,3 +333,48 @@ def test_a_state_dict_inside_another_ones_hook_keeps_the_outer_calls_tied_weight
     assert torch.equal(inner[0]["weight"], expected["emb.weight"])
     params.detach()
     sync.close()
+
+
+def test_state_dict_calls_from_two_threads_at_once_keep_their_tied_weights_shared() -> None:
+    """Each thread's ``state_dict()`` calls are its own: a call from a second thread no longer
+    ends the first one's (whose tied weights then came out as two tensors)."""
+    import threading
+    import time
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(20, 16)
+            self.mid = nn.Linear(16, 16)
+            self.out = nn.Linear(16, 20, bias=False)
+            self.out.weight = self.emb.weight
+
+    torch.manual_seed(0)
+    model = Tied()
+    sync = store("64KiB")
+    params = offload_parameters(model, sync)
+    started = threading.Event()
+
+    def slow(module: nn.Module, *_: object) -> None:
+        if threading.current_thread().name == "first":  # (the other call runs meanwhile)
+            started.wait(5)
+            time.sleep(0.2)
+
+    model.mid.register_state_dict_post_hook(slow)
+    results: dict[str, dict[str, torch.Tensor]] = {}
+
+    def call(name: str) -> None:
+        if name == "second":
+            started.set()
+        results[name] = model.state_dict()
+
+    threads = [threading.Thread(target=call, args=(name,), name=name) for name in ("first", "second")]
+    threads[0].start()
+    time.sleep(0.1)
+    threads[1].start()
+    for thread in threads:
+        thread.join(30)
+    for name in ("first", "second"):
+        assert results[name]["out.weight"] is results[name]["emb.weight"], name
+    params.detach()
+    sync.close()

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 import time
 import warnings
 import weakref
@@ -183,9 +184,9 @@ class ParameterOffload:
         self._recomputing: set[int] = set()
         #: Per unit a checkpoint is recomputing now, the frozen weights it borrowed copies of.
         self._lent: dict[int, list[list[_Weight]]] = {}
-        #: The ``state_dict()`` calls in progress, innermost last (one a hook of another
-        #: started runs inside it).
-        self._reading: list[_Reading] = []
+        #: Per thread, the ``state_dict()`` calls in progress there, innermost last (one a hook
+        #: of another started runs inside it): ``_reading``.
+        self._reading_here = threading.local()
         # The state_dict (a weak reference) being loaded now, and the weights written from it
         # (a tied weight is written once).
         self._in_dict: tuple[Any, dict[str, Any]] = (None, {})
@@ -526,6 +527,15 @@ class ParameterOffload:
             if weight is not None and weight.param is param and prefix + name in state_dict and offloaded(param) is not None:
                 found.append((prefix + name, weight))
         return found
+
+    @property
+    def _reading(self) -> list[_Reading]:
+        """This thread's ``state_dict()`` calls in progress, innermost last (calls from two
+        threads at once must not end each other's)."""
+        calls: list[_Reading] | None = getattr(self._reading_here, "calls", None)
+        if calls is None:
+            calls = self._reading_here.calls = []
+        return calls
 
     def _state_dict_enter(self, module: nn.Module, prefix: str) -> None:
         """``module.state_dict()`` starts: a new call unless torch recurses into a child of the
