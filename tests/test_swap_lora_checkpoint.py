@@ -341,14 +341,6 @@ def test_state_dict_calls_from_two_threads_at_once_keep_their_tied_weights_share
     import threading
     import time
 
-    class Tied(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.emb = nn.Embedding(20, 16)
-            self.mid = nn.Linear(16, 16)
-            self.out = nn.Linear(16, 20, bias=False)
-            self.out.weight = self.emb.weight
-
     torch.manual_seed(0)
     model = Tied()
     sync = store("64KiB")
