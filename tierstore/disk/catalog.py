@@ -15,7 +15,7 @@ import contextlib
 import json
 import struct
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -629,7 +629,12 @@ class Catalog:
     def idle_for(self, key: str) -> bool:
         """Whether ``commit_soon`` of a change of ``key`` would start now (checked before
         making the record: under contention the put goes the queued way at once)."""
-        return self._writer is not None and key not in self._staged and self._idle()
+        return self._starts_now((key,))
+
+    def _starts_now(self, keys: Iterable[str]) -> bool:
+        """Whether a commit of changes of ``keys`` would be handed to the writer at once: the
+        catalog open and idle, none of these keys with a change under way."""
+        return self._writer is not None and self._idle() and not (self._staged and any(key in self._staged for key in keys))
 
     def commit_soon(
         self,
@@ -643,7 +648,7 @@ class Catalog:
         None) or failed (what it raised). False, with nothing done, otherwise: the caller then
         ``commit``s. ``scope()`` is entered around the transaction, on the writer thread
         (``commit_here``)."""
-        if self._writer is None or not self._idle() or (self._staged and any(key in self._staged for key, _ in changes)):
+        if not self._starts_now(key for key, _ in changes):
             return False
         self._hand_over(changes, scope, then)
         return True

@@ -294,9 +294,7 @@ class ParameterOffload:
         if not self._saving and not _in_backward():  # (left by a backward that raised)
             for task in list(self._in_backward):
                 self._end_backward(task)
-            for index in list(self._lent):
-                while self._lent.get(index):
-                    self._give_back(index)
+            self._give_back_all()
             self._recomputing.clear()
 
     def _pack(self, tensor: torch.Tensor) -> Any:
@@ -373,6 +371,12 @@ class ParameterOffload:
         if not self._lent[index]:
             del self._lent[index]
 
+    def _give_back_all(self) -> None:
+        """``_give_back`` of every copy still lent (no backward that could use them runs)."""
+        for index in list(self._lent):
+            while self._lent.get(index):
+                self._give_back(index)
+
     def _note_backward(self, holder: int) -> None:
         """A backward holds ``holder``'s weights: they are let go when it ends at the latest
         (a frozen weight gets no gradient, whose accumulation would let go of it)."""
@@ -409,17 +413,14 @@ class ParameterOffload:
             self._let_go(weights)
             self._recomputing.discard(index)
         if not self._in_backward:
-            for index in list(self._lent):
-                while self._lent.get(index):
-                    self._give_back(index)
+            self._give_back_all()
 
     def _hold_weights(self, weights: list[_Weight], holder: int) -> None:
         started = time.perf_counter()
         todo = [w for w in weights if w.hold is None]
         _check_unchanged(todo)
         for weight in todo:
-            if not weight.hooked and weight.param.requires_grad:
-                self._hook_gradient(weight)
+            self._hook_gradient(weight)
         if _in_backward() and holder != _LENDER:
             self._note_backward(holder)
         if todo:
