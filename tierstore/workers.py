@@ -232,7 +232,10 @@ class CallerPool:
     """
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future[Any]] | None] = queue.SimpleQueue()
+        #: Jobs; a None once ``drain_until``'s future is done; ``_INTERRUPTED`` for Ctrl-C.
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future[Any]] | _Interrupted | None] = (
+            queue.SimpleQueue()
+        )
 
     async def run(self, fn: Callable[[], T]) -> T:
         loop = asyncio.get_running_loop()
@@ -256,7 +259,7 @@ class CallerPool:
                 item = self._jobs.get_nowait()
             except queue.Empty:
                 return pressed
-            pressed = pressed or item is _INTERRUPTED
+            pressed = pressed or isinstance(item, _Interrupted)
 
     def drain_until(self, done: Any, interrupt: Callable[[], object] | None = None) -> None:
         """Run jobs on this thread until ``done`` (a concurrent.futures.Future) completes.
@@ -274,7 +277,7 @@ class CallerPool:
                 if done.done():
                     break
                 continue
-            if item is _INTERRUPTED:
+            if isinstance(item, _Interrupted):
                 if not interrupted and interrupt is not None:
                     interrupt()
                 interrupted = True
@@ -294,7 +297,12 @@ class CallerPool:
             raise KeyboardInterrupt
 
 
-_INTERRUPTED = object()
+
+class _Interrupted:
+    """The marker ``CallerPool.interrupt`` queues (Ctrl-C)."""
+
+
+_INTERRUPTED = _Interrupted()
 
 
 def _settle_future(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
