@@ -531,7 +531,7 @@ class UpdatePipeline:
             )
         chunks = runs[index]
         async with self._gate:
-            self._prefetch_runs(runs[index + self.inflight : index + 2 * self.inflight])
+            self._prefetch_runs(slot, runs, index)
             todo = [chunk.index not in slot.chunks_updated for chunk in chunks]
             async with AsyncExitStack() as stack:
                 states = await _enter_all(stack, [self._owner._chunk_state(slot, chunk) for chunk in chunks], at_once=self._flat)
@@ -557,10 +557,20 @@ class UpdatePipeline:
             per = self._owner._state_bytes(slot) / max(slot.numel, 1)
             self._write_early([(chunk.key, int(chunk.numel * per)) for chunk, do in zip(done, todo, strict=False) if do])
 
-    def _prefetch_runs(self, runs: list[list[Chunk]]) -> None:
-        """Ask for the state of the runs after this one (large requests, issued ahead, behind
-        every demand read), so their reads overlap this run's math and writes."""
-        wanted = [chunk.key for run in runs for chunk in run if chunk.key in self._store]
+    def _prefetch_runs(self, slot: ParamSlot, runs: list[list[Chunk]], index: int) -> None:
+        """Ask for the state of the runs after run ``index`` (large requests, issued ahead, behind
+        every demand read), so their reads overlap this run's math and writes: as many as fit in
+        the room the ``inflight`` runs holding leave. More than that evicted chunks prefetched
+        for a later run before their update (read twice, their writes too)."""
+        held = max(sum(self.chunk_need(slot, chunk) for chunk in run) for run in runs)
+        budget = self._room - self.inflight * held
+        ahead: list[Chunk] = []
+        for run in runs[index + 1 :]:
+            budget -= sum(self.chunk_need(slot, chunk) for chunk in run)
+            if budget < 0:
+                break
+            ahead += run
+        wanted = [chunk.key for chunk in ahead if chunk.key in self._store]
         wanted = [key for key in wanted if self._tier not in self._store.where(key)]
         if wanted:
             asyncio.ensure_future(self._store.prefetch(wanted, self._tier))

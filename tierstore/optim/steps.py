@@ -219,7 +219,9 @@ class StepRunner:
         if not failures or self.max_grad_norm is None:
             pipeline.launch(None)  # the open bucket of updates in backward
             pipeline.reverse = self.reversed_order
-            order = sorted(ready, key=lambda s: s.arrival, reverse=pipeline.reverse)
+            # (index breaks ties: gradients set without a hook firing share one arrival, and a
+            # stable sort reversed would keep their order, not alternate it)
+            order = sorted(ready, key=lambda s: (s.arrival, s.index), reverse=pipeline.reverse)
             resident = None
             if self.resident is not None and not self._in_backward and pipeline.scale is None:
                 resident, order = await self._start_resident(pipeline, order, coef)
@@ -244,7 +246,7 @@ class StepRunner:
                     if not slot.updated:
                         slot.used = None  # not updated: step() again updates it from p.grad as it is then
             raise self._incomplete(failures)
-        self.last_order = sorted((s for s in self._slots if s.updated), key=lambda s: s.arrival)
+        self.last_order = sorted((s for s in self._slots if s.updated), key=lambda s: (s.arrival, s.index))
         self._store.mark_step()
         self.steps += 1
         await self.end()
