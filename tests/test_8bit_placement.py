@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from tierstore.optim import TieredAdamW
+from tierstore.optim import TieredAdamW, native
 from tierstore.optim import precision as codec
 from tierstore.optim.precision import BLOCK, COMPILE_MIN_NUMEL
 
@@ -34,7 +34,8 @@ PLACEMENTS: dict[str, dict[str, Any]] = {
 @pytest.fixture(autouse=True)
 def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The compiled kernels on, in tiles smaller than the larger parameters (several a
-    parameter); the list returned counts the elements the fused kernel updated (its last item)."""
+    parameter); the list returned counts the elements the fused kernel (inductor or C) updated
+    (its last item)."""
     monkeypatch.setenv("TIERSTORE_COMPILE_CODEC", "1")
     monkeypatch.setattr(codec, "COMPILED_TILE", 8192)
     counted = [0]
@@ -45,6 +46,14 @@ def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         return real(name, *args)
 
     monkeypatch.setattr(codec._FUSED, "call", call)
+    real_c = native.adam8
+
+    def call_c(master: Any, halves: Any, moments: Any, grad: torch.Tensor, *args: Any) -> bool:
+        done = real_c(master, halves, moments, grad, *args)
+        counted[-1] += grad.numel() if done else 0
+        return done
+
+    monkeypatch.setattr(native, "adam8", call_c)
     return counted
 
 

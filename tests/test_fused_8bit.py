@@ -1,5 +1,6 @@
 """The fused 8-bit AdamW kernel (``PackedState.update`` given the group's ``AdamHyper``): one
-compiled kernel a tile that decodes both moments, runs AdamW and encodes them again, in place.
+compiled kernel a tile that decodes both moments, runs AdamW and encodes them again, in place
+(its C twin where a C compiler is found, the inductor kernel otherwise: both are checked).
 Checked against the unfused path (the compiled codec around torch's fused AdamW) step by step,
 and for the absence of recompiles across steps, tiles and learning rates."""
 
@@ -75,12 +76,20 @@ CASES = {
 }
 
 
+def _inductor_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled (inductor) fused kernel, not its C twin (tierstore/optim/native.py)."""
+    monkeypatch.setenv("TIERSTORE_NATIVE_ADAM8", "0")
+
+
+@pytest.mark.parametrize("kernel", ["C", "inductor"])
 @pytest.mark.parametrize("master", ["fp32", "lossless"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_fused_kernel_agrees_with_the_unfused_update_step_by_step(case: str, master: str) -> None:
+def test_fused_kernel_agrees_with_the_unfused_update_step_by_step(case: str, master: str, kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # Each step from the same stored state: the master within fp32 rounding of torch's fused
     # AdamW, the moments' scales within rounding, and their codes the same but for values that
     # fell on the other side of a code-book midpoint by a rounding (then the neighbouring code).
+    if kernel == "inductor":
+        _inductor_only(monkeypatch)
     hyper = CASES[case]
     numel = 3 * 4096 + 2 * BLOCK + 100  # whole tiles, a tile of whole blocks, a partial block (the unfused path)
     layout = StateLayout("8bit", master == "lossless", False)
@@ -120,7 +129,8 @@ def test_fused_kernel_agrees_with_the_unfused_update_step_by_step(case: str, mas
         state = plain
 
 
-def test_fused_kernel_traces_once_for_steps_tiles_and_learning_rates() -> None:
+def test_fused_kernel_traces_once_for_steps_tiles_and_learning_rates(monkeypatch: pytest.MonkeyPatch) -> None:
+    _inductor_only(monkeypatch)
     # Scalars (a scheduled lr, the step's bias corrections) are a tensor input, tile sizes and
     # views' offsets dynamic: new values are new data, never a new graph.
     from torch._dynamo.utils import counters
@@ -198,6 +208,7 @@ def test_tiered_adam_8bit_with_the_fused_kernel_follows_torch(device_mode: str, 
 def test_a_fused_kernel_that_fails_to_compile_leaves_the_unfused_update(monkeypatch: pytest.MonkeyPatch) -> None:
     # A compiler failure in the fused kernel warns once and falls back to the unfused update,
     # with the compiled codec still on: the same bits as never asking for the fused kernel.
+    _inductor_only(monkeypatch)
     update = _one_update(4)
     plain = update(None)
 

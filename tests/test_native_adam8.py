@@ -1,0 +1,191 @@
+"""The C twin of the fused 8-bit AdamW kernel (tierstore/optim/native.py, adam8.c): the same
+bits as a plain reference written here and as the inductor kernel, for both masters and both
+gradient dtypes, in its AVX-512 build and its portable one; and the same training run whether
+it is on or off."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from tierstore.optim import TieredAdamW, native
+from tierstore.optim import precision as codec
+from tierstore.optim.precision import BLOCK, AdamHyper, dynamic_map
+
+pytestmark = [
+    pytest.mark.skipif(not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")), reason="no C compiler here"),
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
+]
+
+N = 6 * BLOCK
+HYPER = AdamHyper(3e-3, 0.9, 0.999, 1e-8, 0.1, True)
+
+
+def _tile(lossless: bool, grad_dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
+    """A tile of stored state: codes of every value, scales of a few magnitudes, one block all
+    zero (moments and gradient), one holding a NaN gradient (its scales become NaN)."""
+    generator = torch.Generator().manual_seed(seed)
+    tile = {
+        "m_codes": torch.randint(0, 256, (N,), dtype=torch.uint8, generator=generator),
+        "m_scales": torch.rand(N // BLOCK, generator=generator) * 1e-2,
+        "v_codes": torch.randint(0, 256, (N,), dtype=torch.uint8, generator=generator),
+        "v_scales": torch.rand(N // BLOCK, generator=generator) * 1e-5,
+        "grad": (torch.randn(N, generator=generator) * 1e-2).to(grad_dtype),
+    }
+    tile["m_scales"][1] = tile["v_scales"][1] = 0.0
+    tile["grad"][BLOCK : 2 * BLOCK] = 0.0
+    tile["grad"][4 * BLOCK + 17] = float("nan")
+    if lossless:
+        tile["low"] = torch.randint(-(2**15), 2**15, (N,), dtype=torch.int16, generator=generator)
+        tile["high"] = torch.randn(N, generator=generator).bfloat16()
+        tile["high_out"] = torch.empty(N, dtype=torch.bfloat16)
+    else:
+        tile["master"] = torch.randn(N, generator=generator)
+    return tile
+
+
+def _reference(tile: dict[str, torch.Tensor], s: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The update written plainly: decode, AdamW in the order of ``precision._adam_math``,
+    encode each block by its absmax to the nearest code (ties: the lower)."""
+    if "master" in tile:
+        master = tile["master"]
+    else:
+        words = (tile["high"].view(torch.int16).to(torch.int32) << 16) | (tile["low"].to(torch.int32) & 0xFFFF)
+        master = words.view(torch.float32)
+    m = (dynamic_map(True)[tile["m_codes"].long()].view(-1, BLOCK) * tile["m_scales"][:, None]).view(-1)
+    v = (dynamic_map(False)[tile["v_codes"].long()].view(-1, BLOCK) * tile["v_scales"][:, None]).view(-1)
+    g = tile["grad"].float() * s[9] + master * s[2]
+    m = m * s[3] + g * s[4]
+    v = v * s[5] + g * g * s[6]
+    updated = master * s[1] - s[0] * m / (v.sqrt() / s[7] + s[8])
+    out = {}
+    for name, values, signed in (("m", m, True), ("v", v, False)):
+        blocks = values.view(-1, BLOCK)
+        absmax = blocks.abs().amax(dim=1).clamp(min=1e-12)
+        book = dynamic_map(signed)
+        out[f"{name}_codes"] = torch.bucketize(blocks / absmax[:, None], (book[1:] + book[:-1]) / 2).view(-1).to(torch.uint8)
+        out[f"{name}_scales"] = absmax
+    if "master" in tile:
+        out["master"] = updated
+    else:
+        bits = updated.view(torch.int32)
+        out["low"] = (bits & 0xFFFF).to(torch.int16)
+        out["high_out"] = (bits >> 16).to(torch.int16).view(torch.bfloat16)
+    return out
+
+
+def _run_c(tile: dict[str, torch.Tensor], s: torch.Tensor, built: native.Kernel) -> bool:
+    moments = (tile["m_codes"], tile["m_scales"], tile["v_codes"], tile["v_scales"])
+    if "master" in tile:
+        return native.adam8(tile["master"], None, moments, tile["grad"], s, built)
+    return native.adam8(None, (tile["low"], tile["high"], tile["high_out"]), moments, tile["grad"], s, built)
+
+
+def _assert_same_bits(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    nan_block = 4  # (its codes are meaningless: decoded with a NaN scale; the scale is NaN)
+    for name, value in want.items():
+        have = got[name]
+        if name.endswith("_scales"):
+            assert torch.isnan(have[nan_block]) and torch.isnan(value[nan_block]), name
+            keep = torch.arange(have.numel()) != nan_block
+            assert torch.equal(have[keep], value[keep]), name
+        elif name.endswith("_codes"):
+            keep = torch.arange(have.numel()) // BLOCK != nan_block
+            assert torch.equal(have[keep], value[keep]), (name, int((have[keep] != value[keep]).sum()))
+        else:
+            bits = (have.view(torch.int16) if have.element_size() == 2 else have.view(torch.int32),
+                    value.view(torch.int16) if value.element_size() == 2 else value.view(torch.int32))
+            keep = torch.arange(have.numel()) != 4 * BLOCK + 17  # (the NaN gradient's own weight: NaN)
+            assert torch.equal(bits[0][keep], bits[1][keep]), (name, int((bits[0][keep] != bits[1][keep]).sum()))
+
+
+@pytest.fixture(scope="module", params=["avx512", "portable"])
+def built(request: pytest.FixtureRequest) -> native.Kernel:
+    kernel = native.build(vectorised=request.param == "avx512")
+    if request.param == "avx512" and not kernel.avx512:
+        pytest.skip("this CPU has no AVX-512")
+    return kernel
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=["fp32 grad", "bf16 grad"])
+@pytest.mark.parametrize("lossless", [False, True], ids=["fp32 master", "lossless master"])
+@pytest.mark.parametrize("hyper", [HYPER, AdamHyper(1e-3, 0.8, 0.99, 1e-6, 0.01, False, maximize=True)], ids=["adamw", "adam l2 maximize"])
+def test_same_bits_as_a_plain_reference(built: native.Kernel, lossless: bool, grad_dtype: torch.dtype, hyper: AdamHyper) -> None:
+    for seed in range(3):
+        tile = _tile(lossless, grad_dtype, seed)
+        s = hyper.scalars(float(seed + 1))
+        want = _reference(tile, s)
+        assert _run_c(tile, s, built)
+        _assert_same_bits(tile, want)
+        assert not torch.equal(want["m_codes"], _tile(lossless, grad_dtype, seed)["m_codes"])  # (the codes moved)
+
+
+@pytest.mark.parametrize("lossless", [False, True], ids=["fp32 master", "lossless master"])
+def test_same_bits_as_the_inductor_kernel(built: native.Kernel, lossless: bool) -> None:
+    tile = _tile(lossless, torch.bfloat16 if lossless else torch.float32, 7)
+    twin = {name: value.clone() for name, value in tile.items()}
+    s = HYPER.scalars(3.0)
+    books = (codec._codebook(True), codec._codebook(False))
+    moments = (twin["m_codes"], twin["m_scales"], twin["v_codes"], twin["v_scales"])
+    if lossless:
+        ran = codec._FUSED.call("adam8_lossless", twin["low"], twin["high"], twin["high_out"], *moments, twin["grad"], s, *books)
+    else:
+        ran = codec._FUSED.call("adam8_fp32", twin["master"], *moments, twin["grad"], s, *books)
+    if ran is False:
+        pytest.skip("the inductor kernel does not compile here")
+    assert _run_c(tile, s, built)
+    _assert_same_bits(tile, {name: twin[name] for name in tile if name not in ("grad", "high")})
+
+
+def test_refuses_what_it_cannot_take(built: native.Kernel) -> None:
+    # (the caller then runs the inductor kernel: nothing written here)
+    tile = _tile(False, torch.float16, 0)
+    before = tile["master"].clone()
+    assert not _run_c(tile, HYPER.scalars(1.0), built)
+    tile = _tile(False, torch.float32, 0)
+    tile["grad"] = torch.randn(2 * N)[::2]
+    assert not _run_c(tile, HYPER.scalars(1.0), built)
+    assert torch.equal(tile["master"], before)
+
+
+def test_a_compiler_that_fails_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CC", "false")
+    with pytest.raises(RuntimeError, match="failed"):
+        native.build()
+
+
+@pytest.mark.device_modes
+def test_training_gives_the_same_weights_with_it_on_or_off(device_mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Through the optimizer: parameters large enough for the fused kernel, a partial last block.
+    # On: the C kernel where this CPU has AVX-512; off: the inductor kernel.
+    ran = [0]
+    real = native.adam8
+
+    def counted(*args: object) -> bool:
+        done = real(*args)  # type: ignore[arg-type]
+        ran[0] += done
+        return done
+
+    monkeypatch.setattr(native, "adam8", counted)
+    weights = []
+    for on in ("1", "0"):
+        monkeypatch.setenv("TIERSTORE_NATIVE_ADAM8", on)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(200, 300), torch.nn.GELU(), torch.nn.Linear(300, 7))
+        opt = TieredAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, state_precision="8bit", min_offload_numel=1)
+        try:
+            for _ in range(4):
+                model(torch.randn(16, 200)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        finally:
+            opt.close()
+        weights.append([p.detach().clone() for p in model.parameters()])
+        if on == "1":
+            assert ran[0] > 0 or not native.build().avx512
+    if codec._FUSED.failed:
+        pytest.skip("the inductor kernel does not compile here: off is the unfused update")
+    for on, off in zip(*weights, strict=True):
+        assert torch.equal(on, off)

@@ -1,0 +1,347 @@
+/* The fused 8-bit AdamW update of tierstore.optim.precision (``_adam8_fp32`` and
+ * ``_adam8_lossless``) as plain C, compiled at first use by tierstore/optim/native.py.
+ *
+ * The same IEEE operations in the same order as the compiled (inductor) kernel, so the same
+ * bits: compiled with -ffp-contract=off (no fused multiply-adds) and without -ffast-math.
+ * One block of BLOCK elements at a time: its moments are decoded, updated and kept in two
+ * stack rows while their absmax is taken, then encoded; memory sees every field once each way.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define BLOCK 256
+
+/* s: lr / bias1, decay, l2, beta1, 1 - beta1, beta2, 1 - beta2, sqrt(bias2), eps, gmul */
+typedef struct {
+    float lr, decay, l2, b1, omb1, b2, omb2, bias2, eps, gmul;
+} scalars_t;
+
+/* Of each code book (m: signed, v: unsigned): its 256 values, its 255 midpoints (+inf last),
+ * and the search tables of the portable encoder (native.search_tables): the code below a
+ * normalised value and the midpoint above that code, by the value's high 16 bits. */
+typedef struct {
+    const float *m_book, *v_book;
+    const float *m_mid, *v_mid;
+    const int32_t *m_below, *v_below;
+    const float *m_above, *v_above;
+} tables_t;
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint32_t float_bits(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    return bits;
+}
+
+/* The bits of |x|: for non-negative floats their order as integers is their order as values,
+ * and a NaN's bits lie above +inf's, so the largest of them is the absmax with a NaN winning (as
+ * torch's amax), and the reduction vectorises (a float max with NaN rules does not). */
+static inline uint32_t abs_bits(float x) { return float_bits(x) & 0x7FFFFFFFu; }
+
+static inline float absmax_of_bits(uint32_t bits) {
+    float best;
+    memcpy(&best, &bits, sizeof best);
+    return best < 1e-12f ? 1e-12f : best; /* (clamp: an all-zero block still divides; a NaN stays) */
+}
+
+/* The search tables cover normalised magnitudes from 2^(LOW_EXPONENT - 127) to 1 (a normalised
+ * value is at most 1); every smaller one has the smallest's code and midpoint (native.py checks
+ * it when it builds them). Indexed by the sign, then the high 16 bits of |x| from those of
+ * 2^(LOW_EXPONENT - 127) up: 2 x 2945 entries, 46 KiB a code book, mostly in a core's L1 cache,
+ * where the full 64K-entry tables (1 MiB for both books) missed it at every lookup. */
+#define LOW_EXPONENT 104
+#define LOWEST_HIGH (LOW_EXPONENT << 7)
+#define ONE_HIGH 0x3F80
+#define TABLE_HALF (ONE_HIGH - LOWEST_HIGH + 1)
+
+/* codes of row / absmax: below[i] is the code below a value, above[i] the midpoint above that
+ * code; one comparison picks the nearest code (ties: the lower). */
+static inline void encode_row(const float *restrict row, float absmax, const int32_t *restrict below,
+                              const float *restrict above, uint8_t *restrict codes) {
+    for (int i = 0; i < BLOCK; i++) {
+        float normal = row[i] / absmax;
+        uint32_t high = float_bits(normal) >> 16;
+        uint32_t magnitude = high & 0x7FFF;
+        magnitude = magnitude < LOWEST_HIGH ? LOWEST_HIGH : magnitude;
+        magnitude = magnitude > ONE_HIGH ? ONE_HIGH : magnitude; /* (only a NaN's: its block's scale is NaN) */
+        uint32_t index = (high >> 15) * TABLE_HALF + magnitude - LOWEST_HIGH;
+        codes[i] = (uint8_t)(below[index] + (normal > above[index]));
+    }
+}
+
+/* One block: a master of fp32 words (`master`) or, `lossless`, of low halves under the bf16
+ * weight (`low`, `high`; the new weight to `high_out`); an fp32 (`grad32`) or, `bf16_grad`, bf16
+ * (`grad16`) gradient; both moments decoded, AdamW, both encoded. `lossless` and `bf16_grad` are
+ * constants at every call, so each case compiles to a loop of its own with no branch. */
+static inline void block_update(const int lossless, const int bf16_grad, float *restrict master, int16_t *restrict low, const uint16_t *restrict high,
+                                uint16_t *restrict high_out, uint8_t *restrict m_codes, float *restrict m_scale,
+                                uint8_t *restrict v_codes, float *restrict v_scale, const float *restrict grad32,
+                                const uint16_t *restrict grad16, const scalars_t *restrict s, const tables_t *restrict t) {
+    float m_row[BLOCK], v_row[BLOCK];
+    const float ms = *m_scale, vs = *v_scale;
+    const float lr = s->lr, decay = s->decay, l2 = s->l2, b1 = s->b1, omb1 = s->omb1, b2 = s->b2, omb2 = s->omb2,
+                bias2 = s->bias2, eps = s->eps, gmul = s->gmul;
+    uint32_t m_max = 0, v_max = 0;
+    for (int i = 0; i < BLOCK; i++) {
+        float p;
+        if (!lossless) {
+            p = master[i];
+        } else {
+            uint32_t word = ((uint32_t)high[i] << 16) | (uint16_t)low[i];
+            memcpy(&p, &word, sizeof p);
+        }
+        float g0 = bf16_grad ? bf16_to_float(grad16[i]) : grad32[i];
+        float g = g0 * gmul + p * l2;
+        float m = t->m_book[m_codes[i]] * ms;
+        float v = t->v_book[v_codes[i]] * vs;
+        m = m * b1 + g * omb1;
+        v = v * b2 + g * g * omb2;
+        float denom = sqrtf(v) / bias2 + eps;
+        float updated = p * decay - lr * m / denom;
+        if (!lossless) {
+            master[i] = updated;
+        } else {
+            uint32_t bits = float_bits(updated);
+            low[i] = (int16_t)(bits & 0xFFFF);
+            high_out[i] = (uint16_t)(bits >> 16);
+        }
+        m_row[i] = m;
+        v_row[i] = v;
+        uint32_t ma = abs_bits(m), va = abs_bits(v);
+        m_max = ma > m_max ? ma : m_max;
+        v_max = va > v_max ? va : v_max;
+    }
+    float m_abs = absmax_of_bits(m_max), v_abs = absmax_of_bits(v_max);
+    encode_row(m_row, m_abs, t->m_below, t->m_above, m_codes);
+    encode_row(v_row, v_abs, t->v_below, t->v_above, v_codes);
+    *m_scale = m_abs;
+    *v_scale = v_abs;
+}
+
+
+#ifdef __AVX512F__
+/* -- AVX-512: no gathers ---------------------------------------------------------------------
+ * Gathers are slow on recent Intel cores (the microcode against "Downfall" makes each one cost
+ * tens of cycles): they were half of the portable kernel's time. Here the code books live in
+ * registers: a decode is a 256-entry lookup made of 32-entry permutes, and an encode a binary
+ * search over the 255 midpoints (the number of midpoints below the value: the nearest code,
+ * ties the lower, as the search tables give), each step's candidates a permute too. */
+#include <immintrin.h>
+
+/* A 256-entry table in 16 registers. */
+typedef struct {
+    __m512 r[16];
+} table256_t;
+
+static inline void load256(table256_t *t, const float *values) {
+    for (int i = 0; i < 16; i++) t->r[i] = _mm512_loadu_ps(values + 16 * i);
+}
+
+/* t[index] for 16 indices in 0..255. */
+static inline __m512 lookup256(const table256_t *t, __m512i index) {
+    __m512 g0 = _mm512_permutex2var_ps(t->r[0], index, t->r[1]);
+    __m512 g1 = _mm512_permutex2var_ps(t->r[2], index, t->r[3]);
+    __m512 g2 = _mm512_permutex2var_ps(t->r[4], index, t->r[5]);
+    __m512 g3 = _mm512_permutex2var_ps(t->r[6], index, t->r[7]);
+    __m512 g4 = _mm512_permutex2var_ps(t->r[8], index, t->r[9]);
+    __m512 g5 = _mm512_permutex2var_ps(t->r[10], index, t->r[11]);
+    __m512 g6 = _mm512_permutex2var_ps(t->r[12], index, t->r[13]);
+    __m512 g7 = _mm512_permutex2var_ps(t->r[14], index, t->r[15]);
+    __mmask16 b5 = _mm512_test_epi32_mask(index, _mm512_set1_epi32(32));
+    __mmask16 b6 = _mm512_test_epi32_mask(index, _mm512_set1_epi32(64));
+    __mmask16 b7 = _mm512_test_epi32_mask(index, _mm512_set1_epi32(128));
+    __m512 a0 = _mm512_mask_blend_ps(b5, g0, g1), a1 = _mm512_mask_blend_ps(b5, g2, g3);
+    __m512 a2 = _mm512_mask_blend_ps(b5, g4, g5), a3 = _mm512_mask_blend_ps(b5, g6, g7);
+    __m512 c0 = _mm512_mask_blend_ps(b6, a0, a1), c1 = _mm512_mask_blend_ps(b6, a2, a3);
+    return _mm512_mask_blend_ps(b7, c0, c1);
+}
+
+/* The binary search's candidates: at the step of size s, for the code c found so far (a
+ * multiple of 2s), the midpoint mid[c + s - 1], indexed by c / 2s. */
+typedef struct {
+    __m512 s128;        /* mid[127], broadcast */
+    __m512 s64, s32, s16, s8; /* up to 16 candidates each: one register */
+    __m512 s4[2], s2[4], s1[8];
+} search_t;
+
+static inline void load_search(search_t *t, const float *mid) {
+    float step[128];
+    t->s128 = _mm512_set1_ps(mid[127]);
+    __m512 *one[4] = {&t->s64, &t->s32, &t->s16, &t->s8};
+    for (int k = 0, size = 64; k < 4; k++, size /= 2) {
+        for (int j = 0; j < 16; j++) step[j] = j < 128 / size ? mid[j * 2 * size + size - 1] : INFINITY;
+        *one[k] = _mm512_loadu_ps(step);
+    }
+    for (int j = 0; j < 32; j++) step[j] = mid[j * 8 + 3];
+    for (int i = 0; i < 2; i++) t->s4[i] = _mm512_loadu_ps(step + 16 * i);
+    for (int j = 0; j < 64; j++) step[j] = mid[j * 4 + 1];
+    for (int i = 0; i < 4; i++) t->s2[i] = _mm512_loadu_ps(step + 16 * i);
+    for (int j = 0; j < 128; j++) step[j] = mid[j * 2];
+    for (int i = 0; i < 8; i++) t->s1[i] = _mm512_loadu_ps(step + 16 * i);
+}
+
+/* c += size where x > candidate */
+#define SEARCH_STEP(CANDIDATE, SIZE) \
+    code = _mm512_mask_add_epi32(code, _mm512_cmp_ps_mask(x, CANDIDATE, _CMP_GT_OQ), code, _mm512_set1_epi32(SIZE))
+
+/* The number of midpoints below each of 16 values (a NaN: 0; its block's scale is NaN). */
+static inline __m512i search(const search_t *t, __m512 x) {
+    __m512i code = _mm512_setzero_si512();
+    SEARCH_STEP(t->s128, 128);
+    SEARCH_STEP(_mm512_permutexvar_ps(_mm512_srli_epi32(code, 7), t->s64), 64);
+    SEARCH_STEP(_mm512_permutexvar_ps(_mm512_srli_epi32(code, 6), t->s32), 32);
+    SEARCH_STEP(_mm512_permutexvar_ps(_mm512_srli_epi32(code, 5), t->s16), 16);
+    SEARCH_STEP(_mm512_permutexvar_ps(_mm512_srli_epi32(code, 4), t->s8), 8);
+    __m512i j = _mm512_srli_epi32(code, 3); /* 0..31 */
+    SEARCH_STEP(_mm512_permutex2var_ps(t->s4[0], j, t->s4[1]), 4);
+    j = _mm512_srli_epi32(code, 2); /* 0..63 */
+    __mmask16 b5 = _mm512_test_epi32_mask(j, _mm512_set1_epi32(32));
+    SEARCH_STEP(_mm512_mask_blend_ps(b5, _mm512_permutex2var_ps(t->s2[0], j, t->s2[1]), _mm512_permutex2var_ps(t->s2[2], j, t->s2[3])), 2);
+    j = _mm512_srli_epi32(code, 1); /* 0..127 */
+    b5 = _mm512_test_epi32_mask(j, _mm512_set1_epi32(32));
+    __mmask16 b6 = _mm512_test_epi32_mask(j, _mm512_set1_epi32(64));
+    __m512 a0 = _mm512_mask_blend_ps(b5, _mm512_permutex2var_ps(t->s1[0], j, t->s1[1]), _mm512_permutex2var_ps(t->s1[2], j, t->s1[3]));
+    __m512 a1 = _mm512_mask_blend_ps(b5, _mm512_permutex2var_ps(t->s1[4], j, t->s1[5]), _mm512_permutex2var_ps(t->s1[6], j, t->s1[7]));
+    SEARCH_STEP(_mm512_mask_blend_ps(b6, a0, a1), 1);
+    return code;
+}
+
+typedef struct {
+    table256_t m_book, v_book;
+    search_t m_search, v_search;
+} tables512_t;
+
+static inline void encode_row_512(const float *restrict row, float absmax, const search_t *t, uint8_t *restrict codes) {
+    const __m512 scale = _mm512_set1_ps(absmax);
+    for (int i = 0; i < BLOCK; i += 16) {
+        __m512 normal = _mm512_div_ps(_mm512_loadu_ps(row + i), scale);
+        _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(search(t, normal)));
+    }
+}
+
+static inline __m512 bf16x16(const uint16_t *values) {
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)values));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+/* block_update, 16 lanes at a time. */
+static inline void block_update_512(const int lossless, const int bf16_grad, float *restrict master, int16_t *restrict low,
+                                    const uint16_t *restrict high, uint16_t *restrict high_out, uint8_t *restrict m_codes,
+                                    float *restrict m_scale, uint8_t *restrict v_codes, float *restrict v_scale,
+                                    const float *restrict grad32, const uint16_t *restrict grad16, const scalars_t *restrict s,
+                                    const tables512_t *restrict t) {
+    float m_row[BLOCK] __attribute__((aligned(64))), v_row[BLOCK] __attribute__((aligned(64)));
+    const __m512 ms = _mm512_set1_ps(*m_scale), vs = _mm512_set1_ps(*v_scale);
+    const __m512 lr = _mm512_set1_ps(s->lr), decay = _mm512_set1_ps(s->decay), l2 = _mm512_set1_ps(s->l2),
+                 b1 = _mm512_set1_ps(s->b1), omb1 = _mm512_set1_ps(s->omb1), b2 = _mm512_set1_ps(s->b2),
+                 omb2 = _mm512_set1_ps(s->omb2), bias2 = _mm512_set1_ps(s->bias2), eps = _mm512_set1_ps(s->eps),
+                 gmul = _mm512_set1_ps(s->gmul);
+    const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
+    __m512i m_max = _mm512_setzero_si512(), v_max = _mm512_setzero_si512();
+    for (int i = 0; i < BLOCK; i += 16) {
+        __m512 p;
+        if (!lossless) {
+            p = _mm512_loadu_ps(master + i);
+        } else {
+            __m512i word = _mm512_or_si512(_mm512_castps_si512(bf16x16(high + i)),
+                                           _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(low + i))));
+            p = _mm512_castsi512_ps(word);
+        }
+        __m512 g0 = bf16_grad ? bf16x16(grad16 + i) : _mm512_loadu_ps(grad32 + i);
+        __m512 g = _mm512_add_ps(_mm512_mul_ps(g0, gmul), _mm512_mul_ps(p, l2));
+        __m512i mc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(m_codes + i)));
+        __m512i vc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(v_codes + i)));
+        __m512 m = _mm512_mul_ps(lookup256(&t->m_book, mc), ms);
+        __m512 v = _mm512_mul_ps(lookup256(&t->v_book, vc), vs);
+        m = _mm512_add_ps(_mm512_mul_ps(m, b1), _mm512_mul_ps(g, omb1));
+        v = _mm512_add_ps(_mm512_mul_ps(v, b2), _mm512_mul_ps(_mm512_mul_ps(g, g), omb2));
+        __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bias2), eps);
+        __m512 updated = _mm512_sub_ps(_mm512_mul_ps(p, decay), _mm512_div_ps(_mm512_mul_ps(lr, m), denom));
+        if (!lossless) {
+            _mm512_storeu_ps(master + i, updated);
+        } else {
+            __m512i bits = _mm512_castps_si512(updated);
+            _mm256_storeu_si256((__m256i *)(low + i), _mm512_cvtepi32_epi16(bits));
+            _mm256_storeu_si256((__m256i *)(high_out + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+        }
+        _mm512_store_ps(m_row + i, m);
+        _mm512_store_ps(v_row + i, v);
+        m_max = _mm512_max_epu32(m_max, _mm512_and_si512(_mm512_castps_si512(m), magnitude));
+        v_max = _mm512_max_epu32(v_max, _mm512_and_si512(_mm512_castps_si512(v), magnitude));
+    }
+    float m_abs = absmax_of_bits(_mm512_reduce_max_epu32(m_max)), v_abs = absmax_of_bits(_mm512_reduce_max_epu32(v_max));
+    encode_row_512(m_row, m_abs, &t->m_search, m_codes);
+    encode_row_512(v_row, v_abs, &t->v_search, v_codes);
+    *m_scale = m_abs;
+    *v_scale = v_abs;
+}
+
+#define TILE_LOOP_512(LOSSLESS, BF16_GRAD, MASTER, LOW, HIGH, HIGH_OUT, G32, G16)                             \
+    do {                                                                                                     \
+        tables512_t t512;                                                                                   \
+        load256(&t512.m_book, t.m_book);                                                                    \
+        load256(&t512.v_book, t.v_book);                                                                    \
+        load_search(&t512.m_search, t.m_mid);                                                               \
+        load_search(&t512.v_search, t.v_mid);                                                               \
+        for (int64_t start = 0, b = 0; start < numel; start += BLOCK, b++)                                  \
+            block_update_512(LOSSLESS, BF16_GRAD, MASTER, LOW, HIGH, HIGH_OUT, m_codes + start, m_scales + b, \
+                             v_codes + start, v_scales + b, G32, G16, &s, &t512);                           \
+    } while (0)
+#endif
+
+/* One tile of whole blocks, elements 0..numel (numel a multiple of BLOCK): a master of fp32
+ * words (``master``) or of low halves under the bf16 weight (``low``, ``high``; the new weight
+ * to ``high_out``), an fp32 (``grad32``) or bf16 (``grad16``) gradient. Each case is its own
+ * loop with the others' pointers literally NULL, so the compiler drops their branches. */
+#define TILE_LOOP(LOSSLESS, BF16_GRAD, MASTER, LOW, HIGH, HIGH_OUT, G32, G16)                                              \
+    for (int64_t start = 0, b = 0; start < numel; start += BLOCK, b++)                                \
+        block_update(LOSSLESS, BF16_GRAD, MASTER, LOW, HIGH, HIGH_OUT, m_codes + start, m_scales + b, v_codes + start, v_scales + b, \
+                     G32, G16, &s, &t)
+
+void tierstore_adam8(int64_t numel, float *master, int16_t *low, const uint16_t *high, uint16_t *high_out,
+                     uint8_t *m_codes, float *m_scales, uint8_t *v_codes, float *v_scales,
+                     const float *grad32, const uint16_t *grad16, const float *scalars,
+                     const float *m_book, const float *m_mid, const int32_t *m_below, const float *m_above,
+                     const float *v_book, const float *v_mid, const int32_t *v_below, const float *v_above) {
+    scalars_t s;
+    memcpy(&s, scalars, sizeof s);
+    const tables_t t = {m_book, v_book, m_mid, v_mid, m_below, v_below, m_above, v_above};
+#ifdef __AVX512F__
+    if (master != NULL && grad32 != NULL) {
+        TILE_LOOP_512(0, 0, master + start, NULL, NULL, NULL, grad32 + start, NULL);
+    } else if (master != NULL) {
+        TILE_LOOP_512(0, 1, master + start, NULL, NULL, NULL, NULL, grad16 + start);
+    } else if (grad32 != NULL) {
+        TILE_LOOP_512(1, 0, NULL, low + start, high + start, high_out + start, grad32 + start, NULL);
+    } else {
+        TILE_LOOP_512(1, 1, NULL, low + start, high + start, high_out + start, NULL, grad16 + start);
+    }
+#else
+    if (master != NULL && grad32 != NULL) {
+        TILE_LOOP(0, 0, master + start, NULL, NULL, NULL, grad32 + start, NULL);
+    } else if (master != NULL) {
+        TILE_LOOP(0, 1, master + start, NULL, NULL, NULL, NULL, grad16 + start);
+    } else if (grad32 != NULL) {
+        TILE_LOOP(1, 0, NULL, low + start, high + start, high_out + start, grad32 + start, NULL);
+    } else {
+        TILE_LOOP(1, 1, NULL, low + start, high + start, high_out + start, NULL, grad16 + start);
+    }
+#endif
+}
+
+/* 1 where the AVX-512 kernel was compiled in (native.py uses this one only then: elsewhere the
+ * inductor kernel's vector gathers are as fast as the portable loop). */
+int tierstore_adam8_avx512(void) {
+#ifdef __AVX512F__
+    return 1;
+#else
+    return 0;
+#endif
+}
