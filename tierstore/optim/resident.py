@@ -14,7 +14,8 @@ every chunk) gives the same bits as one call per bucket.
 
 A step whose state is partly paged below (the disk-paged step) is mixed: the first slots in
 update order whose entries are resident when it starts (those the step writes back early, up to
-a bucket's share of the room: ``StepRunner``) are updated here in one call, in one of the
+a bucket's share of the room: ``StepRunner``; none if the first one's state is more than that,
+as a chunked parameter's can be the whole tier) are updated here in one call, in one of the
 pipeline's places in flight as its first bucket would be, while the others go through the
 pipeline as their reads land. Holding more of the resident entries at once was tried: the
 reads of the others then evict resident states not held yet, which are read back later in the

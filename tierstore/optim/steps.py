@@ -258,7 +258,8 @@ class StepRunner:
         return its task and the slots left to the pipeline, in order. All of them when every
         slot is resident; else, as the pipeline's first bucket would be, those the step writes
         back early first (so those writes start after the call) in one of the places in flight,
-        up to its share of the room (so the reads of the others find room)."""
+        up to its share of the room (so the reads of the others find room; none if the first
+        slot's state is more than the share)."""
         resident = self.resident
         assert resident is not None
         chosen, pieces = resident.split(order)
@@ -269,7 +270,9 @@ class StepRunner:
             size = count = 0
             for slot in chosen:
                 need = pipeline.state_held(slot)
-                if share is not None and count and size + need > share:
+                # (the first too: a chunked parameter's whole state can be the whole tier, and
+                # held at once it left the runs in the other places no room: TierFullError)
+                if share is not None and size + need > share:
                     break
                 size += need
                 count += 1
