@@ -18,7 +18,8 @@ state either way (checkpoints).
 with per-block scales) and ``master_weights="lossless"`` keeps only the low 16 bits of a bf16
 parameter's fp32 master: the entry is then a flat ``uint8`` layout (``tierstore.optim.precision``)
 and each update decodes one entry into fp32 temporaries, runs torch's Adam on them and encodes
-the result back.
+the result back. An fp32 parameter in host memory (plain CPU) is its own fp32 master, with any
+``state_precision``: its entry holds the moments only, and the update runs on it in place.
 
 In a named namespace, ``close()`` leaves the step counts (and the state of parameters too small
 to page) beside the paged state, and a later optimizer claiming the namespace continues from
@@ -30,6 +31,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -72,7 +74,7 @@ class TieredAdam(PagedOptimizer):
     Writes to a parameter from outside between steps (``model.load_state_dict``, ``p.mul_``
     under ``torch.no_grad()``, ``p.data = ...``, ``model.to(memory_format=...)``) count, as in
     torch: where the fp32 master is kept apart from the parameter (a device, a bf16 parameter,
-    compressed state), the next update reloads it from the parameter (exactly for an fp32 one;
+    an offloaded one), the next update reloads it from the parameter (exactly for an fp32 one;
     a bf16 one loses the master's extra bits, with a warning). They are seen by torch's version
     counter and the parameter's address; an in-place write through ``p.data`` (``p.data.mul_``)
     is seen by neither and is overwritten by the next step's weight.
@@ -151,16 +153,18 @@ class TieredAdam(PagedOptimizer):
         group = self.param_groups[slot.group]
         if group["state_precision"] == "fp32" and group["master_weights"] == "fp32":
             return None
-        return StateLayout(group["state_precision"], group["master_weights"] == "lossless", bool(group["amsgrad"]))
+        lossless = group["master_weights"] == "lossless"
+        return StateLayout(group["state_precision"], lossless, bool(group["amsgrad"]), not lossless and self._param_is_master(slot))
 
     def _rows(self, slot: ParamSlot) -> int:
         """Rows of the decoded state: master and moments."""
         return 4 if self.param_groups[slot.group]["amsgrad"] else 3
 
     def _param_is_master(self, slot: ParamSlot) -> bool:
-        """Whether ``slot``'s plain fp32 state leaves the master row out: an fp32 parameter in
-        host memory (plain CPU: the link lends) is the fp32 master itself, so the update runs in
-        place on it (as torch's AdamW does), saving a copy per step and 4 B a parameter of state.
+        """Whether ``slot``'s state leaves the master out (the plain fp32 entry its row, a
+        compressed one its field): an fp32 parameter in host memory (plain CPU: the link lends)
+        is the fp32 master itself, so the update runs in place on it (as torch's AdamW does),
+        saving a copy per step and 4 B a parameter of state (every state_precision).
         Decided once per parameter, when its state is first laid out: a parameter that later
         stops being usable in place (``model.to(memory_format=torch.channels_last)``, a later
         ``offload_parameters``) keeps this layout, its master row built from it at each update
@@ -169,7 +173,7 @@ class TieredAdam(PagedOptimizer):
             group = self.param_groups[slot.group]
             param = slot.param
             slot.param_master = (
-                group["state_precision"] == "fp32" and group["master_weights"] == "fp32" and slot.link.lends
+                group["master_weights"] == "fp32" and slot.link.lends
                 and type(param) in (torch.Tensor, torch.nn.Parameter) and param.dtype == torch.float32
                 and param.is_contiguous() and offloaded(param) is None
             )
@@ -201,7 +205,8 @@ class TieredAdam(PagedOptimizer):
         layout = self._layout(slot)
         if layout is not None:
             packed = layout.empty(slot.numel)
-            PackedState(layout, packed, slot.numel).set_master(weight.reshape(-1).float())
+            if not layout.param_master:
+                PackedState(layout, packed, slot.numel).set_master(weight.reshape(-1).float())
             return packed
         packed = torch.zeros(self._stored_rows(slot), slot.numel, dtype=torch.float32)
         if not self._param_is_master(slot):
@@ -211,7 +216,8 @@ class TieredAdam(PagedOptimizer):
     async def _wrap(self, slot: ParamSlot, packed: torch.Tensor, start: int, stop: int, chunk: Chunk | None = None) -> Any:
         """What the update gets of an entry: the fp32 rows themselves (the parameter's own
         elements first where it is the master), or a ``PackedState`` (with a lossless master,
-        holding the model's weight for those elements)."""
+        holding the model's weight for those elements; where the parameter is the master, its
+        own elements as the master)."""
         layout = self._layout(slot)
         fresh = chunk.index not in slot.chunks_updated if chunk is not None else not slot.updated
         if layout is None:
@@ -236,6 +242,12 @@ class TieredAdam(PagedOptimizer):
                     stacklevel=2,
                 )
             high = await (read_weight(slot) if (start, stop) == (0, slot.numel) else read_weight_range(slot, start, stop))
+        if layout.param_master:
+            if self._in_place(slot):
+                master = slot.param.data.view(-1)[start:stop]
+            else:  # (no longer usable in place: updated on a copy, written back as any weight)
+                master = (await read_weight_range(slot, start, stop)).to(torch.float32, copy=True).reshape(-1)
+            return PackedState(layout, packed, stop - start, param_numel=slot.numel, master=master)
         state = PackedState(layout, packed, stop - start, high, param_numel=slot.numel)  # (its kernels: the parameter's)
         if fresh and self._reloads(slot):
             state.set_master((high if high is not None else await read_weight_range(slot, start, stop)).reshape(-1).float())
@@ -310,13 +322,14 @@ class TieredAdam(PagedOptimizer):
                 await fill_weight_range(slot, start, stop, packed[0])
                 return
             packed.zero_()
-            if not layout.lossless:
+            if not layout.lossless and not layout.param_master:
                 await fill_weight_range(slot, start, stop, PackedState(layout, packed, stop - start).view("master"))
 
     async def _decode(self, slot: ParamSlot, packed: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """Elements ``start:stop`` of ``slot``'s state as ``(rows, n)`` fp32 (a view of
-        ``packed`` when that is the plain layout). A plain entry without the master row (saved
-        where the parameter was the master) gets the parameter's current elements as master."""
+        ``packed`` when that is the plain layout). An entry without the master (saved where the
+        parameter was the master) gets the parameter's current elements as master; a compressed
+        entry in the other of the two layouts (with and without the master) is read as saved."""
         if packed.dtype == torch.float32 and packed.dim() == 2:
             if packed.shape[0] == self._rows(slot):
                 return packed
@@ -324,6 +337,11 @@ class TieredAdam(PagedOptimizer):
             rows[0].copy_((await read_weight_range(slot, start, stop)).reshape(-1))
             rows[1:].copy_(packed)
             return rows
+        layout = self._layout(slot)
+        if layout is not None and not layout.lossless and packed.numel() != layout.nbytes(stop - start):
+            saved = replace(layout, param_master=not layout.param_master)
+            master = (await read_weight_range(slot, start, stop)).to(torch.float32, copy=True).reshape(-1) if saved.param_master else None
+            return PackedState(saved, packed, stop - start, master=master).decode()
         state = await self._wrap(slot, packed, start, stop)
         return state.decode() if isinstance(state, PackedState) else state
 
@@ -333,7 +351,9 @@ class TieredAdam(PagedOptimizer):
         if layout is None:
             return rows[1:].contiguous() if self._param_is_master(slot) else rows.contiguous()
         packed = layout.empty(rows.shape[1])
-        PackedState(layout, packed, rows.shape[1]).encode(rows)
+        # (where the parameter is the master, the master row is its value: nothing of it is stored)
+        master = rows[0].contiguous() if layout.param_master else None
+        PackedState(layout, packed, rows.shape[1], master=master).encode(rows)
         return packed
 
     async def read_state_rows(self, slot: ParamSlot) -> torch.Tensor:
@@ -440,25 +460,32 @@ class TieredAdam(PagedOptimizer):
 
     def _saved_pieces(self, slot: ParamSlot) -> list[tuple[str, int, int]] | None:
         """The entries holding a saved state of ``slot`` in whichever layout saved it (one
-        entry, or chunks of any size: ``chunk_bytes`` may have changed since), as ``(key,
+        entry, or chunks of any size: ``chunk_bytes`` may have changed since; with or without
+        the master: saved where the parameter was the master, or where it was not), as ``(key,
         start, stop)`` in element order; None unless they cover the parameter exactly."""
-        if slot.key in self.store and self._saved_numel(slot, slot.key) == slot.numel:
-            return [(slot.key, 0, slot.numel)]
-        pieces: list[tuple[str, int, int]] = []
-        start = 0
-        while (key := chunk_key(slot.key, len(pieces))) in self.store:
-            numel = self._saved_numel(slot, key)
-            if numel is None:
-                return None
-            pieces.append((key, start, start + numel))
-            start += numel
-        return pieces if pieces and start == slot.numel else None
+        layout = self._layout(slot)
+        saved = [layout] if layout is None or layout.lossless else [layout, replace(layout, param_master=not layout.param_master)]
+        for candidate in saved:
+            if slot.key in self.store and self._saved_numel(slot, slot.key, candidate) == slot.numel:
+                return [(slot.key, 0, slot.numel)]
+            pieces: list[tuple[str, int, int]] = []
+            start = 0
+            while (key := chunk_key(slot.key, len(pieces))) in self.store:
+                numel = self._saved_numel(slot, key, candidate)
+                if numel is None:
+                    break
+                pieces.append((key, start, start + numel))
+                start += numel
+            else:
+                if pieces and start == slot.numel:
+                    return pieces
+        return None
 
-    def _saved_numel(self, slot: ParamSlot, key: str) -> int | None:
-        """Elements of ``slot``'s state the entry ``key`` holds, if it is in ``slot``'s layout."""
+    def _saved_numel(self, slot: ParamSlot, key: str, layout: StateLayout | None) -> int | None:
+        """Elements of ``slot``'s state the entry ``key`` holds, if it is in ``layout`` (None:
+        the plain fp32 one)."""
         info = self.store.info(key)
         shape, dtype = tuple(info["shape"]), info["dtype"]
-        layout = self._layout(slot)
         if layout is None:
             # with or without the master row: a state saved on the plain CPU, where the
             # parameter is the master, or under a device link, where it is not

@@ -10,7 +10,8 @@ is aligned for its dtype (the store's buffers are at least 64-byte aligned). For
 ================  =================================================  ========================
 field             dtype, count                                       bytes
 ================  =================================================  ========================
-master            fp32, n (``master_weights="fp32"``)                4n
+master            fp32, n (``master_weights="fp32"``, unless the     4n
+                  parameter is the master: ``param_master``)
 <moment>/scale    fp32, b per moment (``"8bit"``)                    4b each
 master_low        int16, n: low 16 bits of the fp32 master           2n
                   (``master_weights="lossless"``)
@@ -21,6 +22,11 @@ master_low        int16, n: low 16 bits of the fp32 master           2n
 with the moments ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` with amsgrad) in that
 order. Per parameter without amsgrad: ``"bf16"`` 8 B, ``"8bit"`` 6 B + 8 B per 256 elements;
 with a lossless master 2 B less (``"8bit"``: about 4 B).
+
+``param_master``: an fp32 parameter in host memory (plain CPU) is its own fp32 master, as with
+fp32 state (``TieredAdam._param_is_master``): the entry leaves the master out (``"8bit"``: about
+2 B a parameter, ``"bf16"`` 4 B) and ``PackedState`` reads and updates the parameter's own memory
+(``master=``) in its place, so no copy of the master is made, stored or written back.
 
 8-bit moments are blockwise quantised as in the 8-bit optimizer literature (Dettmers et al.,
 arXiv:2110.02861; bitsandbytes, torchao's AdamW8bit): each block of 256 elements is divided by
@@ -467,11 +473,17 @@ class Field:
 
 @dataclass(frozen=True)
 class StateLayout:
-    """How one entry of compressed Adam state is laid out (see the module docstring)."""
+    """How one entry of compressed Adam state is laid out (see the module docstring).
+    ``param_master``: the fp32 master is the parameter itself, not a field of the entry."""
 
     precision: str
     lossless: bool
     amsgrad: bool
+    param_master: bool = False
+
+    def __post_init__(self) -> None:
+        if self.lossless and self.param_master:
+            raise ValueError("a lossless master is stored in part (its low halves): it cannot be the parameter itself")
 
     @property
     def moments(self) -> tuple[str, ...]:
@@ -486,7 +498,7 @@ class StateLayout:
         """The fields of an entry of ``numel`` elements, by name, in byte order."""
         blocks = math.ceil(numel / BLOCK)
         wanted: list[tuple[str, torch.dtype, int]] = []
-        if not self.lossless:
+        if not self.lossless and not self.param_master:
             wanted.append(("master", torch.float32, numel))
         if self.precision == "8bit":
             wanted += [(f"{m}/scale", torch.float32, blocks) for m in self.moments]
@@ -510,12 +522,14 @@ class StateLayout:
 
     def numel_of(self, nbytes: int) -> int | None:
         """The element count of an entry of ``nbytes`` bytes (None if no count has that size)."""
-        per = self.nbytes(BLOCK) / BLOCK
-        guess = int(nbytes / per)
-        for numel in range(max(0, guess - 2), guess + 3):
-            if self.nbytes(numel) == nbytes:
-                return numel
-        return None
+        low, high = 0, nbytes  # (an entry has at least a byte an element; its size grows with its count)
+        while low < high:
+            middle = (low + high) // 2
+            if self.nbytes(middle) < nbytes:
+                low = middle + 1
+            else:
+                high = middle
+        return low if self.nbytes(low) == nbytes else None
 
     def empty(self, numel: int) -> torch.Tensor:
         """A zeroed buffer for an entry of ``numel`` elements."""
@@ -525,22 +539,31 @@ class StateLayout:
 class PackedState:
     """One entry's compressed state: ``buffer`` (uint8, held in the store or resident) read and
     written through its ``layout``. ``high``: with a lossless master, the bf16 weight the model
-    holds for these elements (the master's high halves), in host memory. ``param_numel``: the
+    holds for these elements (the master's high halves), in host memory. ``master``: with a
+    ``param_master`` layout, the fp32 master's memory (flat, contiguous: the parameter's own
+    elements, which the update then writes in place). ``param_numel``: the
     elements of the whole parameter whose state this entry is (a piece of; default ``numel``):
     the update chooses its kernels by it, never by the entry's size, so a parameter's numbers
     do not depend on how its state is split into entries (kept whole, or paged in chunks)."""
 
     def __init__(self, layout: StateLayout, buffer: torch.Tensor, numel: int, high: torch.Tensor | None = None,
-                 param_numel: int | None = None) -> None:
+                 param_numel: int | None = None, *, master: torch.Tensor | None = None) -> None:
         if buffer.dtype != torch.uint8 or buffer.numel() != layout.nbytes(numel):
             raise ValueError(f"a packed state of {numel} elements is {layout.nbytes(numel)} uint8 bytes, not {buffer.numel()} {buffer.dtype}")
         if param_numel is not None and param_numel < numel:
             raise ValueError(f"a packed state of {numel} elements cannot be a piece of a parameter of {param_numel}")
+        if layout.param_master:
+            if master is None or master.dtype != torch.float32 or master.dim() != 1 or master.numel() != numel or not master.is_contiguous():
+                got = "none" if master is None else f"{master.dtype} of shape {tuple(master.shape)}"
+                raise ValueError(f"a packed state whose master is the parameter needs it as a flat contiguous fp32 tensor of {numel} elements, got {got}")
+        elif master is not None:
+            raise ValueError("master= is for a layout whose master is the parameter (param_master=True); this one stores its master")
         self.layout = layout
         self.buffer = buffer
         self.numel = numel
         self.param_numel = numel if param_numel is None else param_numel
         self.high = high
+        self._master = master
         self._fields = layout.fields(numel)
 
     def view(self, name: str) -> torch.Tensor:
@@ -551,8 +574,10 @@ class PackedState:
     # -- master ------------------------------------------------------------------------------------
 
     def master(self) -> torch.Tensor:
-        """The fp32 master: a view of the buffer, or (lossless) rebuilt from the weight's bits
-        and the stored low halves into a new tensor."""
+        """The fp32 master: the parameter's memory (``param_master``), a view of the buffer, or
+        (lossless) rebuilt from the weight's bits and the stored low halves into a new tensor."""
+        if self._master is not None:
+            return self._master
         if not self.layout.lossless:
             return self.view("master")
         if self.high is None:
@@ -563,9 +588,10 @@ class PackedState:
         return words.view(torch.float32).view(-1)
 
     def set_master(self, master: torch.Tensor) -> None:
-        """Store fp32 ``master`` (lossless: its low halves; its high halves are ``weight_of``)."""
+        """Store fp32 ``master`` (lossless: its low halves; its high halves are ``weight_of``;
+        ``param_master``: into the parameter's memory)."""
         if not self.layout.lossless:
-            view = self.view("master")
+            view = self._master if self._master is not None else self.view("master")
             if view.data_ptr() != master.data_ptr():
                 view.copy_(master)
             return
@@ -577,7 +603,7 @@ class PackedState:
         """What the model's weight becomes: the fp32 master, or (lossless) its high halves as
         bf16 (the weight the model holds, until ``set_master`` stores a new master)."""
         if not self.layout.lossless:
-            return self.view("master")
+            return self.master()
         assert self.high is not None
         return self.high.reshape(-1)
 
@@ -659,7 +685,7 @@ class PackedState:
                    self.view("exp_avg_sq/codes")[start:stop], self.view("exp_avg_sq/scale")[blocks])
         books = (_codebook(True), _codebook(False))
         if high is None:
-            master = self.view("master")[start:stop]
+            master = self.master()[start:stop]
             if native.adam8(master, None, moments, grad[start:stop], scalars):
                 return True
             tensors = (master, *moments, grad[start:stop])
@@ -680,7 +706,7 @@ class PackedState:
         pair = compiled and self.layout.precision == "8bit" and size % BLOCK == 0 and len(moments) == 2
         needed = int(self.layout.lossless) if pair or self.layout.precision == "fp32" else self.layout.rows
         scratch = _scratch_rows(needed, width) if needed else None
-        rows = [self.view("master")[start:stop] if not self.layout.lossless else scratch[0, :size]]  # type: ignore[index]
+        rows = [self.master()[start:stop] if not self.layout.lossless else scratch[0, :size]]  # type: ignore[index]
         if self.layout.lossless:
             words = rows[0].view(torch.int16).view(-1, 2)
             words[:, 0].copy_(self.view("master_low")[start:stop])

@@ -96,7 +96,7 @@ def state_contents(optimizer: Any, slot: ParamSlot) -> str:
     moments = {"fp32": "fp32 moments", "bf16": "bf16 moments", "8bit": "8-bit moments"}.get(precision, f"{precision} moments")
     if master == "lossless":
         kept = "low 16 bits of the master"  # (its high half is the bf16 weight itself)
-    elif precision == "fp32" and getattr(optimizer, "_param_is_master", lambda _: False)(slot):
+    elif getattr(optimizer, "_param_is_master", lambda _: False)(slot):
         kept = "no master copy (the fp32 weight is the master)"
     else:
         kept = "fp32 master"
