@@ -20,29 +20,33 @@ pytestmark = [
 ]
 
 N = 6 * BLOCK
+NAN_ELEMENT = 4 * BLOCK + 17
 HYPER = AdamHyper(3e-3, 0.9, 0.999, 1e-8, 0.1, True)
 
 
-def _tile(lossless: bool, grad_dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
+def _tile(lossless: bool, grad_dtype: torch.dtype, seed: int, n: int = N) -> dict[str, torch.Tensor]:
     """A tile of stored state: codes of every value, scales of a few magnitudes, one block all
-    zero (moments and gradient), one holding a NaN gradient (its scales become NaN)."""
+    zero (moments and gradient), one holding a NaN gradient (its scales become NaN), one a
+    gradient so large that its ``exp_avg_sq`` overflows (its scale becomes inf)."""
     generator = torch.Generator().manual_seed(seed)
     tile = {
-        "m_codes": torch.randint(0, 256, (N,), dtype=torch.uint8, generator=generator),
-        "m_scales": torch.rand(N // BLOCK, generator=generator) * 1e-2,
-        "v_codes": torch.randint(0, 256, (N,), dtype=torch.uint8, generator=generator),
-        "v_scales": torch.rand(N // BLOCK, generator=generator) * 1e-5,
-        "grad": (torch.randn(N, generator=generator) * 1e-2).to(grad_dtype),
+        "m_codes": torch.randint(0, 256, (n,), dtype=torch.uint8, generator=generator),
+        "m_scales": torch.rand(n // BLOCK, generator=generator) * 1e-2,
+        "v_codes": torch.randint(0, 256, (n,), dtype=torch.uint8, generator=generator),
+        "v_scales": torch.rand(n // BLOCK, generator=generator) * 1e-5,
+        "grad": (torch.randn(n, generator=generator) * 1e-2).to(grad_dtype),
     }
-    tile["m_scales"][1] = tile["v_scales"][1] = 0.0
-    tile["grad"][BLOCK : 2 * BLOCK] = 0.0
-    tile["grad"][4 * BLOCK + 17] = float("nan")
+    if n >= N:
+        tile["m_scales"][1] = tile["v_scales"][1] = 0.0
+        tile["grad"][BLOCK : 2 * BLOCK] = 0.0
+        tile["grad"][NAN_ELEMENT] = float("nan")
+        tile["grad"][5 * BLOCK + 3] = 1e20 if grad_dtype != torch.float16 else 6e4
     if lossless:
-        tile["low"] = torch.randint(-(2**15), 2**15, (N,), dtype=torch.int16, generator=generator)
-        tile["high"] = torch.randn(N, generator=generator).bfloat16()
-        tile["high_out"] = torch.empty(N, dtype=torch.bfloat16)
+        tile["low"] = torch.randint(-(2**15), 2**15, (n,), dtype=torch.int16, generator=generator)
+        tile["high"] = torch.randn(n, generator=generator).bfloat16()
+        tile["high_out"] = torch.empty(n, dtype=torch.bfloat16)
     else:
-        tile["master"] = torch.randn(N, generator=generator)
+        tile["master"] = torch.randn(n, generator=generator)
     return tile
 
 
@@ -76,29 +80,27 @@ def _reference(tile: dict[str, torch.Tensor], s: torch.Tensor) -> dict[str, torc
     return out
 
 
-def _run_c(tile: dict[str, torch.Tensor], s: torch.Tensor, built: native.Kernel) -> bool:
+def _run_c(tile: dict[str, torch.Tensor], s: torch.Tensor, built: native.Kernel, threads: int = 1) -> bool:
     moments = (tile["m_codes"], tile["m_scales"], tile["v_codes"], tile["v_scales"])
     if "master" in tile:
-        return native.adam8(tile["master"], None, moments, tile["grad"], s, built)
-    return native.adam8(None, (tile["low"], tile["high"], tile["high_out"]), moments, tile["grad"], s, built)
+        return native.adam8(tile["master"], None, moments, tile["grad"], s, built, threads)
+    return native.adam8(None, (tile["low"], tile["high"], tile["high_out"]), moments, tile["grad"], s, built, threads)
 
 
 def _assert_same_bits(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    nan_block = 4  # (its codes are meaningless: decoded with a NaN scale; the scale is NaN)
+    """Every field bit for bit, codes included (also of the blocks with a NaN or inf scale), but
+    for a NaN's payload (a NaN scale is NaN on both sides; the NaN gradient's own weight too)."""
     for name, value in want.items():
         have = got[name]
-        if name.endswith("_scales"):
-            assert torch.isnan(have[nan_block]) and torch.isnan(value[nan_block]), name
-            keep = torch.arange(have.numel()) != nan_block
-            assert torch.equal(have[keep], value[keep]), name
-        elif name.endswith("_codes"):
-            keep = torch.arange(have.numel()) // BLOCK != nan_block
-            assert torch.equal(have[keep], value[keep]), (name, int((have[keep] != value[keep]).sum()))
-        else:
+        assert have.dtype == value.dtype and have.shape == value.shape, name
+        if have.dtype in (torch.float32, torch.bfloat16):
+            nan = torch.isnan(have)
+            assert torch.equal(nan, torch.isnan(value)), (name, int((nan != torch.isnan(value)).sum()))
             bits = (have.view(torch.int16) if have.element_size() == 2 else have.view(torch.int32),
                     value.view(torch.int16) if value.element_size() == 2 else value.view(torch.int32))
-            keep = torch.arange(have.numel()) != 4 * BLOCK + 17  # (the NaN gradient's own weight: NaN)
-            assert torch.equal(bits[0][keep], bits[1][keep]), (name, int((bits[0][keep] != bits[1][keep]).sum()))
+            assert torch.equal(bits[0][~nan], bits[1][~nan]), (name, int((bits[0][~nan] != bits[1][~nan]).sum()))
+        else:
+            assert torch.equal(have, value), (name, int((have != value).sum()))
 
 
 @pytest.fixture(scope="module", params=["avx512", "portable"])
@@ -122,32 +124,75 @@ def test_same_bits_as_a_plain_reference(built: native.Kernel, lossless: bool, gr
         assert not torch.equal(want["m_codes"], _tile(lossless, grad_dtype, seed)["m_codes"])  # (the codes moved)
 
 
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=["fp32 grad", "bf16 grad"])
 @pytest.mark.parametrize("lossless", [False, True], ids=["fp32 master", "lossless master"])
-def test_same_bits_as_the_inductor_kernel(built: native.Kernel, lossless: bool) -> None:
-    tile = _tile(lossless, torch.bfloat16 if lossless else torch.float32, 7)
-    twin = {name: value.clone() for name, value in tile.items()}
-    s = HYPER.scalars(3.0)
-    books = (codec._codebook(True), codec._codebook(False))
-    moments = (twin["m_codes"], twin["m_scales"], twin["v_codes"], twin["v_scales"])
-    if lossless:
-        ran = codec._FUSED.call("adam8_lossless", twin["low"], twin["high"], twin["high_out"], *moments, twin["grad"], s, *books)
-    else:
-        ran = codec._FUSED.call("adam8_fp32", twin["master"], *moments, twin["grad"], s, *books)
-    if ran is False:
-        pytest.skip("the inductor kernel does not compile here")
+def test_same_bits_as_the_inductor_kernel(built: native.Kernel, lossless: bool, grad_dtype: torch.dtype) -> None:
+    for seed in (7, 8):
+        tile = _tile(lossless, grad_dtype, seed)
+        twin = {name: value.clone() for name, value in tile.items()}
+        s = HYPER.scalars(float(seed))
+        books = (codec._codebook(True), codec._codebook(False))
+        moments = (twin["m_codes"], twin["m_scales"], twin["v_codes"], twin["v_scales"])
+        if lossless:
+            ran = codec._FUSED.call("adam8_lossless", twin["low"], twin["high"], twin["high_out"], *moments, twin["grad"], s, *books)
+        else:
+            ran = codec._FUSED.call("adam8_fp32", twin["master"], *moments, twin["grad"], s, *books)
+        if ran is False:
+            pytest.skip("the inductor kernel does not compile here")
+        assert _run_c(tile, s, built)
+        _assert_same_bits(tile, {name: twin[name] for name in tile if name not in ("grad", "high")})
+
+
+def test_a_value_on_a_midpoint_takes_the_lower_code(built: native.Kernel) -> None:
+    # Scalars that make the new exp_avg the gradient itself (beta1 0, no lr): a block of the
+    # code book's 255 midpoints and 1 (its absmax) encodes each midpoint to the code below it,
+    # as the reference (bucketize: the count of midpoints below) and the eager codec do.
+    book = dynamic_map(True)
+    mid = (book[1:] + book[:-1]) / 2
+    tile = _tile(False, torch.float32, 3, n=BLOCK)
+    tile["grad"] = torch.cat([mid, torch.tensor([1.0])])
+    #                  lr/bias1, decay, l2, beta1, 1-beta1, beta2, 1-beta2, sqrt(bias2), eps, gmul
+    s = torch.tensor([0.0, 1.0, 0.0, 0.0, 1.0, 0.999, 0.001, 1.0, 1e-8, 1.0])
     assert _run_c(tile, s, built)
-    _assert_same_bits(tile, {name: twin[name] for name in tile if name not in ("grad", "high")})
+    lower = torch.arange(256, dtype=torch.uint8)
+    assert torch.equal(tile["m_codes"], lower)
+    assert torch.equal(torch.bucketize(tile["grad"], mid).to(torch.uint8), lower)
+    assert float(tile["m_scales"][0]) == 1.0
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_threads_give_the_same_bits(built: native.Kernel, threads: int) -> None:
+    n = 3 * native.PER_THREAD + 5 * BLOCK
+    one, many = _tile(False, torch.float32, 5, n), _tile(False, torch.float32, 5, n)
+    s = HYPER.scalars(2.0)
+    assert _run_c(one, s, built, 1) and _run_c(many, s, built, threads)
+    _assert_same_bits(many, one)
 
 
 def test_refuses_what_it_cannot_take(built: native.Kernel) -> None:
     # (the caller then runs the inductor kernel: nothing written here)
+    s = HYPER.scalars(1.0)
+    cases = []
     tile = _tile(False, torch.float16, 0)
-    before = tile["master"].clone()
-    assert not _run_c(tile, HYPER.scalars(1.0), built)
+    cases.append(tile)  # fp16 gradient
     tile = _tile(False, torch.float32, 0)
     tile["grad"] = torch.randn(2 * N)[::2]
-    assert not _run_c(tile, HYPER.scalars(1.0), built)
-    assert torch.equal(tile["master"], before)
+    cases.append(tile)  # not contiguous
+    tile = _tile(False, torch.float32, 0)
+    tile["master"] = tile["master"].double()
+    cases.append(tile)  # fp64 master
+    tile = _tile(False, torch.float32, 0)
+    tile["master"], tile["grad"], tile["m_codes"], tile["v_codes"] = (tile[k][:300] for k in ("master", "grad", "m_codes", "v_codes"))
+    cases.append(tile)  # not whole blocks
+    tile = _tile(False, torch.float32, 0)
+    tile["m_scales"] = tile["m_scales"][:-1]
+    cases.append(tile)  # sizes that disagree
+    for tile in cases:
+        before = {name: value.clone() for name, value in tile.items()}
+        assert not _run_c(tile, s, built)
+        for name, value in tile.items():
+            assert torch.equal(value, before[name]) or torch.isnan(value).any(), name
+    assert not _run_c(_tile(False, torch.float32, 0), s.double(), built)  # fp64 scalars
 
 
 def test_a_compiler_that_fails_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,6 +7,7 @@
  * stack rows while their absmax is taken, then encoded; memory sees every field once each way.
  */
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -70,8 +71,9 @@ static inline void encode_row(const float *restrict row, float absmax, const int
         uint32_t high = float_bits(normal) >> 16;
         uint32_t magnitude = high & 0x7FFF;
         magnitude = magnitude < LOWEST_HIGH ? LOWEST_HIGH : magnitude;
-        magnitude = magnitude > ONE_HIGH ? ONE_HIGH : magnitude; /* (only a NaN's: its block's scale is NaN) */
-        uint32_t index = (high >> 15) * TABLE_HALF + magnitude - LOWEST_HIGH;
+        uint32_t negative = (high >> 15) & (magnitude <= ONE_HIGH); /* (a NaN of either sign: as +1, code 255) */
+        magnitude = magnitude > ONE_HIGH ? ONE_HIGH : magnitude;
+        uint32_t index = negative * TABLE_HALF + magnitude - LOWEST_HIGH;
         codes[i] = (uint8_t)(below[index] + (normal > above[index]));
     }
 }
@@ -187,11 +189,11 @@ static inline void load_search(search_t *t, const float *mid) {
     for (int i = 0; i < 8; i++) t->s1[i] = _mm512_loadu_ps(step + 16 * i);
 }
 
-/* c += size where x > candidate */
+/* c += size where x > candidate or x is NaN (a NaN then gets code 255, as the search tables give it) */
 #define SEARCH_STEP(CANDIDATE, SIZE) \
-    code = _mm512_mask_add_epi32(code, _mm512_cmp_ps_mask(x, CANDIDATE, _CMP_GT_OQ), code, _mm512_set1_epi32(SIZE))
+    code = _mm512_mask_add_epi32(code, _mm512_cmp_ps_mask(x, CANDIDATE, _CMP_NLE_UQ), code, _mm512_set1_epi32(SIZE))
 
-/* The number of midpoints below each of 16 values (a NaN: 0; its block's scale is NaN). */
+/* The number of midpoints below each of 16 values (a NaN: 255). */
 static inline __m512i search(const search_t *t, __m512 x) {
     __m512i code = _mm512_setzero_si512();
     SEARCH_STEP(t->s128, 128);
@@ -305,14 +307,9 @@ static inline void block_update_512(const int lossless, const int bf16_grad, flo
         block_update(LOSSLESS, BF16_GRAD, MASTER, LOW, HIGH, HIGH_OUT, m_codes + start, m_scales + b, v_codes + start, v_scales + b, \
                      G32, G16, &s, &t)
 
-void tierstore_adam8(int64_t numel, float *master, int16_t *low, const uint16_t *high, uint16_t *high_out,
-                     uint8_t *m_codes, float *m_scales, uint8_t *v_codes, float *v_scales,
-                     const float *grad32, const uint16_t *grad16, const float *scalars,
-                     const float *m_book, const float *m_mid, const int32_t *m_below, const float *m_above,
-                     const float *v_book, const float *v_mid, const int32_t *v_below, const float *v_above) {
-    scalars_t s;
-    memcpy(&s, scalars, sizeof s);
-    const tables_t t = {m_book, v_book, m_mid, v_mid, m_below, v_below, m_above, v_above};
+static void adam8_range(int64_t numel, float *master, int16_t *low, const uint16_t *high, uint16_t *high_out,
+                        uint8_t *m_codes, float *m_scales, uint8_t *v_codes, float *v_scales,
+                        const float *grad32, const uint16_t *grad16, const scalars_t s, const tables_t t) {
 #ifdef __AVX512F__
     if (master != NULL && grad32 != NULL) {
         TILE_LOOP_512(0, 0, master + start, NULL, NULL, NULL, grad32 + start, NULL);
@@ -334,6 +331,67 @@ void tierstore_adam8(int64_t numel, float *master, int16_t *low, const uint16_t 
         TILE_LOOP(1, 1, NULL, low + start, high + start, high_out + start, NULL, grad16 + start);
     }
 #endif
+}
+
+/* One call's arguments, and the blocks [first, last) one thread updates. */
+typedef struct {
+    float *master;
+    int16_t *low;
+    const uint16_t *high;
+    uint16_t *high_out;
+    uint8_t *m_codes, *v_codes;
+    float *m_scales, *v_scales;
+    const float *grad32;
+    const uint16_t *grad16;
+    scalars_t s;
+    tables_t t;
+    int64_t first, last;
+} part_t;
+
+#define AT(POINTER, OFFSET) ((POINTER) != NULL ? (POINTER) + (OFFSET) : NULL)
+
+static void *run_part(void *argument) {
+    const part_t *p = argument;
+    const int64_t start = p->first * BLOCK;
+    adam8_range((p->last - p->first) * BLOCK, AT(p->master, start), AT(p->low, start), AT(p->high, start),
+                AT(p->high_out, start), p->m_codes + start, p->m_scales + p->first, p->v_codes + start,
+                p->v_scales + p->first, AT(p->grad32, start), AT(p->grad16, start), p->s, p->t);
+    return NULL;
+}
+
+#define MAX_THREADS 256
+
+/* The update of one tile of whole blocks (numel a multiple of BLOCK) on `threads` threads
+ * (this one and threads - 1 started here), each a contiguous run of blocks; see adam8_range. */
+void tierstore_adam8(int64_t threads, int64_t numel, float *master, int16_t *low, const uint16_t *high,
+                     uint16_t *high_out, uint8_t *m_codes, float *m_scales, uint8_t *v_codes, float *v_scales,
+                     const float *grad32, const uint16_t *grad16, const float *scalars,
+                     const float *m_book, const float *m_mid, const int32_t *m_below, const float *m_above,
+                     const float *v_book, const float *v_mid, const int32_t *v_below, const float *v_above) {
+    part_t parts[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS];
+    const int64_t blocks = numel / BLOCK;
+    if (threads > blocks) threads = blocks;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads < 1) threads = 1;
+    for (int64_t i = 0; i < threads; i++) {
+        part_t *p = &parts[i];
+        *p = (part_t){.master = master, .low = low, .high = high, .high_out = high_out, .m_codes = m_codes,
+                      .v_codes = v_codes, .m_scales = m_scales, .v_scales = v_scales, .grad32 = grad32, .grad16 = grad16,
+                      .t = {m_book, v_book, m_mid, v_mid, m_below, v_below, m_above, v_above},
+                      .first = blocks * i / threads, .last = blocks * (i + 1) / threads};
+        memcpy(&p->s, scalars, sizeof p->s);
+    }
+    for (int64_t i = 1; i < threads; i++) /* (a thread that cannot start: its part runs here, below) */
+        started[i] = pthread_create(&ids[i], NULL, run_part, &parts[i]) == 0;
+    run_part(&parts[0]);
+    for (int64_t i = 1; i < threads; i++) {
+        if (started[i])
+            pthread_join(ids[i], NULL);
+        else
+            run_part(&parts[i]);
+    }
 }
 
 /* 1 where the AVX-512 kernel was compiled in (native.py uses this one only then: elsewhere the

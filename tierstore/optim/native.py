@@ -5,16 +5,19 @@ lookups are vector gathers, slow on recent Intel cores (the "Downfall" microcode
 half its time. On a CPU with AVX-512, ``adam8.c`` keeps both code books in registers (lookups
 are permutes, an encode a binary search over the midpoints), block by block with the rows in
 cache: 2.7 ns a parameter against the inductor kernel's 5.2 (fp32 master; 2.6x faster with a
-lossless one), one core of this machine. It gives the same bits (the same IEEE operations in
-the same order, no fused multiply-adds), except the codes of a block whose scale is NaN (decoded,
-NaN either way): ``tests/test_native_adam8.py`` checks it against the inductor kernel and a
-plain reference.
+lossless one), one core of this machine; a tile of at least 2 x ``PER_THREAD`` elements is split
+over torch's intra-op threads, as the inductor kernel's OpenMP loop is. It gives the same bits
+(the same IEEE operations in the same order, no fused multiply-adds; a NaN takes code 255 as
+the search tables give it), but for a NaN scale's payload: ``tests/test_native_adam8.py`` checks
+it against the inductor kernel, a plain reference and every thread count.
 
-It is built once per process with the system's C compiler (``$CC``, else ``cc``/``gcc``) into a
-temporary folder (about 0.5 s), and called through ``ctypes`` (which lets the GIL go, so I/O
-threads run meanwhile). Without AVX-512 the portable code (``build(vectorised=False)``) is no
-faster than the inductor kernel, which then runs, as it does where no compiler builds this one
-(one warning). ``TIERSTORE_NATIVE_ADAM8=0`` turns it off.
+It is used wherever the fused kernel is (8-bit moments without amsgrad, parameters of at least
+``precision.COMPILE_MIN_NUMEL`` elements, unless ``TIERSTORE_COMPILE_CODEC=0``) on a Linux CPU
+with AVX-512: built once per process with the system's C compiler (``$CC``, else
+``cc``/``gcc``/``clang``) into a temporary folder (about 1 s, in the first 8-bit step), and
+called through ``ctypes`` (which lets the GIL go, so I/O threads run meanwhile). Elsewhere, or
+where the build fails (one warning), the inductor kernel runs: without AVX-512 the portable code
+(``build(vectorised=False)``) is no faster. ``TIERSTORE_NATIVE_ADAM8=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -35,18 +39,37 @@ import torch
 _SOURCE = Path(__file__).with_name("adam8.c")
 #: No contraction into fused multiply-adds (each product rounded, as torch's kernels do); no
 #: errno from sqrtf, so its loop vectorises (results unchanged).
-_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"]
+_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-pthread"]
 
 _lock = threading.Lock()
 _kernel: Kernel | None = None
 _tried = False
 
+#: Elements per quantisation block (``precision.BLOCK``; ``adam8.c``'s ``BLOCK``).
+BLOCK = 256
+#: Elements a thread takes at least: starting one costs about a 16K-element tile's math.
+PER_THREAD = 1 << 16
 
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return name
+
+def _compiler() -> list[str] | None:
+    """The C compiler's command: ``$CC`` (which may carry words: ``ccache gcc``), else the first
+    of ``cc``, ``gcc``, ``clang`` found."""
+    given = shlex.split(os.environ.get("CC", ""))
+    if given and shutil.which(given[0]):
+        return given
+    for name in ("cc", "gcc", "clang"):
+        if shutil.which(name):
+            return [name]
     return None
+
+
+def has_avx512() -> bool:
+    """Whether this CPU runs AVX-512 (Linux's ``/proc/cpuinfo``; elsewhere: not known, False)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            return any(line.startswith("flags") and " avx512f" in line for line in info)
+    except OSError:
+        return False
 
 
 class Kernel(NamedTuple):
@@ -57,9 +80,10 @@ class Kernel(NamedTuple):
 
 
 def build(*, vectorised: bool = True) -> Kernel:
-    """Compile ``adam8.c`` (``kernel()`` does this once a process). ``vectorised``: for this machine's CPU (``-march=native``: its AVX-512 path
-    where it has AVX-512); False, the portable code (or where ``TIERSTORE_NATIVE_MARCH=0``).
-    Raises ``RuntimeError`` (the compiler's message) where no C compiler builds it."""
+    """Compile ``adam8.c`` (``kernel()`` does this once a process). ``vectorised``: for this
+    machine's CPU (``-march=native``: its AVX-512 code where it has AVX-512); False, the portable
+    code (also where ``TIERSTORE_NATIVE_MARCH=0``). Raises ``RuntimeError`` (with the compiler's
+    message) where no C compiler builds it."""
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C compiler found (set CC)")
@@ -67,7 +91,7 @@ def build(*, vectorised: bool = True) -> Kernel:
     try:
         library = Path(folder) / "adam8.so"
         march = vectorised and os.environ.get("TIERSTORE_NATIVE_MARCH", "1") != "0"
-        command = [compiler, *_FLAGS, *(["-march=native"] if march else []), "-o", str(library), str(_SOURCE)]
+        command = [*compiler, *_FLAGS, *(["-march=native"] if march else []), "-o", str(library), str(_SOURCE)]
         done = subprocess.run(command, capture_output=True, text=True, timeout=120)
         if done.returncode != 0 and march:  # (a compiler that does not know -march=native)
             command.remove("-march=native")
@@ -79,32 +103,38 @@ def build(*, vectorised: bool = True) -> Kernel:
         shutil.rmtree(folder, ignore_errors=True)
     function = compiled.tierstore_adam8
     function.restype = None
-    function.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 19
+    function.argtypes = [ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 19
     compiled.tierstore_adam8_avx512.restype = ctypes.c_int
     return Kernel(function, bool(compiled.tierstore_adam8_avx512()))
 
 
 def kernel() -> Kernel | None:
-    """This process's build of the kernel, where it is the AVX-512 code; None where it is turned
-    off (``TIERSTORE_NATIVE_ADAM8=0``, read at each call), could not be built (warned once) or
-    is the portable code (no faster than the inductor kernel's vector gathers: that runs)."""
+    """This process's build of the kernel: built on first use where the CPU has AVX-512 (warned
+    once if that fails); None where it is turned off (``TIERSTORE_NATIVE_ADAM8=0``, read at each
+    call), where the CPU lacks AVX-512 (the portable code is no faster than the inductor
+    kernel's vector gathers: that runs) or where the build failed."""
     global _kernel, _tried
     if os.environ.get("TIERSTORE_NATIVE_ADAM8", "1") == "0":
         return None
     if not _tried:
         with _lock:
             if not _tried:
-                try:
-                    built = build()
-                    _kernel = built if built.avx512 else None
-                except Exception as exc:  # noqa: BLE001 - any build failure: the compiled kernel gives the same numbers
-                    warnings.warn(f"the C 8-bit AdamW kernel is unavailable ({exc}); using the compiled one", stacklevel=4)
+                if has_avx512():
+                    try:
+                        built = build()
+                        _kernel = built if built.avx512 else None
+                    except Exception as exc:  # noqa: BLE001 - any build failure: the compiled kernel gives the same numbers
+                        warnings.warn(f"the C 8-bit AdamW kernel is unavailable ({exc}); using the compiled one", stacklevel=4)
                 _tried = True
     return _kernel
 
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
+
+
+def _takes(tensor: torch.Tensor, dtype: torch.dtype, numel: int) -> bool:
+    return tensor.dtype == dtype and tensor.numel() == numel and tensor.is_contiguous() and tensor.device.type == "cpu"
 
 
 def adam8(
@@ -114,26 +144,36 @@ def adam8(
     grad: torch.Tensor,
     scalars: torch.Tensor,
     built: Kernel | None = None,
+    threads: int | None = None,
 ) -> bool:
     """One tile of whole blocks of the fused 8-bit update, in place: ``master`` (fp32) or
-    ``halves`` (a lossless master's low halves, the bf16 weight, the new weight's bf16 out),
-    ``moments`` (codes and scales of ``exp_avg``, then of ``exp_avg_sq``), ``grad`` (fp32 or
-    bf16), ``scalars`` (``AdamHyper.scalars``). False, with nothing written, where the kernel cannot take it (not built, another
-    gradient dtype, a tensor not contiguous): the caller then runs the compiled kernel.
-    ``built``: a kernel from ``build`` (default: ``kernel()``)."""
+    ``halves`` (a lossless master's int16 low halves, the bf16 weight, the new weight's bf16
+    out), ``moments`` (uint8 codes and fp32 scales of ``exp_avg``, then of ``exp_avg_sq``),
+    ``grad`` (fp32 or bf16), ``scalars`` (``AdamHyper.scalars``). False, with nothing written,
+    where the kernel cannot take them (not built; another dtype; sizes that are not whole blocks
+    or do not agree; a tensor not contiguous or not in CPU memory): the caller then runs the
+    compiled kernel. ``built``: a kernel from ``build`` (default: ``kernel()``); ``threads``
+    (default: torch's intra-op threads), at most one per ``PER_THREAD`` elements."""
     built = built or kernel()
-    if built is None or grad.dtype not in (torch.float32, torch.bfloat16):
-        return False
-    tables = _tables()
-    tensors = [*moments, grad, scalars]
-    tensors += [master] if master is not None else list(halves or ())
-    if not all(t.is_contiguous() and t.device.type == "cpu" for t in tensors):
-        return False
     numel = grad.numel()
+    if built is None or numel % BLOCK or grad.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    m_codes, m_scales, v_codes, v_scales = moments
+    wanted = [(grad, grad.dtype, numel), (m_codes, torch.uint8, numel), (v_codes, torch.uint8, numel),
+              (m_scales, torch.float32, numel // BLOCK), (v_scales, torch.float32, numel // BLOCK), (scalars, torch.float32, 10)]
+    if master is not None:
+        wanted.append((master, torch.float32, numel))
+    elif halves is not None:
+        wanted += list(zip(halves, (torch.int16, torch.bfloat16, torch.bfloat16), (numel,) * 3, strict=True))
+    else:
+        return False
+    if not all(_takes(*want) for want in wanted):
+        return False
     low, high, high_out = halves if halves is not None else (None, None, None)
     grad32, grad16 = (grad, None) if grad.dtype == torch.float32 else (None, grad)
-    built.function(numel, _pointer(master), _pointer(low), _pointer(high), _pointer(high_out), *map(_pointer, moments),
-             _pointer(grad32), _pointer(grad16), scalars.data_ptr(), *tables)
+    threads = max(1, min(threads or torch.get_num_threads(), numel // PER_THREAD))
+    built.function(threads, numel, _pointer(master), _pointer(low), _pointer(high), _pointer(high_out), *map(_pointer, moments),
+                   _pointer(grad32), _pointer(grad16), scalars.data_ptr(), *_tables())
     return True
 
 
