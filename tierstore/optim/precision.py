@@ -48,9 +48,10 @@ import os
 import sys
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, lru_cache
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import torch
@@ -494,8 +495,16 @@ class StateLayout:
         """Rows of the decoded state: master and moments."""
         return 1 + len(self.moments)
 
-    def fields(self, numel: int) -> dict[str, Field]:
-        """The fields of an entry of ``numel`` elements, by name, in byte order."""
+    def fields(self, numel: int) -> Mapping[str, Field]:
+        """The fields of an entry of ``numel`` elements, by name, in byte order (read-only:
+        shared by every caller asking for that count)."""
+        return _fields_of(self, numel)
+
+    def nbytes(self, numel: int) -> int:
+        """Bytes of an entry of ``numel`` elements."""
+        return _nbytes_of(self, numel)
+
+    def _fields(self, numel: int) -> Mapping[str, Field]:
         blocks = math.ceil(numel / BLOCK)
         wanted: list[tuple[str, torch.dtype, int]] = []
         if not self.lossless and not self.param_master:
@@ -514,11 +523,7 @@ class StateLayout:
         for name, dtype, count in wanted:
             fields[name] = Field(name, dtype, offset, count)
             offset += count * dtype.itemsize
-        return fields
-
-    def nbytes(self, numel: int) -> int:
-        """Bytes of an entry of ``numel`` elements."""
-        return sum(f.nbytes for f in self.fields(numel).values())
+        return MappingProxyType(fields)
 
     def numel_of(self, nbytes: int) -> int | None:
         """The element count of an entry of ``nbytes`` bytes (None if no count has that size)."""
@@ -534,6 +539,18 @@ class StateLayout:
     def empty(self, numel: int) -> torch.Tensor:
         """A zeroed buffer for an entry of ``numel`` elements."""
         return torch.zeros(self.nbytes(numel), dtype=torch.uint8)
+
+
+# The loop asks for entry sizes at every chunk it plans (a few hundred times a step): built once
+# per layout and count (a step's chunks have a few counts).
+@lru_cache(maxsize=4096)
+def _fields_of(layout: StateLayout, numel: int) -> Mapping[str, Field]:
+    return layout._fields(numel)
+
+
+@lru_cache(maxsize=4096)
+def _nbytes_of(layout: StateLayout, numel: int) -> int:
+    return sum(f.nbytes for f in _fields_of(layout, numel).values())
 
 
 class PackedState:
