@@ -32,6 +32,7 @@ import warnings
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import replace
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -154,7 +155,7 @@ class TieredAdam(PagedOptimizer):
         if group["state_precision"] == "fp32" and group["master_weights"] == "fp32":
             return None
         lossless = group["master_weights"] == "lossless"
-        return StateLayout(group["state_precision"], lossless, bool(group["amsgrad"]), not lossless and self._param_is_master(slot))
+        return _state_layout(group["state_precision"], lossless, bool(group["amsgrad"]), not lossless and self._param_is_master(slot))
 
     def _rows(self, slot: ParamSlot) -> int:
         """Rows of the decoded state: master and moments."""
@@ -711,3 +712,10 @@ class TieredAdamW(TieredAdam):
     def __init__(self, params: Iterable[Any], lr: float | torch.Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, **kwargs: Any) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
+
+
+@lru_cache(maxsize=64)
+def _state_layout(precision: str, lossless: bool, amsgrad: bool, param_master: bool) -> StateLayout:
+    """The (immutable) layout of these settings, made once: the loop asks for a slot's layout
+    several times per chunk it updates."""
+    return StateLayout(precision, lossless, amsgrad, param_master)

@@ -481,8 +481,22 @@ class UpdatePipeline:
         if not slot.updated:
             self._owner._begin_chunks(slot)
         chunks = [chunk for chunk in slot.chunks or [] if chunk.index not in slot.chunks_written]
-        runs = self._chunk_runs(slot, chunks[::-1] if self.reverse else chunks)
-        return [asyncio.ensure_future(self._update_run(slot, runs, i, coef, scale, after)) for i in range(len(runs))]
+        needs = self._chunk_needs(slot, chunks)
+        runs = self._chunk_runs(chunks[::-1] if self.reverse else chunks, needs)
+        sizes = [sum(needs[chunk.index] for chunk in run) for run in runs]
+        return [asyncio.ensure_future(self._update_run(slot, runs, sizes, i, coef, scale, after)) for i in range(len(runs))]
+
+    def _chunk_needs(self, slot: ParamSlot, chunks: list[Chunk]) -> dict[int, int]:
+        """``chunk_need`` of each of ``chunks`` by index, asked once per element count (the
+        chunks of a parameter have one or two counts)."""
+        by_numel: dict[int, int] = {}
+        needs: dict[int, int] = {}
+        for chunk in chunks:
+            need = by_numel.get(chunk.numel)
+            if need is None:
+                need = by_numel[chunk.numel] = self.chunk_need(slot, chunk)
+            needs[chunk.index] = need
+        return needs
 
     async def _update_chunked(self, slot: ParamSlot, tasks: list[asyncio.Future[None]]) -> None:
         """Wait for the runs of ``slot`` (``_start_runs``), then finish its update."""
@@ -499,17 +513,17 @@ class UpdatePipeline:
         slot.written = True
         slot.note_written()
 
-    def _chunk_runs(self, slot: ParamSlot, chunks: list[Chunk]) -> list[list[Chunk]]:
+    def _chunk_runs(self, chunks: list[Chunk], needs: dict[int, int]) -> list[list[Chunk]]:
         """``chunks`` cut into runs of consecutive chunks needing at most ``bucket_bytes``, or two
         chunks' worth (so a short last chunk can go with a full one instead of being one more
         small read and math call of its own; the holds of ``inflight`` runs still fit in the
         ``2 * inflight + 2`` chunks the tier was planned for)."""
         runs: list[list[Chunk]] = []
         size = 0
-        pair = 2 * max((self.chunk_need(slot, chunk) for chunk in chunks), default=0)
+        pair = 2 * max((needs[chunk.index] for chunk in chunks), default=0)
         limit = max(self.bucket_bytes, min(pair, self._room // max(self.inflight, 1)))
         for chunk in chunks:
-            need = self.chunk_need(slot, chunk)
+            need = needs[chunk.index]
             if runs and size + need <= limit:
                 runs[-1].append(chunk)
                 size += need
@@ -519,7 +533,8 @@ class UpdatePipeline:
         return runs
 
     async def _update_run(
-        self, slot: ParamSlot, runs: list[list[Chunk]], index: int, coef: torch.Tensor | None, scale: torch.Tensor | None, after: Any
+        self, slot: ParamSlot, runs: list[list[Chunk]], sizes: list[int], index: int, coef: torch.Tensor | None,
+        scale: torch.Tensor | None, after: Any,
     ) -> None:
         assert self._gate is not None
         param = slot.param
@@ -531,7 +546,7 @@ class UpdatePipeline:
             )
         chunks = runs[index]
         async with self._gate:
-            self._prefetch_runs(slot, runs, index)
+            self._prefetch_runs(runs, sizes, index)
             todo = [chunk.index not in slot.chunks_updated for chunk in chunks]
             async with AsyncExitStack() as stack:
                 states = await _enter_all(stack, [self._owner._chunk_state(slot, chunk) for chunk in chunks], at_once=self._flat)
@@ -557,16 +572,15 @@ class UpdatePipeline:
             per = self._owner._state_bytes(slot) / max(slot.numel, 1)
             self._write_early([(chunk.key, int(chunk.numel * per)) for chunk, do in zip(done, todo, strict=False) if do])
 
-    def _prefetch_runs(self, slot: ParamSlot, runs: list[list[Chunk]], index: int) -> None:
+    def _prefetch_runs(self, runs: list[list[Chunk]], sizes: list[int], index: int) -> None:
         """Ask for the state of the runs after run ``index`` (large requests, issued ahead, behind
         every demand read), so their reads overlap this run's math and writes: as many as fit in
         the room the ``inflight`` runs holding leave. More than that evicted chunks prefetched
         for a later run before their update (read twice, their writes too)."""
-        held = max(sum(self.chunk_need(slot, chunk) for chunk in run) for run in runs)
-        budget = self._room - self.inflight * held
+        budget = self._room - self.inflight * max(sizes)
         ahead: list[Chunk] = []
-        for run in runs[index + 1 :]:
-            budget -= sum(self.chunk_need(slot, chunk) for chunk in run)
+        for run, size in zip(runs[index + 1 :], sizes[index + 1 :], strict=True):
+            budget -= size
             if budget < 0:
                 break
             ahead += run
