@@ -527,14 +527,17 @@ class StateLayout:
 
     def numel_of(self, nbytes: int) -> int | None:
         """The element count of an entry of ``nbytes`` bytes (None if no count has that size)."""
+        def size(numel: int) -> int:  # (not through the cache: these counts are no entry's)
+            return sum(f.nbytes for f in self._fields(numel).values())
+
         low, high = 0, nbytes  # (an entry has at least a byte an element; its size grows with its count)
         while low < high:
             middle = (low + high) // 2
-            if self.nbytes(middle) < nbytes:
+            if size(middle) < nbytes:
                 low = middle + 1
             else:
                 high = middle
-        return low if self.nbytes(low) == nbytes else None
+        return low if size(low) == nbytes else None
 
     def empty(self, numel: int) -> torch.Tensor:
         """A zeroed buffer for an entry of ``numel`` elements."""
