@@ -550,10 +550,15 @@ class UpdatePipeline:
             todo = [chunk.index not in slot.chunks_updated for chunk in chunks]
             async with AsyncExitStack() as stack:
                 states = await _enter_all(stack, [self._owner._chunk_state(slot, chunk) for chunk in chunks], at_once=self._flat)
-                grads = await _enter_all(
-                    stack, [self._grad_chunk(slot, chunk) if do else nullcontext(None) for chunk, do in zip(chunks, todo, strict=True)],
-                    at_once=self._flat or slot.link.lends,
-                )
+                capture = slot.capture
+                if capture is not None and capture.lent is not None:  # views of the model's gradient: nothing to enter
+                    flat = capture.lent.reshape(-1)
+                    grads = [flat[chunk.start : chunk.stop] if do else None for chunk, do in zip(chunks, todo, strict=True)]
+                else:
+                    grads = await _enter_all(
+                        stack, [self._grad_chunk(slot, chunk) if do else nullcontext(None) for chunk, do in zip(chunks, todo, strict=True)],
+                        at_once=self._flat or slot.link.lends,
+                    )
                 job = partial(self._compute_chunks, slot, chunks, states, grads, coef, scale)
                 outgoing, error, started, computed, ended = await self.math(job)
                 done = chunks[: len(outgoing)]
@@ -806,10 +811,17 @@ def _device_grad(slot: ParamSlot, capture: Capture) -> torch.Tensor:
     return grad
 
 
+_lookup: Callable[[torch.Tensor], Any] | None = None
+
+
 def offloaded(param: torch.Tensor) -> Any:
     """``(offloader, key)`` if ``param``'s weight lives in a store (``offload_parameters``)."""
-    from ..swap.parameters import offloaded as lookup
+    global _lookup
+    lookup = _lookup
+    if lookup is None:  # (imported on first use: tierstore.swap imports this package)
+        from ..swap.parameters import offloaded as lookup
 
+        _lookup = lookup
     return lookup(param)
 
 
