@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .bench.common import milestones, progress
+from .device.mode import emulation
 from .models import GPT, GPTConfig, synthetic_batches
 from .optim import TieredAdamW
 from .optim.precision import MASTER_WEIGHTS, PRECISIONS, StateLayout
@@ -44,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--batch", type=int, default=16)
     model.add_argument("--lr", type=float, default=3e-3)
     model.add_argument("--seed", type=int, default=0)
-    model.add_argument("--clip", type=float, default=1.0, help="clip gradients to this global norm (0: off)")
+    model.add_argument("--clip", type=float, help="clip gradients to this global norm (0: off; default 1.0, off with --step-in-backward)")
     model.add_argument("--step-in-backward", action="store_true", help="update each tensor as soon as its gradient is ready (no clipping)")
     model.add_argument("--offload-params", action="store_true", help="keep the weights in the store too; each layer visits the device tier only while it computes")
     model.add_argument("--offload-activations", action="store_true", help="send activations saved for backward to the host tier")
@@ -55,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiers = parser.add_argument_group("tiers")
     tiers.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where the model runs (the device tier's device)")
     tiers.add_argument("--device-capacity", default="16MiB")
-    tiers.add_argument("--host-capacity", default="6MiB", help="small enough that most of the state pages to disk")
+    tiers.add_argument("--host-capacity", help="default: half of the optimizer's state (at least 1 MiB), so about half of it pages to disk")
     tiers.add_argument("--disk-capacity", default="1GiB")
     tiers.add_argument("--root", type=Path, default=DEFAULT_ROOT, help=f"the disk tier's folder (default {DEFAULT_ROOT}, created if absent)")
     out = parser.add_argument_group("output")
@@ -139,7 +140,11 @@ def check_args(args: argparse.Namespace) -> str | None:
         return f"--device {args.device}: the demo runs on cpu or cuda"
     if args.drive_tbw is not None and not args.drive_tbw > 0:
         return f"--drive-tbw must be above 0, not {args.drive_tbw}"
+    if args.step_in_backward and args.clip:
+        return "--clip needs the whole gradient before any update: it cannot be used with --step-in-backward"
     for name in ("device_capacity", "host_capacity", "disk_capacity", "drive_capacity"):
+        if getattr(args, name) is None:
+            continue  # (--host-capacity: sized from the state below)
         try:
             parse_bytes(getattr(args, name))
         except ValueError as exc:
@@ -149,16 +154,19 @@ def check_args(args: argparse.Namespace) -> str | None:
     return None
 
 
-def state_bytes(args: argparse.Namespace, numel: int) -> int:
-    """Bytes of Adam state the optimizer keeps for a parameter of ``numel`` elements."""
+def state_bytes(args: argparse.Namespace, param: torch.Tensor) -> int:
+    """Bytes of Adam state the optimizer keeps for ``param``: no master copy where an fp32
+    parameter in host memory is its own master (the plain CPU, weights not offloaded)."""
+    own_master = (param.device.type == "cpu" and not emulation()[0] and param.dtype == torch.float32
+                  and args.master_weights == "fp32" and not args.offload_params)
     if args.state_precision == "fp32" and args.master_weights == "fp32":
-        return 12 * numel
-    return StateLayout(args.state_precision, args.master_weights == "lossless", False).nbytes(numel)
+        return (8 if own_master else 12) * param.numel()
+    return StateLayout(args.state_precision, args.master_weights == "lossless", False, own_master).nbytes(param.numel())
 
 
 def check_disk(args: argparse.Namespace, model: torch.nn.Module) -> str | None:
     """Whether the disk tier can hold what the demo pages to it, or what is missing."""
-    sizes = [round_up(state_bytes(args, p.numel()), ALIGNMENT) for p in model.parameters()]
+    sizes = [round_up(state_bytes(args, p), ALIGNMENT) for p in model.parameters()]
     if args.offload_params:
         sizes += [round_up(p.numel() * p.element_size(), ALIGNMENT) for p in model.parameters()]
     # Writes are copy-on-write and free space fragments as values are rewritten: ask for twice
@@ -174,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     problem = check_args(args)
     if problem is None:
-        if args.step_in_backward:
-            args.clip = 0.0
+        if args.clip is None:
+            args.clip = 0.0 if args.step_in_backward else 1.0
         config = GPTConfig(vocab=args.vocab, seq=args.seq, dim=args.dim, layers=args.layers, heads=args.heads)
         torch.manual_seed(args.seed)
         model = GPT(config).to(args.device, DTYPES[args.dtype])
@@ -185,10 +193,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     reference = copy.deepcopy(model) if args.compare else None
     params = sum(p.numel() for p in model.parameters())
-    state = sum(state_bytes(args, p.numel()) for p in model.parameters())
+    state = sum(state_bytes(args, p) for p in model.parameters())
+    own = all(state_bytes(args, p) < state_bytes(argparse.Namespace(**{**vars(args), "offload_params": True}), p) for p in model.parameters())
+    master = "no master copy (the fp32 weights are the master)" if own else f"{args.master_weights} master"
+    if args.host_capacity is None:
+        args.host_capacity = max(1 << 20, round_up(state // 2, 1 << 16))
     print(
         f"GPT: {params:,} {args.dtype} parameters ({config.layers} layers, dim {config.dim}); Adam state {format_bytes(state)} "
-        f"({state / params:.2f} B/param: {args.master_weights} master, {args.state_precision} moments)\n"
+        f"({state / params:.2f} B/param: {master}, {args.state_precision} moments)\n"
         f"tiers: device {args.device} {format_bytes(parse_bytes(args.device_capacity))} | host {format_bytes(parse_bytes(args.host_capacity))} | "
         f"disk {args.root} {format_bytes(parse_bytes(args.disk_capacity))}"
     )

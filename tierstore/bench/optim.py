@@ -48,6 +48,7 @@ import torch
 from tqdm import tqdm
 
 from ..device import emulate_device
+from ..device.mode import emulation
 from ..models import GPT, GPTConfig, synthetic_batches
 from ..optim import TieredAdamW
 from ..store import TierStore
@@ -129,7 +130,7 @@ def training_steps(args: argparse.Namespace, progress: tqdm) -> tuple[list[dict[
     config = GPTConfig()
     torch.manual_seed(0)
     template = GPT(config).to(args.device)
-    state_bytes = 12 * sum(p.numel() for p in template.parameters())
+    state_bytes = _state_bytes(template)
     variants: dict[str, Any] = {
         "torch AdamW, in memory": lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3, fused=True),
         "tierstore, state in host": lambda m: TieredAdamW(m.parameters(), lr=3e-3, offload="host"),
@@ -190,7 +191,7 @@ def disk_step(args: argparse.Namespace, read_gbs: float, write_gbs: float, progr
     config = GPTConfig()
     torch.manual_seed(0)
     template = GPT(config).to(args.device)
-    state_bytes = 12 * sum(p.numel() for p in template.parameters())
+    state_bytes = _state_bytes(template)
     root = args.dir / "optim-e"
     shutil.rmtree(root, ignore_errors=True)
     schedule = ScheduleLearned()
@@ -240,6 +241,13 @@ def host_step(numel: int, tensors: int, reps: int, progress: tqdm) -> dict[str, 
     ratios = [theirs / ours for theirs, ours in zip(times["torch"], times["tierstore"], strict=True)]
     return {"params": numel * tensors, "tensors": tensors, "torch_fused_ms": torch_s * 1e3, "step_ms": ours_s * 1e3,
             "throughput_ratio": median(ratios)}
+
+
+def _state_bytes(model: torch.nn.Module) -> int:
+    """Bytes of exact Adam state ``TieredAdamW`` keeps for ``model``: the two moments, and an fp32
+    master unless the parameter is its own (fp32, in host memory, on the plain CPU)."""
+    own = not emulation()[0]
+    return sum((8 if own and p.device.type == "cpu" and p.dtype == torch.float32 else 12) * p.numel() for p in model.parameters())
 
 
 def _link_bytes(links: dict[str, Any], part: str) -> int:

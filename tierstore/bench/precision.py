@@ -93,6 +93,7 @@ def demo_defaults(args: argparse.Namespace) -> argparse.Namespace:
         if getattr(args, f"f_{name}", None) is not None:
             setattr(demo, name, getattr(args, f"f_{name}"))
     demo.device = args.device
+    demo.clip = 1.0 if demo.clip is None else demo.clip  # (the demo's default after backward)
     return demo
 
 
