@@ -195,8 +195,9 @@ def test_refuses_what_it_cannot_take(built: native.Kernel) -> None:
     assert not _run_c(_tile(False, torch.float32, 0), s.double(), built)  # fp64 scalars
 
 
-def test_a_compiler_that_fails_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CC", "false")
+@pytest.mark.parametrize("compiler", ["false", "/nonexistent/cc"])
+def test_a_compiler_that_fails_is_reported(monkeypatch: pytest.MonkeyPatch, compiler: str) -> None:
+    monkeypatch.setenv("CC", compiler)  # ($CC is what a user asked for: no other compiler instead)
     with pytest.raises(RuntimeError, match="failed"):
         native.build()
 

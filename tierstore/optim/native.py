@@ -52,10 +52,11 @@ PER_THREAD = 1 << 16
 
 
 def _compiler() -> list[str] | None:
-    """The C compiler's command: ``$CC`` (which may carry words: ``ccache gcc``), else the first
-    of ``cc``, ``gcc``, ``clang`` found."""
+    """The C compiler's command: ``$CC`` where set (it may carry words: ``ccache gcc``; one that
+    does not run fails the build, with a warning), else the first of ``cc``, ``gcc``, ``clang``
+    found."""
     given = shlex.split(os.environ.get("CC", ""))
-    if given and shutil.which(given[0]):
+    if given:
         return given
     for name in ("cc", "gcc", "clang"):
         if shutil.which(name):
@@ -92,10 +93,13 @@ def build(*, vectorised: bool = True) -> Kernel:
         library = Path(folder) / "adam8.so"
         march = vectorised and os.environ.get("TIERSTORE_NATIVE_MARCH", "1") != "0"
         command = [*compiler, *_FLAGS, *(["-march=native"] if march else []), "-o", str(library), str(_SOURCE)]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
-        if done.returncode != 0 and march:  # (a compiler that does not know -march=native)
-            command.remove("-march=native")
+        try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+            if done.returncode != 0 and march:  # (a compiler that does not know -march=native)
+                command.remove("-march=native")
+                done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.SubprocessError) as exc:  # (not found, not executable, hung)
+            raise RuntimeError(f"{' '.join(command)} failed: {exc}") from None
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(command)} failed: {(done.stderr or done.stdout).strip()[-500:]}")
         compiled = ctypes.CDLL(str(library))  # (the mapping outlives the file)
