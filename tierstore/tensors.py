@@ -152,7 +152,8 @@ def from_bytes(raw: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
         return torch.empty(meta.shape, dtype=meta.dtype, device=raw.device)
     if meta.dtype != torch.uint8:
         data = data.view(meta.dtype)
-    return data.view(meta.shape)
+    # (a flat value is that view already: each torch call from the loop lets go of the GIL)
+    return data if len(meta.shape) == 1 else data.view(meta.shape)
 
 
 def aligned_empty(nbytes: int, device: torch.device | str = "cpu", pin_memory: bool = False) -> torch.Tensor:

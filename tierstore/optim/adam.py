@@ -224,7 +224,7 @@ class TieredAdam(PagedOptimizer):
         if layout is None:
             if packed.shape[0] != self._rows(slot):  # the parameter is the master
                 if self._in_place(slot):
-                    return [slot.param.data.view(-1)[start:stop], *packed.unbind(0)]
+                    return [_flat(slot.param.data)[start:stop], *packed.unbind(0)]
                 master = (await read_weight_range(slot, start, stop)).to(torch.float32, copy=True).reshape(-1)
                 return [master, *packed.unbind(0)]
             if fresh and self._reloads(slot):
@@ -245,7 +245,7 @@ class TieredAdam(PagedOptimizer):
             high = await (read_weight(slot) if (start, stop) == (0, slot.numel) else read_weight_range(slot, start, stop))
         if layout.param_master:
             if self._in_place(slot):
-                master = slot.param.data.view(-1)[start:stop]
+                master = _flat(slot.param.data)[start:stop]
             else:  # (no longer usable in place: updated on a copy, written back as any weight)
                 master = (await read_weight_range(slot, start, stop)).to(torch.float32, copy=True).reshape(-1)
             return PackedState(layout, packed, stop - start, param_numel=slot.numel, master=master)
@@ -719,3 +719,9 @@ def _state_layout(precision: str, lossless: bool, amsgrad: bool, param_master: b
     """The (immutable) layout of these settings, made once: the loop asks for a slot's layout
     several times per chunk it updates."""
     return StateLayout(precision, lossless, amsgrad, param_master)
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous ``tensor`` as a flat view: itself if it is flat already (on the loop, a
+    torch call lets go of the GIL, and getting it back waits for the math threads)."""
+    return tensor if tensor.dim() == 1 else tensor.view(-1)

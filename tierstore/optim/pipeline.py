@@ -546,13 +546,17 @@ class UpdatePipeline:
             )
         chunks = runs[index]
         async with self._gate:
-            self._prefetch_runs(runs, sizes, index)
+            ahead = self._prefetch_runs(runs, sizes, index)
+            if ahead:
+                await self._store.prefetch(ahead, self._tier)  # (returns at once: the reads go on in the background)
             todo = [chunk.index not in slot.chunks_updated for chunk in chunks]
             async with AsyncExitStack() as stack:
-                states = await _enter_all(stack, [self._owner._chunk_state(slot, chunk) for chunk in chunks], at_once=self._flat)
+                # States all on the state tier already: no reads to overlap, so no task each.
+                resident = self._flat or all(self._on_tier(chunk.key) for chunk in chunks)
+                states = await _enter_all(stack, [self._owner._chunk_state(slot, chunk) for chunk in chunks], at_once=resident)
                 capture = slot.capture
                 if capture is not None and capture.lent is not None:  # views of the model's gradient: nothing to enter
-                    flat = capture.lent.reshape(-1)
+                    flat = capture.lent if capture.lent.dim() == 1 else capture.lent.reshape(-1)
                     grads = [flat[chunk.start : chunk.stop] if do else None for chunk, do in zip(chunks, todo, strict=True)]
                 else:
                     grads = await _enter_all(
@@ -577,8 +581,12 @@ class UpdatePipeline:
             per = self._owner._state_bytes(slot) / max(slot.numel, 1)
             self._write_early([(chunk.key, int(chunk.numel * per)) for chunk, do in zip(done, todo, strict=False) if do])
 
-    def _prefetch_runs(self, runs: list[list[Chunk]], sizes: list[int], index: int) -> None:
-        """Ask for the state of the runs after run ``index`` (large requests, issued ahead, behind
+    def _on_tier(self, key: str) -> bool:
+        """Whether ``key``'s current value is on the state tier."""
+        return key in self._store and self._tier in self._store.where(key)
+
+    def _prefetch_runs(self, runs: list[list[Chunk]], sizes: list[int], index: int) -> list[str]:
+        """The keys to prefetch for the runs after run ``index`` (large requests, issued ahead, behind
         every demand read), so their reads overlap this run's math and writes: as many as fit in
         the room the ``inflight`` runs holding leave. More than that evicted chunks prefetched
         for a later run before their update (read twice, their writes too)."""
@@ -589,10 +597,7 @@ class UpdatePipeline:
             if budget < 0:
                 break
             ahead += run
-        wanted = [chunk.key for chunk in ahead if chunk.key in self._store]
-        wanted = [key for key in wanted if self._tier not in self._store.where(key)]
-        if wanted:
-            asyncio.ensure_future(self._store.prefetch(wanted, self._tier))
+        return [chunk.key for chunk in ahead if chunk.key in self._store and self._tier not in self._store.where(chunk.key)]
 
     @asynccontextmanager
     async def _grad_chunk(self, slot: ParamSlot, chunk: Chunk) -> AsyncIterator[torch.Tensor]:
