@@ -78,7 +78,8 @@ class TieredAdam(PagedOptimizer):
     an offloaded one), the next update reloads it from the parameter (exactly for an fp32 one;
     a bf16 one loses the master's extra bits, with a warning). They are seen by torch's version
     counter and the parameter's address; an in-place write through ``p.data`` (``p.data.mul_``)
-    is seen by neither and is overwritten by the next step's weight.
+    is seen by neither and is overwritten by the next step's weight. Where the parameter is its
+    own master (an fp32 parameter on the plain CPU), every write counts, as in torch.
     """
 
     decoupled_weight_decay = False
