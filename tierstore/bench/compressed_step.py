@@ -35,6 +35,7 @@ from torch.optim.adamw import adamw
 from ..device import emulation
 from ..optim import TieredAdamW, precision
 from ..store import TierStore
+from ..sync import run as run_on_loop
 from ..tiers import DiskTier, HostTier
 from .common import environment, median, progress, table, write_json
 from .tiers import raw_rates
@@ -187,6 +188,7 @@ def disk_steps(args: argparse.Namespace, read_gbs: float, write_gbs: float, bar:
     finally:
         for opt, _ in runs.values():
             opt.close()
+            run_on_loop(opt.store.aclose())  # (a store passed in stays open after the optimizer closes)
     rows = []
     for _, row in runs.values():
         step_s, read, write = median(row.pop("times")), median(row.pop("read")), median(row.pop("write"))

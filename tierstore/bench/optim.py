@@ -52,6 +52,7 @@ from ..device.mode import emulation
 from ..models import GPT, GPTConfig, synthetic_batches
 from ..optim import TieredAdamW
 from ..store import TierStore
+from ..sync import run
 from ..tiers import DiskTier, HostTier
 from . import compressed_step, precision
 from .common import environment, median, table, write_json
@@ -175,6 +176,7 @@ def training_steps(args: argparse.Namespace, progress: tqdm) -> tuple[list[dict[
     for opt in optimizers.values():
         if isinstance(opt, TieredAdamW):
             opt.close()
+            run(opt.store.aclose())  # (closes only a store it made)
     rows = []
     reference = median(steps["torch AdamW, in memory"])
     for name in variants:
@@ -221,6 +223,7 @@ def disk_step(args: argparse.Namespace, read_gbs: float, write_gbs: float, progr
                     reads.append(_link_bytes(links, "disk->") - before[1])
         progress.update(1)
     opts["disk"].close()
+    run(store.aclose())
     store_read, store_written = median([float(b) for b in reads]), median([float(b) for b in writes])
     transfer = store_read / (read_gbs * 1e9) + store_written / (write_gbs * 1e9)
     torch_step, disk_step_s = median(times["torch"]), median(times["disk"])

@@ -379,8 +379,10 @@ class SegmentFiles:
         self.io.ftruncate(self._fds[segment], size)
 
     def remove_tail(self, count: int) -> None:
-        """Close and delete the last ``count`` segment files (the catalog no longer names them)."""
-        for _ in range(count):
+        """Close and delete the last ``count`` segment files (the catalog no longer names them).
+        Files already closed (a store left open at interpreter exit, its files closed by their
+        finalizer while a trim ran) are left: the next open deletes them as strays."""
+        for _ in range(min(count, len(self._fds))):
             segment = len(self._fds) - 1
             self.io.close(self._fds.pop())
             self.io.unlink(self.path(segment))
