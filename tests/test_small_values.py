@@ -206,3 +206,36 @@ async def test_power_cuts_keep_acknowledged_small_values(tmp_path: Path) -> None
     report = await power_cuts(tmp_path, states=40, seed=3, operations=80)
     assert report.failures == 0, report.problems[:5]
     assert report.acknowledged > 0 and report.checked_keys > 0
+
+
+async def test_an_inline_record_shorter_than_its_metadata_is_corruption_not_a_short_value(tmp_path: Path) -> None:
+    # A damaged record whose bytes pass their own checksum but are fewer than its dtype and
+    # shape need: refused (the catalog's scan at open says so), never a short value. Below the
+    # store, ``from_bytes`` refuses such a buffer too (a 1-D value came back short: review).
+    from tierstore.disk.catalog import inline_bytes
+    from tierstore.disk.files import checksum_bytes
+    from tierstore.errors import CorruptionError
+    from tierstore.tensors import TensorMeta
+
+    async with TierStore([disk(tmp_path / "d")]) as store:
+        await store.put("short", torch.arange(8, dtype=torch.float32))
+        await store.put("fine", torch.ones(3))
+    env = lmdb.open(str(tmp_path / "d" / "catalog"), max_dbs=2)
+    entries = env.open_db(b"entries")
+    data = torch.arange(4, dtype=torch.float32).numpy().tobytes()  # 16 of the 32 bytes
+    with env.begin(write=True) as txn:
+        version = DiskRecord.from_bytes(bytes(txn.get(key_digest("short"), db=entries))).version
+        record = inline_bytes("short", TensorMeta(torch.float32, (8,)), version, checksum_bytes(data), data)
+        txn.put(key_digest("short"), record, db=entries)
+    env.close()
+    try:
+        async with TierStore([disk(tmp_path / "d")]) as store:
+            assert torch.equal(await store.get("fine"), torch.ones(3))
+            with pytest.raises(CorruptionError):
+                await store.get("short")
+    except CorruptionError:
+        pass  # (refused when the store opened: as good)
+    from tierstore.tensors import from_bytes
+
+    with pytest.raises(CorruptionError, match="needs 32 bytes"):
+        from_bytes(torch.zeros(16, dtype=torch.uint8), TensorMeta(torch.float32, (8,)))

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .errors import InvalidTensorError
+from .errors import CorruptionError, InvalidTensorError
 from .units import round_up
 
 #: Alignment of the store's own buffers and disk extents (what O_DIRECT asks for).
@@ -150,6 +150,8 @@ def from_bytes(raw: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
     data = raw[: meta.nbytes]
     if meta.nbytes == 0:
         return torch.empty(meta.shape, dtype=meta.dtype, device=raw.device)
+    if data.numel() != meta.nbytes:  # (a record whose bytes disagree with its metadata; the view below would give a short value)
+        raise CorruptionError(f"a {meta.dtype} value of shape {tuple(meta.shape)} needs {meta.nbytes} bytes; only {raw.numel()} were stored")
     if meta.dtype != torch.uint8:
         data = data.view(meta.dtype)
     # (a flat value is that view already: each torch call from the loop lets go of the GIL)

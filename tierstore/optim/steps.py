@@ -279,6 +279,8 @@ class StepRunner:
                 if share is not None and 0 < pending <= size:  # the early write-backs are all in
                     break
             chosen, pieces = chosen[:count], pieces[:count]
+            if not chosen:  # (the first slot's state is over the share: the pipeline takes all)
+                return None, order
         early = pipeline.early_writes(chosen)
         held = await resident.hold(chosen, pieces)
         if held is None:  # (taken meanwhile: these go through the pipeline, written back when evicted)
