@@ -149,9 +149,11 @@ class UpdatePipeline:
         self._room = max(room, 0)
         if largest > room:
             worst = slots[needs.index(largest)]
+            what = (f"one chunk of the state and gradient of parameter {worst.index} ({worst.numel:,} elements in chunks of at "
+                    f"least 64 KiB: {largest:,} bytes)" if worst.chunks is not None else
+                    f"the state and gradient of parameter {worst.index} ({worst.numel:,} elements: {largest:,} bytes)")
             raise OptimizerCapacityError(
-                f"the {self._tier!r} tier ({tier.capacity:,} bytes) cannot hold the state and gradient of parameter "
-                f"{worst.index} ({worst.numel:,} elements: {largest:,} bytes) beside another gradient"
+                f"the {self._tier!r} tier ({tier.capacity:,} bytes) cannot hold {what} beside another gradient"
                 + (f" and an offloaded weight held whole ({held:,} bytes)" if held else "") + "; give it more capacity"
                 + _chunk_advice(worst, self._owner._chunkable(worst), chunk_bytes)
             )
