@@ -57,21 +57,15 @@ async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, prio
                 deficit -= victim[1].nbytes
                 batch.append(victim)
             started: list[asyncio.Task[None]] = []
-            handled = 0
             try:
                 for entry, copy in batch:
-                    if not _demotion_waits(engine, entry, t, copy):
-                        handled += 1
-                        _demote_at_once(engine, entry, t, copy)  # (a task would only run it a moment later)
-                        continue
                     task = _start_demotion(engine, entry, t, copy, priority)
-                    handled += 1
                     started.append(task)
                     mine.append(task)
                     if one_at_a_time:
                         await asyncio.wait([task])
             finally:
-                for entry, copy in batch[handled:]:  # cancelled before their turn: they stay
+                for entry, copy in batch[len(started) :]:  # cancelled before their turn: they stay
                     engine.unuse(entry, copy)
                     engine.policy_insert(entry, copy)
             if started:  # the whole batch goes before room is asked again (as the replay)
@@ -146,32 +140,6 @@ def _start_demotion(engine: Engine, entry: Entry, t: int, copy: Copy, priority: 
 
     task.add_done_callback(finished)
     return task
-
-def _demotion_waits(engine: Engine, entry: Entry, t: int, copy: Copy) -> bool:
-    """Whether ``_demote`` of ``copy`` would wait: for an early write-back of it under way, or
-    to write its value one tier down (no slower tier holds it)."""
-    if id(copy) in engine.early_writes:
-        return True
-    if copy.holds or copy.users > 1:
-        return False  # (it stays)
-    current = engine.entries.get(entry.key) is entry and copy.version == entry.version
-    return current and not any(s > t for s in entry.valid_tiers())
-
-
-def _demote_at_once(engine: Engine, entry: Entry, t: int, copy: Copy) -> None:
-    """``_demote`` of a copy whose demotion waits for nothing (``_demotion_waits``), run now:
-    a slower tier holds its value (or it is stale), so it is dropped, unless taken meanwhile."""
-    try:
-        if copy.holds or copy.users > 1:
-            return  # taken meanwhile: it stays
-        if entry.copy_on(t) is copy:
-            engine.retire(entry, t, copy)
-            engine.counters.tier(engine.names[t]).evictions += 1
-    finally:
-        engine.unuse(entry, copy)
-        if not copy.retired and entry.copy_on(t) is copy:
-            engine.policy_insert(entry, copy)  # it stayed: the policy knows it again
-
 
 async def _demote(engine: Engine, entry: Entry, t: int, copy: Copy, priority: Priority) -> None:
     """Move ``copy`` (already in use by us) off tier ``t``: write it back one tier down
