@@ -95,3 +95,14 @@ def commit_gate() -> Iterator[threading.Event]:
             yield event
     finally:
         event.set()
+
+
+@pytest.fixture
+def counters() -> None:
+    """Skip where this process's block-I/O counters (``tierstore.testing.block_io``) cannot be read."""
+    from tierstore.testing import block_io
+
+    try:
+        block_io()
+    except (OSError, KeyError, ValueError) as exc:
+        pytest.skip(f"/proc/self/io cannot be read: {exc}")

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from tierstore.optim import TieredAdamW
+from tierstore.testing import block_io
 
 pytestmark = pytest.mark.device_modes  # tests taking ``device_mode`` run in both modes
 
-PROC_IO = Path("/proc/self/io")
 WIDTH, LAYERS = 128, 8  # 132k parameters: 1.6 MB of Adam state, paged through a 256 KiB host tier
 HOST = 256 << 10
 SLACK = 64 << 10  # catalog pages and the like, beside megabytes of state
@@ -28,22 +28,6 @@ SLACK = 64 << 10  # catalog pages and the like, beside megabytes of state
 #: written through the page cache, so its pages reach the counters when the kernel writes them
 #: back (a leaf, a branch, the meta page: measured 2-3 KiB a transaction on average, in bursts).
 PER_TRANSACTION = 4 << 10
-
-
-def _kernel_io() -> tuple[int, int]:
-    """(read_bytes, write_bytes) this process has sent to block devices."""
-    fields = dict(line.split(":", 1) for line in PROC_IO.read_text().splitlines() if ":" in line)
-    return int(fields["read_bytes"]), int(fields["write_bytes"])
-
-
-@pytest.fixture
-def counters() -> None:
-    if not PROC_IO.exists():
-        pytest.skip("/proc/self/io is not available here")
-    try:
-        _kernel_io()
-    except (OSError, KeyError, ValueError) as exc:
-        pytest.skip(f"/proc/self/io cannot be read: {exc}")
 
 
 def _model(layers: int = LAYERS) -> torch.nn.Sequential:
@@ -65,11 +49,11 @@ def _steps(model: torch.nn.Sequential, opt: TieredAdamW, count: int, use: int | 
     x = torch.randn(32, WIDTH, generator=torch.Generator().manual_seed(1))
     layers = model if use is None else model[:use]
     for _ in range(count):
-        read, write = _kernel_io()
+        read, write = block_io()
         layers(x).square().mean().backward()
         opt.step()
         opt.zero_grad()
-        after = _kernel_io()
+        after = block_io()
         yield after[0] - read, after[1] - write
 
 
@@ -191,11 +175,11 @@ def test_the_demo_tiers_stay_within_a_tenth_of_the_need(tmp_path: Path, counters
         batches = synthetic_batches(config, 4, seed=1)
         moved = needed = 0
         for step in range(9):
-            read, write = _kernel_io()
+            read, write = block_io()
             opt.zero_grad()
             model.loss(next(batches)).backward()
             opt.step()
-            after = _kernel_io()
+            after = block_io()
             report = opt.time_report()
             if step >= 5:  # state created, then the alternating orders learned
                 assert report.disk_need_bytes > 0

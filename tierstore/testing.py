@@ -42,6 +42,15 @@ ODD_KEYS = [
 STORE_FILE = re.compile(r"disk|data|catalog|lock|data\.mdb|lock\.mdb|segment-\d{6}\.bin")
 
 
+def block_io() -> tuple[int, int]:
+    """``(read_bytes, write_bytes)`` this process has sent to block devices so far (Linux's
+    ``/proc/self/io``: what I/O that bypasses the page cache, as the disk tier's ``O_DIRECT``
+    transfers do, costs the drive). Raises ``OSError`` (or ``KeyError``/``ValueError`` on an
+    unexpected format) where it cannot be read."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/io").read_text().splitlines() if ":" in line)
+    return int(fields["read_bytes"]), int(fields["write_bytes"])
+
+
 def sample(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
     """A tensor of ``dtype`` whose bytes are random (every bit pattern, NaNs included)."""
     generator = torch.Generator().manual_seed(seed)

@@ -311,26 +311,20 @@ static void adam8_range(int64_t numel, float *master, int16_t *low, const uint16
                         uint8_t *m_codes, float *m_scales, uint8_t *v_codes, float *v_scales,
                         const float *grad32, const uint16_t *grad16, const scalars_t s, const tables_t t) {
 #ifdef __AVX512F__
-    if (master != NULL && grad32 != NULL) {
-        TILE_LOOP_512(0, 0, master + start, NULL, NULL, NULL, grad32 + start, NULL);
-    } else if (master != NULL) {
-        TILE_LOOP_512(0, 1, master + start, NULL, NULL, NULL, NULL, grad16 + start);
-    } else if (grad32 != NULL) {
-        TILE_LOOP_512(1, 0, NULL, low + start, high + start, high_out + start, grad32 + start, NULL);
-    } else {
-        TILE_LOOP_512(1, 1, NULL, low + start, high + start, high_out + start, NULL, grad16 + start);
-    }
+#define TILE TILE_LOOP_512
 #else
-    if (master != NULL && grad32 != NULL) {
-        TILE_LOOP(0, 0, master + start, NULL, NULL, NULL, grad32 + start, NULL);
-    } else if (master != NULL) {
-        TILE_LOOP(0, 1, master + start, NULL, NULL, NULL, NULL, grad16 + start);
-    } else if (grad32 != NULL) {
-        TILE_LOOP(1, 0, NULL, low + start, high + start, high_out + start, grad32 + start, NULL);
-    } else {
-        TILE_LOOP(1, 1, NULL, low + start, high + start, high_out + start, NULL, grad16 + start);
-    }
+#define TILE TILE_LOOP
 #endif
+    if (master != NULL && grad32 != NULL) {
+        TILE(0, 0, master + start, NULL, NULL, NULL, grad32 + start, NULL);
+    } else if (master != NULL) {
+        TILE(0, 1, master + start, NULL, NULL, NULL, NULL, grad16 + start);
+    } else if (grad32 != NULL) {
+        TILE(1, 0, NULL, low + start, high + start, high_out + start, grad32 + start, NULL);
+    } else {
+        TILE(1, 1, NULL, low + start, high + start, high_out + start, NULL, grad16 + start);
+    }
+#undef TILE
 }
 
 /* One call's arguments, and the blocks [first, last) one thread updates. */
