@@ -20,7 +20,14 @@ from torch.optim.adamw import adamw
 from tierstore import SyncTierStore
 from tierstore.device import emulate_device
 from tierstore.optim import TieredAdamW
-from tierstore.optim.precision import BLOCK, AdamHyper, PackedState, StateLayout
+from tierstore.optim.precision import (
+    BLOCK,
+    AdamHyper,
+    PackedState,
+    StateLayout,
+    keeps_no_master,
+    planned_state_bytes,
+)
 from tierstore.tiers import DiskTier, HostTier
 
 #: Compressed settings whose master may be the parameter (a lossless master needs bf16 ones).
@@ -109,6 +116,9 @@ def test_bytes_stored_and_reported(precision: str, per_param: float, words: str,
     model = torch.nn.Linear(256, 64, bias=False)  # 16,384 elements: 64 blocks
     with _kept_master(kept):
         opt = TieredAdamW(model.parameters(), state_precision=precision, chunk_bytes=None)
+        # (the estimate made before any optimizer, to size tiers, follows the optimizer's rule)
+        estimate = planned_state_bytes(model.weight, precision)
+        assert keeps_no_master(model.weight) is not kept
     kept_words = "fp32 master" if kept else "no master copy (the fp32 weight is the master)"
     per_param += 4.0 if kept else 0.0
     try:
@@ -116,7 +126,7 @@ def test_bytes_stored_and_reported(precision: str, per_param: float, words: str,
         _backward_linear(model, opt)
         assert opt.namespace is not None
         (key,) = [k for k in opt.namespace.keys() if not k.endswith("/grad")]
-        assert opt.store.info(key)["nbytes"] == per_param * model.weight.numel() == planned
+        assert opt.store.info(key)["nbytes"] == per_param * model.weight.numel() == planned == estimate
         report = opt.memory_report()
         assert sum(report.state_by_tier.values()) == per_param * model.weight.numel()
         assert list(report.state_contents) == [f"{kept_words} + {words} moments"]

@@ -18,10 +18,9 @@ from typing import Any
 import torch
 
 from .bench.common import milestones, progress
-from .device.mode import emulation
 from .models import GPT, GPTConfig, synthetic_batches
 from .optim import TieredAdamW
-from .optim.precision import MASTER_WEIGHTS, PRECISIONS, StateLayout
+from .optim.precision import MASTER_WEIGHTS, PRECISIONS, keeps_no_master, planned_state_bytes
 from .store import TierStore
 from .sync import run
 from .tensors import ALIGNMENT
@@ -155,13 +154,9 @@ def check_args(args: argparse.Namespace) -> str | None:
 
 
 def state_bytes(args: argparse.Namespace, param: torch.Tensor) -> int:
-    """Bytes of Adam state the optimizer keeps for ``param``: no master copy where an fp32
-    parameter in host memory is its own master (the plain CPU, weights not offloaded)."""
-    own_master = (param.device.type == "cpu" and not emulation()[0] and param.dtype == torch.float32
-                  and args.master_weights == "fp32" and not args.offload_params)
-    if args.state_precision == "fp32" and args.master_weights == "fp32":
-        return (8 if own_master else 12) * param.numel()
-    return StateLayout(args.state_precision, args.master_weights == "lossless", False, own_master).nbytes(param.numel())
+    """Bytes of Adam state the optimizer keeps for ``param`` (no master copy where the parameter
+    is its own: the plain CPU, weights not offloaded)."""
+    return planned_state_bytes(param, args.state_precision, args.master_weights, weights_offloaded=args.offload_params)
 
 
 def check_disk(args: argparse.Namespace, model: torch.nn.Module) -> str | None:
@@ -194,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     reference = copy.deepcopy(model) if args.compare else None
     params = sum(p.numel() for p in model.parameters())
     state = sum(state_bytes(args, p) for p in model.parameters())
-    own = all(state_bytes(args, p) < state_bytes(argparse.Namespace(**{**vars(args), "offload_params": True}), p) for p in model.parameters())
+    own = all(keeps_no_master(p, args.master_weights, weights_offloaded=args.offload_params) for p in model.parameters())
     master = "no master copy (the fp32 weights are the master)" if own else f"{args.master_weights} master"
     if args.host_capacity is None:
         args.host_capacity = max(1 << 20, round_up(state // 2, 1 << 16))

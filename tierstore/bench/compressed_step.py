@@ -151,12 +151,7 @@ def disk_steps(args: argparse.Namespace, read_gbs: float, write_gbs: float, bar:
             params = [torch.nn.Parameter((torch.randn(per, generator=generator) * 0.02).to(dtype)) for _ in range(args.g_tensors)]
             for p in params:
                 p.grad = (torch.randn(per, generator=generator) * 1e-3).to(dtype)
-            # (on the plain CPU an fp32 parameter is its own fp32 master, whatever the moments)
-            param_master = master == "fp32" and dtype == torch.float32 and not emulation()[0]
-            if state_precision == "fp32" and master == "fp32":
-                state = args.g_tensors * (8 if param_master else 12) * per
-            else:
-                state = args.g_tensors * precision.StateLayout(state_precision, master == "lossless", False, param_master).nbytes(per)
+            state = args.g_tensors * precision.planned_state_bytes(params[0], state_precision, master)
             host = state // args.g_host_fraction
             if emulation()[0]:
                 host += 2 * per * params[0].element_size()  # gradients cross a link and wait in the state's tier

@@ -48,9 +48,9 @@ import torch
 from tqdm import tqdm
 
 from ..device import emulate_device
-from ..device.mode import emulation
 from ..models import GPT, GPTConfig, synthetic_batches
 from ..optim import TieredAdamW
+from ..optim.precision import planned_state_bytes
 from ..store import TierStore
 from ..sync import run
 from ..tiers import DiskTier, HostTier
@@ -247,10 +247,8 @@ def host_step(numel: int, tensors: int, reps: int, progress: tqdm) -> dict[str, 
 
 
 def _state_bytes(model: torch.nn.Module) -> int:
-    """Bytes of exact Adam state ``TieredAdamW`` keeps for ``model``: the two moments, and an fp32
-    master unless the parameter is its own (fp32, in host memory, on the plain CPU)."""
-    own = not emulation()[0]
-    return sum((8 if own and p.device.type == "cpu" and p.dtype == torch.float32 else 12) * p.numel() for p in model.parameters())
+    """Bytes of exact Adam state ``TieredAdamW`` keeps for ``model``."""
+    return sum(planned_state_bytes(p) for p in model.parameters())
 
 
 def _link_bytes(links: dict[str, Any], part: str) -> int:

@@ -56,6 +56,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from tierstore.device.mode import emulation
 from tierstore.optim import native
 
 #: The values of ``state_precision=``.
@@ -446,6 +447,25 @@ def _scratch_rows(rows: int, size: int) -> torch.Tensor:
     if held is None or held.numel() < rows * size:
         held = _SCRATCH.flat = torch.empty(rows * size)
     return held[: rows * size].view(rows, size)
+
+
+def keeps_no_master(param: torch.Tensor, master_weights: str = "fp32", *, weights_offloaded: bool = False) -> bool:
+    """Whether ``TieredAdam`` will keep no master copy for ``param``, known before an optimizer
+    exists (its ``_param_is_master`` rule, to size tiers): an fp32, contiguous parameter in CPU
+    memory with no device link between it and the state (the plain CPU, not the emulated device),
+    ``master_weights="fp32"``, its weights not offloaded to a store."""
+    return (master_weights == "fp32" and not weights_offloaded and param.device.type == "cpu" and not emulation()[0]
+            and type(param) in (torch.Tensor, torch.nn.Parameter) and param.dtype == torch.float32 and param.is_contiguous())
+
+
+def planned_state_bytes(param: torch.Tensor, state_precision: str = "fp32", master_weights: str = "fp32", amsgrad: bool = False,
+                        *, weights_offloaded: bool = False) -> int:
+    """Bytes of Adam state ``TieredAdam`` will store for ``param`` with these settings (moments,
+    and the master unless ``keeps_no_master``)."""
+    own = keeps_no_master(param, master_weights, weights_offloaded=weights_offloaded)
+    if state_precision == "fp32" and master_weights == "fp32":
+        return 4 * (len(_MOMENTS) - (not amsgrad) + (not own)) * param.numel()
+    return StateLayout(state_precision, master_weights == "lossless", amsgrad, own).nbytes(param.numel())
 
 
 def validate(state_precision: str, master_weights: str) -> None:
