@@ -224,10 +224,7 @@ class TieredAdam(PagedOptimizer):
         fresh = chunk.index not in slot.chunks_updated if chunk is not None else not slot.updated
         if layout is None:
             if packed.shape[0] != self._rows(slot):  # the parameter is the master
-                if self._in_place(slot):
-                    return [_flat(slot.param.data)[start:stop], *packed.unbind(0)]
-                master = (await read_weight_range(slot, start, stop)).to(torch.float32, copy=True).reshape(-1)
-                return [master, *packed.unbind(0)]
+                return [await self._param_master(slot, start, stop), *packed.unbind(0)]
             if fresh and self._reloads(slot):
                 await fill_weight_range(slot, start, stop, packed[0])
             return packed
@@ -245,10 +242,7 @@ class TieredAdam(PagedOptimizer):
                 )
             high = await (read_weight(slot) if (start, stop) == (0, slot.numel) else read_weight_range(slot, start, stop))
         if layout.param_master:
-            if self._in_place(slot):
-                master = _flat(slot.param.data)[start:stop]
-            else:  # (no longer usable in place: updated on a copy, written back as any weight)
-                master = (await read_weight_range(slot, start, stop)).to(torch.float32, copy=True).reshape(-1)
+            master = await self._param_master(slot, start, stop)
             return PackedState(layout, packed, stop - start, param_numel=slot.numel, master=master)
         state = PackedState(layout, packed, stop - start, high, param_numel=slot.numel)  # (its kernels: the parameter's)
         if fresh and self._reloads(slot):
@@ -327,6 +321,14 @@ class TieredAdam(PagedOptimizer):
             if not layout.lossless and not layout.param_master:
                 await fill_weight_range(slot, start, stop, PackedState(layout, packed, stop - start).view("master"))
 
+    async def _param_master(self, slot: ParamSlot, start: int, stop: int) -> torch.Tensor:
+        """Elements ``start:stop`` of the fp32 master of a parameter that is its own master: its
+        memory, updated in place; a copy of its weight where it is no longer usable in place
+        (the update's new weight is then written back as any weight)."""
+        if self._in_place(slot):
+            return _flat(slot.param.data)[start:stop]
+        return (await read_weight_range(slot, start, stop)).to(torch.float32, copy=True).reshape(-1)
+
     async def _decode(self, slot: ParamSlot, packed: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """Elements ``start:stop`` of ``slot``'s state as ``(rows, n)`` fp32 (a view of
         ``packed`` when that is the plain layout). An entry without the master (saved where the
@@ -342,7 +344,7 @@ class TieredAdam(PagedOptimizer):
         layout = self._layout(slot)
         if layout is not None and not layout.lossless and packed.numel() != layout.nbytes(stop - start):
             saved = replace(layout, param_master=not layout.param_master)
-            master = (await read_weight_range(slot, start, stop)).to(torch.float32, copy=True).reshape(-1) if saved.param_master else None
+            master = await self._param_master(slot, start, stop) if saved.param_master else None  # (read: decode copies it)
             return PackedState(saved, packed, stop - start, master=master).decode()
         state = await self._wrap(slot, packed, start, stop)
         return state.decode() if isinstance(state, PackedState) else state
