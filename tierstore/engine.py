@@ -88,6 +88,11 @@ class Engine:
         #: Bytes per tier that demotions under way will free (``tierstore.eviction``).
         self.freeing = [0] * len(self._tiers)
         self.demotions: list[set[asyncio.Task[None]]] = [set() for _ in self._tiers]
+        #: Bytes per tier of copies retired but given back only once the kernels that last used
+        #: them have run (``_release_after``), and futures each ending as one lands: room that
+        #: comes back without an eviction (``tierstore.eviction`` counts it and waits for it).
+        self.releasing = [0] * len(self._tiers)
+        self.releases: list[set[asyncio.Future[None]]] = [set() for _ in self._tiers]
         #: Buffers allocated on a tier and being filled (they become evictable copies when done).
         self.incoming: list[set[asyncio.Future[None]]] = [set() for _ in self._tiers]
         self.background: set[asyncio.Task[Any]] = set()
@@ -768,10 +773,22 @@ class Engine:
             self._give_back(tier, copy)
             return
         loop = asyncio.get_running_loop()
+        t, size, landed = copy.tier, copy.nbytes, loop.create_future()
+        self.releasing[t] += size
+        self.releases[t].add(landed)
 
-        def release(_: Transfer) -> None:
+        def give_back() -> None:  # on the loop
+            self.releasing[t] -= size
+            self.releases[t].discard(landed)
+            try:
+                self._give_back(tier, copy)
+            finally:
+                if not landed.done():
+                    landed.set_result(None)
+
+        def release(_: Transfer) -> None:  # on the thread that saw the kernels end
             if not loop.is_closed():
-                loop.call_soon_threadsafe(self._give_back, tier, copy)
+                loop.call_soon_threadsafe(give_back)
 
         last_use.add_done_callback(release)
 

@@ -8,6 +8,10 @@ write-backs to the disk run concurrently. A batch finishes before room is asked 
 room check is the last thing before the caller allocates: the tiers then look as the policy
 decided, and as ``tierstore.sim.replay_store_trace`` replays.
 
+A copy dropped from a tier behind a link while a kernel may still use it comes back to the tier
+only when that kernel is done (``Engine._release_after``): those bytes count as room on its way,
+as a demotion's do, and a request that finds nothing else to evict waits for them.
+
 An early write-back (``write_early``) writes a memory copy to the disk tier below ahead of its
 eviction and keeps it: the eviction that later chooses it drops it without a write on the
 requester's path. While the write runs the copy stays a candidate; a demotion that chooses it
@@ -47,7 +51,7 @@ async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, prio
     mine: list[asyncio.Task[None]] = []
     try:
         while tier.free < (size := tier.allocation_size(nbytes)):
-            deficit = size - tier.free - engine.freeing[t]
+            deficit = size - tier.free - engine.freeing[t] - engine.releasing[t]  # (room on its way back)
             batch: list[tuple[Entry, Copy]] = []
             while deficit > 0:
                 victim = _next_victim(engine, t)
@@ -74,7 +78,7 @@ async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, prio
                 _raise_failed(tier, task)
             if batch:
                 continue  # (evicting packed values frees room only when a slab empties)
-            pending = engine.demotions[t] | engine.incoming[t]  # both end with room or a victim
+            pending = engine.demotions[t] | engine.incoming[t] | engine.releases[t]  # each ends with room or a victim
             if not pending:
                 if tier.free >= tier.allocation_size(nbytes):
                     continue
