@@ -32,6 +32,12 @@ from .workers import Priority
 if TYPE_CHECKING:
     from .engine import Engine
 
+#: Rounds of the loop a request lets pass before it refuses: what other threads queued on the
+#: loop meanwhile may be about to free room (a hold let go from the training thread, as
+#: ``tierstore.swap`` does, ends a few rounds after it was queued).
+_SETTLE_STEPS = 8
+
+
 async def make_room(engine: Engine, t: int, nbytes: int, priority: Priority) -> None:
     """Evict from tier ``t`` until a value of ``nbytes`` can be allocated there (the rules are
     the module's); returns once every demotion it started has finished."""
@@ -49,6 +55,7 @@ async def make_room(engine: Engine, t: int, nbytes: int, priority: Priority) -> 
 async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, priority: Priority) -> None:
     one_at_a_time = t + 1 < len(engine.tiers) and isinstance(engine.tiers[t + 1], MemoryTier)
     mine: list[asyncio.Task[None]] = []
+    settled = False
     try:
         while tier.free < (size := tier.allocation_size(nbytes)):
             deficit = size - tier.free - engine.freeing[t] - engine.releasing[t]  # (room on its way back)
@@ -61,15 +68,21 @@ async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, prio
                 deficit -= victim[1].nbytes
                 batch.append(victim)
             started: list[asyncio.Task[None]] = []
+            handled = 0
             try:
                 for entry, copy in batch:
+                    if not _demotion_waits(engine, entry, t, copy):
+                        handled += 1
+                        _demote_at_once(engine, entry, t, copy)  # (a task would only run it a moment later)
+                        continue
                     task = _start_demotion(engine, entry, t, copy, priority)
+                    handled += 1  # (before the wait: a cancelled wait leaves the task to finish it)
                     started.append(task)
                     mine.append(task)
                     if one_at_a_time:
                         await asyncio.wait([task])
             finally:
-                for entry, copy in batch[len(started) :]:  # cancelled before their turn: they stay
+                for entry, copy in batch[handled:]:  # cancelled before their turn: they stay
                     engine.unuse(entry, copy)
                     engine.policy_insert(entry, copy)
             if started:  # the whole batch goes before room is asked again (as the replay)
@@ -77,10 +90,16 @@ async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, prio
             for task in mine:
                 _raise_failed(tier, task)
             if batch:
+                settled = False
                 continue  # (evicting packed values frees room only when a slab empties)
             pending = engine.demotions[t] | engine.incoming[t] | engine.releases[t]  # each ends with room or a victim
             if not pending:
                 if tier.free >= tier.allocation_size(nbytes):
+                    continue
+                if not settled:  # once per refusal (a batch since resets it)
+                    settled = True
+                    for _ in range(_SETTLE_STEPS):
+                        await asyncio.sleep(0)
                     continue
                 held = sum(c.nbytes for e in engine.entries.values() if (c := e.copy_on(t)) is not None and c.users)
                 raise TierFullError(
@@ -145,32 +164,70 @@ def _start_demotion(engine: Engine, entry: Entry, t: int, copy: Copy, priority: 
     task.add_done_callback(finished)
     return task
 
+
+def _taken(copy: Copy) -> bool:
+    """Whether a hold or another use took ``copy`` since it was chosen (then it stays: a held
+    buffer may be changing, and a write hold makes it the only current value)."""
+    return copy.holds > 0 or copy.users > 1
+
+
+def _needs_write_back(engine: Engine, entry: Entry, t: int, copy: Copy) -> bool:
+    """Whether dropping ``copy`` from tier ``t`` would lose the current value (no slower tier holds it)."""
+    current = engine.entries.get(entry.key) is entry and copy.version == entry.version
+    return current and not any(s > t for s in entry.valid_tiers())
+
+
+def _demotion_waits(engine: Engine, entry: Entry, t: int, copy: Copy) -> bool:
+    """Whether ``_demote`` of ``copy`` would wait: for an early write-back of it under way, or
+    to write its value one tier down."""
+    if id(copy) in engine.early_writes:
+        return True
+    return not _taken(copy) and _needs_write_back(engine, entry, t, copy)
+
+
+def _demote_at_once(engine: Engine, entry: Entry, t: int, copy: Copy) -> None:
+    """``_demote`` of a copy whose demotion waits for nothing (``_demotion_waits``), run now."""
+    try:
+        if not _taken(copy):
+            _drop(engine, entry, t, copy, copy.version)
+    finally:
+        _done_with(engine, entry, t, copy)
+
+
 async def _demote(engine: Engine, entry: Entry, t: int, copy: Copy, priority: Priority) -> None:
     """Move ``copy`` (already in use by us) off tier ``t``: write it back one tier down
     unless a slower tier holds the value already, then drop it.
 
     The task starts a moment after the copy was chosen; if a hold took the copy meanwhile,
-    or takes it during the write-back, the copy stays (a held buffer may be changing, and
-    a write hold makes it the only current value)."""
+    or takes it during the write-back, the copy stays."""
     try:
         early = engine.early_writes.get(id(copy))
         if early is not None:
             await asyncio.wait([early])  # then the value is on the disk (unless it changed)
-        if copy.holds or copy.users > 1:
-            return  # taken meanwhile: it stays
+        if _taken(copy):
+            return
         version = copy.version
-        current = engine.entries.get(entry.key) is entry and version == entry.version
-        if current and not any(s > t for s in entry.valid_tiers()):
+        if _needs_write_back(engine, entry, t, copy):
             if t + 1 >= len(engine.tiers):
                 raise TierFullError(f"tier {engine.names[t]!r} is the last tier; nothing can be evicted from it")
             await engine.write_back(entry, copy, priority)
-        if entry.copy_on(t) is copy and copy.holds == 0 and copy.version == version:
-            engine.retire(entry, t, copy)
-            engine.counters.tier(engine.names[t]).evictions += 1
+        _drop(engine, entry, t, copy, version)
     finally:
-        engine.unuse(entry, copy)
-        if not copy.retired and entry.copy_on(t) is copy:
-            engine.policy_insert(entry, copy)  # it stayed: the policy knows it again
+        _done_with(engine, entry, t, copy)
+
+
+def _drop(engine: Engine, entry: Entry, t: int, copy: Copy, version: int) -> None:
+    """Retire ``copy`` from tier ``t`` unless it was replaced, held or changed since ``version``."""
+    if entry.copy_on(t) is copy and copy.holds == 0 and copy.version == version:
+        engine.retire(entry, t, copy)
+        engine.counters.tier(engine.names[t]).evictions += 1
+
+
+def _done_with(engine: Engine, entry: Entry, t: int, copy: Copy) -> None:
+    """Let go of the demotion's use of ``copy``; one that stayed is known to the policy again."""
+    engine.unuse(entry, copy)
+    if not copy.retired and entry.copy_on(t) is copy:
+        engine.policy_insert(entry, copy)
 
 
 def write_early(engine: Engine, entry: Entry, t: int, priority: Priority = Priority.PREFETCH) -> bool:
