@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .disk.extents import Extent
-from .tensors import TensorMeta, storage_nbytes
+from .tensors import TensorMeta, from_bytes, storage_nbytes
 from .tiers.slabs import Slab
 
 _NO_LOADS: Mapping[int, asyncio.Future[None]] = MappingProxyType({})
@@ -98,7 +98,7 @@ class Copy:
     # A copy is a memory copy, an extent or an inline value, never two: one slot (``_where``)
     # holds its buffer, slab, extent or the ``_INLINE`` mark, and one (``_aux``) its checksums
     # (disk) or last use (memory). A million copies are a million of these objects.
-    __slots__ = ("tier", "version", "_where", "index", "_aux", "users", "holds", "_flags")
+    __slots__ = ("tier", "version", "_where", "index", "_aux", "users", "holds", "_flags", "_typed")
 
     def __init__(
         self,
@@ -125,6 +125,8 @@ class Copy:
         self.users = 0
         self.holds = 0
         self._flags = 0
+        #: ``(meta, view)``: the buffer viewed as the value ``meta`` describes (``typed``).
+        self._typed: tuple[TensorMeta, torch.Tensor] | None = None
 
     def _flag(bit: int, doc: str) -> Any:  # type: ignore[misc]  # (a helper of the class body)
         def get(self: Copy) -> bool:
@@ -151,7 +153,24 @@ class Copy:
 
     @buffer.setter
     def buffer(self, buffer: torch.Tensor | None) -> None:
-        self._where, self._aux = buffer, None
+        self._where, self._aux, self._typed = buffer, None, None
+
+    def typed(self, meta: TensorMeta) -> torch.Tensor:
+        """The memory copy's bytes viewed as the value ``meta`` describes (``from_bytes``): made
+        once per buffer and kept with it, so holding a resident value again makes no view (each
+        torch call on the loop lets go of the GIL, and getting it back may wait for the math).
+        A view whose shape or memory a holder changed in place is made again."""
+        where = self._where
+        if where.__class__ is Slab:
+            return from_bytes(where.slot_tensor(self.index), meta)  # (its tensor is made on each call: nothing to keep)
+        typed = self._typed
+        if typed is not None and typed[0] is meta:
+            view = typed[1]
+            if view.shape == meta.shape and view.data_ptr() == where.data_ptr():  # type: ignore[union-attr]
+                return view
+        view = from_bytes(where, meta)  # type: ignore[arg-type]
+        self._typed = (meta, view)
+        return view
 
     @property
     def slab(self) -> Slab | None:
@@ -173,7 +192,7 @@ class Copy:
 
     @extent.setter
     def extent(self, extent: Extent | None) -> None:
-        self._where = extent
+        self._where, self._typed = extent, None
 
     @property
     def checksums(self) -> tuple[int, ...]:
@@ -192,6 +211,7 @@ class Copy:
             self._where, self.index = None, 0
         else:
             self._where, self.index = _INLINE, inline
+        self._typed = None
 
     @property
     def last_use(self) -> Any:

@@ -216,6 +216,25 @@ class TierStore:
         self._engine.require_open()
         return [self._engine.names[t] for t in self._engine.visible_entry(key).valid_tiers()]
 
+    def _on_tier(self, key: str, tier: TierRef) -> bool:
+        """For the package's own callers: whether ``key`` is in the store with its current
+        value on ``tier`` (``tier`` in ``where(key)``, without building the list)."""
+        self._engine.require_open()
+        entry = self._engine.lookup(key) if isinstance(key, str) and not is_reserved(key) else None
+        return entry is not None and entry.valid(self._engine.index_of(tier)) is not None
+
+    def _holdable(self, key: str, tier: TierRef = None) -> tuple[tuple[int, ...], torch.dtype] | None:
+        """For the package's own callers (the optimizer's resident step): shape and dtype of
+        ``key`` if a hold on memory tier ``tier`` takes it now, with no transfer and no wait:
+        its current value is on that tier and no one holds it; else None (a key not in the
+        store too). What ``info`` tells of one tier, without building its dict (asked of every
+        entry a step updates)."""
+        self._engine.require_open()
+        entry = self._engine.lookup(key) if isinstance(key, str) and not is_reserved(key) else None
+        if entry is None or entry.valid(self._engine.index_of(tier)) is None or entry.held():
+            return None
+        return tuple(entry.meta.shape), entry.meta.dtype
+
     def stats(self) -> dict[str, Any]:
         """Bytes used and capacity per tier, hits and misses, bytes and seconds per link, and
         prefetch counters, as plain (JSON-ready) data."""
@@ -837,13 +856,55 @@ class TierStore:
         return self._hold(key, tier, write, holds.new_token(), mark=True)
 
     @asynccontextmanager
+    async def _hold_all(self, keys: Sequence[str], tier: TierRef = None, write: bool = False) -> AsyncIterator[list[torch.Tensor]]:
+        """``hold`` of each of ``keys`` (distinct) in one block, for the package's own callers
+        (the optimizer's resident step): yields their buffers in order. The holds are taken one
+        after the other in the order given (callers holding several keys from more than one
+        task give them in one order, sorted say, so no two wait for each other) and released
+        together, last first, when the block ends; if one cannot be taken, those taken already
+        are released and the error raised. The same as nesting ``hold`` once per key, for one
+        context manager instead of one per key."""
+        self._engine.require_open()
+        t = self._hold_tier(tier)
+        # One token names the block's holds (the running context is inside all of them, as
+        # inside nested holds; marked once, not once per key).
+        token = holds.new_token()
+        taken: list[tuple[Entry, Copy]] = []
+        holds.enter(token)
+        try:
+            values = []
+            for key in keys:
+                entry, copy = await self._open_hold(key, t, write, token, mark=False)
+                taken.append((entry, copy))
+                values.append(copy.typed(entry.meta))
+            yield values
+        finally:
+            for entry, copy in reversed(taken):
+                self._close_hold(entry, copy, t, write, token, mark=False)
+            holds.leave(token)
+
+    @asynccontextmanager
     async def _hold(self, key: str, tier: TierRef, write: bool, token: int, mark: bool) -> AsyncIterator[torch.Tensor]:
         """``hold`` named by ``token``; ``mark``: mark the running context as inside it (the
         sync facade marks its caller's thread instead)."""
         self._engine.require_open()
+        t = self._hold_tier(tier)
+        entry, copy = await self._open_hold(key, t, write, token, mark)
+        try:
+            yield copy.typed(entry.meta)
+        finally:
+            self._close_hold(entry, copy, t, write, token, mark)
+
+    def _hold_tier(self, tier: TierRef) -> int:
+        """The index of ``tier``, a memory tier a hold can pin values on."""
         t = self._engine.index_of(tier)
         if not isinstance(self._engine.tiers[t], MemoryTier):
             raise UnknownTierError(f"hold needs a memory tier; {self._engine.names[t]!r} is a {self._engine.tiers[t].kind} tier")
+        return t
+
+    async def _open_hold(self, key: str, t: int, write: bool, token: int, mark: bool) -> tuple[Entry, Copy]:
+        """Take the hold ``token`` of ``key`` on tier ``t`` (``_hold`` up to its block); once
+        this returns, ``_close_hold`` must release it."""
         if write and self._engine.frozen:
             await self._engine.until_thawed()
         entry = self._engine.visible_entry(key)
@@ -860,23 +921,24 @@ class TierStore:
         if write:
             copy.writing = True
             entry.writer, entry.writer_token = copy, token
-        try:
-            yield from_bytes(copy.buffer, entry.meta)  # type: ignore[arg-type]
-        finally:
-            if mark:
-                holds.leave(token)
-            entry.discard_hold_token(token)
-            copy.holds -= 1
-            link = getattr(self._engine.tiers[t], "link", None)
-            if link is not None and not link.lends:
-                copy.last_use = caller_work(link)  # the holder's kernels may still use the buffer
-            if write:
-                copy.writing = False
-                entry.writer, entry.writer_token = None, 0
-                if self._engine.entries.get(entry.key) is entry and entry.copy_on(t) is copy and copy.version == entry.version:
-                    self._engine.new_version(entry, keep=copy)  # the changes are the value from now on
-                    self._engine.observe("update", entry.key, entry.meta.nbytes, t, hit=None)
-            self._engine.unuse(entry, copy)
+        return entry, copy
+
+    def _close_hold(self, entry: Entry, copy: Copy, t: int, write: bool, token: int, mark: bool) -> None:
+        """Release the hold ``_open_hold`` took."""
+        if mark:
+            holds.leave(token)
+        entry.discard_hold_token(token)
+        copy.holds -= 1
+        link = getattr(self._engine.tiers[t], "link", None)
+        if link is not None and not link.lends:
+            copy.last_use = caller_work(link)  # the holder's kernels may still use the buffer
+        if write:
+            copy.writing = False
+            entry.writer, entry.writer_token = None, 0
+            if self._engine.entries.get(entry.key) is entry and entry.copy_on(t) is copy and copy.version == entry.version:
+                self._engine.new_version(entry, keep=copy)  # the changes are the value from now on
+                self._engine.observe("update", entry.key, entry.meta.nbytes, t, hit=None)
+        self._engine.unuse(entry, copy)
 
     async def _take_hold(self, entry: Entry, t: int, write: bool, hit: bool) -> Copy:
         """A copy of ``entry`` on tier ``t`` with a use and a hold taken; for a write hold, once
@@ -888,7 +950,11 @@ class TierStore:
             return entry.writer is None and entry.pending_writes == 0 and (copy is None or copy.users == 0)
 
         while True:
-            copy = await self._engine.acquire(entry, t, Priority.DEMAND)
+            copy = entry.valid(t)
+            if copy is not None:  # (what acquire does for a value on the tier already, without its coroutines)
+                self._engine.use(entry, copy)
+            else:
+                copy = await self._engine.acquire(entry, t, Priority.DEMAND)
             if entry.writer is None and (not write or (copy.users == 1 and entry.pending_writes == 0)):
                 break
             self._engine.unuse(entry, copy)

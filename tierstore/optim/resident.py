@@ -118,10 +118,7 @@ class ResidentStep:
         for piece in pieces:
             if piece.key is None:
                 continue
-            if piece.key not in store:
-                return None
-            info = store.info(piece.key)
-            if info["held"] or tier not in info["tiers"] or tuple(info["shape"]) != piece.shape or info["dtype"] != piece.dtype:
+            if store._holdable(piece.key, tier) != (piece.shape, piece.dtype):
                 return None
         return pieces
 
@@ -159,9 +156,12 @@ class ResidentStep:
                     states[i][j] = slot.resident["packed"]
                 else:
                     keyed.append((piece.key, i, j))
+        keyed.sort()  # (one order for every holder of several: no deadlock)
         try:
-            for key, i, j in sorted(keyed):  # (one order for every holder of several: no deadlock)
-                states[i][j] = await stack.enter_async_context(self._store.hold(key, self._tier, write=True))
+            # (one hold of them all: a context manager each cost more than this step's math on small tensors)
+            entries = await stack.enter_async_context(self._store._hold_all([key for key, _, _ in keyed], self._tier, write=True))
+            for entry, (_, i, j) in zip(entries, keyed, strict=True):
+                states[i][j] = entry
         except Exception:  # noqa: BLE001 - taken meanwhile (a delete, a close): the pipeline decides
             # (the holds taken are released as writes, a new version each: harmless, the
             # pipeline updates those same entries in this step, which versions them anyway)
