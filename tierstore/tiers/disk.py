@@ -53,6 +53,8 @@ from .base import Tier
 #: Freed space is given back to the file system once this much was freed since the last time
 #: and three quarters of the files are free (``DiskTier.release``), and on close.
 PUNCH_AFTER = 16 << 20
+#: Released extents remembered for ``PUNCH_AFTER`` before those allocated again are dropped.
+_RELEASED_CAP = 4096
 #: Size of the first segment file; each next one is twice the last, up to ``segment_size``.
 FIRST_SEGMENT = 16 << 20
 #: What a tierstore folder holds before its catalog exists (a crash during the first open).
@@ -184,6 +186,8 @@ class DiskTier(Tier):
         #: Extents released since free space was last given back (``release``), and their bytes.
         self._released: list[Extent] = []
         self._released_bytes = 0
+        #: Past this many released extents, those allocated again are forgotten (``release``).
+        self._released_cap = _RELEASED_CAP
         #: Bytes of the values kept inline in the catalog (they count against the capacity).
         self._inline_bytes = 0
         self._lock: FolderLock | None = None
@@ -495,6 +499,8 @@ class DiskTier(Tier):
         self._released_bytes += extent.length
         if self._released_bytes >= PUNCH_AFTER and self._allocator.free_bytes > self._allocator.size * 3 // 4:
             self._punch_released()
+        elif len(self._released) > self._released_cap:
+            self._prune_released()
         if not self._allocator.removable_tail():
             return
         task = self._trim_task
@@ -509,16 +515,38 @@ class DiskTier(Tier):
         released, self._released, self._released_bytes = self._released, [], 0
         if self._files is None:
             return
+        for extent in self._still_free(released):
+            self._files.punch(extent.segment, extent.offset, extent.length)
+
+    def _prune_released(self) -> None:
+        """Forget the released extents allocated again since (their blocks are in use): while
+        a store is rewritten in place it is not emptying, nothing is punched, and the list
+        would grow by one extent a put for as long as it runs."""
+        self._released = self._still_free(self._released, wholly=False)
+        self._released_bytes = sum(extent.length for extent in self._released)
+        self._released_cap = max(_RELEASED_CAP, 2 * len(self._released))
+
+    def _still_free(self, extents: list[Extent], wholly: bool = True) -> list[Extent]:
+        """Those of ``extents`` that lie wholly in free space now (``wholly=False``: that
+        overlap free space: one partly allocated again may be whole again by the next punch)."""
         free: dict[int, list[tuple[int, int]]] = {}
         for segment, offset, length in self._allocator.free_ranges():
             free.setdefault(segment, []).append((offset, offset + length))
         for ranges in free.values():
             ranges.sort()
-        for extent in released:
+        kept = []
+        for extent in extents:
             ranges = free.get(extent.segment, [])
-            i = bisect.bisect_right(ranges, (extent.offset, float("inf"))) - 1
-            if i >= 0 and ranges[i][0] <= extent.offset and extent.offset + extent.length <= ranges[i][1]:
-                self._files.punch(extent.segment, extent.offset, extent.length)
+            end = extent.offset + extent.length
+            if wholly:
+                i = bisect.bisect_right(ranges, (extent.offset, float("inf"))) - 1
+                if i >= 0 and ranges[i][0] <= extent.offset and end <= ranges[i][1]:
+                    kept.append(extent)
+            else:
+                i = bisect.bisect_left(ranges, (end, -1)) - 1  # (the last free range starting before the end)
+                if i >= 0 and ranges[i][1] > extent.offset:
+                    kept.append(extent)
+        return kept
 
     async def _trim(self) -> None:
         """Delete empty segment files at the end (``ExtentAllocator.removable_tail``)."""
