@@ -766,6 +766,13 @@ class Engine:
         while self.frozen and self._thawed is not None:
             await self._thawed.wait()
 
+    def expect_room(self, t: int, landed: asyncio.Future[Any]) -> None:
+        """Room on tier ``t`` comes back when ``landed`` ends (holds let go from another thread,
+        ending once the kernels that read them are done): a request that finds nothing to
+        evict waits for it instead of refusing. Call it on the loop, before the request."""
+        self.releases[t].add(landed)
+        landed.add_done_callback(self.releases[t].discard)
+
     def _release_after(self, tier: MemoryTier, copy: Copy, last_use: Transfer) -> None:
         """Give ``copy``'s buffer back to ``tier`` once the kernels that last used it have run
         (a device buffer is not handed out again while a kernel may still read or write it)."""

@@ -32,12 +32,6 @@ from .workers import Priority
 if TYPE_CHECKING:
     from .engine import Engine
 
-#: Rounds of the loop a request lets pass before it refuses: what other threads queued on the
-#: loop meanwhile may be about to free room (a hold let go from the training thread, as
-#: ``tierstore.swap`` does, ends a few rounds after it was queued).
-_SETTLE_STEPS = 8
-
-
 async def make_room(engine: Engine, t: int, nbytes: int, priority: Priority) -> None:
     """Evict from tier ``t`` until a value of ``nbytes`` can be allocated there (the rules are
     the module's); returns once every demotion it started has finished."""
@@ -55,7 +49,6 @@ async def make_room(engine: Engine, t: int, nbytes: int, priority: Priority) -> 
 async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, priority: Priority) -> None:
     one_at_a_time = t + 1 < len(engine.tiers) and isinstance(engine.tiers[t + 1], MemoryTier)
     mine: list[asyncio.Task[None]] = []
-    settled = False
     try:
         while tier.free < (size := tier.allocation_size(nbytes)):
             deficit = size - tier.free - engine.freeing[t] - engine.releasing[t]  # (room on its way back)
@@ -90,16 +83,10 @@ async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, prio
             for task in mine:
                 _raise_failed(tier, task)
             if batch:
-                settled = False
                 continue  # (evicting packed values frees room only when a slab empties)
             pending = engine.demotions[t] | engine.incoming[t] | engine.releases[t]  # each ends with room or a victim
             if not pending:
                 if tier.free >= tier.allocation_size(nbytes):
-                    continue
-                if not settled:  # once per refusal (a batch since resets it)
-                    settled = True
-                    for _ in range(_SETTLE_STEPS):
-                        await asyncio.sleep(0)
                     continue
                 held = sum(c.nbytes for e in engine.entries.values() if (c := e.copy_on(t)) is not None and c.users)
                 raise TierFullError(

@@ -152,6 +152,11 @@ class TierStore:
         """The tiers, fastest first."""
         return list(self._engine.tiers)
 
+    def _expect_room(self, tier: TierRef, landed: asyncio.Future[Any]) -> None:
+        """Room on ``tier`` comes back when ``landed`` ends (``Engine.expect_room``; for
+        ``tierstore.swap``, whose holds end on the loop after the kernels that read them)."""
+        self._engine.expect_room(self._engine.index_of(tier), landed)
+
     def tier(self, ref: TierRef) -> Tier:
         """A tier by name, index or object."""
         return self._engine.tier(ref)

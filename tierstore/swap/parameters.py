@@ -486,7 +486,8 @@ class ParameterOffload:
         if managers:
             marker = self.link.mark()
             self._releasing = [f for f in self._releasing if not f.done()]
-            self._releasing.append(asyncio.run_coroutine_threadsafe(_exit_after(self.link, marker, managers), self._loop))
+            exiting = _exit_after(self.store, self.device_tier, self.link, marker, managers)
+            self._releasing.append(asyncio.run_coroutine_threadsafe(exiting, self._loop))
 
     def _prefetch_after(self, position: int, index: int) -> None:
         """Prefetch the units that follow, in last step's order (or, in the first step, the
@@ -754,8 +755,12 @@ def _placeholder(param: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=param.dtype, device=param.device)
 
 
-async def _exit_after(link: Link, marker: Any, managers: list[Any]) -> None:
-    """End ``managers``' holds once the work before ``marker`` has run."""
+async def _exit_after(store: TierStore, tier: str, link: Link, marker: Any, managers: list[Any]) -> None:
+    """End ``managers``' holds once the work before ``marker`` has run. Its first step runs
+    before any request the training thread queues after it: that request counts on the room."""
+    task = asyncio.current_task()
+    if task is not None:
+        store._expect_room(tier, task)
     try:
         await link.when_done(marker)
     finally:
