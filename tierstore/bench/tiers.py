@@ -8,7 +8,8 @@ Reproduce:  tierstore bench [--quick] [--dir FOLDER] [--json FILE]
 The raw baseline is a plain loop on the same file system: ``os.pwrite``/``os.preadv`` of the
 same sizes in the disk tier's chunk size from the same number of threads, with ``O_DIRECT`` when
 the tier uses it, from and into the same preallocated aligned buffers, with ``fdatasync`` per
-tensor when the tier is durable. Ours and the baselines alternate, repetition by repetition;
+tensor when the tier is durable. After one unmeasured round (every file and extent written once),
+ours and the baselines alternate, repetition by repetition;
 each cell reports both rates (medians) and the median of the per-repetition ratios, and the
 summary the geometric mean of the ratios over the disk cells of 4 MiB and more.
 
@@ -243,7 +244,10 @@ async def measure_disk(
         if deepspeed is not None:
             deepspeed.prepare(raw_buffers)
         try:
-            for rep in range(reps):
+            # One unmeasured round first: the raw file is preallocated and DeepSpeed's files are
+            # written (``prepare``); the disk tier's segments are created and both extents of
+            # each value written once (a put is copy-on-write) before any round counts.
+            for rep in range(reps + 1):
                 async def puts(tensors: list[torch.Tensor] = aligned) -> None:
                     for i, tensor in enumerate(tensors):
                         await store.put(f"t{i}", tensor)
@@ -291,9 +295,11 @@ async def measure_disk(
                 for name, fn in steps:
                     cpu = time.process_time()
                     elapsed = await _time(fn) if asyncio.iscoroutinefunction(fn) else await asyncio.to_thread(_raw_time, fn)
-                    timings[name].append(elapsed)
-                    cpu_times[name].append(time.process_time() - cpu)
-                progress.update(1)
+                    if rep:
+                        timings[name].append(elapsed)
+                        cpu_times[name].append(time.process_time() - cpu)
+                if rep:
+                    progress.update(1)
         finally:
             raw.close()
             if deepspeed is not None:
