@@ -7,7 +7,7 @@ import asyncio
 import ctypes
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -221,12 +221,22 @@ class TierStore:
         self._engine.require_open()
         return [self._engine.names[t] for t in self._engine.visible_entry(key).valid_tiers()]
 
-    def _on_tier(self, key: str, tier: TierRef) -> bool:
+    def _on_tier(self, key: str, tier: TierRef, idle: bool = False) -> bool:
         """For the package's own callers: whether ``key`` is in the store with its current
-        value on ``tier`` (``tier`` in ``where(key)``, without building the list)."""
+        value on ``tier`` (``tier`` in ``where(key)``, without building the list); ``idle``:
+        and no one uses that copy (a hold, a read, a write-back), so a write hold takes it at
+        once."""
         self._engine.require_open()
         entry = self._engine.lookup(key) if isinstance(key, str) and not is_reserved(key) else None
-        return entry is not None and entry.valid(self._engine.index_of(tier)) is not None
+        copy = entry.valid(self._engine.index_of(tier)) if entry is not None else None
+        return copy is not None and (not idle or copy.users == 0 and entry.writer is None)  # type: ignore[union-attr]
+
+    def _shape_and_dtype(self, key: str) -> tuple[tuple[int, ...], torch.dtype] | None:
+        """For the package's own callers: shape and dtype of ``key`` (None: not in the store),
+        what ``info`` tells of them without building its dict."""
+        self._engine.require_open()
+        entry = self._engine.lookup(key) if isinstance(key, str) and not is_reserved(key) else None
+        return None if entry is None else (tuple(entry.meta.shape), entry.meta.dtype)
 
     def _holdable(self, key: str, tier: TierRef = None) -> tuple[tuple[int, ...], torch.dtype] | None:
         """For the package's own callers (the optimizer's resident step): shape and dtype of
@@ -868,8 +878,13 @@ class TierStore:
         task give them in one order, sorted say, so no two wait for each other) and released
         together, last first, when the block ends; if one cannot be taken, those taken already
         are released and the error raised. The same as nesting ``hold`` once per key, for one
-        context manager instead of one per key."""
+        context manager instead of one per key (a subclass's own ``hold``, a fault injector's
+        say, is still asked for each)."""
         self._engine.require_open()
+        if type(self).hold is not TierStore.hold:
+            async with AsyncExitStack() as stack:
+                yield [await stack.enter_async_context(self.hold(key, tier, write)) for key in keys]
+            return
         t = self._hold_tier(tier)
         # One token names the block's holds (the running context is inside all of them, as
         # inside nested holds; marked once, not once per key).

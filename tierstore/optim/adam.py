@@ -297,11 +297,8 @@ class TieredAdam(PagedOptimizer):
             yield await self._wrap(slot, packed, chunk.start, chunk.stop, chunk)
 
     def _has(self, key: str, slot: ParamSlot, numel: int) -> bool:
-        if key not in self.store:
-            return False
-        info = self.store.info(key)
-        shape, dtype = self._entry_shape(slot, numel)
-        return tuple(info["shape"]) == shape and info["dtype"] == dtype
+        stored = self.store._shape_and_dtype(key)
+        return stored is not None and stored == self._entry_shape(slot, numel)
 
     async def _create(self, key: str, slot: ParamSlot, start: int, stop: int) -> None:
         """New state under ``key`` for elements ``start:stop`` of ``slot``, written in place on
@@ -326,7 +323,8 @@ class TieredAdam(PagedOptimizer):
         memory, updated in place; a copy of its weight where it is no longer usable in place
         (the update's new weight is then written back as any weight)."""
         if self._in_place(slot):
-            return _flat(slot.param.data)[start:stop]
+            flat = _flat(slot.param.data)
+            return flat if start == 0 and stop == slot.numel else flat[start:stop]
         return (await read_weight_range(slot, start, stop)).to(torch.float32, copy=True).reshape(-1)
 
     async def _decode(self, slot: ParamSlot, packed: torch.Tensor, start: int, stop: int) -> torch.Tensor:
@@ -555,7 +553,7 @@ class TieredAdam(PagedOptimizer):
             by_group.setdefault(slot.group, []).append(i)
         for group_index, members in by_group.items():
             group = self.param_groups[group_index]
-            steps = [self._step_counts.setdefault(slots[i].index, torch.tensor(0.0)) for i in members]
+            steps = [self._step_count(slots[i].index) for i in members]
             plain = [(i, step) for i, step in zip(members, steps, strict=True) if not isinstance(states[i], PackedState)]
             if plain:
                 rows, tiles = [list(states[i]) for i, _ in plain], [grads[i] for i, _ in plain]
@@ -567,6 +565,14 @@ class TieredAdam(PagedOptimizer):
                 if isinstance(states[i], PackedState):
                     self._adam_packed(group, states[i], grads[i], step, grad_scale)
         return [self._master(slot, state) for slot, state in zip(slots, states, strict=True)]
+
+    def _step_count(self, index: int) -> torch.Tensor:
+        """Parameter ``index``'s step count (a new one at 0 the first time: a torch call, made
+        only then)."""
+        count = self._step_counts.get(index)
+        if count is None:
+            count = self._step_counts[index] = torch.tensor(0.0)
+        return count
 
     def _in_memory_order(
         self, group: dict[str, Any], slots: list[ParamSlot], rows: list[list[torch.Tensor]], grads: list[torch.Tensor]
@@ -605,7 +611,7 @@ class TieredAdam(PagedOptimizer):
         amsgrad = group["amsgrad"]
         fused = group["fused"] if group["fused"] is not None else not group["foreach"]
         beta1, beta2 = group["betas"]
-        flat = [grad.reshape(-1) for grad in grads]
+        flat = [grad if grad.dim() == 1 else grad.reshape(-1) for grad in grads]
         if grad_scale is not None and not fused:
             inverse = inverse_scale(grad_scale)
             flat = [g.mul(inverse) for g in flat]
@@ -627,15 +633,15 @@ class TieredAdam(PagedOptimizer):
         CPU); None for any other (its master to reload or write back, compressed state)."""
         if self._layout(slot) is not None or not self._param_is_master(slot) or not self._in_place(slot):
             return None
+        rows, dtype = self._stored_rows(slot), torch.float32  # (the plain layout: ``_entry_shape``, asked once)
         if not slot.paged:
-            shape, dtype = self._entry_shape(slot, slot.numel)
             packed = slot.resident["packed"] if slot.resident is not None else None
-            if packed is None or tuple(packed.shape) != shape or packed.dtype != dtype:
+            if packed is None or tuple(packed.shape) != (rows, slot.numel) or packed.dtype != dtype:
                 return None  # (created by the pipeline's first update)
-            return [Piece(None, 0, slot.numel, shape, dtype)]
+            return [Piece(None, 0, slot.numel, (rows, slot.numel), dtype)]
         if slot.chunks is None:
-            return [Piece(slot.key, 0, slot.numel, *self._entry_shape(slot, slot.numel))]
-        return [Piece(chunk.key, chunk.start, chunk.stop, *self._entry_shape(slot, chunk.numel)) for chunk in slot.chunks]
+            return [Piece(slot.key, 0, slot.numel, (rows, slot.numel), dtype)]
+        return [Piece(chunk.key, chunk.start, chunk.stop, (rows, chunk.numel), dtype) for chunk in slot.chunks]
 
     def _update_resident(
         self, slots: list[ParamSlot], pieces: list[list[Piece]], states: list[list[torch.Tensor]], grads: list[torch.Tensor]
@@ -650,8 +656,8 @@ class TieredAdam(PagedOptimizer):
             count = counts.get(slot.index)
             if count is None:
                 count = counts[slot.index] = torch.tensor(0.0)
-            param = slot.param.data.view(-1)
-            flat = grad.reshape(-1)
+            param = _flat(slot.param.data)
+            flat = grad if grad.dim() == 1 else grad.reshape(-1)
             if len(parts) == 1:
                 rows.append([param, *entries[0].unbind(0)])
                 tiles.append(flat)
@@ -669,8 +675,8 @@ class TieredAdam(PagedOptimizer):
         """Before the first chunk of this step's update: every chunk starts from this count
         (a step resumed after a failure keeps the count its first chunks started from)."""
         if not slot.chunks_updated or slot.index not in self._chunk_steps:
-            before = self._step_counts.get(slot.index, torch.tensor(0.0))
-            self._chunk_steps[slot.index] = (before.clone(), None)
+            before = self._step_counts.get(slot.index)
+            self._chunk_steps[slot.index] = (before.clone() if before is not None else torch.tensor(0.0), None)
 
     def _apply_chunk(self, slot: ParamSlot, chunk: Chunk, state: Any, grad: torch.Tensor, grad_scale: torch.Tensor | None) -> torch.Tensor:
         before, _ = self._chunk_steps[slot.index]

@@ -260,7 +260,7 @@ class UpdatePipeline:
         if not self._writes_early or self._in_backward or not isinstance(tier, MemoryTier):
             return
         missing = sum(tier.value_size(nbytes) for slot in self._slots if slot.paged for key, nbytes in self.state_keys(slot)
-                      if key not in self._store or self._tier not in self._store.where(key))
+                      if not self._on_tier(key))
         self._early_bytes = max(0, missing - tier.free)
 
     def _write_early(self, keys: list[tuple[str, int]]) -> None:
@@ -369,7 +369,7 @@ class UpdatePipeline:
 
     def _resident_state(self, slot: ParamSlot) -> int:
         """State-tier bytes of ``slot``'s state if it is on the state tier now, else 0."""
-        if not slot.paged or self._flat or slot.key not in self._store or self._tier not in self._store.where(slot.key):
+        if not slot.paged or self._flat or not self._on_tier(slot.key):
             return 0
         tier = self._store.tier(self._tier)
         return tier.value_size(self._owner._state_bytes(slot)) if isinstance(tier, MemoryTier) else 0
@@ -417,7 +417,8 @@ class UpdatePipeline:
             self._gate = asyncio.Semaphore(self.inflight)
         todo = [slot for slot in slots if not slot.updated]
         async with self._gate, AsyncExitStack() as stack:
-            states = await _enter_all(stack, [self._owner._state(slot) for slot in slots], at_once=self._flat)
+            ready = None if self._flat else [not slot.paged or self._store._on_tier(slot.key, self._tier, idle=True) for slot in slots]
+            states = await _enter_all(stack, [self._owner._state(slot) for slot in slots], at_once=self._flat, ready=ready)
             lent = all(slot.capture is not None and slot.capture.lent is not None for slot in todo)  # (nothing to wait for)
             grads = await _enter_all(stack, [self.grad_for_update(slot) for slot in todo], at_once=self._flat or lent)
             done: list[ParamSlot] = []  # (appended on the math thread, read here once it returned)
@@ -554,8 +555,8 @@ class UpdatePipeline:
             todo = [chunk.index not in slot.chunks_updated for chunk in chunks]
             async with AsyncExitStack() as stack:
                 # States all on the state tier already: no reads to overlap, so no task each.
-                resident = self._flat or all(self._on_tier(chunk.key) for chunk in chunks)
-                states = await _enter_all(stack, [self._owner._chunk_state(slot, chunk) for chunk in chunks], at_once=resident)
+                ready = None if self._flat else [self._store._on_tier(chunk.key, self._tier, idle=True) for chunk in chunks]
+                states = await _enter_all(stack, [self._owner._chunk_state(slot, chunk) for chunk in chunks], at_once=self._flat, ready=ready)
                 capture = slot.capture
                 if capture is not None and capture.lent is not None:  # views of the model's gradient: nothing to enter
                     flat = capture.lent if capture.lent.dim() == 1 else capture.lent.reshape(-1)
@@ -585,7 +586,7 @@ class UpdatePipeline:
 
     def _on_tier(self, key: str) -> bool:
         """Whether ``key``'s current value is on the state tier."""
-        return key in self._store and self._tier in self._store.where(key)
+        return self._store._on_tier(key, self._tier)
 
     def _prefetch_runs(self, runs: list[list[Chunk]], sizes: list[int], index: int) -> list[str]:
         """The keys to prefetch for the runs after run ``index`` (large requests, issued ahead, behind
@@ -839,21 +840,52 @@ def _write_into(param: torch.Tensor, weight: torch.Tensor) -> None:
         param.copy_(weight)
 
 
-async def _enter_all(stack: AsyncExitStack, managers: list[AbstractAsyncContextManager[Any]], *, at_once: bool = False) -> list[Any]:
+async def _enter_all(
+    stack: AsyncExitStack, managers: list[AbstractAsyncContextManager[Any]], *, at_once: bool = False, ready: list[bool] | None = None,
+) -> list[Any]:
     """Enter several async context managers at once (their transfers overlap) into ``stack``;
     if one fails, the ones entered are still exited with the stack. ``at_once``: there is
-    nothing to overlap (all in memory): enter them one after the other, without a task each."""
-    if at_once or len(managers) == 1:
+    nothing to overlap (all in memory): enter them one after the other, without a task each.
+    ``ready``: per manager, whether it has nothing to wait for (its value on the state tier):
+    those are entered one after the other too, while the others run as tasks."""
+    if at_once or len(managers) == 1 or ready is not None and all(ready):
         return [await stack.enter_async_context(manager) for manager in managers]
 
     async def enter(manager: AbstractAsyncContextManager[Any]) -> Any:
         return await stack.enter_async_context(manager)
 
-    results = await asyncio.gather(*(enter(m) for m in managers), return_exceptions=True)
-    for result in results:
-        if isinstance(result, BaseException):
-            raise result
-    return results
+    if ready is None or not any(ready):
+        results = await asyncio.gather(*(enter(m) for m in managers), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return results
+    later = [i for i, now in enumerate(ready) if not now]
+    # (the tasks first: their reads are asked for before the others are entered)
+    pending = asyncio.gather(*(enter(managers[i]) for i in later), return_exceptions=True)
+    values: list[Any] = [None] * len(managers)
+    error: BaseException | None = None
+    try:
+        for i, now in enumerate(ready):
+            if now:
+                values[i] = await stack.enter_async_context(managers[i])
+    except BaseException as exc:  # noqa: BLE001 - raised once the tasks have ended (what they entered is the stack's)
+        error = exc
+        if not isinstance(exc, Exception):
+            pending.cancel()
+    try:
+        outcomes = await pending
+    except asyncio.CancelledError:
+        if error is None:
+            raise
+        outcomes = []
+    if error is not None:
+        raise error
+    for i, outcome in zip(later, outcomes, strict=True):
+        if isinstance(outcome, BaseException):
+            raise outcome
+        values[i] = outcome
+    return values
 
 
 def _chunk_advice(slot: ParamSlot, chunkable: bool, chunk_bytes: int) -> str:
