@@ -12,7 +12,7 @@ before read the same.
 The C file is compiled at the first large checksum, on a thread of its own (the package serves
 meanwhile), with the system's C compiler (``$CC``, else ``cc``/``gcc``/``clang``; a fraction of
 a second), and the library kept in ``$XDG_CACHE_HOME/tierstore`` (else ``~/.cache/tierstore``)
-for the next processes, named by a digest of the source and the compiler command; it is called
+for the next processes (``tierstore.cbuild``); it is called
 through ``ctypes`` (which lets the GIL go, as the package does). Where the CPU lacks
 AVX-512 or VPCLMULQDQ, where no compiler builds it (one warning), or with
 ``TIERSTORE_NATIVE_CRC=0``, the ``crc32c`` package computes every checksum.
@@ -21,13 +21,7 @@ AVX-512 or VPCLMULQDQ, where no compiler builds it (one warning), or with
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import shlex
-import shutil
-import subprocess
-import tempfile
 import threading
 import warnings
 from collections.abc import Callable
@@ -35,6 +29,8 @@ from pathlib import Path
 
 import crc32c
 import numpy as np
+
+from .. import cbuild
 
 _SOURCE = Path(__file__).with_name("crc32c.c")
 _FLAGS = ["-O2", "-fPIC", "-shared"]
@@ -51,77 +47,18 @@ _builder: threading.Thread | None = None
 
 def cpu_supports() -> bool:
     """Whether this CPU has what ``crc32c.c`` uses (Linux's ``/proc/cpuinfo``; elsewhere: False)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
-            for line in info:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return all(flag in flags for flag in _CPU_FLAGS)
-    except OSError:
-        pass
-    return False
-
-
-def _compiler() -> list[str] | None:
-    given = shlex.split(os.environ.get("CC", ""))
-    if given:
-        return given
-    for name in ("cc", "gcc", "clang"):
-        if shutil.which(name):
-            return [name]
-    return None
-
-
-def _cache_file(command: list[str]) -> Path:
-    """Where a build is kept for the next processes: named by a digest of the source, the
-    compiler command and the machine (a changed source or compiler builds anew)."""
-    key = hashlib.sha256(_SOURCE.read_bytes() + repr((command, platform.machine())).encode()).hexdigest()[:20]
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "tierstore" / f"crc32c-{key}.so"
+    flags = cbuild.cpu_flags()
+    return all(flag in flags for flag in _CPU_FLAGS)
 
 
 def build() -> Callable[[int, int, int], int]:
     """Compile ``crc32c.c`` (or load this machine's earlier build of it from the user's cache
-    folder) and return ``f(crc, address, length)``. Raises ``RuntimeError`` (with the
-    compiler's message) where it cannot be built."""
-    compiler = _compiler()
-    if compiler is None:
-        raise RuntimeError("no C compiler found (set CC)")
-    cached = _cache_file([*compiler, *_FLAGS])
-    try:
-        compiled = ctypes.CDLL(str(cached))
-    except OSError:  # (none yet, or unusable: built again)
-        compiled = _compile(compiler, cached)
-    function = compiled.tierstore_crc32c
+    folder: ``tierstore.cbuild``) and return ``f(crc, address, length)``. Raises
+    ``RuntimeError`` (with the compiler's message) where it cannot be built."""
+    function = cbuild.build(_SOURCE, _FLAGS).tierstore_crc32c
     function.restype = ctypes.c_uint32
     function.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
     return function  # type: ignore[no-any-return]
-
-
-def _compile(compiler: list[str], cached: Path) -> ctypes.CDLL:
-    """Build the library, load it, and keep a copy at ``cached`` (best effort: a folder that
-    cannot be written only means the next process builds again)."""
-    folder = tempfile.mkdtemp(prefix="tierstore-crc32c-")
-    try:
-        library = Path(folder) / "crc32c.so"
-        command = [*compiler, *_FLAGS, "-o", str(library), str(_SOURCE)]
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=120)
-        except (OSError, subprocess.SubprocessError) as exc:
-            raise RuntimeError(f"{' '.join(command)} failed: {exc}") from None
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(command)} failed: {(done.stderr or done.stdout).strip()[-500:]}")
-        compiled = ctypes.CDLL(str(library))  # (the mapping outlives the file)
-        try:
-            cached.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            partial = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
-            shutil.copyfile(library, partial)
-            os.replace(partial, cached)  # (whole or absent: a reader never loads half a file)
-        except OSError:
-            pass
-        return compiled
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _build_once() -> None:

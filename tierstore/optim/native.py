@@ -13,10 +13,10 @@ it against the inductor kernel, a plain reference and every thread count.
 
 It is used wherever the fused kernel is (8-bit moments without amsgrad, parameters of at least
 ``precision.COMPILE_MIN_NUMEL`` elements, unless ``TIERSTORE_COMPILE_CODEC=0``) on a Linux CPU
-with AVX-512: built once per process with the system's C compiler (``$CC``, else
-``cc``/``gcc``/``clang``) into a temporary folder (about 1 s, in the first 8-bit step), and
-called through ``ctypes`` (which lets the GIL go, so I/O threads run meanwhile). Elsewhere, or
-where the build fails (one warning), the inductor kernel runs: without AVX-512 the portable code
+with AVX-512: built with the system's C compiler (``$CC``, else ``cc``/``gcc``/``clang``; about
+1 s, in the first 8-bit step; the build is kept for the next processes: ``tierstore.cbuild``)
+and called through ``ctypes`` (which lets the GIL go, so I/O threads run meanwhile). Elsewhere,
+or where the build fails (one warning), the inductor kernel runs: without AVX-512 the portable code
 (``build(vectorised=False)``) is no faster. ``TIERSTORE_NATIVE_ADAM8=0`` turns it off.
 """
 
@@ -25,16 +25,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import shlex
-import shutil
-import subprocess
-import tempfile
 import threading
 import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+
+from .. import cbuild
 
 _SOURCE = Path(__file__).with_name("adam8.c")
 #: No contraction into fused multiply-adds (each product rounded, as torch's kernels do); no
@@ -51,26 +49,9 @@ BLOCK = 256
 PER_THREAD = 1 << 16
 
 
-def _compiler() -> list[str] | None:
-    """The C compiler's command: ``$CC`` where set (it may carry words: ``ccache gcc``; one that
-    does not run fails the build, with a warning), else the first of ``cc``, ``gcc``, ``clang``
-    found."""
-    given = shlex.split(os.environ.get("CC", ""))
-    if given:
-        return given
-    for name in ("cc", "gcc", "clang"):
-        if shutil.which(name):
-            return [name]
-    return None
-
-
 def has_avx512() -> bool:
     """Whether this CPU runs AVX-512 (Linux's ``/proc/cpuinfo``; elsewhere: not known, False)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
-            return any(line.startswith("flags") and " avx512f" in line for line in info)
-    except OSError:
-        return False
+    return "avx512f" in cbuild.cpu_flags()
 
 
 class Kernel(NamedTuple):
@@ -85,26 +66,8 @@ def build(*, vectorised: bool = True) -> Kernel:
     machine's CPU (``-march=native``: its AVX-512 code where it has AVX-512); False, the portable
     code (also where ``TIERSTORE_NATIVE_MARCH=0``). Raises ``RuntimeError`` (with the compiler's
     message) where no C compiler builds it."""
-    compiler = _compiler()
-    if compiler is None:
-        raise RuntimeError("no C compiler found (set CC)")
-    folder = tempfile.mkdtemp(prefix="tierstore-adam8-")
-    try:
-        library = Path(folder) / "adam8.so"
-        march = vectorised and os.environ.get("TIERSTORE_NATIVE_MARCH", "1") != "0"
-        command = [*compiler, *_FLAGS, *(["-march=native"] if march else []), "-o", str(library), str(_SOURCE)]
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=120)
-            if done.returncode != 0 and march:  # (a compiler that does not know -march=native)
-                command.remove("-march=native")
-                done = subprocess.run(command, capture_output=True, text=True, timeout=120)
-        except (OSError, subprocess.SubprocessError) as exc:  # (not found, not executable, hung)
-            raise RuntimeError(f"{' '.join(command)} failed: {exc}") from None
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(command)} failed: {(done.stderr or done.stdout).strip()[-500:]}")
-        compiled = ctypes.CDLL(str(library))  # (the mapping outlives the file)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    march = vectorised and os.environ.get("TIERSTORE_NATIVE_MARCH", "1") != "0"
+    compiled = cbuild.build(_SOURCE, _FLAGS, optional=["-march=native"] if march else [])
     function = compiled.tierstore_adam8
     function.restype = None
     function.argtypes = [ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 19
