@@ -640,6 +640,8 @@ class UpdatePipeline:
         for chunk, master in zip(chunks, masters, strict=False):
             if chunk.index in slot.chunks_written:
                 outgoing.append(None)
+            elif lent_here and _updated_in_place(slot, master, chunk.start):
+                outgoing.append(None)
             elif lent_here:
                 _write_into(slot.param.data.view(-1)[chunk.start : chunk.stop], master)
                 outgoing.append(None)
@@ -699,6 +701,9 @@ class UpdatePipeline:
         computed = time.perf_counter()
         outgoing: list[torch.Tensor | None] = []
         for slot, master in zip(slots, masters, strict=True):
+            if not slot.written and _updated_in_place(slot, master, 0):
+                outgoing.append(None)  # (nothing to write: no view of either, each a torch call)
+                continue
             weight = master.view(slot.shape)
             if slot.written or (slot.link.lends and offloaded(slot.param) is not None):
                 outgoing.append(weight)
@@ -831,6 +836,18 @@ def offloaded(param: torch.Tensor) -> Any:
 
         _lookup = lookup
     return lookup(param)
+
+
+def _updated_in_place(slot: ParamSlot, master: torch.Tensor, start: int) -> bool:
+    """Whether ``master`` (the new weight of ``slot``'s elements from ``start``) is the
+    parameter's own memory there, contiguous, where the link lends: the update wrote the
+    parameter (``_write_into`` would find nothing to copy)."""
+    param = slot.param
+    return (
+        slot.link.lends and type(param) in (torch.Tensor, torch.nn.Parameter) and master.dtype == param.dtype
+        and master.data_ptr() == param.data_ptr() + start * param.element_size() and master.is_contiguous()
+        and param.is_contiguous() and offloaded(param) is None
+    )
 
 
 def _write_into(param: torch.Tensor, weight: torch.Tensor) -> None:
