@@ -1,6 +1,7 @@
-"""A hold yields the store's buffer viewed as the value; the view is kept with the buffer, so
-holding a resident value again makes none (``Copy.typed``). What a holder does to the view it
-got, and what the store does to the value, never shows through a kept view."""
+"""A hold yields the store's buffer viewed as the value; the typed view is kept with the buffer
+(``Copy.typed``) and each holder gets its own alias of it. What a holder does to the tensor it
+got, and what the store does to the value, never shows through a kept view. Values of 4 KiB or
+more (not packed in a slab, where nothing is kept) are the ones that reach the kept view."""
 
 from __future__ import annotations
 
@@ -53,3 +54,71 @@ def test_writes_through_a_kept_view_are_the_value() -> None:
             assert torch.equal(await store.get("k"), torch.full((1000,), 3.0))
 
     asyncio.run(main())
+
+
+def test_what_a_holder_does_to_its_tensor_stays_with_it() -> None:
+    """A reader's ``t_()`` on a square value, a dtype swap through ``.data``, ``as_strided_`` and
+    ``requires_grad_`` on its tensor: the next holder gets the value as stored, and a writer's
+    copy lands untransposed."""
+    async def main() -> None:
+        async with TierStore([HostTier("4MiB")]) as store:
+            await store.put("w", torch.zeros(64, 64))  # (16 KiB: a buffer of its own)
+            async with store.hold("w") as held:
+                held.t_()
+            async with store.hold("w") as held:
+                held.data = held.data.view(torch.int32)
+            async with store.hold("w") as held:
+                held.as_strided_((4,), (0,))
+            async with store.hold("w") as held:
+                held.requires_grad_()
+            new = torch.arange(4096.0).view(64, 64)
+            async with store.hold("w", write=True) as held:
+                assert held.shape == (64, 64) and held.stride() == (64, 1) and held.dtype == torch.float32
+                assert not held.requires_grad
+                held.copy_(new)
+            assert torch.equal(await store.get("w"), new)
+
+    asyncio.run(main())
+
+
+def test_concurrent_holders_get_tensors_of_their_own() -> None:
+    async def main() -> None:
+        async with TierStore([HostTier("4MiB")]) as store:
+            await store.put("k", torch.arange(4096.0))
+            async with store.hold("k") as a, store.hold("k") as b:
+                assert a is not b
+                a.resize_(2)
+                assert b.shape == (4096,) and torch.equal(b, torch.arange(4096.0))
+
+    asyncio.run(main())
+
+
+def test_a_hold_set_on_the_instance_is_asked_in_the_resident_step() -> None:
+    """A fault injector may wrap ``store.hold`` on the instance: the optimizer's resident step,
+    which holds all its entries in one block, still asks it for each."""
+    from tierstore.optim import TieredAdamW
+    from tierstore.sync import run
+
+    store = TierStore([HostTier("16MiB")])
+    asked: list[str] = []
+    real = store.hold
+
+    def counting(key: str, tier: object = None, write: bool = False) -> object:
+        asked.append(key)
+        return real(key, tier, write)
+
+    store.hold = counting  # type: ignore[method-assign]
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    opt = TieredAdamW(model.parameters(), store=store, min_offload_numel=10)
+    try:
+        for step in range(3):
+            model(torch.randn(4, 64)).square().mean().backward()
+            before = len(asked)
+            opt.step()
+            opt.zero_grad()
+        assert len(asked) - before >= 2  # (the last step: both entries, resident)
+        assert any(event[0].startswith("resident update") for event in opt.last_timeline())
+    finally:
+        opt.close()
+        run(store.aclose())

@@ -156,21 +156,22 @@ class Copy:
         self._where, self._aux, self._typed = buffer, None, None
 
     def typed(self, meta: TensorMeta) -> torch.Tensor:
-        """The memory copy's bytes viewed as the value ``meta`` describes (``from_bytes``): made
-        once per buffer and kept with it, so holding a resident value again makes no view (each
-        torch call on the loop lets go of the GIL, and getting it back may wait for the math).
-        A view whose shape or memory a holder changed in place is made again."""
+        """The memory copy's bytes viewed as the value ``meta`` describes (``from_bytes``), a new
+        tensor object for each holder. The typed view is made once per buffer and kept with it,
+        never handed out: each holder gets an alias of it (one torch call instead of
+        ``from_bytes``'s three; each torch call on the loop lets go of the GIL, and getting it
+        back may wait for the math), so what a holder does to its tensor's shape, strides,
+        dtype or ``requires_grad`` stays with that holder. A buffer whose memory moved (a
+        holder's ``resize_`` that grew the storage) is viewed again."""
         where = self._where
         if where.__class__ is Slab:
             return from_bytes(where.slot_tensor(self.index), meta)  # (its tensor is made on each call: nothing to keep)
         typed = self._typed
-        if typed is not None and typed[0] is meta:
-            view = typed[1]
-            if view.shape == meta.shape and view.data_ptr() == where.data_ptr():  # type: ignore[union-attr]
-                return view
+        if typed is not None and typed[0] is meta and typed[1].data_ptr() == where.data_ptr():  # type: ignore[union-attr]
+            return typed[1].detach()
         view = from_bytes(where, meta)  # type: ignore[arg-type]
         self._typed = (meta, view)
-        return view
+        return view.detach()
 
     @property
     def slab(self) -> Slab | None:

@@ -878,10 +878,10 @@ class TierStore:
         task give them in one order, sorted say, so no two wait for each other) and released
         together, last first, when the block ends; if one cannot be taken, those taken already
         are released and the error raised. The same as nesting ``hold`` once per key, for one
-        context manager instead of one per key (a subclass's own ``hold``, a fault injector's
-        say, is still asked for each)."""
+        context manager instead of one per key (a subclass's own ``hold``, or one set on the
+        instance, a fault injector's say, is still asked for each)."""
         self._engine.require_open()
-        if type(self).hold is not TierStore.hold:
+        if getattr(self.hold, "__func__", None) is not TierStore.hold:  # (a subclass's hold, or one set on the instance)
             async with AsyncExitStack() as stack:
                 yield [await stack.enter_async_context(self.hold(key, tier, write)) for key in keys]
             return
