@@ -53,7 +53,8 @@ def _tile(lossless: bool, grad_dtype: torch.dtype, seed: int, n: int = N) -> dic
 
 def _reference(tile: dict[str, torch.Tensor], s: torch.Tensor) -> dict[str, torch.Tensor]:
     """The update written plainly: decode, AdamW in the order of ``precision._adam_math``,
-    encode each block by its absmax to the nearest code (ties: the lower)."""
+    encode each block by its absmax to the nearest code (ties: the lower; a positive second
+    moment at least the smallest code above 0)."""
     if "master" in tile:
         master = tile["master"]
     else:
@@ -71,7 +72,10 @@ def _reference(tile: dict[str, torch.Tensor], s: torch.Tensor) -> dict[str, torc
         blocks = values.view(-1, BLOCK)
         absmax = blocks.abs().amax(dim=1).clamp(min=1e-12)
         book = dynamic_map(signed)
-        out[f"{name}_codes"] = torch.bucketize(blocks / absmax[:, None], (book[1:] + book[:-1]) / 2).view(-1).to(torch.uint8)
+        mid = (book[1:] + book[:-1]) / 2
+        if not signed:
+            mid[0] = 0.0  # (a positive second moment never takes code 0: its step would be m / eps)
+        out[f"{name}_codes"] = torch.bucketize(blocks / absmax[:, None], mid).view(-1).to(torch.uint8)
         out[f"{name}_scales"] = absmax
     if "master" in tile:
         out["master"] = updated

@@ -53,8 +53,8 @@ static inline float absmax_of_bits(uint32_t bits) {
 }
 
 /* The search tables cover normalised magnitudes from 2^(LOW_EXPONENT - 127) to 1 (a normalised
- * value is at most 1); every smaller one has the smallest's code and midpoint (native.py checks
- * it when it builds them). Indexed by the sign, then the high 16 bits of |x| from those of
+ * value is at most 1); every smaller one is coded by the first entry (native.py chooses it, zero's
+ * rule where that codes them all right, and checks it when it builds them). Indexed by the sign, then the high 16 bits of |x| from those of
  * 2^(LOW_EXPONENT - 127) up: 2 x 2945 entries, 46 KiB a code book, mostly in a core's L1 cache,
  * where the full 64K-entry tables (1 MiB for both books) missed it at every lookup. */
 #define LOW_EXPONENT 104

@@ -162,17 +162,26 @@ def _tables() -> tuple[int, ...]:
 @functools.cache
 def search_tables(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``precision._kernel_tables(signed)`` cut to what ``adam8.c`` indexes: the entries of
-    normalised magnitudes from ``2**(LOW_EXPONENT - 127)`` to 1, for each sign (every smaller
-    magnitude has the smallest's entries, checked here)."""
-    from tierstore.optim.precision import _kernel_tables
+    normalised magnitudes from ``2**(LOW_EXPONENT - 127)`` to 1, for each sign. The C code
+    clamps every smaller magnitude to the first entry, so that entry is the one that codes
+    them all as the full table does (checked here on every such bucket's ends): zero's (the
+    unsigned book gives 0 code 0 and any positive value a code above it), else the first
+    bucket's own where every smaller one has the same."""
+    from tierstore.optim.precision import _kernel_tables, _midpoints
 
     table, above = _kernel_tables(signed)
-    rows = []
+    mid = _midpoints(signed)
+    rows: list[tuple[torch.Tensor, torch.Tensor]] = []
     for sign in (0, 1):
         base = sign << 15
-        tiny = slice(base, base + _LOWEST_HIGH)
-        if not (bool((table[tiny] == table[base + _LOWEST_HIGH]).all())
-                and bool((above[tiny].view(torch.int32) == above[base + _LOWEST_HIGH].view(torch.int32)).all())):
+        high = torch.arange(base, base + _LOWEST_HIGH + 1, dtype=torch.int32)
+        ends = torch.cat([(high << 16).view(torch.float32), ((high << 16) | 0xFFFF).view(torch.float32)])
+        want = torch.bucketize(ends, mid)
+        for first in (base, base + _LOWEST_HIGH):  # (zero's rule, then the first bucket's)
+            if torch.equal(table[first] + (ends > above[first]).long(), want):
+                break
+        else:
             raise AssertionError("internal error: the code book has codes below the C kernel's smallest magnitude")
-        rows.append(slice(base + _LOWEST_HIGH, base + _ONE_HIGH + 1))
-    return torch.cat([table[r] for r in rows]).contiguous(), torch.cat([above[r] for r in rows]).contiguous()
+        rest = slice(base + _LOWEST_HIGH + 1, base + _ONE_HIGH + 1)
+        rows.append((torch.cat([table[first : first + 1], table[rest]]), torch.cat([above[first : first + 1], above[rest]])))
+    return torch.cat([r[0] for r in rows]).contiguous(), torch.cat([r[1] for r in rows]).contiguous()

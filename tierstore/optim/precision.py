@@ -95,8 +95,16 @@ def dynamic_map(signed: bool) -> torch.Tensor:
 
 @cache
 def _midpoints(signed: bool) -> torch.Tensor:
+    """The boundaries between neighbouring codes (a value on one takes the lower code). For the
+    unsigned book (``exp_avg_sq``) every positive value takes a code above 0: a second moment
+    far below its block's absmax (a gradient 10**4 times smaller than the block's largest, or
+    one that stopped) rounded to 0 would leave its first moment over ``eps`` alone, a step
+    thousands of times ``lr``; the smallest code over-states it instead, a smaller step."""
     book = dynamic_map(signed)
-    return (book[1:] + book[:-1]) / 2
+    mid = (book[1:] + book[:-1]) / 2
+    if not signed:
+        mid[0] = 0.0
+    return mid
 
 
 @cache

@@ -1,0 +1,61 @@
+"""8-bit moments where a block's gradients span many decades: an element whose gradient is 10**4+
+times smaller than its block's largest, then zero (an embedding row used once), must not step
+thousands of times ``lr``. Its second moment, rounded to code 0, left ``m / eps`` (a new user's
+finding); a positive second moment now takes at least the smallest code above 0, which can only
+shorten the step. Checked for the small-entry codec and the fused kernel (C and compiled)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tierstore.optim import TieredAdamW
+
+pytestmark = pytest.mark.device_modes
+
+
+def _largest_steps(make: object, numel: int, small: float) -> list[float]:
+    p = torch.nn.Parameter(torch.zeros(numel))
+    opt = make([p])  # type: ignore[operator]
+    grad = torch.full((numel,), small)
+    grad[::256] = 1.0
+    steps = []
+    try:
+        for step in range(3):
+            before = p.detach().clone()
+            p.grad = grad.clone() if step == 0 else torch.zeros(numel)
+            opt.step()
+            opt.zero_grad()
+            steps.append(float((p.detach() - before).abs().max()) / 1e-2)
+    finally:
+        if isinstance(opt, TieredAdamW):
+            opt.close()
+    return steps
+
+
+@pytest.mark.parametrize("small", [1e-4, 1e-6])
+@pytest.mark.parametrize("numel", [256, 1 << 16], ids=["small entry", "fused kernel"])
+@pytest.mark.parametrize("kernel", ["default", "compiled"])
+def test_a_gradient_far_below_its_block_max_takes_no_huge_step(device_mode: str, small: float, numel: int, kernel: str,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    if kernel == "compiled":
+        monkeypatch.setenv("TIERSTORE_NATIVE_ADAM8", "0")
+    exact = _largest_steps(lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.0), numel, small)
+    ours = _largest_steps(lambda ps: TieredAdamW(ps, lr=1e-2, weight_decay=0.0, state_precision="8bit"), numel, small)
+    assert all(o <= 1.2 * e for o, e in zip(ours, exact, strict=True)), (ours, exact)
+
+
+def test_an_embedding_trains_without_huge_steps(device_mode: str) -> None:
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(300, 64)
+    opt = TieredAdamW(embedding.parameters(), lr=1e-3, state_precision="8bit")
+    try:
+        for step in range(6):
+            before = embedding.weight.detach().clone()
+            rows = torch.randint(0, 300, (8,))
+            embedding(rows).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+            assert float((embedding.weight.detach() - before).abs().max()) / 1e-3 < 2.0
+    finally:
+        opt.close()
