@@ -758,10 +758,10 @@ def _placeholder(param: torch.Tensor) -> torch.Tensor:
 async def _exit_after(store: TierStore, tier: str, link: Link, marker: Any, managers: list[Any]) -> None:
     """End ``managers``' holds once the work before ``marker`` has run. Its first step runs
     before any request the training thread queues after it: that request counts on the room."""
-    task = asyncio.current_task()
-    if task is not None:
-        store._expect_room(tier, task)
     try:
+        task = asyncio.current_task()
+        if task is not None:
+            store._expect_room(tier, task)
         await link.when_done(marker)
     finally:
         await _exit_all(managers)
