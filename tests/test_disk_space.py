@@ -197,3 +197,14 @@ def test_compaction_plans_moves_below_the_new_capacity_and_refuses_fragmented_sp
         plan_compaction(tmp_path, {k: v for k, v in records.items() if k != "small"}, (4 * block, 4 * block), 4 * block, block)
     with pytest.raises(CapacityError, match="more than the capacity"):
         plan_compaction(tmp_path, records, (4 * block, 4 * block), 4 * block, block)
+
+
+async def test_a_value_beyond_the_capacity_is_told_so_not_the_segment_size(tmp_path: Path) -> None:
+    from tierstore.errors import TierFullError
+
+    async with TierStore([DiskTier(tmp_path, "4MiB")]) as store:
+        with pytest.raises(TierFullError, match="is full: 5.0 MiB wanted") as raised:
+            await store.put("big", torch.zeros(5 * VALUE_NUMEL))
+        assert "segment_size" not in str(raised.value)
+        await store.put("fits", torch.ones(VALUE_NUMEL))  # (still usable)
+        assert torch.equal(await store.get("fits"), torch.ones(VALUE_NUMEL))

@@ -445,15 +445,15 @@ class DiskTier(Tier):
         """
         self._require_open()
         length = self.extent_size(nbytes)
-        if length > self.segment_size:
-            raise TierFullError(
-                f"a tensor of {format_bytes(nbytes)} is larger than the disk tier's segment size "
-                f"({format_bytes(self.segment_size)}); open the DiskTier with a larger segment_size"
-            )
         if self.used + length > self.capacity:  # values inline in the catalog take capacity too
             raise TierFullError(
                 f"tier {self.name!r} is full: {format_bytes(length)} wanted, {format_bytes(self.capacity - self.used)} free "
                 f"of {format_bytes(self.capacity)} ({format_bytes(self._inline_bytes)} of it values inline in the catalog)"
+            )
+        if length > self.segment_size:  # (checked second: a value beyond the capacity is told so)
+            raise TierFullError(
+                f"a tensor of {format_bytes(nbytes)} is larger than the disk tier's segment size "
+                f"({format_bytes(self.segment_size)}); open the DiskTier with a larger segment_size"
             )
         extent = self._allocator.allocate(length)
         if extent is not None:
