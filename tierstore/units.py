@@ -36,8 +36,10 @@ def parse_bytes(size: int | float | str) -> int:
             raise ValueError(f"a byte size cannot be negative: {size}")
         return size
     if isinstance(size, float):
-        if size < 0 or size != size:
+        if size < 0 or size != size or size == float("inf"):
             raise ValueError(f"a byte size must be a non-negative number: {size}")
+        if not size.is_integer():  # (1.5 bytes: a unit left out, most likely)
+            raise ValueError(f"a byte size in bytes must be whole, not {size}; for other units write e.g. '{size:g}GiB'")
         return int(size)
     if not isinstance(size, str):
         raise TypeError(f"a byte size must be an int or a string like '512MiB', not {type(size).__name__}")
