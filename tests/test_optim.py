@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import torch
 from tierstore import DiskTier, HostTier, TierStore
 from tierstore.models import GPT, GPTConfig, synthetic_batches
 from tierstore.optim import OptimizerCapacityError, TieredAdam, TieredAdamW, TieredOptimizer
+from tierstore.sync import run
 
 pytestmark = pytest.mark.device_modes
 
@@ -278,8 +280,12 @@ def test_errors_are_clear(tmp_path: Path) -> None:
     model = GPT(CONFIG)
     with pytest.raises(ValueError, match="step_in_backward"):
         TieredAdamW(model.parameters(), max_grad_norm=1.0, step_in_backward=True)
-    with pytest.raises(OptimizerCapacityError, match="cannot hold"):
+    with pytest.raises(OptimizerCapacityError, match="cannot hold") as raised:
         TieredAdamW(model.parameters(), store=TierStore([HostTier("16KiB")]))
+    enough = int(re.search(r"at least ([\d,]+) bytes", str(raised.value)).group(1).replace(",", ""))  # type: ignore[union-attr]
+    paged = TierStore([HostTier(enough), DiskTier(tmp_path / "enough", "16MiB")])  # (the capacity it names fits)
+    TieredAdamW(model.parameters(), store=paged).close()
+    run(paged.aclose())
     with pytest.raises(ValueError, match="Invalid learning rate"):
         TieredAdamW(model.parameters(), lr=-1)
     opt = TieredAdamW(model.parameters(), store=paging_store(tmp_path), min_offload_numel=64, step_in_backward=True)

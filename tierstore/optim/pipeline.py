@@ -154,7 +154,9 @@ class UpdatePipeline:
                     f"the state and gradient of parameter {worst.index} ({worst.numel:,} elements: {largest:,} bytes)")
             raise OptimizerCapacityError(
                 f"the {self._tier!r} tier ({tier.capacity:,} bytes) cannot hold {what} beside another gradient"
-                + (f" and an offloaded weight held whole ({held:,} bytes)" if held else "") + "; give it more capacity"
+                + (f" and an offloaded weight held whole ({held:,} bytes)" if held else "")
+                + f"; give it more capacity (at least {-(-(largest + max(grads) + held) * 10 // 9):,} bytes for this parameter,"
+                + " where the rest of the state pages to a disk tier below)"
                 + _chunk_advice(worst, self._owner._chunkable(worst), chunk_bytes)
             )
         if self._flat and all(slot.link.lends for slot in slots):
@@ -638,9 +640,7 @@ class UpdatePipeline:
         outgoing: list[torch.Tensor | None] = []
         lent_here = slot.link.lends and offloaded(slot.param) is None
         for chunk, master in zip(chunks, masters, strict=False):
-            if chunk.index in slot.chunks_written:
-                outgoing.append(None)
-            elif lent_here and _updated_in_place(slot, master, chunk.start):
+            if chunk.index in slot.chunks_written or lent_here and _updated_in_place(slot, master, chunk.start):
                 outgoing.append(None)
             elif lent_here:
                 _write_into(slot.param.data.view(-1)[chunk.start : chunk.stop], master)
