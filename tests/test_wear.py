@@ -58,7 +58,7 @@ def test_time_report_wear_and_summary() -> None:
     wear = report.wear(capacity="1TB", rated_tbw=300)
     assert isinstance(wear, DriveWear) and wear.days_to_rated == pytest.approx(300 / 17.28)
     text = str(report)
-    assert "needed 76.3 MiB (1.25x moved)" in text
+    assert "needed 76.3 MiB, moved 1.25x of it" in text
     assert "SSD wear:" in text and "drive writes/day" in text
     data = report.as_dict()
     assert data["wear"]["days_to_rated"] == pytest.approx(report.wear().days_to_rated)

@@ -275,7 +275,7 @@ class TimeReport:
             overhead = self.io_overhead
             text += (
                 f" | needed {format_bytes(self.disk_need_bytes)}"
-                + (f" ({overhead:.2f}x moved)" if math.isfinite(overhead) else "")
+                + (f", moved {overhead:.2f}x of it" if math.isfinite(overhead) else "")
                 + f"\n  {self.wear()}"
             )
         return text
