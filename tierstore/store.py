@@ -189,10 +189,12 @@ class TierStore:
         return self._engine.key_changes
 
     def __contains__(self, key: object) -> bool:
+        return self._user_entry(key) is not None
+
+    def _user_entry(self, key: object) -> Entry | None:
+        """The entry of a user's ``key`` (None: not in the store, or not a key a user can have)."""
         self._engine.require_open()
-        if not isinstance(key, str) or is_reserved(key):
-            return False
-        return self._engine.lookup(key) is not None
+        return self._engine.lookup(key) if isinstance(key, str) and not is_reserved(key) else None
 
     def __len__(self) -> int:
         self._engine.require_open()
@@ -226,16 +228,14 @@ class TierStore:
         value on ``tier`` (``tier`` in ``where(key)``, without building the list); ``idle``:
         and no one uses that copy (a hold, a read, a write-back), so a write hold takes it at
         once."""
-        self._engine.require_open()
-        entry = self._engine.lookup(key) if isinstance(key, str) and not is_reserved(key) else None
+        entry = self._user_entry(key)
         copy = entry.valid(self._engine.index_of(tier)) if entry is not None else None
         return copy is not None and (not idle or copy.users == 0 and entry.writer is None)  # type: ignore[union-attr]
 
     def _shape_and_dtype(self, key: str) -> tuple[tuple[int, ...], torch.dtype] | None:
         """For the package's own callers: shape and dtype of ``key`` (None: not in the store),
         what ``info`` tells of them without building its dict."""
-        self._engine.require_open()
-        entry = self._engine.lookup(key) if isinstance(key, str) and not is_reserved(key) else None
+        entry = self._user_entry(key)
         return None if entry is None else (tuple(entry.meta.shape), entry.meta.dtype)
 
     def _holdable(self, key: str, tier: TierRef = None) -> tuple[tuple[int, ...], torch.dtype] | None:
@@ -244,8 +244,7 @@ class TierStore:
         its current value is on that tier and no one holds it; else None (a key not in the
         store too). What ``info`` tells of one tier, without building its dict (asked of every
         entry a step updates)."""
-        self._engine.require_open()
-        entry = self._engine.lookup(key) if isinstance(key, str) and not is_reserved(key) else None
+        entry = self._user_entry(key)
         if entry is None or entry.valid(self._engine.index_of(tier)) is None or entry.held():
             return None
         return tuple(entry.meta.shape), entry.meta.dtype
