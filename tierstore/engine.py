@@ -782,11 +782,10 @@ class Engine:
         loop = asyncio.get_running_loop()
         t, size, landed = copy.tier, copy.nbytes, loop.create_future()
         self.releasing[t] += size
-        self.releases[t].add(landed)
+        self.expect_room(t, landed)
 
         def give_back() -> None:  # on the loop
             self.releasing[t] -= size
-            self.releases[t].discard(landed)
             try:
                 self._give_back(tier, copy)
             finally:
