@@ -602,7 +602,7 @@ class UpdatePipeline:
             if budget < 0:
                 break
             ahead += run
-        return [chunk.key for chunk in ahead if chunk.key in self._store and self._tier not in self._store.where(chunk.key)]
+        return [chunk.key for chunk in ahead if chunk.key in self._store and not self._on_tier(chunk.key)]
 
     @asynccontextmanager
     async def _grad_chunk(self, slot: ParamSlot, chunk: Chunk) -> AsyncIterator[torch.Tensor]:
@@ -871,12 +871,7 @@ async def _enter_all(
     async def enter(manager: AbstractAsyncContextManager[Any]) -> Any:
         return await stack.enter_async_context(manager)
 
-    if ready is None or not any(ready):
-        results = await asyncio.gather(*(enter(m) for m in managers), return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-        return results
+    ready = ready or [False] * len(managers)
     later = [i for i, now in enumerate(ready) if not now]
     # (the tasks first: their reads are asked for before the others are entered)
     pending = asyncio.gather(*(enter(managers[i]) for i in later), return_exceptions=True)
