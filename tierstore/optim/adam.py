@@ -46,7 +46,7 @@ from .distributed import ParamRange
 from .memory_order import InMemoryOrder, memory_order
 from .paging import PagedOptimizer, ParamSlot
 from .pipeline import fill_weight_range, offloaded, read_weight, read_weight_range
-from .precision import AdamHyper, PackedState, StateLayout, validate
+from .precision import AdamHyper, PackedState, StateLayout, can_be_master, validate
 from .resident import Piece
 
 
@@ -175,9 +175,7 @@ class TieredAdam(PagedOptimizer):
             group = self.param_groups[slot.group]
             param = slot.param
             slot.param_master = (
-                group["master_weights"] == "fp32" and slot.link.lends
-                and type(param) in (torch.Tensor, torch.nn.Parameter) and param.dtype == torch.float32
-                and param.is_contiguous() and offloaded(param) is None
+                group["master_weights"] == "fp32" and slot.link.lends and can_be_master(param) and offloaded(param) is None
             )
         return slot.param_master
 
@@ -650,12 +648,9 @@ class TieredAdam(PagedOptimizer):
         in place on the parameters (each their own master) and the held ``states``. A chunked
         parameter's pieces each start from its count, as its chunks do in the pipeline."""
         by_group: dict[int, tuple[list[list[torch.Tensor]], list[torch.Tensor], list[torch.Tensor]]] = {}
-        counts = self._step_counts
         for slot, parts, entries, grad in zip(slots, pieces, states, grads, strict=True):
             rows, tiles, steps = by_group.setdefault(slot.group, ([], [], []))
-            count = counts.get(slot.index)
-            if count is None:
-                count = counts[slot.index] = torch.tensor(0.0)
+            count = self._step_count(slot.index)
             param = _flat(slot.param.data)
             flat = grad if grad.dim() == 1 else grad.reshape(-1)
             if len(parts) == 1:
@@ -667,7 +662,7 @@ class TieredAdam(PagedOptimizer):
                 rows.append([param[piece.start : piece.stop], *entry.unbind(0)])
                 tiles.append(flat[piece.start : piece.stop])
                 steps.append(count.clone())
-            counts[slot.index] = steps[-1]  # (counted up by the update, as every piece's)
+            self._step_counts[slot.index] = steps[-1]  # (counted up by the update, as every piece's)
         for group_index, (rows, tiles, steps) in by_group.items():
             self._adam(self.param_groups[group_index], rows, tiles, steps, None)
 

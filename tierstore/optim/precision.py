@@ -457,13 +457,19 @@ def _scratch_rows(rows: int, size: int) -> torch.Tensor:
     return held[: rows * size].view(rows, size)
 
 
+def can_be_master(param: torch.Tensor) -> bool:
+    """Whether ``param``'s memory can serve as its fp32 master (the update in place on it): a
+    plain, contiguous fp32 tensor (not a DTensor or another subclass)."""
+    return type(param) in (torch.Tensor, torch.nn.Parameter) and param.dtype == torch.float32 and param.is_contiguous()
+
+
 def keeps_no_master(param: torch.Tensor, master_weights: str = "fp32", *, weights_offloaded: bool = False) -> bool:
     """Whether ``TieredAdam`` will keep no master copy for ``param``, known before an optimizer
-    exists (its ``_param_is_master`` rule, to size tiers): an fp32, contiguous parameter in CPU
-    memory with no device link between it and the state (the plain CPU, not the emulated device),
+    exists (its ``_param_is_master`` rule, to size tiers): ``can_be_master``, in CPU memory with
+    no device link between it and the state (the plain CPU, not the emulated device),
     ``master_weights="fp32"``, its weights not offloaded to a store."""
     return (master_weights == "fp32" and not weights_offloaded and param.device.type == "cpu" and not emulation()[0]
-            and type(param) in (torch.Tensor, torch.nn.Parameter) and param.dtype == torch.float32 and param.is_contiguous())
+            and can_be_master(param))
 
 
 def planned_state_bytes(param: torch.Tensor, state_precision: str = "fp32", master_weights: str = "fp32", amsgrad: bool = False,
