@@ -36,6 +36,7 @@ import torch
 
 from . import holds
 from .device.caller import marking_caller
+from .intra_op import run_ops_serially
 from .namespaces import Namespace
 from .prefetching import PrefetchHandle, PrefetchResult
 from .store import TierRef, TierStore
@@ -87,13 +88,18 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_after_fork)
 
 
+def _serve_loop(loop: asyncio.AbstractEventLoop) -> None:
+    run_ops_serially()
+    loop.run_forever()
+
+
 def loop_thread() -> asyncio.AbstractEventLoop:
     """The process's tierstore event loop, started on first use in a daemon thread."""
     global _loop, _thread
     with _lock:
         if _loop is None:
             loop = asyncio.new_event_loop()
-            thread = threading.Thread(target=loop.run_forever, name="tierstore-loop", daemon=True)
+            thread = threading.Thread(target=_serve_loop, args=(loop,), name="tierstore-loop", daemon=True)
             thread.start()
             _loop, _thread = loop, thread
         return _loop

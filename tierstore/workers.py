@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 from enum import IntEnum
 from typing import Any, TypeVar
 
+from .intra_op import run_ops_serially
+
 T = TypeVar("T")
 
 
@@ -117,13 +119,17 @@ _STOP = None
 
 
 class WorkerPool:
-    """``threads`` daemon threads serving jobs by priority, then by arrival."""
+    """``threads`` daemon threads serving jobs by priority, then by arrival. With
+    ``serial_ops`` (the default) the torch ops a job calls run on its thread alone
+    (``tierstore.intra_op``); without, with torch's intra-op threads, for math that is the
+    user's compute (the optimizer's update in backward)."""
 
-    def __init__(self, threads: int, name: str) -> None:
+    def __init__(self, threads: int, name: str, serial_ops: bool = True) -> None:
         if threads < 1:
             raise ValueError(f"a worker pool needs at least one thread, not {threads}")
         self.name = name
         self.threads = threads
+        self.serial_ops = serial_ops
         self._queue: queue.PriorityQueue[tuple[int, int, _Batch | None, int]] = queue.PriorityQueue()
         self._seq = itertools.count()
         self._workers: list[threading.Thread] = []
@@ -202,6 +208,8 @@ class WorkerPool:
         self._queue.put((batch.priority, next(self._seq), batch, index))
 
     def _serve(self) -> None:
+        if self.serial_ops:
+            run_ops_serially()
         while True:
             _, _, batch, index = self._queue.get()
             if batch is None:

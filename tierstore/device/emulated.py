@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..intra_op import run_ops_serially
 from .link import TO_DEVICE, TO_HOST, Link, copy_into
 from .spec import LinkSpec
 from .transfer import Transfer
@@ -68,6 +69,7 @@ class _CopyStream:
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
+        run_ops_serially()  # (a copy engine, not the CPU's cores)
         while True:
             job = self._queue.get()
             if job is None:

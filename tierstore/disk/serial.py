@@ -17,6 +17,8 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from typing import Any, TypeVar
 
+from ..intra_op import run_ops_serially
+
 T = TypeVar("T")
 
 _STOP = object()
@@ -75,6 +77,7 @@ class SerialExecutor(Executor):
             self._thread.join()
 
     def _work(self) -> None:
+        run_ops_serially()
         jobs = self._jobs
         while True:
             job = jobs.get()

@@ -74,8 +74,10 @@ class UpdatePipeline:
         self._report = report
         self._timeline = timeline
         # Math runs on the training thread while it waits in step(); during backward (norms,
-        # updates in backward) on a worker thread. ``in_step`` is the loop's to set.
-        self._compute = WorkerPool(1, "optimizer")
+        # updates in backward) on a worker thread, with torch's intra-op threads as the
+        # training thread has them (on a GPU host the update is the CPU's main work).
+        # ``in_step`` is the loop's to set.
+        self._compute = WorkerPool(1, "optimizer", serial_ops=False)
         self._compute.start()
         self._caller = CallerPool()
         self.in_step = False

@@ -1,0 +1,63 @@
+"""The store's threads run torch ops serially: they start no OpenMP teams of their own.
+
+Each thread that calls a parallel torch CPU op gets an OpenMP worker pool for its lifetime.
+With more OpenMP threads than CPUs, libgomp shortens every team's spin-wait, and the user's
+forward and backward slowed by 1.3-2x on a 2-core machine once the store had copied one
+large value (``tierstore/intra_op.py``). These tests count the process's OS threads that no
+Python thread accounts for: OpenMP workers. The user's own team is formed before the count.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierstore import DiskTier, HostTier, SyncTierStore
+from tierstore.optim import TieredAdamW
+
+pytestmark = [
+    pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through /proc"),
+    pytest.mark.skipif(torch.get_num_threads() < 2 or not torch.backends.openmp.is_available(),
+                       reason="needs torch's OpenMP with at least 2 threads"),
+]
+
+LARGE = 4_000_000  # elements: far above torch's grain size, so an op on it runs in parallel
+
+
+def _os_threads() -> set[int]:
+    return {int(tid) for tid in os.listdir("/proc/self/task")}
+
+
+def _workers_started_since(before: set[int]) -> set[int]:
+    """OS threads started since ``before`` that are not Python threads: OpenMP workers."""
+    python_threads = {thread.native_id for thread in threading.enumerate()}
+    return _os_threads() - before - python_threads
+
+
+@pytest.fixture
+def baseline() -> set[int]:
+    (torch.randn(LARGE) * 2).sum()  # the test thread's own team, which the store may not change
+    return _os_threads()
+
+
+def test_paged_optimizer_starts_no_openmp_workers(tmp_path: Path, baseline: set[int]) -> None:
+    """A paged step (the update on the training thread, in ``step()``): the store's loop, I/O
+    and copy threads add no OpenMP workers. (With ``step_in_backward=True`` the update's own
+    worker thread keeps torch's intra-op threads on purpose: there the update is the CPU's
+    main work.)"""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024))
+    state = 2 * 4 * sum(p.numel() for p in model.parameters())
+    with SyncTierStore([HostTier(state // 3), DiskTier(tmp_path / "o", 4 * state, durable=False)]) as store:
+        opt = TieredAdamW(model.parameters(), lr=1e-3, store=store, step_in_backward=False)
+        for _ in range(3):
+            model(torch.randn(64, 1024)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        opt.close()
+        started = _workers_started_since(baseline)
+    assert not started, f"the store's threads started {len(started)} OpenMP worker(s)"
