@@ -8,6 +8,9 @@
  */
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -327,7 +330,13 @@ static void adam8_range(int64_t numel, float *master, int16_t *low, const uint16
 #undef TILE
 }
 
-/* One call's arguments, and the blocks [first, last) one thread updates. */
+/* One call's arguments, shared by the threads that work on it: each takes the next BATCH
+ * blocks until none are left. Blocks are independent (each has its own scales), so which thread
+ * updates which block does not change a bit. Shared rather than split in equal parts: on a busy
+ * machine (the store's I/O and event-loop threads) a helper may start late or be preempted,
+ * and the call then takes as long as the work left divided among the threads that do run,
+ * never as long as the slowest thread's fixed part. The caller waits only for batches under
+ * way: a helper that starts after the work is gone finds nothing and frees the job if last. */
 typedef struct {
     float *master;
     int16_t *low;
@@ -339,53 +348,82 @@ typedef struct {
     const uint16_t *grad16;
     scalars_t s;
     tables_t t;
-    int64_t first, last;
-} part_t;
+    int64_t blocks;
+    _Atomic int64_t next;  /* the first block not yet taken */
+    _Atomic int64_t done;  /* blocks updated */
+    _Atomic int refs;      /* threads that may still read this job (the caller and started helpers) */
+} job_t;
 
 #define AT(POINTER, OFFSET) ((POINTER) != NULL ? (POINTER) + (OFFSET) : NULL)
+#define BATCH ((int64_t)(16384 / BLOCK))
 
-static void *run_part(void *argument) {
-    const part_t *p = argument;
-    const int64_t start = p->first * BLOCK;
-    adam8_range((p->last - p->first) * BLOCK, AT(p->master, start), AT(p->low, start), AT(p->high, start),
-                AT(p->high_out, start), p->m_codes + start, p->m_scales + p->first, p->v_codes + start,
-                p->v_scales + p->first, AT(p->grad32, start), AT(p->grad16, start), p->s, p->t);
+static void take_batches(job_t *j) {
+    for (;;) {
+        const int64_t first = atomic_fetch_add_explicit(&j->next, BATCH, memory_order_relaxed);
+        if (first >= j->blocks)
+            return;
+        const int64_t last = first + BATCH < j->blocks ? first + BATCH : j->blocks;
+        const int64_t start = first * BLOCK;
+        adam8_range((last - first) * BLOCK, AT(j->master, start), AT(j->low, start), AT(j->high, start),
+                    AT(j->high_out, start), j->m_codes + start, j->m_scales + first, j->v_codes + start,
+                    j->v_scales + first, AT(j->grad32, start), AT(j->grad16, start), j->s, j->t);
+        atomic_fetch_add_explicit(&j->done, last - first, memory_order_release); /* (its writes, seen by the caller) */
+    }
+}
+
+static void let_go(job_t *j) {
+    if (atomic_fetch_sub_explicit(&j->refs, 1, memory_order_acq_rel) == 1)
+        free(j);
+}
+
+static void *help(void *argument) {
+    take_batches(argument);
+    let_go(argument);
     return NULL;
 }
 
 #define MAX_THREADS 256
 
-/* The update of one tile of whole blocks (numel a multiple of BLOCK) on `threads` threads
- * (this one and threads - 1 started here), each a contiguous run of blocks; see adam8_range. */
+/* The update of one tile of whole blocks (numel a multiple of BLOCK) by this thread and up to
+ * threads - 1 helpers started here, sharing the blocks in batches; see adam8_range and job_t. */
 void tierstore_adam8(int64_t threads, int64_t numel, float *master, int16_t *low, const uint16_t *high,
                      uint16_t *high_out, uint8_t *m_codes, float *m_scales, uint8_t *v_codes, float *v_scales,
                      const float *grad32, const uint16_t *grad16, const float *scalars,
                      const float *m_book, const float *m_mid, const int32_t *m_below, const float *m_above,
                      const float *v_book, const float *v_mid, const int32_t *v_below, const float *v_above) {
-    part_t parts[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int started[MAX_THREADS];
     const int64_t blocks = numel / BLOCK;
-    if (threads > blocks) threads = blocks;
+    const int64_t batches = (blocks + BATCH - 1) / BATCH;
+    if (threads > batches) threads = batches;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads < 1) threads = 1;
-    for (int64_t i = 0; i < threads; i++) {
-        part_t *p = &parts[i];
-        *p = (part_t){.master = master, .low = low, .high = high, .high_out = high_out, .m_codes = m_codes,
-                      .v_codes = v_codes, .m_scales = m_scales, .v_scales = v_scales, .grad32 = grad32, .grad16 = grad16,
-                      .t = {m_book, v_book, m_mid, v_mid, m_below, v_below, m_above, v_above},
-                      .first = blocks * i / threads, .last = blocks * (i + 1) / threads};
-        memcpy(&p->s, scalars, sizeof p->s);
+    job_t local, *j = threads > 1 ? malloc(sizeof *j) : NULL;
+    if (j == NULL) { /* (one thread, or no memory for a shared job: all of it here) */
+        j = &local;
+        threads = 1;
     }
-    for (int64_t i = 1; i < threads; i++) /* (a thread that cannot start: its part runs here, below) */
-        started[i] = pthread_create(&ids[i], NULL, run_part, &parts[i]) == 0;
-    run_part(&parts[0]);
-    for (int64_t i = 1; i < threads; i++) {
-        if (started[i])
-            pthread_join(ids[i], NULL);
-        else
-            run_part(&parts[i]);
+    *j = (job_t){.master = master, .low = low, .high = high, .high_out = high_out, .m_codes = m_codes,
+                 .v_codes = v_codes, .m_scales = m_scales, .v_scales = v_scales, .grad32 = grad32, .grad16 = grad16,
+                 .t = {m_book, v_book, m_mid, v_mid, m_below, v_below, m_above, v_above}, .blocks = blocks};
+    memcpy(&j->s, scalars, sizeof j->s);
+    atomic_init(&j->next, 0);
+    atomic_init(&j->done, 0);
+    atomic_init(&j->refs, (int)threads);
+    if (threads > 1) {
+        pthread_attr_t detached;
+        const int attr = pthread_attr_init(&detached) == 0 && pthread_attr_setdetachstate(&detached, PTHREAD_CREATE_DETACHED) == 0;
+        for (int64_t i = 1; i < threads; i++) {
+            pthread_t id;
+            if (!attr || pthread_create(&id, &detached, help, j) != 0) /* (its share is done by the others) */
+                atomic_fetch_sub_explicit(&j->refs, 1, memory_order_relaxed);
+        }
+        if (attr)
+            pthread_attr_destroy(&detached);
     }
+    take_batches(j);
+    while (atomic_load_explicit(&j->done, memory_order_acquire) < blocks)
+        sched_yield(); /* (a batch under way on a helper: tens of microseconds) */
+    if (j != &local)
+        let_go(j);
 }
 
 /* 1 where the AVX-512 kernel was compiled in (native.py uses this one only then: elsewhere the

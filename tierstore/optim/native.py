@@ -5,8 +5,9 @@ lookups are vector gathers, slow on recent Intel cores (the "Downfall" microcode
 half its time. On a CPU with AVX-512, ``adam8.c`` keeps both code books in registers (lookups
 are permutes, an encode a binary search over the midpoints), block by block with the rows in
 cache: 2.7 ns a parameter against the inductor kernel's 5.2 (fp32 master; 2.6x faster with a
-lossless one), one core of this machine; a tile of at least 2 x ``PER_THREAD`` elements is split
-over torch's intra-op threads, as the inductor kernel's OpenMP loop is. It gives the same bits
+lossless one), one core of this machine; a tile of at least 2 x ``PER_THREAD`` elements is shared
+by up to torch's intra-op count of threads, which take its blocks in small batches (a thread the
+machine is slow to run takes fewer, instead of delaying the call by a fixed part). It gives the same bits
 (the same IEEE operations in the same order, no fused multiply-adds; a NaN takes code 255 as
 the search tables give it), but for a NaN scale's payload: ``tests/test_native_adam8.py`` checks
 it against the inductor kernel, a plain reference and every thread count.
