@@ -49,6 +49,7 @@ def test_paged_optimizer_starts_no_openmp_workers(tmp_path: Path, baseline: set[
     and copy threads add no OpenMP workers. (With ``step_in_backward=True`` the update's own
     worker thread keeps torch's intra-op threads on purpose: there the update is the CPU's
     main work.)"""
+    threads = torch.get_num_threads()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024))
     state = 2 * 4 * sum(p.numel() for p in model.parameters())
@@ -61,3 +62,10 @@ def test_paged_optimizer_starts_no_openmp_workers(tmp_path: Path, baseline: set[
         opt.close()
         started = _workers_started_since(baseline)
     assert not started, f"the store's threads started {len(started)} OpenMP worker(s)"
+    # The user's threads keep torch's count: this one, and one started after the store's work.
+    assert torch.get_num_threads() == threads
+    seen: list[int] = []
+    later = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    later.start()
+    later.join()
+    assert seen == [threads]

@@ -41,7 +41,7 @@ def _omp_set_num_threads() -> Any:
                 paths = {line.split()[-1] for line in maps if any(name in line for name in _OPENMP_LIBRARIES)}
         except OSError:
             paths = set()
-        candidates += sorted(paths, key=lambda path: "torch" not in path)
+        candidates += [path for path in paths if "torch" in path] + [path for path in paths if "torch" not in path]
     candidates.append(None)  # the process's global symbols
     for candidate in candidates:
         try:
