@@ -110,6 +110,8 @@ class Engine:
         self.on_transfer: Callable[[str, int, float, float], None] | None = None
         self.is_open = False
         self.closing = False
+        #: Ends when a close begins (``closing_signal``): requests waiting for room give up then.
+        self._closing_signal: asyncio.Future[None] | None = None
         self._pid = os.getpid()
 
     @property
@@ -165,10 +167,16 @@ class Engine:
     async def close(self, flush: bool) -> None:
         """Refuse new verbs, cancel prefetches, drain writes and demotions, flush (if asked and
         there is a disk tier), close the tiers. A flush that fails (the disk cannot take what
-        only memory holds) leaves the store open, with nothing lost, and raises."""
+        only memory holds) leaves the store open, with nothing lost, and raises.
+
+        Requests that make room on a memory tier or fill a buffer there are not waited for: from
+        the close on they fail with ``StoreClosedError`` having installed nothing (the room they
+        wait for may come only later, or never)."""
         if not self.is_open or self.closing:
             return
         self.closing = True
+        if self._closing_signal is not None and not self._closing_signal.done():
+            self._closing_signal.set_result(None)  # requests waiting for room give up (``tierstore.eviction``)
         try:
             for task in list(self.background):
                 task.cancel()
@@ -204,6 +212,14 @@ class Engine:
                 for policy in self.policies:
                     if policy is not None:
                         policy.reset()
+
+    def closing_signal(self) -> asyncio.Future[None]:
+        """A future that ends when the store begins to close (a request that waits for room
+        waits for it too, and gives up then)."""
+        signal = self._closing_signal
+        if signal is None or (signal.done() and not self.closing):  # (a close that failed: open again)
+            signal = self._closing_signal = asyncio.get_running_loop().create_future()
+        return signal
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -343,8 +359,12 @@ class Engine:
 
     async def cache_copy(self, entry: Entry, t: int, src: torch.Tensor) -> None:
         """Copy ``src`` (the bytes of ``entry``'s current value) onto memory tier ``t`` as a copy
-        of that version; dropped if the value changes meanwhile."""
-        await self._write_memory(entry, t, entry.version, self._copier(src, t), Priority.DEMAND, source_tier=None)
+        of that version; dropped if the value changes meanwhile. A store that closes meanwhile
+        has no room for it (``TierFullError``: the value itself was written already)."""
+        try:
+            await self._write_memory(entry, t, entry.version, self._copier(src, t), Priority.DEMAND, source_tier=None)
+        except StoreClosedError as exc:
+            raise TierFullError(f"not cached on tier {self.names[t]!r}: {exc}") from exc
 
     async def put_memory(self, entry: Entry, t: int, src: torch.Tensor, meta: TensorMeta) -> None:
         """Copy ``src`` onto memory tier ``t`` as the new value of ``entry``."""
@@ -431,6 +451,9 @@ class Engine:
         finally:
             self.incoming[t].discard(arriving)
             arriving.set_result(None)
+        if self.closing or not self.is_open:  # filled while the store closed: its flush is past
+            self._give_back(tier, copy)
+            raise StoreClosedError(f"the store closed while a value was being copied onto tier {tier.name!r}; nothing was installed")
         self.count_link(source_tier, t, nbytes, time.perf_counter() - started)
         if version is None:
             live = self._live_entry(entry, meta)  # type: ignore[arg-type]
@@ -448,13 +471,16 @@ class Engine:
 
     @staticmethod
     def _give_back(tier: MemoryTier, copy: Copy) -> None:
-        """Return a memory copy's slot or buffer to its tier."""
+        """Return a memory copy's slot or buffer to its tier (a closed tier keeps none of it:
+        one that comes back after the close, its kernel done, is freed)."""
         slab = copy.slab
         if slab is not None:
             tier.release_packed(slab, copy.index)
         else:
             tier.release(copy.buffer)  # type: ignore[arg-type]
         copy.buffer = None
+        if not tier.is_open:
+            tier.clear_pool()
 
     async def write_back(self, entry: Entry, source: Copy, priority: Priority, target: int | None = None) -> None:
         """Write ``source`` (a memory copy the caller uses) to ``target`` (default: one tier down)."""

@@ -10,7 +10,8 @@ decided, and as ``tierstore.sim.replay_store_trace`` replays.
 
 A copy dropped from a tier behind a link while a kernel may still use it comes back to the tier
 only when that kernel is done (``Engine._release_after``): those bytes count as room on its way,
-as a demotion's do, and a request that finds nothing else to evict waits for them.
+as a demotion's do, and a request that finds nothing else to evict waits for them, until the
+store closes: a request still making room then fails with ``StoreClosedError``, allocating nothing.
 
 An early write-back (``write_early``) writes a memory copy to the disk tier below ahead of its
 eviction and keeps it: the eviction that later chooses it drops it without a write on the
@@ -24,7 +25,7 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from .entry import Copy, Entry
-from .errors import TierFullError, UnknownTierError
+from .errors import StoreClosedError, TierFullError, UnknownTierError
 from .tiers.base import MemoryTier, Tier
 from .units import format_bytes
 from .workers import Priority
@@ -42,8 +43,19 @@ async def make_room(engine: Engine, t: int, nbytes: int, priority: Priority) -> 
         raise TierFullError(
             f"{format_bytes(nbytes)} is more than tier {tier.name!r} holds ({format_bytes(tier.capacity)})"
         )
-    while tier.free < tier.allocation_size(nbytes):  # checked last with no await before allocate
+    while True:
+        _refuse_if_closing(engine, tier)  # (a request that made room while the store closed allocates nothing)
+        if tier.free >= tier.allocation_size(nbytes):  # checked last with no await before allocate
+            return
         await _evict_for(engine, tier, t, nbytes, priority)
+
+
+def _refuse_if_closing(engine: Engine, tier: MemoryTier) -> None:
+    """Raise ``StoreClosedError`` once the store is closing: its close waits for no request that
+    makes room (room on its way may never come: a kernel, a hold the caller keeps), and nothing
+    may be allocated on a tier it closes. Nothing was changed (demotions leave values valid)."""
+    if engine.closing or not engine.is_open:
+        raise StoreClosedError(f"the store is closing: no more room is made on tier {tier.name!r} (nothing was written)")
 
 
 async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, priority: Priority) -> None:
@@ -51,6 +63,7 @@ async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, prio
     mine: list[asyncio.Task[None]] = []
     try:
         while tier.free < (size := tier.allocation_size(nbytes)):
+            _refuse_if_closing(engine, tier)  # (no victims chosen for a store that closes)
             deficit = size - tier.free - engine.freeing[t] - engine.releasing[t]  # (room on its way back)
             batch: list[tuple[Entry, Copy]] = []
             while deficit > 0:
@@ -93,7 +106,9 @@ async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, prio
                     f"tier {tier.name!r} cannot make room for {format_bytes(nbytes)}: {format_bytes(tier.free)} free, "
                     f"{format_bytes(held)} held or in transfer"
                 )
-            await asyncio.wait(list(pending), return_when=asyncio.FIRST_COMPLETED)
+            # Close wakes the wait (the loop then refuses): room on its way may come only after
+            # it, or never (a kernel that never ends, a hold kept open across the close).
+            await asyncio.wait([*pending, engine.closing_signal()], return_when=asyncio.FIRST_COMPLETED)
     finally:
         if any(not task.done() for task in mine):
             await asyncio.wait(mine)  # (they run on even if the request is cancelled)
@@ -252,6 +267,9 @@ def _retrieve(task: asyncio.Task[None]) -> None:
 
 
 def _raise_failed(tier: Tier, task: asyncio.Task[None]) -> None:
-    """Raise ``TierFullError`` if the demotion ``task`` ended with an error."""
+    """Raise ``TierFullError`` if the demotion ``task`` ended with an error (``StoreClosedError``
+    if the store closed under it)."""
     if task.done() and not task.cancelled() and task.exception() is not None:
+        if isinstance(task.exception(), StoreClosedError):
+            raise StoreClosedError(str(task.exception())) from task.exception()
         raise TierFullError(f"cannot make room on tier {tier.name!r}: {task.exception()}") from task.exception()

@@ -1,0 +1,193 @@
+"""Closing a store while requests wait for room that a kernel gives back (a device buffer
+retired while the caller's kernel may still use it comes back only when that kernel ends):
+the close does not hang, each waiting request fails with ``StoreClosedError``, nothing is
+allocated on the closed tiers afterwards and they keep none of the buffers that come back."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from tierstore import DeviceTier, HostTier, StoreClosedError, SyncTierStore, TierStore
+from tierstore.device.emulated import EmulatedLink
+from tierstore.device.transfer import Transfer
+
+VALUE = 64 * 1024  # one page-aligned buffer each: no packing
+PATIENCE = 10.0  # seconds: far more than any step here takes, less than forever
+
+
+class KernelLink(EmulatedLink):
+    """An emulated link on which the caller's "kernels" queued while ``launching`` is set run
+    until ``finish()`` (as a CUDA event after a slow kernel; never, if it is not called)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernels = Transfer("marker", 0)
+        self.launching = False
+
+    def mark(self) -> Any:
+        return self.kernels if self.launching else super().mark()
+
+    def when_done(self, marker: Any) -> Transfer:
+        return marker if isinstance(marker, Transfer) else super().when_done(marker)
+
+    def finish(self) -> None:
+        thread = threading.Thread(target=self.kernels.finish)  # (on another thread, as an event waiter's)
+        thread.start()
+        thread.join()
+
+
+def value(n: int) -> torch.Tensor:
+    return torch.full((VALUE // 4,), float(n))
+
+
+@asynccontextmanager
+async def full_device() -> AsyncIterator[tuple[TierStore, DeviceTier, KernelLink]]:
+    """A store whose device tier holds two values: ``a``'s buffer retired while a kernel still
+    uses it (it comes back when ``link.finish()`` is called), ``held`` on it, ``h`` on the host."""
+    device = DeviceTier("cpu", 2 * VALUE, emulate_device=True)
+    store = TierStore([device, HostTier("1MiB")])
+    await store.open()
+    link = device.link = KernelLink()
+    try:
+        await store.put("a", value(1), tier="device")
+        await store.put("held", value(2), tier="device")
+        await store.put("h", value(3), tier="host")
+        async with store.hold("a", "device"):
+            link.launching = True  # a kernel that reads a's buffer is queued
+        link.launching = False
+        await store.delete("a")
+        yield store, device, link
+    finally:
+        link.finish()
+        if store.is_open:
+            await store.aclose()
+        link.close()
+
+
+async def until_waiting(task: asyncio.Future[Any]) -> None:
+    for _ in range(50):
+        await asyncio.sleep(0)
+    assert not task.done(), "the request did not wait for the room a kernel still uses"
+
+
+async def outcome(task: asyncio.Future[Any]) -> BaseException | None:
+    """What ``task`` ends with, failing the test if it does not end in time."""
+    done, _ = await asyncio.wait([task], timeout=PATIENCE)
+    assert done, "the request waits on after the store closed"
+    return task.exception()
+
+
+async def close_in_time(store: TierStore) -> None:
+    await asyncio.wait_for(store.aclose(), PATIENCE)
+
+
+def request(store: TierStore, kind: str) -> asyncio.Future[Any]:
+    """A put of a new value on the device, or a hold there of a value only on the host."""
+
+    async def hold() -> None:
+        async with store.hold("h", "device"):
+            pass
+
+    return asyncio.ensure_future(store.put("b", value(4), tier="device") if kind == "put" else hold())
+
+
+@pytest.mark.parametrize("kind", ["put", "hold"])
+@pytest.mark.parametrize("kernel", ["ends after the close", "never ends"])
+async def test_close_fails_a_request_waiting_for_room_a_kernel_gives_back(kind: str, kernel: str) -> None:
+    async with full_device() as (store, device, link):
+        async with store.hold("held", "device"):  # nothing to evict: only a's room can come
+            waiting = request(store, kind)
+            await until_waiting(waiting)
+            await close_in_time(store)
+            error = await outcome(waiting)  # (was: still waiting; with the kernel ended, allocating on the closed tier)
+        assert isinstance(error, StoreClosedError), error
+        if kernel == "ends after the close":
+            link.finish()
+            await asyncio.sleep(0.05)  # (the buffer comes back on the loop)
+        assert not store.is_open
+
+
+async def test_a_request_waiting_for_room_when_the_close_starts_allocates_nothing_later() -> None:
+    async with full_device() as (store, device, link):
+        async with store.hold("held", "device"):
+            waiting = request(store, "put")
+            await until_waiting(waiting)
+            used = device.used
+        await close_in_time(store)
+        link.finish()  # a's buffer comes back: room a waiting put would take
+        await outcome(waiting)
+        await asyncio.sleep(0.05)
+        assert device.used <= used - VALUE  # a's buffer went back and stayed free
+        with pytest.raises(StoreClosedError):
+            await store.put("b", value(4), tier="device")
+
+
+async def test_a_buffer_whose_kernel_ends_after_the_close_is_freed() -> None:
+    device = DeviceTier("cpu", 2 * VALUE, emulate_device=True)
+    store = TierStore([device, HostTier("1MiB")])
+    await store.open()
+    link = device.link = KernelLink()
+    try:
+        await store.put("a", value(1), tier="device")
+        async with store.hold("a", "device") as buffer:
+            ref = StorageWeakRef(buffer.untyped_storage())
+            del buffer
+            link.launching = True
+        link.launching = False
+        await store.delete("a")
+        await close_in_time(store)
+        link.finish()
+        await asyncio.sleep(0.05)
+        gc.collect()
+        assert ref.expired(), "the closed tier's pool kept the buffer that came back"  # (was: pooled)
+    finally:
+        link.finish()
+        link.close()
+
+
+def test_sync_close_fails_a_put_another_thread_waits_with() -> None:
+    device = DeviceTier("cpu", 2 * VALUE, emulate_device=True)
+    store = SyncTierStore([device, HostTier("1MiB")])
+    store.open()
+    link = device.link = KernelLink()
+    try:
+        store.put("a", value(1), tier="device")
+        store.put("held", value(2), tier="device")
+        with store.hold("a", "device"):
+            link.launching = True
+        link.launching = False
+        store.delete("a")
+        errors: list[BaseException] = []
+
+        def put() -> None:
+            try:
+                store.put("b", value(3), tier="device")
+            except BaseException as exc:  # noqa: BLE001 - the test looks at it
+                errors.append(exc)
+
+        with store.hold("held", "device"):
+            worker = threading.Thread(target=put)
+            worker.start()
+            worker.join(0.2)
+            assert worker.is_alive(), "the put did not wait for the room a kernel still uses"
+            closer = threading.Thread(target=store.close)
+            closer.start()
+            closer.join(PATIENCE)
+            assert not closer.is_alive(), "close hangs"
+            worker.join(PATIENCE)
+            assert not worker.is_alive(), "the put waits on after the store closed"
+        assert len(errors) == 1 and isinstance(errors[0], StoreClosedError), errors
+    finally:
+        link.finish()
+        if store.is_open:
+            store.close()
+        link.close()
