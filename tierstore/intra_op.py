@@ -20,45 +20,65 @@ from __future__ import annotations
 import ctypes
 import functools
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
 
 _OPENMP_LIBRARIES = ("libgomp", "libomp", "libiomp")
+#: The setter found to work on an earlier thread (tried first on the next).
+_working: Any = None
 
 
 @functools.cache
-def _omp_set_num_threads() -> Any:
-    """The ``omp_set_num_threads`` of the OpenMP runtime torch uses, or None (no OpenMP)."""
+def _setters() -> tuple[Any, ...]:
+    """Every ``omp_set_num_threads`` that may be the one of the OpenMP runtime torch uses: the
+    OpenMP libraries mapped into the process (those under torch's folder first), then the
+    process's global symbol; none without OpenMP."""
     if not torch.backends.openmp.is_available():
-        return None
-    candidates: list[str | None] = []
+        return ()
+    paths: list[str] = []
     if sys.platform.startswith("linux"):
-        # The runtime torch loaded (its wheel ships one): a symbol looked up globally could
-        # belong to another library's OpenMP, whose setting torch would never read.
         try:
             with open("/proc/self/maps") as maps:
-                paths = {line.split()[-1] for line in maps if any(name in line for name in _OPENMP_LIBRARIES)}
+                for line in maps:
+                    fields = line.split(maxsplit=5)
+                    path = fields[5].strip() if len(fields) == 6 else ""
+                    if any(name in path.rsplit("/", 1)[-1] for name in _OPENMP_LIBRARIES) and path not in paths:
+                        paths.append(path)
         except OSError:
-            paths = set()
-        candidates += [path for path in paths if "torch" in path] + [path for path in paths if "torch" not in path]
-    candidates.append(None)  # the process's global symbols
+            pass
+    torch_folder = str(Path(torch.__file__).parent)
+    candidates: list[str | None] = [*sorted(paths, key=lambda path: not path.startswith(torch_folder)), None]
+    found = []
     for candidate in candidates:
         try:
-            return ctypes.CDLL(candidate).omp_set_num_threads
-        except (OSError, AttributeError):
+            found.append(ctypes.CDLL(candidate).omp_set_num_threads)
+        except Exception:  # (not loadable, no such symbol; on Windows CDLL(None) is a TypeError)
             continue
-    return None
+    return tuple(found)
 
 
 def run_ops_serially() -> None:
     """Make the torch CPU ops this thread calls run on this thread alone (OpenMP's
-    per-thread team size set to 1); a no-op where torch has no OpenMP runtime. Other
-    threads, and ``torch.get_num_threads()`` on them, are not changed."""
-    setter = _omp_set_num_threads()
-    if setter is None:
+    per-thread team size set to 1); a no-op where torch has no OpenMP runtime or none of the
+    runtimes found is the one torch reads. Other threads, and ``torch.get_num_threads()`` on
+    them, are not changed. Never raises: it only saves cores.
+
+    Not covered: MKL's own thread count (``torch.set_num_threads`` sets it per thread too, for
+    matrix products) and ``torch.compile``d CPU kernels (their thread count is fixed when
+    compiled); the store's threads run neither."""
+    global _working
+    try:
+        # Torch sets a thread's team size when the thread first asks for it; asking first keeps
+        # that first-use setting from overwriting this one later.
+        if torch.get_num_threads() == 1:
+            return
+        setters = _setters()
+        for setter in ([_working] if _working is not None else []) + [s for s in setters if s is not _working]:
+            setter(1)
+            if torch.get_num_threads() == 1:  # (torch reads the runtime it linked: this one)
+                _working = setter
+                return
+    except Exception:
         return
-    # Torch sets a thread's team size when the thread first asks for it; asking first keeps
-    # that first-use setting from overwriting this one later.
-    torch.get_num_threads()
-    setter(1)

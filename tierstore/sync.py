@@ -99,6 +99,9 @@ def loop_thread() -> asyncio.AbstractEventLoop:
     with _lock:
         if _loop is None:
             loop = asyncio.new_event_loop()
+            # (``asyncio.to_thread`` runs here: its threads too leave the cores to torch)
+            loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(thread_name_prefix="tierstore-default",
+                                                                            initializer=run_ops_serially))
             thread = threading.Thread(target=_serve_loop, args=(loop,), name="tierstore-loop", daemon=True)
             thread.start()
             _loop, _thread = loop, thread

@@ -229,7 +229,10 @@ class PagedOptimizer(torch.optim.Optimizer):
             self.namespace = run(self._claim(namespace, overwrite))
             for slot in self._slots:
                 slot.key = self.namespace.key(str(slot.index))
-            self._pipeline = UpdatePipeline(self.store, state_tier, self, report=lambda: self._window.report, timeline=self.timeline)
+            # Where the model computes on the CPU too (device memory is host memory), the update in
+            # backward shares its cores with backward itself: one core of them, not a second team.
+            self._pipeline = UpdatePipeline(self.store, state_tier, self, report=lambda: self._window.report, timeline=self.timeline,
+                                            serial_update=all(slot.link.lends for slot in self._slots))
             self._pipeline.plan(
                 self._slots, parse_bytes(bucket_bytes) if bucket_bytes is not None else 0, max_inflight, step_in_backward,
                 chunk_bytes=parse_bytes(chunk_bytes) if chunk_bytes is not None else 0,

@@ -67,17 +67,21 @@ class Updater(Protocol):
 class UpdatePipeline:
     """Buckets of updates on ``store``'s ``state_tier`` for ``owner`` (see the module docstring)."""
 
-    def __init__(self, store: TierStore, state_tier: str, owner: Updater, *, report: Callable[[], TimeReport], timeline: Timeline) -> None:
+    def __init__(
+        self, store: TierStore, state_tier: str, owner: Updater, *, report: Callable[[], TimeReport], timeline: Timeline,
+        serial_update: bool = False,
+    ) -> None:
         self._store = store
         self._tier = state_tier
         self._owner = owner
         self._report = report
         self._timeline = timeline
         # Math runs on the training thread while it waits in step(); during backward (norms,
-        # updates in backward) on a worker thread, with torch's intra-op threads as the
-        # training thread has them (on a GPU host the update is the CPU's main work).
+        # updates in backward) on a worker thread, with torch's intra-op threads (on a GPU host
+        # the update is the CPU's main work) unless ``serial_update`` (the model computes on
+        # these cores too: a second OpenMP team would slow its backward, ``tierstore.intra_op``).
         # ``in_step`` is the loop's to set.
-        self._compute = WorkerPool(1, "optimizer", serial_ops=False)
+        self._compute = WorkerPool(1, "optimizer", serial_ops=serial_update)
         self._compute.start()
         self._caller = CallerPool()
         self.in_step = False
