@@ -90,6 +90,11 @@ class StoreClosedError(TierStoreError, RuntimeError):
     """The store (or tier) is not open."""
 
 
+class LinkClosedError(TierStoreError, RuntimeError):
+    """A device link (``tierstore.device``) was closed: a copy asked of it after, or queued on it
+    but not yet started when it closed, does not run and its ``Transfer`` fails with this."""
+
+
 class OptimizerClosedError(StoreClosedError):
     """The optimizer was closed (``opt.close()``): it steps, reports and saves no more."""
 

@@ -6,6 +6,11 @@ stream that is), or for the current stream of the thread that starts it. Device 
 touches are recorded on the side stream (``record_stream``), so the caching allocator does not
 hand their memory out again before the copy ran. Completion comes from an event-waiting thread
 per stream (``event.synchronize()``, no polling) that finishes the ``Transfer``.
+
+``close()`` stops those threads once they finished what was queued to them (copies the GPU was
+given run there regardless). A copy asked for after is refused (its transfer fails with
+``LinkClosedError``, nothing is queued on the GPU); an event handed to a stopped waiter
+(``when_done``, or a copy that raced the close) is waited for on the caller's thread.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..errors import LinkClosedError
 from .link import READY, TO_DEVICE, TO_HOST, Link
 from .transfer import Transfer
 
@@ -50,6 +56,9 @@ class CudaLink(Link):
         return transfer
 
     def _submit(self, transfer: Transfer, dst: torch.Tensor, src: torch.Tensor, after: Any) -> None:
+        if self._waiters[transfer.direction].closed:
+            transfer.finish(LinkClosedError(f"a {transfer.nbytes:,}-byte copy {transfer.direction} was asked of a closed CUDA link"))
+            return
         stream = self._streams[transfer.direction]
         if after is None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -79,14 +88,25 @@ class _EventWaiter:
     def __init__(self, device: torch.device, name: str) -> None:
         self._device = device
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        #: Set (under ``_lock``) together with the stop marker: nothing is queued after it.
+        self.closed = False
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def put(self, event: Any, transfer: Transfer) -> None:
-        self._queue.put((event, transfer))
+        with self._lock:
+            if not self.closed:
+                self._queue.put((event, transfer))
+                return
+        _finish_after(event, transfer)  # the thread stopped: nothing would finish it
 
     def stop(self) -> None:
-        self._queue.put(None)
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            self._queue.put(None)
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
@@ -96,10 +116,15 @@ class _EventWaiter:
             if job is None:
                 return
             event, transfer = job
-            try:
-                event.synchronize()
-            except BaseException as exc:  # noqa: BLE001 - handed to whoever awaits the transfer
-                transfer.finish(exc)
-            else:
-                transfer.finish()
+            _finish_after(event, transfer)
             del job, event, transfer
+
+
+def _finish_after(event: Any, transfer: Transfer) -> None:
+    """Wait for ``event`` on this thread, then finish ``transfer`` (with the error, if any)."""
+    try:
+        event.synchronize()
+    except BaseException as exc:  # noqa: BLE001 - handed to whoever awaits the transfer
+        transfer.finish(exc)
+    else:
+        transfer.finish()

@@ -8,6 +8,9 @@ the previous one ended or it started, whichever is later), so the link's through
 even where the operating system cannot sleep as briefly as one small copy takes. Work on the
 CPU is synchronous, so a caller's ``mark()`` is always complete; a
 copy ``after`` another ``Transfer`` waits for it (ordering across the two directions).
+
+``close()`` lets a copy that is moving bytes end as usual; copies queued behind it, and any
+asked for later, do not run: their transfers fail with ``LinkClosedError`` (none stays pending).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ..errors import LinkClosedError
 from ..intra_op import run_ops_serially
 from .link import TO_DEVICE, TO_HOST, Link, copy_into
 from .spec import LinkSpec
@@ -27,6 +31,9 @@ from .transfer import Transfer
 #: Below this, a copy does not sleep off what it owes the link's pace but leaves it to the copies
 #: queued after it (a sleep this short overshoots by more than it lasts).
 _MIN_SLEEP = 5e-4
+
+#: How often a copy waiting for its ``after`` transfer looks whether the link was closed meanwhile.
+_CLOSED_POLL = 0.05
 
 
 class EmulatedLink(Link):
@@ -56,16 +63,23 @@ class _CopyStream:
         self._spec = spec
         self._free_at = 0.0  # when the link finishes what it was given, on the virtual clock
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._closed = False  # set (under _lock) together with the stop marker: nothing is queued after it
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def put(self, transfer: Transfer, dst: torch.Tensor, src: torch.Tensor, after: Any) -> None:
-        if not self._thread.is_alive():
-            raise RuntimeError("the emulated link was closed")
-        self._queue.put((transfer, dst, src, after))
+        with self._lock:
+            if not self._closed and self._thread.is_alive():
+                self._queue.put((transfer, dst, src, after))
+                return
+        transfer.finish(LinkClosedError(f"a {transfer.nbytes:,}-byte copy {transfer.direction} was asked of a closed emulated link"))
 
     def stop(self) -> None:
-        self._queue.put(None)
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._queue.put(None)
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
@@ -77,7 +91,12 @@ class _CopyStream:
             transfer, dst, src, after = job
             try:
                 if isinstance(after, Transfer):
-                    after.wait()
+                    while not after._done.wait(_CLOSED_POLL) and not self._closed:
+                        pass  # (a copy still waiting for it when the link closes does not run)
+                    if after.done():
+                        after.wait()  # its error, if it failed
+                if self._closed:
+                    raise LinkClosedError(f"the emulated link was closed before this {transfer.nbytes:,}-byte copy {transfer.direction} started")
                 transfer.started = started = time.perf_counter()
                 if transfer.nbytes:
                     copy_into(dst, src)
