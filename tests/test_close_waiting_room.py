@@ -14,35 +14,13 @@ from typing import Any
 
 import pytest
 import torch
+from kernel_link import KernelLink
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from tierstore import DeviceTier, HostTier, StoreClosedError, SyncTierStore, TierStore
-from tierstore.device.emulated import EmulatedLink
-from tierstore.device.transfer import Transfer
 
 VALUE = 64 * 1024  # one page-aligned buffer each: no packing
 PATIENCE = 10.0  # seconds: far more than any step here takes, less than forever
-
-
-class KernelLink(EmulatedLink):
-    """An emulated link on which the caller's "kernels" queued while ``launching`` is set run
-    until ``finish()`` (as a CUDA event after a slow kernel; never, if it is not called)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.kernels = Transfer("marker", 0)
-        self.launching = False
-
-    def mark(self) -> Any:
-        return self.kernels if self.launching else super().mark()
-
-    def when_done(self, marker: Any) -> Transfer:
-        return marker if isinstance(marker, Transfer) else super().when_done(marker)
-
-    def finish(self) -> None:
-        thread = threading.Thread(target=self.kernels.finish)  # (on another thread, as an event waiter's)
-        thread.start()
-        thread.join()
 
 
 def value(n: int) -> torch.Tensor:

@@ -5,42 +5,17 @@ needless eviction) and waits for it."""
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
 import torch
+from kernel_link import KernelLink
 
 from tierstore import DeviceTier, HostTier, TierFullError, TierStore
-from tierstore.device.emulated import EmulatedLink
-from tierstore.device.transfer import Transfer
 
 VALUE = 64 * 1024  # one page-aligned buffer each: no packing
-
-
-class KernelLink(EmulatedLink):
-    """An emulated link on which the caller's "kernels" queued while ``launching`` is set run
-    until ``finish()``: a ``mark()`` then is a ``Transfer`` that ends only then (as a CUDA event
-    after a slow kernel)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.kernels = Transfer("marker", 0)
-        self.launching = False
-
-    def mark(self) -> Any:
-        return self.kernels if self.launching else super().mark()
-
-    def when_done(self, marker: Any) -> Transfer:
-        return marker if isinstance(marker, Transfer) else super().when_done(marker)
-
-    def finish(self) -> None:
-        """The kernels end, on another thread (as a CUDA event waiter's)."""
-        thread = threading.Thread(target=self.kernels.finish)
-        thread.start()
-        thread.join()
 
 
 @asynccontextmanager
