@@ -169,3 +169,19 @@ def test_sync_close_fails_a_put_another_thread_waits_with() -> None:
         if store.is_open:
             store.close()
         link.close()
+
+
+def test_a_verb_on_a_closed_store_says_it_was_closed() -> None:
+    store = SyncTierStore([HostTier("1MiB")]).open()
+    store.put("a", value(1))
+    store.close()
+    with pytest.raises(StoreClosedError, match="the store is closed"):
+        store.get("a")
+    never = SyncTierStore([HostTier("1MiB")])
+    with pytest.raises(StoreClosedError, match="not open"):
+        never.get("a")
+    store.open()  # (a closed store opens again)
+    try:
+        assert "a" not in store  # (memory tiers only: nothing outlives the close)
+    finally:
+        store.close()

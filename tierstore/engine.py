@@ -110,6 +110,8 @@ class Engine:
         self.on_transfer: Callable[[str, int, float, float], None] | None = None
         self.is_open = False
         self.closing = False
+        #: Closed after being open (a verb then says "closed", not "not open yet").
+        self.closed = False
         #: Ends when a close begins (``closing_signal``): requests waiting for room give up then.
         self._closing_signal: asyncio.Future[None] | None = None
         self._pid = os.getpid()
@@ -197,6 +199,7 @@ class Engine:
             raise
         self.is_open = False
         self.closing = False
+        self.closed = True
         try:
             if self.trace is not None:
                 await self.trace.aclose()
@@ -976,6 +979,8 @@ class Engine:
 
     def require_open(self) -> None:
         if not self.is_open:
+            if self.closed:
+                raise StoreClosedError("the store is closed: open it again ('await store.open()', or SyncTierStore's .open()) to use it")
             raise StoreClosedError("the store is not open: use 'async with TierStore(...)' or 'await store.open()' (the blocking SyncTierStore: 'with SyncTierStore(...)' or its .open())")
         if self._pid != this_process.pid:
             raise StoreForkedError(

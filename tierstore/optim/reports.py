@@ -142,7 +142,8 @@ class MemoryPlan:
             f"resident state {format_bytes(self.resident_state_bytes)}, working set {format_bytes(self.working_bytes)})"
         )
         if self.chunked_parameters:
-            lines.append(f"  {self.chunked_parameters} parameters paged in chunks of {format_bytes(self.chunk_bytes)}")
+            noun = "parameter" if self.chunked_parameters == 1 else "parameters"
+            lines.append(f"  {self.chunked_parameters} {noun} paged in chunks of {format_bytes(self.chunk_bytes)}")
         lines += [f"  problem: {p}" for p in self.problems]
         return "\n".join(lines)
 
@@ -200,9 +201,11 @@ def plan_memory(
 
 @dataclass
 class TimeReport:
-    """Where the last step's time went (seconds). Transfer times add up each transfer's own
-    duration, so overlapping transfers count in full; ``stall`` is what the training loop
-    waited in ``step()`` (and in ``clip_grad_norm_``).
+    """Where the last step's time went (seconds). ``step_wall`` is the wall time from the end of
+    this optimizer's previous step to the end of this one: a whole training iteration (forward,
+    backward and step; and whatever else ran between its steps, such as other models trained in
+    turn). Transfer times add up each transfer's own duration, so overlapping transfers count
+    in full; ``stall`` is what the training loop waited in ``step()`` (and in ``clip_grad_norm_``).
 
     Disk bytes: ``disk_read_bytes``/``disk_write_bytes`` are what crossed the disk tier's links
     in the step (what the kernel's block-I/O counters see, the disk tier writing with
@@ -261,7 +264,7 @@ class TimeReport:
 
     def __str__(self) -> str:
         text = (
-            f"step {self.step} ({self.mode}): {self.step_wall * 1e3:.1f} ms wall, training loop stalled "
+            f"step {self.step} ({self.mode}): {self.step_wall * 1e3:.1f} ms wall since the last step, training loop stalled "
             f"{self.stall * 1e3:.1f} ms\n"
             f"  host updates {self.host_update * 1e3:.1f} ms ({self.updates} tensors, "
             f"{self.update_elements / max(self.host_update, 1e-9) / 1e9:.2f} G params/s) | grads to host "
