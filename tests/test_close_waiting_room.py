@@ -17,7 +17,7 @@ import torch
 from kernel_link import KernelLink
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from tierstore import DeviceTier, HostTier, StoreClosedError, SyncTierStore, TierStore
+from tierstore import DeviceTier, DiskTier, HostTier, StoreClosedError, SyncTierStore, TierStore
 
 VALUE = 64 * 1024  # one page-aligned buffer each: no packing
 PATIENCE = 10.0  # seconds: far more than any step here takes, less than forever
@@ -185,3 +185,92 @@ def test_a_verb_on_a_closed_store_says_it_was_closed() -> None:
         assert "a" not in store  # (memory tiers only: nothing outlives the close)
     finally:
         store.close()
+
+
+async def _busy_store(root: Any) -> TierStore:
+    """A store whose next close has a flush that takes a while (40 dirty values), and ``k`` clean
+    on disk."""
+    store = TierStore([HostTier(64 * VALUE), DiskTier(root, "64MiB", durable=True)])
+    await store.open()
+    await store.put("k", torch.zeros(16), tier="host")
+    await store.flush()
+    for i in range(40):
+        await store.put(f"d{i}", value(i), tier="host")
+    return store
+
+
+async def _on_disk(root: Any, key: str) -> float:
+    reopened = TierStore([DiskTier(root, "64MiB")])
+    await reopened.open()
+    try:
+        return float((await reopened.get(key))[0])
+    finally:
+        await reopened.aclose()
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.005, 0.02])
+async def test_a_write_hold_released_during_the_close_is_written(tmp_path: Any, delay: float) -> None:
+    store = await _busy_store(tmp_path / "d")
+    released = asyncio.get_running_loop().create_future()
+
+    async def writer() -> None:
+        async with store.hold("k", "host", write=True) as buffer:  # on a value clean on disk
+            buffer.fill_(7.0)
+            await released
+
+    holding = asyncio.ensure_future(writer())
+    await asyncio.sleep(0.01)
+    closing = asyncio.ensure_future(store.aclose())
+    await asyncio.sleep(delay)
+    released.set_result(None)
+    await asyncio.wait_for(holding, PATIENCE)
+    await asyncio.wait_for(closing, PATIENCE)
+    assert await _on_disk(tmp_path / "d", "k") == 7.0  # (was lost: the flush had not waited for it)
+
+
+async def test_a_put_in_flight_when_the_close_begins_is_written_or_refused(tmp_path: Any) -> None:
+    store = await _busy_store(tmp_path / "d")
+    released = asyncio.get_running_loop().create_future()
+
+    async def holder() -> None:
+        async with store.hold("k", "host", write=True):
+            await released
+
+    holding = asyncio.ensure_future(holder())
+    await asyncio.sleep(0.01)
+    put = asyncio.ensure_future(store.put("k", torch.full((16,), 5.0), tier="host"))  # waits for the hold
+    await asyncio.sleep(0.01)
+    closing = asyncio.ensure_future(store.aclose())
+    await asyncio.sleep(0.005)
+    released.set_result(None)
+    await asyncio.wait_for(holding, PATIENCE)
+    try:
+        await asyncio.wait_for(put, PATIENCE)
+        acknowledged = True
+    except StoreClosedError:
+        acknowledged = False
+    await asyncio.wait_for(closing, PATIENCE)
+    # (it was acknowledged after the close's flush had passed, and lost)
+    assert await _on_disk(tmp_path / "d", "k") == (5.0 if acknowledged else 0.0)
+
+
+async def test_a_write_hold_asked_for_during_the_close_is_refused(tmp_path: Any) -> None:
+    store = await _busy_store(tmp_path / "d")
+    reader_done = asyncio.get_running_loop().create_future()
+
+    async def reader() -> None:
+        async with store.hold("k", "host"):
+            await reader_done
+
+    reading = asyncio.ensure_future(reader())
+    await asyncio.sleep(0.01)
+    write = asyncio.ensure_future(store.hold("k", "host", write=True).__aenter__())  # waits for the reader
+    await asyncio.sleep(0.01)
+    closing = asyncio.ensure_future(store.aclose())
+    await asyncio.sleep(0)
+    reader_done.set_result(None)
+    await asyncio.wait_for(reading, PATIENCE)
+    with pytest.raises(StoreClosedError, match="no write hold"):
+        await asyncio.wait_for(write, PATIENCE)
+    await asyncio.wait_for(closing, PATIENCE)
+    assert await _on_disk(tmp_path / "d", "k") == 0.0

@@ -380,7 +380,8 @@ class Engine:
         tier = self._tiers[t]
         nbytes = meta.nbytes
         if (
-            nbytes > INLINE_COPY_BYTES
+            self.closing  # (the awaited way refuses it: the close's flush may have passed)
+            or nbytes > INLINE_COPY_BYTES
             or src.device.type != "cpu"
             or getattr(tier, "link", None) is not None
             or not isinstance(tier, MemoryTier)
@@ -672,7 +673,7 @@ class Engine:
         disk = self.disk
         d = self.disk_index
         nbytes = meta.nbytes
-        if d is None or disk.durable or not disk.holds_inline(nbytes):
+        if d is None or disk.durable or not disk.holds_inline(nbytes) or self.closing:
             return False
         entry = self._live_entry(entry, meta)
         old = entry.copy_on(d)

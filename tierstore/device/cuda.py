@@ -10,7 +10,7 @@ per stream (``event.synchronize()``, no polling) that finishes the ``Transfer``.
 ``close()`` stops those threads once they finished what was queued to them (copies the GPU was
 given run there regardless). A copy asked for after is refused (its transfer fails with
 ``LinkClosedError``, nothing is queued on the GPU); an event handed to a stopped waiter
-(``when_done``, or a copy that raced the close) is waited for on the caller's thread.
+(``when_done``, or a copy that raced the close) is waited for on a short-lived thread of its own.
 """
 
 from __future__ import annotations
@@ -99,7 +99,9 @@ class _EventWaiter:
             if not self.closed:
                 self._queue.put((event, transfer))
                 return
-        _finish_after(event, transfer)  # the thread stopped: nothing would finish it
+        # The thread stopped: nothing would finish it. Waited for on a thread of its own, not
+        # the caller's (the store's event loop gives buffers back through ``when_done``).
+        threading.Thread(target=_finish_after, args=(event, transfer), name="tierstore-cuda-late-event", daemon=True).start()
 
     def stop(self) -> None:
         with self._lock:
