@@ -55,7 +55,8 @@ def _refuse_if_closing(engine: Engine, tier: MemoryTier) -> None:
     makes room (room on its way may never come: a kernel, a hold the caller keeps), and nothing
     may be allocated on a tier it closes. Nothing was changed (demotions leave values valid)."""
     if engine.closing or not engine.is_open:
-        raise StoreClosedError(f"the store is closing: no more room is made on tier {tier.name!r} (nothing was written)")
+        raise StoreClosedError(f"the store is closing: no more room is made on tier {tier.name!r} (nothing was written; "
+                               "should the close fail, the store stays open and this can be asked again)")
 
 
 async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, priority: Priority) -> None:
