@@ -32,9 +32,6 @@ from .transfer import Transfer
 #: queued after it (a sleep this short overshoots by more than it lasts).
 _MIN_SLEEP = 5e-4
 
-#: How often a copy waiting for its ``after`` transfer looks whether the link was closed meanwhile.
-_CLOSED_POLL = 0.05
-
 
 class EmulatedLink(Link):
     """See the module docstring. ``spec`` sets bandwidth and latency (None: memcpy speed)."""
@@ -64,6 +61,7 @@ class _CopyStream:
         self._free_at = 0.0  # when the link finishes what it was given, on the virtual clock
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._closed = False  # set (under _lock) together with the stop marker: nothing is queued after it
+        self._wake = threading.Event()  # (a copy waiting for its ``after`` transfer: see _run)
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -80,6 +78,7 @@ class _CopyStream:
             if not self._closed:
                 self._closed = True
                 self._queue.put(None)
+        self._wake.set()
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
@@ -91,8 +90,14 @@ class _CopyStream:
             transfer, dst, src, after = job
             try:
                 if isinstance(after, Transfer):
-                    while not after._done.wait(_CLOSED_POLL) and not self._closed:
-                        pass  # (a copy still waiting for it when the link closes does not run)
+                    # Woken by its end or by the link's close (a copy still waiting for it then
+                    # does not run): the callback and ``stop`` both set ``_wake``.
+                    after.add_done_callback(lambda _: self._wake.set())
+                    while True:
+                        self._wake.clear()
+                        if after.done() or self._closed:
+                            break
+                        self._wake.wait()
                     if after.done():
                         after.wait()  # its error, if it failed
                 if self._closed:
