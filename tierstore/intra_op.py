@@ -11,8 +11,9 @@ large copy, and stayed at 22-24 ms when those threads ran it serially.
 So every thread the store starts (event loop, I/O and copy workers, the catalog's writer, the
 emulated link) calls :func:`run_ops_serially` first: the store's threads work in parallel with
 each other and with the user's threads, never inside one op. The one exception is the thread
-that runs the optimizer's update during backward: that math is the user's compute, and on a
-GPU host it is the CPU's main work. The user's threads are left as torch set them.
+that runs the optimizer's update during backward behind a device link: that math is the user's
+compute, and on a GPU host it is the CPU's main work (where the model computes on the CPU too,
+it runs serially like the others). The user's threads are left as torch set them.
 """
 
 from __future__ import annotations
