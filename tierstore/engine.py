@@ -190,6 +190,7 @@ class Engine:
                 await asyncio.gather(*(asyncio.shield(w) for w in pending), return_exceptions=True)
             if self.disk_index is not None:
                 if flush:
+                    await self._writers_done()
                     await self.flush_all(whole=False)
                 await self.disk.drain()  # small puts acknowledged before their commit, flush or not
         except BaseException:
@@ -874,6 +875,14 @@ class Engine:
             waiter = asyncio.get_running_loop().create_future()
             entry.add_waiter(waiter)
             await waiter
+
+    async def _writers_done(self) -> None:
+        """Return once no write hold is open on any key (a close's flush must see what each
+        makes the value when it ends: ``flush_all`` waits only for those on values not yet on
+        disk, and a write hold no longer starts once the store is closing)."""
+        while writing := [e for e in self.entries.values() if e.visible and e.writer is not None]:
+            for entry in writing:
+                await self.no_writer(entry, "close the store holding")
 
     async def no_writer(self, entry: Entry, action: str) -> None:
         """Return once no write hold is open on ``entry``; from inside that hold, raise (the

@@ -49,13 +49,10 @@ async def flush_all(engine: Engine, whole: bool = True) -> None:
     def dirty() -> list[Entry]:
         return [e for e in engine.entries.values() if e.visible and e.valid(d) is None]
 
-    def writing() -> list[Entry]:  # (a write hold on a clean value makes it dirty when it ends)
-        return [e for e in engine.entries.values() if e.visible and e.writer is not None]
-
     while True:  # wait for others' write holds (the caller's own raise), holding nothing meanwhile
-        for entry in writing():
+        for entry in dirty():
             await engine.no_writer(entry, "flush")
-        if not writing():
+        if not any(entry.writer is not None for entry in dirty()):
             break
     plan: list[tuple[Entry, Copy]] = []
     with gc_paused():  # (only around what makes objects per key: never across an await)
