@@ -13,7 +13,7 @@ import asyncio
 import itertools
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -190,7 +190,9 @@ class Engine:
                 await asyncio.gather(*(asyncio.shield(w) for w in pending), return_exceptions=True)
             if self.disk_index is not None:
                 if flush:
-                    await self._writers_done()
+                    # Every write hold, not only those ``flush_all`` waits for (on values not yet on
+                    # disk): each makes its key's value new when it ends, and none starts from now.
+                    await self.no_writers(lambda: [e for e in self.entries.values() if e.visible], "close the store holding")
                     await self.flush_all(whole=False)
                 await self.disk.drain()  # small puts acknowledged before their commit, flush or not
         except BaseException:
@@ -216,6 +218,12 @@ class Engine:
                 for policy in self.policies:
                     if policy is not None:
                         policy.reset()
+
+    @property
+    def winding_down(self) -> bool:
+        """Closing or closed: nothing may be allocated or changed that the close's flush would
+        not see."""
+        return self.closing or not self.is_open
 
     def closing_signal(self) -> asyncio.Future[None]:
         """A future that ends when the store begins to close (a request that waits for room
@@ -456,7 +464,7 @@ class Engine:
         finally:
             self.incoming[t].discard(arriving)
             arriving.set_result(None)
-        if self.closing or not self.is_open:  # filled while the store closed: its flush is past
+        if self.winding_down:  # filled while the store closed: its flush is past
             self._give_back(tier, copy)
             raise StoreClosedError(f"the store closed while a value was being copied onto tier {tier.name!r}; nothing was installed")
         self.count_link(source_tier, t, nbytes, time.perf_counter() - started)
@@ -876,13 +884,12 @@ class Engine:
             entry.add_waiter(waiter)
             await waiter
 
-    async def _writers_done(self) -> None:
-        """Return once no write hold is open on any key (a close's flush must see what each
-        makes the value when it ends: ``flush_all`` waits only for those on values not yet on
-        disk, and a write hold no longer starts once the store is closing)."""
-        while writing := [e for e in self.entries.values() if e.visible and e.writer is not None]:
+    async def no_writers(self, among: Callable[[], Iterable[Entry]], action: str) -> None:
+        """Return once no write hold is open on the entries ``among()`` returns (asked again
+        after each wait: the set may change meanwhile); see ``no_writer``."""
+        while writing := [entry for entry in among() if entry.writer is not None]:
             for entry in writing:
-                await self.no_writer(entry, "close the store holding")
+                await self.no_writer(entry, action)
 
     async def no_writer(self, entry: Entry, action: str) -> None:
         """Return once no write hold is open on ``entry``; from inside that hold, raise (the

@@ -54,7 +54,7 @@ def _refuse_if_closing(engine: Engine, tier: MemoryTier) -> None:
     """Raise ``StoreClosedError`` once the store is closing: its close waits for no request that
     makes room (room on its way may never come: a kernel, a hold the caller keeps), and nothing
     may be allocated on a tier it closes. Nothing was changed (demotions leave values valid)."""
-    if engine.closing or not engine.is_open:
+    if engine.winding_down:
         raise StoreClosedError(f"the store is closing: no more room is made on tier {tier.name!r} (nothing was written; "
                                "should the close fail, the store stays open and this can be asked again)")
 

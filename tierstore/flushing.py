@@ -49,11 +49,7 @@ async def flush_all(engine: Engine, whole: bool = True) -> None:
     def dirty() -> list[Entry]:
         return [e for e in engine.entries.values() if e.visible and e.valid(d) is None]
 
-    while True:  # wait for others' write holds (the caller's own raise), holding nothing meanwhile
-        for entry in dirty():
-            await engine.no_writer(entry, "flush")
-        if not any(entry.writer is not None for entry in dirty()):
-            break
+    await engine.no_writers(dirty, "flush")  # others' write holds (the caller's own raise), holding nothing meanwhile
     plan: list[tuple[Entry, Copy]] = []
     with gc_paused():  # (only around what makes objects per key: never across an await)
         for entry in sorted(dirty(), key=lambda e: e.key):  # no await from the check to here

@@ -934,7 +934,7 @@ class TierStore:
         self._engine.count_access(t, hit, entry)
         self._engine.observe("hold", key, entry.meta.nbytes, t, hit=hit)
         copy = await self._take_hold(entry, t, write, hit)
-        if write and (self._engine.closing or not self._engine.is_open):
+        if write and self._engine.winding_down:
             # (the close's flush has waited for the write holds open when it began; a change
             # made from now on would not be written)
             copy.holds -= 1
