@@ -27,14 +27,20 @@ def value(n: int) -> torch.Tensor:
     return torch.full((VALUE // 4,), float(n))
 
 
-@asynccontextmanager
-async def full_device() -> AsyncIterator[tuple[TierStore, DeviceTier, KernelLink]]:
-    """A store whose device tier holds two values: ``a``'s buffer retired while a kernel still
-    uses it (it comes back when ``link.finish()`` is called), ``held`` on it, ``h`` on the host."""
+async def kernel_store() -> tuple[TierStore, DeviceTier, KernelLink]:
+    """An open store: a device tier of room for two values, behind a ``KernelLink``, and a host tier."""
     device = DeviceTier("cpu", 2 * VALUE, emulate_device=True)
     store = TierStore([device, HostTier("1MiB")])
     await store.open()
     link = device.link = KernelLink()
+    return store, device, link
+
+
+@asynccontextmanager
+async def full_device() -> AsyncIterator[tuple[TierStore, DeviceTier, KernelLink]]:
+    """A store whose device tier holds two values: ``a``'s buffer retired while a kernel still
+    uses it (it comes back when ``link.finish()`` is called), ``held`` on it, ``h`` on the host."""
+    store, device, link = await kernel_store()
     try:
         await store.put("a", value(1), tier="device")
         await store.put("held", value(2), tier="device")
@@ -110,10 +116,7 @@ async def test_a_request_waiting_for_room_when_the_close_starts_allocates_nothin
 
 
 async def test_a_buffer_whose_kernel_ends_after_the_close_is_freed() -> None:
-    device = DeviceTier("cpu", 2 * VALUE, emulate_device=True)
-    store = TierStore([device, HostTier("1MiB")])
-    await store.open()
-    link = device.link = KernelLink()
+    store, device, link = await kernel_store()
     try:
         await store.put("a", value(1), tier="device")
         async with store.hold("a", "device") as buffer:
