@@ -56,6 +56,16 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - started
 
 
+def settle_store(store: Any) -> None:
+    """Wait, from outside its loop, until nothing is in flight in ``store`` (its write-backs and
+    prefetches, ``tierstore.testing.settle``): a benchmark taking turns between stores counts
+    each one's background work in its own time, not in the next one's."""
+    from ..sync import run
+    from ..testing import settle
+
+    run(settle(store, timeout=600))
+
+
 def environment(folder: Path | None = None) -> dict[str, Any]:
     """What the numbers were measured on."""
     info: dict[str, Any] = {
