@@ -14,7 +14,13 @@ import torch
 
 from tierstore import TierStore
 from tierstore.cli import main as cli_main
-from tierstore.disk.tuning import TUNING_FILE, IOSettings, TuningFileWarning, save_tuning
+from tierstore.disk.tuning import (
+    TUNING_FILE,
+    IOSettings,
+    TuningFileWarning,
+    choose_setting,
+    save_tuning,
+)
 from tierstore.tiers import DeviceTier, DiskTier, HostTier
 from tierstore.workers import WorkerPool
 
@@ -53,6 +59,10 @@ def test_tune_writes_the_tuning_file_and_a_disk_tier_there_uses_it(tmp_path: Pat
     assert all(row["write_gbs"] > 0 and row["read_gbs"] > 0 for row in measured)
     assert best in [{k: row[k] for k in best} for row in measured]  # the best is one that was measured
     assert json.loads(report.read_text())["best"] == best
+    assert set(saved["choices"]) == {"chunk_size", "io_threads", "queue_depth"}  # why each sweep chose what it did
+    for stage, reason in saved["choices"].items():
+        assert f"  {stage}: {reason}" in out
+    assert sum(bool(row.get("chosen")) for row in measured) == 3
     assert sorted(p.name for p in folder.iterdir()) == [TUNING_FILE]  # the scratch files are gone
 
     disk = DiskTier(folder, "64MiB")
@@ -60,6 +70,53 @@ def test_tune_writes_the_tuning_file_and_a_disk_tier_there_uses_it(tmp_path: Pat
     assert disk.io_settings.sources == {"chunk_size": "tuning file", "io_threads": "tuning file", "queue_depth": "tuning file"}
     assert "tuning file" in repr(disk) and str(folder / TUNING_FILE) in repr(disk)
     asyncio.run(_round_trip(folder))
+
+
+LABELS = ["chunk 1 MiB", "chunk 4 MiB", "chunk 16 MiB"]
+
+
+def test_choose_setting_keeps_the_default_against_a_gain_within_the_noise() -> None:
+    # 16 MiB beats the default (index 1) in every repetition, but by about 1%: noise, not a win
+    choice = choose_setting([[1.0, 1.1, 0.9], [2.0, 2.4, 1.6], [2.02, 2.43, 1.62]], 1, LABELS)
+    assert (choice.index, choice.kept_default, choice.gain) == (1, True, 0.0)
+    assert choice.reason.startswith("default kept (chunk 4 MiB): no setting beat it by more than 5%")
+    assert "closest: chunk 16 MiB, +1%" in choice.reason
+
+
+def test_choose_setting_keeps_the_default_when_a_challenger_wins_only_a_minority_of_repetitions() -> None:
+    # twice as fast in one repetition of three, even in the others: one lucky repetition is no win
+    choice = choose_setting([[2.0, 1.0, 1.0], [4.0, 1.0, 1.0]], 0, ["default", "other"])
+    assert choice.kept_default and choice.index == 0
+    choice = choose_setting([[1.0, 1.0, 1.0], [1.3, 1.01, 1.02]], 0, ["default", "other"])
+    assert choice.kept_default  # the median (+2%) is no clear gain either
+
+
+def test_choose_setting_keeps_the_default_when_the_gain_is_within_the_spread_between_repetitions() -> None:
+    # faster by more than 5% in 2 of 3 repetitions, median +30%, but the ratios swing 0.8-1.6 (±40%)
+    choice = choose_setting([[1.0, 1.0, 1.0], [0.8, 1.3, 1.6]], 0, ["default", "other"])
+    assert choice.kept_default
+    assert "spread ±40%" in choice.reason
+
+
+def test_choose_setting_takes_a_clearly_faster_setting_and_says_why() -> None:
+    scores = [[1.0, 1.2, 0.8], [1.0, 1.2, 0.8], [1.25, 1.62, 1.04]]  # 16 MiB: +25-35% in every repetition
+    choice = choose_setting(scores, 1, LABELS)
+    assert (choice.index, choice.kept_default) == (2, False)
+    assert choice.gain == pytest.approx(0.3)
+    assert choice.reason.startswith("chunk 16 MiB: 30% faster than the default chunk 4 MiB")
+    assert "in 3 of 3" in choice.reason
+    # of two that qualify, the larger median gain wins
+    assert choose_setting([[1.0, 1.0, 1.0], [1.2, 1.2, 1.2], [1.5, 1.4, 1.45]], 0).index == 2
+    # two of three repetitions is most of them (the third a dip)
+    assert choose_setting([[1.0, 1.0, 1.0], [1.3, 1.3, 1.1]], 0).index == 1
+
+
+def test_choose_setting_without_the_default_takes_the_fastest_and_refuses_bad_scores() -> None:
+    choice = choose_setting([[1.0, 1.1], [1.2, 1.0], [1.3, 1.2]], None, LABELS)
+    assert (choice.index, choice.kept_default) == (2, False) and "the default was not among them" in choice.reason
+    for bad in ([], [[]], [[1.0], [1.0, 2.0]], [[1.0], [0.0]]):
+        with pytest.raises(ValueError):
+            choose_setting(bad, 0)
 
 
 async def test_the_tuned_settings_are_the_ones_used(tmp_path: Path) -> None:

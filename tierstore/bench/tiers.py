@@ -23,8 +23,9 @@ built against the installed torch, not a project dependency); the op is compiled
 first use, which takes minutes (``ds_report`` shows whether it can be).
 
 ``--tune FOLDER`` sweeps chunk size, worker threads and queue depth (one at a time, keeping the
-best of each) with the disk tier's own put/get path on a scratch folder inside FOLDER, prints
-what each setting reached, and saves the best in ``FOLDER/.tierstore-tuning.json``; a
+default of each unless another setting is clearly faster: ``tierstore.disk.tuning.choose_setting``)
+with the disk tier's own put/get path on a scratch folder inside FOLDER, prints what each setting
+reached and why each was chosen, and saves the choice in ``FOLDER/.tierstore-tuning.json``; a
 ``DiskTier(FOLDER, ...)`` uses those settings unless its arguments name others.
 """
 
@@ -46,7 +47,14 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from ..disk.tuning import DEFAULTS, TUNING_FILE, IOSettings, load_tuning, save_tuning
+from ..disk.tuning import (
+    DEFAULTS,
+    TUNING_FILE,
+    IOSettings,
+    choose_setting,
+    load_tuning,
+    save_tuning,
+)
 from ..store import TierStore
 from ..tiers import DeviceTier, DiskTier, HostTier
 from ..units import format_bytes
@@ -489,8 +497,10 @@ async def measure_settings(
     rows = []
     for settings, (writes, reads), is_direct in zip(candidates, timings, direct, strict=True):
         write_gbs, read_gbs = total / median(writes) / 1e9, total / median(reads) / 1e9
+        # each repetition's score too: the choice compares settings repetition by repetition
+        per_rep = [total / math.sqrt(w * r) / 1e9 for w, r in zip(writes, reads, strict=True)]
         rows.append({**settings.to_json(), "write_gbs": write_gbs, "read_gbs": read_gbs,
-                     "score_gbs": math.sqrt(write_gbs * read_gbs), "direct": is_direct})
+                     "score_gbs": math.sqrt(write_gbs * read_gbs), "score_reps_gbs": per_rep, "direct": is_direct})
     return rows
 
 
@@ -507,31 +517,41 @@ async def tune(
     folder: Path, value_bytes: int = 64 * MiB, volume: int = 256 * MiB, reps: int = 3,
     chunks: tuple[int, ...] = TUNE_CHUNKS, threads: tuple[int, ...] = TUNE_THREADS, depths: tuple[int, ...] = TUNE_DEPTHS,
     progress: tqdm | None = None,
-) -> tuple[IOSettings, list[dict[str, Any]]]:
+) -> tuple[IOSettings, list[dict[str, Any]], dict[str, str]]:
     """Sweep chunk size, then threads, then queue depth on ``folder``'s device (each with the
-    best of the earlier ones; the score is the geometric mean of write and read GB/s) and
-    return the best settings with every measurement."""
+    choice of the earlier ones; the score is the geometric mean of write and read GB/s) and
+    return the chosen settings, every measurement and, per sweep, why its setting was chosen.
+    A sweep keeps the default unless another setting is clearly faster
+    (``tierstore.disk.tuning.choose_setting``): a disk's figures can swing more between runs
+    than the settings differ."""
     scratch = folder / _TUNE_SCRATCH
     count = max(2, volume // value_bytes)
     rows: list[dict[str, Any]] = []
-    best = IOSettings(chunk_size=4 * MiB, io_threads=4, queue_depth=4)
+    reasons: dict[str, str] = {}
+    best = IOSettings(chunk_size=DEFAULTS.chunk_size, io_threads=DEFAULTS.io_threads, queue_depth=DEFAULTS.io_threads)
 
-    async def sweep(stage: str, candidates: list[IOSettings]) -> IOSettings:
+    async def sweep(stage: str, candidates: list[IOSettings], label: Any) -> IOSettings:
         measured = await measure_settings(scratch, candidates, value_bytes, count, reps)
         for row in measured:
             row["stage"] = stage
         rows.extend(measured)
         if progress is not None:
             progress.update(1)
-        return max(zip(measured, candidates, strict=True), key=lambda m: m[0]["score_gbs"])[1]
+        default = candidates.index(best) if best in candidates else None  # the setting carried in: the default's
+        choice = choose_setting([row["score_reps_gbs"] for row in measured], default, [label(c) for c in candidates])
+        measured[choice.index]["chosen"] = True
+        reasons[stage] = choice.reason
+        return candidates[choice.index]
 
     try:
-        best = await sweep("chunk_size", [IOSettings(c, best.io_threads, best.queue_depth) for c in chunks if c <= value_bytes])
-        best = await sweep("io_threads", [IOSettings(best.chunk_size, t, t) for t in threads])
-        best = await sweep("queue_depth", [IOSettings(best.chunk_size, best.io_threads, d) for d in depths if d <= best.io_threads])
+        best = await sweep("chunk_size", [IOSettings(c, best.io_threads, best.queue_depth) for c in chunks if c <= value_bytes],
+                           lambda s: f"chunk {format_bytes(s.chunk_size)}")
+        best = await sweep("io_threads", [IOSettings(best.chunk_size, t, t) for t in threads], lambda s: f"{s.io_threads} threads")
+        best = await sweep("queue_depth", [IOSettings(best.chunk_size, best.io_threads, d) for d in depths if d <= best.io_threads],
+                           lambda s: f"queue depth {s.queue_depth}")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return best, rows
+    return best, rows, reasons
 
 
 def _random_buffer(nbytes: int) -> torch.Tensor:
@@ -558,20 +578,24 @@ def tune_main(folder: Path, volume_mib: int, json_path: Path | None) -> int:
     value_bytes = min(64 * MiB, volume_mib * MiB // 2)
     started = time.perf_counter()
     with tqdm(total=3, desc="tierstore bench --tune (chunk size, threads, queue depth)", unit="sweep", leave=False, disable=None) as bar:
-        best, rows = asyncio.run(tune(folder, value_bytes=value_bytes, volume=volume_mib * MiB, progress=bar))
+        best, rows, reasons = asyncio.run(tune(folder, value_bytes=value_bytes, volume=volume_mib * MiB, progress=bar))
     elapsed = time.perf_counter() - started
     for row in rows:
         row["chunk"] = format_bytes(row["chunk_size"])
-        row["best"] = "<-" if (row["chunk_size"], row["io_threads"], row["queue_depth"]) == (best.chunk_size, best.io_threads, best.queue_depth) else ""
+        row["best"] = "<- chosen" if row.get("chosen") else ""
     print(table(rows, [("stage", "sweeping", "s"), ("chunk", "chunk", "s"), ("io_threads", "threads", "d"), ("queue_depth", "queue depth", "d"),
                        ("write_gbs", "write GB/s", ".2f"), ("read_gbs", "read GB/s", ".2f"), ("score_gbs", "geomean", ".2f"), ("best", "", "s")]))
     details = {
         "measured": [{k: v for k, v in row.items() if k not in ("chunk", "best")} for row in rows],
+        "choices": reasons,
         "method": f"disk tier write+read of {len(rows) and max(2, volume_mib * MiB // value_bytes)} values of "
                   f"{format_bytes(value_bytes)}, 2 in flight, no fsync, O_DIRECT where supported; the settings of a sweep interleaved, medians of 3 repetitions",
         "seconds": round(elapsed, 1), "environment": environment(folder),
     }
     path = save_tuning(folder, best, details)
+    print("\nwhy (a setting must beat the default in most repetitions and by more than their spread):")
+    for stage, reason in reasons.items():
+        print(f"  {stage}: {reason}")
     print(f"\nbest: {best.describe()}  ({elapsed:.0f} s)\nsaved: {path} (a DiskTier on {folder} uses it unless its arguments say otherwise)")
     if (folder / "catalog").is_dir():
         print("note: this folder holds a store already; its chunk size was fixed when it was created (threads and queue depth apply)")

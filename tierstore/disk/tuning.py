@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import warnings
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -165,6 +167,83 @@ def resolve(
         values["chunk_size"] = -(-given["chunk_size"] // ALIGNMENT) * ALIGNMENT  # as before: rounded up to a block
     settings = IOSettings(**values)
     return Resolved(settings, sources, tuning_path(root) if saved is not None else None)
+
+
+#: The least gain (5%) a setting must show over the default, in most repetitions and in the
+#: median, before ``tierstore bench --tune`` prefers it.
+MIN_GAIN = 0.05
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What ``choose_setting`` picked: ``index`` into the candidates, whether it is the
+    default (``kept_default``), its median gain over the default (0 when kept), and ``reason``,
+    one line saying why."""
+
+    index: int
+    kept_default: bool
+    gain: float
+    reason: str
+
+
+def choose_setting(
+    scores: Sequence[Sequence[float]], default: int | None, labels: Sequence[str] | None = None, min_gain: float = MIN_GAIN
+) -> Choice:
+    """Pick one of several measured settings, keeping the default unless another is clearly faster.
+
+    ``scores[i][r]`` is candidate ``i``'s throughput (higher is better) in repetition ``r``; the
+    candidates of one repetition are measured together (taking turns), so each challenger is
+    compared with the default repetition by repetition, as ratios. A challenger qualifies only
+    if it is faster than the default by more than ``min_gain`` in most repetitions (a strict
+    majority) and its median ratio exceeds ``1 + max(min_gain, spread)``, where ``spread`` is
+    half the range of its ratios (how far the comparison itself swung between repetitions).
+    Of those that qualify, the one with the highest median ratio is chosen; if none does, the
+    default is kept. ``default`` None (the default was not among the candidates) picks the
+    highest median score. ``labels`` name the candidates in ``reason``.
+    """
+    if not scores or any(len(row) != len(scores[0]) for row in scores) or not scores[0]:
+        raise ValueError("scores must give every candidate the same, non-zero number of repetitions")
+    if any(not value > 0 for row in scores for value in row):
+        raise ValueError("scores must be positive")
+    names = list(labels) if labels is not None else [f"candidate {i}" for i in range(len(scores))]
+    reps = len(scores[0])
+    if default is None:
+        best = max(range(len(scores)), key=lambda i: statistics.median(scores[i]))
+        return Choice(best, False, 0.0, f"{names[best]}: the fastest measured (median of {reps}); the default was not among them")
+    majority = reps // 2 + 1
+    qualified: list[tuple[float, int, int, float]] = []  # (median ratio, index, wins, spread)
+    closest: tuple[float, int, int, float] | None = None
+    for i, row in enumerate(scores):
+        if i == default:
+            continue
+        ratios = [mine / theirs for mine, theirs in zip(row, scores[default], strict=True)]
+        ratio = statistics.median(ratios)
+        wins = sum(r > 1 + min_gain for r in ratios)
+        spread = (max(ratios) - min(ratios)) / 2
+        entry = (ratio, i, wins, spread)
+        if wins >= majority and ratio > 1 + max(min_gain, spread):
+            qualified.append(entry)
+        elif closest is None or ratio > closest[0]:
+            closest = entry
+    if qualified:
+        ratio, i, wins, spread = max(qualified)
+        return Choice(i, False, ratio - 1, f"{names[i]}: {_percent(ratio - 1)} faster than the default {names[default]} "
+                      f"(median of {reps} repetitions; faster by more than {_percent(min_gain)} in {wins} of {reps}, "
+                      f"spread ±{_percent(spread)})")
+    reason = (f"default kept ({names[default]}): no setting beat it by more than {_percent(min_gain)} in most of {reps} "
+              f"repetitions and by more than the spread between them")
+    if closest is not None:
+        ratio, i, wins, spread = closest
+        reason += f" (closest: {names[i]}, {_signed_percent(ratio - 1)}, faster by more than {_percent(min_gain)} in {wins} of {reps}, spread ±{_percent(spread)})"
+    return Choice(default, True, 0.0, reason)
+
+
+def _percent(fraction: float) -> str:
+    return f"{fraction * 100:.0f}%"
+
+
+def _signed_percent(fraction: float) -> str:
+    return f"{round(fraction * 100):+d}%"  # (no "-0%")
 
 
 def _warn(path: Path, problem: str) -> None:
