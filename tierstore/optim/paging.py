@@ -91,7 +91,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         A ``TierStore`` (opened here if it is not), a ``SyncTierStore``, or None for a default
         store: ``offload="host"`` keeps all state in host memory, ``offload="disk"`` adds a
         ``DiskTier`` at ``disk_root`` (default ``.tierstore/optim``) under a host tier of
-        ``host_capacity`` (default a quarter of the state), with learned prefetch and MIN eviction.
+        ``host_capacity`` (default a quarter of the paged state plus the gradients' host copies,
+        at least 64 MiB), with learned prefetch and MIN eviction.
     state_tier:
         The tier updates run on (default ``"host"``).
     step_in_backward:
