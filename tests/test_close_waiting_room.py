@@ -1,12 +1,20 @@
 """Closing a store while requests wait for room that a kernel gives back (a device buffer
 retired while the caller's kernel may still use it comes back only when that kernel ends):
 the close does not hang, each waiting request fails with ``StoreClosedError``, nothing is
-allocated on the closed tiers afterwards and they keep none of the buffers that come back."""
+allocated on the closed tiers afterwards and they keep none of the buffers that come back.
+
+A close that fails (its flush cannot write: here a disk whose writes fail as a full disk's,
+held until the test lets them go) leaves the store open, and the requests that waited for its
+outcome go on as if it had not happened: the put waiting for room lands, the write hold is
+granted, the put made meanwhile is done. A write hold asked for while the close still waits
+for the write holds open is refused at once instead (its holder's may wait for it)."""
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
+import os
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -17,7 +25,16 @@ import torch
 from kernel_link import KernelLink
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from tierstore import DeviceTier, DiskTier, HostTier, StoreClosedError, SyncTierStore, TierStore
+from tierstore import (
+    DeviceTier,
+    DiskTier,
+    HostTier,
+    StoreClosedError,
+    SyncTierStore,
+    TierStore,
+    TierStoreError,
+)
+from tierstore.disk.files import FileIO
 
 VALUE = 64 * 1024  # one page-aligned buffer each: no packing
 PATIENCE = 10.0  # seconds: far more than any step here takes, less than forever
@@ -277,3 +294,207 @@ async def test_a_write_hold_asked_for_during_the_close_is_refused(tmp_path: Any)
         await asyncio.wait_for(write, PATIENCE)
     await asyncio.wait_for(closing, PATIENCE)
     assert await _on_disk(tmp_path / "d", "k") == 0.0
+
+
+# -- a close that fails -------------------------------------------------------------------------
+
+
+class HeldWrites(FileIO):
+    """Data writes that, once ``armed``, wait until ``let_go()``, then fail as a full disk's
+    (``fail``) or go on: a close whose flush the test holds, then fails or lets succeed."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.fail = True
+        self.entered = threading.Event()
+        self._gate = threading.Event()
+
+    def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
+        if self.armed:
+            self.entered.set()
+            self._gate.wait(PATIENCE)
+            if self.fail:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return super().pwrite(fd, data, offset)
+
+    def let_go(self) -> None:
+        self._gate.set()
+
+
+async def close_held(store: TierStore, io: HeldWrites) -> asyncio.Future[None]:
+    """A close started with its flush's writes held (returned once it is in them)."""
+    io.armed = True
+    closing = asyncio.ensure_future(store.aclose())
+    entered = await asyncio.to_thread(io.entered.wait, PATIENCE)
+    assert entered, "the close never wrote"
+    return closing
+
+
+async def end_close(closing: asyncio.Future[None], io: HeldWrites, fails: bool) -> None:
+    """Let the close's writes go: it fails (the store stays open) or succeeds."""
+    io.fail = fails
+    io.let_go()
+    done, _ = await asyncio.wait([closing], timeout=PATIENCE)
+    assert done, "close hangs"
+    io.armed = False
+    if fails:
+        assert isinstance(closing.exception(), TierStoreError), closing.exception()
+    else:
+        assert closing.exception() is None
+
+
+async def on_disk(root: Any) -> dict[str, float]:
+    reopened = TierStore([DiskTier(root, "16MiB")])
+    await reopened.open()
+    try:
+        return {key: float((await reopened.get(key))[0]) for key in reopened.keys()}
+    finally:
+        await reopened.aclose()
+
+
+@pytest.mark.parametrize("close", ["fails", "succeeds"])
+async def test_a_put_waiting_for_room_during_a_close_waits_for_its_outcome(tmp_path: Any, close: str) -> None:
+    io = HeldWrites()
+    device = DeviceTier("cpu", 2 * VALUE, emulate_device=True)
+    store = TierStore([device, HostTier("1MiB"), DiskTier(tmp_path / "d", "16MiB", io=io)])
+    await store.open()
+    link = device.link = KernelLink()
+    try:
+        await store.put("a", value(1), tier="device")
+        await store.put("held", value(2), tier="device")
+        async with store.hold("a", "device"):
+            link.launching = True  # a kernel that reads a's buffer is queued
+        link.launching = False
+        await store.delete("a")
+        async with store.hold("held", "device"):  # nothing to evict: only a's room can come
+            waiting = request(store, "put")
+            await until_waiting(waiting)
+            closing = await close_held(store, io)
+            await until_waiting(waiting)  # (was: StoreClosedError at once, though the close failed)
+            await end_close(closing, io, fails=close == "fails")
+            if close == "fails":
+                assert store.is_open
+                await until_waiting(waiting)  # still waiting for room, as before the close
+                link.finish()
+                assert await outcome(waiting) is None
+                assert float((await store.get("b"))[0]) == 4.0
+            else:
+                error = await outcome(waiting)
+                assert isinstance(error, StoreClosedError), error
+                link.finish()
+        if store.is_open:
+            await close_in_time(store)
+        assert await on_disk(tmp_path / "d") == ({"held": 2.0, "b": 4.0} if close == "fails" else {"held": 2.0})
+    finally:
+        io.let_go()
+        link.finish()
+        if store.is_open:
+            await store.aclose()
+        link.close()
+
+
+@pytest.mark.parametrize("close", ["fails", "succeeds"])
+async def test_a_write_hold_asked_for_during_a_close_waits_for_its_outcome(tmp_path: Any, close: str) -> None:
+    io = HeldWrites()
+    store = TierStore([HostTier("1MiB"), DiskTier(tmp_path / "d", "16MiB", io=io)])
+    await store.open()
+    try:
+        await store.put("k", value(0), tier="host")
+        reader_done = asyncio.get_running_loop().create_future()
+
+        async def reader() -> None:
+            async with store.hold("k", "host"):
+                await reader_done
+
+        async def writer() -> None:
+            async with store.hold("k", "host", write=True) as buffer:
+                buffer.fill_(7.0)
+
+        reading = asyncio.ensure_future(reader())
+        await asyncio.sleep(0)
+        writing = asyncio.ensure_future(writer())  # waits for the reader
+        await until_waiting(writing)
+        closing = await close_held(store, io)
+        reader_done.set_result(None)
+        await asyncio.wait_for(reading, PATIENCE)
+        await until_waiting(writing)  # (was: StoreClosedError, though the close failed)
+        await end_close(closing, io, fails=close == "fails")
+        error = await outcome(writing)
+        if close == "fails":
+            assert error is None  # granted, after the close
+            assert float((await store.get("k"))[0]) == 7.0
+            await close_in_time(store)
+            assert await on_disk(tmp_path / "d") == {"k": 7.0}
+        else:
+            assert isinstance(error, StoreClosedError) and "no write hold" in str(error), error
+            assert await on_disk(tmp_path / "d") == {"k": 0.0}
+    finally:
+        io.let_go()
+        if store.is_open:
+            await store.aclose()
+
+
+@pytest.mark.parametrize("close", ["fails", "succeeds"])
+async def test_a_put_made_during_a_close_waits_for_its_outcome(tmp_path: Any, close: str) -> None:
+    io = HeldWrites()
+    store = TierStore([HostTier("1MiB"), DiskTier(tmp_path / "d", "16MiB", io=io)])
+    await store.open()
+    try:
+        await store.put("k", value(0), tier="host")
+        closing = await close_held(store, io)
+        put = asyncio.ensure_future(store.put("n", value(9), tier="host"))
+        await until_waiting(put)  # (was: StoreClosedError at once)
+        await end_close(closing, io, fails=close == "fails")
+        error = await outcome(put)
+        if close == "fails":
+            assert error is None
+            assert float((await store.get("n"))[0]) == 9.0
+            await close_in_time(store)
+            assert await on_disk(tmp_path / "d") == {"k": 0.0, "n": 9.0}
+        else:
+            assert isinstance(error, StoreClosedError), error
+            assert await on_disk(tmp_path / "d") == {"k": 0.0}
+    finally:
+        io.let_go()
+        if store.is_open:
+            await store.aclose()
+
+
+async def test_a_write_hold_asked_for_while_the_close_waits_for_write_holds_is_refused(tmp_path: Any) -> None:
+    """The one request a close refuses rather than waits with: its holder's may be waiting for
+    it (here another task's, which no context marks), and the close waits for that one."""
+    store = TierStore([HostTier("1MiB"), DiskTier(tmp_path / "d", "16MiB")])
+    await store.open()
+    try:
+        await store.put("a", value(1), tier="host")
+        await store.put("b", value(2), tier="host")
+        asked = asyncio.get_running_loop().create_future()
+
+        async def other() -> None:  # started outside any hold
+            await asked
+            async with store.hold("b", "host", write=True) as buffer:
+                buffer.fill_(5.0)
+
+        helper = asyncio.ensure_future(other())
+        holding = asyncio.get_running_loop().create_future()
+        close_started: asyncio.Future[asyncio.Future[None]] = asyncio.get_running_loop().create_future()
+
+        async def holder() -> BaseException | None:
+            async with store.hold("a", "host", write=True) as buffer:
+                buffer.fill_(3.0)
+                holding.set_result(None)
+                await until_waiting(await close_started)  # the close waits for this hold
+                asked.set_result(None)
+                return await outcome(helper)  # (a wait here would never end: the close waits for us)
+
+        holds_a = asyncio.ensure_future(holder())
+        await holding
+        closing = asyncio.ensure_future(store.aclose())  # (from outside the hold)
+        close_started.set_result(closing)
+        error = await asyncio.wait_for(holds_a, PATIENCE)
+        assert isinstance(error, StoreClosedError) and "waits for the write holds open" in str(error), error
+        await asyncio.wait_for(closing, PATIENCE)
+        assert await on_disk(tmp_path / "d") == {"a": 3.0, "b": 2.0}
+    finally:
+        if store.is_open:
+            await store.aclose()

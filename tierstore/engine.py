@@ -110,10 +110,16 @@ class Engine:
         self.on_transfer: Callable[[str, int, float, float], None] | None = None
         self.is_open = False
         self.closing = False
+        #: A close is past waiting for write holds (``close``): until its outcome nothing is
+        #: allocated, installed or changed; requests wait for the outcome (``settled``).
+        self.sealed = False
         #: Closed after being open (a verb then says "closed", not "not open yet").
         self.closed = False
-        #: Ends when a close begins (``closing_signal``): requests waiting for room give up then.
+        #: Ends when a close seals (``closing_signal``): requests waiting for room stop waiting
+        #: for it then, and wait for the close's outcome instead.
         self._closing_signal: asyncio.Future[None] | None = None
+        #: Ends with the outcome of the sealed close (True: closed), made when it seals.
+        self._outcome: asyncio.Future[bool] | None = None
         self._pid = os.getpid()
 
     @property
@@ -167,22 +173,34 @@ class Engine:
         self.is_open = True
 
     async def close(self, flush: bool) -> None:
-        """Refuse new verbs, cancel prefetches, drain writes and demotions, flush (if asked and
-        there is a disk tier), close the tiers. A flush that fails (the disk cannot take what
-        only memory holds) leaves the store open, with nothing lost, and raises.
+        """Refuse new write holds, cancel prefetches, wait for the write holds open (if it
+        flushes), then seal: drain writes and demotions, flush (if asked and there is a disk
+        tier), close the tiers. A flush that fails (the disk cannot take what only memory holds)
+        leaves the store open, with nothing lost, and raises.
 
-        Requests that make room on a memory tier or fill a buffer there are not waited for: from
-        the close on they fail with ``StoreClosedError`` having installed nothing (the room they
-        wait for may come only later, or never)."""
+        Until it seals, requests go on as usual (the flush comes after them), except a write
+        hold, which is refused (``StoreClosedError``): the close waits for the write holds open,
+        and a holder may be waiting for the one asked for. Once sealed, the close waits for no
+        request (room on its way may come only later, or never), and a request that would
+        allocate, install or change anything, or a verb started, waits for the close's outcome
+        (``settled``): it fails with ``StoreClosedError``, having installed nothing, if the
+        store closed, and goes on as if no close had happened if the close failed."""
         if not self.is_open or self.closing:
             return
         self.closing = True
-        if self._closing_signal is not None and not self._closing_signal.done():
-            self._closing_signal.set_result(None)  # requests waiting for room give up (``tierstore.eviction``)
         try:
-            for task in list(self.background):
-                task.cancel()
-            await asyncio.gather(*self.background, return_exceptions=True)
+            await self._cancel_background()
+            if self.disk_index is not None and flush:
+                # Every write hold, not only those ``flush_all`` waits for (on values not yet on
+                # disk): each makes its key's value new when it ends, and none starts from now.
+                await self.no_writers(lambda: [e for e in self.entries.values() if e.visible], "close the store holding")
+            # Sealed: from here the close waits for no request (only for its own work), so a
+            # request may wait for it without a deadlock.
+            self.sealed = True
+            self._outcome = asyncio.get_running_loop().create_future()
+            if self._closing_signal is not None and not self._closing_signal.done():
+                self._closing_signal.set_result(None)  # requests waiting for room wait for the outcome (``tierstore.eviction``)
+            await self._cancel_background()  # (prefetches started before the seal)
             while self.writes or any(self.demotions):
                 # Shielded: a cancelled close (``wait_for(aclose(), t)``) must not cancel a write
                 # or a commit under way, whose cleanup would then free what it still writes.
@@ -190,15 +208,13 @@ class Engine:
                 await asyncio.gather(*(asyncio.shield(w) for w in pending), return_exceptions=True)
             if self.disk_index is not None:
                 if flush:
-                    # Every write hold, not only those ``flush_all`` waits for (on values not yet on
-                    # disk): each makes its key's value new when it ends, and none starts from now.
-                    await self.no_writers(lambda: [e for e in self.entries.values() if e.visible], "close the store holding")
                     await self.flush_all(whole=False)
                 await self.disk.drain()  # small puts acknowledged before their commit, flush or not
         except BaseException:
             # It stays open, nothing lost (a flush the disk had no room for, or a cancelled
-            # close): close again later.
+            # close): close again later. The requests that waited for the outcome go on.
             self.closing = False
+            self._settle(closed=False)
             raise
         self.is_open = False
         self.closing = False
@@ -218,20 +234,42 @@ class Engine:
                 for policy in self.policies:
                     if policy is not None:
                         policy.reset()
+                self._settle(closed=True)  # (once the tiers are closed: the waiters find them so)
+
+    def _settle(self, closed: bool) -> None:
+        """End the seal with the close's outcome (``settled`` returns to whoever waits)."""
+        self.sealed = False
+        outcome, self._outcome = self._outcome, None
+        if outcome is not None:
+            outcome.set_result(closed)
+
+    async def _cancel_background(self) -> None:
+        for task in list(self.background):
+            task.cancel()
+        await asyncio.gather(*self.background, return_exceptions=True)
 
     @property
     def winding_down(self) -> bool:
-        """Closing or closed: nothing may be allocated or changed that the close's flush would
-        not see."""
-        return self.closing or not self.is_open
+        """Sealed for a close, or closed: nothing may be allocated or changed that the close's
+        flush would not see (a request then waits for the outcome, ``settled``, or is refused)."""
+        return self.sealed or not self.is_open
 
     def closing_signal(self) -> asyncio.Future[None]:
-        """A future that ends when the store begins to close (a request that waits for room
-        waits for it too, and gives up then)."""
+        """A future that ends when a close seals (a request that waits for room waits for it
+        too, and then for the close's outcome)."""
         signal = self._closing_signal
-        if signal is None or (signal.done() and not self.closing):  # (a close that failed: open again)
+        if signal is None or (signal.done() and not self.sealed):  # (a close that failed: open again)
             signal = self._closing_signal = asyncio.get_running_loop().create_future()
+            if self.sealed:
+                signal.set_result(None)
         return signal
+
+    async def settled(self) -> None:
+        """Return once no sealed close is under way (at once when none is): the store is then
+        closed, or open again after a close that failed. Waiting is safe: a sealed close waits
+        for no request. Cancelling the wait cancels nothing else."""
+        while self.sealed and self._outcome is not None:
+            await asyncio.wait([self._outcome])
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -285,7 +323,7 @@ class Engine:
         self.use(entry, source)
         try:
             fill = self._filler(entry, source, t)
-            await self._write_memory(entry, t, version, fill, priority, source_tier=sources[0])
+            await self._write_memory(entry, t, version, fill, priority, source_tier=sources[0], wait_for_close=True)
         finally:
             self.unuse(entry, source)
 
@@ -380,7 +418,7 @@ class Engine:
 
     async def put_memory(self, entry: Entry, t: int, src: torch.Tensor, meta: TensorMeta) -> None:
         """Copy ``src`` onto memory tier ``t`` as the new value of ``entry``."""
-        await self._write_memory(entry, t, None, self._copier(src, t), Priority.DEMAND, meta=meta, source_tier=None)
+        await self._write_memory(entry, t, None, self._copier(src, t), Priority.DEMAND, meta=meta, source_tier=None, wait_for_close=True)
 
     def put_memory_now(self, entry: Entry, t: int, src: torch.Tensor, meta: TensorMeta) -> bool:
         """``put_memory`` done at once, with no await, when nothing needs one: a small CPU
@@ -389,7 +427,7 @@ class Engine:
         tier = self._tiers[t]
         nbytes = meta.nbytes
         if (
-            self.closing  # (the awaited way refuses it: the close's flush may have passed)
+            self.winding_down  # (the awaited way waits for the close's outcome: its flush may have passed)
             or nbytes > INLINE_COPY_BYTES
             or src.device.type != "cpu"
             or getattr(tier, "link", None) is not None
@@ -413,7 +451,7 @@ class Engine:
 
     async def put_filled(self, entry: Entry, t: int, fill: Callable[[torch.Tensor, Priority], Awaitable[None]], meta: TensorMeta) -> None:
         """A new value of ``entry`` on memory tier ``t``, written into its buffer by ``fill``."""
-        await self._write_memory(entry, t, None, fill, Priority.DEMAND, meta=meta, source_tier=None)
+        await self._write_memory(entry, t, None, fill, Priority.DEMAND, meta=meta, source_tier=None, wait_for_close=True)
 
     def _copier(self, src: torch.Tensor, target: int) -> Callable[[torch.Tensor, Priority], Awaitable[None]]:
         """A coroutine function that fills a buffer on tier ``target`` with the bytes of ``src``
@@ -435,17 +473,21 @@ class Engine:
         *,
         meta: TensorMeta | None = None,
         source_tier: int | None,
+        wait_for_close: bool = False,
     ) -> None:
         """Allocate on memory tier ``t`` (evicting as needed), fill, and install.
 
         ``version`` None means a put: the copy becomes the new value of the key. Otherwise the
         copy is of ``version`` and is installed only if that is still the current value.
+        A sealed close (``close``) is waited for with ``wait_for_close`` (a request: it goes on
+        if the close fails); without, it refuses (``StoreClosedError``), as a write that the
+        close itself waits for (a demotion's) must.
         """
         tier = self._tiers[t]
         if not isinstance(tier, MemoryTier):
             raise UnknownTierError(f"tier {tier.name!r} holds no buffers")
         nbytes = (meta or entry.meta).nbytes
-        await eviction.make_room(self, t, nbytes, priority)
+        await eviction.make_room(self, t, nbytes, priority, wait_for_close)
         # A small value takes a slot of a shared slab, named by (slab, index): no tensor is
         # kept per value (a million small keys must not cost a million tensor objects).
         packed = tier.allocate_packed(nbytes)
@@ -464,7 +506,14 @@ class Engine:
         finally:
             self.incoming[t].discard(arriving)
             arriving.set_result(None)
-        if self.winding_down:  # filled while the store closed: its flush is past
+        while self.winding_down:  # filled while the store closed: its flush may be past
+            if wait_for_close and self.sealed:
+                try:
+                    await self.settled()
+                except BaseException:
+                    self._give_back(tier, copy)
+                    raise
+                continue
             self._give_back(tier, copy)
             raise StoreClosedError(f"the store closed while a value was being copied onto tier {tier.name!r}; nothing was installed")
         self.count_link(source_tier, t, nbytes, time.perf_counter() - started)
@@ -682,7 +731,7 @@ class Engine:
         disk = self.disk
         d = self.disk_index
         nbytes = meta.nbytes
-        if d is None or disk.durable or not disk.holds_inline(nbytes) or self.closing:
+        if d is None or disk.durable or not disk.holds_inline(nbytes) or self.winding_down:
             return False
         entry = self._live_entry(entry, meta)
         old = entry.copy_on(d)
@@ -1004,7 +1053,7 @@ class Engine:
                 f"this store was opened by process {self._pid}; a forked child (pid {os.getpid()}) cannot use it: "
                 "open a store of its own in the child"
             )
-        if self.closing:
+        if self.sealed:
             raise StoreClosedError("the store is closing")
 
     def _crossing(self, source: int | None, target: int | None) -> tuple[Link, str] | None:

@@ -10,8 +10,11 @@ decided, and as ``tierstore.sim.replay_store_trace`` replays.
 
 A copy dropped from a tier behind a link while a kernel may still use it comes back to the tier
 only when that kernel is done (``Engine._release_after``): those bytes count as room on its way,
-as a demotion's do, and a request that finds nothing else to evict waits for them, until the
-store closes: a request still making room then fails with ``StoreClosedError``, allocating nothing.
+as a demotion's do, and a request that finds nothing else to evict waits for them, until a
+close of the store seals (``Engine.close``): a request still making room then waits for the
+close's outcome instead, and fails with ``StoreClosedError``, allocating nothing, if the store
+closed, or makes room again if the close failed. A demotion's write into the memory tier below
+(which the close waits for) does not wait: it fails, changing nothing.
 
 An early write-back (``write_early``) writes a memory copy to the disk tier below ahead of its
 eviction and keeps it: the eviction that later chooses it drops it without a write on the
@@ -33,9 +36,10 @@ from .workers import Priority
 if TYPE_CHECKING:
     from .engine import Engine
 
-async def make_room(engine: Engine, t: int, nbytes: int, priority: Priority) -> None:
+async def make_room(engine: Engine, t: int, nbytes: int, priority: Priority, wait_for_close: bool = False) -> None:
     """Evict from tier ``t`` until a value of ``nbytes`` can be allocated there (the rules are
-    the module's); returns once every demotion it started has finished."""
+    the module's); returns once every demotion it started has finished. ``wait_for_close``: a
+    request that waits for a sealed close's outcome (else it is refused)."""
     tier = engine.tiers[t]
     if not isinstance(tier, MemoryTier):
         raise UnknownTierError(f"tier {tier.name!r} holds no buffers")
@@ -44,27 +48,34 @@ async def make_room(engine: Engine, t: int, nbytes: int, priority: Priority) -> 
             f"{format_bytes(nbytes)} is more than tier {tier.name!r} holds ({format_bytes(tier.capacity)})"
         )
     while True:
-        _refuse_if_closing(engine, tier)  # (a request that made room while the store closed allocates nothing)
+        if engine.winding_down:  # (a request that made room while the store closed allocates nothing)
+            if wait_for_close and engine.sealed:
+                await engine.settled()  # (then closed, or open again: asked again)
+                continue
+            _refuse_closing(engine, tier)
         if tier.free >= tier.allocation_size(nbytes):  # checked last with no await before allocate
             return
-        await _evict_for(engine, tier, t, nbytes, priority)
+        await _evict_for(engine, tier, t, nbytes, priority, wait_for_close)
 
 
-def _refuse_if_closing(engine: Engine, tier: MemoryTier) -> None:
-    """Raise ``StoreClosedError`` once the store is closing: its close waits for no request that
-    makes room (room on its way may never come: a kernel, a hold the caller keeps), and nothing
-    may be allocated on a tier it closes. Nothing was changed (demotions leave values valid)."""
-    if engine.winding_down:
+def _refuse_closing(engine: Engine, tier: MemoryTier) -> None:
+    """Raise ``StoreClosedError``: the store is closed, or sealed for a close that waits for the
+    caller (a demotion). The close waits for no request that makes room (room on its way may
+    never come: a kernel, a hold the caller keeps), and nothing may be allocated on a tier it
+    closes. Nothing was changed (demotions leave values valid)."""
+    if engine.sealed:
         raise StoreClosedError(f"the store is closing: no more room is made on tier {tier.name!r} (nothing was written; "
                                "should the close fail, the store stays open and this can be asked again)")
+    raise StoreClosedError(f"the store closed while this waited for room on tier {tier.name!r} (nothing was written)")
 
 
-async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, priority: Priority) -> None:
+async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, priority: Priority, wait_for_close: bool) -> None:
     one_at_a_time = t + 1 < len(engine.tiers) and isinstance(engine.tiers[t + 1], MemoryTier)
     mine: list[asyncio.Task[None]] = []
     try:
         while tier.free < (size := tier.allocation_size(nbytes)):
-            _refuse_if_closing(engine, tier)  # (no victims chosen for a store that closes)
+            if engine.winding_down:
+                break  # (no victims chosen for a store that closes: ``make_room`` waits or refuses)
             deficit = size - tier.free - engine.freeing[t] - engine.releasing[t]  # (room on its way back)
             batch: list[tuple[Entry, Copy]] = []
             while deficit > 0:
@@ -78,6 +89,8 @@ async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, prio
             handled = 0
             try:
                 for entry, copy in batch:
+                    if engine.winding_down:
+                        break  # (sealed meanwhile: the rest stay, no demotion starts after the close's drain)
                     if not _demotion_waits(engine, entry, t, copy):
                         handled += 1
                         _demote_at_once(engine, entry, t, copy)  # (a task would only run it a moment later)
@@ -95,7 +108,7 @@ async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, prio
             if started:  # the whole batch goes before room is asked again (as the replay)
                 await asyncio.wait(started)
             for task in mine:
-                _raise_failed(tier, task)
+                _raise_failed(tier, task, wait_for_close)
             if batch:
                 continue  # (evicting packed values frees room only when a slab empties)
             pending = engine.demotions[t] | engine.incoming[t] | engine.releases[t]  # each ends with room or a victim
@@ -107,14 +120,15 @@ async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, prio
                     f"tier {tier.name!r} cannot make room for {format_bytes(nbytes)}: {format_bytes(tier.free)} free, "
                     f"{format_bytes(held)} held or in transfer"
                 )
-            # Close wakes the wait (the loop then refuses): room on its way may come only after
-            # it, or never (a kernel that never ends, a hold kept open across the close).
+            # A close that seals wakes the wait (``make_room`` then waits for its outcome or
+            # refuses): room on its way may come only after it, or never (a kernel that never
+            # ends, a hold kept open across the close).
             await asyncio.wait([*pending, engine.closing_signal()], return_when=asyncio.FIRST_COMPLETED)
     finally:
         if any(not task.done() for task in mine):
             await asyncio.wait(mine)  # (they run on even if the request is cancelled)
     for task in mine:
-        _raise_failed(tier, task)
+        _raise_failed(tier, task, wait_for_close)
 
 def _next_victim(engine: Engine, t: int) -> tuple[Entry, Copy] | None:
     """The copy the tier's policy chooses among those no one uses or holds."""
@@ -267,10 +281,13 @@ def _retrieve(task: asyncio.Task[None]) -> None:
         task.exception()  # (an early write-back that failed: the eviction writes the value itself)
 
 
-def _raise_failed(tier: Tier, task: asyncio.Task[None]) -> None:
+def _raise_failed(tier: Tier, task: asyncio.Task[None], wait_for_close: bool) -> None:
     """Raise ``TierFullError`` if the demotion ``task`` ended with an error (``StoreClosedError``
-    if the store closed under it)."""
+    if the store closed under it; nothing for a request that waits for the close's outcome: the
+    demotion changed nothing, and ``make_room`` waits, then evicts again if the close failed)."""
     if task.done() and not task.cancelled() and task.exception() is not None:
         if isinstance(task.exception(), StoreClosedError):
+            if wait_for_close:
+                return
             raise StoreClosedError(str(task.exception())) from task.exception()
         raise TierFullError(f"cannot make room on tier {tier.name!r}: {task.exception()}") from task.exception()

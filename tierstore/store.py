@@ -142,6 +142,14 @@ class TierStore:
         """Whether the store is open (and not closing)."""
         return self._engine.is_open and not self._engine.closing
 
+    async def _require_open(self) -> None:
+        """``Engine.require_open`` for a verb that may wait: while a close is sealed it waits
+        for the close's outcome first (closed: ``StoreClosedError``; failed: it goes on)."""
+        engine = self._engine
+        if engine.sealed:
+            await engine.settled()
+        engine.require_open()
+
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
         """The event loop the store was opened on (every verb must run on it), or None."""
@@ -298,7 +306,7 @@ class TierStore:
                     self._staged_puts -= 1
                     await self._after_staged()
             return
-        self._engine.require_open()
+        await self._require_open()
         if self._engine.disk_index is not None and self._engine.disk.commit_failed:
             # Puts acknowledged earlier could not commit: try them again before anything new,
             # and say so (this put is not done) if they still cannot.
@@ -316,10 +324,14 @@ class TierStore:
         src = as_bytes(tensor)
         engine = self._engine
         first = engine.index_of(tier)
-        entry = engine.entries.get(key)
-        if entry is not None and entry.writer is not None:
-            await engine.no_writer(entry, "put")
+        while True:
             entry = engine.entries.get(key)
+            if entry is not None and entry.writer is not None:
+                await engine.no_writer(entry, "put")
+            elif engine.sealed:  # (it waited: a close sealed meanwhile, its flush may be past)
+                await self._require_open()
+            else:
+                break
         if entry is None:
             entry = engine.entries[key] = Entry(key, meta)
         if not through and self._put_now(entry, src, meta, first):
@@ -348,7 +360,7 @@ class TierStore:
         (and bad input: the full ``put`` says what is wrong). The sync facade calls this on the
         loop thread directly, with no task."""
         engine = self._engine
-        if (self.durable if durable is None else durable) or engine.frozen or not engine.is_open or engine.closing:
+        if (self.durable if durable is None else durable) or engine.frozen or engine.winding_down:
             return None
         if not _plain_cpu(tensor):
             return None
@@ -413,7 +425,7 @@ class TierStore:
         ``put`` says what is wrong)."""
         engine = self._engine
         d = engine.disk_index
-        if d is None or engine.frozen or not engine.is_open or engine.closing:
+        if d is None or engine.frozen or engine.winding_down:
             return None
         disk = engine.disk
         if not (disk.durable or (self.durable if durable is None else durable)) or disk.commit_failed:
@@ -564,7 +576,7 @@ class TierStore:
     @asynccontextmanager
     async def _fill(self, key: str, shape: tuple[int, ...], dtype: torch.dtype, tier: TierRef, durable: bool | None) -> AsyncIterator[torch.Tensor]:
         engine = self._engine
-        engine.require_open()
+        await self._require_open()
         key = check_key(key)
         if engine.frozen:
             await engine.until_thawed()
@@ -653,7 +665,7 @@ class TierStore:
         value = self._get_small_now(key, tier, out)
         if value is not None:
             return value
-        self._engine.require_open()
+        await self._require_open()
         t = self._engine.index_of(tier)
         entry = self._engine.visible_entry(key)
         device = self._engine.tiers[t].device if isinstance(self._engine.tiers[t], MemoryTier) else _CPU  # type: ignore[attr-defined]
@@ -700,7 +712,7 @@ class TierStore:
         changed nothing, for every other get (and bad input: the full ``get`` says what is
         wrong). The sync facade calls this on the loop thread directly, with no task."""
         engine = self._engine
-        if out is not None or not engine.is_open or engine.closing or not isinstance(key, str):
+        if out is not None or engine.winding_down or not isinstance(key, str):
             return None
         try:
             entry = engine.entries.get(check_key(key))
@@ -760,7 +772,7 @@ class TierStore:
     async def _pop_once(self, key: str, tier: TierRef) -> torch.Tensor | None:
         """One try of ``pop``: None, having deleted nothing, when the value changed between its
         read and its delete."""
-        self._engine.require_open()
+        await self._require_open()
         if self._engine.frozen:
             await self._engine.until_thawed()
         t = self._engine.index_of(tier)
@@ -821,7 +833,7 @@ class TierStore:
     async def read(self, key: str) -> torch.Tensor:
         """The value of ``key`` as a new CPU tensor, read from wherever it is, moving nothing
         (for snapshots and inspection: no promotion, no eviction, no hit or miss counted)."""
-        self._engine.require_open()
+        await self._require_open()
         entry = self._engine.visible_entry(key)
         if entry.writer is not None:
             await self._engine.no_writer(entry, "read")
@@ -845,7 +857,7 @@ class TierStore:
 
     async def delete(self, key: str) -> None:
         """Remove ``key`` from every tier (and from the disk catalog)."""
-        self._engine.require_open()
+        await self._require_open()
         if self._engine.frozen:
             await self._engine.until_thawed()
         entry = self._engine.visible_entry(key)
@@ -879,7 +891,7 @@ class TierStore:
         are released and the error raised. The same as nesting ``hold`` once per key, for one
         context manager instead of one per key (a subclass's own ``hold``, or one set on the
         instance, a fault injector's say, is still asked for each)."""
-        self._engine.require_open()
+        await self._require_open()
         if getattr(self.hold, "__func__", None) is not TierStore.hold:  # (a subclass's hold, or one set on the instance)
             async with AsyncExitStack() as stack:
                 yield [await stack.enter_async_context(self.hold(key, tier, write)) for key in keys]
@@ -906,7 +918,7 @@ class TierStore:
     async def _hold(self, key: str, tier: TierRef, write: bool, token: int, mark: bool) -> AsyncIterator[torch.Tensor]:
         """``hold`` named by ``token``; ``mark``: mark the running context as inside it (the
         sync facade marks its caller's thread instead)."""
-        self._engine.require_open()
+        await self._require_open()
         t = self._hold_tier(tier)
         entry, copy = await self._open_hold(key, t, write, token, mark)
         try:
@@ -934,12 +946,23 @@ class TierStore:
         self._engine.count_access(t, hit, entry)
         self._engine.observe("hold", key, entry.meta.nbytes, t, hit=hit)
         copy = await self._take_hold(entry, t, write, hit)
-        if write and self._engine.winding_down:
-            # (the close's flush has waited for the write holds open when it began; a change
-            # made from now on would not be written)
+        engine = self._engine
+        while write and (engine.closing or engine.winding_down):
+            # (a change made once the close has sealed would not be written by its flush)
             copy.holds -= 1
-            self._engine.unuse(entry, copy)
-            raise StoreClosedError(f"the store is closing: no write hold of {key!r} starts (nothing was changed)")
+            engine.unuse(entry, copy)
+            if not engine.winding_down:
+                # Refused, not waited for: the close is waiting for the write holds open, and
+                # their holders may be waiting for this one (here or in another task, where no
+                # one can tell); a wait would be a deadlock.
+                raise StoreClosedError(f"the store is closing and waits for the write holds open: no write hold of {key!r} "
+                                       "starts meanwhile (nothing was changed; should the close fail, ask again)")
+            if engine.sealed:
+                await engine.settled()  # (a sealed close waits for no request)
+            if not engine.is_open:
+                raise StoreClosedError(f"the store closed: no write hold of {key!r} starts (nothing was changed)")
+            entry = engine.visible_entry(key)  # (the close failed: as if it had not happened)
+            copy = await self._take_hold(entry, t, write, False)
         if mark:
             holds.enter(token)
         entry.add_hold_token(token)
@@ -998,7 +1021,7 @@ class TierStore:
         """Start bringing ``keys`` up to ``tier`` (default: the fastest) in the background, behind
         every demand request. Returns at once with a handle: ``await handle`` waits (and returns
         a summary), ``handle.cancel()`` stops what has not started."""
-        self._engine.require_open()
+        await self._require_open()
         if isinstance(keys, (str, bytes)):
             raise TypeError(f"prefetch takes an iterable of keys, not one key: prefetch([{keys!r}])")
         t = self._engine.index_of(tier)
@@ -1034,7 +1057,7 @@ class TierStore:
         none is. Refuses (``TierFullError``, nothing written) when the disk tier has no room for
         the copy-on-write of all of them. Waits for other tasks' write holds; raises
         ``EntryHeldError`` inside the caller's own."""
-        self._engine.require_open()
+        await self._require_open()
         await self._engine.flush_all()
 
     def mark_step(self) -> None:
