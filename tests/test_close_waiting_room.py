@@ -498,3 +498,66 @@ async def test_a_write_hold_asked_for_while_the_close_waits_for_write_holds_is_r
     finally:
         if store.is_open:
             await store.aclose()
+
+
+# -- verbs started before the seal, closes racing ---------------------------------------------
+
+
+@pytest.mark.parametrize("verb", ["delete", "pop"])
+@pytest.mark.parametrize("yields", [0, 1, 3])
+async def test_a_delete_paused_before_the_seal_is_done_or_refused(tmp_path: Any, verb: str, yields: int) -> None:
+    """A delete (or pop) that passed its open check before the close sealed, then waited (here
+    for a point-in-time view to end), and went on once the close's flush was past: it deletes
+    before the close ends, or is refused; never acknowledged with the key still on disk."""
+    store = TierStore([HostTier("1MiB"), DiskTier(tmp_path / "d", "16MiB")])
+    await store.open()
+    try:
+        await store.put("k", value(1), tier="disk")
+        await store.put("j", value(2), tier="host")  # (the close has something to flush)
+        view = store._engine.freeze()  # (as export_zarr holds it: deletes wait until it ends)
+        await view.__aenter__()
+        waiting = asyncio.ensure_future(store.delete("k") if verb == "delete" else store.pop("k"))
+        await until_waiting(waiting)
+        disk = store._engine.disk
+        drain = disk.drain
+
+        async def after_the_flush() -> None:  # (the close's last step before the tiers close)
+            if store._engine.frozen:
+                await view.__aexit__(None, None, None)
+                for _ in range(yields):
+                    await asyncio.sleep(0)
+            await drain()
+
+        disk.drain = after_the_flush  # type: ignore[method-assign]
+        await close_in_time(store)
+        error = await outcome(waiting)
+        kept = await on_disk(tmp_path / "d")
+        if error is None:
+            assert "k" not in kept, "an acknowledged delete was lost"  # (was: acknowledged, deleting nothing)
+        else:
+            assert isinstance(error, StoreClosedError), error
+            assert kept["k"] == 1.0
+    finally:
+        if store.is_open:
+            await store.aclose()
+
+
+async def test_a_second_close_during_a_sealed_one_waits_for_its_outcome(tmp_path: Any) -> None:
+    """A second close while the first is sealed does not return with the store still open: it
+    waits, and closes the store itself when the first failed."""
+    io = HeldWrites()
+    store = TierStore([HostTier("1MiB"), DiskTier(tmp_path / "d", "16MiB", io=io)])
+    await store.open()
+    try:
+        await store.put("k", value(1), tier="host")
+        closing = await close_held(store, io)
+        second = asyncio.ensure_future(store.aclose())
+        await until_waiting(second)  # (was: returned at once)
+        await end_close(closing, io, fails=True)
+        assert await outcome(second) is None
+        assert not store.is_open  # (was: open, k only in memory)
+        assert await on_disk(tmp_path / "d") == {"k": 1.0}
+    finally:
+        io.let_go()
+        if store.is_open:
+            await store.aclose()

@@ -184,7 +184,13 @@ class Engine:
         request (room on its way may come only later, or never), and a request that would
         allocate, install or change anything, or a verb started, waits for the close's outcome
         (``settled``): it fails with ``StoreClosedError``, having installed nothing, if the
-        store closed, and goes on as if no close had happened if the close failed."""
+        store closed, and goes on as if no close had happened if the close failed.
+
+        A close asked for while another is sealed waits for its outcome, and closes the store
+        itself if that one failed (it does not return with the store open). One asked for
+        before the seal returns at once (it may come from a holder the first close waits for)."""
+        while self.sealed:
+            await self.settled()
         if not self.is_open or self.closing:
             return
         self.closing = True

@@ -775,6 +775,7 @@ class TierStore:
         await self._require_open()
         if self._engine.frozen:
             await self._engine.until_thawed()
+            await self._require_open()  # (a close sealed meanwhile: its flush may be past)
         t = self._engine.index_of(tier)
         entry = self._engine.visible_entry(key)
         if entry.held():  # as delete: a held key (read or write, anyone's) is refused at once
@@ -805,6 +806,9 @@ class TierStore:
                 return await self._pop_buffer(entry, candidate, owner, buffer)
         version = entry.version
         value = await self._engine.read_uncached(entry, device, target=t if isinstance(tier_obj, MemoryTier) else None)
+        if self._engine.sealed:  # (sealed while it read: no delete starts now, its flush may be past)
+            await self._require_open()
+            return None  # (the close failed: read again, the value may have changed meanwhile)
         if not await self._engine.shielded(self._engine.delete_entry(entry, expect_version=version)):
             return None
         return value
@@ -860,10 +864,12 @@ class TierStore:
         await self._require_open()
         if self._engine.frozen:
             await self._engine.until_thawed()
+            await self._require_open()  # (a close sealed meanwhile: its flush may be past)
         entry = self._engine.visible_entry(key)
         if entry.held():
             raise EntryHeldError(f"{key!r} is held; release it before deleting")
-        await self._engine.shielded(self._engine.delete_entry(entry))
+        if not await self._engine.shielded(self._engine.delete_entry(entry)) and not self._engine.is_open:
+            raise StoreClosedError(f"the store closed before {key!r} was deleted (it was not)")
         self._engine.observe("delete", key, entry.meta.nbytes, None, hit=None)
 
     def hold(self, key: str, tier: TierRef = None, write: bool = False) -> AbstractAsyncContextManager[torch.Tensor]:
