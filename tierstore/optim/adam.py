@@ -29,11 +29,11 @@ them, as if never interrupted.
 from __future__ import annotations
 
 import warnings
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from functools import lru_cache
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch.optim.adam import adam
@@ -222,6 +222,8 @@ class TieredAdam(PagedOptimizer):
         fresh = chunk.index not in slot.chunks_updated if chunk is not None else not slot.updated
         if layout is None:
             if packed.shape[0] != self._rows(slot):  # the parameter is the master
+                if self._in_place(slot):
+                    return _MasterRows(slot.param, packed, start, stop)
                 return [await self._param_master(slot, start, stop), *packed.unbind(0)]
             if fresh and self._reloads(slot):
                 await fill_weight_range(slot, start, stop, packed[0])
@@ -723,6 +725,41 @@ def _state_layout(precision: str, lossless: bool, amsgrad: bool, param_master: b
     """The (immutable) layout of these settings, made once: the loop asks for a slot's layout
     several times per chunk it updates."""
     return StateLayout(precision, lossless, amsgrad, param_master)
+
+
+class _MasterRows(Sequence[torch.Tensor]):
+    """The rows an update of a plain entry gets where the parameter is its own master (updated
+    in place): the parameter's elements ``start:stop``, then the entry's moment rows. The views
+    are made at first use, on the thread that runs the math, not on the loop where the hold
+    is taken: on the loop, each torch call lets go of the GIL, and getting it back waits for
+    the math and I/O threads."""
+
+    __slots__ = ("_param", "_packed", "_start", "_stop", "_rows")
+
+    def __init__(self, param: torch.Tensor, packed: torch.Tensor, start: int, stop: int) -> None:
+        self._param, self._packed, self._start, self._stop = param, packed, start, stop
+        self._rows: list[torch.Tensor] | None = None
+
+    def _made(self) -> list[torch.Tensor]:
+        rows = self._rows
+        if rows is None:
+            flat = _flat(self._param.data)
+            master = flat if self._start == 0 and self._stop == flat.numel() else flat[self._start : self._stop]
+            rows = self._rows = [master, *self._packed.unbind(0)]
+        return rows
+
+    @overload
+    def __getitem__(self, index: int) -> torch.Tensor: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[torch.Tensor]: ...
+    def __getitem__(self, index: int | slice) -> torch.Tensor | list[torch.Tensor]:
+        return self._made()[index]
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self._made())
+
+    def __len__(self) -> int:
+        return 1 + self._packed.shape[0]
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
