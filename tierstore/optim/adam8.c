@@ -5,14 +5,19 @@
  * bits: compiled with -ffp-contract=off (no fused multiply-adds) and without -ffast-math.
  * One block of BLOCK elements at a time: its moments are decoded, updated and kept in two
  * stack rows while their absmax is taken, then encoded; memory sees every field once each way.
+ * A call's blocks are shared, in batches, with helper threads of a pool kept for the process's
+ * life (see job_t and the pool below).
  */
+#define _GNU_SOURCE /* (sched_getaffinity, pthread_setname_np) */
 #include <math.h>
 #include <pthread.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
+#include <unistd.h>
 
 #define BLOCK 256
 
@@ -333,10 +338,10 @@ static void adam8_range(int64_t numel, float *master, int16_t *low, const uint16
 /* One call's arguments, shared by the threads that work on it: each takes the next BATCH
  * blocks until none are left. Blocks are independent (each has its own scales), so which thread
  * updates which block does not change a bit. Shared rather than split in equal parts: on a busy
- * machine (the store's I/O and event-loop threads) a helper may start late or be preempted,
+ * machine (the store's I/O and event-loop threads) a helper may wake late or be preempted,
  * and the call then takes as long as the work left divided among the threads that do run,
  * never as long as the slowest thread's fixed part. The caller waits only for batches under
- * way: a helper that starts after the work is gone finds nothing and frees the job if last. */
+ * way: a helper that joins after the work is gone finds nothing and frees the job if last. */
 typedef struct {
     float *master;
     int16_t *low;
@@ -351,7 +356,7 @@ typedef struct {
     int64_t blocks;
     _Atomic int64_t next;  /* the first block not yet taken */
     _Atomic int64_t done;  /* blocks updated */
-    _Atomic int refs;      /* threads that may still read this job (the caller and started helpers) */
+    _Atomic int refs;      /* threads that may still read this job (the caller and joined helpers) */
 } job_t;
 
 #define AT(POINTER, OFFSET) ((POINTER) != NULL ? (POINTER) + (OFFSET) : NULL)
@@ -376,16 +381,149 @@ static void let_go(job_t *j) {
         free(j);
 }
 
-static void *help(void *argument) {
-    take_batches(argument);
-    let_go(argument);
-    return NULL;
-}
+/* -- The helper pool --------------------------------------------------------------------------
+ * Helper threads started at first need and kept for the process's life (detached, blocked on a
+ * condition variable while idle: a process exits with them blocked there), instead of threads
+ * started at every call: starting one cost about a batch's math, and on a busy machine helpers
+ * that started after their call had ended piled up. The pool has one job slot: a caller puts its
+ * job there and wakes up to `threads - 1` helpers, each of which joins it (a reference to the
+ * job, taken under the lock) at most once; the caller takes it out as soon as no batch is left
+ * to take, so a late helper finds the slot empty (or the next call's job) and never touches a
+ * finished call's memory but for the job it holds. A caller that finds the slot taken (another Python thread's
+ * call, e.g. a second optimizer) runs its call alone: calls never wait for each other, nothing can
+ * deadlock, and on a machine of few cores the two calls keep the cores busy between them anyway.
+ * A child of fork() has none of the threads: the fork handlers empty the pool (and give the
+ * child a fresh lock, which another thread may have held at the fork), so the child's first
+ * call starts helpers of its own. */
+typedef struct {
+    pthread_mutex_t lock;
+    pthread_cond_t wake;  /* a job in the slot */
+    job_t *job;           /* the slot: the call helpers may join, or NULL */
+    uint64_t generation;  /* jobs put in the slot so far: a helper joins each one at most once */
+    int64_t wanted;       /* helpers the job in the slot still takes */
+    int64_t size;         /* helpers started (in this process) */
+    int64_t cap;          /* the most helpers: this process's CPUs - 1, at least 1 (0: not known yet) */
+} pool_t;
 
 #define MAX_THREADS 256
 
+static pool_t pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};
+static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
+
+static void before_fork(void) { pthread_mutex_lock(&pool.lock); } /* (the pool consistent in the child) */
+static void after_fork_parent(void) { pthread_mutex_unlock(&pool.lock); }
+
+static void after_fork_child(void) {
+    /* (a job in the slot is the parent's call, whose threads the child lacks: left, never freed) */
+    pool.lock = (pthread_mutex_t)PTHREAD_MUTEX_INITIALIZER;
+    pool.wake = (pthread_cond_t)PTHREAD_COND_INITIALIZER;
+    pool.job = NULL;
+    pool.wanted = 0;
+    pool.size = 0;
+}
+
+static int64_t cpus(void) {
+#ifdef __linux__
+    cpu_set_t allowed;
+    if (sched_getaffinity(0, sizeof allowed, &allowed) == 0)
+        return CPU_COUNT(&allowed);
+#endif
+    const long online = sysconf(_SC_NPROCESSORS_ONLN);
+    return online > 0 ? online : 1;
+}
+
+static void pool_setup(void) {
+    const int64_t helpers = cpus() - 1;
+    pool.cap = helpers < 1 ? 1 : helpers > MAX_THREADS - 1 ? MAX_THREADS - 1 : helpers;
+    pthread_atfork(before_fork, after_fork_parent, after_fork_child);
+}
+
+static void *helper(void *unused) {
+    (void)unused;
+    uint64_t seen = 0;
+    pthread_mutex_lock(&pool.lock);
+    for (;;) {
+        while (pool.job == NULL || pool.wanted == 0 || pool.generation == seen)
+            pthread_cond_wait(&pool.wake, &pool.lock);
+        job_t *j = pool.job;
+        seen = pool.generation;
+        pool.wanted--;
+        atomic_fetch_add_explicit(&j->refs, 1, memory_order_relaxed); /* (the caller lets go only after taking the lock) */
+        pthread_mutex_unlock(&pool.lock);
+        take_batches(j);
+        let_go(j);
+        pthread_mutex_lock(&pool.lock);
+    }
+    return NULL;
+}
+
+/* Helpers started up to `wanted` (at most the cap), with the lock held; where the system refuses
+ * one, the cap becomes the pool's size (no retry at every call). */
+static void grow(int64_t wanted) {
+    if (wanted > pool.cap)
+        wanted = pool.cap;
+    if (pool.size >= wanted)
+        return;
+    pthread_attr_t detached;
+    if (pthread_attr_init(&detached) != 0)
+        return;
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old); /* (helpers inherit it: signals go to the process's own threads) */
+    while (pool.size < wanted) {
+        pthread_t id;
+        if (pthread_attr_setdetachstate(&detached, PTHREAD_CREATE_DETACHED) != 0 ||
+            pthread_create(&id, &detached, helper, NULL) != 0) {
+            pool.cap = pool.size;
+            break;
+        }
+#ifdef __linux__
+        pthread_setname_np(id, "tierstore-adam8");
+#endif
+        pool.size++;
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    pthread_attr_destroy(&detached);
+}
+
+/* Puts j in the slot for up to `helpers` helpers and wakes them; 0 (nothing put) where the slot
+ * is taken or no helper could be started. */
+static int64_t offer(job_t *j, int64_t helpers) {
+    pthread_once(&pool_once, pool_setup);
+    pthread_mutex_lock(&pool.lock);
+    if (pool.job != NULL) {
+        pthread_mutex_unlock(&pool.lock);
+        return 0;
+    }
+    grow(helpers);
+    if (helpers > pool.size)
+        helpers = pool.size;
+    const int64_t size = pool.size;
+    if (helpers > 0) {
+        pool.job = j;
+        pool.generation++;
+        pool.wanted = helpers;
+    }
+    pthread_mutex_unlock(&pool.lock);
+    if (helpers > 0 && helpers == size)
+        pthread_cond_broadcast(&pool.wake);
+    else
+        for (int64_t i = 0; i < helpers; i++)
+            pthread_cond_signal(&pool.wake); /* (after the unlock: a woken helper does not block on the lock) */
+    return helpers;
+}
+
+static void withdraw(job_t *j) {
+    pthread_mutex_lock(&pool.lock);
+    if (pool.job == j) {
+        pool.job = NULL;
+        pool.wanted = 0;
+    }
+    pthread_mutex_unlock(&pool.lock);
+}
+
 /* The update of one tile of whole blocks (numel a multiple of BLOCK) by this thread and up to
- * threads - 1 helpers started here, sharing the blocks in batches; see adam8_range and job_t. */
+ * threads - 1 helpers of the pool, sharing the blocks in batches; see job_t and the pool. */
 void tierstore_adam8(int64_t threads, int64_t numel, float *master, int16_t *low, const uint16_t *high,
                      uint16_t *high_out, uint8_t *m_codes, float *m_scales, uint8_t *v_codes, float *v_scales,
                      const float *grad32, const uint16_t *grad16, const float *scalars,
@@ -396,7 +534,7 @@ void tierstore_adam8(int64_t threads, int64_t numel, float *master, int16_t *low
     if (threads > batches) threads = batches;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads < 1) threads = 1;
-    job_t local, *j = threads > 1 ? malloc(sizeof *j) : NULL;
+    job_t local, *j = threads > 1 ? malloc(sizeof *j) : NULL; /* (a late helper may hold it after the call) */
     if (j == NULL) { /* (one thread, or no memory for a shared job: all of it here) */
         j = &local;
         threads = 1;
@@ -407,19 +545,11 @@ void tierstore_adam8(int64_t threads, int64_t numel, float *master, int16_t *low
     memcpy(&j->s, scalars, sizeof j->s);
     atomic_init(&j->next, 0);
     atomic_init(&j->done, 0);
-    atomic_init(&j->refs, (int)threads);
-    if (threads > 1) {
-        pthread_attr_t detached;
-        const int attr = pthread_attr_init(&detached) == 0 && pthread_attr_setdetachstate(&detached, PTHREAD_CREATE_DETACHED) == 0;
-        for (int64_t i = 1; i < threads; i++) {
-            pthread_t id;
-            if (!attr || pthread_create(&id, &detached, help, j) != 0) /* (its share is done by the others) */
-                atomic_fetch_sub_explicit(&j->refs, 1, memory_order_relaxed);
-        }
-        if (attr)
-            pthread_attr_destroy(&detached);
-    }
+    atomic_init(&j->refs, 1);
+    const int64_t offered = threads > 1 ? offer(j, threads - 1) : 0;
     take_batches(j);
+    if (offered > 0)
+        withdraw(j); /* (every batch taken: the slot is free for the next call) */
     while (atomic_load_explicit(&j->done, memory_order_acquire) < blocks)
         sched_yield(); /* (a batch under way on a helper: tens of microseconds) */
     if (j != &local)

@@ -7,7 +7,10 @@ are permutes, an encode a binary search over the midpoints), block by block with
 cache: 2.7 ns a parameter against the inductor kernel's 5.2 (fp32 master; 2.6x faster with a
 lossless one), one core of this machine; a tile of at least 2 x ``PER_THREAD`` elements is shared
 by up to torch's intra-op count of threads, which take its blocks in small batches (a thread the
-machine is slow to run takes fewer, instead of delaying the call by a fixed part). It gives the same bits
+machine is slow to run takes fewer, instead of delaying the call by a fixed part): the calling
+thread and helpers of a pool that ``adam8.c`` starts at first need and keeps (at most one fewer
+than the process's CPUs; none started per call; a forked child starts its own; a call made while
+another thread's call holds the pool runs alone). It gives the same bits
 (the same IEEE operations in the same order, no fused multiply-adds; a NaN takes code 255 as
 the search tables give it), but for a NaN scale's payload: ``tests/test_native_adam8.py`` checks
 it against the inductor kernel, a plain reference and every thread count.
@@ -46,7 +49,8 @@ _tried = False
 
 #: Elements per quantisation block (``precision.BLOCK``; ``adam8.c``'s ``BLOCK``).
 BLOCK = 256
-#: Elements a thread takes at least: starting one costs about a 16K-element tile's math.
+#: Elements a thread takes at least: chosen when each call started its helpers (starting one cost
+#: about a 16K-element tile's math); waking a helper of the pool costs less.
 PER_THREAD = 1 << 16
 
 
@@ -121,7 +125,8 @@ def adam8(
     where the kernel cannot take them (not built; another dtype; sizes that are not whole blocks
     or do not agree; a tensor not contiguous or not in CPU memory): the caller then runs the
     compiled kernel. ``built``: a kernel from ``build`` (default: ``kernel()``); ``threads``
-    (default: torch's intra-op threads), at most one per ``PER_THREAD`` elements."""
+    (default: torch's intra-op threads), at most one per ``PER_THREAD`` elements: this one and
+    helpers of the kernel's pool (see the module's notes). Safe from several threads at once."""
     built = built or kernel()
     numel = grad.numel()
     if built is None or numel % BLOCK or grad.dtype not in (torch.float32, torch.bfloat16):
