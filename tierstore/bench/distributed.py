@@ -203,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         "width": 256 if args.quick else args.width, "depth": 4 if args.quick else args.depth, "steps": 3 if args.quick else args.steps,
         "buffer_bytes": args.buffer_bytes, "mmap_threshold": args.mmap_threshold,
     }
+    if args.dir is not None:
+        args.dir.mkdir(parents=True, exist_ok=True)  # (as the other benchmarks make their --dir)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         result = run(options, Path(tmp))
         result["environment"] = environment(Path(tmp))
