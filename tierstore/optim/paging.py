@@ -212,6 +212,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.state_tier = state_tier
+        #: Held by step() and close(): a close from another thread waits for the step.
+        self._lifecycle = threading.RLock()
         self._loop = loop_thread()
         self._window = StepWindow("in-backward" if step_in_backward else "after-backward")
         #: Spans of this step; mark the loop's own work with ``opt.timeline.span("forward")``.
@@ -260,6 +262,9 @@ class PagedOptimizer(torch.optim.Optimizer):
                 self._pipeline.shutdown()
             if self.namespace is not None:  # nor keep its namespace
                 run(self.namespace.drop() if self.namespace.auto else self.namespace.release())
+            if self._owns_store and isinstance(store, TierStore) and store.is_open:
+                # nor the store it made: open, it keeps the folder locked against the retry
+                run(store.aclose(flush=self.namespace is not None and not self.namespace.auto))
             raise
         close_at_exit(self)  # its store's background I/O must not outlive the interpreter (see there)
 
@@ -276,6 +281,7 @@ class PagedOptimizer(torch.optim.Optimizer):
     # -- construction --------------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self._require_open("add_param_group")
         super().add_param_group(param_group)
         group = len(self.param_groups) - 1
         for param in self.param_groups[group]["params"]:
@@ -373,7 +379,12 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Update every parameter whose ``p.grad`` is not None, with ``p.grad`` as it is now.
-        The time spent here is the training loop's stall."""
+        The time spent here is the training loop's stall. A ``close()`` from another thread
+        meanwhile waits for the step to end."""
+        with self._lifecycle:
+            return self._step(closure)
+
+    def _step(self, closure: Callable[[], Any] | None) -> Any:
         self._require_open("step")
         loss = None
         if closure is not None:
@@ -591,7 +602,12 @@ class PagedOptimizer(torch.optim.Optimizer):
     def close(self) -> None:
         """Remove the hooks, stop the worker thread, end the namespace's claim, and close the
         store if the optimizer made it. A default namespace is dropped with its keys; a named
-        one keeps the state (and step counts) for a later optimizer claiming it."""
+        one keeps the state (and step counts) for a later optimizer claiming it. Called from
+        another thread while ``step()`` runs, it waits for that step to end."""
+        with self._lifecycle:
+            self._close()
+
+    def _close(self) -> None:
         self._remove_hooks()
         self._closed = True
         failures: list[Any] = []
