@@ -223,7 +223,7 @@ class TieredAdam(PagedOptimizer):
         if layout is None:
             if packed.shape[0] != self._rows(slot):  # the parameter is the master
                 if self._in_place(slot):
-                    return _MasterRows(slot.param, packed, start, stop)
+                    return _MasterRows(slot, packed, start, stop)
                 return [await self._param_master(slot, start, stop), *packed.unbind(0)]
             if fresh and self._reloads(slot):
                 await fill_weight_range(slot, start, stop, packed[0])
@@ -732,19 +732,34 @@ class _MasterRows(Sequence[torch.Tensor]):
     in place): the parameter's elements ``start:stop``, then the entry's moment rows. The views
     are made at first use, on the thread that runs the math, not on the loop where the hold
     is taken: on the loop, each torch call lets go of the GIL, and getting it back waits for
-    the math and I/O threads."""
+    the math and I/O threads. They are made of the parameter's data as it is then: data
+    replaced since the hold (``p.data = ...``) that can no longer be updated in place (another
+    dtype, not contiguous) gets an fp32 copy as master (its new weight written back as any
+    weight's, as ``_param_master`` does); data of another size, or no longer in host memory,
+    raises ``RuntimeError`` (an update of the wrong size would write past the data's end)."""
 
-    __slots__ = ("_param", "_packed", "_start", "_stop", "_rows")
+    __slots__ = ("_slot", "_packed", "_start", "_stop", "_rows")
 
-    def __init__(self, param: torch.Tensor, packed: torch.Tensor, start: int, stop: int) -> None:
-        self._param, self._packed, self._start, self._stop = param, packed, start, stop
+    def __init__(self, slot: ParamSlot, packed: torch.Tensor, start: int, stop: int) -> None:
+        self._slot, self._packed, self._start, self._stop = slot, packed, start, stop
         self._rows: list[torch.Tensor] | None = None
 
     def _made(self) -> list[torch.Tensor]:
         rows = self._rows
         if rows is None:
-            flat = _flat(self._param.data)
-            master = flat if self._start == 0 and self._stop == flat.numel() else flat[self._start : self._stop]
+            slot = self._slot
+            data = slot.param.data
+            if data.numel() != slot.numel or data.device.type != "cpu" or offloaded(slot.param) is not None:
+                raise RuntimeError(
+                    f"parameter {slot.index}: its data was replaced during the step (now {tuple(data.shape)}, "
+                    f"{data.dtype}, on {data.device}; its state is for {slot.numel} elements in host memory); "
+                    "replace a parameter's data between steps only"
+                )
+            if TieredAdam._in_place(slot):
+                flat = _flat(data)
+                master = flat if self._start == 0 and self._stop == flat.numel() else flat[self._start : self._stop]
+            else:  # (the copy _param_master makes where the update cannot run in place)
+                master = data.reshape(-1)[self._start : self._stop].to(torch.float32, copy=True)
             rows = self._rows = [master, *self._packed.unbind(0)]
         return rows
 
