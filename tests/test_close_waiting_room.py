@@ -320,6 +320,21 @@ class HeldWrites(FileIO):
     def let_go(self) -> None:
         self._gate.set()
 
+@asynccontextmanager
+async def held_store(tmp_path: Any) -> AsyncIterator[tuple[TierStore, HeldWrites]]:
+    """An open host + disk store whose disk writes ``HeldWrites`` can hold (the close's flush),
+    closed at the end if a test left it open (its held writes let go first)."""
+    io = HeldWrites()
+    store = TierStore([HostTier("1MiB"), DiskTier(tmp_path / "d", "16MiB", io=io)])
+    await store.open()
+    try:
+        yield store, io
+    finally:
+        io.let_go()
+        if store.is_open:
+            await store.aclose()
+
+
 
 async def close_held(store: TierStore, io: HeldWrites) -> asyncio.Future[None]:
     """A close started with its flush's writes held (returned once it is in them)."""
@@ -395,10 +410,7 @@ async def test_a_put_waiting_for_room_during_a_close_waits_for_its_outcome(tmp_p
 
 @pytest.mark.parametrize("close", ["fails", "succeeds"])
 async def test_a_write_hold_asked_for_during_a_close_waits_for_its_outcome(tmp_path: Any, close: str) -> None:
-    io = HeldWrites()
-    store = TierStore([HostTier("1MiB"), DiskTier(tmp_path / "d", "16MiB", io=io)])
-    await store.open()
-    try:
+    async with held_store(tmp_path) as (store, io):
         await store.put("k", value(0), tier="host")
         reader_done = asyncio.get_running_loop().create_future()
 
@@ -428,18 +440,11 @@ async def test_a_write_hold_asked_for_during_a_close_waits_for_its_outcome(tmp_p
         else:
             assert isinstance(error, StoreClosedError) and "no write hold" in str(error), error
             assert await on_disk(tmp_path / "d") == {"k": 0.0}
-    finally:
-        io.let_go()
-        if store.is_open:
-            await store.aclose()
 
 
 @pytest.mark.parametrize("close", ["fails", "succeeds"])
 async def test_a_put_made_during_a_close_waits_for_its_outcome(tmp_path: Any, close: str) -> None:
-    io = HeldWrites()
-    store = TierStore([HostTier("1MiB"), DiskTier(tmp_path / "d", "16MiB", io=io)])
-    await store.open()
-    try:
+    async with held_store(tmp_path) as (store, io):
         await store.put("k", value(0), tier="host")
         closing = await close_held(store, io)
         put = asyncio.ensure_future(store.put("n", value(9), tier="host"))
@@ -454,10 +459,6 @@ async def test_a_put_made_during_a_close_waits_for_its_outcome(tmp_path: Any, cl
         else:
             assert isinstance(error, StoreClosedError), error
             assert await on_disk(tmp_path / "d") == {"k": 0.0}
-    finally:
-        io.let_go()
-        if store.is_open:
-            await store.aclose()
 
 
 async def test_a_write_hold_asked_for_while_the_close_waits_for_write_holds_is_refused(tmp_path: Any) -> None:
@@ -545,10 +546,7 @@ async def test_a_delete_paused_before_the_seal_is_done_or_refused(tmp_path: Any,
 async def test_a_second_close_during_a_sealed_one_waits_for_its_outcome(tmp_path: Any) -> None:
     """A second close while the first is sealed does not return with the store still open: it
     waits, and closes the store itself when the first failed."""
-    io = HeldWrites()
-    store = TierStore([HostTier("1MiB"), DiskTier(tmp_path / "d", "16MiB", io=io)])
-    await store.open()
-    try:
+    async with held_store(tmp_path) as (store, io):
         await store.put("k", value(1), tier="host")
         closing = await close_held(store, io)
         second = asyncio.ensure_future(store.aclose())
@@ -557,7 +555,3 @@ async def test_a_second_close_during_a_sealed_one_waits_for_its_outcome(tmp_path
         assert await outcome(second) is None
         assert not store.is_open  # (was: open, k only in memory)
         assert await on_disk(tmp_path / "d") == {"k": 1.0}
-    finally:
-        io.let_go()
-        if store.is_open:
-            await store.aclose()
