@@ -30,25 +30,33 @@ from .slots import Capture, ParamSlot
 Scaling = tuple["torch.Tensor | None", bool]
 
 
-_step_locks: weakref.WeakKeyDictionary[TierStore, asyncio.Lock] = weakref.WeakKeyDictionary()
-#: The step runners of each store (the optimizers sharing it).
-_runners: weakref.WeakKeyDictionary[TierStore, weakref.WeakSet[StepRunner]] = weakref.WeakKeyDictionary()
-#: Per store, the runner whose updates run in backward now (``StepRunner.may_update_in_backward``).
-_in_backward_owner: weakref.WeakKeyDictionary[TierStore, weakref.ref[StepRunner]] = weakref.WeakKeyDictionary()
-#: Per store, the runner whose step holds ``_one_step_at_a_time`` now.
-_stepping: weakref.WeakKeyDictionary[TierStore, weakref.ref[StepRunner]] = weakref.WeakKeyDictionary()
+class _StoreSteps:
+    """What the optimizers sharing one store know of each other's steps."""
+
+    def __init__(self) -> None:
+        #: Lets one optimizer step at a time on the store. Each sizes its buckets by the room
+        #: on the state tier as if the room were its own; two steps at once (from two threads)
+        #: each took part of it and waited for the rest (a hang under the emulated device,
+        #: ``TierFullError`` on the plain CPU). One at a time, they are the sequential steps
+        #: that work.
+        self.lock = asyncio.Lock()
+        #: The step runners of the store's optimizers.
+        self.runners: weakref.WeakSet[StepRunner] = weakref.WeakSet()
+        #: The runner whose updates run in backward now (``StepRunner.may_update_in_backward``).
+        self.in_backward_owner: weakref.ref[StepRunner] | None = None
+        #: The runner whose step holds ``lock`` now.
+        self.stepping: weakref.ref[StepRunner] | None = None
 
 
-def _one_step_at_a_time(store: TierStore) -> asyncio.Lock:
-    """The lock that lets one optimizer step at a time on ``store``. Each optimizer sizes its
-    buckets by the room on the state tier as if the room were its own; two steps at once (from
-    two threads) each took part of it and waited for the rest (a hang under the emulated
-    device, ``TierFullError`` on the plain CPU). One at a time, they are the sequential steps
-    that work."""
-    lock = _step_locks.get(store)
-    if lock is None:
-        lock = _step_locks[store] = asyncio.Lock()
-    return lock
+_steps_of: weakref.WeakKeyDictionary[TierStore, _StoreSteps] = weakref.WeakKeyDictionary()
+
+
+def _store_steps(store: TierStore) -> _StoreSteps:
+    """The steps shared by ``store``'s optimizers (made at the first one's)."""
+    steps = _steps_of.get(store)
+    if steps is None:
+        steps = _steps_of[store] = _StoreSteps()
+    return steps
 
 
 class StepRunner:
@@ -81,7 +89,8 @@ class StepRunner:
         #: The parameters updated in backward although the step ended without ``step()``
         #: (``zero_grad()``; updates not launched yet are dropped then): set by ``end``.
         self.updated_without_step: list[int] = []
-        _runners.setdefault(store, weakref.WeakSet()).add(self)
+        self._shared = _store_steps(store)
+        self._shared.runners.add(self)
 
     @property
     def capture(self) -> GradientCapture:
@@ -121,24 +130,24 @@ class StepRunner:
         (``TierFullError``, or a hang under the emulated device). A gradient turned away here
         waits for its optimizer's ``step()``, as with ``step_in_backward=False`` (and a step
         first waits for the updates already started in backward)."""
-        store = self._store
-        stepping = _stepping.get(store)
+        shared = self._shared
+        stepping = shared.stepping
         if stepping is not None and stepping() is not self:
             return False
         if not self._pages:
             return True  # (its state stays where it is: it takes no room the others plan with)
-        owner = _in_backward_owner.get(store)
+        owner = shared.in_backward_owner
         runner = owner() if owner is not None else None
         if runner is None:
-            _in_backward_owner[store] = weakref.ref(self)
+            shared.in_backward_owner = weakref.ref(self)
             return True
         return runner is self
 
     def release_backward(self) -> None:
         """Give up the claim to update in backward on the store, if this optimizer holds it."""
-        owner = _in_backward_owner.get(self._store)
+        owner = self._shared.in_backward_owner
         if owner is not None and owner() is self:
-            del _in_backward_owner[self._store]
+            self._shared.in_backward_owner = None
 
     @property
     def reversed_order(self) -> bool:
@@ -161,9 +170,9 @@ class StepRunner:
         pipeline.in_step = True
         self._step_called = True
         try:
-            async with _one_step_at_a_time(self._store):
+            async with self._shared.lock:  # (one optimizer steps at a time on a store: see _StoreSteps)
                 # (from here on no other optimizer's update starts in backward: see below)
-                _stepping[self._store] = weakref.ref(self)
+                self._shared.stepping = weakref.ref(self)
                 try:
                     await self._others_in_backward_done()
                     try:
@@ -172,7 +181,7 @@ class StepRunner:
                         await self._abandon()
                         raise
                 finally:
-                    del _stepping[self._store]
+                    self._shared.stepping = None
         finally:
             pipeline.in_step = False
             pipeline.scale = None
@@ -348,7 +357,7 @@ class StepRunner:
         (``step_in_backward=True``; their own ``step()`` collects how they ended). This step
         plans its buckets with the whole room; run beside them, both waited for room the other
         held (one backward feeding two optimizers, stepped one after the other)."""
-        for other in list(_runners.get(self._store, ())):
+        for other in list(self._shared.runners):
             if other is not self and other._in_backward:
                 await other._pipeline.launched_done()
 
