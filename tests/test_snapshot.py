@@ -158,6 +158,42 @@ async def test_interrupted_export_leaves_the_previous_snapshot(tmp_path: Path) -
         assert fresh.keys() == ["kept"] and same_bytes(await fresh.get("kept"), torch.arange(5.0))
 
 
+# zarr's own writes, cancelled before they started, warn that they were never awaited.
+@pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")
+async def test_a_cancelled_export_outlasts_zarrs_writes_on_their_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """zarr writes each file on a thread, which cancelling the export does not stop: the export
+    removes its partial folder only once those writes have ended (a slow disk, here a write that
+    takes 0.2 s, made the folder again after it was removed)."""
+    import threading
+    import time
+
+    from zarr.storage import _local
+
+    started = threading.Event()
+    put = _local._put
+
+    def slow_put(*args: Any, **kwargs: Any) -> int:
+        started.set()
+        time.sleep(0.2)
+        return put(*args, **kwargs)
+
+    target = tmp_path / "snap.zarr"
+    async with TierStore(tiers(tmp_path)) as store:
+        await store.put("kept", torch.arange(5.0))
+        await store.export_zarr(target)
+        for i in range(8):
+            await store.put(f"new{i}", torch.full((2048,), float(i)))
+        monkeypatch.setattr(_local, "_put", slow_put)
+        export = asyncio.ensure_future(store.export_zarr(target, overwrite=True))
+        while not started.is_set():
+            await asyncio.sleep(0.001)
+        export.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await export
+        await asyncio.sleep(0.4)  # (what a write still running would do, it has done by now)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
 async def test_export_replaces_a_snapshot_when_asked(tmp_path: Path) -> None:
     target = tmp_path / "snap.zarr"
     async with TierStore(tiers(tmp_path)) as store:

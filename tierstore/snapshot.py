@@ -34,9 +34,10 @@ import os
 import shutil
 import sys
 import uuid
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -46,6 +47,9 @@ from .errors import KeyNotFoundError, TierFullError
 from .keys import check_key
 from .tensors import dtype_from_name, dtype_name, empty
 from .units import format_bytes
+from .workers import wait_uncancelled
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from .store import TierRef, TierStore
@@ -92,6 +96,18 @@ def _from_numpy(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     if tensor.numel() == 0:
         return torch.empty(tuple(tensor.shape), dtype=dtype)
     return tensor.view(dtype)
+
+
+async def _whole(write: Awaitable[T]) -> T:
+    """Await one of zarr's writes to its end, even when cancelled meanwhile (then re-raise):
+    zarr writes its files on threads, which a cancellation does not stop, and a write still
+    running after a cancelled export removed its partial folder made that folder again."""
+    task = asyncio.ensure_future(write)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await wait_uncancelled(task)
+        raise
 
 
 async def _all(coros: list[Any]) -> list[Any]:
@@ -169,9 +185,9 @@ async def export_zarr(store: TierStore, path: str | Path, overwrite: bool = Fals
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.parent / f".{path.name}.partial-{uuid.uuid4().hex[:12]}"
     try:
-        group = await zasync.open_group(
+        group = await _whole(zasync.open_group(
             str(partial), mode="w-", zarr_format=3, attributes={"tierstore_snapshot": _SNAPSHOT_FORMAT}
-        )
+        ))
         budget = _ByteBudget(INFLIGHT_BYTES)
         limit = asyncio.Semaphore(_CONCURRENCY)
         written = await _all([_export_one(store, group, name, key, budget, limit) for name, key in names.items()])
@@ -195,19 +211,19 @@ async def _export_one(store: TierStore, group: Any, name: str, key: str, budget:
             except KeyNotFoundError:
                 return 0
             data = _to_numpy(value)
-            array = await group.create_array(
+            array = await _whole(group.create_array(
                 name,
                 shape=data.shape,
                 dtype=data.dtype,
                 chunks=_chunks_for(data.shape, data.itemsize),
                 compressors=None,
                 attributes={"tierstore_key": key, "tierstore_dtype": dtype_name(value.dtype)},
-            )
+            ))
             if data.size and data.ndim == 0:
-                await array.setitem(Ellipsis, data)
+                await _whole(array.setitem(Ellipsis, data))
             elif data.size:
                 for start, stop in _slabs(data.shape[0], array.chunks[0]):
-                    await array.setitem(slice(start, stop), data[start:stop])
+                    await _whole(array.setitem(slice(start, stop), data[start:stop]))
             return 1
         finally:
             await budget.release(taken)
