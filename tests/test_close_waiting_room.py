@@ -35,6 +35,7 @@ from tierstore import (
     TierStoreError,
 )
 from tierstore.disk.files import FileIO
+from tierstore.tiers import Tier
 
 VALUE = 64 * 1024  # one page-aligned buffer each: no packing
 PATIENCE = 10.0  # seconds: far more than any step here takes, less than forever
@@ -44,28 +45,34 @@ def value(n: int) -> torch.Tensor:
     return torch.full((VALUE // 4,), float(n))
 
 
-async def kernel_store() -> tuple[TierStore, DeviceTier, KernelLink]:
-    """An open store: a device tier of room for two values, behind a ``KernelLink``, and a host tier."""
+async def kernel_store(*below: Tier) -> tuple[TierStore, DeviceTier, KernelLink]:
+    """An open store: a device tier of room for two values, behind a ``KernelLink``, a host
+    tier, and the tiers ``below`` it."""
     device = DeviceTier("cpu", 2 * VALUE, emulate_device=True)
-    store = TierStore([device, HostTier("1MiB")])
+    store = TierStore([device, HostTier("1MiB"), *below])
     await store.open()
     link = device.link = KernelLink()
     return store, device, link
 
 
+async def fill_device(store: TierStore, link: KernelLink) -> None:
+    """Fill the device tier: ``a``'s buffer retired while a kernel still uses it (it comes back
+    when ``link.finish()`` is called), ``held`` on it."""
+    await store.put("a", value(1), tier="device")
+    await store.put("held", value(2), tier="device")
+    async with store.hold("a", "device"):
+        link.launching = True  # a kernel that reads a's buffer is queued
+    link.launching = False
+    await store.delete("a")
+
+
 @asynccontextmanager
 async def full_device() -> AsyncIterator[tuple[TierStore, DeviceTier, KernelLink]]:
-    """A store whose device tier holds two values: ``a``'s buffer retired while a kernel still
-    uses it (it comes back when ``link.finish()`` is called), ``held`` on it, ``h`` on the host."""
+    """A store whose device tier is full (``fill_device``), with ``h`` on the host."""
     store, device, link = await kernel_store()
     try:
-        await store.put("a", value(1), tier="device")
-        await store.put("held", value(2), tier="device")
         await store.put("h", value(3), tier="host")
-        async with store.hold("a", "device"):
-            link.launching = True  # a kernel that reads a's buffer is queued
-        link.launching = False
-        await store.delete("a")
+        await fill_device(store, link)
         yield store, device, link
     finally:
         link.finish()
@@ -370,17 +377,9 @@ async def on_disk(root: Any) -> dict[str, float]:
 @pytest.mark.parametrize("close", ["fails", "succeeds"])
 async def test_a_put_waiting_for_room_during_a_close_waits_for_its_outcome(tmp_path: Any, close: str) -> None:
     io = HeldWrites()
-    device = DeviceTier("cpu", 2 * VALUE, emulate_device=True)
-    store = TierStore([device, HostTier("1MiB"), DiskTier(tmp_path / "d", "16MiB", io=io)])
-    await store.open()
-    link = device.link = KernelLink()
+    store, _, link = await kernel_store(DiskTier(tmp_path / "d", "16MiB", io=io))
     try:
-        await store.put("a", value(1), tier="device")
-        await store.put("held", value(2), tier="device")
-        async with store.hold("a", "device"):
-            link.launching = True  # a kernel that reads a's buffer is queued
-        link.launching = False
-        await store.delete("a")
+        await fill_device(store, link)
         async with store.hold("held", "device"):  # nothing to evict: only a's room can come
             waiting = request(store, "put")
             await until_waiting(waiting)
