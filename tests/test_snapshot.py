@@ -7,6 +7,7 @@ import resource
 import subprocess
 import sys
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -137,21 +138,32 @@ async def test_crafted_snapshot_is_refused_before_anything_is_put(tmp_path: Path
         assert len(store) == 0
 
 
+async def cancel_an_overwrite(
+    store: TierStore, target: Path, new: int, started: Callable[[], bool], before: Callable[[], object] = lambda: None
+) -> None:
+    """Export ``kept`` to ``target``, put ``new`` more values, then (after ``before()``) export
+    again over it and cancel that export once ``started()``: the cancellation must reach us."""
+    await store.put("kept", torch.arange(5.0))
+    await store.export_zarr(target)
+    for i in range(new):
+        await store.put(f"new{i}", torch.full((2048,), float(i)))
+    before()
+    export = asyncio.ensure_future(store.export_zarr(target, overwrite=True))
+    while not started():
+        await asyncio.sleep(0.001)
+    export.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await export
+
+
 # zarr's own writes, cancelled before they started, warn that they were never awaited.
 @pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")
 async def test_interrupted_export_leaves_the_previous_snapshot(tmp_path: Path) -> None:
     target = tmp_path / "snap.zarr"
     async with TierStore(tiers(tmp_path)) as store:
-        await store.put("kept", torch.arange(5.0))
-        await store.export_zarr(target)
-        for i in range(40):
-            await store.put(f"new{i}", torch.full((2048,), float(i)))
-        export = asyncio.ensure_future(store.export_zarr(target, overwrite=True))
-        while not any(p.name.startswith(".snap.zarr.partial-") and any(p.glob("new*")) for p in tmp_path.iterdir()):
-            await asyncio.sleep(0.001)  # until the new export has written part of its arrays
-        export.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await export
+        # (cancelled once the new export has written part of its arrays)
+        await cancel_an_overwrite(store, target, 40, lambda: any(
+            p.name.startswith(".snap.zarr.partial-") and any(p.glob("new*")) for p in tmp_path.iterdir()))
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no partial folder left
     async with TierStore(tiers(tmp_path, "other")) as fresh:
         assert await fresh.import_zarr(target) == 1
@@ -179,17 +191,7 @@ async def test_a_cancelled_export_outlasts_zarrs_writes_on_their_threads(tmp_pat
 
     target = tmp_path / "snap.zarr"
     async with TierStore(tiers(tmp_path)) as store:
-        await store.put("kept", torch.arange(5.0))
-        await store.export_zarr(target)
-        for i in range(8):
-            await store.put(f"new{i}", torch.full((2048,), float(i)))
-        monkeypatch.setattr(_local, "_put", slow_put)
-        export = asyncio.ensure_future(store.export_zarr(target, overwrite=True))
-        while not started.is_set():
-            await asyncio.sleep(0.001)
-        export.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await export
+        await cancel_an_overwrite(store, target, 8, started.is_set, lambda: monkeypatch.setattr(_local, "_put", slow_put))
         await asyncio.sleep(0.4)  # (what a write still running would do, it has done by now)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 
