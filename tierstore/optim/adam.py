@@ -323,8 +323,7 @@ class TieredAdam(PagedOptimizer):
         memory, updated in place; a copy of its weight where it is no longer usable in place
         (the update's new weight is then written back as any weight)."""
         if self._in_place(slot):
-            flat = _flat(slot.param.data)
-            return flat if start == 0 and stop == slot.numel else flat[start:stop]
+            return _elements(slot.param.data, start, stop)
         return (await read_weight_range(slot, start, stop)).to(torch.float32, copy=True).reshape(-1)
 
     async def _decode(self, slot: ParamSlot, packed: torch.Tensor, start: int, stop: int) -> torch.Tensor:
@@ -756,8 +755,7 @@ class _MasterRows(Sequence[torch.Tensor]):
                     "replace a parameter's data between steps only"
                 )
             if TieredAdam._in_place(slot):
-                flat = _flat(data)
-                master = flat if self._start == 0 and self._stop == flat.numel() else flat[self._start : self._stop]
+                master = _elements(data, self._start, self._stop)
             else:  # (the copy _param_master makes where the update cannot run in place)
                 master = data.reshape(-1)[self._start : self._stop].to(torch.float32, copy=True)
             rows = self._rows = [master, *self._packed.unbind(0)]
@@ -775,6 +773,13 @@ class _MasterRows(Sequence[torch.Tensor]):
 
     def __len__(self) -> int:
         return 1 + self._packed.shape[0]
+
+
+def _elements(data: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Elements ``start:stop`` of a contiguous parameter's ``data``, a flat view of its memory
+    (the whole of it without a slice: on the loop, each torch call lets go of the GIL)."""
+    flat = _flat(data)
+    return flat if start == 0 and stop == flat.numel() else flat[start:stop]
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
