@@ -159,31 +159,10 @@ def training_steps(args: argparse.Namespace, progress: tqdm) -> tuple[list[dict[
         variants[label] = make
     models = {name: copy.deepcopy(template) for name in variants}
     optimizers = {name: make(models[name]) for name, make in variants.items()}
-    batches = {name: synthetic_batches(config, args.batch, seed=1, device=args.device) for name in variants}
-    steps: dict[str, list[float]] = {name: [] for name in variants}
     compute: list[float] = []
-    disk_bytes: dict[str, list[float]] = {name: [] for name in variants}
-    for block in range(args.steps // BLOCK):
-        for name in variants:
-            model, opt = models[name], optimizers[name]
-            before = _disk_bytes(opt)
-            started = time.perf_counter()
-            for _ in range(BLOCK):
-                tokens = next(batches[name])
-                began = time.perf_counter()
-                opt.zero_grad()
-                model.loss(tokens).backward()
-                if name.startswith("torch"):
-                    _sync(args.device)
-                    compute.append(time.perf_counter() - began)
-                opt.step()
-                _sync(args.device)
-            if isinstance(opt, TieredAdamW):
-                settle_store(opt.store)
-            if block:  # the first block warms up: state creation, schedule learning
-                steps[name].append((time.perf_counter() - started) / BLOCK)
-                disk_bytes[name].append((_disk_bytes(opt) - before) / BLOCK)
-        progress.update(BLOCK)
+    steps, counted = _train_in_blocks(args, config, {name: (models[name], optimizers[name]) for name in variants},
+                                      lambda name: (float(_disk_bytes(optimizers[name])),), progress, compute)
+    disk_bytes = {name: [delta[0] for delta in deltas] for name, deltas in counted.items()}
     for opt in optimizers.values():
         if isinstance(opt, TieredAdamW):
             opt.close()
@@ -194,6 +173,41 @@ def training_steps(args: argparse.Namespace, progress: tqdm) -> tuple[list[dict[
         rows.append({"what": name, "step_ms": median(steps[name]) * 1e3, "ratio": median(steps[name]) / reference,
                      "disk_mib": median([float(b) for b in disk_bytes[name]]) / MiB})
     return rows, {"compute_ms": median(compute) * 1e3, "state_mib": state_bytes / MiB}
+
+
+def _train_in_blocks(
+    args: argparse.Namespace, config: GPTConfig, runs: dict[str, tuple[GPT, Any]], count: Callable[[str], tuple[float, ...]],
+    progress: tqdm, compute: list[float] | None = None,
+) -> tuple[dict[str, list[float]], dict[str, list[tuple[float, ...]]]]:
+    """Train each of ``runs`` (model, optimizer) on the same batches, taking turns block by block
+    (``BLOCK`` steps back to back; a store settles at its block's end, counted in it); the first
+    block warms up. Returns, per run, each timed block's time per step and the change per step
+    of the counters ``count(name)`` reads; ``compute`` gets the forward + backward times of the
+    runs named ``torch...``."""
+    batches = {name: synthetic_batches(config, args.batch, seed=1, device=args.device) for name in runs}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    counted: dict[str, list[tuple[float, ...]]] = {name: [] for name in runs}
+    for block in range(args.steps // BLOCK):
+        for name, (model, opt) in runs.items():
+            before = count(name)
+            started = time.perf_counter()
+            for _ in range(BLOCK):
+                tokens = next(batches[name])
+                began = time.perf_counter()
+                opt.zero_grad()
+                model.loss(tokens).backward()
+                if compute is not None and name.startswith("torch"):
+                    _sync(args.device)
+                    compute.append(time.perf_counter() - began)
+                opt.step()
+                _sync(args.device)
+            if isinstance(opt, TieredAdamW):
+                settle_store(opt.store)
+            if block:  # the first block warms up: state creation, schedule learning
+                times[name].append((time.perf_counter() - started) / BLOCK)
+                counted[name].append(tuple((after - earlier) / BLOCK for after, earlier in zip(count(name), before, strict=True)))
+        progress.update(BLOCK)
+    return times, counted
 
 
 def disk_step(args: argparse.Namespace, read_gbs: float, write_gbs: float, progress: tqdm) -> dict[str, Any]:
@@ -213,28 +227,11 @@ def disk_step(args: argparse.Namespace, read_gbs: float, write_gbs: float, progr
     models = {"torch": copy.deepcopy(template), "disk": copy.deepcopy(template)}
     opts: dict[str, Any] = {"torch": torch.optim.AdamW(models["torch"].parameters(), lr=3e-3, fused=True),
                             "disk": TieredAdamW(models["disk"].parameters(), lr=3e-3, store=store)}
-    batches = {name: synthetic_batches(config, args.batch, seed=1, device=args.device) for name in opts}
-    times: dict[str, list[float]] = {"torch": [], "disk": []}
-    reads: list[float] = []
-    writes: list[float] = []
-    for block in range(args.steps // BLOCK):
-        for name, opt in opts.items():
-            links = store.counters.links
-            before = (_link_bytes(links, "->disk"), _link_bytes(links, "disk->"))
-            started = time.perf_counter()
-            for _ in range(BLOCK):
-                opt.zero_grad()
-                models[name].loss(next(batches[name])).backward()
-                opt.step()
-                _sync(args.device)
-            if name == "disk":
-                settle_store(store)
-            if block:  # the first block warms up: state creation, schedule learning
-                times[name].append((time.perf_counter() - started) / BLOCK)
-                if name == "disk":
-                    writes.append((_link_bytes(links, "->disk") - before[0]) / BLOCK)
-                    reads.append((_link_bytes(links, "disk->") - before[1]) / BLOCK)
-        progress.update(BLOCK)
+    links = store.counters.links
+    times, counted = _train_in_blocks(args, config, {name: (models[name], opt) for name, opt in opts.items()},
+                                      lambda name: (float(_link_bytes(links, "disk->")), float(_link_bytes(links, "->disk"))), progress)
+    reads = [delta[0] for delta in counted["disk"]]
+    writes = [delta[1] for delta in counted["disk"]]
     opts["disk"].close()
     run(store.aclose())
     store_read, store_written = median(reads), median(writes)
