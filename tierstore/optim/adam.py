@@ -44,6 +44,7 @@ from .chunks import Chunk, chunk_key
 from .clipping import inverse_scale
 from .distributed import ParamRange
 from .memory_order import InMemoryOrder, memory_order
+from .batched import batched, update_many
 from .paging import PagedOptimizer, ParamSlot
 from .pipeline import fill_weight_range, offloaded, read_weight, read_weight_range
 from .precision import AdamHyper, PackedState, StateLayout, can_be_master, validate
@@ -546,7 +547,8 @@ class TieredAdam(PagedOptimizer):
         numbers as a call per parameter or one for all). GradScaler's ``grad_scale`` goes into
         the fused kernel, as torch's fused Adam takes it; the others multiply by its inverse, as
         ``GradScaler.unscale_`` does before torch's other kernels run. Compressed states are
-        updated one at a time (their fp32 temporaries are one entry's)."""
+        updated one at a time (their fp32 temporaries are one entry's), but for the small ones,
+        updated together (``tierstore.optim.batched``: the same bits)."""
         by_group: dict[int, list[int]] = {}
         for i, slot in enumerate(slots):
             by_group.setdefault(slot.group, []).append(i)
@@ -560,8 +562,13 @@ class TieredAdam(PagedOptimizer):
                 self._adam(group, rows, tiles, [step for _, step in plain], grad_scale)
                 for copy in laid:
                     copy.write_back()
-            for i, step in zip(members, steps, strict=True):
-                if isinstance(states[i], PackedState):
+            packed = [(i, step) for i, step in zip(members, steps, strict=True) if isinstance(states[i], PackedState)]
+            together = [(i, step) for i, step in packed if batched(states[i])]
+            if together:  # (small entries: one decode, Adam call and encode for them all)
+                update_many([states[i] for i, _ in together], [grads[i] for i, _ in together], [step for _, step in together],
+                            lambda rows, tiles, counts: self._adam(group, rows, tiles, counts, grad_scale))
+            for i, step in packed:
+                if not batched(states[i]):
                     self._adam_packed(group, states[i], grads[i], step, grad_scale)
         return [self._master(slot, state) for slot, state in zip(slots, states, strict=True)]
 

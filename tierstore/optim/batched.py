@@ -1,0 +1,136 @@
+"""Many small compressed entries updated together, with the same bits as one at a time.
+
+``PackedState.update`` updates one entry: for a small one (a LayerNorm weight, a bias) the
+decode, torch's Adam and the encode are a couple of dozen torch calls on a few hundred
+elements, so a model's small parameters cost far more than their elements. ``update_many``
+updates the small entries of one layout as one: each moment of all of them decoded into one
+fp32 row, one call of torch's Adam over the lists, each moment encoded back in one pass, then
+copied into each entry's fields (``torch._foreach_copy_`` where torch has it).
+
+The same bits as ``PackedState.update`` on each entry: every step of the codec is elementwise
+or a block's maximum. 8-bit blocks stay each entry's own: an entry's partial last block is
+padded with zeros to a whole block (``abs`` of a padding is 0: the block's maximum does not
+change, a NaN still wins), and each element is divided by its own block's scale. Entries it
+takes: ``batched``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import lru_cache
+from typing import NamedTuple
+
+import torch
+
+from .precision import BLOCK, TILE, PackedState, _nearest_codes, _scratch_rows, _use_compiled, dynamic_map
+
+#: The elements of one batch: its fp32 rows (one per moment) are two tiles (half a MiB each),
+#: still in a core's L2 cache (one tile each: 12% slower on the demo's small parameters).
+BATCH_ELEMENTS = 2 * TILE
+
+#: Runs torch's Adam: ``adam(rows, grads, steps)``, per entry its fp32 rows (master, then the
+#: moments; updated in place), its flat gradient and its step count (counted up).
+AdamMany = Callable[[list[list[torch.Tensor]], list[torch.Tensor], list[torch.Tensor]], None]
+
+
+def batched(state: PackedState) -> bool:
+    """Whether ``update_many`` updates ``state`` with others: one tile (``TILE`` elements or
+    fewer) of bf16 moments, or of 8-bit moments on the eager codec (a parameter below
+    ``COMPILE_MIN_NUMEL`` elements, or the compiled codec off), whose master is not lossless
+    (that one is rebuilt from the weight entry by entry)."""
+    layout = state.layout
+    if layout.lossless or not 0 < state.numel <= TILE:
+        return False
+    if layout.precision == "bf16":
+        return True
+    return layout.precision == "8bit" and not _use_compiled(None, state.param_numel)
+
+
+def update_many(states: Sequence[PackedState], grads: Sequence[torch.Tensor], steps: Sequence[torch.Tensor], adam: AdamMany) -> None:
+    """``PackedState.update`` of each of ``states`` (each ``batched``; any mix of layouts) with
+    its gradient and step count, in batches of one layout and at most ``BATCH_ELEMENTS``
+    elements: the same bits as one at a time. A batch whose math raises leaves its entries and
+    step counts as they were (the batches before it stay updated)."""
+    for state, grad in zip(states, grads, strict=True):
+        if grad.numel() != state.numel:
+            raise ValueError(f"a gradient of {grad.numel()} elements for a state of {state.numel}")
+    by_layout: dict[object, list[int]] = {}
+    for i, state in enumerate(states):
+        by_layout.setdefault(state.layout, []).append(i)
+    for members in by_layout.values():
+        batch: list[int] = []
+        size = 0
+        for i in members:
+            if batch and size + states[i].numel > BATCH_ELEMENTS:
+                _update_batch([states[j] for j in batch], [grads[j] for j in batch], [steps[j] for j in batch], adam)
+                batch, size = [], 0
+            batch.append(i)
+            size += states[i].numel
+        _update_batch([states[j] for j in batch], [grads[j] for j in batch], [steps[j] for j in batch], adam)
+
+
+class _Plan(NamedTuple):
+    """Where a batch's elements are: each entry's count, blocks (8-bit), each element's block,
+    and its place in the batch padded to whole blocks per entry."""
+
+    sizes: list[int]
+    blocks: list[int]
+    block_of: torch.Tensor
+    padded_at: torch.Tensor | None  # (None: every entry is whole blocks, padded and flat agree)
+    total_blocks: int
+
+
+@lru_cache(maxsize=256)
+def _plan(sizes: tuple[int, ...]) -> _Plan:
+    blocks = [-(-n // BLOCK) for n in sizes]
+    starts = torch.tensor([0, *blocks[:-1]]).cumsum(0)
+    block_of = torch.cat([start + torch.arange(n) // BLOCK for start, n in zip(starts.tolist(), sizes, strict=True)])
+    whole = all(n % BLOCK == 0 for n in sizes)
+    padded_at = None if whole else torch.cat([start * BLOCK + torch.arange(n) for start, n in zip(starts.tolist(), sizes, strict=True)])
+    return _Plan(list(sizes), blocks, block_of, padded_at, sum(blocks))
+
+
+def _copy_all(targets: list[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
+    copy = getattr(torch, "_foreach_copy_", None)
+    if copy is not None:
+        copy(targets, list(sources))
+        return
+    for target, source in zip(targets, sources, strict=True):
+        target.copy_(source)
+
+
+def _update_batch(states: list[PackedState], grads: list[torch.Tensor], steps: list[torch.Tensor], adam: AdamMany) -> None:
+    layout = states[0].layout
+    moments = layout.moments
+    plan = _plan(tuple(state.numel for state in states))
+    total = sum(plan.sizes)
+    rows = _scratch_rows(len(moments), total)  # (this thread's: the update runs on one thread)
+    eight_bit = layout.precision == "8bit"
+    # Each entry's fields, asked once (views of its buffer; the encode writes into the same).
+    fields = [[state.view(f"{name}/codes") for state in states] if eight_bit else [state.view(name) for state in states] for name in moments]
+    scales = [[state.view(f"{name}/scale") for state in states] for name in moments] if eight_bit else []
+    for n, (row, name) in enumerate(zip(rows, moments, strict=True)):
+        if eight_bit:
+            torch.index_select(dynamic_map(name == "exp_avg"), 0, torch.cat(fields[n]).int(), out=row)
+            row.mul_(torch.cat(scales[n]).index_select(0, plan.block_of))
+        else:
+            row.copy_(torch.cat(fields[n]))
+    pieces = [row.split(plan.sizes) for row in rows]
+    counted = [step.clone() for step in steps]  # (the entries' counts change only once encoded)
+    adam([[state.master(), *(piece[i] for piece in pieces)] for i, state in enumerate(states)],
+         [grad.reshape(-1) for grad in grads], counted)
+    for n, (row, name) in enumerate(zip(rows, moments, strict=True)):
+        if not eight_bit:
+            _copy_all(fields[n], pieces[n])  # (to bf16: round to nearest, as set_moment)
+            continue
+        if plan.padded_at is None:
+            absmax = row.view(-1, BLOCK).abs().amax(dim=1)
+        else:
+            padded = row.new_zeros(plan.total_blocks * BLOCK)
+            padded.index_copy_(0, plan.padded_at, row)
+            absmax = padded.view(-1, BLOCK).abs().amax(dim=1)
+        absmax.clamp_(min=1e-12)  # an all-zero block still divides
+        codes = _nearest_codes(row / absmax.index_select(0, plan.block_of), name == "exp_avg").to(torch.uint8)
+        _copy_all(fields[n], codes.split(plan.sizes))
+        _copy_all(scales[n], absmax.split(plan.blocks))
+    _copy_all(list(steps), counted)
