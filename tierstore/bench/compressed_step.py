@@ -4,7 +4,7 @@ an optimizer step alone (gradients given) with most of the state on disk, per ``
 Reproduce:  python benchmarks/bench_optim.py --parts g --dir <real-disk folder> --g-threads 1   (the committed results)
             python benchmarks/bench_optim.py --parts g --g-params 32M --g-update-sizes 64K 1M 16M
 
-Two measurements, in one run:
+Three measurements, in one run:
 
 - the update alone (``PackedState.update`` with torch's fused AdamW on each tile; fp32:
   torch's fused AdamW on the fp32 rows), per setting, entry size and codec (eager; for 8-bit
@@ -12,6 +12,9 @@ Two measurements, in one run:
   compiled kernel a tile that decodes, updates and encodes, as ``TieredAdamW`` runs it), in ns
   per parameter (median of repetitions after two untimed calls, so compiling is not timed); and,
   for the fused 8-bit kernel, the tile size (``precision.COMPILED_TILE``) against its cost;
+- many small entries (``SMALL_ENTRIES``: the demo model's small parameters) updated one at a
+  time and together (``tierstore.optim.batched``, as ``TieredAdamW`` runs them), per compressed
+  setting, beside torch's fused AdamW over the same parameters with fp32 state;
 - the disk-bound step: ``--g-params`` parameters in ``--g-tensors`` fp32 tensors (bf16 for the
   lossless master), their gradients set once, ``opt.step()`` alone with a host tier of
   ``1/--g-host-fraction`` of each setting's stored state in front of a disk tier in ``--dir``,
@@ -34,6 +37,7 @@ import argparse
 import shutil
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -41,6 +45,7 @@ from torch.optim.adamw import adamw
 
 from ..device import emulation
 from ..optim import TieredAdamW, precision
+from ..optim.batched import update_many
 from ..store import TierStore
 from ..sync import run as run_on_loop
 from ..tiers import DiskTier, HostTier
@@ -147,6 +152,46 @@ def update_costs(sizes: list[int], bar: Any) -> list[dict[str, Any]]:
     return rows
 
 
+#: Entry sizes of many small parameters: those of the demo model (``tierstore.demo.GPT``), its
+#: LayerNorm weights and biases, attention and MLP biases and smaller matrices.
+SMALL_ENTRIES = [128] * 26 + [384] * 4 + [512] * 4 + [16384] * 4 + [8192]
+
+
+def _adam_many(rows: list[list[torch.Tensor]], grads: list[torch.Tensor], steps: list[torch.Tensor]) -> None:
+    adamw([r[0] for r in rows], [g.float() for g in grads], [r[1] for r in rows], [r[2] for r in rows], [], steps, foreach=False, fused=True,
+          amsgrad=False, beta1=0.9, beta2=0.999, lr=1e-3, weight_decay=0.1, eps=1e-8, maximize=False)
+
+
+def small_entry_costs(reps: int, bar: Any) -> list[dict[str, Any]]:
+    """The update of ``SMALL_ENTRIES`` (fp32 parameters, each its own master): torch's fused
+    AdamW over them in one call (fp32 moments), and per compressed setting their entries one
+    at a time (``PackedState.update``) and together (``tierstore.optim.batched.update_many``,
+    what ``TieredAdamW`` runs)."""
+    numel = sum(SMALL_ENTRIES)
+    grads = [torch.randn(n) * 1e-3 for n in SMALL_ENTRIES]
+    fp32 = [[torch.randn(n), torch.zeros(n), torch.zeros(n)] for n in SMALL_ENTRIES]
+    fp32_steps = [torch.tensor(0.0) for _ in SMALL_ENTRIES]
+    calls: list[tuple[str, str, Callable[[], None]]] = [("fp32", "torch fused AdamW, one call", lambda: _adam_many(fp32, grads, fp32_steps))]
+    for name in ("bf16", "8bit"):
+        layout = precision.StateLayout(name, False, False, param_master=True)
+        entries = [precision.PackedState(layout, layout.empty(n), n, master=torch.randn(n)) for n in SMALL_ENTRIES]
+        steps = [torch.tensor(0.0) for _ in SMALL_ENTRIES]
+
+        def alone(entries: list[precision.PackedState] = entries, steps: list[torch.Tensor] = steps) -> None:
+            for entry, grad, step in zip(entries, grads, steps, strict=True):
+                entry.update(grad, step, lambda rows, tile, count: _adam_many([rows], [tile], [count]), HYPER)
+
+        calls += [(name, "one at a time", alone),
+                  (name, "together", partial(update_many, entries, grads, steps, _adam_many))]
+    rows = []
+    for setting, how, call in calls:
+        seconds = _time(call, reps)
+        rows.append({"setting": setting, "how": how, "entries": len(SMALL_ENTRIES), "params": numel,
+                     "us": seconds * 1e6, "ns_per_param": seconds / numel * 1e9})
+        bar.update(1)
+    return rows
+
+
 def reachable_ratio(steps: list[dict[str, Any]], updates: list[dict[str, Any]]) -> dict[str, float]:
     """The most the 8-bit step can gain over fp32 on this machine: each step takes at least the
     larger of its disk time (its bytes at the raw rates) and its update alone (the update's ns
@@ -249,14 +294,22 @@ def run(args: argparse.Namespace) -> int:
     total = _count(args.g_params)
     state_fp32 = 12 * total
     read_gbs, write_gbs = raw_rates(args.dir, min(256 * MiB, max(64 * MiB, state_fp32 // 2)))
-    jobs = len(sizes) * (len(SETTINGS) + 4) + 4 + (WARMUP + args.g_steps) * (2 * len(SETTINGS) - 1)
+    jobs = len(sizes) * (len(SETTINGS) + 4) + 4 + 5 + (WARMUP + args.g_steps) * (2 * len(SETTINGS) - 1)
     with progress(total=jobs, desc="bench_optim (g)", unit="job", leave=False) as bar:
         updates = update_costs(sizes, bar)
+        small = small_entry_costs(15, bar)
         steps = disk_steps(args, read_gbs, write_gbs, bar)
     print(f"(g) the update alone, ns per parameter (torch threads: {torch.get_num_threads()}; tiles of {precision.TILE:,} elements, "
           f"{precision.COMPILED_TILE:,} compiled, for entries from {precision.COMPILE_MIN_NUMEL:,} elements; the last rows: fused 8-bit per tile size)")
     print(table(updates, [("setting", "setting", "s"), ("numel", "elements", ",d"), ("codec", "codec", "s"), ("tile", "tile", ",d"),
                           ("ns_per_param", "ns/param", ".2f"), ("mparams_s", "M params/s", ".0f")]))
+    fp32_us = small[0]["us"]
+    for row in small:
+        row["vs_torch"] = row["us"] / fp32_us
+    print(f"\n(g) the update of {len(SMALL_ENTRIES)} small entries ({small[0]['params']:,} parameters: the demo model's small ones), "
+          "median us a call; vs torch: over torch's fused AdamW on fp32 state")
+    print(table(small, [("setting", "setting", "s"), ("how", "how", "s"), ("us", "us", ".0f"), ("ns_per_param", "ns/param", ".1f"),
+                        ("vs_torch", "vs torch", ".1f")]))
     print(f"\n(g) disk-bound step: {total:,} parameters in {args.g_tensors} tensors, gradients given, "
           f"1/{args.g_host_fraction} of the state on the host, the rest on disk ({args.dir}; raw {read_gbs:.2f} GB/s read, {write_gbs:.2f} GB/s write)")
     for row in steps:
@@ -278,7 +331,7 @@ def run(args: argparse.Namespace) -> int:
     write_json(out, {"benchmark": "bench_optim part g", "environment": environment(args.dir), "torch_threads": torch.get_num_threads(),
                      "disk_read_gbs": read_gbs, "disk_write_gbs": write_gbs, "tile": precision.TILE, "compiled_tile": precision.COMPILED_TILE,
                      "compile_min_numel": precision.COMPILE_MIN_NUMEL, "params": total, "tensors": args.g_tensors,
-                     "host_fraction": args.g_host_fraction, "timed_steps": args.g_steps, "updates": updates, "disk_steps": steps,
+                     "host_fraction": args.g_host_fraction, "timed_steps": args.g_steps, "updates": updates, "small_entries": small, "disk_steps": steps,
                      "goal_8bit_vs_fp32": {"want": 1.8, "got": eight["fp32_over_this"], "same_host_bytes": same["fp32_over_this"]}, "reachable_8bit_vs_fp32": ceiling})
     print(f"\nJSON: {out}")
     return 0
