@@ -41,11 +41,13 @@ def _entries(layout: StateLayout, sizes: list[int], seed: int) -> list[tuple[Pac
 
 
 def _snapshot(entries: list[tuple[PackedState, torch.Tensor | None, torch.Tensor]]) -> list[tuple[torch.Tensor, ...]]:
-    """Each entry's bytes, step count and master (the parameter's memory), as bytes (NaN equal to itself)."""
+    """Each entry's bytes, step count, master (the parameter's memory) and new weight (a
+    lossless master's high halves), as bytes (a NaN equal to itself)."""
     def bits(t: torch.Tensor) -> torch.Tensor:
         return t.detach().reshape(-1).view(torch.uint8).clone()
 
-    return [(bits(state.buffer), bits(step), *(() if master is None else (bits(master),))) for state, master, step in entries]
+    return [(bits(state.buffer), bits(step), *(() if master is None else (bits(master),)), *(() if state.high is None else (bits(state.high),)))
+            for state, master, step in entries]
 
 
 def _gradients(sizes: list[int], step: int) -> list[torch.Tensor]:
@@ -61,10 +63,10 @@ def _gradients(sizes: list[int], step: int) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("precision", ["bf16", "8bit"])
 @pytest.mark.parametrize("amsgrad", [False, True])
-@pytest.mark.parametrize("param_master", [False, True])
+@pytest.mark.parametrize("master", ["stored", "parameter", "lossless"])
 @pytest.mark.parametrize("fused", [True, False])
-def test_together_gives_one_at_a_times_bits(precision: str, amsgrad: bool, param_master: bool, fused: bool) -> None:
-    layout = StateLayout(precision, False, amsgrad, param_master)
+def test_together_gives_one_at_a_times_bits(precision: str, amsgrad: bool, master: str, fused: bool) -> None:
+    layout = StateLayout(precision, master == "lossless", amsgrad, master == "parameter")
     alone, together = _entries(layout, SIZES, 0), _entries(layout, SIZES, 0)
     assert all(batched(state) for state, _, _ in together)
     math = partial(_adam_many, fused=fused, amsgrad=amsgrad)
@@ -78,13 +80,13 @@ def test_together_gives_one_at_a_times_bits(precision: str, amsgrad: bool, param
 
 
 def test_batches_of_many_entries_and_layouts() -> None:
-    """More elements than one batch takes, and two layouts mixed in one call."""
-    eight, bf16 = StateLayout("8bit", False, False, True), StateLayout("bf16", False, False, False)
+    """More elements than one batch takes, and three layouts mixed in one call."""
+    eight, bf16, lossless = StateLayout("8bit", False, False, True), StateLayout("bf16", False, False, False), StateLayout("8bit", True, False)
     sizes = [TILE, 40000, 30000, 300, TILE - 3, 5000]
     assert sum(sizes) > BATCH_ELEMENTS
-    alone = _entries(eight, sizes, 1) + _entries(bf16, sizes, 2)
-    together = _entries(eight, sizes, 1) + _entries(bf16, sizes, 2)
-    order = [5, 0, 7, 3, 11, 1, 2, 10, 4, 6, 9, 8]  # (interleaved layouts)
+    alone = _entries(eight, sizes, 1) + _entries(bf16, sizes, 2) + _entries(lossless, sizes, 3)
+    together = _entries(eight, sizes, 1) + _entries(bf16, sizes, 2) + _entries(lossless, sizes, 3)
+    order = [5, 0, 7, 3, 11, 14, 1, 2, 10, 17, 4, 6, 12, 9, 8, 13, 16, 15]  # (interleaved layouts)
     math = partial(_adam_many, fused=True, amsgrad=False)
     grads = [torch.randn(state.numel, generator=torch.Generator().manual_seed(i)) for i, (state, _, _) in enumerate(alone)]
     for (state, _, count), grad in zip(alone, grads, strict=True):
@@ -122,39 +124,44 @@ def test_a_gradient_of_another_size_is_refused_before_anything_changes() -> None
 
 
 def test_what_is_not_batched() -> None:
-    """Lossless masters (rebuilt entry by entry), fp32 moments and entries over a tile keep
-    ``PackedState.update``."""
+    """fp32 moments and entries over a tile keep ``PackedState.update``."""
     def entry(layout: StateLayout, numel: int) -> PackedState:
         return PackedState(layout, torch.zeros(layout.nbytes(numel), dtype=torch.uint8), numel)
 
     assert batched(entry(StateLayout("8bit", False, False), 1000))
-    assert not batched(entry(StateLayout("8bit", True, False), 1000))
+    assert batched(entry(StateLayout("8bit", True, False), 1000))
     assert not batched(entry(StateLayout("fp32", False, False), 1000))
     assert batched(entry(StateLayout("bf16", False, False), TILE))
     assert not batched(entry(StateLayout("bf16", False, False), TILE + 1))
 
 
 @pytest.mark.device_modes
-@pytest.mark.parametrize("precision", ["bf16", "8bit"])
-def test_a_model_of_many_small_parameters_steps_as_with_a_group_each(device_mode: str, precision: str) -> None:
+@pytest.mark.parametrize(("precision", "dtype", "master"), [("bf16", torch.float32, "fp32"), ("8bit", torch.float32, "fp32"),
+                                                           ("8bit", torch.bfloat16, "lossless")])
+def test_a_model_of_many_small_parameters_steps_as_with_a_group_each(device_mode: str, precision: str, dtype: torch.dtype, master: str) -> None:
     """Through ``TieredAdamW``: one group (its small entries updated together) and a group per
     parameter (each alone in its call) end bit for bit the same."""
     def model() -> torch.nn.Module:
         torch.manual_seed(0)
-        return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(24, 24), torch.nn.LayerNorm(24)) for _ in range(6)])
+        layers = [torch.nn.Sequential(torch.nn.Linear(24, 24), torch.nn.LayerNorm(24)) for _ in range(6)]
+        return torch.nn.Sequential(*layers).to(dtype)
 
     one, each = model(), model()
-    opts = [TieredAdamW(one.parameters(), lr=1e-2, state_precision=precision, offload="host"),
-            TieredAdamW([{"params": [p]} for p in each.parameters()], lr=1e-2, state_precision=precision, offload="host")]
+    options = {"lr": 1e-2, "state_precision": precision, "master_weights": master, "offload": "host"}
+    opts = [TieredAdamW(one.parameters(), **options), TieredAdamW([{"params": [p]} for p in each.parameters()], **options)]
     try:
         for seed in range(4):
-            x = torch.randn(8, 24, generator=torch.Generator().manual_seed(seed))
+            x = torch.randn(8, 24, generator=torch.Generator().manual_seed(seed)).to(dtype)
             for m, opt in zip((one, each), opts, strict=True):
-                m(x).square().mean().backward()
+                m(x).float().square().mean().backward()
                 opt.step()
                 opt.zero_grad()
         for a, b in zip(one.parameters(), each.parameters(), strict=True):
             assert torch.equal(a, b)
+        state_one, state_each = opts[0].state_dict()["state"], opts[1].state_dict()["state"]
+        for index, saved in state_one.items():
+            for name, value in saved.items():
+                assert torch.equal(torch.as_tensor(value), torch.as_tensor(state_each[index][name])), (index, name)
     finally:
         for opt in opts:
             opt.close()

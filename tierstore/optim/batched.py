@@ -36,10 +36,9 @@ AdamMany = Callable[[list[list[torch.Tensor]], list[torch.Tensor], list[torch.Te
 def batched(state: PackedState) -> bool:
     """Whether ``update_many`` updates ``state`` with others: one tile (``TILE`` elements or
     fewer) of bf16 moments, or of 8-bit moments on the eager codec (a parameter below
-    ``COMPILE_MIN_NUMEL`` elements, or the compiled codec off), whose master is not lossless
-    (that one is rebuilt from the weight entry by entry)."""
+    ``COMPILE_MIN_NUMEL`` elements, or the compiled codec off)."""
     layout = state.layout
-    if layout.lossless or not 0 < state.numel <= TILE:
+    if not 0 < state.numel <= TILE:
         return False
     if layout.precision == "bf16":
         return True
@@ -54,6 +53,8 @@ def update_many(states: Sequence[PackedState], grads: Sequence[torch.Tensor], st
     for state, grad in zip(states, grads, strict=True):
         if grad.numel() != state.numel:
             raise ValueError(f"a gradient of {grad.numel()} elements for a state of {state.numel}")
+        if state.layout.lossless and state.high is None:
+            raise RuntimeError("internal error: a lossless master needs the model's bf16 weight")
     by_layout: dict[object, list[int]] = {}
     for i, state in enumerate(states):
         by_layout.setdefault(state.layout, []).append(i)
@@ -116,9 +117,16 @@ def _update_batch(states: list[PackedState], grads: list[torch.Tensor], steps: l
         else:
             row.copy_(torch.cat(fields[n]))
     pieces = [row.split(plan.sizes) for row in rows]
+    if layout.lossless:  # each master rebuilt from its stored low halves and the weight, its high halves
+        lows = [state.view("master_low") for state in states]
+        words = torch.empty(total, 2, dtype=torch.int16)
+        words[:, 0] = torch.cat(lows)
+        words[:, 1] = torch.cat([state.high.reshape(-1).view(torch.int16) for state in states])  # type: ignore[union-attr]
+        masters = list(words.view(torch.float32).view(-1).split(plan.sizes))
+    else:
+        masters = [state.master() for state in states]
     counted = [step.clone() for step in steps]  # (the entries' counts change only once encoded)
-    adam([[state.master(), *(piece[i] for piece in pieces)] for i, state in enumerate(states)],
-         [grad.reshape(-1) for grad in grads], counted)
+    adam([[masters[i], *(piece[i] for piece in pieces)] for i in range(len(states))], [grad.reshape(-1) for grad in grads], counted)
     for n, (row, name) in enumerate(zip(rows, moments, strict=True)):
         if not eight_bit:
             _copy_all(fields[n], pieces[n])  # (to bf16: round to nearest, as set_moment)
@@ -133,4 +141,8 @@ def _update_batch(states: list[PackedState], grads: list[torch.Tensor], steps: l
         codes = _nearest_codes(row / absmax.index_select(0, plan.block_of), name == "exp_avg").to(torch.uint8)
         _copy_all(fields[n], codes.split(plan.sizes))
         _copy_all(scales[n], absmax.split(plan.blocks))
+    if layout.lossless:  # the new weight: the master truncated, its high halves (as ``set_master``)
+        _copy_all(lows, words[:, 0].split(plan.sizes))
+        for state, high in zip(states, words[:, 1].contiguous().view(torch.bfloat16).split(plan.sizes), strict=True):
+            state.high = high
     _copy_all(list(steps), counted)
