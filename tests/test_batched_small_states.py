@@ -61,9 +61,9 @@ def _gradients(sizes: list[int], step: int) -> list[torch.Tensor]:
     return grads
 
 
-@pytest.mark.parametrize("precision", ["bf16", "8bit"])
+@pytest.mark.parametrize(("precision", "master"), [(precision, master) for precision in ("bf16", "8bit") for master in ("stored", "parameter", "lossless")]
+                         + [("fp32", "lossless")])  # (fp32 moments are packed only beside a lossless master)
 @pytest.mark.parametrize("amsgrad", [False, True])
-@pytest.mark.parametrize("master", ["stored", "parameter", "lossless"])
 @pytest.mark.parametrize("fused", [True, False])
 def test_together_gives_one_at_a_times_bits(precision: str, amsgrad: bool, master: str, fused: bool) -> None:
     layout = StateLayout(precision, master == "lossless", amsgrad, master == "parameter")
@@ -124,20 +124,23 @@ def test_a_gradient_of_another_size_is_refused_before_anything_changes() -> None
 
 
 def test_what_is_not_batched() -> None:
-    """fp32 moments and entries over a tile keep ``PackedState.update``."""
+    """fp32 moments beside a master that is not lossless (kept as plain rows, not packed) and
+    entries over a tile keep ``PackedState.update``."""
     def entry(layout: StateLayout, numel: int) -> PackedState:
         return PackedState(layout, torch.zeros(layout.nbytes(numel), dtype=torch.uint8), numel)
 
     assert batched(entry(StateLayout("8bit", False, False), 1000))
     assert batched(entry(StateLayout("8bit", True, False), 1000))
     assert not batched(entry(StateLayout("fp32", False, False), 1000))
+    assert batched(entry(StateLayout("fp32", True, False), 1000))
     assert batched(entry(StateLayout("bf16", False, False), TILE))
     assert not batched(entry(StateLayout("bf16", False, False), TILE + 1))
 
 
 @pytest.mark.device_modes
 @pytest.mark.parametrize(("precision", "dtype", "master"), [("bf16", torch.float32, "fp32"), ("8bit", torch.float32, "fp32"),
-                                                           ("8bit", torch.bfloat16, "lossless")])
+                                                           ("8bit", torch.bfloat16, "lossless"),
+                                                           ("fp32", torch.bfloat16, "lossless")])
 def test_a_model_of_many_small_parameters_steps_as_with_a_group_each(device_mode: str, precision: str, dtype: torch.dtype, master: str) -> None:
     """Through ``TieredAdamW``: one group (its small entries updated together) and a group per
     parameter (each alone in its call) end bit for bit the same."""

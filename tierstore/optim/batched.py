@@ -4,8 +4,9 @@
 decode, torch's Adam and the encode are a couple of dozen torch calls on a few hundred
 elements, so a model's small parameters cost far more than their elements. ``update_many``
 updates the small entries of one layout as one: each moment of all of them decoded into one
-fp32 row, one call of torch's Adam over the lists, each moment encoded back in one pass, then
-copied into each entry's fields (``torch._foreach_copy_`` where torch has it).
+fp32 row (and a lossless master rebuilt), one call of torch's Adam over the lists, each moment
+encoded back in one pass, then copied into each entry's fields (``torch._foreach_copy_`` where
+torch has it).
 
 The same bits as ``PackedState.update`` on each entry: every step of the codec is elementwise
 or a block's maximum. 8-bit blocks stay each entry's own: an entry's partial last block is
@@ -35,21 +36,23 @@ AdamMany = Callable[[list[list[torch.Tensor]], list[torch.Tensor], list[torch.Te
 
 def batched(state: PackedState) -> bool:
     """Whether ``update_many`` updates ``state`` with others: one tile (``TILE`` elements or
-    fewer) of bf16 moments, or of 8-bit moments on the eager codec (a parameter below
-    ``COMPILE_MIN_NUMEL`` elements, or the compiled codec off)."""
+    fewer) of bf16 moments, of 8-bit moments on the eager codec (a parameter below
+    ``COMPILE_MIN_NUMEL`` elements, or the compiled codec off), or of fp32 moments beside a
+    lossless master."""
     layout = state.layout
     if not 0 < state.numel <= TILE:
         return False
-    if layout.precision == "bf16":
-        return True
-    return layout.precision == "8bit" and not _use_compiled(None, state.param_numel)
+    if layout.precision == "8bit":
+        return not _use_compiled(None, state.param_numel)
+    return layout.precision == "bf16" or layout.lossless
 
 
 def update_many(states: Sequence[PackedState], grads: Sequence[torch.Tensor], steps: Sequence[torch.Tensor], adam: AdamMany) -> None:
     """``PackedState.update`` of each of ``states`` (each ``batched``; any mix of layouts) with
     its gradient and step count, in batches of one layout and at most ``BATCH_ELEMENTS``
-    elements: the same bits as one at a time. A batch whose math raises leaves its entries and
-    step counts as they were (the batches before it stay updated)."""
+    elements: the same bits as one at a time. A batch whose math raises leaves its step counts
+    as they were, and its entries too but for fp32 moments, which the math updates where they
+    are, as one at a time (the batches before it stay updated)."""
     for state, grad in zip(states, grads, strict=True):
         if grad.numel() != state.numel:
             raise ValueError(f"a gradient of {grad.numel()} elements for a state of {state.numel}")
@@ -105,18 +108,18 @@ def _update_batch(states: list[PackedState], grads: list[torch.Tensor], steps: l
     moments = layout.moments
     plan = _plan(tuple(state.numel for state in states))
     total = sum(plan.sizes)
-    rows = _scratch_rows(len(moments), total)  # (this thread's: the update runs on one thread)
-    eight_bit = layout.precision == "8bit"
+    eight_bit, coded = layout.precision == "8bit", layout.precision != "fp32"
     # Each entry's fields, asked once (views of its buffer; the encode writes into the same).
     fields = [[state.view(f"{name}/codes") for state in states] if eight_bit else [state.view(name) for state in states] for name in moments]
     scales = [[state.view(f"{name}/scale") for state in states] for name in moments] if eight_bit else []
-    for n, (row, name) in enumerate(zip(rows, moments, strict=True)):
+    rows = list(_scratch_rows(len(moments), total)) if coded else []  # (this thread's: the update runs on one thread)
+    for n, (row, name) in enumerate(zip(rows, moments, strict=False)):
         if eight_bit:
             torch.index_select(dynamic_map(name == "exp_avg"), 0, torch.cat(fields[n]).int(), out=row)
             row.mul_(torch.cat(scales[n]).index_select(0, plan.block_of))
         else:
             row.copy_(torch.cat(fields[n]))
-    pieces = [row.split(plan.sizes) for row in rows]
+    pieces = [row.split(plan.sizes) for row in rows] if coded else fields  # (fp32 moments: updated where they are)
     if layout.lossless:  # each master rebuilt from its stored low halves and the weight, its high halves
         lows = [state.view("master_low") for state in states]
         words = torch.empty(total, 2, dtype=torch.int16)
@@ -127,7 +130,7 @@ def _update_batch(states: list[PackedState], grads: list[torch.Tensor], steps: l
         masters = [state.master() for state in states]
     counted = [step.clone() for step in steps]  # (the entries' counts change only once encoded)
     adam([[masters[i], *(piece[i] for piece in pieces)] for i in range(len(states))], [grad.reshape(-1) for grad in grads], counted)
-    for n, (row, name) in enumerate(zip(rows, moments, strict=True)):
+    for n, (row, name) in enumerate(zip(rows, moments, strict=False)):
         if not eight_bit:
             _copy_all(fields[n], pieces[n])  # (to bf16: round to nearest, as set_moment)
             continue
