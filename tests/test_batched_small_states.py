@@ -96,7 +96,9 @@ def test_batches_of_many_entries_and_layouts() -> None:
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-def test_math_that_fails_changes_nothing() -> None:
+def test_math_that_fails_leaves_the_moments_and_counts() -> None:
+    """(The math itself writes the master, here the parameter's memory, where it is, as one
+    at a time.)"""
     layout = StateLayout("8bit", False, False, True)
     entries = _entries(layout, SIZES, 3)
     before = _snapshot(entries)
@@ -121,6 +123,41 @@ def test_a_gradient_of_another_size_is_refused_before_anything_changes() -> None
     with pytest.raises(ValueError, match="a gradient of 9001 elements for a state of 9000"):
         update_many([s for s, _, _ in entries], grads, [c for _, _, c in entries], partial(_adam_many, fused=True, amsgrad=False))
     assert all(torch.equal(x, y) for a, b in zip(before, _snapshot(entries), strict=True) for x, y in zip(a, b, strict=True))
+
+
+def test_an_entry_given_twice_is_refused() -> None:
+    """One at a time it would be updated twice; together, once: refused instead."""
+    entries = _entries(StateLayout("8bit", False, False, True), [300, 300], 5)
+    twice = [entries[0][0], entries[1][0], entries[0][0]]
+    with pytest.raises(ValueError, match="given twice"):
+        update_many(twice, _gradients([300, 300, 300, 300, 300, 300, 300], 0)[:3], [entries[0][2], entries[1][2], entries[0][2]],
+                    partial(_adam_many, fused=True, amsgrad=False))
+
+
+def test_a_lone_one_element_lossless_entry_gets_a_weight_of_its_own_memory() -> None:
+    """Its new weight (the master's high halves) is a tensor whose bytes can be sent as they lie
+    (a strided view of the batch's words could not be viewed as bytes)."""
+    (state, _, step), = _entries(StateLayout("8bit", True, False), [1], 6)
+    update_many([state], [torch.tensor([0.5])], [step], partial(_adam_many, fused=True, amsgrad=False))
+    assert state.high is not None and state.high.stride() == (1,)
+    assert state.high.view(torch.uint8).numel() == 2
+
+
+@pytest.mark.device_modes
+def test_a_one_element_gain_in_a_group_of_its_own(device_mode: str) -> None:
+    """A bf16 model's lossless 8-bit state with a one-element parameter alone in its group (the
+    new weight crosses the link as bytes)."""
+    torch.manual_seed(0)
+    linear, gain = torch.nn.Linear(8, 8).bfloat16(), torch.nn.Parameter(torch.ones(1, dtype=torch.bfloat16))
+    opt = TieredAdamW([{"params": linear.parameters()}, {"params": [gain]}], lr=1e-2, state_precision="8bit", master_weights="lossless")
+    try:
+        for _ in range(3):
+            (linear(torch.randn(2, 8).bfloat16()) * gain).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        assert float(gain) < 1.0
+    finally:
+        opt.close()
 
 
 def test_what_is_not_batched() -> None:

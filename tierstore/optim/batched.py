@@ -51,8 +51,11 @@ def update_many(states: Sequence[PackedState], grads: Sequence[torch.Tensor], st
     """``PackedState.update`` of each of ``states`` (each ``batched``; any mix of layouts) with
     its gradient and step count, in batches of one layout and at most ``BATCH_ELEMENTS``
     elements: the same bits as one at a time. A batch whose math raises leaves its step counts
-    as they were, and its entries too but for fp32 moments, which the math updates where they
-    are, as one at a time (the batches before it stay updated)."""
+    as they were, and its 8-bit and bf16 moments (decoded copies); the math writes masters and
+    fp32 moments where they are, as one at a time (the batches before it stay updated). An
+    entry given twice is refused (``ValueError``: one at a time, it would be updated twice)."""
+    if len({state.buffer.data_ptr() for state in states}) < len(states):
+        raise ValueError("an entry is given twice (its buffer is another's): each is updated once a call")
     for state, grad in zip(states, grads, strict=True):
         if grad.numel() != state.numel:
             raise ValueError(f"a gradient of {grad.numel()} elements for a state of {state.numel}")
@@ -73,25 +76,29 @@ def update_many(states: Sequence[PackedState], grads: Sequence[torch.Tensor], st
         _update_batch([states[j] for j in batch], [grads[j] for j in batch], [steps[j] for j in batch], adam)
 
 
-class _Plan(NamedTuple):
-    """Where a batch's elements are: each entry's count, blocks (8-bit), each element's block,
-    and its place in the batch padded to whole blocks per entry."""
+class _Blocks(NamedTuple):
+    """Where the elements of a batch of 8-bit entries are: each entry's blocks, each element's
+    block (in the batch's scales), and its place in the batch padded to whole blocks per entry."""
 
-    sizes: list[int]
     blocks: list[int]
     block_of: torch.Tensor
     padded_at: torch.Tensor | None  # (None: every entry is whole blocks, padded and flat agree)
-    total_blocks: int
+    total: int
 
 
-@lru_cache(maxsize=256)
-def _plan(sizes: tuple[int, ...]) -> _Plan:
+#: Batches' block maps kept (a step's buckets repeat from step to step; each map is at most
+#: 12 bytes an element of a batch, 1.5 MiB).
+_KEPT_MAPS = 8
+
+
+@lru_cache(maxsize=_KEPT_MAPS)
+def _blocks(sizes: tuple[int, ...]) -> _Blocks:
     blocks = [-(-n // BLOCK) for n in sizes]
-    starts = torch.tensor([0, *blocks[:-1]]).cumsum(0)
-    block_of = torch.cat([start + torch.arange(n) // BLOCK for start, n in zip(starts.tolist(), sizes, strict=True)])
+    starts = torch.tensor([0, *blocks[:-1]]).cumsum(0).tolist()
+    block_of = torch.cat([start + torch.arange(n, dtype=torch.int32) // BLOCK for start, n in zip(starts, sizes, strict=True)])
     whole = all(n % BLOCK == 0 for n in sizes)
-    padded_at = None if whole else torch.cat([start * BLOCK + torch.arange(n) for start, n in zip(starts.tolist(), sizes, strict=True)])
-    return _Plan(list(sizes), blocks, block_of, padded_at, sum(blocks))
+    padded_at = None if whole else torch.cat([start * BLOCK + torch.arange(n) for start, n in zip(starts, sizes, strict=True)])
+    return _Blocks(blocks, block_of, padded_at, sum(blocks))
 
 
 def _copy_all(targets: list[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
@@ -106,46 +113,49 @@ def _copy_all(targets: list[torch.Tensor], sources: Sequence[torch.Tensor]) -> N
 def _update_batch(states: list[PackedState], grads: list[torch.Tensor], steps: list[torch.Tensor], adam: AdamMany) -> None:
     layout = states[0].layout
     moments = layout.moments
-    plan = _plan(tuple(state.numel for state in states))
-    total = sum(plan.sizes)
+    sizes = [state.numel for state in states]
+    total = sum(sizes)
     eight_bit, coded = layout.precision == "8bit", layout.precision != "fp32"
     # Each entry's fields, asked once (views of its buffer; the encode writes into the same).
     fields = [[state.view(f"{name}/codes") for state in states] if eight_bit else [state.view(name) for state in states] for name in moments]
     scales = [[state.view(f"{name}/scale") for state in states] for name in moments] if eight_bit else []
     rows = list(_scratch_rows(len(moments), total)) if coded else []  # (this thread's: the update runs on one thread)
+    plan = _blocks(tuple(sizes)) if eight_bit else None
     for n, (row, name) in enumerate(zip(rows, moments, strict=False)):
-        if eight_bit:
+        if plan is not None:
             torch.index_select(dynamic_map(name == "exp_avg"), 0, torch.cat(fields[n]).int(), out=row)
             row.mul_(torch.cat(scales[n]).index_select(0, plan.block_of))
         else:
             row.copy_(torch.cat(fields[n]))
-    pieces = [row.split(plan.sizes) for row in rows] if coded else fields  # (fp32 moments: updated where they are)
+    pieces = [row.split(sizes) for row in rows] if coded else fields  # (fp32 moments: updated where they are)
     if layout.lossless:  # each master rebuilt from its stored low halves and the weight, its high halves
         lows = [state.view("master_low") for state in states]
         words = torch.empty(total, 2, dtype=torch.int16)
         words[:, 0] = torch.cat(lows)
         words[:, 1] = torch.cat([state.high.reshape(-1).view(torch.int16) for state in states])  # type: ignore[union-attr]
-        masters = list(words.view(torch.float32).view(-1).split(plan.sizes))
+        masters = list(words.view(torch.float32).view(-1).split(sizes))
     else:
         masters = [state.master() for state in states]
     counted = [step.clone() for step in steps]  # (the entries' counts change only once encoded)
     adam([[masters[i], *(piece[i] for piece in pieces)] for i in range(len(states))], [grad.reshape(-1) for grad in grads], counted)
     for n, (row, name) in enumerate(zip(rows, moments, strict=False)):
-        if not eight_bit:
+        if plan is None:
             _copy_all(fields[n], pieces[n])  # (to bf16: round to nearest, as set_moment)
             continue
         if plan.padded_at is None:
             absmax = row.view(-1, BLOCK).abs().amax(dim=1)
         else:
-            padded = row.new_zeros(plan.total_blocks * BLOCK)
+            padded = row.new_zeros(plan.total * BLOCK)
             padded.index_copy_(0, plan.padded_at, row)
             absmax = padded.view(-1, BLOCK).abs().amax(dim=1)
         absmax.clamp_(min=1e-12)  # an all-zero block still divides
         codes = _nearest_codes(row / absmax.index_select(0, plan.block_of), name == "exp_avg").to(torch.uint8)
-        _copy_all(fields[n], codes.split(plan.sizes))
+        _copy_all(fields[n], codes.split(sizes))
         _copy_all(scales[n], absmax.split(plan.blocks))
     if layout.lossless:  # the new weight: the master truncated, its high halves (as ``set_master``)
-        _copy_all(lows, words[:, 0].split(plan.sizes))
-        for state, high in zip(states, words[:, 1].contiguous().view(torch.bfloat16).split(plan.sizes), strict=True):
+        _copy_all(lows, words[:, 0].split(sizes))
+        highs = torch.empty(total, dtype=torch.bfloat16)  # (its own memory: a weight's bytes are sent as they lie)
+        highs.view(torch.int16).copy_(words[:, 1])
+        for state, high in zip(states, highs.split(sizes), strict=True):
             state.high = high
     _copy_all(list(steps), counted)
