@@ -80,6 +80,8 @@ warnings.filterwarnings("ignore", message="Full backward hook is firing when gra
 
 def offloaded(param: torch.Tensor) -> tuple[ParameterOffload, str] | None:
     """``(offloader, key)`` if ``param`` lives in a store through ``offload_parameters``."""
+    if not _REGISTRY:  # (asked per parameter and step by the optimizer; a lookup makes a weak reference)
+        return None
     return _REGISTRY.get(param)
 
 
