@@ -39,12 +39,12 @@ import torch
 from torch.optim.adam import adam
 
 from ..sync import run
+from .batched import batched, update_many
 from .checkpoint import adam_entry, adam_load_state_dict, adam_state_dict
 from .chunks import Chunk, chunk_key
 from .clipping import inverse_scale
 from .distributed import ParamRange
 from .memory_order import InMemoryOrder, memory_order
-from .batched import batched, update_many
 from .paging import PagedOptimizer, ParamSlot
 from .pipeline import fill_weight_range, offloaded, read_weight, read_weight_range
 from .precision import AdamHyper, PackedState, StateLayout, can_be_master, validate
@@ -566,7 +566,7 @@ class TieredAdam(PagedOptimizer):
             together = [(i, step) for i, step in packed if batched(states[i])]
             if together:  # (small entries: one decode, Adam call and encode for them all)
                 update_many([states[i] for i, _ in together], [grads[i] for i, _ in together], [step for _, step in together],
-                            lambda rows, tiles, counts: self._adam(group, rows, tiles, counts, grad_scale))
+                            lambda rows, tiles, counts, group=group: self._adam(group, rows, tiles, counts, grad_scale))
             for i, step in packed:
                 if not batched(states[i]):
                     self._adam_packed(group, states[i], grads[i], step, grad_scale)

@@ -23,7 +23,15 @@ from typing import NamedTuple
 
 import torch
 
-from .precision import BLOCK, TILE, PackedState, _nearest_codes, _scratch_rows, _use_compiled, dynamic_map
+from .precision import (
+    BLOCK,
+    TILE,
+    PackedState,
+    _nearest_codes,
+    _scratch_rows,
+    _use_compiled,
+    dynamic_map,
+)
 
 #: The elements of one batch: its fp32 rows (one per moment) are two tiles (half a MiB each),
 #: still in a core's L2 cache (one tile each: 12% slower on the demo's small parameters).
