@@ -72,9 +72,10 @@ def test_together_gives_one_at_a_times_bits(precision: str, amsgrad: bool, maste
     math = partial(_adam_many, fused=fused, amsgrad=amsgrad)
     for step in range(3):
         grads = _gradients(SIZES, step)
+        copies = [grad.clone() for grad in grads]  # (each side its own: a kernel may scale them in place)
         for (state, _, count), grad in zip(alone, grads, strict=True):
             state.update(grad, count, lambda rows, tile, c: math([rows], [tile], [c]))
-        update_many([s for s, _, _ in together], grads, [c for _, _, c in together], math)
+        update_many([s for s, _, _ in together], copies, [c for _, _, c in together], math)
         for i, (a, b) in enumerate(zip(_snapshot(alone), _snapshot(together), strict=True)):
             assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), (step, i)
 
