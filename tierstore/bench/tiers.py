@@ -528,7 +528,7 @@ async def tune(
     count = max(2, volume // value_bytes)
     rows: list[dict[str, Any]] = []
     reasons: dict[str, str] = {}
-    best = IOSettings(chunk_size=DEFAULTS.chunk_size, io_threads=DEFAULTS.io_threads, queue_depth=DEFAULTS.io_threads)
+    best = DEFAULTS
 
     async def sweep(stage: str, candidates: list[IOSettings], label: Any) -> IOSettings:
         measured = await measure_settings(scratch, candidates, value_bytes, count, reps)
