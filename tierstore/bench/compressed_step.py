@@ -85,8 +85,12 @@ def _count(text: str) -> int:
 
 
 def _adam(rows: list[torch.Tensor], grad: torch.Tensor, step: torch.Tensor) -> None:
-    adamw([rows[0]], [grad.float()], [rows[1]], [rows[2]], [], [step], foreach=False, fused=True, amsgrad=False,
-          beta1=0.9, beta2=0.999, lr=1e-3, weight_decay=0.1, eps=1e-8, maximize=False)
+    _adam_many([rows], [grad], [step])
+
+
+def _adam_many(rows: list[list[torch.Tensor]], grads: list[torch.Tensor], steps: list[torch.Tensor]) -> None:
+    adamw([r[0] for r in rows], [g.float() for g in grads], [r[1] for r in rows], [r[2] for r in rows], [], steps, foreach=False, fused=True,
+          amsgrad=False, beta1=0.9, beta2=0.999, lr=1e-3, weight_decay=0.1, eps=1e-8, maximize=False)
 
 
 #: The settings of ``_adam``, for the fused 8-bit kernel.
@@ -157,11 +161,6 @@ def update_costs(sizes: list[int], bar: Any) -> list[dict[str, Any]]:
 SMALL_ENTRIES = [128] * 26 + [384] * 4 + [512] * 4 + [16384] * 4 + [8192]
 
 
-def _adam_many(rows: list[list[torch.Tensor]], grads: list[torch.Tensor], steps: list[torch.Tensor]) -> None:
-    adamw([r[0] for r in rows], [g.float() for g in grads], [r[1] for r in rows], [r[2] for r in rows], [], steps, foreach=False, fused=True,
-          amsgrad=False, beta1=0.9, beta2=0.999, lr=1e-3, weight_decay=0.1, eps=1e-8, maximize=False)
-
-
 def small_entry_costs(reps: int, bar: Any) -> list[dict[str, Any]]:
     """The update of ``SMALL_ENTRIES`` (fp32 parameters, each its own master): torch's fused
     AdamW over them in one call (fp32 moments), and per compressed setting their entries one
@@ -179,7 +178,7 @@ def small_entry_costs(reps: int, bar: Any) -> list[dict[str, Any]]:
 
         def alone(entries: list[precision.PackedState] = entries, steps: list[torch.Tensor] = steps) -> None:
             for entry, grad, step in zip(entries, grads, steps, strict=True):
-                entry.update(grad, step, lambda rows, tile, count: _adam_many([rows], [tile], [count]), HYPER)
+                entry.update(grad, step, _adam, HYPER)
 
         calls += [(name, "one at a time", alone),
                   (name, "together", partial(update_many, entries, grads, steps, _adam_many))]

@@ -562,14 +562,16 @@ class TieredAdam(PagedOptimizer):
                 self._adam(group, rows, tiles, [step for _, step in plain], grad_scale)
                 for copy in laid:
                     copy.write_back()
-            packed = [(i, step) for i, step in zip(members, steps, strict=True) if isinstance(states[i], PackedState)]
-            together = [(i, step) for i, step in packed if batched(states[i])]
-            if together:  # (small entries: one decode, Adam call and encode for them all)
+            together: list[tuple[int, torch.Tensor]] = []  # (small entries: one decode, Adam call and encode for them all)
+            for i, step in zip(members, steps, strict=True):
+                if isinstance(states[i], PackedState):
+                    if batched(states[i]):
+                        together.append((i, step))
+                    else:
+                        self._adam_packed(group, states[i], grads[i], step, grad_scale)
+            if together:
                 update_many([states[i] for i, _ in together], [grads[i] for i, _ in together], [step for _, step in together],
                             lambda rows, tiles, counts, group=group: self._adam(group, rows, tiles, counts, grad_scale))
-            for i, step in packed:
-                if not batched(states[i]):
-                    self._adam_packed(group, states[i], grads[i], step, grad_scale)
         return [self._master(slot, state) for slot, state in zip(slots, states, strict=True)]
 
     def _step_count(self, index: int) -> torch.Tensor:

@@ -72,15 +72,16 @@ def update_many(states: Sequence[PackedState], grads: Sequence[torch.Tensor], st
     by_layout: dict[object, list[int]] = {}
     for i, state in enumerate(states):
         by_layout.setdefault(state.layout, []).append(i)
+    batches: list[list[int]] = []
     for members in by_layout.values():
-        batch: list[int] = []
-        size = 0
+        size = BATCH_ELEMENTS  # (the first entry of a layout starts a batch)
         for i in members:
-            if batch and size + states[i].numel > BATCH_ELEMENTS:
-                _update_batch([states[j] for j in batch], [grads[j] for j in batch], [steps[j] for j in batch], adam)
-                batch, size = [], 0
-            batch.append(i)
+            if size + states[i].numel > BATCH_ELEMENTS:
+                batches.append([])
+                size = 0
+            batches[-1].append(i)
             size += states[i].numel
+    for batch in batches:
         _update_batch([states[j] for j in batch], [grads[j] for j in batch], [steps[j] for j in batch], adam)
 
 
@@ -125,7 +126,7 @@ def _update_batch(states: list[PackedState], grads: list[torch.Tensor], steps: l
     total = sum(sizes)
     eight_bit, coded = layout.precision == "8bit", layout.precision != "fp32"
     # Each entry's fields, asked once (views of its buffer; the encode writes into the same).
-    fields = [[state.view(f"{name}/codes") for state in states] if eight_bit else [state.view(name) for state in states] for name in moments]
+    fields = [[state.view(f"{name}/codes" if eight_bit else name) for state in states] for name in moments]
     scales = [[state.view(f"{name}/scale") for state in states] for name in moments] if eight_bit else []
     rows = list(_scratch_rows(len(moments), total)) if coded else []  # (this thread's: the update runs on one thread)
     plan = _blocks(tuple(sizes)) if eight_bit else None
