@@ -120,6 +120,9 @@ class TieredAdam(PagedOptimizer):
             raise ValueError("fused and foreach cannot both be True")
         validate(state_precision, master_weights)
         self._step_counts: dict[int, torch.Tensor] = {}
+        #: Per slot index: the resident step's pieces, with the layout they were made for
+        #: ``(rows, paged, chunks)`` (``_resident_pieces``; read only: they are shared).
+        self._pieces_made: dict[int, tuple[int, bool, Any, list[Piece]]] = {}
         self._warned_foreign = False
         #: A chunked parameter's step count before this step's update, and after it.
         self._chunk_steps: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
@@ -638,18 +641,30 @@ class TieredAdam(PagedOptimizer):
     def _resident_pieces(self, slot: ParamSlot) -> list[Piece] | None:
         """The pieces of ``slot``'s state for the resident step (``tierstore.optim.resident``):
         the plain fp32 state of a parameter that is its own master and updated in place (plain
-        CPU); None for any other (its master to reload or write back, compressed state)."""
-        if self._layout(slot) is not None or not self._param_is_master(slot) or not self._in_place(slot):
-            return None
-        rows, dtype = self._stored_rows(slot), torch.float32  # (the plain layout: ``_entry_shape``, asked once)
+        CPU); None for any other (its master to reload or write back, compressed state). Asked
+        of every slot each step, on the loop: the checks are inlined and the pieces made once
+        per layout."""
+        group = self.param_groups[slot.group]
+        if (group["state_precision"] != "fp32" or group["master_weights"] != "fp32" or not self._param_is_master(slot)
+                or not self._in_place(slot)):
+            return None  # (the packed layout, or a master to reload or write back)
+        rows = 3 if group["amsgrad"] else 2  # (``_stored_rows``: the moments, the parameter is the master)
         if not slot.paged:
             packed = slot.resident["packed"] if slot.resident is not None else None
-            if packed is None or tuple(packed.shape) != (rows, slot.numel) or packed.dtype != dtype:
+            if packed is None or packed.shape != (rows, slot.numel) or packed.dtype != torch.float32:
                 return None  # (created by the pipeline's first update)
-            return [Piece(None, 0, slot.numel, (rows, slot.numel), dtype)]
-        if slot.chunks is None:
-            return [Piece(slot.key, 0, slot.numel, (rows, slot.numel), dtype)]
-        return [Piece(chunk.key, chunk.start, chunk.stop, (rows, chunk.numel), dtype) for chunk in slot.chunks]
+        made = self._pieces_made.get(slot.index)
+        if made is not None and made[0] == rows and made[1] == slot.paged and made[2] is slot.chunks:
+            return made[3]
+        shape = (rows, slot.numel)
+        if not slot.paged:
+            pieces = [Piece(None, 0, slot.numel, shape, torch.float32)]
+        elif slot.chunks is None:
+            pieces = [Piece(slot.key, 0, slot.numel, shape, torch.float32)]
+        else:
+            pieces = [Piece(chunk.key, chunk.start, chunk.stop, (rows, chunk.numel), torch.float32) for chunk in slot.chunks]
+        self._pieces_made[slot.index] = (rows, slot.paged, slot.chunks, pieces)
+        return pieces
 
     def _update_resident(
         self, slots: list[ParamSlot], pieces: list[list[Piece]], states: list[list[torch.Tensor]], grads: list[torch.Tensor]

@@ -337,6 +337,8 @@ class UpdatePipeline:
         step writes back early once their update ends, counted off now so the buckets after
         them are planned without them."""
         self._count_early_writes()
+        if not self._early_bytes or self._early_bytes <= 0:
+            return []  # (nothing to write early: the keys are not listed, a call per slot on the loop)
         return self._pick_early([key for slot in slots if slot.paged for key in self.state_keys(slot)])
 
     @asynccontextmanager

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ..gcpause import gc_paused
 from ..store import TierStore
 from .reports import Timeline, TimeReport
 from .slots import ParamSlot
@@ -212,13 +213,16 @@ class ResidentStep:
         coef: torch.Tensor | None, done: list[ParamSlot],
     ) -> tuple[float, float]:
         started = time.perf_counter()
-        if coef is not None:  # as the pipeline clips (and as clip_grad_norm_ multiplies)
-            grads = [grad.mul(coef.to(grad.device)) for grad in grads]
-        by_group: dict[int, list[int]] = {}
-        for i, slot in enumerate(slots):
-            by_group.setdefault(slot.group, []).append(i)
-        for indices in by_group.values():  # (torch's Adam runs one call per group too)
-            group = [slots[i] for i in indices]
-            self._owner._update_resident(group, [pieces[i] for i in indices], [states[i] for i in indices], [grads[i] for i in indices])
-            done.extend(group)
+        # (the views and lists made per tensor die with the call: without a pause they start
+        # collections, each a walk of every object the process tracks, torch's included)
+        with gc_paused():
+            if coef is not None:  # as the pipeline clips (and as clip_grad_norm_ multiplies)
+                grads = [grad.mul(coef.to(grad.device)) for grad in grads]
+            by_group: dict[int, list[int]] = {}
+            for i, slot in enumerate(slots):
+                by_group.setdefault(slot.group, []).append(i)
+            for indices in by_group.values():  # (torch's Adam runs one call per group too)
+                group = [slots[i] for i in indices]
+                self._owner._update_resident(group, [pieces[i] for i in indices], [states[i] for i in indices], [grads[i] for i in indices])
+                done.extend(group)
         return started, time.perf_counter()

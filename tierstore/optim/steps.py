@@ -312,8 +312,9 @@ class StepRunner:
             if not isinstance(exc, Exception):
                 raise
             return [(held.slots, exc)]
-        done = {key for slot in held.slots if slot.written for key, _ in pipeline.state_keys(slot)}
-        pipeline.write_back([(key, size) for key, size in early if key in done])
+        if early:
+            done = {key for slot in held.slots if slot.written for key, _ in pipeline.state_keys(slot)}
+            pipeline.write_back([(key, size) for key, size in early if key in done])
         return failures
 
     async def _settle(self, pending: list[Observed], stale: bool) -> list[Capture | None | BaseException]:
@@ -383,7 +384,9 @@ class StepRunner:
         self.updated_without_step = [] if self._step_called else sorted(s.index for s in self._slots if s.updated)
         self._step_called = False
         for slot in self._slots:
-            await self.capture.discard(slot)
+            capture = slot.capture
+            if capture is not None and (capture.lent is None or (capture.task is not None and not capture.task.done())):
+                await self.capture.discard(slot)  # (a lent one has no copy to drop: no coroutine each)
             slot.reset_step()
         self.coef = None
         return failures
