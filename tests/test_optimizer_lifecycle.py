@@ -84,3 +84,30 @@ def test_close_from_another_thread_waits_for_the_step_under_way(tmp_path: Path, 
     model(torch.randn(16, 256)).pow(2).mean().backward()
     again.step()
     again.close()
+
+
+def _tierstore_threads() -> set[str]:
+    return {t.name for t in threading.enumerate() if t.name.startswith("tierstore-") and t.name != "tierstore-loop"}
+
+
+def test_an_optimizer_dropped_without_close_lets_go_of_its_store(tmp_path: Path) -> None:
+    """A trainer's hyper-parameter search or a re-fit drops optimizers without close(): each
+    kept its store (state, threads, the disk folder's lock) for the life of the process."""
+    model = _lstm()
+    root = tmp_path / "optim"
+    before = _tierstore_threads()
+    for _ in range(3):
+        opt = TieredAdamW(model.parameters(), offload="disk", disk_root=root, host_capacity="1MiB")
+        out, _ = model(torch.randn(5, 3, 32))
+        out.sum().backward()
+        opt.step()
+        opt.zero_grad()
+        del opt
+        gc.collect()
+        deadline = time.monotonic() + 10  # (released in the background, on the store's loop)
+        while _tierstore_threads() - before and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not _tierstore_threads() - before  # (its disk, catalog, copy and math threads ended)
+    # The folder is free: the next optimizer on it opens (before, StoreLockedError).
+    opt = TieredAdamW(model.parameters(), offload="disk", disk_root=root, host_capacity="1MiB")
+    opt.close()

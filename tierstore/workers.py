@@ -142,12 +142,14 @@ class WorkerPool:
             worker.start()
             self._workers.append(worker)
 
-    def shutdown(self) -> None:
-        """Stop the threads once the queued jobs are done."""
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop the threads once the queued jobs are done (``wait``: and wait for them to end;
+        without, this may run on one of them, from a finalizer say)."""
         for _ in self._workers:
             self._queue.put((1 << 30, next(self._seq), _STOP, 0))
-        for worker in self._workers:
-            worker.join()
+        if wait:
+            for worker in self._workers:
+                worker.join()
         self._workers.clear()
 
     @property

@@ -48,6 +48,7 @@ from ..namespaces import Namespace
 from ..store import TierStore
 from ..sync import SyncTierStore, close_at_exit, loop_thread, run
 from ..units import parse_bytes
+from ..workers import WorkerPool
 from .capture import GradientCapture, observe
 from .chunks import DEFAULT_CHUNK_BYTES
 from .clipping import clip_coefficient, inverse_scale
@@ -255,7 +256,9 @@ class PagedOptimizer(torch.optim.Optimizer):
             self._capture.pages_below = lambda: pipeline.pages_below
             run(self._adopt())
             # (a loop round trip at the end of every step, saved where no tier lies below the state's)
-            self._window.watch(lambda: run(state_residency(self.store, self._slots, self.state_tier)) if pipeline.pages_below else None)
+            # (its store holds the window, which must not hold the optimizer: see _release_dropped)
+            store, slots, tier, paging = self.store, self._slots, self.state_tier, weakref.ref(pipeline)
+            self._window.watch(lambda: run(state_residency(store, slots, tier)) if getattr(paging(), "pages_below", False) else None)
         except BaseException:
             self._remove_hooks()  # a half-built optimizer must not keep listening to the model
             if self._pipeline is not None:
@@ -267,6 +270,13 @@ class PagedOptimizer(torch.optim.Optimizer):
                 run(store.aclose(flush=self.namespace is not None and not self.namespace.auto))
             raise
         close_at_exit(self)  # its store's background I/O must not outlive the interpreter (see there)
+        # Dropped without close() (a trainer's hyper-parameter search, a re-fit), it lets go of
+        # what close() would: otherwise its store (state, threads, the folder's lock) outlived it.
+        self._finalizer = weakref.finalize(
+            self, _release_dropped, self._loop, self._slots, self._pipeline.workers, self.namespace,
+            self.store if self._owns_store else None,
+        )
+        self._finalizer.atexit = False  # (at exit, close_at_exit closes the live ones)
 
     @property
     def inflight(self) -> int:
@@ -608,6 +618,9 @@ class PagedOptimizer(torch.optim.Optimizer):
             self._close()
 
     def _close(self) -> None:
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer.detach()
         self._remove_hooks()
         self._closed = True
         failures: list[Any] = []
@@ -663,6 +676,34 @@ def _sigint_to(handler: Callable[[], None]) -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def _release_dropped(
+    loop: asyncio.AbstractEventLoop, slots: list[ParamSlot], workers: WorkerPool, namespace: Namespace | None, store: TierStore | None,
+) -> None:
+    """What ``close()`` releases, for an optimizer collected without it (it may run on any
+    thread, the loop's or a worker's too: nothing here waits). Its state is dropped with a
+    default namespace, as by ``close()``; a named one is released as it is (the last steps'
+    counts kept by ``close()`` are not saved: close an optimizer whose state is to be resumed)."""
+    for slot in slots:
+        if slot.hook is not None:
+            slot.hook.remove()
+            slot.hook = None
+    workers.shutdown(wait=False)
+
+    async def release() -> None:
+        try:
+            if namespace is not None and namespace.live:
+                await (namespace.drop() if namespace.auto else namespace.release())
+        except Exception:  # noqa: BLE001, S110 - a store closed meanwhile: nothing is left to release
+            pass
+        finally:
+            if store is not None and store.is_open:
+                await store.aclose(flush=namespace is not None and not namespace.auto)
+
+    if not loop.is_closed():
+        with contextlib.suppress(RuntimeError):  # (the loop stopped meanwhile: at exit)
+            asyncio.run_coroutine_threadsafe(release(), loop)
 
 
 def _cancel_task_of(coroutine: Any) -> None:

@@ -765,6 +765,11 @@ class UpdatePipeline:
     def shutdown(self) -> None:
         self._compute.shutdown()
 
+    @property
+    def workers(self) -> WorkerPool:
+        """The thread the math runs on outside ``step()`` (``tierstore.workers.WorkerPool``)."""
+        return self._compute
+
 
 async def read_weight(slot: ParamSlot) -> torch.Tensor:
     """The parameter's current value in host memory: across its link, or from its store if it
