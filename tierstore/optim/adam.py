@@ -142,10 +142,18 @@ class TieredAdam(PagedOptimizer):
         precision = param_group.get("state_precision", defaults.get("state_precision", "fp32"))
         master = param_group.get("master_weights", defaults.get("master_weights", "fp32"))
         validate(precision, master)
-        if master == "lossless":
-            params = param_group["params"]
+        params = param_group["params"]
+        if not isinstance(params, set):  # (torch's own check refuses a set, with its message)
             params = [params] if isinstance(params, torch.Tensor) else list(params)
             param_group["params"] = params
+            if any(isinstance(p, torch.Tensor) and p.dtype == torch.float64 for p in params):
+                # (torch keeps float64 moments; ours are fp32 at best, so the updates would be
+                # rounded to fp32 without a word)
+                raise TypeError(
+                    "float64 parameters are not supported by TieredAdam/TieredAdamW: the master and moments are kept in "
+                    "fp32, so their updates would be rounded to fp32; use torch.optim.AdamW for them, or train in fp32"
+                )
+        if master == "lossless":
             wrong = sorted({str(p.dtype) for p in params if p.dtype != torch.bfloat16})
             if wrong:
                 raise ValueError(

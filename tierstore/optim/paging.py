@@ -136,7 +136,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         (False), or as the process setting says (None: ``tierstore.device.emulate_device``,
         ``TIERSTORE_EMULATE_DEVICE``).
     process_group:
-        Shard the state across this ``torch.distributed`` group (``True``: the default group):
+        Shard the state across this ``torch.distributed`` group (``True``: the default group;
+        ``None`` or ``False``: no sharding):
         each rank owns, pages and updates about 1/N of the parameters (by bytes) and broadcasts
         their new weights after ``step()``; see ``tierstore.optim.distributed``. Under an
         initialized process group the default disk store lives in ``{disk_root}/rank{r}``.
@@ -198,6 +199,8 @@ class PagedOptimizer(torch.optim.Optimizer):
             namespace = key_prefix
         self._slots: list[ParamSlot] = []
         self._sharding: Sharding | None = None
+        if process_group is False:
+            process_group = None  # (as True is the default group: a flag set from a condition)
         if process_group is not None:
             if not self._supports_sharding:
                 raise NotImplementedError(f"{type(self).__name__} does not support process_group= (TieredAdam/TieredAdamW do)")
