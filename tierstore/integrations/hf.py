@@ -55,12 +55,12 @@ class TieredTrainerMixin:
         optimizer = self._host_clipping()
         if optimizer is None:
             return super()._clip_grad_norm(model)  # type: ignore[misc]
-        return optimizer.clip_grad_norm_(self.args.max_grad_norm)
+        return optimizer.clip_grad_norm_(self.args.max_grad_norm, parameters=model.parameters())  # (its order: same bits)
 
     def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
         optimizer = self._host_clipping()
         if grad_norm is None and optimizer is not None:
-            grad_norm = optimizer.clip_grad_norm_(float("inf"))  # a coefficient of exactly 1.0: the norm only
+            grad_norm = optimizer.clip_grad_norm_(float("inf"), parameters=model.parameters())  # (a coefficient of exactly 1.0: the norm only)
         return super()._get_grad_norm(model, grad_norm=grad_norm)  # type: ignore[misc]
 
 

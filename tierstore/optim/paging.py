@@ -101,7 +101,10 @@ class PagedOptimizer(torch.optim.Optimizer):
     max_grad_norm:
         Clip gradients to this global 2-norm at every step (as ``clip_grad_norm_`` would), on
         the host copies: faster than clipping ``p.grad`` yourself, which changes every gradient
-        after backward so that each is copied to the host again.
+        after backward so that each is copied to the host again. The norms are summed in this
+        optimizer's parameter order (its groups one after the other): the same bits as
+        ``clip_grad_norm_`` given the parameters in that order (``clip_grad_norm_(x,
+        parameters=model.parameters())`` sums in the model's).
     gradient_accumulation_steps:
         A hint: backward passes per step. Hooks of the other passes copy nothing (saving
         copies); any number of passes is still right without it, except with step_in_backward.
@@ -503,11 +506,18 @@ class PagedOptimizer(torch.optim.Optimizer):
         run(self._runner.set_clip(clip_coefficient(max_norm, total)))
         return total
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, parameters: Iterable[torch.Tensor] | None = None) -> torch.Tensor:
         """Clip this step's gradients to a global norm, like ``torch.nn.utils.clip_grad_norm_``
         on the model's parameters; call it between backward and ``step()``. Returns the total
         norm. The gradients on the device are left as they are; the update uses clipped ones
-        (and no gradient is copied again, as after the user's own ``clip_grad_norm_``)."""
+        (and no gradient is copied again, as after the user's own ``clip_grad_norm_``).
+
+        ``parameters``: those torch's ``clip_grad_norm_`` would be given (``model.parameters()``),
+        in its order: the total is the same to the last bit (a sum of floats depends on its
+        order; the default is this optimizer's, its groups one after the other, which differs
+        where the groups reorder the model's parameters, as a trainer's weight-decay groups
+        do). Not with sharded state (``process_group=``) or FSDP2: the norm is then summed in
+        the global parameter order."""
         if self.step_in_backward:
             raise RuntimeError("with step_in_backward=True the updates already ran during backward; clipping is not possible")
         started = time.perf_counter()
@@ -520,7 +530,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         # The norm of p.grad as it is now, computed as torch computes it: the copies on the host
         # may be stale in a way no version counter shows (GradScaler.unscale_ rewrites p.grad in
         # place without moving it); step() takes such gradients again.
-        grads = [slot.param.grad for slot in self._slots if slot.param.grad is not None]
+        params = list(parameters) if parameters is not None else [slot.param for slot in self._slots]
+        grads = [param.grad for param in params if param.grad is not None]
         total = torch.nn.utils.get_total_norm(grads, float(norm_type)) if grads else torch.tensor(0.0)
         run(self._runner.set_clip(clip_coefficient(float(max_norm), total)))
         self._report.stall += time.perf_counter() - started
