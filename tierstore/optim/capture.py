@@ -15,7 +15,12 @@ the state for it, and pushed out it goes to the disk and back. The update copies
 link into a scratch buffer that lives as long as its bucket (``UpdatePipeline.grad_for_update``).
 
 Threads: the hook runs on an autograd thread and only counts (under a lock), marks the link and
-hands the gradient to the loop; everything else here runs on the loop.
+hands the gradient to the loop; everything else here runs on the loop. The hook wakes the loop
+only when something there should start now: the first gradient of a pass (the step's prefetch
+starts with it), a copy to take, a norm to take ahead or an update in backward. Other gradients
+(lent ones, on the plain CPU) wait in a list the loop takes with the next wake-up, or at the
+start of ``step()`` or ``zero_grad()`` (``take_pending``), in the order they came: a wake-up of
+the loop on every parameter's hook took the GIL from backward about fifty times a pass.
 """
 
 from __future__ import annotations
@@ -82,6 +87,14 @@ class GradientCapture:
         #: Slots whose gradients come from DDP's communication hook (see ``tierstore.optim.ddp``).
         self._ddp: dict[int, ParamSlot] = {}
         self._end_queued = False
+        #: Hooks handed over but not taken by the loop yet (``take_pending``), under the lock,
+        #: and whether a wake-up of the loop to take them is on its way.
+        self._pending: list[tuple[ParamSlot, torch.Tensor, int, Any, bool]] = []
+        self._wake_sent = False
+        #: Whether a hook fired since ``new_step`` (the first of a pass wakes the loop).
+        self._hooked = False
+        #: Whether every hook should wake the loop (norms ahead, updates in backward); the step's to set.
+        self.wake_each: Callable[[], bool] = lambda: True
         #: Whether state pages below the state tier now (the optimizer sets it to its pipeline's
         #: ``pages_below``): contiguous gradients then stay where the model keeps them until
         #: their update (see the module docstring).
@@ -107,7 +120,23 @@ class GradientCapture:
         grad = param.grad
         if ddp or passes % self._hint or grad is None or grad.layout is not torch.strided:
             return  # DDP's hook captures it; or an earlier pass of several; or step() takes it (a sparse one: refuses it)
-        self._loop.call_soon_threadsafe(self._start, slot, grad, grad._version, slot.link.mark(), False)
+        item = (slot, grad, grad._version, slot.link.mark(), False)
+        now = not self._hooked or not slot.link.lends or self.wake_each()
+        with self._lock:
+            self._pending.append(item)
+            self._hooked = True
+            wake = now and not self._wake_sent
+            self._wake_sent = self._wake_sent or wake
+        if wake:
+            self._loop.call_soon_threadsafe(self.take_pending)
+
+    def take_pending(self) -> None:
+        """On the loop: take the gradients hooks handed over (see the module docstring)."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+            self._wake_sent = False
+        for item in pending:
+            self._start(*item)
 
     def bucket_ready(self, slot: ParamSlot, view: torch.Tensor) -> None:
         """A DDP bucket's averaged gradient of ``slot`` (from the comm hook's ``then``)."""
@@ -138,6 +167,7 @@ class GradientCapture:
         """Forget the passes counted (step() ended, or zero_grad())."""
         with self._lock:
             self._fired.clear()
+            self._hooked = False
 
     # -- the loop ---------------------------------------------------------------------------------
 

@@ -100,6 +100,7 @@ class StepRunner:
     def capture(self, capture: GradientCapture) -> None:
         self._capture = capture
         capture.arrived_now = self.arrived_now
+        capture.wake_each = lambda: self.max_grad_norm is not None or self._in_backward
 
     def arrived_now(self, slot: ParamSlot, capture: Capture) -> bool:
         """``arrived``, done now if it has nothing to wait for (the step's prefetch issued, no
@@ -166,6 +167,7 @@ class StepRunner:
             return await self._pipeline.math(partial(_norm, grad, norm_type, inverse))
 
     async def finish(self, observed: list[Observed], scaling: Scaling | None) -> None:
+        self.capture.take_pending()  # (the hooks' gradients not taken yet, before anything else)
         pipeline = self._pipeline
         pipeline.in_step = True
         self._step_called = True
@@ -377,6 +379,7 @@ class StepRunner:
         already launched (in backward) have ended; return those that failed, with their errors
         (never reported otherwise: ``step()`` did not see them)."""
         try:
+            self.capture.take_pending()
             await self._captures_settled()  # (an arrival may still add to a bucket)
             failures = await self._pipeline.finish(drop_open=True)
         finally:
