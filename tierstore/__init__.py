@@ -17,7 +17,8 @@ _LAZY = {
     **{name: ".errors" for name in (
         "BufferSharedError", "CapacityError", "CatalogError", "ChecksumError", "CorruptionError", "DiskFullError",
         "EntryHeldError", "ForeignFolderError", "InvalidKeyError", "InvalidTensorError", "KeyNotFoundError", "LinkClosedError",
-        "NamespaceClaimedError", "NotAStoreFolderError", "OptimizerClosedError", "StepIncompleteError", "StoreClosedError", "StoreForkedError",
+        "NamespaceClaimedError", "NotAStoreFolderError", "OptimizerClosedError", "PolicyError", "StepIncompleteError", "StoreClosedError",
+        "StoreForkedError",
         "StoreLockedError", "TierFullError", "TierStoreError", "TraceError", "UnknownTierError",
     )},
     "Namespace": ".namespaces",
@@ -111,6 +112,7 @@ __all__ = [
     "NamespaceClaimedError",
     "NotAStoreFolderError",
     "OptimizerClosedError",
+    "PolicyError",
     "StepIncompleteError",
     "PrefetchHandle",
     "PrefetchPolicy",

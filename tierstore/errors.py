@@ -104,6 +104,13 @@ class NamespaceClaimedError(TierStoreError, RuntimeError):
     earlier run for another owner), or overlaps one that is; nothing was changed."""
 
 
+class PolicyError(TierStoreError, RuntimeError):
+    """An eviction policy broke the protocol: it named no victim, or a key it does not track
+    (or one it returned before without forgetting it), while a tier needed room. In the
+    simulator, which excludes no key, one must go; a live store's request fails with it
+    instead of asking the policy forever."""
+
+
 class TraceError(TierStoreError, ValueError):
     """An access trace is malformed, or does not fit the replay asked of it (other tiers, ops
     the reader does not know)."""

@@ -28,7 +28,7 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from .entry import Copy, Entry
-from .errors import StoreClosedError, TierFullError, UnknownTierError
+from .errors import PolicyError, StoreClosedError, TierFullError, UnknownTierError
 from .tiers.base import MemoryTier, Tier
 from .units import format_bytes
 from .workers import Priority
@@ -153,6 +153,7 @@ def _next_victim(engine: Engine, t: int) -> tuple[Entry, Copy] | None:
             return True
         return last_memory.free >= last_memory.allocation_size(entry.meta.nbytes)  # type: ignore[union-attr]
 
+    stale: set[str] = set()
     while True:
         key = policy.victim(evictable)
         if key is None:
@@ -160,7 +161,18 @@ def _next_victim(engine: Engine, t: int) -> tuple[Entry, Copy] | None:
         entry = engine.entries.get(key)
         copy = entry.copy_on(t) if entry is not None else None
         if entry is None or copy is None or not copy.in_policy:
-            continue  # the policy knew a key the store no longer has here
+            # The policy knew a key the store no longer has here: ask again, but not forever (a
+            # policy that names a key it never had, or one it did not forget, would be asked
+            # on and on, the loop stuck with it).
+            if key in stale or len(stale) > len(entries):
+                name = getattr(policy, "name", type(policy).__name__)
+                raise PolicyError(
+                    f"eviction policy {name!r} of tier {engine.names[t]!r} named victim {key!r}, which is not on that tier "
+                    "(or named it before without forgetting it): victim() must forget and return a key given to "
+                    "on_insert and not removed since"
+                )
+            stale.add(key)
+            continue
         copy.in_policy = False  # victim() has forgotten it already
         if engine.trace is not None:
             engine.trace.evicted(key, copy.nbytes, t)

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import PolicyError
 from .links import LinkModel
 from .trace import DELETE, Trace
 
@@ -204,11 +205,6 @@ def make_eviction_policy(eviction: str | Callable[[], Any], oracle: Callable[[An
     if hasattr(policy, "set_capacity"):
         policy.set_capacity(capacity)
     return policy
-
-
-class PolicyError(RuntimeError):
-    """An eviction policy broke the protocol: it named no victim, or a key it does not track,
-    while the tier needed room (the simulator excludes no key, so one must go)."""
 
 
 def _no_victim(policy: Any, victim: Any, tier: str, used: int, size: int, capacity: int) -> str:

@@ -1,0 +1,54 @@
+"""A live store whose eviction policy breaks the protocol fails the request with a clear
+``PolicyError`` and stays usable: a policy naming a key the tier does not hold (one it never
+had, or one it returned before without forgetting it) kept the loop asking it forever, the
+store hung with it (every verb, and close)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+_SCENARIO = textwrap.dedent("""
+    import sys, torch
+    from tierstore import SyncTierStore, HostTier, DiskTier, PolicyError
+    mode, root = sys.argv[1], sys.argv[2]
+
+    class Broken:
+        name = "broken"
+        def __init__(self): self.keys = []
+        def on_insert(self, key, nbytes): self.keys.append(key)
+        def on_hit(self, key): pass
+        def on_remove(self, key):
+            if key in self.keys: self.keys.remove(key)
+        def victim(self, evictable=None):
+            if mode == "unknown": return "never-put"
+            return self.keys[0] if self.keys else None  # (returned, never forgotten)
+        def reset(self): self.keys.clear()
+
+    with SyncTierStore([HostTier("64KiB"), DiskTier(root, "16MiB")], eviction=Broken) as store:
+        put = 0
+        try:
+            for put in range(40):
+                store.put(f"k{put}", torch.full((1024,), float(put)))
+            print("no error")
+        except PolicyError as error:
+            assert "broken" in str(error) and "victim()" in str(error), error
+            print("PolicyError at put", put)
+        assert 0 < put < 40
+        store.delete("k0")  # (usable: a verb needing no room)
+        assert "k1" in store and "k0" not in store
+    print("closed")
+""")
+
+
+@pytest.mark.parametrize("mode", ["unknown", "not_forgotten"])
+def test_a_policy_naming_a_key_the_tier_lacks_fails_the_request(tmp_path: Path, mode: str) -> None:
+    script = tmp_path / "scenario.py"
+    script.write_text(_SCENARIO)
+    done = subprocess.run([sys.executable, str(script), mode, str(tmp_path / "store")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "PolicyError at put" in done.stdout and "closed" in done.stdout
