@@ -233,13 +233,18 @@ SCRIPT = textwrap.dedent(
             raise RuntimeError("the script failed")
         if ending == "keep":
             return store
+        if ending == "held":  # (a write hold entered and never left: the close at exit ended it)
+            store.put("y", torch.zeros(4))
+            held = store.hold("y", write=True)
+            held.__enter__().fill_(7.0)
+            return store, held
 
     kept = main(sys.argv[1], sys.argv[2])
     """
 )
 
 
-@pytest.mark.parametrize("ending", ["keep", "dropped", "raise"])
+@pytest.mark.parametrize("ending", ["keep", "dropped", "raise", "held"])
 def test_an_open_store_is_flushed_at_exit(ending: str, tmp_path: Path) -> None:
     root = tmp_path / "d"
     done = subprocess.run([sys.executable, "-c", SCRIPT, str(root), ending], capture_output=True, text=True, timeout=300)
@@ -247,3 +252,5 @@ def test_an_open_store_is_flushed_at_exit(ending: str, tmp_path: Path) -> None:
     assert "tierstore: closing" not in done.stderr
     with SyncTierStore([HostTier("64MiB"), DiskTier(root, "256MiB")]) as store:
         assert torch.equal(store.get("x"), torch.arange(10.0))
+        if ending == "held":  # (before, EntryHeldError at exit: nothing in memory was saved)
+            assert torch.equal(store.get("y"), torch.full((4,), 7.0))

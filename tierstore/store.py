@@ -119,6 +119,19 @@ class TierStore:
         entries to disk (if ``flush``, default ``flush_on_close``), and close the tiers."""
         await self._engine.close(self.flush_on_close if flush is None else flush)
 
+    async def _aclose_at_exit(self) -> None:
+        """``aclose`` at interpreter exit, from a thread still inside write holds of its own (a
+        hold entered and never left: ``SyncTierStore.hold(...).__enter__()``): those holds end
+        first, as their blocks would have (the changes made in them are the values), instead
+        of the close refusing to wait for its own holder and every value only in memory being
+        lost with the process."""
+        for entry in list(self._engine.entries.values()):
+            copy, token = entry.writer, entry.writer_token
+            if copy is not None and holds.inside(token):
+                self._close_hold(entry, copy, copy.tier, True, token, mark=False)
+                holds.leave(token)
+        await self.aclose()
+
     async def __aenter__(self) -> TierStore:
         return await self.open()
 
@@ -978,7 +991,10 @@ class TierStore:
         return entry, copy
 
     def _close_hold(self, entry: Entry, copy: Copy, t: int, write: bool, token: int, mark: bool) -> None:
-        """Release the hold ``_open_hold`` took."""
+        """Release the hold ``_open_hold`` took (once: a hold ended already, by a close at exit,
+        is left as it is)."""
+        if token not in entry.hold_tokens:
+            return
         if mark:
             holds.leave(token)
         entry.discard_hold_token(token)

@@ -133,6 +133,9 @@ def run(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
     if threading.current_thread() is _thread:
         coro.close()
         raise RuntimeError("a blocking tierstore call was made from the tierstore loop thread; await the async API there")
+    if sys.is_finalizing():  # (the loop's daemon thread runs no more: waiting for it would hang)
+        coro.close()
+        raise RuntimeError("a blocking tierstore call was made while the interpreter shuts down")
     finished = threading.Event()
     started: concurrent.futures.Future[asyncio.Task[T]] = concurrent.futures.Future()
 
@@ -273,7 +276,7 @@ def close_open_stores() -> None:
             traceback.print_exc()
     for store in list(_open_stores.values()):
         try:
-            store.close()
+            store._close_at_exit()
         except Exception:
             print(f"tierstore: closing {store.store!r} at exit failed:", file=sys.stderr)
             traceback.print_exc()
@@ -367,6 +370,14 @@ class SyncTierStore:
         finally:
             _open_stores.pop(id(self), None)
 
+    def _close_at_exit(self) -> None:
+        """``close`` at interpreter exit (``TierStore._aclose_at_exit``: this thread's own write
+        holds left open end first)."""
+        try:
+            run(self.store._aclose_at_exit())
+        finally:
+            _open_stores.pop(id(self), None)
+
     def __enter__(self) -> SyncTierStore:
         return self.open()
 
@@ -388,6 +399,8 @@ class SyncTierStore:
             yield tensor
         except BaseException:
             holds.leave(token)
+            if not self.store.is_open:  # (ended by the close at exit: collected at shutdown)
+                raise
             with marking_caller(device):  # the buffer's last use: this thread's queued kernels
                 if not run(manager.__aexit__(*sys.exc_info())):
                     raise
