@@ -94,12 +94,13 @@ class TierStore:
         flush_on_close: bool = True,
         durable: bool = False,
     ) -> None:
+        durable = _durability(durable, none=False)
         self._engine = Engine(tiers, eviction, prefetch, cpu_threads)
         self._trace_path = Path(trace) if trace is not None else None
         self.flush_on_close = flush_on_close
+        self.durable = durable
         if durable and self._engine.disk_index is None:
             raise ValueError("durable=True needs a DiskTier to write through to")
-        self.durable = bool(durable)
         self._loop: asyncio.AbstractEventLoop | None = None
         #: Small puts acknowledged before their commit, in the store's life (``_after_staged``).
         self._staged_puts = 0
@@ -305,6 +306,8 @@ class TierStore:
         when its caller is cancelled, and the caller's ``CancelledError`` (or a timeout's
         ``TimeoutError``) comes once the commit is settled: the value may then be the new one.
         """
+        if durable is not None and durable.__class__ is not bool:
+            _durability(durable, none=True)  # (raises: "no" would read as true)
         soon = self._commit_small_soon(key, tensor, tier, durable)
         if soon is not None:  # (a small value committed on the disk tier: one hand-over and back)
             await self._committed_small(*soon)
@@ -591,6 +594,7 @@ class TierStore:
         engine = self._engine
         await self._require_open()
         key = check_key(key)
+        durable = _durability(durable, none=True)
         if engine.frozen:
             await engine.until_thawed()
         if not isinstance(dtype, torch.dtype) or any(d < 0 for d in shape):
@@ -1137,9 +1141,20 @@ def _plain_cpu(tensor: object) -> bool:
     )
 
 
+def _durability(durable: object, *, none: bool) -> Any:
+    """``durable`` if it is a bool (or None, where ``none``), else ``TypeError``: a string or a
+    number would read as true or false without a word."""
+    if durable.__class__ is bool or (none and durable is None):
+        return durable
+    raise TypeError(f"durable must be True or False{' (or None: the store default)' if none else ''}, not {durable!r}")
+
+
 def _check_out(out: object, meta: TensorMeta, device: torch.device) -> None:
     if not isinstance(out, torch.Tensor):
         raise InvalidTensorError(f"out must be a tensor, not {type(out).__name__}")
+    if out.requires_grad and out.is_leaf:  # (as torch refuses an in-place write into one)
+        raise InvalidTensorError("out is a leaf tensor that requires grad: a read into it would bypass autograd; "
+                                 "pass out.detach() (its memory) or a tensor without requires_grad")
     if out.dtype != meta.dtype or tuple(out.shape) != meta.shape:
         raise InvalidTensorError(f"out is {out.dtype} {tuple(out.shape)}; the value is {meta.dtype} {meta.shape}")
     if not out.is_contiguous() or out.layout != torch.strided:

@@ -436,7 +436,7 @@ class SyncTierStore:
         if (
             isinstance(tensor, torch.Tensor)
             and tensor.device.type == "cpu"
-            and not (self.store.durable if durable is None else durable)
+            and (durable is False or (durable is None and not self.store.durable))  # (anything else: put() checks it)
             and call_now(self.store._put_small_now, key, tensor, tier, durable) is not None
         ):
             return  # a small write-back put, done on the loop thread with no task (one hand-over)
