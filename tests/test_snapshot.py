@@ -246,6 +246,18 @@ async def test_import_counts_the_room_taken_by_keys_already_in_the_store(tmp_pat
         assert sorted(store.keys()) == ["a0", "a1", "old"] and (await store.get("a0") == 1).all()
 
 
+async def test_import_takes_the_arrays_of_sub_groups_too(tmp_path: Path) -> None:
+    """A zarr group with a sub-group: its arrays were left out without a word (the docstring
+    promises every array of the group)."""
+    group = zarr.create_group(tmp_path / "nested.zarr")
+    group.create_array("top", shape=(3,), dtype="f4")[:] = 1.0
+    group.create_group("sub").create_group("deeper").create_array("b", shape=(2, 2), dtype="i8")[:] = 7
+    async with TierStore([HostTier("1MiB")]) as store:
+        assert await store.import_zarr(tmp_path / "nested.zarr") == 2
+        assert sorted(store.keys()) == ["sub/deeper/b", "top"]
+        assert torch.equal(await store.get("sub/deeper/b"), torch.full((2, 2), 7))
+
+
 _CRASH_ON_SECOND_RENAME = """
 import asyncio, os, sys, torch
 from tierstore import HostTier, TierStore

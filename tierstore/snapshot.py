@@ -340,11 +340,12 @@ async def import_zarr(store: TierStore, path: str | Path, tier: TierRef = None) 
     """Put every array of the zarr group at ``path`` into ``store``; return the count.
 
     Arrays written by ``export_zarr`` come back with their exact keys and dtypes; other zarr
-    arrays are imported under their names with their numpy dtypes. Every array is checked
-    (key, dtype, size against the store's capacity) before any is read.
+    arrays are imported under their names with their numpy dtypes, those of sub-groups under
+    their paths in the group (``"sub/b"``). Every array is checked (key, dtype, size against
+    the store's capacity) before any is read.
     """
     group = await zasync.open_group(str(path), mode="r")
-    members = [(name, node) async for name, node in group.members() if hasattr(node, "shape")]
+    members = [(name, node) async for name, node in group.members(max_depth=None) if hasattr(node, "shape")]
     plans = [_plan(name, node) for name, node in members]
     seen: dict[str, str] = {}
     for (name, _), plan in zip(members, plans, strict=True):
