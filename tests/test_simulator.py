@@ -133,6 +133,13 @@ def test_bad_inputs_get_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixtu
     # the disk holds everything: a capacity for it would simulate a disk-sized cache tier
     assert main(["simulate", "optimizer:keys=4", "--capacity", "disk=1MiB"]) != 0
     assert "the simulated disk holds everything" in capsys.readouterr().err
+    # a folder (a traceback before), a count read as a byte size, a tier given twice (the last one won)
+    assert main(["simulate", str(tmp_path), "--capacity", "host=1MiB"]) != 0
+    assert "is a folder" in capsys.readouterr().err
+    assert main(["simulate", "optimizer:keys=-1", "--capacity", "host=1MiB"]) != 0
+    assert "is not a count" in capsys.readouterr().err
+    assert main(["simulate", "scan:keys=10", "--capacity", "host=1KiB,host=2KiB"]) != 0
+    assert "two capacities" in capsys.readouterr().err
 
 
 def test_the_custom_policy_example_runs(capsys: pytest.CaptureFixture[str]) -> None:

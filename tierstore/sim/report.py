@@ -26,7 +26,14 @@ def open_trace(spec: str, columns: dict[str, int | str] | None = None) -> Trace:
         kwargs: dict[str, Any] = {}
         for item in filter(None, params.split(",")):
             name, _, value = item.partition("=")
-            kwargs[name] = float(value) if name == "alpha" else parse_bytes(value)
+            if name == "alpha":
+                kwargs[name] = float(value)
+            elif name == "size":
+                kwargs[name] = parse_bytes(value)
+            elif value.strip().isdigit():
+                kwargs[name] = int(value)
+            else:
+                raise ValueError(f"{kind} trace: {name}={value!r} is not a count (a whole number of 0 or more)")
         try:
             return GENERATORS[kind](**kwargs)
         except TypeError as exc:
@@ -60,6 +67,8 @@ def parse_capacities(spec: str) -> dict[str, int]:
         if name.lower() == "disk":
             raise ValueError(f"{item!r}: the simulated disk holds everything and takes no capacity; "
                              "give the memory tiers above it, e.g. host=2GiB or device=1GiB,host=4GiB")
+        if name in capacities:
+            raise ValueError(f"tier {name!r} is given two capacities in {spec!r}; give each tier once")
         capacities[name] = parse_bytes(value)
     if not capacities:
         raise ValueError("no capacity given; write e.g. host=2GiB")

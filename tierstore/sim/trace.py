@@ -71,6 +71,8 @@ def load_trace(path: str | Path, columns: Mapping[str, int | str] | None = None,
     """Read a store ``.npz`` trace, an ``oracleGeneral`` binary trace or a CSV (``columns``, for
     a CSV only: ``{"key": 0, "size": 1}`` by default; indexes from 0, or header names)."""
     path = Path(path)
+    if path.is_dir():
+        raise TraceError(f"{path} is a folder; give a trace file (.npz, a key,size CSV or an oracleGeneral .bin)")
     if path.suffix == ".npz":
         return _load_npz(path)
     if path.suffix == ".bin" or "oracleGeneral" in path.name:
