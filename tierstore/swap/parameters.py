@@ -14,7 +14,9 @@ forward-time buffers of the weights it saves for backward (and read them there, 
 reused them), so while the module runs forward, ``saved_tensors_hooks`` replace each saved
 parameter, or view of one, by a reference that backward resolves against the weights held again
 then; other saved tensors go to the ``offload_activations`` context active around the forward,
-if any, or stay as they are. Each parameter must be used inside a module that owns it. A
+if any, or stay as they are. Each parameter must be used inside a module that owns it, or
+inside one of the ``WHOLE_UNITS`` (torch's attention and transformer layers, which read their
+children's weights themselves) it is under, made one unit with its children's weights. A
 parameter several modules share (tied input and output embeddings) is stored once, under the
 name the first module gives it, and held while any of them computes. While a unit computes,
 the units that come next are prefetched to the device tier, in the order recorded in the previous step (forward
@@ -76,6 +78,13 @@ _REGISTRY: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # Our backward pre-hook on the first unit (whose inputs, token ids, need no gradient) makes torch
 # say so on every backward; the hook only fetches weights, so the remark does not apply.
 warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with respect to module outputs")
+
+
+#: Modules whose forward reads their children's weights itself (``nn.MultiheadAttention`` reads
+#: ``out_proj.weight``; the transformer layers' fast path reads every weight), not through the
+#: children's forward, where the hooks bring a unit's weights in: each is one unit with its
+#: children's weights.
+WHOLE_UNITS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 
 
 def offloaded(param: torch.Tensor) -> tuple[ParameterOffload, str] | None:
@@ -199,9 +208,15 @@ class ParameterOffload:
     # -- moving the weights in and out -------------------------------------------------------------
 
     def _attach(self) -> None:
+        whole: list[str] = []  # (names of the modules made one unit with their children)
         for name, sub in self.module.named_modules():
+            if any(not outer or name.startswith(outer + ".") for outer in whole):
+                continue  # (its weights are its whole unit's)
+            recurse = isinstance(sub, WHOLE_UNITS)
+            if recurse:
+                whole.append(name)
             weights = []
-            for own, param in sub.named_parameters(recurse=False):
+            for own, param in sub.named_parameters(recurse=recurse):
                 weight = self._weight_of.get(id(param))
                 if weight is None:  # the first module using a tied weight names its key
                     if offloaded(param) is not None:
@@ -230,16 +245,18 @@ class ParameterOffload:
             self._hooks.append(unit.module.register_forward_hook(lambda *_, i=index: self._release_after_forward(i), always_call=True))
             self._hooks.append(unit.module.register_full_backward_pre_hook(lambda *_, i=index: self._hold(i)))
             self._hooks.append(unit.module.register_full_backward_hook(lambda *args, i=index: self._frozen_done(i, args[1])))
-        units = {id(unit.module) for unit in self._units}
+        # (the modules owning offloaded weights: a unit's, and within a whole unit its children)
+        units = {id(sub) for sub in self.module.modules() if any(id(p) in self._weight_of for p in sub._parameters.values())}
         for sub in self.module.modules():  # where a state_dict() call starts and ends
             # (torch marks a state_dict hook with an attribute: a function, not a bound method)
             is_unit = id(sub) in units
             self._hooks.append(sub.register_state_dict_pre_hook(lambda module, prefix, _: self._state_dict_enter(module, prefix)))
             self._hooks.append(sub.register_state_dict_post_hook(
                 lambda module, state_dict, prefix, _, u=is_unit: self._state_dict_hook(module, state_dict, prefix, u)))
-        for unit in self._units:  # checkpoints see the stored weights, and load into the store
-            self._hooks.append(unit.module.register_load_state_dict_pre_hook(lambda *args: self._load_state_dict_hook(*args)))
-            self._hooks.append(unit.module.register_load_state_dict_post_hook(lambda module, _: self._loaded(module)))
+        for sub in self.module.modules():  # checkpoints see the stored weights, and load into the store
+            if id(sub) in units:
+                self._hooks.append(sub.register_load_state_dict_pre_hook(lambda *args: self._load_state_dict_hook(*args)))
+                self._hooks.append(sub.register_load_state_dict_post_hook(lambda module, _: self._loaded(module)))
         for weight in self._weights:
             self._hook_gradient(weight)
 
