@@ -66,3 +66,17 @@ def test_the_trainer_clips_in_the_models_order() -> None:
             reference.zero_grad()
     finally:
         opt.close()
+
+
+def test_clip_grad_norm_takes_one_tensor_as_torchs_does(device_mode: str) -> None:
+    """A tensor was iterated by rows: a norm of 0.0, and nothing clipped."""
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(8, 8))
+    twin = torch.nn.Parameter(weight.detach().clone())
+    opt = TieredAdamW([weight], lr=1e-2, offload="host")
+    try:
+        weight.grad = torch.full((8, 8), 100.0)
+        twin.grad = weight.grad.clone()
+        assert torch.equal(opt.clip_grad_norm_(1.0, parameters=weight), torch.nn.utils.clip_grad_norm_(twin, 1.0))
+    finally:
+        opt.close()

@@ -1,6 +1,5 @@
 """Arguments a store refuses instead of reading them loosely: ``durable="no"`` (a string is
-true: it meant write-through) and ``get(out=)`` into a leaf tensor that requires grad (torch
-refuses in-place writes into one; the read went around autograd)."""
+true: it meant write-through)."""
 
 from __future__ import annotations
 
@@ -9,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierstore import DiskTier, HostTier, InvalidTensorError, SyncTierStore
+from tierstore import DiskTier, HostTier, SyncTierStore
 
 
 @pytest.mark.parametrize("durable", ["no", 0, 1, "False"])
@@ -24,13 +23,3 @@ def test_durable_takes_a_bool_only(tmp_path: Path, durable: object) -> None:
         assert "k" not in store and "f" not in store
         store.put("k", torch.ones(4), durable=True)  # (usable, nothing lost)
         assert torch.equal(store.get("k"), torch.ones(4))
-
-
-def test_a_read_into_a_leaf_that_requires_grad_is_refused() -> None:
-    with SyncTierStore([HostTier("1MiB")]) as store:
-        store.put("k", torch.arange(4.0))
-        leaf = torch.zeros(4, requires_grad=True)
-        with pytest.raises(InvalidTensorError, match="requires grad"):
-            store.get("k", out=leaf)
-        assert torch.equal(leaf.detach(), torch.zeros(4))
-        assert torch.equal(store.get("k", out=leaf.detach()), torch.arange(4.0))

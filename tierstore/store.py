@@ -1152,9 +1152,6 @@ def _durability(durable: object, *, none: bool) -> Any:
 def _check_out(out: object, meta: TensorMeta, device: torch.device) -> None:
     if not isinstance(out, torch.Tensor):
         raise InvalidTensorError(f"out must be a tensor, not {type(out).__name__}")
-    if out.requires_grad and out.is_leaf:  # (as torch refuses an in-place write into one)
-        raise InvalidTensorError("out is a leaf tensor that requires grad: a read into it would bypass autograd; "
-                                 "pass out.detach() (its memory) or a tensor without requires_grad")
     if out.dtype != meta.dtype or tuple(out.shape) != meta.shape:
         raise InvalidTensorError(f"out is {out.dtype} {tuple(out.shape)}; the value is {meta.dtype} {meta.shape}")
     if not out.is_contiguous() or out.layout != torch.strided:

@@ -170,6 +170,8 @@ def call_now(function: Callable[..., T], *args: Any) -> T:
     loop = loop_thread()
     if threading.current_thread() is _thread:
         raise RuntimeError("a blocking tierstore call was made from the tierstore loop thread; await the async API there")
+    if sys.is_finalizing():  # (as run(): the loop's daemon thread runs no more)
+        raise RuntimeError("a blocking tierstore call was made while the interpreter shuts down")
     context = contextvars.copy_context()
     finished = threading.Lock()
     finished.acquire()

@@ -87,9 +87,11 @@ class GradientCapture:
         #: Slots whose gradients come from DDP's communication hook (see ``tierstore.optim.ddp``).
         self._ddp: dict[int, ParamSlot] = {}
         self._end_queued = False
-        #: Hooks handed over but not taken by the loop yet (``take_pending``), under the lock,
-        #: and whether a wake-up of the loop to take them is on its way.
-        self._pending: list[tuple[ParamSlot, torch.Tensor, int, Any, bool]] = []
+        #: Hooks handed over but not taken by the loop yet (``take_pending``), under the lock, by
+        #: slot in the order they came (a later one replaces its slot's earlier one, as its
+        #: ``_start`` would: passes without a step keep one each), and whether a wake-up of the
+        #: loop to take them is on its way.
+        self._pending: dict[int, tuple[ParamSlot, torch.Tensor, int, Any, bool]] = {}
         self._wake_sent = False
         #: Whether a hook fired since ``new_step`` (the first of a pass wakes the loop).
         self._hooked = False
@@ -123,7 +125,8 @@ class GradientCapture:
         item = (slot, grad, grad._version, slot.link.mark(), False)
         now = not self._hooked or not slot.link.lends or self.wake_each()
         with self._lock:
-            self._pending.append(item)
+            self._pending.pop(slot.index, None)  # (to the end: the order of arrival)
+            self._pending[slot.index] = item
             self._hooked = True
             wake = now and not self._wake_sent
             self._wake_sent = self._wake_sent or wake
@@ -133,9 +136,9 @@ class GradientCapture:
     def take_pending(self) -> None:
         """On the loop: take the gradients hooks handed over (see the module docstring)."""
         with self._lock:
-            pending, self._pending = self._pending, []
+            pending, self._pending = self._pending, {}
             self._wake_sent = False
-        for item in pending:
+        for item in pending.values():
             self._start(*item)
 
     def bucket_ready(self, slot: ParamSlot, view: torch.Tensor) -> None:

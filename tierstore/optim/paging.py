@@ -516,11 +516,14 @@ class PagedOptimizer(torch.optim.Optimizer):
         in its order: the total is the same to the last bit (a sum of floats depends on its
         order; the default is this optimizer's, its groups one after the other, which differs
         where the groups reorder the model's parameters, as a trainer's weight-decay groups
-        do). Not with sharded state (``process_group=``) or FSDP2: the norm is then summed in
-        the global parameter order."""
+        do). Not with sharded state (``process_group=``) or FSDP2 (``ValueError``): the norm is
+        summed in the global parameter order there."""
         if self.step_in_backward:
             raise RuntimeError("with step_in_backward=True the updates already ran during backward; clipping is not possible")
         started = time.perf_counter()
+        if parameters is not None and (self._sharding is not None or self._mesh_group() is not None):
+            raise ValueError("clip_grad_norm_(parameters=) is not supported with sharded state (process_group=) or FSDP2: "
+                             "the norm is summed in the global parameter order there")
         if self._sharding is not None or self._mesh_group() is not None:
             if self._sharding is not None:
                 self._sharding.reduce_gradients()
@@ -530,6 +533,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         # The norm of p.grad as it is now, computed as torch computes it: the copies on the host
         # may be stale in a way no version counter shows (GradScaler.unscale_ rewrites p.grad in
         # place without moving it); step() takes such gradients again.
+        if isinstance(parameters, torch.Tensor):  # (one parameter, as torch's clip_grad_norm_ takes it)
+            parameters = [parameters]
         params = list(parameters) if parameters is not None else [slot.param for slot in self._slots]
         grads = [param.grad for param in params if param.grad is not None]
         total = torch.nn.utils.get_total_norm(grads, float(norm_type)) if grads else torch.tensor(0.0)
