@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures.thread  # noqa: F401  (imported before we register: see _register_exit_hook)
+import contextlib
 import contextvars
 import functools
 import inspect
@@ -263,6 +264,32 @@ def close_at_exit(closable: Any) -> None:
     _exit_closers.add(closable)
 
 
+#: Work a finalizer started and did not wait for (``finish_at_exit``): futures to wait for and
+#: threads to join before the stores close at exit.
+_unfinished: list[tuple[concurrent.futures.Future[Any], list[threading.Thread]]] = []
+
+
+def finish_at_exit(future: concurrent.futures.Future[Any], threads: Sequence[threading.Thread] = ()) -> None:
+    """Have ``close_open_stores`` wait for ``future`` and join ``threads`` (stopping) at exit: a
+    finalizer's release, which must not wait where it runs, still ends before the interpreter
+    does (a daemon thread still working then aborts the process). ``wait_unfinished`` waits for
+    them earlier."""
+    _register_exit_hook()
+    _unfinished.append((future, list(threads)))
+
+
+def wait_unfinished(timeout: float = 60.0) -> None:
+    """Wait for what ``finish_at_exit`` was given (each up to ``timeout`` seconds; errors are
+    the finalizer's, not the caller's)."""
+    while _unfinished:
+        future, threads = _unfinished.pop(0)
+        with contextlib.suppress(BaseException):  # (a release that failed leaves nothing to wait for)
+            future.result(timeout)
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout)
+
+
 def close_open_stores() -> None:
     """Close what ``close_at_exit`` registered, then flush and close every ``SyncTierStore``
     still open (run at interpreter exit).
@@ -270,6 +297,7 @@ def close_open_stores() -> None:
     Each is closed even if another fails; a failure is printed to stderr with its traceback, as
     Python reports any error at exit.
     """
+    wait_unfinished()
     for closable in list(_exit_closers):
         try:
             closable.close()

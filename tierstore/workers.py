@@ -142,15 +142,16 @@ class WorkerPool:
             worker.start()
             self._workers.append(worker)
 
-    def shutdown(self, wait: bool = True) -> None:
+    def shutdown(self, wait: bool = True) -> list[threading.Thread]:
         """Stop the threads once the queued jobs are done (``wait``: and wait for them to end;
-        without, this may run on one of them, from a finalizer say)."""
+        without, this may run on one of them, from a finalizer say); return them."""
         for _ in self._workers:
             self._queue.put((1 << 30, next(self._seq), _STOP, 0))
         if wait:
             for worker in self._workers:
                 worker.join()
-        self._workers.clear()
+        stopped, self._workers = list(self._workers), []
+        return stopped
 
     @property
     def running(self) -> bool:

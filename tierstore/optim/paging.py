@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import signal
 import threading
@@ -43,10 +44,10 @@ from typing import Any
 import torch
 
 from ..device import link_for
-from ..errors import OptimizerClosedError, StepIncompleteError
+from ..errors import OptimizerClosedError, StepIncompleteError, StoreLockedError
 from ..namespaces import Namespace
 from ..store import TierStore
-from ..sync import SyncTierStore, close_at_exit, loop_thread, run
+from ..sync import SyncTierStore, close_at_exit, finish_at_exit, loop_thread, run, wait_unfinished
 from ..units import parse_bytes
 from ..workers import WorkerPool
 from .capture import GradientCapture, observe
@@ -75,7 +76,7 @@ from .reports import (
 from .resident import Piece, ResidentStep
 from .setup import DEFAULT_DISK_ROOT, bind_store, default_store
 from .slots import ParamSlot
-from .steps import StepRunner
+from .steps import StepRunner, store_runners
 
 #: Optimizers not given a namespace claim the first free ``optim/<n>/``.
 DEFAULT_NAMESPACE_BASE = "optim/"
@@ -234,7 +235,17 @@ class PagedOptimizer(torch.optim.Optimizer):
                 grads = sum(slot.numel * slot.param.element_size() for slot in self._slots if not slot.link.lends)
                 root = rank_folder(disk_root if disk_root is not None else DEFAULT_DISK_ROOT)
                 store = default_store(offload, state, grads, root, host_capacity, disk_capacity)
-            self.store: TierStore = bind_store(store, self._loop, state_tier)
+                try:
+                    self.store: TierStore = bind_store(store, self._loop, state_tier)
+                except StoreLockedError:
+                    # An optimizer dropped without close() may hold the folder until the cycle
+                    # collector finds it and its release runs: let both happen, and try again.
+                    gc.collect()
+                    wait_unfinished()
+                    store = default_store(offload, state, grads, root, host_capacity, disk_capacity)
+                    self.store = bind_store(store, self._loop, state_tier)
+            else:
+                self.store = bind_store(store, self._loop, state_tier)
             self.store.on_transfer = self._window.on_transfer
             self.namespace = run(self._claim(namespace, overwrite))
             for slot in self._slots:
@@ -708,21 +719,21 @@ def _release_dropped(
         if slot.hook is not None:
             slot.hook.remove()
             slot.hook = None
-    workers.shutdown(wait=False)
+    stopped = workers.shutdown(wait=False)
 
     async def release() -> None:
         try:
-            if namespace is not None and namespace.live:
-                await (namespace.drop() if namespace.auto else namespace.release())
-        except Exception:  # noqa: BLE001, S110 - a store closed meanwhile: nothing is left to release
-            pass
+            with contextlib.suppress(Exception):  # (a store closed meanwhile: nothing is left to release)
+                if namespace is not None and namespace.live:
+                    await (namespace.drop() if namespace.auto else namespace.release())
         finally:
-            if store is not None and store.is_open:
+            # (not while another optimizer steps on it: ``TieredAdamW(..., store=opt.store)``)
+            if store is not None and store.is_open and not any(True for _ in store_runners(store)):
                 await store.aclose(flush=namespace is not None and not namespace.auto)
 
     if not loop.is_closed():
         with contextlib.suppress(RuntimeError):  # (the loop stopped meanwhile: at exit)
-            asyncio.run_coroutine_threadsafe(release(), loop)
+            finish_at_exit(asyncio.run_coroutine_threadsafe(release(), loop), stopped)
 
 
 def _cancel_task_of(coroutine: Any) -> None:

@@ -51,6 +51,12 @@ class _StoreSteps:
 _steps_of: weakref.WeakKeyDictionary[TierStore, _StoreSteps] = weakref.WeakKeyDictionary()
 
 
+def store_runners(store: TierStore) -> list[StepRunner]:
+    """The step runners of the optimizers alive on ``store``."""
+    steps = _steps_of.get(store)
+    return list(steps.runners) if steps is not None else []
+
+
 def _store_steps(store: TierStore) -> _StoreSteps:
     """The steps shared by ``store``'s optimizers (made at the first one's)."""
     steps = _steps_of.get(store)
