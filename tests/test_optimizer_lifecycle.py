@@ -90,6 +90,15 @@ def _tierstore_threads() -> set[str]:
     return {t.name for t in threading.enumerate() if t.name.startswith("tierstore-") and t.name != "tierstore-loop"}
 
 
+def _step_and_drop(model: torch.nn.Module, root: Path) -> None:
+    """One step of an optimizer with its state on disk under ``root``, dropped without close()."""
+    opt = TieredAdamW(model.parameters(), offload="disk", disk_root=root, host_capacity="1MiB")
+    out, _ = model(torch.randn(5, 3, 32))
+    out.sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
 def test_an_optimizer_dropped_without_close_lets_go_of_its_store(tmp_path: Path) -> None:
     """A trainer's hyper-parameter search or a re-fit drops optimizers without close(): each
     kept its store (state, threads, the disk folder's lock) for the life of the process."""
@@ -97,12 +106,7 @@ def test_an_optimizer_dropped_without_close_lets_go_of_its_store(tmp_path: Path)
     root = tmp_path / "optim"
     before = _tierstore_threads()
     for _ in range(3):
-        opt = TieredAdamW(model.parameters(), offload="disk", disk_root=root, host_capacity="1MiB")
-        out, _ = model(torch.randn(5, 3, 32))
-        out.sum().backward()
-        opt.step()
-        opt.zero_grad()
-        del opt
+        _step_and_drop(model, root)
         gc.collect()
         deadline = time.monotonic() + 10  # (released in the background, on the store's loop)
         while _tierstore_threads() - before and time.monotonic() < deadline:
@@ -119,12 +123,7 @@ def test_the_next_optimizer_on_a_dropped_ones_folder_opens_at_once(tmp_path: Pat
     model = _lstm()
     root = tmp_path / "optim"
     for _ in range(4):
-        opt = TieredAdamW(model.parameters(), offload="disk", disk_root=root, host_capacity="1MiB")
-        out, _ = model(torch.randn(5, 3, 32))
-        out.sum().backward()
-        opt.step()
-        opt.zero_grad()
-        del opt  # (no gc.collect(): the constructor's retry collects)
+        _step_and_drop(model, root)  # (no gc.collect(): the constructor's retry collects)
     TieredAdamW(model.parameters(), offload="disk", disk_root=root, host_capacity="1MiB").close()
 
 
