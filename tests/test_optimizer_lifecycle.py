@@ -139,6 +139,7 @@ def test_a_dropped_optimizer_leaves_a_store_another_one_steps_on_open() -> None:
         second.step()  # (before: StoreClosedError, the dropped one had closed the store it made)
     finally:
         second.close()
+    assert not second.store.is_open  # (the last optimizer on it closed it: it stayed open for good)
 
 
 _EXIT_AFTER_A_DROP = """

@@ -679,49 +679,54 @@ class TierStore:
         While another task or thread holds ``key`` for writing, this waits for the release; from
         inside the caller's own write hold of ``key`` it raises ``EntryHeldError``.
         """
-        value = self._get_small_now(key, tier, out)
-        if value is not None:
-            return value
-        await self._require_open()
-        t = self._engine.index_of(tier)
-        entry = self._engine.visible_entry(key)
-        device = self._engine.tiers[t].device if isinstance(self._engine.tiers[t], MemoryTier) else _CPU  # type: ignore[attr-defined]
-        if out is not None:
-            _check_out(out, entry.meta, device)
-        if entry.writer is not None:  # (checked here first: this is the hot path of a hit)
-            await self._engine.no_writer(entry, "get")
+        given = out
+        try:
+            value = self._get_small_now(key, tier, out)
+            if value is not None:
+                return value
+            await self._require_open()
+            t = self._engine.index_of(tier)
             entry = self._engine.visible_entry(key)
-        copy = entry.valid(t)
-        hit = copy is not None
-        self._engine.count_access(t, hit, entry)
-        self._engine.observe("get", key, entry.meta.nbytes, t, hit=hit)
-        if t == self._engine.disk_index:
-            if copy is not None and copy.inline is not None and out is None and not copy.writing:
-                # A small value inline in the catalog: read and verified with no await.
-                try:
-                    return self._engine.disk.read_inline_tensor(key, copy.version, entry.meta)
-                except InlineSuperseded:
-                    pass  # (a newer value is being installed: the awaited way waits for it)
-            return await self._engine.read_uncached(entry, device, out)
-        if copy is not None:
-            self._engine.hit(entry, copy)
-            meta = entry.meta
-            if meta.nbytes <= INLINE_COPY_BYTES and device.type == "cpu" and copy.in_memory and copy.last_use is None:
-                # A small hit in CPU memory: one memmove into a new (or the caller's
-                # contiguous) tensor, with no views made and no await.
-                if out is None:
-                    out = torch.empty(meta.shape, dtype=meta.dtype)
-                if meta.nbytes:
-                    ctypes.memmove(out.data_ptr(), copy.address, meta.nbytes)
-                return out
-        try:
-            copy = await self._engine.acquire(entry, t, Priority.DEMAND)
-        except TierFullError:
-            return await self._engine.read_uncached(entry, device, out, target=t)
-        try:
-            return await self._engine.clone(entry, copy, t, out)
+            device = self._engine.tiers[t].device if isinstance(self._engine.tiers[t], MemoryTier) else _CPU  # type: ignore[attr-defined]
+            if out is not None:
+                _check_out(out, entry.meta, device)
+            if entry.writer is not None:  # (checked here first: this is the hot path of a hit)
+                await self._engine.no_writer(entry, "get")
+                entry = self._engine.visible_entry(key)
+            copy = entry.valid(t)
+            hit = copy is not None
+            self._engine.count_access(t, hit, entry)
+            self._engine.observe("get", key, entry.meta.nbytes, t, hit=hit)
+            if t == self._engine.disk_index:
+                if copy is not None and copy.inline is not None and out is None and not copy.writing:
+                    # A small value inline in the catalog: read and verified with no await.
+                    try:
+                        return self._engine.disk.read_inline_tensor(key, copy.version, entry.meta)
+                    except InlineSuperseded:
+                        pass  # (a newer value is being installed: the awaited way waits for it)
+                return await self._engine.read_uncached(entry, device, out)
+            if copy is not None:
+                self._engine.hit(entry, copy)
+                meta = entry.meta
+                if meta.nbytes <= INLINE_COPY_BYTES and device.type == "cpu" and copy.in_memory and copy.last_use is None:
+                    # A small hit in CPU memory: one memmove into a new (or the caller's
+                    # contiguous) tensor, with no views made and no await.
+                    if out is None:
+                        out = torch.empty(meta.shape, dtype=meta.dtype)
+                    if meta.nbytes:
+                        ctypes.memmove(out.data_ptr(), copy.address, meta.nbytes)
+                    return out
+            try:
+                copy = await self._engine.acquire(entry, t, Priority.DEMAND)
+            except TierFullError:
+                return await self._engine.read_uncached(entry, device, out, target=t)
+            try:
+                return await self._engine.clone(entry, copy, t, out)
+            finally:
+                self._engine.unuse(entry, copy)
         finally:
-            self._engine.unuse(entry, copy)
+            if given is not None:  # (written as ``out.copy_`` writes: autograd sees the change)
+                _increment_version(given)
 
     def _get_small_now(self, key: str, tier: TierRef, out: torch.Tensor | None) -> torch.Tensor | None:
         """All of a get that needs no await, done at once: a small value inline in the disk
@@ -1139,6 +1144,14 @@ def _plain_cpu(tensor: object) -> bool:
         and not tensor.is_conj()  # type: ignore[attr-defined]
         and not tensor.is_neg()  # type: ignore[attr-defined]
     )
+
+
+def _increment_version(tensor: torch.Tensor) -> None:
+    """Move ``tensor``'s version counter, as an in-place op does: a tensor saved for backward
+    and then read into raises there, instead of giving wrong gradients."""
+    increment = getattr(torch.autograd.graph, "increment_version", None)
+    if increment is not None:
+        increment(tensor)
 
 
 def _durability(durable: object, *, none: bool) -> Any:

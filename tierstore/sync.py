@@ -79,9 +79,11 @@ _exit_hook_registered = False
 
 
 def _reset_after_fork() -> None:
-    global _loop, _thread, _lock, _open_stores, _exit_closers
+    global _loop, _thread, _lock, _open_stores, _exit_closers, _unfinished_lock
     _loop, _thread, _lock = None, None, threading.Lock()
     _exit_closers = weakref.WeakSet()
+    _unfinished.clear()  # (the parent's releases: this process's loop never runs them)
+    _unfinished_lock = threading.Lock()
     _open_stores = {}  # the parent's stores are not usable here; closing them is the parent's job
 
 
@@ -267,6 +269,7 @@ def close_at_exit(closable: Any) -> None:
 #: Work a finalizer started and did not wait for (``finish_at_exit``): futures to wait for and
 #: threads to join before the stores close at exit.
 _unfinished: list[tuple[concurrent.futures.Future[Any], list[threading.Thread]]] = []
+_unfinished_lock = threading.Lock()
 
 
 def finish_at_exit(future: concurrent.futures.Future[Any], threads: Sequence[threading.Thread] = ()) -> None:
@@ -275,19 +278,24 @@ def finish_at_exit(future: concurrent.futures.Future[Any], threads: Sequence[thr
     does (a daemon thread still working then aborts the process). ``wait_unfinished`` waits for
     them earlier."""
     _register_exit_hook()
-    _unfinished.append((future, list(threads)))
+    with _unfinished_lock:
+        _unfinished[:] = [(f, t) for f, t in _unfinished if not f.done() or any(x.is_alive() for x in t)]
+        _unfinished.append((future, list(threads)))
 
 
 def wait_unfinished(timeout: float = 60.0) -> None:
     """Wait for what ``finish_at_exit`` was given (each up to ``timeout`` seconds; errors are
     the finalizer's, not the caller's)."""
-    while _unfinished:
-        future, threads = _unfinished.pop(0)
+    with _unfinished_lock:  # (finalizers append from any thread; another caller may wait too)
+        waiting = list(_unfinished)
+    for future, threads in waiting:
         with contextlib.suppress(BaseException):  # (a release that failed leaves nothing to wait for)
             future.result(timeout)
         for thread in threads:
             if thread is not threading.current_thread():
                 thread.join(timeout)
+    with _unfinished_lock:
+        _unfinished[:] = [item for item in _unfinished if item not in waiting or not item[0].done()]
 
 
 def close_open_stores() -> None:

@@ -47,7 +47,15 @@ from ..device import link_for
 from ..errors import OptimizerClosedError, StepIncompleteError, StoreLockedError
 from ..namespaces import Namespace
 from ..store import TierStore
-from ..sync import SyncTierStore, close_at_exit, finish_at_exit, loop_thread, run, wait_unfinished
+from ..sync import (
+    SyncTierStore,
+    call_now,
+    close_at_exit,
+    finish_at_exit,
+    loop_thread,
+    run,
+    wait_unfinished,
+)
 from ..units import parse_bytes
 from ..workers import WorkerPool
 from .capture import GradientCapture, observe
@@ -76,7 +84,7 @@ from .reports import (
 from .resident import Piece, ResidentStep
 from .setup import DEFAULT_DISK_ROOT, bind_store, default_store
 from .slots import ParamSlot
-from .steps import StepRunner, store_runners
+from .steps import StepRunner, leave_store, store_orphaned, store_runners
 
 #: Optimizers not given a namespace claim the first free ``optim/<n>/``.
 DEFAULT_NAMESPACE_BASE = "optim/"
@@ -290,8 +298,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         # Dropped without close() (a trainer's hyper-parameter search, a re-fit), it lets go of
         # what close() would: otherwise its store (state, threads, the folder's lock) outlived it.
         self._finalizer = weakref.finalize(
-            self, _release_dropped, self._loop, self._slots, self._pipeline.workers, self.namespace,
-            self.store if self._owns_store else None,
+            self, _release_dropped, self._loop, self._slots, self._pipeline.workers, self.namespace, self.store, self._owns_store,
         )
         self._finalizer.atexit = False  # (at exit, close_at_exit closes the live ones)
 
@@ -670,7 +677,10 @@ class PagedOptimizer(torch.optim.Optimizer):
             else:
                 run(self._save_for_restart())
                 run(namespace.release())
-        if self._owns_store:
+        others = call_now(leave_store, getattr(self, "_runner", None), self.store)  # (the runners are the loop's)
+        if self._owns_store and others:
+            store_orphaned(self.store, orphan=True)  # (the last of the others closes it)
+        elif self._owns_store or store_orphaned(self.store) and not others:
             run(self.store.aclose(flush=namespace is not None and not namespace.auto))
         if failures:  # updates started in backward, never stepped, that failed: closed, then said
             raise self._runner.abandoned_error(failures)
@@ -709,7 +719,8 @@ def _sigint_to(handler: Callable[[], None]) -> Iterator[None]:
 
 
 def _release_dropped(
-    loop: asyncio.AbstractEventLoop, slots: list[ParamSlot], workers: WorkerPool, namespace: Namespace | None, store: TierStore | None,
+    loop: asyncio.AbstractEventLoop, slots: list[ParamSlot], workers: WorkerPool, namespace: Namespace | None, store: TierStore,
+    owned: bool,
 ) -> None:
     """What ``close()`` releases, for an optimizer collected without it (it may run on any
     thread, the loop's or a worker's too: nothing here waits). Its state is dropped with a
@@ -727,9 +738,11 @@ def _release_dropped(
                 if namespace is not None and namespace.live:
                     await (namespace.drop() if namespace.auto else namespace.release())
         finally:
-            # (not while another optimizer steps on it: ``TieredAdamW(..., store=opt.store)``)
-            if store is not None and store.is_open and not any(True for _ in store_runners(store)):
-                await store.aclose(flush=namespace is not None and not namespace.auto)
+            if store.is_open and (owned or store_orphaned(store)):
+                if store_runners(store):  # (others step on it, ``store=opt.store``: the last of them closes it)
+                    store_orphaned(store, orphan=True)
+                else:
+                    await store.aclose(flush=namespace is not None and not namespace.auto)
 
     if not loop.is_closed():
         with contextlib.suppress(RuntimeError):  # (the loop stopped meanwhile: at exit)

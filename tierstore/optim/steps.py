@@ -46,6 +46,9 @@ class _StoreSteps:
         self.in_backward_owner: weakref.ref[StepRunner] | None = None
         #: The runner whose step holds ``lock`` now.
         self.stepping: weakref.ref[StepRunner] | None = None
+        #: The optimizer that made the store was dropped while others stepped on it: the last
+        #: of them to close (or be dropped) closes it (``PagedOptimizer``).
+        self.orphaned = False
 
 
 _steps_of: weakref.WeakKeyDictionary[TierStore, _StoreSteps] = weakref.WeakKeyDictionary()
@@ -55,6 +58,23 @@ def store_runners(store: TierStore) -> list[StepRunner]:
     """The step runners of the optimizers alive on ``store``."""
     steps = _steps_of.get(store)
     return list(steps.runners) if steps is not None else []
+
+
+def leave_store(runner: StepRunner | None, store: TierStore) -> bool:
+    """On the loop: ``runner``'s optimizer closed, it no longer counts among ``store_runners``;
+    return whether other optimizers are still on ``store``."""
+    steps = _store_steps(store)
+    if runner is not None:
+        steps.runners.discard(runner)
+    return bool(list(steps.runners))
+
+
+def store_orphaned(store: TierStore, orphan: bool = False) -> bool:
+    """Whether the optimizer that made ``store`` was dropped while others stepped on it (its
+    last optimizer closes it); ``orphan``: say so now."""
+    steps = _store_steps(store)
+    steps.orphaned = steps.orphaned or orphan
+    return steps.orphaned
 
 
 def _store_steps(store: TierStore) -> _StoreSteps:
