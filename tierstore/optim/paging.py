@@ -648,9 +648,11 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Remove the hooks, stop the worker thread, end the namespace's claim, and close the
-        store if the optimizer made it. A default namespace is dropped with its keys; a named
-        one keeps the state (and step counts) for a later optimizer claiming it. Called from
-        another thread while ``step()`` runs, it waits for that step to end."""
+        store if the optimizer made it (once no other optimizer is on it: the last of those
+        closes it then). A default namespace is dropped with its keys; a named one keeps the
+        state (and step counts) for a later optimizer claiming it. Called from another thread
+        while ``step()`` runs, it waits for that step to end. An optimizer dropped without it
+        lets go of the same once it is garbage-collected, in the background."""
         with self._lifecycle:
             self._close()
 
