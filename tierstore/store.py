@@ -306,8 +306,7 @@ class TierStore:
         when its caller is cancelled, and the caller's ``CancelledError`` (or a timeout's
         ``TimeoutError``) comes once the commit is settled: the value may then be the new one.
         """
-        if durable is not None and durable.__class__ is not bool:
-            _durability(durable, none=True)  # (raises: "no" would read as true)
+        durable = _durability(durable, none=True)
         soon = self._commit_small_soon(key, tensor, tier, durable)
         if soon is not None:  # (a small value committed on the disk tier: one hand-over and back)
             await self._committed_small(*soon)

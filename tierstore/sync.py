@@ -279,7 +279,7 @@ def finish_at_exit(future: concurrent.futures.Future[Any], threads: Sequence[thr
     them earlier."""
     _register_exit_hook()
     with _unfinished_lock:
-        _unfinished[:] = [(f, t) for f, t in _unfinished if not f.done() or any(x.is_alive() for x in t)]
+        _drop_finished()
         _unfinished.append((future, list(threads)))
 
 
@@ -295,7 +295,13 @@ def wait_unfinished(timeout: float = 60.0) -> None:
             if thread is not threading.current_thread():
                 thread.join(timeout)
     with _unfinished_lock:
-        _unfinished[:] = [item for item in _unfinished if item not in waiting or not item[0].done()]
+        _drop_finished()
+
+
+def _drop_finished() -> None:
+    """Forget what ``finish_at_exit`` was given that has ended (under ``_unfinished_lock``)."""
+    _unfinished[:] = [(future, threads) for future, threads in _unfinished
+                      if not future.done() or any(thread.is_alive() for thread in threads)]
 
 
 def close_open_stores() -> None:

@@ -84,7 +84,7 @@ from .reports import (
 from .resident import Piece, ResidentStep
 from .setup import DEFAULT_DISK_ROOT, bind_store, default_store
 from .slots import ParamSlot
-from .steps import StepRunner, leave_store, store_orphaned, store_runners
+from .steps import StepRunner, closes_store
 
 #: Optimizers not given a namespace claim the first free ``optim/<n>/``.
 DEFAULT_NAMESPACE_BASE = "optim/"
@@ -243,16 +243,16 @@ class PagedOptimizer(torch.optim.Optimizer):
                 grads = sum(slot.numel * slot.param.element_size() for slot in self._slots if not slot.link.lends)
                 root = rank_folder(disk_root if disk_root is not None else DEFAULT_DISK_ROOT)
                 store = default_store(offload, state, grads, root, host_capacity, disk_capacity)
-                try:
-                    self.store: TierStore = bind_store(store, self._loop, state_tier)
-                except StoreLockedError:
-                    # An optimizer dropped without close() may hold the folder until the cycle
-                    # collector finds it and its release runs: let both happen, and try again.
-                    gc.collect()
-                    wait_unfinished()
-                    store = default_store(offload, state, grads, root, host_capacity, disk_capacity)
-                    self.store = bind_store(store, self._loop, state_tier)
-            else:
+            try:
+                self.store: TierStore = bind_store(store, self._loop, state_tier)
+            except StoreLockedError:
+                if not self._owns_store:
+                    raise
+                # An optimizer dropped without close() may hold the folder until the cycle
+                # collector finds it and its release runs: let both happen, and try again.
+                gc.collect()
+                wait_unfinished()
+                store = default_store(offload, state, grads, root, host_capacity, disk_capacity)
                 self.store = bind_store(store, self._loop, state_tier)
             self.store.on_transfer = self._window.on_transfer
             self.namespace = run(self._claim(namespace, overwrite))
@@ -679,10 +679,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             else:
                 run(self._save_for_restart())
                 run(namespace.release())
-        others = call_now(leave_store, getattr(self, "_runner", None), self.store)  # (the runners are the loop's)
-        if self._owns_store and others:
-            store_orphaned(self.store, orphan=True)  # (the last of the others closes it)
-        elif self._owns_store or store_orphaned(self.store) and not others:
+        if call_now(closes_store, self.store, getattr(self, "_runner", None), self._owns_store):  # (the runners are the loop's)
             run(self.store.aclose(flush=namespace is not None and not namespace.auto))
         if failures:  # updates started in backward, never stepped, that failed: closed, then said
             raise self._runner.abandoned_error(failures)
@@ -740,11 +737,8 @@ def _release_dropped(
                 if namespace is not None and namespace.live:
                     await (namespace.drop() if namespace.auto else namespace.release())
         finally:
-            if store.is_open and (owned or store_orphaned(store)):
-                if store_runners(store):  # (others step on it, ``store=opt.store``: the last of them closes it)
-                    store_orphaned(store, orphan=True)
-                else:
-                    await store.aclose(flush=namespace is not None and not namespace.auto)
+            if store.is_open and closes_store(store, None, owned):
+                await store.aclose(flush=namespace is not None and not namespace.auto)
 
     if not loop.is_closed():
         with contextlib.suppress(RuntimeError):  # (the loop stopped meanwhile: at exit)

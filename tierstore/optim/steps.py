@@ -54,27 +54,18 @@ class _StoreSteps:
 _steps_of: weakref.WeakKeyDictionary[TierStore, _StoreSteps] = weakref.WeakKeyDictionary()
 
 
-def store_runners(store: TierStore) -> list[StepRunner]:
-    """The step runners of the optimizers alive on ``store``."""
-    steps = _steps_of.get(store)
-    return list(steps.runners) if steps is not None else []
-
-
-def leave_store(runner: StepRunner | None, store: TierStore) -> bool:
-    """On the loop: ``runner``'s optimizer closed, it no longer counts among ``store_runners``;
-    return whether other optimizers are still on ``store``."""
+def closes_store(store: TierStore, runner: StepRunner | None, made_it: bool) -> bool:
+    """On the loop, as an optimizer on ``store`` closes or is dropped (``runner``: its own, no
+    longer counted among the store's): whether it closes the store now. The one that made it
+    (``made_it``) does, unless others still step on it (``store=opt.store``): the last of them
+    to go closes it then."""
     steps = _store_steps(store)
     if runner is not None:
         steps.runners.discard(runner)
-    return bool(list(steps.runners))
-
-
-def store_orphaned(store: TierStore, orphan: bool = False) -> bool:
-    """Whether the optimizer that made ``store`` was dropped while others stepped on it (its
-    last optimizer closes it); ``orphan``: say so now."""
-    steps = _store_steps(store)
-    steps.orphaned = steps.orphaned or orphan
-    return steps.orphaned
+    if not (made_it or steps.orphaned):
+        return False
+    steps.orphaned = bool(list(steps.runners))
+    return not steps.orphaned
 
 
 def _store_steps(store: TierStore) -> _StoreSteps:

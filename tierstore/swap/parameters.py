@@ -253,8 +253,7 @@ class ParameterOffload:
             self._hooks.append(sub.register_state_dict_pre_hook(lambda module, prefix, _: self._state_dict_enter(module, prefix)))
             self._hooks.append(sub.register_state_dict_post_hook(
                 lambda module, state_dict, prefix, _, u=is_unit: self._state_dict_hook(module, state_dict, prefix, u)))
-        for sub in self.module.modules():  # checkpoints see the stored weights, and load into the store
-            if id(sub) in units:
+            if is_unit:  # checkpoints see the stored weights, and load into the store
                 self._hooks.append(sub.register_load_state_dict_pre_hook(lambda *args: self._load_state_dict_hook(*args)))
                 self._hooks.append(sub.register_load_state_dict_post_hook(lambda module, _: self._loaded(module)))
         for weight in self._weights:
