@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from ..device import Link
-from ..errors import StoreClosedError
+from ..errors import StoreClosedError, UnknownTierError
 from ..namespaces import Namespace
 from ..store import TierStore
 from ..sync import SyncTierStore, loop_thread, run
@@ -74,6 +74,8 @@ class _Saved:
     used: bool = False  # backward has unpacked it (a second unpack, retain_graph, reuses it)
     dropped: bool = False  # the forward that saved it raised: it left the store unused
     owner: Any = None  # the ActivationOffload that packed it
+    version: int = 0  # the tensor's version counter when it was saved
+    changed: int | None = None  # its version when its copy ended, if an in-place change came first
 
 
 class ActivationOffload:
@@ -93,6 +95,10 @@ class ActivationOffload:
         self.store = store.store if isinstance(store, SyncTierStore) else store
         if not self.store.is_open:
             run(self.store.open())
+        names = [t.name for t in self.store.tiers]
+        for argument, name in (("tier", tier), ("device_tier", device_tier)):
+            if name is not None and name not in names:
+                raise UnknownTierError(f"offload_activations: {argument}={name!r} is not a tier of the store (its tiers: {names})")
         self.emulate_device = emulate_device
         self._links: dict[torch.device, Link] = {}
         for tier_ in self.store.tiers:  # a contradicting emulate_device raises here, not in forward
@@ -121,6 +127,11 @@ class ActivationOffload:
     # -- the context ------------------------------------------------------------------------------
 
     def __enter__(self) -> ActivationOffload:
+        if self._hooks is not None:
+            raise RuntimeError(
+                "this offload_activations object is entered already (a `with` inside its own `with`): "
+                "nest two offload_activations objects instead, or use one `with` per forward"
+            )
         if self._order:  # the previous step's backward order becomes what we prefetch along
             order = self._order
             self._learned = {index: order[position + 1 :] for position, index in enumerate(order)}
@@ -165,7 +176,8 @@ class ActivationOffload:
         self._wait_for_room(tensor.nbytes)
         room = time.perf_counter()
         index = next(self._counter)
-        saved = _Saved(index, f"{self.prefix}/{self._step}/{index}", tensor.nbytes, tensor.device, tensor, owner=self)
+        saved = _Saved(index, f"{self.prefix}/{self._step}/{index}", tensor.nbytes, tensor.device, tensor, owner=self,
+                       version=tensor._version)
         if link.lends:
             saved.stored = asyncio.run_coroutine_threadsafe(self._put(saved, self.store.put(saved.key, tensor, tier=self.tier)), self._loop)
         else:
@@ -205,6 +217,8 @@ class ActivationOffload:
             stored = True
         finally:
             with self._lock:
+                if saved.tensor is not None and saved.tensor._version != saved.version:
+                    saved.changed = saved.tensor._version  # (the copy may hold the change, or part of it)
                 saved.tensor = None
                 taken = saved.taken
                 self._in_flight -= saved.nbytes
@@ -225,6 +239,8 @@ class ActivationOffload:
         self._order.append(saved.index)
         with self._lock:  # the copy is still in flight: the tensor never left, use it
             still_here = saved.tensor if saved.fetched is None else None
+            if still_here is not None and still_here._version != saved.version:
+                raise _changed_in_place(saved, still_here._version)
             if still_here is not None:
                 saved.taken = True
                 self.report.early += 1
@@ -246,6 +262,8 @@ class ActivationOffload:
         self._fetch_ahead(saved.index, saved.device)
         value = saved.fetched.result()
         saved.finalizer.detach()
+        if saved.changed is not None:
+            raise _changed_in_place(saved, saved.changed)
         ended = time.perf_counter()
         with self._lock:
             self.report.add_stall(started, ended)
@@ -328,6 +346,19 @@ async def _claim(store: TierStore, name: str | None, base: str, owner: str) -> N
     namespace = await store.claim(name, owner=owner)
     await namespace.clear()
     return namespace
+
+
+def _changed_in_place(saved: _Saved, version: int) -> RuntimeError:
+    """Torch's error for a saved tensor changed in place (it checks none saved through hooks):
+    a change made before the tensor's copy into the store ended may be in the copy, or half of
+    it. (One made after it is not seen: backward gets the value saved, as with torch's
+    ``save_on_cpu``.)"""
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace operation: "
+        f"a tensor of {saved.nbytes} bytes saved for backward under offload_activations is at version {version}; "
+        f"expected version {saved.version} instead (it was changed in place while it was being copied into the store; "
+        "without offload_activations torch raises this too: change a clone instead)"
+    )
 
 
 def _is_parameter(tensor: torch.Tensor) -> bool:

@@ -1,0 +1,99 @@
+"""offload_activations refuses what would go wrong later: a `with` inside its own `with`, a tier
+the store lacks, and a saved tensor changed in place while it was being copied (torch raises for
+that without hooks; behind a background copy the gradient would depend on timing)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from tierstore import DeviceTier, HostTier, SyncTierStore, UnknownTierError
+from tierstore.swap import offload_activations
+from tierstore.sync import loop_thread
+
+pytestmark = pytest.mark.device_modes
+
+
+@pytest.fixture
+def sync() -> Iterator[SyncTierStore]:
+    store = SyncTierStore([DeviceTier("cpu", "64MiB"), HostTier("256MiB")]).open()
+    yield store
+    store.close()
+
+
+@contextmanager
+def loop_blocked() -> Iterator[None]:
+    """The store's loop thread busy (no copy into the store makes progress) until the block ends."""
+    started, release = threading.Event(), threading.Event()
+
+    async def block() -> None:
+        started.set()
+        release.wait(30)  # (blocking the loop on purpose)
+
+    future = asyncio.run_coroutine_threadsafe(block(), loop_thread())
+    started.wait(30)
+    try:
+        yield
+    finally:
+        release.set()
+        future.result(30)
+
+
+def test_a_with_inside_its_own_with_is_refused_and_leaves_no_hooks(sync: SyncTierStore, device_mode: str) -> None:
+    acts = offload_activations(sync, min_bytes=0)
+    w = torch.randn(64, 64, requires_grad=True)
+    with acts:
+        with pytest.raises(RuntimeError, match="entered already"), acts:
+            pass
+        (w * 2).sin().sum().backward()
+    offloaded = acts.report.offloaded
+    (w * 2).sin().sum().backward()  # outside any `with`: nothing is offloaded
+    assert acts.report.offloaded == offloaded
+    acts.close()
+
+
+@pytest.mark.parametrize("argument", ["tier", "device_tier"])
+def test_a_tier_the_store_lacks_is_refused_at_once(sync: SyncTierStore, device_mode: str, argument: str) -> None:
+    with pytest.raises(UnknownTierError, match=f"{argument}='nope'"):
+        offload_activations(sync, min_bytes=0, **{argument: "nope"})
+
+
+def test_a_change_in_place_before_the_copy_ended_raises_in_backward(sync: SyncTierStore, device_mode: str) -> None:
+    acts = offload_activations(sync, min_bytes=0)
+    w = torch.randn(256, 256, requires_grad=True)
+    for _ in range(3):  # every time, not by chance
+        with loop_blocked():
+            with acts:
+                x = w * 2
+                y = x.sin()
+            x.add_(1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
+    # The offload and the store go on as before.
+    w.grad = None
+    with acts:
+        loss = (w * 2).sin().sum()
+    loss.backward()
+    assert torch.equal(w.grad, torch.cos(w.detach() * 2) * 2)
+    acts.close()
+
+
+def test_a_change_after_the_copy_ended_gives_the_gradient_of_the_value_saved(sync: SyncTierStore, device_mode: str) -> None:
+    acts = offload_activations(sync, min_bytes=0)
+    w = torch.randn(256, 256, requires_grad=True)
+    with acts:
+        x = w * 2
+        y = x.sin()
+    deadline = time.monotonic() + 30
+    while acts.report.bytes_out < x.nbytes and time.monotonic() < deadline:  # its copy has ended
+        time.sleep(0.01)
+    x.add_(1)
+    y.sum().backward()
+    assert torch.equal(w.grad, torch.cos(w.detach() * 2) * 2)  # as torch's save_on_cpu gives
+    acts.close()
