@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import traceback
 import warnings
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from . import eviction, holds
 from .copies import INLINE_COPY_BYTES
@@ -105,6 +108,7 @@ class TierStore:
         #: Small puts acknowledged before their commit, in the store's life (``_after_staged``).
         self._staged_puts = 0
         self._namespaces = NamespaceRegistry(self)
+        self._close_hooks: OrderedDict[int, Callable[[], Awaitable[None]]] = OrderedDict()  # (torch's handles need a weakref-able dict)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -116,9 +120,38 @@ class TierStore:
         return self
 
     async def aclose(self, flush: bool | None = None) -> None:
-        """Finish in-flight work (prefetches are cancelled, writes drained), write memory-only
-        entries to disk (if ``flush``, default ``flush_on_close``), and close the tiers."""
+        """Run the close hooks (``register_close_hook``), finish in-flight work (prefetches
+        are cancelled, writes drained), write memory-only entries to disk (if ``flush``,
+        default ``flush_on_close``), and close the tiers."""
+        await self._run_close_hooks()
         await self._engine.close(self.flush_on_close if flush is None else flush)
+
+    def register_close_hook(self, hook: Callable[[], Awaitable[None]]) -> RemovableHandle:
+        """Have ``await hook()`` run on the store's loop when a close starts, while the store
+        still serves every request: for whoever keeps values in the store on someone else's
+        behalf and must give them back first (``offload_parameters`` puts its weights back
+        into their module, so closing the store does not take a model's weights with it).
+        Hooks run in the order registered, at each close of an open store; one that raises
+        fails the close (the store stays open, nothing lost), except at interpreter exit,
+        where the error is printed and the close goes on. Returns a handle whose
+        ``remove()`` unregisters the hook."""
+        if not callable(hook):
+            raise TypeError(f"register_close_hook takes an async function, not {type(hook).__name__}")
+        handle = RemovableHandle(self._close_hooks)
+        self._close_hooks[handle.id] = hook
+        return handle
+
+    async def _run_close_hooks(self, at_exit: bool = False) -> None:
+        engine = self._engine
+        if not engine.is_open or engine.closing or engine.sealed:
+            return
+        for hook in list(self._close_hooks.values()):
+            try:
+                await hook()
+            except Exception:
+                if not at_exit:
+                    raise
+                traceback.print_exc()
 
     async def _aclose_at_exit(self) -> None:
         """``aclose`` at interpreter exit, from a thread still inside write holds of its own (a
@@ -131,7 +164,8 @@ class TierStore:
             if copy is not None and holds.inside(token):
                 self._close_hold(entry, copy, copy.tier, True, token, mark=False)
                 holds.leave(token)
-        await self.aclose()
+        await self._run_close_hooks(at_exit=True)
+        await self._engine.close(self.flush_on_close)
 
     async def __aenter__(self) -> TierStore:
         return await self.open()

@@ -101,6 +101,8 @@ class _Weight:
     key: str
     param: nn.Parameter
     shape: torch.Size
+    #: The stored weight's dtype (the parameter's when it went in).
+    dtype: torch.dtype = torch.float32
     units: list[int] = field(default_factory=list)
     #: Units computing with it now; the store hold ends when the last one lets go.
     holders: set[int] = field(default_factory=set)
@@ -203,7 +205,9 @@ class ParameterOffload:
         self._in_dict: tuple[Any, dict[str, Any]] = (None, {})
         #: Weights a ``load_state_dict()`` covers now: their version before, and whether written.
         self._loading: dict[_Weight, tuple[int, bool]] = {}
+        self._detached = False
         self._attach()
+        self._close_hook = self.store.register_close_hook(self._put_back)
 
     # -- moving the weights in and out -------------------------------------------------------------
 
@@ -221,7 +225,7 @@ class ParameterOffload:
                 if weight is None:  # the first module using a tied weight names its key
                     if offloaded(param) is not None:
                         raise ValueError(f"parameter {own!r} of {name or '<root>'} is offloaded already (by another offload_parameters)")
-                    weight = _Weight(f"{self.prefix}/{name}.{own}" if name else f"{self.prefix}/{own}", param, param.shape)
+                    weight = _Weight(f"{self.prefix}/{name}.{own}" if name else f"{self.prefix}/{own}", param, param.shape, param.dtype)
                     self._weight_of[id(param)] = weight
                     self._weights.append(weight)
                 weight.units.append(len(self._units))
@@ -272,24 +276,42 @@ class ParameterOffload:
             await to_store(self.store, weight.key, source, self.tier, self.link, marker)
 
     def detach(self) -> None:
-        """Remove the hooks and put every weight back into the module (from the store)."""
+        """Remove the hooks and put every weight back into the module (from the store, in the
+        dtype and on the device its placeholder has now); a second call does nothing. Closing
+        the store does this first (the module keeps its weights)."""
+        if self._detached:
+            return
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self._let_go(self._weights, everyone=True)  # (here: after the kernels this thread queued)
+        run(self._put_back())
+
+    async def _put_back(self) -> None:
+        """On the loop: the weights back into the module, the namespace dropped (``detach``,
+        and a close of the store, where it runs first)."""
+        if self._detached:
+            return
+        self._detached = True
+        self._close_hook.remove()
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
         self._let_go(self._weights, everyone=True)
         for releasing in self._releasing:
-            releasing.result()
+            await asyncio.wrap_future(releasing)
         self._releasing = []
         for weight in self._weights:
             param = weight.param
             if self.link.lends:
-                param.data = run(self.store.read(weight.key)).to(param.device)
+                value = (await self.store.read(weight.key)).to(param.device)
             else:
-                param.data = run(to_device(self.store, weight.key, param.device, self.link))
-            run(self.store.delete(weight.key))
+                value = await to_device(self.store, weight.key, param.device, self.link)
+            param.data = value.to(param.dtype)
+            await self.store.delete(weight.key)
             _REGISTRY.pop(param, None)
         if self.namespace.live:
-            run(self.namespace.drop())
+            await self.namespace.drop()
 
     # -- what autograd saves -------------------------------------------------------------------------------
 
@@ -742,8 +764,16 @@ _LENDER = -1
 
 
 def _check_unchanged(weights: list[_Weight]) -> None:
-    """Refuse to go on after an in-place change of a placeholder: it changed nothing stored."""
+    """Refuse to go on after an in-place change of a placeholder, or a cast of it (``.double()``,
+    ``.half()``, ``.to(dtype)`` of the module): it changed nothing stored."""
     for weight in weights:
+        if weight.param.dtype != weight.dtype:
+            raise RuntimeError(
+                f"parameter {weight.key.rsplit('/', 1)[-1]!r} (stored as {weight.key!r}) was cast to {weight.param.dtype} while "
+                f"offloaded (module.double(), .half(), .to(dtype)); its stored weight is {weight.dtype}, and computing with it "
+                f"would not follow the cast. detach() puts the weights back cast to {weight.param.dtype}; offload again after it "
+                f"(or cast a module before offload_parameters)"
+            )
         if weight.param._version != weight.version:
             raise RuntimeError(
                 f"parameter {weight.key.rsplit('/', 1)[-1]!r} (stored as {weight.key!r}) was changed in place while offloaded (e.g. p.mul_() under torch.no_grad()): "

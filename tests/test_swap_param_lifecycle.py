@@ -1,0 +1,104 @@
+"""offload_parameters over a store's life: closing the store puts the weights back into the
+module (a host-only store would otherwise take them with it), detach() twice is harmless, and a
+cast of the module while offloaded is refused instead of half applied."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tierstore import DeviceTier, DiskTier, HostTier, SyncTierStore, TierStore
+from tierstore.optim import TieredAdamW
+from tierstore.swap import offload_parameters
+
+pytestmark = pytest.mark.device_modes
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def train(m: nn.Module, opt: torch.optim.Optimizer, steps: int = 3) -> None:
+    for step in range(steps):
+        torch.manual_seed(step)
+        opt.zero_grad()
+        m(torch.randn(8, 16)).square().mean().backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("with_disk", [False, True])
+def test_closing_the_store_puts_the_weights_back_into_the_module(tmp_path: Path, device_mode: str, with_disk: bool) -> None:
+    plain, swapped = model(), model()
+    train(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2, fused=True))
+    tiers = [DeviceTier("cpu", "64KiB"), HostTier("8MiB")] + ([DiskTier(tmp_path / "d", "64MiB")] if with_disk else [])
+    with SyncTierStore(tiers) as store:
+        offload = offload_parameters(swapped, store)
+        opt = TieredAdamW(swapped.parameters(), lr=1e-2, offload="host")
+        train(swapped, opt)
+        opt.close()
+    for ours, theirs in zip(swapped.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(ours, theirs)
+    x = torch.randn(2, 16)
+    assert torch.equal(swapped(x), plain(x))  # a plain module again: no hooks left
+    offload.detach()  # (nothing left to do)
+    if with_disk:  # the weights left the store with the module
+        with SyncTierStore([HostTier("8MiB"), DiskTier(tmp_path / "d", "64MiB")]) as reopened:
+            assert [key for key in reopened.keys() if key.startswith("swap/")] == []
+
+
+def test_detach_twice_does_nothing_the_second_time(device_mode: str) -> None:
+    m = model()
+    before = [p.detach().clone() for p in m.parameters()]
+    with SyncTierStore([DeviceTier("cpu", "64KiB"), HostTier("8MiB")]) as store:
+        offload = offload_parameters(m, store)
+        offload.detach()
+        offload.detach()
+        assert list(store.keys()) == []
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters(), strict=True))
+
+
+def test_a_cast_while_offloaded_is_refused_and_detach_applies_it(device_mode: str) -> None:
+    m = model()
+    before = [p.detach().clone() for p in m.parameters()]
+    with SyncTierStore([DeviceTier("cpu", "64KiB"), HostTier("8MiB")]) as store:
+        offload = offload_parameters(m, store)
+        m.double()
+        with pytest.raises(RuntimeError, match="was cast to torch.float64 while offloaded"):
+            m(torch.randn(2, 16, dtype=torch.float64))
+        with pytest.raises(RuntimeError, match="was cast to torch.float64 while offloaded"):
+            m.state_dict()
+        offload.detach()
+    assert all(p.dtype == torch.float64 and torch.equal(p, b.double()) for p, b in zip(m.parameters(), before, strict=True))
+    assert m(torch.randn(2, 16, dtype=torch.float64)).dtype == torch.float64
+
+
+def test_a_close_hook_that_raises_fails_the_close_and_nothing_is_lost(tmp_path: Path, device_mode: str) -> None:
+    async def main() -> None:
+        store = await TierStore([HostTier("8MiB"), DiskTier(tmp_path / "d", "64MiB")]).open()
+        calls = []
+
+        async def failing() -> None:
+            calls.append("failing")
+            raise RuntimeError("not now")
+
+        async def counting() -> None:
+            calls.append("counting")
+
+        handle = store.register_close_hook(failing)
+        store.register_close_hook(counting)
+        await store.put("k", torch.arange(10.0))
+        with pytest.raises(RuntimeError, match="not now"):
+            await store.aclose()
+        assert store.is_open and torch.equal(await store.get("k"), torch.arange(10.0))
+        handle.remove()
+        await store.aclose()
+        assert calls == ["failing", "counting"]
+        async with TierStore([HostTier("8MiB"), DiskTier(tmp_path / "d", "64MiB")]) as reopened:
+            assert torch.equal(await reopened.get("k"), torch.arange(10.0))
+
+    asyncio.run(main())
