@@ -60,3 +60,16 @@ def test_demo_bf16_with_compressed_state(tmp_path: Path, capsys: pytest.CaptureF
     assert "needs --dtype bf16" in capsys.readouterr().err
     assert main([*args[:-2], "--drive-tbw", "0"]) == 2
     assert "--drive-tbw must be above 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("option", "value", "says"), [
+    ("--lr", "-1", "--lr must be a finite number >= 0"),
+    ("--lr", "nan", "--lr must be a finite number >= 0"),
+    ("--clip", "-1", "--clip is a gradient norm"),
+    ("--drive-capacity", "0", "--drive-capacity must be above 0"),
+])
+def test_demo_refuses_bad_numbers_before_training(tmp_path: Path, capsys: pytest.CaptureFixture[str], option: str, value: str, says: str) -> None:
+    args = ["demo", "--steps", "2", "--layers", "1", "--dim", "32", "--heads", "2", "--root", str(tmp_path / "store"), option, value]
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    assert says in captured.err and "step 1/" not in captured.out + captured.err

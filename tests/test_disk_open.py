@@ -287,3 +287,11 @@ async def test_info_reports_a_missing_data_file(tmp_path: Path) -> None:
     assert info["damaged_keys"] == sorted(values)
     assert any("segment-000000.bin is missing" in problem for problem in info["problems"])
     assert cli_main(["info", str(root), "--json"]) != 0
+
+
+def test_info_on_a_missing_folder_says_it_does_not_exist(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["info", str(tmp_path / "nope")]) != 0
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert cli_main(["info", str(tmp_path / "empty")]) != 0
+    assert "is not a tierstore disk folder" in capsys.readouterr().err

@@ -139,15 +139,21 @@ def check_args(args: argparse.Namespace) -> str | None:
         return f"--device {args.device}: the demo runs on cpu or cuda"
     if args.drive_tbw is not None and not args.drive_tbw > 0:
         return f"--drive-tbw must be above 0, not {args.drive_tbw}"
+    if not args.lr >= 0 or args.lr == float("inf"):  # (torch's AdamW refuses a negative one; nan fails this too)
+        return f"--lr must be a finite number >= 0, not {args.lr}"
+    if args.clip is not None and not args.clip >= 0:
+        return f"--clip is a gradient norm: a number >= 0 (0: off), not {args.clip}"
     if args.step_in_backward and args.clip:
         return "--clip needs the whole gradient before any update: it cannot be used with --step-in-backward"
     for name in ("device_capacity", "host_capacity", "disk_capacity", "drive_capacity"):
         if getattr(args, name) is None:
             continue  # (--host-capacity: sized from the state below)
         try:
-            parse_bytes(getattr(args, name))
+            size = parse_bytes(getattr(args, name))
         except ValueError as exc:
             return f"--{name.replace('_', '-')}: {exc}"
+        if name == "drive_capacity" and size <= 0:
+            return f"--drive-capacity must be above 0, not {getattr(args, name)}"
     if args.master_weights == "lossless" and args.dtype != "bf16":
         return "--master-weights lossless keeps the master's high half in bf16 weights: it needs --dtype bf16"
     return None
@@ -169,7 +175,7 @@ def check_disk(args: argparse.Namespace, model: torch.nn.Module) -> str | None:
     needed = round_up(2 * sum(sizes), 1 << 20)
     if parse_bytes(args.disk_capacity) < needed:
         return (f"--disk-capacity {args.disk_capacity} is too small for what this model pages to disk "
-                f"({format_bytes(sum(sizes))}, rewritten in place of itself); give at least {format_bytes(needed)}")
+                f"({format_bytes(sum(sizes))}; each write is copy-on-write, so it needs room for twice that); give at least {format_bytes(needed)}")
     return None
 
 
@@ -231,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     print(memory)
     print()
     print("last step:", timing)
+    if any(s is not None for s in swaps):
+        print("  (disk figures are the whole store's: they include the swapped weights and activations)")
     for line in swapped:
         print(line)
     middle = sorted(times[len(times) // 10 :] or times)

@@ -29,6 +29,8 @@ def describe_folder(root: str | Path) -> dict[str, Any]:
     entries whose bytes are not all there.
     """
     root = Path(root)
+    if not root.exists():
+        raise CatalogError(f"{root} does not exist")
     if not (root / "catalog").is_dir():
         raise CatalogError(f"{root} is not a tierstore disk folder (no catalog/ inside)")
     catalog = Catalog(root / "catalog", durable=False)

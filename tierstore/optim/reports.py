@@ -213,7 +213,9 @@ class TimeReport:
     state of the parameters it updated that was not on the state tier when it began (read once,
     written back once), plus state created in the step beyond the room the state tier had
     free. ``io_overhead`` is their ratio (1.0: no byte wasted). Gradients, and the state of
-    frozen or unused parameters, are not part of the need."""
+    frozen or unused parameters, are not part of the need. The bytes moved are the whole
+    store's: whatever else uses the optimizer's store (``offload_parameters``,
+    ``offload_activations``, puts of your own) adds to them."""
 
     step: int = 0
     step_wall: float = 0.0
