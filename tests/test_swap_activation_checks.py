@@ -75,6 +75,8 @@ def test_a_change_in_place_before_the_copy_ended_raises_in_backward(sync: SyncTi
             x.add_(1)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             y.sum().backward()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()  # asked again: still refused, as torch refuses it again
     # The offload and the store go on as before.
     w.grad = None
     with acts:
@@ -96,4 +98,19 @@ def test_a_change_after_the_copy_ended_gives_the_gradient_of_the_value_saved(syn
     x.add_(1)
     y.sum().backward()
     assert torch.equal(w.grad, torch.cos(w.detach() * 2) * 2)  # as torch's save_on_cpu gives
+    acts.close()
+
+
+def test_a_change_after_backward_took_the_tensor_itself_raises_in_the_next_backward(sync: SyncTierStore, device_mode: str) -> None:
+    acts = offload_activations(sync, min_bytes=0)
+    w = torch.randn(256, 256, requires_grad=True)
+    with loop_blocked():  # backward comes while the copy has not ended: it takes the tensor itself
+        with acts:
+            x = w * 2
+            y = x.sin()
+        y.sum().backward(retain_graph=True)
+    assert acts.report.early == 1
+    x.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
     acts.close()

@@ -14,6 +14,7 @@ from torch import nn
 from tierstore import DeviceTier, DiskTier, HostTier, SyncTierStore, TierStore
 from tierstore.optim import TieredAdamW
 from tierstore.swap import offload_parameters
+from tierstore.sync import run
 
 pytestmark = pytest.mark.device_modes
 
@@ -102,3 +103,42 @@ def test_a_close_hook_that_raises_fails_the_close_and_nothing_is_lost(tmp_path: 
             assert torch.equal(await reopened.get("k"), torch.arange(10.0))
 
     asyncio.run(main())
+
+
+class FlakyReads(TierStore):
+    """A store whose second read fails once (a transient I/O error)."""
+
+    reads = 0
+
+    async def read(self, key: str) -> torch.Tensor:
+        self.reads += 1
+        if self.reads == 2:
+            raise OSError("transient read error")
+        return await super().read(key)
+
+
+def test_a_put_back_that_fails_part_way_is_finished_by_the_next_close(device_mode: str) -> None:
+    m = model()
+    before = [p.detach().clone() for p in m.parameters()]
+    store = run(FlakyReads([DeviceTier("cpu", "64KiB"), HostTier("8MiB")]).open())
+    offload_parameters(m, store)
+    with pytest.raises(OSError, match="transient"):
+        run(store.aclose())
+    assert store.is_open
+    run(store.aclose())
+    assert all(torch.equal(p, b) for p, b in zip(m.parameters(), before, strict=True))
+
+
+def test_two_closes_at_once_both_wait_for_the_weights(device_mode: str) -> None:
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])
+    before = [p.detach().clone() for p in m.parameters()]
+    store = run(TierStore([DeviceTier("cpu", "1MiB"), HostTier("64MiB")]).open())
+    offload_parameters(m, store)
+
+    async def both() -> list[object]:
+        return await asyncio.gather(store.aclose(), store.aclose(), return_exceptions=True)
+
+    assert run(both()) == [None, None]
+    assert not store.is_open
+    assert all(torch.equal(p, b) for p, b in zip(m.parameters(), before, strict=True))

@@ -132,7 +132,8 @@ class TierStore:
         behalf and must give them back first (``offload_parameters`` puts its weights back
         into their module, so closing the store does not take a model's weights with it).
         Hooks run in the order registered, at each close of an open store; one that raises
-        fails the close (the store stays open, nothing lost), except at interpreter exit,
+        fails the close (the store stays open; the hook runs again at the next close, so a hook
+        that gives values back should leave what it gave back as it is), except at interpreter exit,
         where the error is printed and the close goes on. Returns a handle whose
         ``remove()`` unregisters the hook."""
         if not callable(hook):

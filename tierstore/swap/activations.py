@@ -252,8 +252,13 @@ class ActivationOffload:
             saved.finalizer.detach()
             self._fetch_ahead(saved.index, saved.device)
             return still_here
-        if saved.used:
-            return saved.fetched.result()
+        if saved.used:  # (a second backward through the graph, retain_graph or a retry)
+            if saved.changed is not None:
+                raise _changed_in_place(saved, saved.changed)
+            value = saved.fetched.result()
+            if saved.taken and value._version != saved.version:  # (backward took the tensor itself)
+                raise _changed_in_place(saved, value._version)
+            return value
         saved.used = True
         if saved.fetched is None:
             self._fetch(saved)
@@ -351,8 +356,7 @@ async def _claim(store: TierStore, name: str | None, base: str, owner: str) -> N
 def _changed_in_place(saved: _Saved, version: int) -> RuntimeError:
     """Torch's error for a saved tensor changed in place (it checks none saved through hooks):
     a change made before the tensor's copy into the store ended may be in the copy, or half of
-    it. (One made after it is not seen: backward gets the value saved, as with torch's
-    ``save_on_cpu``.)"""
+    it. (One made after it is not seen: backward gets the value saved.)"""
     return RuntimeError(
         "one of the variables needed for gradient computation has been modified by an inplace operation: "
         f"a tensor of {saved.nbytes} bytes saved for backward under offload_activations is at version {version}; "

@@ -206,6 +206,7 @@ class ParameterOffload:
         #: Weights a ``load_state_dict()`` covers now: their version before, and whether written.
         self._loading: dict[_Weight, tuple[int, bool]] = {}
         self._detached = False
+        self._putting_back = asyncio.Lock()  # (a close and a detach() at once: the second waits for the first)
         self._attach()
         self._close_hook = self.store.register_close_hook(self._put_back)
 
@@ -289,29 +290,33 @@ class ParameterOffload:
 
     async def _put_back(self) -> None:
         """On the loop: the weights back into the module, the namespace dropped (``detach``,
-        and a close of the store, where it runs first)."""
-        if self._detached:
-            return
-        self._detached = True
-        self._close_hook.remove()
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
-        self._let_go(self._weights, everyone=True)
-        for releasing in self._releasing:
-            await asyncio.wrap_future(releasing)
-        self._releasing = []
-        for weight in self._weights:
-            param = weight.param
-            if self.link.lends:
-                value = (await self.store.read(weight.key)).to(param.device)
-            else:
-                value = await to_device(self.store, weight.key, param.device, self.link)
-            param.data = value.to(param.dtype)
-            await self.store.delete(weight.key)
-            _REGISTRY.pop(param, None)
-        if self.namespace.live:
-            await self.namespace.drop()
+        and a close of the store, where it runs first). One that fails part-way (a read
+        error) can be asked again: each weight put back is left as it is."""
+        async with self._putting_back:
+            if self._detached:
+                return
+            for handle in self._hooks:
+                handle.remove()
+            self._hooks = []
+            self._let_go(self._weights, everyone=True)
+            for releasing in self._releasing:
+                await asyncio.wrap_future(releasing)
+            self._releasing = []
+            for weight in self._weights:
+                param = weight.param
+                if _REGISTRY.get(param) is None:
+                    continue  # (put back by an earlier call that failed later)
+                if self.link.lends:
+                    value = (await self.store.read(weight.key)).to(param.device)
+                else:
+                    value = await to_device(self.store, weight.key, param.device, self.link)
+                param.data = value.to(param.dtype)
+                _REGISTRY.pop(param, None)
+                await self.store.delete(weight.key)
+            if self.namespace.live:
+                await self.namespace.drop()
+            self._detached = True
+            self._close_hook.remove()
 
     # -- what autograd saves -------------------------------------------------------------------------------
 
