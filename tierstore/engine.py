@@ -318,6 +318,7 @@ class Engine:
         """Copy the current value of ``entry`` onto memory tier ``t`` from its fastest copy."""
         if entry.writer is not None:
             await self.no_writer(entry, "read")
+            return  # (the value may have changed meanwhile, and be on tier t now: ``_ensure`` looks again)
         sources = [s for s in entry.readable_tiers() if s != t]
         if not sources:
             raise CorruptionError(f"{entry.key!r} has no valid copy on any tier")
