@@ -295,3 +295,34 @@ def test_info_on_a_missing_folder_says_it_does_not_exist(tmp_path: Path, capsys:
     (tmp_path / "empty").mkdir()
     assert cli_main(["info", str(tmp_path / "empty")]) != 0
     assert "is not a tierstore disk folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", [b"entries", b"meta"])
+def test_a_flipped_bit_in_a_catalog_database_name_is_refused_not_taken_for_an_empty_store(tmp_path: Path, name: bytes) -> None:
+    """LMDB keeps its named databases' names in its main database: one flipped bit there made
+    the store open empty (no CatalogError) and hand the lost keys' extents to new writes."""
+    root = tmp_path / "d"
+
+    async def fill() -> None:
+        async with TierStore([DiskTier(root, "16MiB")]) as store:
+            await store.put("big", torch.arange(100_000, dtype=torch.float32))
+            await store.put("small", torch.arange(10))
+
+    asyncio.run(fill())
+    catalog = root / "catalog" / "data.mdb"
+    data = bytearray(catalog.read_bytes())
+    at = data.find(name)
+    while at >= 0:  # (every copy of the page that names it: LMDB keeps older ones beside the live one)
+        data[at + 1] ^= 0x10
+        at = data.find(name, at + 1)
+    catalog.write_bytes(bytes(data))
+    before = {path.name: path.read_bytes() for path in (root / "data").iterdir()}
+
+    async def reopen() -> None:
+        async with TierStore([DiskTier(root, "16MiB")]) as store:
+            await store.put("new", torch.ones(100_000))
+
+    with pytest.raises(CatalogError, match="is damaged"):
+        asyncio.run(reopen())
+    assert {path.name: path.read_bytes() for path in (root / "data").iterdir()} == before  # nothing written over
+    assert cli_main(["info", str(root)]) != 0

@@ -430,6 +430,16 @@ class Catalog:
         try:
             self._env = lmdb.open(str(self.path), max_dbs=2, **options)
             self._check_length()
+            found = _named_databases(self._env)
+            if found and found != {b"meta", b"entries"}:
+                # (a catalog has both or neither: one missing, or one of another name, is damage --
+                # a flipped bit in a database's name -- and an empty one made in its place would
+                # hand the lost keys' extents to new writes)
+                raise CatalogError(
+                    f"the catalog in {self.path} is damaged: it names the databases {sorted(n.decode(errors='replace') for n in found)}, "
+                    "not 'meta' and 'entries'; nothing was changed (restore the folder from a copy, or export what "
+                    "`tierstore info` still lists)"
+                )
             create = not options.get("readonly", False)
             self._meta = self._env.open_db(b"meta", create=create)
             self._entries = self._env.open_db(b"entries", create=create)
@@ -1034,3 +1044,9 @@ def _settle(done: asyncio.Future[None] | None, exc: BaseException | None) -> Non
         done.set_result(None)
     else:
         done.set_exception(exc)
+
+
+def _named_databases(env: lmdb.Environment) -> set[bytes]:
+    """The names in the environment's main database (where LMDB keeps its named databases)."""
+    with env.begin() as txn:
+        return {bytes(key) for key, _ in txn.cursor()}
