@@ -22,7 +22,7 @@ from zarr.testing.store import StoreTests
 
 from policies import MIN, ScheduleLearned
 from tierstore import DeviceTier, DiskTier, HostTier, SyncTierStore, TierStore
-from tierstore.errors import InvalidKeyError
+from tierstore.errors import InvalidKeyError, StoreClosedError
 from tierstore.zarr import LoopDeadlockError, StoreNotInProcessError, TierZarrStore
 
 
@@ -283,3 +283,25 @@ async def test_a_short_blocking_zarr_call_on_the_stores_loop_is_not_taken_for_a_
         zarr.core.sync.sync(asyncio.sleep(0.6))  # this loop blocked a while in zarr, on unrelated work
         await asyncio.to_thread(reader.join)
         assert isinstance(outcome[0], np.ndarray) and (outcome[0] == 1).all()  # the read waited: no deadlock
+
+
+def test_a_blocking_call_on_an_async_store_whose_loop_is_idle_raises_instead_of_hanging() -> None:
+    loop = asyncio.new_event_loop()
+    store = loop.run_until_complete(TierStore([HostTier("1MiB")]).open())
+    z = TierZarrStore(store)
+    outcome: list[BaseException | None] = []
+
+    def call() -> None:
+        try:
+            z.get_sync("x", prototype=default_buffer_prototype())
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "get_sync hung"
+    assert isinstance(outcome[0], StoreClosedError) and "not running" in str(outcome[0])
+    loop.run_until_complete(store.aclose())
+    loop.close()

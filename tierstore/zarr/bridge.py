@@ -115,8 +115,17 @@ def block_on_store_loop(store: TierStore, factory: Callable[[], Coroutine[Any, A
     loop = store_loop(store)
     if getattr(loop, "_thread_id", None) == threading.get_ident() or _running_loop() is loop:
         raise RuntimeError("a blocking call from the TierStore's own loop thread would wait for itself; await the async API")
+    if not loop.is_running():
+        raise StoreClosedError("the TierStore's event loop is not running (its thread is idle or gone): a blocking call "
+                               "would wait for ever; run the loop, or use a SyncTierStore")
     future = asyncio.run_coroutine_threadsafe(factory(), loop)
     try:
-        return future.result()
+        while True:
+            try:
+                return future.result(timeout=STALL_CHECK_S)
+            except concurrent.futures.TimeoutError:
+                if not loop.is_running():  # (it stopped meanwhile: nothing would run the call)
+                    future.cancel()
+                    raise StoreClosedError("the TierStore's event loop stopped while a blocking call waited for it") from None
     except concurrent.futures.CancelledError:
         raise asyncio.CancelledError() from None
