@@ -140,6 +140,14 @@ def test_bad_inputs_get_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "is not a count" in capsys.readouterr().err
     assert main(["simulate", "scan:keys=10", "--capacity", "host=1KiB,host=2KiB"]) != 0
     assert "two capacities" in capsys.readouterr().err
+    # an .npz that is not a store trace (numpy's words on pickles before)
+    garbage, other = tmp_path / "garbage.npz", tmp_path / "other.npz"
+    garbage.write_bytes(bytes(range(256)))
+    np.savez(other, a=np.arange(3))
+    for path, says in ((garbage, "not a numpy archive"), (other, "lacks the trace's arrays")):
+        assert main(["simulate", str(path), "--capacity", "host=1MiB"]) != 0
+        err = capsys.readouterr().err
+        assert "is not a store trace" in err and says in err and "pickle" not in err
 
 
 def test_the_custom_policy_example_runs(capsys: pytest.CaptureFixture[str]) -> None:

@@ -50,12 +50,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from ..errors import TierFullError, TraceError, UnknownTierError
 from ..tensors import storage_nbytes
 from ..tiers.base import MemoryTier
 from .simulator import make_eviction_policy
+from .trace import store_npz
 
 #: The rows a replay applies (requests, and the writeback state change); the others (prefetch,
 #: evict) are skipped.
@@ -108,7 +107,7 @@ class _Row:
 
 def read_store_trace(path: str | Path) -> tuple[list[str], list[_Row]]:
     """The tier names and the request rows (see ``REQUESTS``) of a store ``.npz`` trace."""
-    with np.load(Path(path), allow_pickle=False) as data:
+    with store_npz(path) as data:
         ops = [str(op) for op in data["ops"]]
         keys = [str(key) for key in data["keys"]]
         tiers = [str(name) for name in data["tiers"]]

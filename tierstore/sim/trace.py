@@ -17,9 +17,12 @@ its writeback and update rows; a pop counts as an access.
 from __future__ import annotations
 
 import csv
-from collections.abc import Mapping
+import zipfile
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -142,8 +145,26 @@ def _intern(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return unique[order], rank[inverse.reshape(-1)]
 
 
+@contextmanager
+def store_npz(path: str | Path) -> Iterator[Any]:
+    """``numpy.load`` of a store's ``.npz`` trace (no pickles), with ``TraceError`` for a file
+    that is not one (not an archive, or one without the trace's arrays)."""
+    try:
+        data = np.load(Path(path), allow_pickle=False)
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile):
+        raise TraceError(f"{path} is not a store trace (the .npz TierStore(trace=...) writes): not a numpy archive") from None
+    if not hasattr(data, "files"):
+        raise TraceError(f"{path} is not a store trace (the .npz TierStore(trace=...) writes): it holds one array, not an archive")
+    with data:
+        try:
+            yield data
+        except KeyError:
+            raise TraceError(f"{path} is not a store trace (the .npz TierStore(trace=...) writes): it lacks the trace's "
+                             f"arrays (it holds {sorted(data.files)})") from None
+
+
 def _load_npz(path: Path) -> Trace:
-    with np.load(path, allow_pickle=False) as data:
+    with store_npz(path) as data:
         ops_table = [str(op) for op in data["ops"]]
         op_names = np.asarray(ops_table)[data["op"]]
         keep = ~np.isin(op_names, ("prefetch", "evict", "writeback", "update"))
@@ -162,7 +183,7 @@ def load_evictions(path: str | Path) -> list[tuple[str, int]]:
     """The evictions a store recorded in its ``.npz`` trace, in order: ``(key, tier index)``
     (``tiers[index]`` of the file names the tier). Empty for traces made before the store
     recorded evictions."""
-    with np.load(Path(path), allow_pickle=False) as data:
+    with store_npz(path) as data:
         ops_table = [str(op) for op in data["ops"]]
         if "evict" not in ops_table:
             return []
