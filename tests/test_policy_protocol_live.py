@@ -52,3 +52,46 @@ def test_a_policy_naming_a_key_the_tier_lacks_fails_the_request(tmp_path: Path, 
     done = subprocess.run([sys.executable, str(script), mode, str(tmp_path / "store")], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "PolicyError at put" in done.stdout and "closed" in done.stdout
+
+
+_PREFETCH_SCENARIO = textwrap.dedent("""
+    import sys, warnings, torch
+    from tierstore import SyncTierStore, HostTier, DiskTier
+    mode, root = sys.argv[1], sys.argv[2]
+
+    class Broken:
+        name = "broken"
+        def on_access(self, key, nbytes, tier, hit):
+            if mode == "access": raise ValueError("boom")
+        def on_step(self): pass
+        def reset(self): pass
+        def suggest(self):
+            if mode == "suggest": raise ValueError("boom")
+            if mode == "garbage": return [("k1", "host"), "k2", None]
+            return self.endless()
+        def endless(self):
+            i = 0
+            while True:
+                yield (f"k{i % 5}", "host"); i += 1
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with SyncTierStore([HostTier("16KiB"), DiskTier(root, "8MiB")], prefetch=Broken()) as store:
+            for i in range(8):
+                store.put(f"k{i}", torch.full((1024,), float(i)))
+            assert all(store.get(f"k{i}")[0].item() == i for i in range(8))
+    warned = [w for w in caught if issubclass(w.category, RuntimeWarning) and "prefetch policy Broken" in str(w.message)]
+    assert len(warned) == (0 if mode == "endless" else 1), [str(w.message) for w in caught]
+    print("done")
+""")
+
+
+@pytest.mark.parametrize("mode", ["access", "suggest", "garbage", "endless"])
+def test_a_prefetch_policy_that_fails_costs_prefetches_not_requests(tmp_path: Path, mode: str) -> None:
+    """Prefetching is advice: a policy whose hooks raise made every put and get raise (the put
+    having taken effect), and one whose suggestions never end hung the store."""
+    script = tmp_path / "scenario.py"
+    script.write_text(_PREFETCH_SCENARIO)
+    done = subprocess.run([sys.executable, str(script), mode, str(tmp_path / "store")], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "done" in done.stdout

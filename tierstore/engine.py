@@ -13,6 +13,7 @@ import asyncio
 import itertools
 import os
 import time
+import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -39,7 +40,7 @@ from .errors import (
 )
 from .gcpause import gc_paused
 from .keys import check_key
-from .prefetching import PrefetchIssuer
+from .prefetching import SUGGESTION_QUEUE, PrefetchIssuer
 from .process import this_process
 from .protocols import EvictionPolicy, PrefetchPolicy
 from .recency import CopyLRU
@@ -74,6 +75,7 @@ class Engine:
         self.policies: list[EvictionPolicy | None] = _make_policies(self._tiers, eviction if eviction is not None else LRU, self._copy_finder)
         self.prefetch_policy: PrefetchPolicy = prefetch if prefetch is not None else NoPrefetch()
         #: The policy that never suggests anything is not asked on every access.
+        self._prefetch_warned = False
         self._no_prefetch = type(self.prefetch_policy) is NoPrefetch
         if hasattr(self.prefetch_policy, "set_capacities"):
             self.prefetch_policy.set_capacities({tier.name: tier.capacity for tier in self._tiers})
@@ -1139,8 +1141,22 @@ class Engine:
                 before = valid[0] if valid else None
             self.trace.record(op, key, nbytes, t, hit, before)
         if op in ("get", "hold", "put", "pop") and t is not None and self.issuer is not None and not self._no_prefetch:
-            self.prefetch_policy.on_access(key, nbytes, self.names[t], bool(hit))
-            self.issuer.follow(self.prefetch_policy.suggest(), t)
+            try:
+                self.prefetch_policy.on_access(key, nbytes, self.names[t], bool(hit))
+                self.issuer.follow(itertools.islice(self.prefetch_policy.suggest(), SUGGESTION_QUEUE), t)
+            except Exception as exc:  # (advice only: a policy that fails costs prefetches, not the request)
+                self._prefetch_failed(exc)
+
+    def _prefetch_failed(self, exc: Exception) -> None:
+        if not self._prefetch_warned:
+            self._prefetch_warned = True
+            warnings.warn(
+                f"the prefetch policy {type(self.prefetch_policy).__name__} raised {exc!r} (in on_access or suggest, or "
+                "suggest gave something other than (key, tier) pairs): its suggestions are skipped, requests go on "
+                "(warned once per store)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
 
 def _check_tiers(tiers: Sequence[Tier]) -> list[Tier]:
