@@ -166,6 +166,32 @@ def test_a_full_file_system_fails_puts_cleanly_tmpfs(tmp_path: Path) -> None:
         subprocess.run(["umount", str(mount)], capture_output=True)
 
 
+def test_a_catalog_that_fills_its_file_system_says_disk_full(tmp_path: Path) -> None:
+    """LMDB reports its short write on a full file system as EIO: that is a DiskFullError, as
+    ENOSPC is, not a CatalogError (which says the catalog is damaged), and the store goes on."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({made.stderr.strip() or made.returncode})")
+    try:
+        from tierstore import DiskFullError, SyncTierStore
+
+        with SyncTierStore([DiskTier(mount / "d", "64MiB", overcommit=True)]) as store:
+            acknowledged = 0
+            with pytest.raises(DiskFullError, match="cannot grow"):
+                for acknowledged in range(100_000):  # small values: inline in the catalog
+                    store.put(f"k{acknowledged}", torch.full((200,), acknowledged, dtype=torch.int32), durable=True)
+            assert acknowledged > 100
+            store.delete("k0")
+            store.put("after", torch.ones(10))
+        with SyncTierStore([DiskTier(mount / "d", "64MiB", overcommit=True)]) as reopened:
+            assert len(reopened) == acknowledged  # every acknowledged put but k0, and "after"
+            assert torch.equal(reopened.get("k1"), torch.full((200,), 1, dtype=torch.int32))
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True)
+
+
 # -- processes and files ------------------------------------------------------------------------------------
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import shutil
 import struct
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -971,6 +972,9 @@ class Catalog:
             except lmdb.Error as exc:
                 if is_disk_full(exc) or "No space left" in str(exc):
                     raise DiskFullError(28, f"the catalog in {self.path} cannot grow: {exc}") from None
+                if "Input/output error" in str(exc) and _nearly_full(self.path):
+                    # (LMDB reports a short write on a full file system as EIO)
+                    raise DiskFullError(28, f"the catalog in {self.path} cannot grow: the file system is full ({exc})") from None
                 raise CatalogError(f"the catalog in {self.path} failed to commit: {exc}") from None
 
 
@@ -1050,3 +1054,12 @@ def _named_databases(env: lmdb.Environment) -> set[bytes]:
     """The names in the environment's main database (where LMDB keeps its named databases)."""
     with env.begin() as txn:
         return {bytes(key) for key, _ in txn.cursor()}
+
+
+def _nearly_full(path: Path) -> bool:
+    """Whether the file system holding ``path`` has less than 1 MiB free (for an unprivileged
+    writer)."""
+    try:
+        return shutil.disk_usage(path).free < 1 << 20
+    except OSError:
+        return False
