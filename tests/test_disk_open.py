@@ -326,3 +326,17 @@ def test_a_flipped_bit_in_a_catalog_database_name_is_refused_not_taken_for_an_em
         asyncio.run(reopen())
     assert {path.name: path.read_bytes() for path in (root / "data").iterdir()} == before  # nothing written over
     assert cli_main(["info", str(root)]) != 0
+
+
+async def test_a_catalog_made_half_way_is_a_new_store_not_a_damaged_one(tmp_path: Path) -> None:
+    """A tierstore that stopped between making the catalog's two databases (before they were
+    made in one transaction) left a meta database with no format record: a new store."""
+    catalog = tmp_path / "d" / "catalog"
+    catalog.mkdir(parents=True)
+    env = lmdb.open(str(catalog), max_dbs=2)
+    env.open_db(b"meta")
+    env.close()
+    async with TierStore([DiskTier(tmp_path / "d", "16MiB")]) as store:
+        await store.put("k", torch.arange(3))
+    async with TierStore([DiskTier(tmp_path / "d", "16MiB")]) as store:
+        assert torch.equal(await store.get("k"), torch.arange(3))

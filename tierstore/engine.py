@@ -40,11 +40,12 @@ from .errors import (
 )
 from .gcpause import gc_paused
 from .keys import check_key
-from .prefetching import SUGGESTION_QUEUE, PrefetchIssuer
+from .prefetching import PrefetchIssuer
 from .process import this_process
 from .protocols import EvictionPolicy, PrefetchPolicy
 from .recency import CopyLRU
 from .stats import StoreCounters
+from .suggestions import read_suggestions
 from .tensors import TensorMeta, aligned_empty, as_bytes, from_bytes
 from .tiers.base import MemoryTier, Tier
 from .tiers.disk import DiskTier, InlineSuperseded
@@ -1143,20 +1144,20 @@ class Engine:
         if op in ("get", "hold", "put", "pop") and t is not None and self.issuer is not None and not self._no_prefetch:
             try:
                 self.prefetch_policy.on_access(key, nbytes, self.names[t], bool(hit))
-                self.issuer.follow(itertools.islice(self.prefetch_policy.suggest(), SUGGESTION_QUEUE), t)
+                suggestions = read_suggestions(self.prefetch_policy)
             except Exception as exc:  # (advice only: a policy that fails costs prefetches, not the request)
                 self._prefetch_failed(exc)
+                return
+            self.issuer.follow(suggestions, t)
 
     def _prefetch_failed(self, exc: Exception) -> None:
         if not self._prefetch_warned:
             self._prefetch_warned = True
-            warnings.warn(
-                f"the prefetch policy {type(self.prefetch_policy).__name__} raised {exc!r} (in on_access or suggest, or "
-                "suggest gave something other than (key, tier) pairs): its suggestions are skipped, requests go on "
-                "(warned once per store)",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+            message = (f"the prefetch policy {type(self.prefetch_policy).__name__} raised {exc!r} in on_access or suggest: "
+                       "its suggestions are skipped, requests go on (warned once per store)")
+            # (from the loop, not inside the request: a warning turned into an error, -W error,
+            # must not fail a put that took effect)
+            asyncio.get_running_loop().call_soon(warnings.warn, message, RuntimeWarning)
 
 
 def _check_tiers(tiers: Sequence[Tier]) -> list[Tier]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import resource
 import shutil
 import struct
 import threading
@@ -432,18 +433,23 @@ class Catalog:
             self._env = lmdb.open(str(self.path), max_dbs=2, **options)
             self._check_length()
             found = _named_databases(self._env)
-            if found and found != {b"meta", b"entries"}:
-                # (a catalog has both or neither: one missing, or one of another name, is damage --
-                # a flipped bit in a database's name -- and an empty one made in its place would
-                # hand the lost keys' extents to new writes)
+            if found and found != {b"meta", b"entries"} and not (found == {b"meta"} and not self._has_format_record()):
+                # (a catalog has both or neither -- or a meta database with no format record, made by a
+                # tierstore that stopped before the other: a new store. One missing otherwise, or one
+                # of another name, is damage -- a flipped bit in a database's name -- and an empty one
+                # made in its place would hand the lost keys' extents to new writes)
                 raise CatalogError(
                     f"the catalog in {self.path} is damaged: it names the databases {sorted(n.decode(errors='replace') for n in found)}, "
                     "not 'meta' and 'entries'; nothing was changed (restore the folder from a copy, or export what "
                     "`tierstore info` still lists)"
                 )
-            create = not options.get("readonly", False)
-            self._meta = self._env.open_db(b"meta", create=create)
-            self._entries = self._env.open_db(b"entries", create=create)
+            if options.get("readonly", False):
+                self._meta = self._env.open_db(b"meta", create=False)
+                self._entries = self._env.open_db(b"entries", create=False)
+            else:
+                with self._env.begin(write=True) as txn:  # (both or neither)
+                    self._meta = self._env.open_db(b"meta", txn=txn, create=True)
+                    self._entries = self._env.open_db(b"entries", txn=txn, create=True)
             with self._env.begin(db=self._meta) as txn:
                 raw = txn.get(_META_KEY)
         except lmdb.Error as exc:
@@ -453,6 +459,11 @@ class Catalog:
             self.close()
             raise
         return bytes(raw) if raw is not None else None
+
+    def _has_format_record(self) -> bool:
+        meta = self._env.open_db(b"meta", create=False)
+        with self._env.begin(db=meta) as txn:
+            return txn.get(_META_KEY) is not None
 
     def _check_length(self) -> None:
         """A catalog file shorter than its own last page would fault (SIGBUS) when that page is
@@ -972,9 +983,11 @@ class Catalog:
             except lmdb.Error as exc:
                 if is_disk_full(exc) or "No space left" in str(exc):
                     raise DiskFullError(28, f"the catalog in {self.path} cannot grow: {exc}") from None
-                if "Input/output error" in str(exc) and _nearly_full(self.path):
-                    # (LMDB reports a short write on a full file system as EIO)
-                    raise DiskFullError(28, f"the catalog in {self.path} cannot grow: the file system is full ({exc})") from None
+                if "File too large" in str(exc) or "Disk quota exceeded" in str(exc) or (
+                    "Input/output error" in str(exc) and _short_writes_likely(self.path)
+                ):
+                    # (LMDB reports a short write -- a full file system, a file size limit -- as EIO)
+                    raise DiskFullError(28, f"the catalog in {self.path} cannot grow: no room for it ({exc})") from None
                 raise CatalogError(f"the catalog in {self.path} failed to commit: {exc}") from None
 
 
@@ -1056,10 +1069,12 @@ def _named_databases(env: lmdb.Environment) -> set[bytes]:
         return {bytes(key) for key, _ in txn.cursor()}
 
 
-def _nearly_full(path: Path) -> bool:
-    """Whether the file system holding ``path`` has less than 1 MiB free (for an unprivileged
-    writer)."""
+def _short_writes_likely(path: Path) -> bool:
+    """Whether a write to the catalog in ``path`` may have been cut short for want of room: its
+    file system has less than 1 MiB free, or the process has a file size limit."""
     try:
-        return shutil.disk_usage(path).free < 1 << 20
+        if shutil.disk_usage(path).free < 1 << 20:
+            return True
     except OSError:
-        return False
+        pass
+    return resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import PolicyError
+from ..suggestions import read_suggestions
 from .links import LinkModel
 from .trace import DELETE, Trace
 
@@ -437,7 +438,7 @@ class _Replay:
         return True
 
     def _prefetch(self) -> None:
-        for key, tier_name in self.prefetcher.suggest():
+        for key, tier_name in read_suggestions(self.prefetcher):
             t = self.index.get(tier_name, 0) if tier_name is not None else 0
             tier = self.tiers[t]
             if key in tier.resident:

@@ -73,6 +73,24 @@ def _zarr_wait_of(loop: asyncio.AbstractEventLoop) -> FrameType | None:
     return None
 
 
+def _submit(loop: asyncio.AbstractEventLoop, factory: Callable[[], Coroutine[Any, Any, T]]) -> concurrent.futures.Future[T]:
+    """``factory()`` submitted to ``loop``; ``StoreClosedError`` (nothing submitted) if the loop
+    is not running, or closed as it was asked."""
+    if loop.is_running():
+        coroutine = factory()
+        try:
+            return asyncio.run_coroutine_threadsafe(coroutine, loop)
+        except RuntimeError:  # (closed between the check and the call)
+            coroutine.close()
+    raise StoreClosedError("the TierStore's event loop is not running (its thread is idle or gone): nothing was done; "
+                           "a blocking call would wait for ever (run the loop, or use a SyncTierStore)")
+
+
+def _stopped_meanwhile() -> StoreClosedError:
+    return StoreClosedError("the TierStore's event loop stopped while a call waited for it: whether the call took "
+                            "effect is unknown (it may have finished as the loop stopped)")
+
+
 def _deadlock() -> LoopDeadlockError:
     return LoopDeadlockError(
         "zarr's blocking API was called from the thread that runs the TierStore's event loop; that "
@@ -86,9 +104,7 @@ async def on_store_loop(store: TierStore, factory: Callable[[], Coroutine[Any, A
     loop = store_loop(store)
     if _running_loop() is loop:
         return await factory()
-    if not loop.is_running():
-        raise StoreClosedError("the TierStore's event loop is not running (its thread is idle or gone)")
-    future = asyncio.run_coroutine_threadsafe(factory(), loop)
+    future = _submit(loop, factory)
     waiter = asyncio.wrap_future(future)
     # The loop thread inside sync() may be waiting for something else (a slow read of another
     # zarr store): only the same sync() call outlasting DEADLOCK_CONFIRM_S is taken as a deadlock.
@@ -99,6 +115,8 @@ async def on_store_loop(store: TierStore, factory: Callable[[], Coroutine[Any, A
             done, _ = await asyncio.wait({waiter}, timeout=STALL_CHECK_S)
             if done:
                 return waiter.result()
+            if not loop.is_running():  # (it stopped meanwhile: nothing may ever finish the call)
+                raise _stopped_meanwhile()
             wait = _zarr_wait_of(loop)
             if wait is None or wait is not seen:
                 seen, since = wait, time.monotonic()
@@ -115,17 +133,13 @@ def block_on_store_loop(store: TierStore, factory: Callable[[], Coroutine[Any, A
     loop = store_loop(store)
     if getattr(loop, "_thread_id", None) == threading.get_ident() or _running_loop() is loop:
         raise RuntimeError("a blocking call from the TierStore's own loop thread would wait for itself; await the async API")
-    if not loop.is_running():
-        raise StoreClosedError("the TierStore's event loop is not running (its thread is idle or gone): a blocking call "
-                               "would wait for ever; run the loop, or use a SyncTierStore")
-    future = asyncio.run_coroutine_threadsafe(factory(), loop)
+    future = _submit(loop, factory)
     try:
         while True:
             try:
                 return future.result(timeout=STALL_CHECK_S)
             except concurrent.futures.TimeoutError:
-                if not loop.is_running():  # (it stopped meanwhile: nothing would run the call)
-                    future.cancel()
-                    raise StoreClosedError("the TierStore's event loop stopped while a blocking call waited for it") from None
+                if not loop.is_running():  # (it stopped meanwhile: nothing may ever finish the call)
+                    raise _stopped_meanwhile() from None
     except concurrent.futures.CancelledError:
         raise asyncio.CancelledError() from None
