@@ -46,3 +46,27 @@ def test_process_group_false_means_no_sharding(device_mode: str) -> None:
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters(), strict=True))
     finally:
         opt.close()
+
+
+def test_two_optimizers_on_one_disk_root_are_told_how_to_share_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    first = TieredAdamW([torch.nn.Parameter(torch.randn(10))], offload="disk", disk_root=tmp_path / "d")
+    try:
+        from tierstore import StoreLockedError
+
+        with pytest.raises(StoreLockedError, match="give each its own disk_root=, or make one TierStore"):
+            TieredAdamW([torch.nn.Parameter(torch.randn(10))], offload="disk", disk_root=tmp_path / "d")
+    finally:
+        first.close()
+
+
+def test_the_memory_plan_shows_the_chunks_made_not_the_cap_asked_for() -> None:
+    param = torch.nn.Parameter(torch.randn(100_000))
+    opt = TieredAdamW([param], offload="host", chunk_bytes=5000)
+    try:
+        plan = opt.memory_plan()
+        # one block of 1,024 elements a chunk: 8 bytes of state each (moments; the fp32 parameter is
+        # its own master on the plain CPU), 12 with a master copy
+        assert plan.chunk_bytes in (1024 * 8, 1024 * 12)
+        assert plan.chunked_parameters == 1 and f"chunks of up to {plan.chunk_bytes // 1024}.0 KiB" in str(plan)
+    finally:
+        opt.close()

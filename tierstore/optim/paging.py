@@ -253,7 +253,13 @@ class PagedOptimizer(torch.optim.Optimizer):
                 gc.collect()
                 wait_unfinished()
                 store = default_store(offload, state, grads, root, host_capacity, disk_capacity)
-                self.store = bind_store(store, self._loop, state_tier)
+                try:
+                    self.store = bind_store(store, self._loop, state_tier)
+                except StoreLockedError as error:
+                    raise StoreLockedError(
+                        f"{error}. Another open optimizer uses this disk folder: give each its own disk_root=, "
+                        "or make one TierStore and pass it to both as store= (each keeps its state in its own namespace)"
+                    ) from None
             self.store.on_transfer = self._window.on_transfer
             self.namespace = run(self._claim(namespace, overwrite))
             for slot in self._slots:

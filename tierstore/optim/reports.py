@@ -114,8 +114,10 @@ class MemoryPlan:
     ``process_bytes``: the process's bound with state paged: the model's weights and gradients
     (host memory where the device is the CPU), every memory tier's capacity, state kept
     resident, and the bounded working set (``working_bytes``: the disk tier's staging buffers,
-    one chunk of bounce buffer per disk I/O thread). ``problems``: why it cannot fit (empty: it
-    fits).
+    one chunk of bounce buffer per disk I/O thread). ``chunk_bytes``: the state of the largest
+    chunk of a chunked parameter (chunks are whole blocks of 1,024 elements, at most the cap the
+    pipeline set from ``chunk_bytes=``; the cap when none is chunked). ``problems``: why it
+    cannot fit (empty: it fits).
     """
 
     tier_need: dict[str, int]
@@ -143,7 +145,7 @@ class MemoryPlan:
         )
         if self.chunked_parameters:
             noun = "parameter" if self.chunked_parameters == 1 else "parameters"
-            lines.append(f"  {self.chunked_parameters} {noun} paged in chunks of {format_bytes(self.chunk_bytes)}")
+            lines.append(f"  {self.chunked_parameters} {noun} paged in chunks of up to {format_bytes(self.chunk_bytes)} of state")
         lines += [f"  problem: {p}" for p in self.problems]
         return "\n".join(lines)
 
@@ -195,7 +197,9 @@ def plan_memory(
     return MemoryPlan(
         tier_need=need, tier_capacity=capacity, process_bytes=model + memory + resident + working, model_bytes=model,
         working_bytes=working, resident_state_bytes=resident, paged_state_bytes=paged_state,
-        chunked_parameters=len(chunked), chunk_bytes=chunk_bytes, problems=problems,
+        chunked_parameters=len(chunked), problems=problems,
+        # (the state of the largest chunk made: a chunk is a whole number of blocks, so not quite the cap asked for)
+        chunk_bytes=max((state_bytes(slot) * max(c.numel for c in slot.chunks) // slot.numel for slot in chunked if slot.chunks), default=chunk_bytes),
     )
 
 
