@@ -95,3 +95,49 @@ def test_a_prefetch_policy_that_fails_costs_prefetches_not_requests(tmp_path: Pa
     done = subprocess.run([sys.executable, str(script), mode, str(tmp_path / "store")], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "done" in done.stdout
+
+
+@pytest.mark.parametrize("hook", ["on_insert", "on_hit", "on_remove"])
+def test_an_eviction_policy_hook_that_raises_leaves_requests_whole(tmp_path: Path, hook: str) -> None:
+    """A hook raising inside the store's bookkeeping made a put that took effect raise (and a
+    hold keep a use of its copy): the request goes on, a RuntimeWarning says so once."""
+    import warnings
+
+    import torch
+
+    from policies import LRU
+    from tierstore import DiskTier, HostTier, SyncTierStore
+
+    class Failing(LRU):
+        def on_insert(self, key: str, nbytes: int) -> None:
+            super().on_insert(key, nbytes)
+            if hook == "on_insert" and key.startswith("k"):
+                raise ValueError("boom")
+
+        def on_hit(self, key: str) -> None:
+            super().on_hit(key)
+            if hook == "on_hit":
+                raise ValueError("boom")
+
+        def on_remove(self, key: str) -> None:
+            super().on_remove(key)
+            if hook == "on_remove":
+                raise ValueError("boom")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with SyncTierStore([HostTier("16KiB"), DiskTier(tmp_path / "d", "8MiB")], eviction=Failing) as store:
+            for i in range(8):
+                store.put(f"k{i}", torch.full((1024,), float(i)))  # 4 KiB each: the host fills, values move down
+            for i in range(8):
+                assert store.get(f"k{i}")[0].item() == i
+                with store.hold(f"k{i}", "host", write=True) as held:
+                    held.add_(1)
+            for i in range(8):  # overwrites: the host copies of the old values go (on_remove)
+                store.put(f"k{i}", torch.full((1024,), float(10 * i)))
+            assert [store.get(f"k{i}")[0].item() for i in range(8)] == [float(10 * i) for i in range(8)]
+            for i in range(8):  # (those on the host: on_remove)
+                store.delete(f"k{i}")
+            assert len(store) == 0
+    warned = [w for w in caught if issubclass(w.category, RuntimeWarning) and f"raised ValueError('boom') in {hook}" in str(w.message)]
+    assert len(warned) == 1, [str(w.message) for w in caught]

@@ -77,6 +77,9 @@ class Engine:
         self.prefetch_policy: PrefetchPolicy = prefetch if prefetch is not None else NoPrefetch()
         #: The policy that never suggests anything is not asked on every access.
         self._prefetch_warned = False
+        #: Per tier, the last failure of its eviction policy's hooks (``_eviction_policy_failed``).
+        self.policy_failures: dict[int, str] = {}
+        self._policy_warned: set[int] = set()
         self._no_prefetch = type(self.prefetch_policy) is NoPrefetch
         if hasattr(self.prefetch_policy, "set_capacities"):
             self.prefetch_policy.set_capacities({tier.name: tier.capacity for tier in self._tiers})
@@ -822,7 +825,10 @@ class Engine:
             if policy.__class__ is CopyLRU:
                 policy.remove(copy)  # type: ignore[arg-type]
             elif policy is not None:
-                policy.on_remove(entry.key)
+                try:
+                    policy.on_remove(entry.key)
+                except Exception as exc:
+                    self._eviction_policy_failed(t, "on_remove", exc)
             copy.in_policy = False
         copy.retired = True
         self._prefetched.discard((entry.key, t))
@@ -924,7 +930,11 @@ class Engine:
             if policy.__class__ is CopyLRU:
                 policy.insert(copy, entry.key)  # type: ignore[arg-type]
             else:
-                policy.on_insert(entry.key, copy.nbytes)
+                try:
+                    policy.on_insert(entry.key, copy.nbytes)
+                except Exception as exc:  # (the copy stays unknown to it: never its victim)
+                    self._eviction_policy_failed(copy.tier, "on_insert", exc)
+                    return
             copy.in_policy = True
 
     def hit(self, entry: Entry, copy: Copy) -> None:
@@ -934,7 +944,22 @@ class Engine:
             if policy.__class__ is CopyLRU:
                 policy.touch(copy)  # type: ignore[arg-type]
             elif policy is not None:
-                policy.on_hit(entry.key)
+                try:
+                    policy.on_hit(entry.key)
+                except Exception as exc:
+                    self._eviction_policy_failed(copy.tier, "on_hit", exc)
+
+    def _eviction_policy_failed(self, t: int, hook: str, exc: Exception) -> None:
+        """A tier policy's hook raised in the middle of the store's own bookkeeping, where raising
+        would leave a request half done (a put stored but reported failed, a use never released):
+        the store goes on, and says so once per tier (a value the policy was not told of is
+        never its victim, so the tier may fill; ``TierFullError`` then names the failure)."""
+        self.policy_failures[t] = f"{hook} raised {exc!r}"
+        if t not in self._policy_warned:
+            self._policy_warned.add(t)
+            message = (f"the eviction policy {type(self.policies[t]).__name__} of tier {self.names[t]!r} raised {exc!r} in "
+                       f"{hook}; the request went on (a value it was not told of is never its victim; warned once per tier)")
+            _warn_outside_the_request(message)
 
     async def wait_until(self, entry: Entry, ready: Callable[[], bool]) -> None:
         """Return once ``ready()`` holds; re-checked whenever a use or hold of ``entry`` ends."""
@@ -1155,9 +1180,16 @@ class Engine:
             self._prefetch_warned = True
             message = (f"the prefetch policy {type(self.prefetch_policy).__name__} raised {exc!r} in on_access or suggest: "
                        "its suggestions are skipped, requests go on (warned once per store)")
-            # (from the loop, not inside the request: a warning turned into an error, -W error,
-            # must not fail a put that took effect)
-            asyncio.get_running_loop().call_soon(warnings.warn, message, RuntimeWarning)
+            _warn_outside_the_request(message)
+
+
+def _warn_outside_the_request(message: str) -> None:
+    """A ``RuntimeWarning`` sent from the loop after the request (a warning turned into an error,
+    ``-W error``, must not fail a request that took effect)."""
+    try:
+        asyncio.get_running_loop().call_soon(warnings.warn, message, RuntimeWarning)
+    except RuntimeError:  # (no loop running here)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def _check_tiers(tiers: Sequence[Tier]) -> list[Tier]:

@@ -25,6 +25,7 @@ waits for the write, then finds the value on the disk.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .entry import Copy, Entry
@@ -116,9 +117,11 @@ async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, prio
                 if tier.free >= tier.allocation_size(nbytes):
                     continue
                 held = sum(c.nbytes for e in engine.entries.values() if (c := e.copy_on(t)) is not None and c.users)
+                failure = engine.policy_failures.get(t)
                 raise TierFullError(
                     f"tier {tier.name!r} cannot make room for {format_bytes(nbytes)}: {format_bytes(tier.free)} free, "
                     f"{format_bytes(held)} held or in transfer"
+                    + (f" (its eviction policy's {failure}: values it was not told of are never its victims)" if failure else "")
                 )
             # A close that seals wakes the wait (``make_room`` then waits for its outcome or
             # refuses): room on its way may come only after it, or never (a kernel that never
@@ -157,7 +160,7 @@ def _next_victim(engine: Engine, t: int) -> tuple[Entry, Copy] | None:
     while True:
         key = policy.victim(evictable)
         if key is None:
-            return None
+            return _untracked_victim(engine, t, evictable) if t in engine.policy_failures else None
         entry = engine.entries.get(key)
         copy = entry.copy_on(t) if entry is not None else None
         if entry is None or copy is None or not copy.in_policy:
@@ -177,6 +180,23 @@ def _next_victim(engine: Engine, t: int) -> tuple[Entry, Copy] | None:
         if engine.trace is not None:
             engine.trace.evicted(key, copy.nbytes, t)
         return entry, copy
+
+def _untracked_victim(engine: Engine, t: int, evictable: Callable[[str], bool]) -> tuple[Entry, Copy] | None:
+    """Where the tier's policy raised in ``on_insert`` (``Engine._eviction_policy_failed``),
+    copies it was never told of are victims too once it has none left (the first found, no
+    order kept): the tier does not fill up with them."""
+    for entry in engine.entries.values():
+        copy = entry.copy_on(t)
+        if copy is not None and copy.in_memory and not copy.in_policy and copy.users == 0 and copy.holds == 0:
+            copy.in_policy = True  # (what evictable() asks of a copy: the policy's own copies)
+            usable = evictable(entry.key)
+            copy.in_policy = False
+            if usable:
+                if engine.trace is not None:
+                    engine.trace.evicted(entry.key, copy.nbytes, t)
+                return entry, copy
+    return None
+
 
 def _start_demotion(engine: Engine, entry: Entry, t: int, copy: Copy, priority: Priority) -> asyncio.Task[None]:
     size = copy.nbytes
