@@ -966,7 +966,10 @@ class Engine:
         while not ready():
             waiter = asyncio.get_running_loop().create_future()
             entry.add_waiter(waiter)
-            await waiter
+            try:
+                await waiter
+            finally:
+                entry.forget_woken(waiter)
 
     async def no_writers(self, among: Callable[[], Iterable[Entry]], action: str) -> None:
         """Return once no write hold is open on the entries ``among()`` returns (asked again

@@ -283,7 +283,7 @@ class MemoryCopy(Copy):
 class _Rare:
     """The parts of an entry that few entries need at a time (see ``Entry``)."""
 
-    __slots__ = ("pending_writes", "writer", "writer_token", "loading", "disk_lock", "hold_tokens", "waiters")
+    __slots__ = ("pending_writes", "writer", "writer_token", "loading", "disk_lock", "hold_tokens", "waiters", "woken")
 
     def __init__(self) -> None:
         self.pending_writes = 0
@@ -293,12 +293,14 @@ class _Rare:
         self.disk_lock: asyncio.Lock | None = None
         self.hold_tokens: set[int] | None = None
         self.waiters: list[asyncio.Future[None]] | None = None
+        #: Waiters woken whose tasks have not run since (``Entry.has_woken``).
+        self.woken: list[asyncio.Future[None]] | None = None
 
     def is_plain_lock(self) -> bool:
         """Whether the disk lock is all this holds."""
         return (
             self.pending_writes == 0 and self.writer is None and self.writer_token == 0 and self.loading is None
-            and self.hold_tokens is None and self.waiters is None
+            and self.hold_tokens is None and self.waiters is None and self.woken is None
         )
 
 
@@ -376,7 +378,7 @@ class Entry:
         setattr(rare, name, value)
         if (value is None or value == 0) and (
             rare.pending_writes == 0 and rare.writer is None and rare.writer_token == 0 and rare.loading is None
-            and rare.disk_lock is None and rare.hold_tokens is None and rare.waiters is None
+            and rare.disk_lock is None and rare.hold_tokens is None and rare.waiters is None and rare.woken is None
         ):
             self._rare = None  # all back to nothing: the entry keeps no object for it
 
@@ -411,6 +413,10 @@ class Entry:
     _waiters = property(
         lambda self: self._rare.waiters if self._rare is not None else None,
         lambda self, value: self._rare_set("waiters", value),
+    )
+    _woken = property(
+        lambda self: self._rare.woken if self._rare is not None else None,
+        lambda self, value: self._rare_set("woken", value),
     )
 
     def __repr__(self) -> str:
@@ -579,9 +585,27 @@ class Entry:
         if waiters is None:
             return
         self._waiters = None
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+        woken = [waiter for waiter in waiters if not waiter.done()]
+        for waiter in woken:
+            waiter.set_result(None)
+        if woken:
+            self._woken = [*(self._woken or ()), *woken]
+
+    @property
+    def has_woken(self) -> bool:
+        """Whether tasks woken on this entry (``wake``) have yet to run: a write hold asked for
+        now lets them go first (a task taking one write hold after another would otherwise
+        starve a reader, which finds a writer again each time it runs)."""
+        rare = self._rare
+        return rare is not None and rare.woken is not None
+
+    def forget_woken(self, waiter: asyncio.Future[None]) -> None:
+        """``waiter``'s task has run (or given up)."""
+        woken = self._woken
+        if woken is not None and waiter in woken:
+            woken.remove(waiter)
+            if not woken:
+                self._woken = None
 
     def held(self) -> bool:
         return any(copy.holds for copy in self.all_copies())

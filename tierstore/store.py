@@ -1062,6 +1062,9 @@ class TierStore:
             copy = entry.copy_on(t)
             return entry.writer is None and entry.pending_writes == 0 and (copy is None or copy.users == 0)
 
+        if write and entry.has_woken:
+            await asyncio.sleep(0)  # (those woken by the hold that just ended go first)
+
         while True:
             copy = entry.valid(t)
             if copy is not None:  # (what acquire does for a value on the tier already, without its coroutines)
