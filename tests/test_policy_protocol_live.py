@@ -68,6 +68,7 @@ _PREFETCH_SCENARIO = textwrap.dedent("""
         def suggest(self):
             if mode == "suggest": raise ValueError("boom")
             if mode == "garbage": return [("k1", "host"), "k2", None]
+            if mode == "unhashable": return [(["k1"], "host")]
             return self.endless()
         def endless(self):
             i = 0
@@ -86,7 +87,7 @@ _PREFETCH_SCENARIO = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("mode", ["access", "suggest", "garbage", "endless"])
+@pytest.mark.parametrize("mode", ["access", "suggest", "garbage", "unhashable", "endless"])
 def test_a_prefetch_policy_that_fails_costs_prefetches_not_requests(tmp_path: Path, mode: str) -> None:
     """Prefetching is advice: a policy whose hooks raise made every put and get raise (the put
     having taken effect), and one whose suggestions never end hung the store."""

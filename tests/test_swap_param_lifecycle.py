@@ -142,3 +142,34 @@ def test_two_closes_at_once_both_wait_for_the_weights(device_mode: str) -> None:
     assert run(both()) == [None, None]
     assert not store.is_open
     assert all(torch.equal(p, b) for p, b in zip(m.parameters(), before, strict=True))
+
+
+class SlowReads(TierStore):
+    """A store whose reads take a while (a slow put-back)."""
+
+    async def read(self, key: str) -> torch.Tensor:
+        await asyncio.sleep(0.2)
+        return await super().read(key)
+
+
+def test_a_close_on_its_own_loop_while_detach_runs_on_another_thread_waits_for_it() -> None:
+    """The put-back was guarded by an asyncio.Lock shared by two threads' loops: the close,
+    on the user's loop, waited for a wake-up that never came."""
+    import threading
+    import time
+
+    async def main() -> None:
+        store = await SlowReads([HostTier("64MiB")]).open()
+        m = model()
+        before = [p.detach().clone() for p in m.parameters()]
+        offload = await asyncio.to_thread(offload_parameters, m, store)
+        detaching = threading.Thread(target=offload.detach)
+        detaching.start()
+        await asyncio.sleep(0.1)
+        started = time.monotonic()
+        await asyncio.wait_for(store.aclose(), 60)
+        assert time.monotonic() - started < 10, "the close was woken only by the timeout"  # (about 1 s of slow reads)
+        detaching.join(30)
+        assert all(torch.equal(p, b) for p, b in zip(m.parameters(), before, strict=True))
+
+    asyncio.run(main())

@@ -4,6 +4,7 @@ simulator (no torch here: the simulator runs without it)."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Hashable
 from typing import Any
 
 #: At most this many suggestions are read from one ``suggest()`` call (a policy's generator
@@ -16,7 +17,8 @@ def read_suggestions(policy: Any) -> list[tuple[str, str | None]]:
     pairs (``TypeError`` naming what else came)."""
     suggestions = []
     for item in itertools.islice(policy.suggest(), MAX_SUGGESTIONS):
-        if not (isinstance(item, (tuple, list)) and len(item) == 2 and (item[1] is None or isinstance(item[1], str))):
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], Hashable)
+                and (item[1] is None or isinstance(item[1], str))):
             raise TypeError(f"suggest() gave {item!r}, not a (key, tier name or None) pair")
         suggestions.append((item[0], item[1]))
     return suggestions

@@ -1071,10 +1071,12 @@ def _named_databases(env: lmdb.Environment) -> set[bytes]:
 
 def _short_writes_likely(path: Path) -> bool:
     """Whether a write to the catalog in ``path`` may have been cut short for want of room: its
-    file system has less than 1 MiB free, or the process has a file size limit."""
+    file system has less than 1 MiB free, or the catalog file is within 64 MiB (a step of its
+    growth) of the process's file size limit."""
     try:
         if shutil.disk_usage(path).free < 1 << 20:
             return True
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        return limit != resource.RLIM_INFINITY and (path / "data.mdb").stat().st_size + (64 << 20) >= limit
     except OSError:
-        pass
-    return resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY
+        return False

@@ -53,11 +53,11 @@ class FolderLock:
             os.close(fd)
             folder = path.parent
             if holder == str(os.getpid()):
-                raise StoreLockedError(
+                raise _in_this_process(StoreLockedError(
                     f"{folder} is already open in this process (another DiskTier or TierStore on the same "
                     "folder); close that one first. A SyncTierStore opened earlier and no longer at hand (a "
                     "notebook cell run again) is closed by tierstore.sync.close_open_stores()"
-                ) from None
+                )) from None
             raise StoreLockedError(f"{folder} is open in another process (pid {holder})") from None
         except BaseException:
             os.close(fd)
@@ -97,3 +97,9 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _in_this_process(error: StoreLockedError) -> StoreLockedError:
+    """``error``, marked as naming a holder in this process (``in_this_process``)."""
+    error.in_this_process = True  # type: ignore[attr-defined]
+    return error

@@ -256,6 +256,8 @@ class PagedOptimizer(torch.optim.Optimizer):
                 try:
                     self.store = bind_store(store, self._loop, state_tier)
                 except StoreLockedError as error:
+                    if not getattr(error, "in_this_process", False):
+                        raise
                     raise StoreLockedError(
                         f"{error}. Another open optimizer uses this disk folder: give each its own disk_root=, "
                         "or make one TierStore and pass it to both as store= (each keeps its state in its own namespace)"

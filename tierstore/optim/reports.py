@@ -115,8 +115,9 @@ class MemoryPlan:
     (host memory where the device is the CPU), every memory tier's capacity, state kept
     resident, and the bounded working set (``working_bytes``: the disk tier's staging buffers,
     one chunk of bounce buffer per disk I/O thread). ``chunk_bytes``: the state of the largest
-    chunk of a chunked parameter (chunks are whole blocks of 1,024 elements, at most the cap the
-    pipeline set from ``chunk_bytes=``; the cap when none is chunked). ``problems``: why it
+    chunk of a chunked parameter (chunks are whole blocks of 1,024 elements: at least one block,
+    otherwise at most the cap the pipeline set from ``chunk_bytes=``; the cap when none is
+    chunked). ``problems``: why it
     cannot fit (empty: it fits).
     """
 

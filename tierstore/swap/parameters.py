@@ -49,6 +49,7 @@ The weights live in a namespace it claims in the store (``namespace=``, default 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import sys
 import threading
 import time
@@ -206,7 +207,10 @@ class ParameterOffload:
         #: Weights a ``load_state_dict()`` covers now: their version before, and whether written.
         self._loading: dict[_Weight, tuple[int, bool]] = {}
         self._detached = False
-        self._putting_back = asyncio.Lock()  # (a close and a detach() at once: the second waits for the first)
+        # A put-back under way (a close and a detach() at once, maybe on two threads' loops: the
+        # second waits for the first); ``_state_lock`` guards it and ``_detached``.
+        self._putting_back: concurrent.futures.Future[None] | None = None
+        self._state_lock = threading.Lock()
         self._attach()
         self._close_hook = self.store.register_close_hook(self._put_back)
 
@@ -289,34 +293,50 @@ class ParameterOffload:
         run(self._put_back())
 
     async def _put_back(self) -> None:
-        """On the loop: the weights back into the module, the namespace dropped (``detach``,
+        """On a loop: the weights back into the module, the namespace dropped (``detach``,
         and a close of the store, where it runs first). One that fails part-way (a read
-        error) can be asked again: each weight put back is left as it is."""
-        async with self._putting_back:
-            if self._detached:
-                return
-            for handle in self._hooks:
-                handle.remove()
-            self._hooks = []
-            self._let_go(self._weights, everyone=True)
-            for releasing in self._releasing:
-                await asyncio.wrap_future(releasing)
-            self._releasing = []
-            for weight in self._weights:
-                param = weight.param
-                if _REGISTRY.get(param) is None:
-                    continue  # (put back by an earlier call that failed later)
-                if self.link.lends:
-                    value = (await self.store.read(weight.key)).to(param.device)
-                else:
-                    value = await to_device(self.store, weight.key, param.device, self.link)
-                param.data = value.to(param.dtype)
-                _REGISTRY.pop(param, None)
-                await self.store.delete(weight.key)
-            if self.namespace.live:
-                await self.namespace.drop()
+        error) can be asked again: each weight put back is left as it is. While one runs,
+        another waits for it, then returns or (if it failed) tries itself."""
+        while True:
+            with self._state_lock:
+                if self._detached:
+                    return
+                running = self._putting_back
+                if running is None:
+                    self._putting_back = running = concurrent.futures.Future()
+                    break
+            await asyncio.wrap_future(running)
+        try:
+            await self._put_back_now()
+        finally:
+            with self._state_lock:
+                self._putting_back = None
+            running.set_result(None)
+
+    async def _put_back_now(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self._let_go(self._weights, everyone=True)
+        for releasing in self._releasing:
+            await asyncio.wrap_future(releasing)
+        self._releasing = []
+        for weight in self._weights:
+            param = weight.param
+            if _REGISTRY.get(param) is None:
+                continue  # (put back by an earlier call that failed later)
+            if self.link.lends:
+                value = (await self.store.read(weight.key)).to(param.device)
+            else:
+                value = await to_device(self.store, weight.key, param.device, self.link)
+            param.data = value.to(param.dtype)
+            _REGISTRY.pop(param, None)
+            await self.store.delete(weight.key)
+        if self.namespace.live:
+            await self.namespace.drop()
+        with self._state_lock:
             self._detached = True
-            self._close_hook.remove()
+        self._close_hook.remove()
 
     # -- what autograd saves -------------------------------------------------------------------------------
 
