@@ -142,3 +142,36 @@ def test_an_eviction_policy_hook_that_raises_leaves_requests_whole(tmp_path: Pat
             assert len(store) == 0
     warned = [w for w in caught if issubclass(w.category, RuntimeWarning) and f"raised ValueError('boom') in {hook}" in str(w.message)]
     assert len(warned) == 1, [str(w.message) for w in caught]
+
+
+async def test_a_victim_that_raises_part_way_leaves_no_copy_pinned(tmp_path: Path) -> None:
+    """victim() raising on the second call of one round of eviction kept the first victim's
+    use for good: a write hold of its key then waited for ever."""
+    import asyncio
+
+    import torch
+
+    from policies import LRU
+    from tierstore import DiskTier, HostTier, PolicyError, TierStore
+
+    class Flaky(LRU):
+        calls = 0
+
+        def victim(self, evictable=None):  # type: ignore[no-untyped-def]
+            Flaky.calls += 1
+            if Flaky.calls == 2:
+                raise ValueError("boom")
+            return super().victim(evictable)
+
+    async with TierStore([HostTier("16KiB"), DiskTier(tmp_path / "d", "8MiB")], eviction=Flaky) as store:
+        for i in range(4):
+            await store.put(f"k{i}", torch.full((1024,), float(i)))  # 4 KiB each: the host is full
+        with pytest.raises(PolicyError, match="raised ValueError\\('boom'\\) in victim\\(\\)"):
+            await store.put("big", torch.zeros(2048), tier="host")  # 8 KiB: two victims
+        assert "big" not in store
+        for i in range(4):
+            async with asyncio.timeout(10):
+                async with store.hold(f"k{i}", "host", write=True) as held:
+                    held.add_(1)
+        await store.put("big", torch.zeros(2048), tier="host")  # the policy works again
+        assert [(await store.get(f"k{i}"))[0].item() for i in range(4)] == [1.0, 2.0, 3.0, 4.0]

@@ -106,7 +106,8 @@ class NamespaceClaimedError(TierStoreError, RuntimeError):
 
 class PolicyError(TierStoreError, RuntimeError):
     """An eviction policy broke the protocol: it named no victim, or a key it does not track
-    (or one it returned before without forgetting it), while a tier needed room. In the
+    (or one it returned before without forgetting it), or its ``victim()`` raised, while a
+    tier needed room. In the
     simulator, which excludes no key, one must go; a live store's request fails with it
     instead of asking the policy forever."""
 

@@ -79,16 +79,16 @@ async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, prio
                 break  # (no victims chosen for a store that closes: ``make_room`` waits or refuses)
             deficit = size - tier.free - engine.freeing[t] - engine.releasing[t]  # (room on its way back)
             batch: list[tuple[Entry, Copy]] = []
-            while deficit > 0:
-                victim = _next_victim(engine, t)
-                if victim is None:
-                    break
-                engine.use(*victim)
-                deficit -= victim[1].nbytes
-                batch.append(victim)
             started: list[asyncio.Task[None]] = []
             handled = 0
             try:
+                while deficit > 0:  # (a policy that raises part-way: those chosen go back below)
+                    victim = _next_victim(engine, t)
+                    if victim is None:
+                        break
+                    engine.use(*victim)
+                    deficit -= victim[1].nbytes
+                    batch.append(victim)
                 for entry, copy in batch:
                     if engine.winding_down:
                         break  # (sealed meanwhile: the rest stay, no demotion starts after the close's drain)
@@ -158,7 +158,12 @@ def _next_victim(engine: Engine, t: int) -> tuple[Entry, Copy] | None:
 
     stale: set[str] = set()
     while True:
-        key = policy.victim(evictable)
+        try:
+            key = policy.victim(evictable)
+        except Exception as exc:
+            name = getattr(policy, "name", type(policy).__name__)
+            raise PolicyError(f"eviction policy {name!r} of tier {engine.names[t]!r} raised {exc!r} in victim(): the request "
+                              "failed, having changed no value (the victims it had chosen stay)") from exc
         if key is None:
             return _untracked_victim(engine, t, evictable) if t in engine.policy_failures else None
         entry = engine.entries.get(key)

@@ -1009,10 +1009,16 @@ class TierStore:
         self._engine.observe("hold", key, entry.meta.nbytes, t, hit=hit)
         copy = await self._take_hold(entry, t, write, hit)
         engine = self._engine
-        while write and (engine.closing or engine.winding_down):
-            # (a change made once the close has sealed would not be written by its flush)
+        while write and (engine.closing or engine.winding_down or engine.frozen):
+            # (a change made once the close has sealed would not be written by its flush; one
+            # made in a point-in-time view begun while this suspended would show in it)
             copy.holds -= 1
             engine.unuse(entry, copy)
+            if engine.frozen and not (engine.closing or engine.winding_down):
+                await engine.until_thawed()
+                entry = engine.visible_entry(key)
+                copy = await self._take_hold(entry, t, write, False)
+                continue
             if not engine.winding_down:
                 # Refused, not waited for: the close is waiting for the write holds open, and
                 # their holders may be waiting for this one (here or in another task, where no
