@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import lmdb
@@ -152,29 +154,31 @@ def test_a_full_file_system_fails_puts_cleanly_rlimit(tmp_path: Path) -> None:
     assert report["intact"] and report["reused"] and report["reopened"], report
 
 
-def test_a_full_file_system_fails_puts_cleanly_tmpfs(tmp_path: Path) -> None:
-    """A real small file system, where the machine lets us mount one."""
+@contextlib.contextmanager
+def small_tmpfs(tmp_path: Path, size: str, why: str = "") -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted for the block, where the machine lets us mount one (else skip)."""
     mount = tmp_path / "small"
     mount.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(mount)], capture_output=True, text=True)
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True, text=True)
     if made.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here ({made.stderr.strip() or made.returncode}); the RLIMIT_FSIZE test covers ENOSPC")
+        pytest.skip(f"cannot mount a small tmpfs here ({made.stderr.strip() or made.returncode}){why}")
     try:
-        report = full_disk(mount / "d", 0)
-        assert report["full"] >= 1 and report["intact"] and report["reused"] and report["reopened"], report
+        yield mount
     finally:
         subprocess.run(["umount", str(mount)], capture_output=True)
+
+
+def test_a_full_file_system_fails_puts_cleanly_tmpfs(tmp_path: Path) -> None:
+    """A real small file system, where the machine lets us mount one."""
+    with small_tmpfs(tmp_path, "40m", "; the RLIMIT_FSIZE test covers ENOSPC") as mount:
+        report = full_disk(mount / "d", 0)
+        assert report["full"] >= 1 and report["intact"] and report["reused"] and report["reopened"], report
 
 
 def test_a_catalog_that_fills_its_file_system_says_disk_full(tmp_path: Path) -> None:
     """LMDB reports its short write on a full file system as EIO: that is a DiskFullError, as
     ENOSPC is, not a CatalogError (which says the catalog is damaged), and the store goes on."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True, text=True)
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here ({made.stderr.strip() or made.returncode})")
-    try:
+    with small_tmpfs(tmp_path, "2m") as mount:
         from tierstore import DiskFullError, SyncTierStore
 
         with SyncTierStore([DiskTier(mount / "d", "64MiB", overcommit=True)]) as store:
@@ -188,8 +192,6 @@ def test_a_catalog_that_fills_its_file_system_says_disk_full(tmp_path: Path) -> 
         with SyncTierStore([DiskTier(mount / "d", "64MiB", overcommit=True)]) as reopened:
             assert len(reopened) == acknowledged  # every acknowledged put but k0, and "after"
             assert torch.equal(reopened.get("k1"), torch.full((200,), 1, dtype=torch.int32))
-    finally:
-        subprocess.run(["umount", str(mount)], capture_output=True)
 
 
 # -- processes and files ------------------------------------------------------------------------------------
