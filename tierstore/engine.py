@@ -75,11 +75,11 @@ class Engine:
         self.entries: dict[str, Entry] = {}
         self.policies: list[EvictionPolicy | None] = _make_policies(self._tiers, eviction if eviction is not None else LRU, self._copy_finder)
         self.prefetch_policy: PrefetchPolicy = prefetch if prefetch is not None else NoPrefetch()
-        #: The policy that never suggests anything is not asked on every access.
         self._prefetch_warned = False
         #: Per tier, the last failure of its eviction policy's hooks (``_eviction_policy_failed``).
         self.policy_failures: dict[int, str] = {}
         self._policy_warned: set[int] = set()
+        #: The policy that never suggests anything is not asked on every access.
         self._no_prefetch = type(self.prefetch_policy) is NoPrefetch
         if hasattr(self.prefetch_policy, "set_capacities"):
             self.prefetch_policy.set_capacities({tier.name: tier.capacity for tier in self._tiers})
@@ -932,7 +932,7 @@ class Engine:
             else:
                 try:
                     policy.on_insert(entry.key, copy.nbytes)
-                except Exception as exc:  # (the copy stays unknown to it: never its victim)
+                except Exception as exc:  # (the copy stays unknown to it: see _untracked_victim)
                     self._eviction_policy_failed(copy.tier, "on_insert", exc)
                     return
             copy.in_policy = True
@@ -952,13 +952,13 @@ class Engine:
     def _eviction_policy_failed(self, t: int, hook: str, exc: Exception) -> None:
         """A tier policy's hook raised in the middle of the store's own bookkeeping, where raising
         would leave a request half done (a put stored but reported failed, a use never released):
-        the store goes on, and says so once per tier (a value the policy was not told of is
-        never its victim, so the tier may fill; ``TierFullError`` then names the failure)."""
+        the store goes on, and says so once per tier. A value the policy was not told of is
+        evicted once the policy has no victim left (``eviction._untracked_victim``)."""
         self.policy_failures[t] = f"{hook} raised {exc!r}"
         if t not in self._policy_warned:
             self._policy_warned.add(t)
             message = (f"the eviction policy {type(self.policies[t]).__name__} of tier {self.names[t]!r} raised {exc!r} in "
-                       f"{hook}; the request went on (a value it was not told of is never its victim; warned once per tier)")
+                       f"{hook}; the request went on (values it was not told of are evicted once it has no victim left; warned once per tier)")
             _warn_outside_the_request(message)
 
     async def wait_until(self, entry: Entry, ready: Callable[[], bool]) -> None:

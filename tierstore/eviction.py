@@ -121,7 +121,7 @@ async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, prio
                 raise TierFullError(
                     f"tier {tier.name!r} cannot make room for {format_bytes(nbytes)}: {format_bytes(tier.free)} free, "
                     f"{format_bytes(held)} held or in transfer"
-                    + (f" (its eviction policy's {failure}: values it was not told of are never its victims)" if failure else "")
+                    + (f" (its eviction policy's {failure})" if failure else "")
                 )
             # A close that seals wakes the wait (``make_room`` then waits for its outcome or
             # refuses): room on its way may come only after it, or never (a kernel that never
@@ -185,6 +185,7 @@ def _next_victim(engine: Engine, t: int) -> tuple[Entry, Copy] | None:
         if engine.trace is not None:
             engine.trace.evicted(key, copy.nbytes, t)
         return entry, copy
+
 
 def _untracked_victim(engine: Engine, t: int, evictable: Callable[[str], bool]) -> tuple[Entry, Copy] | None:
     """Where the tier's policy raised in ``on_insert`` (``Engine._eviction_policy_failed``),

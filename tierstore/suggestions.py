@@ -12,7 +12,7 @@ from typing import Any
 MAX_SUGGESTIONS = 16384
 
 
-def read_suggestions(policy: Any) -> list[tuple[str, str | None]]:
+def read_suggestions(policy: Any) -> list[tuple[Any, str | None]]:
     """The first ``MAX_SUGGESTIONS`` of ``policy.suggest()``, checked to be ``(key, tier)``
     pairs (``TypeError`` naming what else came)."""
     suggestions = []
