@@ -47,3 +47,25 @@ class TestDeviceTierCUDA(TierTests):
         await store.put("g", torch.arange(5.0))
         got = await store.get("g")
         assert got.device.type == "cuda" and torch.equal(got.cpu(), torch.arange(5.0))
+
+
+def test_the_suite_runs_in_a_project_without_asyncio_mode_auto(tmp_path: Path) -> None:
+    """A user's own project (no asyncio_mode = "auto" in its pytest settings) collected every
+    inherited test as an error: 'requested an async fixture ... with no plugin'."""
+    import subprocess
+    import sys
+    import textwrap
+
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "test_mine.py").write_text(textwrap.dedent("""
+        from tierstore import HostTier
+        from tierstore.testing import TierTests
+
+        class TestMine(TierTests):
+            def make_tiers(self, tmp_path):
+                return [HostTier("64MiB")]
+    """))
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "roundtrip or shapes", "test_mine.py"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert " passed" in done.stdout and "error" not in done.stdout.lower()

@@ -161,7 +161,7 @@ def _next_victim(engine: Engine, t: int) -> tuple[Entry, Copy] | None:
         try:
             key = policy.victim(evictable)
         except Exception as exc:
-            name = getattr(policy, "name", type(policy).__name__)
+            name = type(policy).__name__  # (not its ``name``: a subclass of a built-in inherits that)
             raise PolicyError(f"eviction policy {name!r} of tier {engine.names[t]!r} raised {exc!r} in victim(): the request "
                               "failed, having changed no value (the victims it had chosen stay)") from exc
         if key is None:

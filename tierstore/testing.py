@@ -1,7 +1,8 @@
 """The conformance suite every tier (and every stack of tiers) passes.
 
 Subclass ``TierTests`` in a test module and implement ``make_tiers``; pytest collects the
-inherited tests. The raw helpers (``raw_bytes``) read a value straight from the tier's memory or
+inherited tests (they are async, marked for pytest-asyncio -- ``pip install pytest-asyncio``,
+in the ``dev`` extra -- so they run in any project, whatever its ``asyncio_mode``). The raw helpers (``raw_bytes``) read a value straight from the tier's memory or
 file, bypassing the store's read path, so a test can tell a store that reads back what it wrote
 from one that stores it right.
 """
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import pytest_asyncio
 import torch
 
 from .errors import InvalidKeyError, InvalidTensorError, KeyNotFoundError, UnknownTierError
@@ -103,10 +105,12 @@ def _refused_values() -> list[object]:
 class TierTests:
     """Conformance tests. Subclasses implement ``make_tiers(tmp_path)``."""
 
+    pytestmark = pytest.mark.asyncio  # (the project running them may not set asyncio_mode = "auto")
+
     def make_tiers(self, tmp_path: Path) -> list[Tier]:
         raise NotImplementedError
 
-    @pytest.fixture
+    @pytest_asyncio.fixture(loop_scope="function")
     async def store(self, tmp_path: Path):
         async with TierStore(self.make_tiers(tmp_path)) as store:
             yield store
