@@ -5,6 +5,7 @@ probes) kept every pass's gradient alive in the waiting list."""
 from __future__ import annotations
 
 import gc
+import time
 import weakref
 
 import pytest
@@ -28,9 +29,16 @@ def test_passes_without_a_step_keep_one_gradient_per_parameter_waiting(device_mo
             model.zero_grad(set_to_none=True)  # (the model's, not the optimizer's: no new step)
             model(torch.randn(8, 16, generator=torch.Generator().manual_seed(seed))).square().mean().backward()
             grads += [weakref.ref(p.grad) for p in model.parameters()]
-        gc.collect()
-        alive = sum(ref() is not None for ref in grads)
-        assert alive <= 2 * len(list(model.parameters()))  # (before: every pass's, 120)
+        # Copies still crossing the link hold their source until they end (on a loaded machine,
+        # a pass or two behind): wait for them, not for ever (before: every pass's, 120, for good).
+        deadline = time.monotonic() + 20
+        while True:
+            gc.collect()
+            alive = sum(ref() is not None for ref in grads)
+            if alive <= 2 * len(list(model.parameters())) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert alive <= 2 * len(list(model.parameters()))
         twin(torch.randn(8, 16, generator=torch.Generator().manual_seed(29))).square().mean().backward()
         opt.step()  # the last pass's gradients, as torch's
         exact.step()
