@@ -75,10 +75,10 @@ class Engine:
         self.entries: dict[str, Entry] = {}
         self.policies: list[EvictionPolicy | None] = _make_policies(self._tiers, eviction if eviction is not None else LRU, self._copy_finder)
         self.prefetch_policy: PrefetchPolicy = prefetch if prefetch is not None else NoPrefetch()
-        self._prefetch_warned = False
         #: Per tier, the last failure of its eviction policy's hooks (``_eviction_policy_failed``).
         self.policy_failures: dict[int, str] = {}
-        self._policy_warned: set[int] = set()
+        #: The policies whose failures were warned of (``_warn_once``).
+        self._warned: set[object] = set()
         #: The policy that never suggests anything is not asked on every access.
         self._no_prefetch = type(self.prefetch_policy) is NoPrefetch
         if hasattr(self.prefetch_policy, "set_capacities"):
@@ -955,11 +955,21 @@ class Engine:
         the store goes on, and says so once per tier. A value the policy was not told of is
         evicted once the policy has no victim left (``eviction._untracked_victim``)."""
         self.policy_failures[t] = f"{hook} raised {exc!r}"
-        if t not in self._policy_warned:
-            self._policy_warned.add(t)
-            message = (f"the eviction policy {type(self.policies[t]).__name__} of tier {self.names[t]!r} raised {exc!r} in "
-                       f"{hook}; the request went on (values it was not told of are evicted once it has no victim left; warned once per tier)")
-            _warn_outside_the_request(message)
+        self._warn_once(t, f"the eviction policy {type(self.policies[t]).__name__} of tier {self.names[t]!r} raised {exc!r} in "
+                           f"{hook}; the request went on (values it was not told of are evicted once it has no victim left; "
+                           "warned once per tier)")
+
+    def _warn_once(self, about: object, message: str) -> None:
+        """A ``RuntimeWarning`` of ``message``, the first time only for ``about``, sent from the
+        loop after the request (a warning turned into an error, ``-W error``, must not fail a
+        request that took effect)."""
+        if about in self._warned:
+            return
+        self._warned.add(about)
+        try:
+            asyncio.get_running_loop().call_soon(warnings.warn, message, RuntimeWarning)
+        except RuntimeError:  # (no loop running here)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     async def wait_until(self, entry: Entry, ready: Callable[[], bool]) -> None:
         """Return once ``ready()`` holds; re-checked whenever a use or hold of ``entry`` ends."""
@@ -1179,20 +1189,8 @@ class Engine:
             self.issuer.follow(suggestions, t)
 
     def _prefetch_failed(self, exc: Exception) -> None:
-        if not self._prefetch_warned:
-            self._prefetch_warned = True
-            message = (f"the prefetch policy {type(self.prefetch_policy).__name__} raised {exc!r} in on_access or suggest: "
-                       "its suggestions are skipped, requests go on (warned once per store)")
-            _warn_outside_the_request(message)
-
-
-def _warn_outside_the_request(message: str) -> None:
-    """A ``RuntimeWarning`` sent from the loop after the request (a warning turned into an error,
-    ``-W error``, must not fail a request that took effect)."""
-    try:
-        asyncio.get_running_loop().call_soon(warnings.warn, message, RuntimeWarning)
-    except RuntimeError:  # (no loop running here)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        self._warn_once("prefetch", f"the prefetch policy {type(self.prefetch_policy).__name__} raised {exc!r} in on_access or "
+                                    "suggest: its suggestions are skipped, requests go on (warned once per store)")
 
 
 def _check_tiers(tiers: Sequence[Tier]) -> list[Tier]:

@@ -117,8 +117,7 @@ class MemoryPlan:
     one chunk of bounce buffer per disk I/O thread). ``chunk_bytes``: the state of the largest
     chunk of a chunked parameter (chunks are whole blocks of 1,024 elements: at least one block,
     otherwise at most the cap the pipeline set from ``chunk_bytes=``; the cap when none is
-    chunked). ``problems``: why it
-    cannot fit (empty: it fits).
+    chunked). ``problems``: why it cannot fit (empty: it fits).
     """
 
     tier_need: dict[str, int]

@@ -253,12 +253,7 @@ class ActivationOffload:
             self._fetch_ahead(saved.index, saved.device)
             return still_here
         if saved.used:  # (a second backward through the graph, retain_graph or a retry)
-            if saved.changed is not None:
-                raise _changed_in_place(saved, saved.changed)
-            value = saved.fetched.result()
-            if saved.taken and value._version != saved.version:  # (backward took the tensor itself)
-                raise _changed_in_place(saved, value._version)
-            return value
+            return _unchanged(saved, saved.fetched.result())
         saved.used = True
         if saved.fetched is None:
             self._fetch(saved)
@@ -267,8 +262,7 @@ class ActivationOffload:
         self._fetch_ahead(saved.index, saved.device)
         value = saved.fetched.result()
         saved.finalizer.detach()
-        if saved.changed is not None:
-            raise _changed_in_place(saved, saved.changed)
+        _unchanged(saved, value)
         ended = time.perf_counter()
         with self._lock:
             self.report.add_stall(started, ended)
@@ -351,6 +345,17 @@ async def _claim(store: TierStore, name: str | None, base: str, owner: str) -> N
     namespace = await store.claim(name, owner=owner)
     await namespace.clear()
     return namespace
+
+
+def _unchanged(saved: _Saved, value: torch.Tensor) -> torch.Tensor:
+    """``value``, what backward gets for ``saved``, unless the tensor was changed in place
+    while its copy was under way, or is the tensor itself (backward took it before its copy
+    ended) changed since: then torch's error."""
+    if saved.changed is not None:
+        raise _changed_in_place(saved, saved.changed)
+    if saved.taken and value._version != saved.version:
+        raise _changed_in_place(saved, value._version)
+    return value
 
 
 def _changed_in_place(saved: _Saved, version: int) -> RuntimeError:

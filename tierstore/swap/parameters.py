@@ -286,9 +286,6 @@ class ParameterOffload:
         the store does this first (the module keeps its weights)."""
         if self._detached:
             return
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
         self._let_go(self._weights, everyone=True)  # (here: after the kernels this thread queued)
         run(self._put_back())
 
