@@ -123,6 +123,8 @@ def test_training_past_the_device_capacity_stays_within_it_and_matches(tmp_path:
     for ours, theirs in zip(model.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
     assert "parameters:" in str(params.report) and params.report.bytes_in > weights
+    # (weights are not saved tensors: no "used before they left", no "kept in place")
+    assert "before they left" not in str(params.report) and "kept in place" not in str(params.report)
     opt.close()
     sync.close()
 

@@ -58,6 +58,12 @@ class SwapReport:
         return {name: value for name, value in asdict(self).items() if name != "waits"}
 
     def __str__(self) -> str:
+        if self.kind == "parameters":  # (weights leave once, at attach, and come back for each use)
+            return (
+                f"parameters: {self.offloaded} offloaded ({format_bytes(self.bytes_out)} out, {format_bytes(self.bytes_in)} "
+                f"brought back for forward and backward), {self.prefetched} prefetched; "
+                f"training loop waited {self.stall * 1e3:.1f} ms"
+            )
         return (
             f"{self.kind}: {self.offloaded} offloaded ({format_bytes(self.bytes_out)} out, "
             f"{format_bytes(self.bytes_in)} back, {self.early} used before they left), {self.kept} kept in place, "
