@@ -124,6 +124,17 @@ def test_command_line_synthetic_trace(capsys: pytest.CaptureFixture[str]) -> Non
     assert "schedule" in capsys.readouterr().out
 
 
+def test_command_line_reports_every_tier(capsys: pytest.CaptureFixture[str]) -> None:
+    """With two tiers the table shows where requests were served, the second tier's too (it
+    showed the first tier alone)."""
+    assert main(["simulate", "optimizer:keys=8,steps=4,size=1024", "--capacity", "device=2KiB,host=4KiB", "--eviction", "min"]) == 0
+    printed = capsys.readouterr().out
+    served = [line for line in printed.splitlines() if line.startswith("min ") and "below" in line]
+    assert len(served) == 1 and "device (2.0 KiB)" in served[0] and "host (4.0 KiB)" in served[0], printed
+    shares = [float(part.rsplit(" ", 1)[1].rstrip("%")) for part in served[0].split("none", 1)[1].split(",")]
+    assert sum(shares) == pytest.approx(100, abs=0.3) and shares[1] > 0
+
+
 def test_bad_inputs_get_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", str(tmp_path / "missing.csv"), "--capacity", "host=1MiB"]) != 0
     assert main(["simulate", "optimizer:keys=4", "--capacity", "host=1MiB", "--eviction", "nope"]) != 0

@@ -130,6 +130,15 @@ def format_table(results: list[SimResult], trace: Trace) -> str:
             f"{engine_label(r):<{width}} {r.prefetch:<11} {format_bytes(r.capacity):>10} {r.misses:>9,} {r.miss_ratio:>10.4f} "
             f"{r.byte_miss_ratio:>9.4f} {r.prefetches:>10,} {r.stall_seconds:>9.3f} {r.accesses_per_second / 1e3:>8.0f}"
         )
+    tiered = [r for r in results if len(r.capacities) > 1]
+    if tiered:  # the table above speaks of the fastest tier only
+        lines += ["", f"{'eviction':<{width}} {'prefetch':<11} requests served by each tier (its capacity), the rest from below"]
+        for r in tiered:
+            served = [f"{tier} ({format_bytes(capacity)}) {r.hits_by_tier.get(tier, 0) / max(r.requests, 1):.1%}"
+                      for tier, capacity in r.capacities.items()]
+            below = r.requests - sum(r.hits_by_tier.get(tier, 0) for tier in r.capacities)
+            served.append(f"below {below / max(r.requests, 1):.1%}")
+            lines.append(f"{engine_label(r):<{width}} {r.prefetch:<11} " + ", ".join(served))
     stats = [(r, tier, s) for r in results for tier, s in r.prefetch_stats.items()]
     if stats:
         lines += ["", f"{'prefetch':<11} {'eviction':<{width}} {'tier':<8} {'issued':>8} {'accuracy':>8} {'coverage':>8} "
