@@ -228,13 +228,13 @@ def choose_setting(
     if qualified:
         ratio, i, wins, spread = max(qualified)
         return Choice(i, False, ratio - 1, f"{names[i]}: {_percent(ratio - 1)} faster than the default {names[default]} "
-                      f"(median of {reps} repetitions; faster by more than {_percent(min_gain)} in {wins} of {reps}, "
+                      f"(the median of its {reps} repetitions' ratios to the default's, each measured beside it, so not the ratio of the medians; faster by more than {_percent(min_gain)} in {wins} of {reps}, "
                       f"spread ±{_percent(spread)})")
     reason = (f"default kept ({names[default]}): no setting beat it by more than {_percent(min_gain)} in most of {reps} "
               f"repetitions and by more than the spread between them")
     if closest is not None:
         ratio, i, wins, spread = closest
-        reason += f" (closest: {names[i]}, {_signed_percent(ratio - 1)}, faster by more than {_percent(min_gain)} in {wins} of {reps}, spread ±{_percent(spread)})"
+        reason += f" (closest: {names[i]}, {_signed_percent(ratio - 1)} as the median of its per-repetition ratios, faster by more than {_percent(min_gain)} in {wins} of {reps}, spread ±{_percent(spread)})"
     return Choice(default, True, 0.0, reason)
 
 
