@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierstore import DeviceTier, DiskTier, HostTier
+from tierstore import DeviceTier, DiskTier, HostTier, MemoryTier
 from tierstore.testing import TierTests
 
 
@@ -36,6 +36,39 @@ class TestTinyStack(TierTests):
 
     def make_tiers(self, tmp_path: Path):
         return [DeviceTier("cpu", "48KiB"), HostTier("96KiB"), DiskTier(tmp_path / "disk", "64MiB", chunk_size="64KiB")]
+
+
+class TorchAllocatedHostTier(MemoryTier):
+    """A memory tier of a user's own, written as the README's "Your own memory tier" shows:
+    host memory from torch's allocator (no page rounding), counting its allocations."""
+
+    def __init__(self, capacity: int | str) -> None:
+        super().__init__(capacity, "mine")
+        self.allocations = 0
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def _buffer_size(self, nbytes: int) -> int:
+        return max(nbytes, 1)
+
+    def _new_buffer(self, size: int) -> torch.Tensor:
+        self.allocations += 1
+        return torch.empty(size, dtype=torch.uint8)
+
+
+class TestUsersOwnMemoryTier(TierTests):
+    """Above a disk tier, small enough that values move between the two."""
+
+    def make_tiers(self, tmp_path: Path):
+        return [TorchAllocatedHostTier("256KiB"), DiskTier(tmp_path / "disk", "64MiB", chunk_size="64KiB")]
+
+    async def test_it_allocates_the_buffers(self, store) -> None:
+        tier = store.tier("mine")
+        await store.put("x", torch.arange(1000.0))
+        assert tier.allocations >= 1 and tier.used >= 4000
+        assert torch.equal(await store.get("x"), torch.arange(1000.0))
 
 
 @pytest.mark.gpu
