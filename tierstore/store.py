@@ -251,7 +251,9 @@ class TierStore:
     def _user_entry(self, key: object) -> Entry | None:
         """The entry of a user's ``key`` (None: not in the store, or not a key a user can have)."""
         self._engine.require_open()
-        return self._engine.lookup(key) if isinstance(key, str) and not is_reserved(key) else None
+        if not isinstance(key, str) or is_reserved(key):
+            return None
+        return self._engine.lookup(key if key.__class__ is str else str.__str__(key))  # (as check_key keeps it)
 
     def __len__(self) -> int:
         self._engine.require_open()
@@ -759,7 +761,7 @@ class TierStore:
             finally:
                 self._engine.unuse(entry, copy)
         finally:
-            if given is not None:  # (written as ``out.copy_`` writes: autograd sees the change)
+            if isinstance(given, torch.Tensor):  # (written as ``out.copy_`` writes: autograd sees the change)
                 _increment_version(given)
 
     def _get_small_now(self, key: str, tier: TierRef, out: torch.Tensor | None) -> torch.Tensor | None:
@@ -771,7 +773,8 @@ class TierStore:
         if out is not None or engine.winding_down or not isinstance(key, str):
             return None
         try:
-            entry = engine.entries.get(check_key(key))
+            key = check_key(key)
+            entry = engine.entries.get(key)
             t = engine.index_of(tier)
             engine.require_open()
         except TierStoreError:

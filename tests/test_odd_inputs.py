@@ -1,0 +1,51 @@
+"""Inputs a new user tried that the verbs took wrongly: a str subclass as a key, a non-tensor
+``out=``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tierstore import DiskTier, HostTier, SyncTierStore, TierStore
+from tierstore.errors import InvalidTensorError
+
+
+class OddKey(str):
+    """A str subclass with a hash of its own (as a user's key type might have)."""
+
+    def __hash__(self) -> int:
+        return 1
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, OddKey) and str.__eq__(self, other)
+
+
+def test_a_str_subclass_key_is_the_same_key_as_its_text(tmp_path: Path) -> None:
+    """It made a second entry in memory (two 'good' in keys(), two values), which a reopen
+    merged into one: one of the values vanished."""
+    root = tmp_path / "d"
+    with SyncTierStore([HostTier("64KiB"), DiskTier(root, "1MiB")]) as store:
+        store.put("good", torch.tensor([1.0]))
+        store.put(OddKey("good"), torch.tensor([2.0]))
+        assert store.keys() == ["good"] and len(store) == 1
+        assert OddKey("good") in store
+        assert type(store.keys()[0]) is str
+        assert store.get("good").item() == 2.0 and store.get(OddKey("good")).item() == 2.0
+        store.delete(OddKey("good"))
+        assert "good" not in store
+        store.put(OddKey("kept"), torch.tensor([3.0]))
+    with SyncTierStore([HostTier("64KiB"), DiskTier(root, "1MiB")]) as store:
+        assert store.keys() == ["kept"] and store.get("kept").item() == 3.0
+
+
+@pytest.mark.parametrize("out", [[0.0] * 10, np.zeros(10, dtype=np.float32), "x"])
+async def test_a_non_tensor_out_is_an_invalid_tensor_error(out: object) -> None:
+    """It raised torch's 'increment_version expects each element of the iterable to be a tensor'."""
+    async with TierStore([HostTier("1MiB")]) as store:
+        await store.put("good", torch.arange(10.0))
+        with pytest.raises(InvalidTensorError, match="out must be a tensor"):
+            await store.get("good", out=out)  # type: ignore[arg-type]
+        assert torch.equal(await store.get("good"), torch.arange(10.0))
