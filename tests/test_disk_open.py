@@ -289,6 +289,67 @@ async def test_info_reports_a_missing_data_file(tmp_path: Path) -> None:
     assert cli_main(["info", str(root), "--json"]) != 0
 
 
+async def test_info_verify_reads_the_bytes_and_names_the_corrupt_values(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A flipped byte in a value's extent, or in a small value kept inline in the catalog, went
+    unseen: info reads no value's bytes and called the folder healthy. --verify reads them."""
+    root = tmp_path / "d"
+    big = torch.arange(100_000, dtype=torch.float32)
+    small = torch.full((8,), 1234.5678)
+    async with TierStore([DiskTier(root, "16MiB")]) as store:
+        await store.put("big", big)
+        await store.put("small", small)
+        await store.put("fine", torch.ones(50_000))
+    assert describe_folder(root, verify=True)["healthy"]
+    segment = root / "data" / "segment-000000.bin"
+    data = bytearray(segment.read_bytes())
+    at = data.find(big[1000:1004].numpy().tobytes())
+    assert at >= 0
+    data[at] ^= 0x10
+    segment.write_bytes(bytes(data))
+    catalog = root / "catalog" / "data.mdb"
+    raw = bytearray(catalog.read_bytes())
+    pattern = small.numpy().tobytes()
+    inline_at = raw.find(pattern)
+    assert inline_at >= 0
+    while inline_at >= 0:  # (LMDB's copy-on-write pages may hold older copies too)
+        raw[inline_at + 5] ^= 0x01
+        inline_at = raw.find(pattern, inline_at + 1)
+    catalog.write_bytes(bytes(raw))
+    assert describe_folder(root)["healthy"]  # (what info can tell without reading the values)
+    info = describe_folder(root, verify=True)
+    assert not info["healthy"] and info["damaged_keys"] == ["big", "small"]
+    assert cli_main(["info", str(root), "--verify"]) == 1
+    out = capsys.readouterr().out
+    assert "2 entries fail their checksums" in out and "'big', 'small'" in out
+    assert cli_main(["info", str(root)]) == 0
+
+
+async def test_info_on_an_emptied_catalog_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """It said 'Bad file descriptor' where opening the store says the catalog was truncated."""
+    root = tmp_path / "d"
+    async with TierStore([DiskTier(root, "16MiB")]) as store:
+        await store.put("small", torch.ones(4))
+    os.truncate(root / "catalog" / "data.mdb", 0)
+    assert cli_main(["info", str(root)]) == 1
+    assert "is empty (truncated)" in capsys.readouterr().err
+
+
+async def test_info_piped_into_head_ends_quietly(tmp_path: Path) -> None:
+    """A reader that stops early (``tierstore info ... | head``) gave a BrokenPipeError traceback."""
+    root = tmp_path / "d"
+    async with TierStore([DiskTier(root, "16MiB")]) as store:
+        for i in range(3000):
+            await store.put(f"a-long-key-name-to-fill-the-pipe-{i:05d}", torch.ones(1))
+    reader = subprocess.Popen([sys.executable, "-m", "tierstore", "info", str(root), "--all"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert reader.stdout is not None and reader.stderr is not None
+    reader.stdout.read(100)
+    reader.stdout.close()
+    error = reader.stderr.read().decode()
+    assert reader.wait(timeout=60) == 1
+    assert "Traceback" not in error and "BrokenPipe" not in error, error
+
+
 def test_info_on_a_missing_folder_says_it_does_not_exist(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["info", str(tmp_path / "nope")]) != 0
     assert "does not exist" in capsys.readouterr().err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -14,7 +15,7 @@ from .errors import TierStoreError
 def _info(args: argparse.Namespace) -> int:
     from .inspect import describe_folder, format_description
 
-    info = describe_folder(args.root)
+    info = describe_folder(args.root, verify=args.verify, progress=args.verify and not args.json)
     if args.json:
         print(json.dumps(info, indent=2, ensure_ascii=False))
     else:
@@ -120,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     info = commands.add_parser("info", help="what a disk tier folder holds")
     info.add_argument("root", help="the DiskTier folder")
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    info.add_argument("--verify", action="store_true",
+                      help="read every value and check its checksums (without it the values' bytes are not read: "
+                           "a store checks them on every read)")
     info.add_argument("--limit", type=int, default=40, help="keys to list (default 40)")
     info.add_argument("--all", action="store_true", help="list every key")
     info.set_defaults(run=_info)
@@ -154,6 +158,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # The reader of our output went away (``tierstore info ... | head``): what it did not read
+        # is not wanted. Python's own recipe: point stdout at devnull so that the flush at exit
+        # does not raise again, and exit with 1.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if argv and argv[0] in _PASSTHROUGH_RUN:

@@ -19,14 +19,16 @@ from .namespaces import INDEX_KEY
 from .units import format_bytes
 
 
-def describe_folder(root: str | Path) -> dict[str, Any]:
+def describe_folder(root: str | Path, verify: bool = False, progress: bool = False) -> dict[str, Any]:
     """Entries (key, dtype, shape, bytes), totals, free space and health of the disk tier at
     ``root``.
 
     Reads the catalog read-only, so it works while another process has the folder open. The
     folder is ``healthy`` when every data file the catalog names is there and long enough for
     the extents in it; otherwise ``problems`` says what is wrong and ``damaged_keys`` names the
-    entries whose bytes are not all there.
+    entries whose bytes are not all there. The values' bytes are not read (a store verifies
+    each value's checksums as it reads it) unless ``verify``: then every value is read and
+    checked, and one that fails is damaged too (``progress``: a progress bar of the bytes read).
     """
     root = Path(root)
     if not root.exists():
@@ -42,6 +44,12 @@ def describe_folder(root: str | Path) -> dict[str, Any]:
         catalog.close()
     records.sort(key=lambda r: r.key)
     problems, damaged = _health(root, layout.segments, records)
+    if verify:
+        failed = _verify(root, layout.chunk_size, [r for r in records if r.key not in damaged], progress)
+        if failed:
+            shown = ", ".join(repr(k) for k in failed[:10]) + (f" and {len(failed) - 10} more" if len(failed) > 10 else "")
+            problems.append(f"{len(failed)} entries fail their checksums (their bytes on disk are corrupt): {shown}")
+            damaged = sorted({*damaged, *failed})
     namespaces = _namespaces(root, layout.chunk_size, [r for r in records if r.key not in damaged], index)
     records = [r for r in records if not is_reserved(r.key)]
     reserved = sum(layout.segments)
@@ -148,6 +156,55 @@ def _health(root: Path, segments: tuple[int, ...], records: list[DiskRecord]) ->
     except ValueError as exc:
         problems.append(f"the catalog's extents are inconsistent: {exc}")
     return problems, sorted(key for keys in damaged.values() for key in keys)
+
+
+def _verify(root: Path, chunk_size: int, records: list[DiskRecord], progress: bool) -> list[str]:
+    """The keys of ``records`` whose bytes fail their checksums (or cannot be read whole): each
+    value read back chunk by chunk, its extent from its data file, an inline one from the
+    catalog."""
+    from tqdm import tqdm
+
+    failed: list[str] = []
+    inline = [r for r in records if r.extent is None]
+    if inline:
+        catalog = Catalog(root / "catalog", durable=False)
+        catalog.open_readonly()
+        try:
+            for record in inline:
+                found = catalog.get(record.key)
+                raw = found.data if found is not None and found.data is not None else None
+                if raw is None or len(raw) != record.meta.nbytes or checksum(np.frombuffer(raw, dtype=np.uint8)) != record.checksums[0]:
+                    failed.append(record.key)
+        finally:
+            catalog.close()
+    in_files = sorted((r for r in records if r.extent is not None), key=lambda r: (r.extent.segment, r.extent.offset))  # type: ignore[union-attr]
+    total = sum(r.meta.nbytes for r in in_files)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="verifying", disable=not progress or not total)
+    handles: dict[int, Any] = {}
+    try:
+        for record in in_files:
+            extent = record.extent
+            assert extent is not None
+            if extent.segment not in handles:
+                handles[extent.segment] = open(root / "data" / segment_name(extent.segment), "rb")  # noqa: SIM115 (closed below)
+            handle = handles[extent.segment]
+            starts = range(0, max(record.meta.nbytes, 1), chunk_size)
+            good = len(starts) == len(record.checksums)
+            for start, expected in zip(starts, record.checksums, strict=False):
+                length = min(chunk_size, record.meta.nbytes - start)
+                handle.seek(extent.offset + start)
+                raw = handle.read(length)
+                if len(raw) != length or checksum(np.frombuffer(raw, dtype=np.uint8)) != expected:
+                    good = False
+                    break
+            if not good:
+                failed.append(record.key)
+            bar.update(record.meta.nbytes)
+    finally:
+        for handle in handles.values():
+            handle.close()
+        bar.close()
+    return sorted(failed)
 
 
 def _namespaces(root: Path, chunk_size: int, records: list[DiskRecord], index: DiskRecord | None) -> list[dict[str, Any]]:

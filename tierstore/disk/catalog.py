@@ -377,14 +377,7 @@ class Catalog:
         """Open the database. A new one gets ``create_layout`` (None: a new one is an error, as
         when data files exist); an existing one is validated."""
         self.path.mkdir(mode=0o700, exist_ok=True)
-        data = self.path / "data.mdb"
-        if data.exists() and data.stat().st_size == 0:
-            # LMDB writes its meta pages as it creates the file: an empty one was truncated, and
-            # small values lived in it (they have no data files to betray their loss).
-            raise CatalogError(
-                f"the catalog {data} is empty (truncated): whatever the store held is lost. Refusing to start "
-                "over on top of it (move the folder away to start fresh)"
-            )
+        self._refuse_emptied()
         raw = self._open_env(
             map_size=_INITIAL_MAP_SIZE, sync=self.durable, metasync=self.durable, mode=0o600, readahead=False
         )
@@ -420,12 +413,23 @@ class Catalog:
         """Open for reading only (safe beside a process that has the folder open for writing)."""
         if not (self.path / "data.mdb").exists():
             raise CatalogError(f"{self.path} holds no tierstore catalog")
+        self._refuse_emptied()
         raw = self._open_env(readonly=True, lock=True, readahead=False)
         if raw is None:
             self.close()
             raise CatalogError(f"{self.path} holds no tierstore catalog")
         self.layout = CatalogLayout.from_bytes(raw, self.path)
         return self.layout
+
+    def _refuse_emptied(self) -> None:
+        data = self.path / "data.mdb"
+        if data.exists() and data.stat().st_size == 0:
+            # LMDB writes its meta pages as it creates the file: an empty one was truncated, and
+            # small values lived in it (they have no data files to betray their loss).
+            raise CatalogError(
+                f"the catalog {data} is empty (truncated): whatever the store held is lost. Refusing to start "
+                "over on top of it (move the folder away to start fresh)"
+            )
 
     def _open_env(self, **options: Any) -> bytes | None:
         """Open the LMDB environment and its two databases; return the format record, if any."""
