@@ -28,6 +28,7 @@ them, as if never interrupted.
 
 from __future__ import annotations
 
+import asyncio
 import warnings
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from contextlib import asynccontextmanager
@@ -124,6 +125,10 @@ class TieredAdam(PagedOptimizer):
         #: ``(rows, paged, chunks)`` (``_resident_pieces``; read only: they are shared).
         self._pieces_made: dict[int, tuple[int, bool, Any, list[Piece]]] = {}
         self._warned_foreign = False
+        #: Per slot index: the move of its master out of a parameter no longer fp32 (``_keep_master_apart``).
+        self._master_moves: dict[int, asyncio.Lock] = {}
+        #: Per slot index: its state with the master apart, moved but not yet written whole.
+        self._master_rows_unwritten: dict[int, torch.Tensor] = {}
         #: A chunked parameter's step count before this step's update, and after it.
         self._chunk_steps: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         defaults = {
@@ -283,8 +288,48 @@ class TieredAdam(PagedOptimizer):
             )
         return True
 
+    async def _keep_master_apart(self, slot: ParamSlot) -> None:
+        """A parameter that is its own fp32 master and is no longer fp32 (``model.to(torch.bfloat16)``
+        after some steps) cannot hold the master any more: rebuilt from it at every update, the
+        master would lose every change smaller than the parameter's precision, and the parameter
+        would stop training. Its state is rewritten once into the layout that keeps the master
+        apart, loaded from the parameter as it is now (the bits the cast dropped are gone, as
+        they are for an optimizer that keeps its master apart and reloads it after the cast),
+        with a warning. Called before the state is held (on the loop; a chunked parameter's runs
+        wait for the first one's move)."""
+        moving = self._master_moves.get(slot.index)
+        if moving is not None:  # (another run of its chunks is moving it: wait for the whole move)
+            async with moving:
+                return
+        unwritten = self._master_rows_unwritten.get(slot.index)
+        if unwritten is None and (not slot.param_master or slot.param.dtype == torch.float32 or offloaded(slot.param) is not None):
+            return
+        self._master_moves[slot.index] = moving = asyncio.Lock()
+        async with moving:
+            try:
+                if unwritten is None:
+                    has_state = slot.resident is not None if not slot.paged else self._saved_pieces(slot) is not None
+                    rows = (await self.read_state_rows(slot)).clone() if has_state else None  # (master: the parameter now)
+                    slot.param_master = False
+                    self._pieces_made.pop(slot.index, None)
+                    warnings.warn(
+                        f"parameter {slot.index} is {slot.param.dtype} now, and it was its own fp32 master: the optimizer "
+                        "keeps an fp32 master apart from it from now on, loaded from it as it is (the bits the cast dropped "
+                        "are lost; cast the model before making the optimizer to keep a master from the start)",
+                        stacklevel=2,
+                    )
+                    if rows is None:
+                        return
+                    # (kept until written whole: a write that fails part-way is done again by the next step)
+                    self._master_rows_unwritten[slot.index] = unwritten = rows
+                await self.write_state_rows(slot, unwritten)
+                self._master_rows_unwritten.pop(slot.index, None)
+            finally:
+                del self._master_moves[slot.index]
+
     @asynccontextmanager
     async def _state(self, slot: ParamSlot) -> AsyncIterator[Any]:
+        await self._keep_master_apart(slot)
         if not slot.paged:
             shape, dtype = self._entry_shape(slot, slot.numel)
             if slot.resident is None or tuple(slot.resident["packed"].shape) != shape or slot.resident["packed"].dtype != dtype:
@@ -303,6 +348,7 @@ class TieredAdam(PagedOptimizer):
 
     @asynccontextmanager
     async def _chunk_state(self, slot: ParamSlot, chunk: Chunk) -> AsyncIterator[Any]:
+        await self._keep_master_apart(slot)
         if not self._has(chunk.key, slot, chunk.numel):
             await self._create(chunk.key, slot, chunk.start, chunk.stop)
         async with self.store.hold(chunk.key, self.state_tier, write=True) as packed:
@@ -389,7 +435,11 @@ class TieredAdam(PagedOptimizer):
         """Store a parameter's whole ``(rows, numel)`` fp32 state, compressed as this optimizer
         keeps it, split into its chunks if it has them (on the store's loop); kept in memory
         for a parameter too small to page. Where the parameter is the master, the master row is
-        written into the parameter."""
+        written into the parameter (one no longer fp32 cannot hold the master: it is kept apart
+        from then on, as ``_keep_master_apart`` does)."""
+        if slot.param_master and slot.param.dtype != torch.float32 and offloaded(slot.param) is None:
+            slot.param_master = False
+            self._pieces_made.pop(slot.index, None)
         if self._param_is_master(slot):
             offload = offloaded(slot.param)
             if offload is not None:
@@ -397,6 +447,8 @@ class TieredAdam(PagedOptimizer):
             elif slot.param.data.data_ptr() != packed[0].data_ptr():
                 slot.param.data.copy_(packed[0].view(slot.shape))
         slot.note_written()  # the master is loaded: a later write to the parameter replaces it
+        if self._master_rows_unwritten.get(slot.index) is not packed:  # (another whole state: an unfinished move is superseded)
+            self._master_rows_unwritten.pop(slot.index, None)
         if not slot.paged:
             slot.resident = {"packed": self._encode(slot, packed)}
             return
