@@ -236,6 +236,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         self.timeline: Timeline = self._window.timeline
         self._owns_store = store is None
         self._pipeline: UpdatePipeline | None = None
+        #: Whether the constructor has ended (an ``add_param_group`` after it plans the group).
+        self._constructed = False
         try:
             super().__init__(params, defaults)
             if store is None:
@@ -302,6 +304,7 @@ class PagedOptimizer(torch.optim.Optimizer):
                 # nor the store it made: open, it keeps the folder locked against the retry
                 run(store.aclose(flush=self.namespace is not None and not self.namespace.auto))
             raise
+        self._constructed = True
         close_at_exit(self)  # its store's background I/O must not outlive the interpreter (see there)
         # Dropped without close() (a trainer's hyper-parameter search, a re-fit), it lets go of
         # what close() would: otherwise its store (state, threads, the folder's lock) outlived it.
@@ -323,8 +326,31 @@ class PagedOptimizer(torch.optim.Optimizer):
     # -- construction --------------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Torch's. After construction the group is planned with the others (its large
+        parameters chunked as theirs were) and refused with ``OptimizerCapacityError``, the
+        optimizer as it was, where the constructor would have refused it."""
         self._require_open("add_param_group")
+        first = len(self._slots)
         super().add_param_group(param_group)
+        try:
+            self._add_slots()
+            if self._constructed:  # (during construction, the constructor plans every group)
+                assert self._pipeline is not None
+                self._pipeline.plan_added(self._slots[first:])
+                plan = self.memory_plan()
+                if not plan.fits:
+                    self._pipeline.plan_added([])  # (the buckets as they were)
+                    raise OptimizerCapacityError("this parameter group cannot fit: " + "; ".join(plan.problems) + f"\n{plan}")
+        except BaseException:
+            for slot in self._slots[first:]:
+                if slot.hook is not None:
+                    slot.hook.remove()
+            del self._slots[first:]
+            self.param_groups.pop()
+            raise
+
+    def _add_slots(self) -> None:
+        """A slot for each parameter of the last group (this rank's part of it)."""
         group = len(self.param_groups) - 1
         for param in self.param_groups[group]["params"]:
             if param.is_complex():

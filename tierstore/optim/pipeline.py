@@ -111,6 +111,8 @@ class UpdatePipeline:
         self._room = 0
         self._slots: list[ParamSlot] = []
         self._in_backward = False
+        #: ``plan``'s arguments but the slots (``plan_added`` plans again with them).
+        self._plan_args: tuple[int, int, bool, int] = (0, 1, False, 0)
         #: Bytes of state still to write back early this step (None: not counted yet this step).
         self._early_bytes: int | None = None
 
@@ -121,12 +123,31 @@ class UpdatePipeline:
 
     # -- planning ---------------------------------------------------------------------------------
 
-    def plan(self, slots: Sequence[ParamSlot], bucket_bytes: int, max_inflight: int, in_backward: bool, chunk_bytes: int = 0) -> None:
+    def plan_added(self, added: Sequence[ParamSlot]) -> None:
+        """Plan again with ``added`` (an ``add_param_group`` after construction): those are
+        chunked as the others were, and the buckets sized for all. The slots planned before
+        keep their chunks (their state lives in them). Raises ``OptimizerCapacityError`` as
+        ``plan`` does, with the plan as it was."""
+        before = self._slots
+        try:
+            self.plan([*before, *added], *self._plan_args, only=added)
+        except BaseException:
+            for slot in added:
+                slot.chunks = None
+            self.plan(before, *self._plan_args, only=())
+            raise
+
+    def plan(
+        self, slots: Sequence[ParamSlot], bucket_bytes: int, max_inflight: int, in_backward: bool, chunk_bytes: int = 0,
+        only: Sequence[ParamSlot] | None = None,
+    ) -> None:
         """Choose chunks, bucket size and buckets at once. Two buckets at once overlap one's
         transfers with the other's math; the state tier must hold them both, plus room for one
         more gradient. A parameter whose state and gradient exceed ``chunk_bytes`` (or what the
         tier holds for ``2 * max_inflight + 2`` chunks: those updating and those prefetched) is
-        paged in chunks. Raise ``OptimizerCapacityError`` if the tier cannot hold one update."""
+        paged in chunks (``only``: those of ``slots`` alone, in chunks of the size chosen
+        before). Raise ``OptimizerCapacityError`` if the tier cannot hold one update."""
+        self._plan_args = (bucket_bytes, max_inflight, in_backward, chunk_bytes)
         tier = self._store.tier(self._tier)
         tiers = self._store.tiers
         self._flat = tiers.index(tier) == len(tiers) - 1
@@ -143,8 +164,9 @@ class UpdatePipeline:
                     and (o := offloaded(slot.param)) is not None and o[0].store is self._store and o[0].range_tier() == self._tier), default=0)
         usable = tier.capacity * 9 // 10 - held
         if chunk_bytes > 0:
-            self.chunk_bytes = min(chunk_bytes, max(64 << 10, usable // (2 * max_inflight + 2)))
-            for slot in slots:
+            if only is None:
+                self.chunk_bytes = min(chunk_bytes, max(64 << 10, usable // (2 * max_inflight + 2)))
+            for slot in slots if only is None else only:
                 if slot.paged and slot.numel and self._owner._chunkable(slot):
                     per_element = self._owner._state_bytes(slot) / slot.numel + self._grad_bytes(slot, None) / slot.numel
                     slot.chunks = plan_chunks(slot.key, slot.numel, per_element, self.chunk_bytes)
