@@ -10,6 +10,7 @@ import copy
 import json
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
@@ -136,10 +137,15 @@ def train_and_save(rank: int, world: int, out: Path) -> dict[str, Any]:
     runs["zero1_max"] = (model, _tiered(model.parameters(), root, process_group=True, max_grad_norm=CLIP), "max")
     model = base_model()  # ZeRO-2: the optimizer reduces the gradients itself
     runs["zero2"] = (model, _tiered(model.parameters(), root, process_group=True, zero_stage=2, max_grad_norm=CLIP), "max")
+    model = base_model()  # ZeRO-2 with torch's clip_grad_norm_: a clip by this rank's norm (warned)
+    runs["zero2_user"] = (model, _tiered(model.parameters(), root, process_group=True, zero_stage=2), "user")
     for name, (model, opt, clip) in runs.items():
-        train(model, opt, data, clip)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train(model, opt, data, clip)
         result[f"{name}_equal"] = equal(model, reference)
         result[f"{name}_error"] = rel_error(model, reference)
+        result[f"{name}_warned_local_clip"] = sum("clips by this rank's norm" in str(w.message) for w in caught)
     zero1 = runs["zero1"][1]
     result["zero1_state_bytes"] = sum(zero1.memory_report().state_by_tier.values())
     result["ddp_state_bytes"] = sum(runs["ddp"][1].memory_report().state_by_tier.values())
@@ -306,6 +312,10 @@ def test_ddp_sharded_fsdp2_and_dcp(tmp_path: Path, device_mode: str) -> None:
         # bit for bit against DDP + fused AdamW with torch's clip_grad_norm_, 2 micro-batches a step
         assert r["ddp_equal"] and r["zero1_equal"] and r["zero1_max_equal"], r
         assert r["zero2_error"] <= 1e-6, r  # reduce-scatter sums in another order than all-reduce
+        # torch's clip_grad_norm_ before ZeRO-2's reduce-scatter clips by each rank's own norm:
+        # warned once (it went by silently), and never where the gradients were only accumulated
+        assert r["zero2_user_warned_local_clip"] == 1 and r["zero2_user_error"] > 1e-6, r
+        assert not any(r[f"{name}_warned_local_clip"] for name in ("ddp", "zero1", "zero1_max", "zero2")), r
         assert r["fsdp_user_equal"] and r["fsdp_max_error"] <= 1e-6 and r["fsdp_state_dtensor"], r
         assert r["state_equal"] and r["zero1_folder"], r
         # DCP: no zero-gradient step to create state; save -> load -> continue == uninterrupted

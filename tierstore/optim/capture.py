@@ -84,6 +84,8 @@ class GradientCapture:
         # Hook side (autograd/training threads), under the lock: passes per slot this step.
         self._lock = threading.Lock()
         self._fired: dict[int, int] = {}
+        #: Per slot: its gradient and that gradient's version when its hook last fired this step.
+        self._at_hook: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         #: Slots whose gradients come from DDP's communication hook (see ``tierstore.optim.ddp``).
         self._ddp: dict[int, ParamSlot] = {}
         self._end_queued = False
@@ -106,8 +108,11 @@ class GradientCapture:
 
     def hook(self, slot: ParamSlot, param: torch.Tensor) -> None:
         """The post-accumulate-grad hook: count the pass, start the speculative copy."""
+        grad = param.grad
         with self._lock:
             passes = self._fired[slot.index] = self._fired.get(slot.index, 0) + 1
+            if grad is not None:
+                self._at_hook[slot.index] = (weakref.ref(grad), grad._version)
             ddp = slot.index in self._ddp
             queue_end = ddp and not self._end_queued
             self._end_queued = self._end_queued or queue_end
@@ -119,7 +124,6 @@ class GradientCapture:
             )
         if queue_end:
             torch.autograd.Variable._execution_engine.queue_callback(self._after_finalize)
-        grad = param.grad
         if ddp or passes % self._hint or grad is None or grad.layout is not torch.strided:
             return  # DDP's hook captures it; or an earlier pass of several; or step() takes it (a sparse one: refuses it)
         item = (slot, grad, grad._version, slot.link.mark(), False)
@@ -170,7 +174,21 @@ class GradientCapture:
         """Forget the passes counted (step() ended, or zero_grad())."""
         with self._lock:
             self._fired.clear()
+            self._at_hook.clear()
             self._hooked = False
+
+    def changed_since_backward(self, slots: list[ParamSlot]) -> list[int]:
+        """The slots (indices) whose ``p.grad`` is not what their hook last saw this step: another
+        tensor, or changed in place since (torch's ``clip_grad_norm_``, a scaling)."""
+        with self._lock:
+            at_hook = dict(self._at_hook)
+        changed = []
+        for slot in slots:
+            seen = at_hook.get(slot.index)
+            grad = slot.param.grad
+            if seen is not None and grad is not None and (seen[0]() is not grad or seen[1] != grad._version):
+                changed.append(slot.index)
+        return changed
 
     # -- the loop ---------------------------------------------------------------------------------
 

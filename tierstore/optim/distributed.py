@@ -424,6 +424,11 @@ class Sharding:
 
     # -- ZeRO-2: gradients to their owners -------------------------------------------------------
 
+    @property
+    def reduced(self) -> bool:
+        """Whether this step's gradients were reduce-scattered already (ZeRO-2)."""
+        return self._reduced
+
     def reduce_gradients(self) -> None:
         """Average every gradient onto its owner (once a step, before norms or updates), packed
         per dtype in one reduce-scatter whose rank ``r`` segment holds rank ``r``'s elements.

@@ -238,6 +238,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._pipeline: UpdatePipeline | None = None
         #: Whether the constructor has ended (an ``add_param_group`` after it plans the group).
         self._constructed = False
+        self._warned_zero2_changes = False
         try:
             super().__init__(params, defaults)
             if store is None:
@@ -539,10 +540,32 @@ class PagedOptimizer(torch.optim.Optimizer):
             self._mesh = mesh_group(self._slots)
         return self._mesh
 
+    def _reduce_gradients(self) -> None:
+        """ZeRO-2's reduce-scatter (once a step; nothing for ZeRO-1). Gradients the training
+        loop changed after backward are changed before the reduce-scatter, on this rank's own
+        gradients: torch's ``clip_grad_norm_`` then clips by this rank's norm, not the global
+        one (a warning, once: a change that is the same on every rank, a constant scale, is right)."""
+        sharding = self._sharding
+        assert sharding is not None
+        if sharding.zero_stage == 2 and not sharding.reduced and not self._warned_zero2_changes:
+            changed = self._capture.changed_since_backward(self._slots)
+            if changed:
+                self._warned_zero2_changes = True
+                warnings.warn(
+                    f"zero_stage=2: p.grad of parameters {changed[:8]}{' ...' if len(changed) > 8 else ''} changed after "
+                    "backward, before step() averages the gradients across ranks: with zero_stage=2, p.grad holds this "
+                    "rank's own gradient until then, so torch's clip_grad_norm_ clips by this rank's norm, not the "
+                    "global one. Clip with max_grad_norm= or opt.clip_grad_norm_() (they use the global norm), or use "
+                    "zero_stage=1 with DDP (a change that is the same on every rank, such as a constant scale, is fine)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        sharding.reduce_gradients()
+
     def _before_distributed_step(self) -> None:
         """ZeRO-2's reduce-scatter; the clipping coefficient from the norm across ranks."""
         if self._sharding is not None:
-            self._sharding.reduce_gradients()
+            self._reduce_gradients()
         if self.max_grad_norm is not None and self._runner.coef is None:
             self._distributed_clip(float(self.max_grad_norm), 2.0)
 
@@ -578,7 +601,7 @@ class PagedOptimizer(torch.optim.Optimizer):
                              "the norm is summed in the global parameter order there")
         if self._sharding is not None or self._mesh_group() is not None:
             if self._sharding is not None:
-                self._sharding.reduce_gradients()
+                self._reduce_gradients()
             total = self._distributed_clip(float(max_norm), float(norm_type))
             self._report.stall += time.perf_counter() - started
             return total
