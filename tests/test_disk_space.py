@@ -71,6 +71,39 @@ async def test_deleting_everything_gives_the_space_back_and_putting_again_reuses
     assert on_disk(root) >= 60 * MiB
 
 
+async def test_a_store_closed_empty_leaves_no_blocks_and_one_closed_holding_values_keeps_its_reservation(tmp_path: Path) -> None:
+    """The first segment's reservation of space never written stayed after a store was emptied
+    and closed: an optimizer's scratch state (``offload="disk"``, dropped by ``close()``) left
+    7.7 MB of a 16 MB file allocated."""
+    root = tmp_path / "d"
+    async with TierStore([disk(root, "64MiB")]) as store:
+        for key, value in values(4).items():
+            await store.put(key, value)
+        for key in list(store.keys()):
+            await store.delete(key)
+    assert on_disk(root) == 0 and file_lengths(root) > 0
+    kept = tmp_path / "kept"
+    async with TierStore([disk(kept, "64MiB")]) as store:
+        await store.put("one", torch.ones(VALUE_NUMEL))
+    assert on_disk(kept) == file_lengths(kept)  # (posix_fallocate's reservation, as before)
+    async with TierStore([disk(root, "64MiB")]) as store:  # reopened, it writes into the holes
+        await store.put("again", torch.full((VALUE_NUMEL,), 3.0))
+        assert torch.equal(await store.get("again"), torch.full((VALUE_NUMEL,), 3.0))
+
+
+def test_an_optimizer_closing_its_scratch_store_leaves_no_blocks(tmp_path: Path) -> None:
+    from tierstore.optim import TieredAdamW
+
+    model = torch.nn.Linear(512, 512)
+    opt = TieredAdamW(model.parameters(), offload="disk", disk_root=tmp_path / "optim", host_capacity="1MiB")
+    for _ in range(2):
+        model(torch.randn(4, 512)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.close()
+    assert file_lengths(tmp_path / "optim") > 0 and on_disk(tmp_path / "optim") == 0
+
+
 async def test_overwrites_reuse_freed_extents(tmp_path: Path) -> None:
     root = tmp_path / "d"
     async with TierStore([disk(root)]) as store:

@@ -353,6 +353,11 @@ class DiskTier(Tier):
                     await trim  # a failure to give space back is reported, after closing
             if self._pid == os.getpid():
                 self._punch_released()  # a store closed after deletes leaves no blocks behind
+                if self._allocator.used == 0 and self._files is not None:
+                    # Closed empty (an optimizer's scratch state, dropped): the files' reservation
+                    # of space never written goes back too; a reopened tier allocates as it writes.
+                    for segment, offset, length in self._allocator.free_ranges():
+                        self._files.punch(segment, offset, length)
         finally:
             self.pool.shutdown()
             self._close_sync()
