@@ -27,8 +27,9 @@ EPOCHS = 2
 
 
 class Regression(pl.LightningModule):
-    def __init__(self, tiered: bool) -> None:
+    def __init__(self, tiered: bool, **options: Any) -> None:
         super().__init__()
+        self.options = {"fused": True, **options}
         torch.manual_seed(0)
         self.net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8))
         self.tiered = tiered
@@ -42,9 +43,10 @@ class Regression(pl.LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         if self.tiered:
-            opt: torch.optim.Optimizer = TieredAdamW(self.parameters(), lr=1e-2, weight_decay=0.1, fused=True, min_offload_numel=64)
+            opt: torch.optim.Optimizer = TieredAdamW(self.parameters(), lr=1e-2, weight_decay=0.1, min_offload_numel=64, **self.options)
         else:
-            opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+            fused = self.options["fused"]
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1, fused=fused)
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8)}
 
 
@@ -54,11 +56,14 @@ def loader() -> torch.utils.data.DataLoader:  # type: ignore[type-arg]
     return torch.utils.data.DataLoader(data, batch_size=4, shuffle=False)
 
 
-def fit(tiered: bool, *, epochs: int = EPOCHS, resume: Path | None = None, save: Path | None = None) -> Regression:
+def fit(
+    tiered: bool, *, epochs: int = EPOCHS, resume: Path | None = None, save: Path | None = None, precision: str = "32-true",
+    **options: Any,
+) -> Regression:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    module = Regression(tiered)
+    module = Regression(tiered, **options)
     trainer = pl.Trainer(
-        max_epochs=epochs, accumulate_grad_batches=2, gradient_clip_val=0.5, accelerator="cpu", devices=1, logger=False,
+        max_epochs=epochs, accumulate_grad_batches=2, gradient_clip_val=0.5, accelerator="cpu", devices=1, logger=False, precision=precision,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, deterministic=True,
     )
     with warnings.catch_warnings():
@@ -97,3 +102,20 @@ def test_checkpoint_and_resume(device_mode: str, reference: Regression, tmp_path
     resumed = fit(tiered=True, resume=checkpoint)
     assert resumed.losses == reference.losses[8:]
     assert_same_weights(resumed, reference)
+
+
+def test_bf16_mixed_precision_with_clipping(device_mode: str) -> None:
+    """Lightning refuses clipping with an optimizer that unscales in ``step()`` (torch's fused
+    AdamW too), under bf16 as well, where no scaler exists: ``unscale_in_step=False`` is the way
+    (``fused=False`` was no way out: the refusal held whatever it was)."""
+    with pytest.raises(RuntimeError, match="does not allow for gradient clipping"):
+        fit(tiered=True, epochs=1, precision="bf16-mixed", fused=False)
+    ours = fit(tiered=True, precision="bf16-mixed", fused=False, unscale_in_step=False)
+    theirs = fit(tiered=False, precision="bf16-mixed", fused=False)
+    assert ours.losses == theirs.losses and len(ours.losses) == EPOCHS * 8
+    assert_same_weights(ours, theirs)
+
+
+def test_unscale_in_step_takes_a_bool() -> None:
+    with pytest.raises(TypeError, match="unscale_in_step"):
+        TieredAdamW(torch.nn.Linear(2, 2).parameters(), unscale_in_step="no")  # type: ignore[arg-type]

@@ -157,6 +157,13 @@ class PagedOptimizer(torch.optim.Optimizer):
     zero_stage:
         With ``process_group``: 1 (default) updates after the model's all-reduce (DDP's); 2
         reduce-scatters the gradients to their owners itself (for a model not wrapped in DDP).
+    unscale_in_step:
+        With a ``GradScaler``, take its scale and inf flag into ``step()`` and unscale the host
+        copies of the gradients (default), as torch's fused optimizers do; False: the scaler
+        unscales ``p.grad`` itself first (on a device each gradient then crosses to the host
+        again at ``step()``). Lightning refuses gradient clipping with an optimizer that
+        unscales in ``step()`` (torch's fused AdamW too), under any mixed precision, bf16 too:
+        pass False there.
 
     A ``step()`` that fails part-way (a full disk, a checksum error) raises
     ``StepIncompleteError`` naming the parameters it updated; calling ``step()`` again completes
@@ -194,7 +201,11 @@ class PagedOptimizer(torch.optim.Optimizer):
         emulate_device: bool | None = None,
         process_group: Any = None,
         zero_stage: int = 1,
+        unscale_in_step: bool = True,
     ) -> None:
+        if unscale_in_step.__class__ is not bool:
+            raise TypeError(f"unscale_in_step must be True or False, not {unscale_in_step!r}")
+        self._step_supports_amp_scaling = unscale_in_step
         if offload not in ("host", "disk"):
             raise ValueError(f"offload must be 'host' or 'disk', not {offload!r}")
         if step_in_backward and max_grad_norm is not None:
