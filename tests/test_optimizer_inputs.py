@@ -70,3 +70,21 @@ def test_the_memory_plan_shows_the_chunks_made_not_the_cap_asked_for() -> None:
         assert plan.chunked_parameters == 1 and f"chunks of up to {plan.chunk_bytes // 1024}.0 KiB" in str(plan)
     finally:
         opt.close()
+
+
+def test_a_parameter_listed_twice_in_a_group_is_refused() -> None:
+    """It was updated once per listing on the plain CPU but once on the emulated device, with
+    one step count (torch warns that this will be an error; its fused and for-loop kernels
+    disagree with each other too)."""
+    weight = torch.nn.Parameter(torch.ones(4))
+    with pytest.raises(ValueError, match="same parameter more than once"), pytest.warns(UserWarning):
+        TieredAdamW([weight, weight])
+    opt = TieredAdamW([torch.nn.Parameter(torch.ones(4))])
+    with pytest.raises(ValueError, match=r"positions \[1\]"), pytest.warns(UserWarning):
+        opt.add_param_group({"params": [weight, weight]})
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": [weight]})
+    weight.grad = torch.ones(4)
+    opt.step()
+    assert len(opt.param_groups) == 2 and float(opt.state[weight]["step"]) == 1
+    opt.close()

@@ -344,6 +344,15 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._require_open("add_param_group")
         first = len(self._slots)
         super().add_param_group(param_group)
+        listed = self.param_groups[-1]["params"]
+        if len({id(param) for param in listed}) != len(listed):
+            self.param_groups.pop()
+            repeated = sorted({i for i, param in enumerate(listed) if any(other is param for other in listed[:i])})
+            raise ValueError(
+                f"a parameter group lists the same parameter more than once (positions {repeated[:8]}): torch's "
+                "optimizers update it once per listing (their fused kernel differently again) and warn that this "
+                "will be an error; list each parameter once"
+            )
         try:
             self._add_slots()
             if self._constructed:  # (during construction, the constructor plans every group)
