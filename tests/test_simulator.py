@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -159,6 +160,13 @@ def test_bad_inputs_get_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixtu
         assert main(["simulate", str(path), "--capacity", "host=1MiB"]) != 0
         err = capsys.readouterr().err
         assert "is not a store trace" in err and says in err and "pickle" not in err
+    assert main(["simulate", "optimizer:keys=0", "--capacity", "host=1MiB"]) == 1  # (it printed an empty table)
+    assert "makes no accesses" in capsys.readouterr().err
+    (tmp_path / "one.csv").write_text("a,abc\n")  # one line, taken as a header: no accesses, said so
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (numpy's own "input contained no data" leaked out)
+        assert main(["simulate", str(tmp_path / "one.csv"), "--capacity", "host=1MiB"]) == 1
+    assert "taken as a header" in capsys.readouterr().err
 
 
 def test_the_custom_policy_example_runs(capsys: pytest.CaptureFixture[str]) -> None:

@@ -35,9 +35,12 @@ def open_trace(spec: str, columns: dict[str, int | str] | None = None) -> Trace:
             else:
                 raise ValueError(f"{kind} trace: {name}={value!r} is not a count (a whole number of 0 or more)")
         try:
-            return GENERATORS[kind](**kwargs)
+            trace = GENERATORS[kind](**kwargs)
         except TypeError as exc:
             raise ValueError(f"bad parameters for the {kind} trace: {exc}") from None
+        if not len(trace):
+            raise ValueError(f"the {kind} trace {spec!r} makes no accesses: give its counts (keys=, ...) 1 or more")
+        return trace
     path = Path(spec)
     if not path.exists():
         raise FileNotFoundError(f"no trace file {spec!r} (and not a synthetic trace: {', '.join(GENERATORS)})")

@@ -17,6 +17,7 @@ its writeback and update rows; a pop counts as an access.
 from __future__ import annotations
 
 import csv
+import warnings
 import zipfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -231,12 +232,15 @@ def _load_csv(path: Path, columns: Mapping[str, int | str], delimiter: str) -> T
     size_col = _column(columns.get("size", 1), names, path)
     header = len(names) > size_col and not _is_number(names[size_col])
     try:
-        table = np.loadtxt(path, delimiter=delimiter, usecols=(key_col, size_col), dtype=np.int64,
-                           skiprows=int(header), comments="#", ndmin=2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # (numpy's "input contained no data": said below)
+            table = np.loadtxt(path, delimiter=delimiter, usecols=(key_col, size_col), dtype=np.int64,
+                               skiprows=int(header), comments="#", ndmin=2)
     except ValueError:
         return _load_csv_plain(path, key_col, size_col, delimiter)
     if not len(table):
-        raise TraceError(f"{path} holds no accesses")
+        taken = f" (its first line, {first.strip()!r}, was taken as a header: its size column is not a number)" if header else ""
+        raise TraceError(f"{path} holds no accesses{taken}")
     if (table[:, 1] < 0).any():
         row = int(np.flatnonzero(table[:, 1] < 0)[0])
         raise TraceError(f"{path}: negative size {table[row, 1]} (access {row + 1})")
