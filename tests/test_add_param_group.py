@@ -25,9 +25,11 @@ def test_a_group_that_cannot_fit_is_refused_and_the_optimizer_goes_on(tmp_path: 
     twin = torch.nn.Linear(8, 8)
     twin.load_state_dict(small.state_dict())
     reference = torch.optim.AdamW(twin.parameters(), fused=True, weight_decay=0.0)
+    buckets = (opt.bucket_bytes, opt.inflight)
     with pytest.raises(OptimizerCapacityError, match="cannot hold"):
         opt.add_param_group({"params": list(big.parameters())})
     assert len(opt.param_groups) == 1 and big.weight not in opt.state
+    assert (opt.bucket_bytes, opt.inflight) == buckets
     for _ in range(3):
         inputs = torch.randn(2, 8)
         for model, optimizer in ((small, opt), (twin, reference)):
@@ -56,4 +58,17 @@ def test_a_large_parameter_added_later_is_paged_in_chunks(tmp_path: Path, device
             (one(a).sum() + two(b).pow(2).sum()).backward()
             optimizer.step()
     assert torch.equal(big.weight, twins[1].weight) and torch.equal(small.weight, twins[0].weight)
+    opt.close()
+
+
+def test_a_group_refused_by_the_memory_plan_leaves_the_buckets_as_they_were(tmp_path: Path, device_mode: str) -> None:
+    """Refused by the whole memory plan (each update fits, all of them together not), the group
+    stayed in the pipeline's plan: its buckets grew past the tier."""
+    torch.manual_seed(0)
+    opt = TieredAdamW(torch.nn.Linear(32, 32).parameters(), host_capacity="64KiB", min_offload_numel=16)
+    buckets = (opt.bucket_bytes, opt.inflight)
+    many = [torch.nn.Parameter(torch.randn(32, 32)) for _ in range(8)]
+    with pytest.raises(OptimizerCapacityError):
+        opt.add_param_group({"params": many})
+    assert (opt.bucket_bytes, opt.inflight) == buckets and len(opt.param_groups) == 1
     opt.close()

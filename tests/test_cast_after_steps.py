@@ -110,3 +110,34 @@ def test_a_master_loaded_after_the_cast_is_kept_whole(device_mode: str) -> None:
     assert torch.equal(opt.state_dict()["state"][0]["master"], other.state_dict()["state"][0]["master"])
     opt.close()
     other.close()
+
+
+def test_a_cast_whose_master_cannot_fit_is_refused_clearly_and_loses_nothing(tmp_path: Path, device_mode: str) -> None:
+    """Keeping the master apart makes 8-bit state three times larger: chunks planned for the
+    smaller layout no longer fit the host tier. Every step then failed with a TierFullError and
+    advice to call step() again that failed the same way; now it says why, with the state as it
+    was (the cast parameter's moments and count unchanged)."""
+    if device_mode == "emulated":
+        pytest.skip("on a device the master is always apart: nothing moves")
+    from tierstore.optim import StepIncompleteError
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256, bias=False)
+    opt = TieredAdamW(model.parameters(), state_precision="8bit", offload="disk", disk_root=tmp_path / "d", min_offload_numel=1,
+                      chunk_bytes="64KiB", host_capacity="128KiB")
+    for _ in range(2):
+        model.weight.grad = torch.randn(256, 256)
+        opt.step()
+    before = opt.state_dict()["state"][0]
+    model.to(torch.bfloat16)
+    model.weight.grad = torch.randn(256, 256).to(torch.bfloat16)
+    for _ in range(2):  # (and again: the same answer, not a different failure)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with pytest.raises(StepIncompleteError, match="can no longer be its own fp32 master"):
+                opt.step()
+    opt.zero_grad()
+    after = opt.state_dict()["state"][0]
+    assert torch.equal(after["exp_avg"], before["exp_avg"]) and torch.equal(after["step"], before["step"])
+    assert opt.memory_plan().fits
+    opt.close()

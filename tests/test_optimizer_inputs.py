@@ -88,3 +88,10 @@ def test_a_parameter_listed_twice_in_a_group_is_refused() -> None:
     opt.step()
     assert len(opt.param_groups) == 2 and float(opt.state[weight]["step"]) == 1
     opt.close()
+
+
+def test_unscale_in_step_false_is_refused_with_zero_stage_2() -> None:
+    """Each rank's GradScaler would check its own gradients before the reduce-scatter: one rank
+    skipped its step while the other waited for it in a collective."""
+    with pytest.raises(ValueError, match="unscale_in_step=False with zero_stage=2"):
+        TieredAdamW([torch.nn.Parameter(torch.ones(4))], process_group=True, zero_stage=2, unscale_in_step=False)

@@ -47,7 +47,13 @@ from .clipping import inverse_scale
 from .distributed import ParamRange
 from .memory_order import InMemoryOrder, memory_order
 from .paging import PagedOptimizer, ParamSlot
-from .pipeline import fill_weight_range, offloaded, read_weight, read_weight_range
+from .pipeline import (
+    OptimizerCapacityError,
+    fill_weight_range,
+    offloaded,
+    read_weight,
+    read_weight_range,
+)
 from .precision import AdamHyper, PackedState, StateLayout, can_be_master, validate
 from .resident import Piece
 
@@ -297,10 +303,9 @@ class TieredAdam(PagedOptimizer):
         they are for an optimizer that keeps its master apart and reloads it after the cast),
         with a warning. Called before the state is held (on the loop; a chunked parameter's runs
         wait for the first one's move)."""
-        moving = self._master_moves.get(slot.index)
-        if moving is not None:  # (another run of its chunks is moving it: wait for the whole move)
-            async with moving:
-                return
+        while (moving := self._master_moves.get(slot.index)) is not None:
+            async with moving:  # (another run of its chunks is moving it: wait, then look again)
+                pass
         unwritten = self._master_rows_unwritten.get(slot.index)
         if unwritten is None and (not slot.param_master or slot.param.dtype == torch.float32 or offloaded(slot.param) is not None):
             return
@@ -310,8 +315,7 @@ class TieredAdam(PagedOptimizer):
                 if unwritten is None:
                     has_state = slot.resident is not None if not slot.paged else self._saved_pieces(slot) is not None
                     rows = (await self.read_state_rows(slot)).clone() if has_state else None  # (master: the parameter now)
-                    slot.param_master = False
-                    self._pieces_made.pop(slot.index, None)
+                    self._master_apart(slot)
                     warnings.warn(
                         f"parameter {slot.index} is {slot.param.dtype} now, and it was its own fp32 master: the optimizer "
                         "keeps an fp32 master apart from it from now on, loaded from it as it is (the bits the cast dropped "
@@ -326,6 +330,26 @@ class TieredAdam(PagedOptimizer):
                 self._master_rows_unwritten.pop(slot.index, None)
             finally:
                 del self._master_moves[slot.index]
+
+    def _master_apart(self, slot: ParamSlot) -> None:
+        """Lay ``slot``'s state out with the master apart from the parameter, and size the
+        buckets for it (its chunks keep their elements and grow by the master); if one of its
+        updates can no longer fit, ``OptimizerCapacityError`` with the layout as it was."""
+        slot.param_master = False
+        self._pieces_made.pop(slot.index, None)
+        pipeline = self._pipeline
+        if pipeline is None:
+            return
+        try:
+            pipeline.replan()
+        except OptimizerCapacityError as error:
+            slot.param_master = True
+            pipeline.replan()
+            raise OptimizerCapacityError(
+                f"parameter {slot.index} is {slot.param.dtype} now and can no longer be its own fp32 master; keeping the "
+                f"master apart makes its state larger, and it does not fit: {error} (or cast the model before making the "
+                "optimizer)"
+            ) from None
 
     @asynccontextmanager
     async def _state(self, slot: ParamSlot) -> AsyncIterator[Any]:

@@ -409,6 +409,21 @@ class Sharding:
         self._ranges.append(view)
         return view
 
+    def forget_from(self, count: int) -> None:
+        """Forget the parameters recorded after the first ``count`` (a group refused)."""
+        dropped = self.params[count:]
+        del self.params[count:]
+        self.global_index = [index for index in self.global_index if index < count]
+        self._ranges = [view for view in self._ranges if all(view.param is not p for p in dropped)]
+        for param in dropped:
+            self._owner.pop(id(param), None)
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on any rank (a collective: every rank calls it)."""
+        value = torch.tensor([int(flag)], dtype=torch.int32, device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(value.item())
+
     def split(self) -> list[torch.Tensor]:
         """The parameters whose state is split across the ranks."""
         return [p for p in self.params if not isinstance(self.owner(p), int)]

@@ -205,6 +205,12 @@ class PagedOptimizer(torch.optim.Optimizer):
     ) -> None:
         if unscale_in_step.__class__ is not bool:
             raise TypeError(f"unscale_in_step must be True or False, not {unscale_in_step!r}")
+        if not unscale_in_step and process_group not in (None, False) and zero_stage == 2:
+            raise ValueError(
+                "unscale_in_step=False with zero_stage=2: each rank's GradScaler would check its own gradients before "
+                "the reduce-scatter, so ranks would disagree on skipped steps (and wait for each other); use zero_stage=1 "
+                "with DDP (its all-reduce comes first), or the default unscale_in_step=True"
+            )
         self._step_supports_amp_scaling = unscale_in_step
         if offload not in ("host", "disk"):
             raise ValueError(f"offload must be 'host' or 'disk', not {offload!r}")
@@ -353,22 +359,41 @@ class PagedOptimizer(torch.optim.Optimizer):
                 "optimizers update it once per listing (their fused kernel differently again) and warn that this "
                 "will be an error; list each parameter once"
             )
+        sharded = len(self._sharding.params) if self._sharding is not None else 0
         try:
             self._add_slots()
             if self._constructed:  # (during construction, the constructor plans every group)
-                assert self._pipeline is not None
-                self._pipeline.plan_added(self._slots[first:])
-                plan = self.memory_plan()
-                if not plan.fits:
-                    self._pipeline.plan_added([])  # (the buckets as they were)
-                    raise OptimizerCapacityError("this parameter group cannot fit: " + "; ".join(plan.problems) + f"\n{plan}")
+                self._plan_added(self._slots[first:])
         except BaseException:
             for slot in self._slots[first:]:
                 if slot.hook is not None:
                     slot.hook.remove()
             del self._slots[first:]
+            if self._sharding is not None:
+                self._sharding.forget_from(sharded)
             self.param_groups.pop()
             raise
+
+    def _plan_added(self, added: list[ParamSlot]) -> None:
+        """Plan a group added after construction, or raise ``OptimizerCapacityError`` with the
+        plan as it was. With sharded state every rank agrees (each holds other parameters of it)."""
+        assert self._pipeline is not None
+        pipeline = self._pipeline
+        error: OptimizerCapacityError | None = None
+        try:
+            pipeline.plan_added(added)
+        except OptimizerCapacityError as exc:
+            error = exc
+        else:
+            plan = self.memory_plan()
+            if not plan.fits:
+                pipeline.replan(without=added)
+                error = OptimizerCapacityError("this parameter group cannot fit: " + "; ".join(plan.problems) + f"\n{plan}")
+        if self._sharding is not None and self._sharding.any_rank(error is not None) and error is None:
+            pipeline.replan(without=added)
+            error = OptimizerCapacityError("this parameter group cannot fit on another rank (its error says why there)")
+        if error is not None:
+            raise error
 
     def _add_slots(self) -> None:
         """A slot for each parameter of the last group (this rank's part of it)."""

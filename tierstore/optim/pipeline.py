@@ -137,6 +137,12 @@ class UpdatePipeline:
             self.plan(before, *self._plan_args, only=())
             raise
 
+    def replan(self, without: Sequence[ParamSlot] = ()) -> None:
+        """Size the buckets again (the state of a slot changed layout; slots were refused): for
+        the slots planned less ``without``, none chunked again. ``OptimizerCapacityError`` as
+        ``plan``."""
+        self.plan([slot for slot in self._slots if all(slot is not other for other in without)], *self._plan_args, only=())
+
     def plan(
         self, slots: Sequence[ParamSlot], bucket_bytes: int, max_inflight: int, in_backward: bool, chunk_bytes: int = 0,
         only: Sequence[ParamSlot] | None = None,
