@@ -49,3 +49,23 @@ async def test_a_non_tensor_out_is_an_invalid_tensor_error(out: object) -> None:
         with pytest.raises(InvalidTensorError, match="out must be a tensor"):
             await store.get("good", out=out)  # type: ignore[arg-type]
         assert torch.equal(await store.get("good"), torch.arange(10.0))
+
+
+async def test_a_str_subclass_key_reaches_traces_and_reports_as_its_text(tmp_path: Path) -> None:
+    """hold, pop and delete recorded the caller's object: the trace held one key under two ids
+    (and 'before' was -1 on hits); info() returned the caller's object."""
+    trace = tmp_path / "t.npz"
+    big = torch.arange(100_000.0)
+    async with TierStore([HostTier("8MiB"), DiskTier(tmp_path / "d", "64MiB")], trace=trace) as store:
+        await store.put("good", big)
+        await store.get(OddKey("good"))
+        async with store.hold(OddKey("good")):
+            pass
+        assert type(store.info(OddKey("good"))["key"]) is str
+        await store.put("p", big)
+        await store.pop(OddKey("p"))
+        await store.delete(OddKey("good"))
+    recorded = np.load(trace)
+    assert sorted(str(key) for key in recorded["keys"]) == ["good", "p"]
+    hits = recorded["hit"] == 1
+    assert hits.sum() >= 3 and (recorded["before"][hits] >= 0).all()

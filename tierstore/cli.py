@@ -163,10 +163,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         # The reader of our output went away (``tierstore info ... | head``): what it did not read
         # is not wanted. Python's own recipe: point stdout at devnull so that the flush at exit
-        # does not raise again, and exit with 1.
+        # does not raise again; exit as a process ended by SIGPIPE does (128 + 13), not 1,
+        # which ``info`` answers for a damaged store.
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
-        return 1
+        return 141
 
 
 def _main(argv: Sequence[str] | None) -> int:

@@ -45,7 +45,8 @@ def describe_folder(root: str | Path, verify: bool = False, progress: bool = Fal
     records.sort(key=lambda r: r.key)
     problems, damaged = _health(root, layout.segments, records)
     if verify:
-        failed = _verify(root, layout.chunk_size, [r for r in records if r.key not in damaged], progress)
+        unreadable = set(damaged)
+        failed = _verify(root, layout.chunk_size, [r for r in records if r.key not in unreadable], progress)
         if failed:
             shown = ", ".join(repr(k) for k in failed[:10]) + (f" and {len(failed) - 10} more" if len(failed) > 10 else "")
             problems.append(f"{len(failed)} entries fail their checksums (their bytes on disk are corrupt): {shown}")
@@ -161,50 +162,83 @@ def _health(root: Path, segments: tuple[int, ...], records: list[DiskRecord]) ->
 def _verify(root: Path, chunk_size: int, records: list[DiskRecord], progress: bool) -> list[str]:
     """The keys of ``records`` whose bytes fail their checksums (or cannot be read whole): each
     value read back chunk by chunk, its extent from its data file, an inline one from the
-    catalog."""
+    catalog. The folder may be in use: a value that fails is looked up again, and counts only
+    if its record, read again, still names those bytes and they fail again (a writer may have
+    replaced or deleted it since the catalog was read, and reused its old extent)."""
     from tqdm import tqdm
 
-    failed: list[str] = []
-    inline = [r for r in records if r.extent is None]
-    if inline:
-        catalog = Catalog(root / "catalog", durable=False)
-        catalog.open_readonly()
-        try:
-            for record in inline:
-                found = catalog.get(record.key)
-                raw = found.data if found is not None and found.data is not None else None
-                if raw is None or len(raw) != record.meta.nbytes or checksum(np.frombuffer(raw, dtype=np.uint8)) != record.checksums[0]:
-                    failed.append(record.key)
-        finally:
-            catalog.close()
-    in_files = sorted((r for r in records if r.extent is not None), key=lambda r: (r.extent.segment, r.extent.offset))  # type: ignore[union-attr]
-    total = sum(r.meta.nbytes for r in in_files)
+    catalog = Catalog(root / "catalog", durable=False)
+    catalog.open_readonly()
+    files = _SegmentReader(root)
+    total = sum(r.meta.nbytes for r in records)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="verifying", disable=not progress or not total)
-    handles: dict[int, Any] = {}
+    failed: list[str] = []
     try:
-        for record in in_files:
-            extent = record.extent
-            assert extent is not None
-            if extent.segment not in handles:
-                handles[extent.segment] = open(root / "data" / segment_name(extent.segment), "rb")  # noqa: SIM115 (closed below)
-            handle = handles[extent.segment]
-            starts = range(0, max(record.meta.nbytes, 1), chunk_size)
-            good = len(starts) == len(record.checksums)
-            for start, expected in zip(starts, record.checksums, strict=False):
-                length = min(chunk_size, record.meta.nbytes - start)
-                handle.seek(extent.offset + start)
-                raw = handle.read(length)
-                if len(raw) != length or checksum(np.frombuffer(raw, dtype=np.uint8)) != expected:
-                    good = False
-                    break
-            if not good:
+        order = sorted(records, key=lambda r: (r.extent.segment, r.extent.offset) if r.extent is not None else (-1, 0))
+        for record in order:
+            if not _intact(record, catalog, files, chunk_size) and _still_fails(record, catalog, files, chunk_size):
                 failed.append(record.key)
             bar.update(record.meta.nbytes)
     finally:
-        for handle in handles.values():
-            handle.close()
+        files.close()
+        catalog.close()
         bar.close()
     return sorted(failed)
+
+
+def _still_fails(record: DiskRecord, catalog: Catalog, files: _SegmentReader, chunk_size: int, tries: int = 3) -> bool:
+    """Whether ``record``'s key, looked up again, still fails: its newest record names the same
+    bytes and they fail again (a record that changes each time counts as in use, not corrupt)."""
+    for _ in range(tries):
+        current = catalog.get(record.key)
+        if current is None:
+            return False  # deleted meanwhile
+        if _intact(current, catalog, files, chunk_size):
+            return False
+        if (current.version, current.extent) == (record.version, record.extent):
+            return True
+        record = current
+    return False
+
+
+def _intact(record: DiskRecord, catalog: Catalog, files: _SegmentReader, chunk_size: int) -> bool:
+    """Whether ``record``'s bytes are all there and pass their checksums."""
+    extent = record.extent
+    if extent is None:  # inline: the bytes are in the catalog's record
+        found = catalog.get(record.key)
+        raw = found.data if found is not None and found.version == record.version else None
+        return raw is not None and len(raw) == record.meta.nbytes and checksum(np.frombuffer(raw, dtype=np.uint8)) == record.checksums[0]
+    starts = range(0, max(record.meta.nbytes, 1), chunk_size)
+    if len(starts) != len(record.checksums):
+        return False
+    for start, expected in zip(starts, record.checksums, strict=True):
+        length = min(chunk_size, record.meta.nbytes - start)
+        raw = files.read(extent.segment, extent.offset + start, length)
+        if len(raw) != length or checksum(np.frombuffer(raw, dtype=np.uint8)) != expected:
+            return False
+    return True
+
+
+class _SegmentReader:
+    """The data files of a folder, opened for reading as they are first needed."""
+
+    def __init__(self, root: Path) -> None:
+        self._root = root
+        self._handles: dict[int, Any] = {}
+
+    def read(self, segment: int, offset: int, length: int) -> bytes:
+        handle = self._handles.get(segment)
+        if handle is None:
+            try:
+                handle = self._handles[segment] = open(self._root / "data" / segment_name(segment), "rb")  # noqa: SIM115 (closed by close())
+            except FileNotFoundError:
+                return b""
+        handle.seek(offset)
+        return handle.read(length)  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        for handle in self._handles.values():
+            handle.close()
 
 
 def _namespaces(root: Path, chunk_size: int, records: list[DiskRecord], index: DiskRecord | None) -> list[dict[str, Any]]:

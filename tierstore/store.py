@@ -269,7 +269,7 @@ class TierStore:
         self._engine.require_open()
         entry = self._engine.visible_entry(key)
         return {
-            "key": key,
+            "key": entry.key,
             "dtype": entry.meta.dtype,
             "shape": entry.meta.shape,
             "nbytes": entry.meta.nbytes,

@@ -413,7 +413,7 @@ class Catalog:
         """Open for reading only (safe beside a process that has the folder open for writing)."""
         if not (self.path / "data.mdb").exists():
             raise CatalogError(f"{self.path} holds no tierstore catalog")
-        self._refuse_emptied()
+        self._refuse_emptied(opening=False)
         raw = self._open_env(readonly=True, lock=True, readahead=False)
         if raw is None:
             self.close()
@@ -421,14 +421,14 @@ class Catalog:
         self.layout = CatalogLayout.from_bytes(raw, self.path)
         return self.layout
 
-    def _refuse_emptied(self) -> None:
+    def _refuse_emptied(self, opening: bool = True) -> None:
         data = self.path / "data.mdb"
         if data.exists() and data.stat().st_size == 0:
             # LMDB writes its meta pages as it creates the file: an empty one was truncated, and
             # small values lived in it (they have no data files to betray their loss).
             raise CatalogError(
-                f"the catalog {data} is empty (truncated): whatever the store held is lost. Refusing to start "
-                "over on top of it (move the folder away to start fresh)"
+                f"the catalog {data} is empty (truncated): whatever the store held is lost"
+                + (". Refusing to start over on top of it (move the folder away to start fresh)" if opening else "")
             )
 
     def _open_env(self, **options: Any) -> bytes | None:
