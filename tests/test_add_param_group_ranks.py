@@ -7,6 +7,7 @@ taken by all and trains as torch's AdamW under the same all-reduce."""
 from __future__ import annotations
 
 import json
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ LIMIT_S = 240
 
 def run_rank(rank: int, world: int, port: int, out: str) -> None:
     warnings.simplefilter("ignore")
-    with gloo_group(rank, world, port):
+    with gloo_group(rank, world, port, timeout_s=30):
         Path(out, f"rank{rank}.json").write_text(json.dumps(_ranks_agree(rank)))
 
 
@@ -37,6 +38,16 @@ def _ranks_agree(rank: int) -> dict[str, Any]:
     except OptimizerCapacityError as error:
         result["big"] = "refused"
         result["message"] = str(error)
+    # a parameter that fails on its owner only (no link for the meta device): the other rank
+    # waited for it in the agreement until the process group's timeout
+    meta = torch.nn.Parameter(torch.empty(8, 8, device="meta"))
+    started = time.perf_counter()
+    try:
+        opt.add_param_group({"params": [meta]})
+        result["meta"] = "accepted"
+    except (ValueError, OptimizerCapacityError) as error:
+        result["meta"] = type(error).__name__
+    result["meta_s"] = time.perf_counter() - started
     fits = torch.nn.Parameter(torch.randn(16, 16))
     opt.add_param_group({"params": [fits]})
     result["groups"] = len(opt.param_groups)
@@ -58,3 +69,4 @@ def test_ranks_refuse_a_group_together_and_take_the_next(tmp_path: Path) -> None
     assert [r["big"] for r in ranks] == ["refused", "refused"], ranks
     assert any("another rank" in r["message"] for r in ranks) and any("cannot" in r["message"] for r in ranks), ranks
     assert all(r["groups"] == 2 and r["equal"] for r in ranks), ranks
+    assert sorted(r["meta"] for r in ranks) == ["OptimizerCapacityError", "ValueError"] and all(r["meta_s"] < 10 for r in ranks), ranks

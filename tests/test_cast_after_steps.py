@@ -141,3 +141,54 @@ def test_a_cast_whose_master_cannot_fit_is_refused_clearly_and_loses_nothing(tmp
     assert torch.equal(after["exp_avg"], before["exp_avg"]) and torch.equal(after["step"], before["step"])
     assert opt.memory_plan().fits
     opt.close()
+
+
+def test_a_state_loaded_after_the_cast_that_cannot_fit_is_refused_before_anything_is_written(tmp_path: Path, device_mode: str) -> None:
+    """``load_state_dict`` after the cast moved the master apart without planning for it: the load
+    failed part-way with a TierFullError and every later step with it."""
+    if device_mode == "emulated":
+        pytest.skip("on a device the master is always apart: nothing moves")
+    from tierstore.optim import OptimizerCapacityError
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256, bias=False)
+    opt = TieredAdamW(model.parameters(), state_precision="8bit", offload="disk", disk_root=tmp_path / "d", min_offload_numel=1,
+                      chunk_bytes="64KiB", host_capacity="128KiB")
+    for _ in range(2):
+        model.weight.grad = torch.randn(256, 256)
+        opt.step()
+    saved = opt.state_dict()
+    model.to(torch.bfloat16)
+    with pytest.raises(OptimizerCapacityError, match="can no longer be its own fp32 master"):
+        opt.load_state_dict(saved)
+    assert opt.memory_plan().fits
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], saved["state"][0]["exp_avg"])
+    opt.close()
+
+
+@pytest.mark.parametrize("capacity", ["80KiB", "160KiB"])
+def test_steps_after_a_cast_that_shrinks_the_buckets_in_flight_succeed(tmp_path: Path, device_mode: str, capacity: str) -> None:
+    """Once the master moved apart, fewer updates fit in flight; the places they take kept their
+    old number, and later steps failed with TierFullError (for good at 80 KiB). The step in which
+    the move happens may still need ``step()`` again (its runs were cut for the smaller state)."""
+    from tierstore.optim import StepIncompleteError
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256, bias=False)
+    opt = TieredAdamW(model.parameters(), state_precision="8bit", offload="disk", disk_root=tmp_path / "d", min_offload_numel=1,
+                      chunk_bytes="16KiB", host_capacity=capacity, max_inflight=4)
+    for _ in range(2):
+        model.weight.grad = torch.randn(256, 256)
+        opt.step()
+    model.to(torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for index in range(4):
+            model.weight.grad = torch.randn(256, 256).to(torch.bfloat16)
+            try:
+                opt.step()
+            except StepIncompleteError:
+                assert index == 0, "only the step that moved the master may need a second call"
+                opt.step()
+    assert opt.memory_plan().fits
+    opt.close()

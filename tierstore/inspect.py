@@ -193,7 +193,12 @@ def _still_fails(record: DiskRecord, catalog: Catalog, files: _SegmentReader, ch
         current = catalog.get(record.key)
         if current is None:
             return False  # deleted meanwhile
-        if _intact(current, catalog, files, chunk_size):
+        files = _SegmentReader(files.root)  # (a data file may have been deleted and made again since it was opened)
+        try:
+            intact = _intact(current, catalog, files, chunk_size)
+        finally:
+            files.close()
+        if intact:
             return False
         if (current.version, current.extent) == (record.version, record.extent):
             return True
@@ -223,14 +228,14 @@ class _SegmentReader:
     """The data files of a folder, opened for reading as they are first needed."""
 
     def __init__(self, root: Path) -> None:
-        self._root = root
+        self.root = root
         self._handles: dict[int, Any] = {}
 
     def read(self, segment: int, offset: int, length: int) -> bytes:
         handle = self._handles.get(segment)
         if handle is None:
             try:
-                handle = self._handles[segment] = open(self._root / "data" / segment_name(segment), "rb")  # noqa: SIM115 (closed by close())
+                handle = self._handles[segment] = open(self.root / "data" / segment_name(segment), "rb")  # noqa: SIM115 (closed by close())
             except FileNotFoundError:
                 return b""
         handle.seek(offset)

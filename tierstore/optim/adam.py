@@ -462,8 +462,7 @@ class TieredAdam(PagedOptimizer):
         written into the parameter (one no longer fp32 cannot hold the master: it is kept apart
         from then on, as ``_keep_master_apart`` does)."""
         if slot.param_master and slot.param.dtype != torch.float32 and offloaded(slot.param) is None:
-            slot.param_master = False
-            self._pieces_made.pop(slot.index, None)
+            self._master_apart(slot)  # (before anything is written: OptimizerCapacityError if it cannot fit)
         if self._param_is_master(slot):
             offload = offloaded(slot.param)
             if offload is not None:

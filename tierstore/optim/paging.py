@@ -360,40 +360,43 @@ class PagedOptimizer(torch.optim.Optimizer):
                 "will be an error; list each parameter once"
             )
         sharded = len(self._sharding.params) if self._sharding is not None else 0
+        error: BaseException | None = None
+        planned = False
         try:
             self._add_slots()
             if self._constructed:  # (during construction, the constructor plans every group)
                 self._plan_added(self._slots[first:])
-        except BaseException:
-            for slot in self._slots[first:]:
-                if slot.hook is not None:
-                    slot.hook.remove()
-            del self._slots[first:]
-            if self._sharding is not None:
-                self._sharding.forget_from(sharded)
-            self.param_groups.pop()
-            raise
+                planned = True
+        except BaseException as exc:  # noqa: BLE001 - raised below, once every rank has said how it went
+            error = exc
+        if self._constructed and self._sharding is not None and self._sharding.any_rank(error is not None) and error is None:
+            # (each rank holds other parameters of the group: a rank that failed has refused it,
+            # and so do the others, rather than wait for it in a later collective)
+            error = OptimizerCapacityError("this parameter group could not be added on another rank (its error says why there)")
+        if error is None:
+            return
+        if planned:
+            assert self._pipeline is not None
+            self._pipeline.replan(without=self._slots[first:])
+        for slot in self._slots[first:]:
+            if slot.hook is not None:
+                slot.hook.remove()
+        del self._slots[first:]
+        if self._sharding is not None:
+            self._sharding.forget_from(sharded)
+        self.param_groups.pop()
+        raise error
 
     def _plan_added(self, added: list[ParamSlot]) -> None:
         """Plan a group added after construction, or raise ``OptimizerCapacityError`` with the
-        plan as it was. With sharded state every rank agrees (each holds other parameters of it)."""
+        plan as it was."""
         assert self._pipeline is not None
         pipeline = self._pipeline
-        error: OptimizerCapacityError | None = None
-        try:
-            pipeline.plan_added(added)
-        except OptimizerCapacityError as exc:
-            error = exc
-        else:
-            plan = self.memory_plan()
-            if not plan.fits:
-                pipeline.replan(without=added)
-                error = OptimizerCapacityError("this parameter group cannot fit: " + "; ".join(plan.problems) + f"\n{plan}")
-        if self._sharding is not None and self._sharding.any_rank(error is not None) and error is None:
+        pipeline.plan_added(added)  # (OptimizerCapacityError: the plan as it was)
+        plan = self.memory_plan()
+        if not plan.fits:
             pipeline.replan(without=added)
-            error = OptimizerCapacityError("this parameter group cannot fit on another rank (its error says why there)")
-        if error is not None:
-            raise error
+            raise OptimizerCapacityError("this parameter group cannot fit: " + "; ".join(plan.problems) + f"\n{plan}")
 
     def _add_slots(self) -> None:
         """A slot for each parameter of the last group (this rank's part of it)."""

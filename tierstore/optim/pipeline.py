@@ -95,7 +95,9 @@ class UpdatePipeline:
         self.inflight = 1
         #: State bytes per chunk of the parameters paged in chunks (0: none is).
         self.chunk_bytes = 0
-        self._gate: asyncio.Semaphore | None = None
+        #: The ``inflight`` places buckets and runs take (``inflight`` read at each take: a re-plan
+        #: during a step may lower it).
+        self._gate = Places(lambda: self.inflight)
         self._open: list[ParamSlot] = []
         self._open_bytes = 0
         #: Of ``_open_bytes``, what must come up to the state tier (not there when added).
@@ -372,8 +374,6 @@ class UpdatePipeline:
     @asynccontextmanager
     async def place(self) -> AsyncIterator[None]:
         """One of the ``inflight`` places, as a bucket takes one."""
-        if self._gate is None:
-            self._gate = asyncio.Semaphore(self.inflight)
         async with self._gate:
             yield
 
@@ -451,8 +451,6 @@ class UpdatePipeline:
     async def _update(self, slots: list[ParamSlot], coef: torch.Tensor | None, scale: torch.Tensor | None, after: Any) -> None:
         """Update a bucket: hold states and gradients, run the math (slots whose state was
         updated by an earlier, failed attempt only send their weight), write the weights."""
-        if self._gate is None:
-            self._gate = asyncio.Semaphore(self.inflight)
         todo = [slot for slot in slots if not slot.updated]
         async with self._gate, AsyncExitStack() as stack:
             ready = None if self._flat else [not slot.paged or self._store._on_tier(slot.key, self._tier, idle=True) for slot in slots]
@@ -517,8 +515,6 @@ class UpdatePipeline:
         """Start updating ``slot`` chunk by chunk (chunks already done by a failed attempt are
         skipped): consecutive chunks in runs of up to ``bucket_bytes`` (one math call, one thread
         hop each), each run taking one of the ``inflight`` places in turn."""
-        if self._gate is None:
-            self._gate = asyncio.Semaphore(self.inflight)
         if not slot.updated:
             self._owner._begin_chunks(slot)
         chunks = [chunk for chunk in slot.chunks or [] if chunk.index not in slot.chunks_written]
@@ -577,7 +573,6 @@ class UpdatePipeline:
         self, slot: ParamSlot, runs: list[list[Chunk]], sizes: list[int], index: int, coef: torch.Tensor | None,
         scale: torch.Tensor | None, after: Any,
     ) -> None:
-        assert self._gate is not None
         param = slot.param
         if isinstance(param, torch.Tensor) and not param.is_contiguous() and offloaded(param) is None:
             raise RuntimeError(
@@ -954,3 +949,29 @@ def _chunk_advice(slot: ParamSlot, chunkable: bool, chunk_bytes: int) -> str:
     if chunkable:
         return ", or page its state in chunks (chunk_bytes=)"
     return ", or page its state in chunks (chunk_bytes=; a TieredOptimizer only where its optimizer is elementwise)"
+
+
+class Places:
+    """At most ``limit()`` holders at once, as a semaphore whose size is read at every take
+    (a re-plan during a step changes ``inflight``: places already taken are kept, new ones
+    wait until fewer than the new limit are held). Every release wakes every waiter, which
+    looks again (a waiter cancelled meanwhile cannot swallow the wake-up of another)."""
+
+    def __init__(self, limit: Callable[[], int]) -> None:
+        self._limit = limit
+        self._held = 0
+        self._waiting: list[asyncio.Future[None]] = []
+
+    async def __aenter__(self) -> None:
+        while self._held >= max(self._limit(), 1):
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiting.append(waiter)
+            await waiter
+        self._held += 1
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._held -= 1
+        waiting, self._waiting = self._waiting, []
+        for waiter in waiting:
+            if not waiter.done():
+                waiter.set_result(None)
