@@ -83,3 +83,32 @@ def test_compiled_autograd(device_mode: str) -> None:
 def test_compiled_inductor(device_mode: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Inductor generates C++ kernels for the forward and backward (the first compile takes a while)."""
     assert_same("inductor")
+
+
+def test_compiled_model_with_both_offloads(device_mode: str) -> None:
+    """``offload_parameters`` and ``offload_activations`` together under ``torch.compile``: dynamo
+    traced the parameters' saved-tensor hook into the activations' one and on into the store,
+    and the first forward raised its internal 'Cannot generate resume function for ...
+    coroutine'. The hooks now run as Python (a graph break): the same gradients as without."""
+    from tierstore import HostTier, SyncTierStore
+    from tierstore.swap import offload_activations, offload_parameters
+
+    def grads(swapped: bool) -> list[torch.Tensor]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+        compiled = torch.compile(model, backend="aot_eager")
+        inputs = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+        if not swapped:
+            compiled(inputs).pow(2).mean().backward()
+            return [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+        with SyncTierStore([HostTier("16MiB")]) as store:
+            weights = offload_parameters(model, store)
+            with offload_activations(store, min_bytes=1):
+                loss = compiled(inputs).pow(2).mean()
+            loss.backward()
+            weights.detach()
+            return [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+
+    for ours, theirs in zip(grads(True), grads(False), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)

@@ -239,7 +239,7 @@ class _SegmentReader:
             except FileNotFoundError:
                 return b""
         handle.seek(offset)
-        return handle.read(length)  # type: ignore[no-any-return]
+        return handle.read(length)
 
     def close(self) -> None:
         for handle in self._handles.values():

@@ -341,7 +341,9 @@ class ParameterOffload:
         if _in_backward():  # a checkpoint's recompute: its own hooks must see what the forward saves
             self._saving.append(None)
             return
-        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        # (run as Python under torch.compile: traced, the pack went on into the activations' own
+        # hook and the store, which dynamo cannot trace)
+        hooks = torch.autograd.graph.saved_tensors_hooks(torch.compiler.disable(self._pack), torch.compiler.disable(self._unpack))
         hooks.__enter__()
         self._saving.append(hooks)
 
