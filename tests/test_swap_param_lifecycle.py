@@ -173,3 +173,33 @@ def test_a_close_on_its_own_loop_while_detach_runs_on_another_thread_waits_for_i
         assert all(torch.equal(p, b) for p, b in zip(m.parameters(), before, strict=True))
 
     asyncio.run(main())
+
+
+def test_detach_between_forward_and_backward_gives_torch_gradients(device_mode: str) -> None:
+    """backward after ``detach()`` raised ``KeyNotFoundError: no key 'swap/params/...'`` (its
+    units' hooks asked the store for weights detach had put back); it uses them in place now."""
+    plain, swapped = model(), model()
+    inputs = torch.randn(8, 16, generator=torch.Generator().manual_seed(3))
+    plain(inputs).square().mean().backward()
+    with SyncTierStore([DeviceTier("cpu", "64KiB"), HostTier("8MiB")]) as store:
+        offload = offload_parameters(swapped, store)
+        loss = swapped(inputs).square().mean()
+        offload.detach()
+        loss.backward()
+    for ours, theirs in zip(swapped.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(ours, theirs) and torch.equal(ours.grad, theirs.grad)  # type: ignore[arg-type]
+
+
+def test_offload_activations_on_a_closed_store_refuses_at_once(device_mode: str) -> None:
+    """Forward ran on, counting saves that never left (the report doubled its counts with no
+    bytes moved), and only backward raised."""
+    from tierstore.errors import StoreClosedError
+    from tierstore.swap import offload_activations
+
+    store = SyncTierStore([HostTier("8MiB")])
+    store.open()
+    saved = offload_activations(store, min_bytes=1)
+    store.close()
+    with pytest.raises(StoreClosedError, match="offload_activations: its store is closed"), saved:
+        pass
+    assert saved.report.offloaded == 0

@@ -132,6 +132,8 @@ class ActivationOffload:
                 "this offload_activations object is entered already (a `with` inside its own `with`): "
                 "nest two offload_activations objects instead, or use one `with` per forward"
             )
+        if not self.store.is_open:  # (else forward ran on, counting saves that never left, and backward raised)
+            raise StoreClosedError("offload_activations: its store is closed; make a new one on an open store")
         if self._order:  # the previous step's backward order becomes what we prefetch along
             order = self._order
             self._learned = {index: order[position + 1 :] for position, index in enumerate(order)}

@@ -480,6 +480,8 @@ class ParameterOffload:
             self._give_back_all()
 
     def _hold_weights(self, weights: list[_Weight], holder: int) -> None:
+        if self._detached:  # (a backward through a forward made before detach(): the weights are in place)
+            return
         started = time.perf_counter()
         todo = [w for w in weights if w.hold is None]
         _check_unchanged(todo)
@@ -557,6 +559,8 @@ class ParameterOffload:
         """Prefetch the units that follow, in last step's order (or, in the first step, the
         next ones in module order), within ``ahead`` bytes (and a quarter of the device tier).
         Each unit is asked for once per pass: a cursor remembers how far requests went."""
+        if self._detached:
+            return
         following: list[tuple[int | None, int]]
         if self._learned and position + 1 < len(self._learned):
             following = list(enumerate(self._learned[position + 1 :], start=position + 1))
