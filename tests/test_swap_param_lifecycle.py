@@ -203,3 +203,17 @@ def test_offload_activations_on_a_closed_store_refuses_at_once(device_mode: str)
     with pytest.raises(StoreClosedError, match="offload_activations: its store is closed"), saved:
         pass
     assert saved.report.offloaded == 0
+
+
+def test_the_optimizers_memory_report_counts_the_swapped_weights(device_mode: str) -> None:
+    """It advised moving parameters with tierstore.swap while they were being moved."""
+    m = model()
+    with SyncTierStore([DeviceTier("cpu", "64KiB"), HostTier("8MiB")]) as store:
+        offload = offload_parameters(m, store)
+        opt = TieredAdamW(m.parameters(), lr=1e-2, offload="host")
+        train(m, opt, steps=1)
+        report = opt.memory_report()
+        assert report.swapped_parameters == 4 and report.device_weight_bytes == 0
+        assert "the 4 parameters tierstore.swap offloads" in str(report) and "(tierstore.swap moves" not in str(report)
+        opt.close()
+        offload.detach()

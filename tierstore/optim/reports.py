@@ -48,6 +48,9 @@ class MemoryReport:
     disk_write_bytes_per_step: int | None = None
     wear: DriveWear | None = None
     state_contents: dict[str, int] = field(default_factory=dict)
+    #: Parameters whose weights ``tierstore.swap.offload_parameters`` keeps in the store (not
+    #: counted on the device above: they come and go).
+    swapped_parameters: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -71,10 +74,16 @@ class MemoryReport:
             lines.append(str(self.plan))
         if self.wear is not None and self.disk_write_bytes_per_step is not None:
             lines.append(f"  last step wrote {format_bytes(self.disk_write_bytes_per_step)} to disk; {self.wear}")
-        lines.append(
-            "  Still on the device: the weights and grads above, plus activations -- offloading optimizer state "
-            "does not make those fit (tierstore.swap moves activations and parameters)."
-        )
+        if self.swapped_parameters:
+            lines.append(
+                f"  Still on the device: the weights and grads above, plus the weights of the {self.swapped_parameters} "
+                "parameters tierstore.swap offloads while their layers run, plus the activations not offloaded."
+            )
+        else:
+            lines.append(
+                "  Still on the device: the weights and grads above, plus activations -- offloading optimizer state "
+                "does not make those fit (tierstore.swap moves activations and parameters)."
+            )
         return "\n".join(lines)
 
     def _contents(self) -> str:
@@ -379,7 +388,7 @@ async def memory_report(
         state_by_tier=by_tier, resident_state_bytes=resident, resident_parameters=resident_params,
         state_bytes_per_param=state / max(params, 1), tiers=tiers, plan=plan,
         disk_write_bytes_per_step=written, wear=last.wear() if last is not None and paged_to_disk else None,
-        state_contents=contents,
+        state_contents=contents, swapped_parameters=sum(1 for slot in slots if offloaded(slot.param) is not None),
     )
 
 
