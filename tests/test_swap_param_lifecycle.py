@@ -203,6 +203,16 @@ def test_offload_activations_on_a_closed_store_refuses_at_once(device_mode: str)
     with pytest.raises(StoreClosedError, match="offload_activations: its store is closed"), saved:
         pass
     assert saved.report.offloaded == 0
+    # closed inside the with: the next save is refused, not counted (backward raised, later)
+    store = SyncTierStore([HostTier("8MiB")])
+    store.open()
+    saved = offload_activations(store, min_bytes=1)
+    m = model()
+    with pytest.raises(StoreClosedError, match="closed during this forward"), saved:
+        m[0](torch.randn(2, 16))
+        store.close()
+        m[2](m[1](m[0](torch.randn(2, 16))))
+    assert saved.report.offloaded <= 2
 
 
 def test_the_optimizers_memory_report_counts_the_swapped_weights(device_mode: str) -> None:
@@ -214,6 +224,6 @@ def test_the_optimizers_memory_report_counts_the_swapped_weights(device_mode: st
         train(m, opt, steps=1)
         report = opt.memory_report()
         assert report.swapped_parameters == 4 and report.device_weight_bytes == 0
-        assert "the 4 parameters tierstore.swap offloads" in str(report) and "(tierstore.swap moves" not in str(report)
+        assert "the 4 parameter tensors tierstore.swap offloads" in str(report) and "(tierstore.swap moves" not in str(report)
         opt.close()
         offload.detach()

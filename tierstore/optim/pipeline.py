@@ -24,6 +24,7 @@ the pipeline again, and no update is applied twice.
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager, nullcontext
@@ -952,26 +953,39 @@ def _chunk_advice(slot: ParamSlot, chunkable: bool, chunk_bytes: int) -> str:
 
 
 class Places:
-    """At most ``limit()`` holders at once, as a semaphore whose size is read at every take
-    (a re-plan during a step changes ``inflight``: places already taken are kept, new ones
-    wait until fewer than the new limit are held). Every release wakes every waiter, which
-    looks again (a waiter cancelled meanwhile cannot swallow the wake-up of another)."""
+    """At most ``limit()`` holders at once: an ``asyncio.Semaphore`` whose size is read at every
+    take (a re-plan during a step changes ``inflight``: places already taken are kept, and no
+    new one is given until fewer than the new limit are held). First come, first served: a
+    newcomer waits behind anyone waiting, and a release gives its place to the longest waiter
+    (one woken then cancelled passes its place on)."""
 
     def __init__(self, limit: Callable[[], int]) -> None:
         self._limit = limit
         self._held = 0
-        self._waiting: list[asyncio.Future[None]] = []
+        self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
 
     async def __aenter__(self) -> None:
-        while self._held >= max(self._limit(), 1):
-            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._waiting.append(waiter)
-            await waiter
-        self._held += 1
+        if not self._waiting and self._held < max(self._limit(), 1):
+            self._held += 1
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.append(waiter)
+        self._give()  # (the places free now go to those waiting, in order)
+        try:
+            await waiter  # (given: the place is counted as held)
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():  # given, then cancelled before it ran
+                self._held -= 1
+                self._give()
+            raise
 
     async def __aexit__(self, *exc: object) -> None:
         self._held -= 1
-        waiting, self._waiting = self._waiting, []
-        for waiter in waiting:
-            if not waiter.done():
+        self._give()
+
+    def _give(self) -> None:
+        while self._waiting and self._held < max(self._limit(), 1):
+            waiter = self._waiting.popleft()
+            if not waiter.done():  # (a waiter cancelled meanwhile is passed over)
+                self._held += 1
                 waiter.set_result(None)

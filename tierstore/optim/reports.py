@@ -76,8 +76,9 @@ class MemoryReport:
             lines.append(f"  last step wrote {format_bytes(self.disk_write_bytes_per_step)} to disk; {self.wear}")
         if self.swapped_parameters:
             lines.append(
-                f"  Still on the device: the weights and grads above, plus the weights of the {self.swapped_parameters} "
-                "parameters tierstore.swap offloads while their layers run, plus the activations not offloaded."
+                f"  Still on the device: the weights and grads above, plus, while their layers run (and as they are "
+                f"prefetched), the weights of the {self.swapped_parameters} parameter tensors tierstore.swap offloads, "
+                "plus the activations not offloaded."
             )
         else:
             lines.append(

@@ -167,6 +167,8 @@ class ActivationOffload:
     # -- forward -------------------------------------------------------------------------------------
 
     def _pack(self, tensor: torch.Tensor) -> Any:
+        if not self.store.is_open:  # (closed inside the with: refused now, not at backward, counting nothing)
+            raise StoreClosedError("offload_activations: its store closed during this forward")
         if tensor.nbytes < self.min_bytes or _is_parameter(tensor) or tensor.device.type not in ("cpu", "cuda"):
             with self._lock:
                 self.report.kept += 1

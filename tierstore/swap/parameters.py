@@ -55,6 +55,7 @@ import threading
 import time
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -186,6 +187,8 @@ class ParameterOffload:
         self._weights: list[_Weight] = []
         self._weight_of: dict[int, _Weight] = {}
         self._saving: list[Any] = []
+        #: The saved-tensor hooks wrapped for torch.compile (``_saved_tensor_hooks``), once made.
+        self._compile_safe: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None
         self._releasing: list[Any] = []  # holds being let go on the loop
         self._hooks: list[Any] = []
         self._order: list[int] = []  # units in the order they were held this step
@@ -326,8 +329,8 @@ class ParameterOffload:
                 value = (await self.store.read(weight.key)).to(param.device)
             else:
                 value = await to_device(self.store, weight.key, param.device, self.link)
+            _REGISTRY.pop(param, None)  # (first: a lent copy given back from now on leaves the weight alone)
             param.data = value.to(param.dtype)
-            _REGISTRY.pop(param, None)
             await self.store.delete(weight.key)
         if self.namespace.live:
             await self.namespace.drop()
@@ -341,11 +344,18 @@ class ParameterOffload:
         if _in_backward():  # a checkpoint's recompute: its own hooks must see what the forward saves
             self._saving.append(None)
             return
-        # (run as Python under torch.compile: traced, the pack went on into the activations' own
-        # hook and the store, which dynamo cannot trace)
-        hooks = torch.autograd.graph.saved_tensors_hooks(torch.compiler.disable(self._pack), torch.compiler.disable(self._unpack))
+        hooks = torch.autograd.graph.saved_tensors_hooks(*self._saved_tensor_hooks())
         hooks.__enter__()
         self._saving.append(hooks)
+
+    def _saved_tensor_hooks(self) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
+        """The pack and unpack hooks; run as Python under ``torch.compile`` (traced, the pack went
+        on into the activations' own hook and the store, which dynamo cannot trace). Wrapped once
+        dynamo is loaded (a compiled model loads it first), so that eager-only use neither pays
+        for its import nor for the wrapper."""
+        if self._compile_safe is None and "torch._dynamo" in sys.modules:
+            self._compile_safe = (torch.compiler.disable(self._pack), torch.compiler.disable(self._unpack))
+        return self._compile_safe or (self._pack, self._unpack)
 
     def _exit_saving(self) -> None:
         if self._saving:
@@ -430,6 +440,8 @@ class ParameterOffload:
             weight.borrowers -= 1
             if weight.borrowers == 0:
                 weight.lent = None
+                if _REGISTRY.get(weight.param) is None:
+                    continue  # put back in place (detach() or a close during this backward): left as it is
                 weight.param.data = weight.value if weight.hold is not None else _placeholder(weight.param)  # type: ignore[assignment]
                 weight.version = weight.param._version
         if not self._lent[index]:
@@ -544,7 +556,8 @@ class ParameterOffload:
             if everyone:
                 weight.holders.clear()
             if weight.hold is not None and not weight.holders:
-                if not weight.borrowers:  # (a recomputation computes with its copy)
+                # (not while a recomputation computes with its copy, nor once put back in place)
+                if not weight.borrowers and _REGISTRY.get(weight.param) is not None:
                     weight.param.data = _placeholder(weight.param)
                     weight.version = weight.param._version
                 managers.append(weight.hold)
