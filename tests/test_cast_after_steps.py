@@ -112,6 +112,19 @@ def test_a_master_loaded_after_the_cast_is_kept_whole(device_mode: str) -> None:
     other.close()
 
 
+def _tight_8bit_optimizer(tmp_path: Path) -> tuple[torch.nn.Linear, TieredAdamW]:
+    """An fp32 layer with 8-bit state paged in chunks planned for a host tier with little room
+    beyond them, after two steps (the parameter its own master on the plain CPU)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256, bias=False)
+    opt = TieredAdamW(model.parameters(), state_precision="8bit", offload="disk", disk_root=tmp_path / "d", min_offload_numel=1,
+                      chunk_bytes="64KiB", host_capacity="128KiB")
+    for _ in range(2):
+        model.weight.grad = torch.randn(256, 256)
+        opt.step()
+    return model, opt
+
+
 def test_a_cast_whose_master_cannot_fit_is_refused_clearly_and_loses_nothing(tmp_path: Path, device_mode: str) -> None:
     """Keeping the master apart makes 8-bit state three times larger: chunks planned for the
     smaller layout no longer fit the host tier. Every step then failed with a TierFullError and
@@ -121,13 +134,7 @@ def test_a_cast_whose_master_cannot_fit_is_refused_clearly_and_loses_nothing(tmp
         pytest.skip("on a device the master is always apart: nothing moves")
     from tierstore.optim import StepIncompleteError
 
-    torch.manual_seed(0)
-    model = torch.nn.Linear(256, 256, bias=False)
-    opt = TieredAdamW(model.parameters(), state_precision="8bit", offload="disk", disk_root=tmp_path / "d", min_offload_numel=1,
-                      chunk_bytes="64KiB", host_capacity="128KiB")
-    for _ in range(2):
-        model.weight.grad = torch.randn(256, 256)
-        opt.step()
+    model, opt = _tight_8bit_optimizer(tmp_path)
     before = opt.state_dict()["state"][0]
     model.to(torch.bfloat16)
     model.weight.grad = torch.randn(256, 256).to(torch.bfloat16)
@@ -150,13 +157,7 @@ def test_a_state_loaded_after_the_cast_that_cannot_fit_is_refused_before_anythin
         pytest.skip("on a device the master is always apart: nothing moves")
     from tierstore.optim import OptimizerCapacityError
 
-    torch.manual_seed(0)
-    model = torch.nn.Linear(256, 256, bias=False)
-    opt = TieredAdamW(model.parameters(), state_precision="8bit", offload="disk", disk_root=tmp_path / "d", min_offload_numel=1,
-                      chunk_bytes="64KiB", host_capacity="128KiB")
-    for _ in range(2):
-        model.weight.grad = torch.randn(256, 256)
-        opt.step()
+    model, opt = _tight_8bit_optimizer(tmp_path)
     saved = opt.state_dict()
     model.to(torch.bfloat16)
     with pytest.raises(OptimizerCapacityError, match="can no longer be its own fp32 master"):
