@@ -79,6 +79,8 @@ async def run_live(tmp_path: Path, ops: list[Op], eviction: Any, disk: bool, ora
             if op == "put":
                 values[key] = torch.full((nbytes // 4,), float(position))
                 await store.put(key, values[key], tier=tier)
+            elif op == "prefetch":  # (awaited: a prefetch running beside later requests does not replay exactly)
+                await (await store.prefetch([key], tier))
             elif op == "get":
                 assert torch.equal((await store.get(key, tier=tier)).cpu(), values[key])
             else:
@@ -126,6 +128,27 @@ async def test_live_store_and_replay_agree(tmp_path: Path, name: str, disk: bool
     if disk:
         assert result.evictions_on(1), "the host tier should evict to the disk"
     assert result.evictions == recorded
+
+
+@pytest.mark.parametrize("name", ["lru", "arc", "s3fifo"])
+async def test_live_store_and_replay_agree_with_prefetches(tmp_path: Path, name: str) -> None:
+    """Prefetch rows were skipped: a prefetch that evicted on the live store evicted nothing in
+    the replay, and every eviction after it differed."""
+    ops: list[Op] = []
+    for index, op in enumerate(random_ops(seed=7, count=300, tiers=3)):
+        ops.append(op)
+        if index % 3 == 2 and op[0] == "get" and op[2] <= DEVICE:
+            ops.append(("prefetch", op[1], op[2], 0))  # (up to the device tier)
+    assert sum(op == "prefetch" for op, *_ in ops) >= 20
+    path, stats = await run_live(tmp_path, ops, POLICIES[name], True, None)
+    memory = make_tiers(tmp_path / "replay", True)[:2]
+    result = replay_store_trace(path, {tier.name: tier.capacity for tier in memory}, eviction=POLICIES[name], accounting=memory)
+    with np.load(path) as data:
+        assert (data["op"] == list(data["ops"]).index("prefetch")).sum() >= 5  # (some found their value there already)
+    recorded = load_evictions(path)
+    assert result.evictions == recorded, _first_difference(result.evictions, recorded)
+    for tier in memory:
+        assert result.misses[tier.name] == stats["tiers"][tier.name]["misses"], tier.name
 
 
 def _first_difference(a: list[Any], b: list[Any]) -> str:

@@ -32,7 +32,9 @@ evictions, one by one, as the store that recorded it. The rules (``tierstore.eng
   key's old memory copies are gone before room is made for the new one.
 - **update** (a write hold released on tier ``t``): the copy there is the only current value;
   the key's other memory copies are dropped (``on_remove``) and the disk's is stale.
-- **delete** drops the key everywhere. Prefetch and evict rows are not requests.
+- **prefetch** (recorded once a prefetch brought the value up to tier ``t``): as a get's miss
+  on ``t`` (the source's ``on_hit``, room made, the copy installed), counted as no request.
+- **delete** drops the key everywhere. Evict rows are not requests.
 
 Keys present before the trace started are taken to be on the disk tier only. A hold's
 duration is not in a trace, so traces with holds open across other requests do not replay
@@ -56,9 +58,11 @@ from ..tiers.base import MemoryTier
 from .simulator import make_eviction_policy
 from .trace import store_npz
 
-#: The rows a replay applies (requests, and the writeback state change); the others (prefetch,
-#: evict) are skipped.
+#: The rows a replay applies besides prefetches (requests, and the writeback and update state
+#: changes); evict rows are skipped (the replay chooses its own).
 REQUESTS = ("get", "put", "delete", "hold", "pop", "writeback", "update")
+#: Rows that move copies or change state but are no access (not counted, not in MIN's future).
+_NOT_REQUESTS = ("writeback", "update", "prefetch")
 
 
 class NextUse:
@@ -106,7 +110,8 @@ class _Row:
 
 
 def read_store_trace(path: str | Path) -> tuple[list[str], list[_Row]]:
-    """The tier names and the request rows (see ``REQUESTS``) of a store ``.npz`` trace."""
+    """The tier names and the rows a replay applies (``REQUESTS`` and prefetches) of a store
+    ``.npz`` trace."""
     with store_npz(path) as data:
         ops = [str(op) for op in data["ops"]]
         keys = [str(key) for key in data["keys"]]
@@ -117,9 +122,9 @@ def read_store_trace(path: str | Path) -> tuple[list[str], list[_Row]]:
             if op_index >= len(ops):
                 raise TraceError(f"{path}: op index {op_index} is not in the trace's ops table {ops}")
             op = ops[op_index]
-            if op in REQUESTS:
+            if op in REQUESTS or op == "prefetch":
                 rows.append(_Row(op, keys[key], int(nbytes), int(tier)))
-            elif op not in ("prefetch", "evict"):
+            elif op != "evict":
                 raise TraceError(f"{path}: unknown op {op!r}")
     return tiers, rows
 
@@ -168,7 +173,7 @@ def replay_store_trace(
         if [tier.capacity for tier in accounting] != sizes:
             raise UnknownTierError(f"accounting tiers of {[t.capacity for t in accounting]} bytes for capacities {sizes}")
         rooms = [_TierRoom(tier) for tier in accounting]
-    requests = [row for row in rows if row.op not in ("writeback", "update")]  # (state changes, not accesses)
+    requests = [row for row in rows if row.op not in _NOT_REQUESTS]
     oracle = NextUse([row.key for row in requests])
     policies = [make_eviction_policy(eviction, oracle, capacity) for capacity in sizes[:-1]]
     if len(names) == len(sizes):
@@ -182,7 +187,7 @@ def replay_store_trace(
         following = rows[i + 1] if i + 1 < len(rows) else None
         through = row.op == "put" and following is not None and following.op == "writeback" and following.key == row.key
         replay.apply(row, through)
-        position += row.op not in ("writeback", "update")
+        position += row.op not in _NOT_REQUESTS
     return replay.result
 
 
@@ -271,6 +276,8 @@ class _StoreModel:
         elif row.op == "writeback":
             if row.key in self.valid and self.disk is not None:
                 self.valid[row.key].add(self.disk)
+        elif row.op == "prefetch":  # a copy brought up ahead (recorded once there): no request
+            self._get(row.key, row.nbytes, self._tier(row), request=False)
         elif row.op == "update":  # a write hold released: its copy is the only current one
             t = self._tier(row)
             for other in range(self.memory):
@@ -298,21 +305,25 @@ class _StoreModel:
         if t != self.disk:
             self._install(t, key, taken)
 
-    def _get(self, key: str, nbytes: int, t: int) -> None:
+    def _get(self, key: str, nbytes: int, t: int, request: bool = True) -> None:
+        """A read on tier ``t`` (``request=False``: a prefetch, which counts nothing)."""
         name = self.names[t]
-        self.result.requests[name] += 1
+        if request:
+            self.result.requests[name] += 1
         if key not in self.valid:
             if self.disk is None:
                 raise TraceError(f"{key!r} is read before it is written, and the store has no disk tier to hold it")
             self.valid[key], self.nbytes[key] = {self.disk}, nbytes
         valid = self.valid[key]
         if t in valid:
-            self.result.hits.append(True)
-            if t != self.disk:
-                self._hit(t, key)
+            if request:  # (a prefetch finding the copy there touches nothing)
+                self.result.hits.append(True)
+                if t != self.disk:
+                    self._hit(t, key)
             return
-        self.result.hits.append(False)
-        self.result.misses[name] += 1
+        if request:
+            self.result.hits.append(False)
+            self.result.misses[name] += 1
         if t == self.disk:
             return
         source = min(valid)
