@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -197,3 +198,33 @@ def test_the_policy_workbench_example_runs(tmp_path: Path, capsys: pytest.Captur
         policy.on_insert(key, 10)
     policy.on_hit("a")
     assert policy.victim() == "a"
+
+
+def test_suggestions_the_trace_cannot_take_are_skipped_as_a_live_store_skips_them() -> None:
+    """A suggestion for a tier the trace lacks was prefetched into the fastest tier (1 miss in 40
+    where the live store, skipping it, had 40); one for a key the trace lacks raised IndexError."""
+    from tierstore.sim import Trace, simulate
+
+    class Suggests:
+        def __init__(self, suggest: Any) -> None:
+            self.suggestion, self.last = suggest, 0
+
+        def on_access(self, key: Any, nbytes: int, tier: str, hit: bool) -> None:
+            self.last = key
+
+        def on_step(self) -> None:
+            pass
+
+        def suggest(self) -> list[tuple[Any, str | None]]:
+            return self.suggestion(self.last)
+
+        def reset(self) -> None:
+            pass
+
+    trace = Trace.from_accesses([f"k{i % 8}" for i in range(40)], [4096] * 40)
+    capacities = {"fast": 3 * 4096, "slow": 1 << 20}
+    plain = simulate(trace, capacities).misses
+    for odd in ([((1, "nosuchtier"))], [(999, None)], [(-1, None)], [("k1", None)]):
+        assert simulate(trace, capacities, prefetch=Suggests(lambda key, odd=odd: odd)).misses == plain, odd
+    useful = simulate(trace, capacities, prefetch=Suggests(lambda key: [((key + 1) % 8, "fast")])).misses
+    assert useful < plain

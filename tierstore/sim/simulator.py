@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import operator
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -439,7 +440,13 @@ class _Replay:
 
     def _prefetch(self) -> None:
         for key, tier_name in read_suggestions(self.prefetcher):
-            t = self.index.get(tier_name, 0) if tier_name is not None else 0
+            t = self.index.get(tier_name, -1) if tier_name is not None else 0
+            try:
+                key = operator.index(key)  # (a trace's keys are numbers: numpy's too)
+            except TypeError:
+                continue
+            if t < 0 or not 0 <= key < len(self.size_of):
+                continue  # a tier or key the trace lacks: skipped, as a live store skips it
             tier = self.tiers[t]
             if key in tier.resident:
                 continue
