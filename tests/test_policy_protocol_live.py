@@ -63,7 +63,8 @@ _PREFETCH_SCENARIO = textwrap.dedent("""
         name = "broken"
         def on_access(self, key, nbytes, tier, hit):
             if mode == "access": raise ValueError("boom")
-        def on_step(self): pass
+        def on_step(self):
+            if mode == "step": raise ValueError("boom")
         def reset(self): pass
         def suggest(self):
             if mode == "suggest": raise ValueError("boom")
@@ -80,6 +81,7 @@ _PREFETCH_SCENARIO = textwrap.dedent("""
         with SyncTierStore([HostTier("16KiB"), DiskTier(root, "8MiB")], prefetch=Broken()) as store:
             for i in range(8):
                 store.put(f"k{i}", torch.full((1024,), float(i)))
+                store.mark_step()
             assert all(store.get(f"k{i}")[0].item() == i for i in range(8))
     warned = [w for w in caught if issubclass(w.category, RuntimeWarning) and "prefetch policy Broken" in str(w.message)]
     assert len(warned) == (0 if mode == "endless" else 1), [str(w.message) for w in caught]
@@ -87,10 +89,11 @@ _PREFETCH_SCENARIO = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("mode", ["access", "suggest", "garbage", "unhashable", "endless"])
+@pytest.mark.parametrize("mode", ["access", "suggest", "garbage", "unhashable", "endless", "step"])
 def test_a_prefetch_policy_that_fails_costs_prefetches_not_requests(tmp_path: Path, mode: str) -> None:
     """Prefetching is advice: a policy whose hooks raise made every put and get raise (the put
-    having taken effect), and one whose suggestions never end hung the store."""
+    having taken effect; an on_step that raised, mark_step), and one whose suggestions never end
+    hung the store."""
     script = tmp_path / "scenario.py"
     script.write_text(_PREFETCH_SCENARIO)
     done = subprocess.run([sys.executable, str(script), mode, str(tmp_path / "store")], capture_output=True, text=True, timeout=60)
@@ -175,3 +178,22 @@ async def test_a_victim_that_raises_part_way_leaves_no_copy_pinned(tmp_path: Pat
                     held.add_(1)
         await store.put("big", torch.zeros(2048), tier="host")  # the policy works again
         assert [(await store.get(f"k{i}"))[0].item() for i in range(4)] == [1.0, 2.0, 3.0, 4.0]
+
+
+async def test_a_victim_that_is_not_a_key_is_a_policy_error(tmp_path: Path) -> None:
+    """An unhashable victim raised a bare TypeError from the store's lookup."""
+    import torch
+
+    from policies import LRU
+    from tierstore import HostTier, PolicyError, TierStore
+
+    class ListVictim(LRU):
+        def victim(self, evictable=None):  # type: ignore[no-untyped-def]
+            return [super().victim(evictable)]
+
+    async with TierStore([HostTier("12KiB"), HostTier("1MiB", name="slow")], eviction=ListVictim) as store:
+        for i in range(3):
+            await store.put(f"k{i}", torch.full((1024,), float(i)))
+        with pytest.raises(PolicyError, match="which is not a key"):
+            await store.put("k3", torch.zeros(1024))
+        assert [(await store.get(f"k{i}", tier="slow"))[0].item() for i in range(3)] == [0.0, 1.0, 2.0]

@@ -1186,13 +1186,14 @@ class Engine:
                 self.prefetch_policy.on_access(key, nbytes, self.names[t], bool(hit))
                 suggestions = read_suggestions(self.prefetch_policy)
             except Exception as exc:  # (advice only: a policy that fails costs prefetches, not the request)
-                self._prefetch_failed(exc)
+                self.prefetch_failed(exc)
                 return
             self.issuer.follow(suggestions, t)
 
-    def _prefetch_failed(self, exc: Exception) -> None:
-        self._warn_once("prefetch", f"the prefetch policy {type(self.prefetch_policy).__name__} raised {exc!r} in on_access or "
-                                    "suggest: its suggestions are skipped, requests go on (warned once per store)")
+    def prefetch_failed(self, exc: Exception) -> None:
+        """The prefetch policy raised (it is advice: warned once per store, requests go on)."""
+        self._warn_once("prefetch", f"the prefetch policy {type(self.prefetch_policy).__name__} raised {exc!r} in on_access, "
+                                    "suggest or on_step: its suggestions are skipped, requests go on (warned once per store)")
 
 
 def _check_tiers(tiers: Sequence[Tier]) -> list[Tier]:

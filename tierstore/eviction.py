@@ -166,6 +166,10 @@ def _next_victim(engine: Engine, t: int) -> tuple[Entry, Copy] | None:
                               "failed, having changed no value (the victims it had chosen stay)") from exc
         if key is None:
             return _untracked_victim(engine, t, evictable) if t in engine.policy_failures else None
+        if not isinstance(key, str):  # (an unhashable one raised TypeError from the lookup)
+            name = type(policy).__name__
+            raise PolicyError(f"eviction policy {name!r} of tier {engine.names[t]!r} named victim {key!r:.80}, which is not "
+                              "a key: victim() must return a key given to on_insert, or None")
         entry = engine.entries.get(key)
         copy = entry.copy_on(t) if entry is not None else None
         if entry is None or copy is None or not copy.in_policy:

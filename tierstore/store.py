@@ -1140,7 +1140,10 @@ class TierStore:
     def mark_step(self) -> None:
         """Mark the end of a repeated phase (a training step) for the prefetch policy and trace."""
         self._engine.require_open()
-        self._engine.prefetch_policy.on_step()
+        try:
+            self._engine.prefetch_policy.on_step()
+        except Exception as exc:  # (advice only, as on_access and suggest: warned once, the step goes on)
+            self._engine.prefetch_failed(exc)
         if self._engine.trace is not None:
             self._engine.trace.mark_step()
 
