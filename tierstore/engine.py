@@ -39,7 +39,7 @@ from .errors import (
     UnknownTierError,
 )
 from .gcpause import gc_paused
-from .keys import check_key
+from .keys import check_key, plain_text
 from .prefetching import PrefetchIssuer
 from .process import this_process
 from .protocols import EvictionPolicy, PrefetchPolicy
@@ -1173,8 +1173,7 @@ class Engine:
             self.on_transfer(f"{name}->{self.names[target]}", nbytes, end - seconds, end)
 
     def observe(self, op: str, key: str, nbytes: int, t: int | None, hit: bool | None, before: int | None = None) -> None:
-        if key.__class__ is not str:  # (a str subclass the caller used: its text, as check_key keeps it)
-            key = str.__str__(key)
+        key = plain_text(key)  # (a str subclass the caller used: its text, as check_key keeps it)
         if self.trace is not None:
             if before is None and op in ("get", "hold", "pop"):
                 entry = self.entries.get(key)

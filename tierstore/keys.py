@@ -60,8 +60,13 @@ def check_key(key: object) -> str:
         raise InvalidKeyError(f"key is {len(encoded)} bytes long; the limit is {MAX_KEY_BYTES}")
     if is_reserved(key) and not _reserved_allowed.get():
         raise InvalidKeyError(f"keys under {RESERVED_PREFIX!r} are the store's own records: {key!r:.80}")
-    # A str subclass is stored as its plain text: its own __eq__ or __hash__ would make a second
-    # entry in memory for what the catalog (which addresses keys by their bytes) holds once.
+    return plain_text(key)
+
+
+def plain_text(key: str) -> str:
+    """``key`` as a plain ``str``: a str subclass is stored as its text (its own ``__eq__`` or
+    ``__hash__`` would make a second entry in memory for what the catalog, which addresses keys
+    by their bytes, holds once)."""
     return key if key.__class__ is str else str.__str__(key)
 
 

@@ -29,7 +29,7 @@ from .errors import (
     TierStoreError,
     UnknownTierError,
 )
-from .keys import check_key, is_reserved
+from .keys import check_key, is_reserved, plain_text
 from .namespaces import Namespace, NamespaceInfo, NamespaceRegistry
 from .prefetching import PrefetchHandle
 from .protocols import PrefetchPolicy
@@ -253,7 +253,7 @@ class TierStore:
         self._engine.require_open()
         if not isinstance(key, str) or is_reserved(key):
             return None
-        return self._engine.lookup(key if key.__class__ is str else str.__str__(key))  # (as check_key keeps it)
+        return self._engine.lookup(plain_text(key))
 
     def __len__(self) -> int:
         self._engine.require_open()

@@ -84,8 +84,10 @@ class GradientCapture:
         # Hook side (autograd/training threads), under the lock: passes per slot this step.
         self._lock = threading.Lock()
         self._fired: dict[int, int] = {}
-        #: Per slot: its gradient and that gradient's version when its hook last fired this step.
+        #: Per slot: its gradient and that gradient's version when its hook last fired this step,
+        #: recorded where ``changed_since_backward`` will be asked (``watch_changes``: ZeRO-2).
         self._at_hook: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        self.watch_changes = False
         #: Slots whose gradients come from DDP's communication hook (see ``tierstore.optim.ddp``).
         self._ddp: dict[int, ParamSlot] = {}
         self._end_queued = False
@@ -111,7 +113,7 @@ class GradientCapture:
         grad = param.grad
         with self._lock:
             passes = self._fired[slot.index] = self._fired.get(slot.index, 0) + 1
-            if grad is not None:
+            if grad is not None and self.watch_changes:
                 self._at_hook[slot.index] = (weakref.ref(grad), grad._version)
             ddp = slot.index in self._ddp
             queue_end = ddp and not self._end_queued

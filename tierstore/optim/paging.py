@@ -307,6 +307,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             )
             pipeline = self._pipeline
             self._capture.pages_below = lambda: pipeline.pages_below
+            self._capture.watch_changes = self._sharding is not None and self._sharding.zero_stage == 2
             run(self._adopt())
             # (a loop round trip at the end of every step, saved where no tier lies below the state's)
             # (its store holds the window, which must not hold the optimizer: see _release_dropped)
