@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tierstore import CatalogError, ChecksumError, DiskTier, StoreLockedError, TierStore
-from tierstore.faults.crash import kill_cycles
+from tierstore.faults.crash import check, kill_cycles, open_tier, value_for
 from tierstore.inspect import describe_folder
 
 
@@ -64,6 +64,20 @@ def test_sigkill_at_random_moments_loses_nothing_acknowledged(tmp_path: Path) ->
     report = kill_cycles(tmp_path / "store", cycles=24, seed=7)
     assert report.errors == []
     assert report.kills == 24 and report.acknowledged_ops > 200 and report.keys_checked > 0
+
+
+async def test_a_log_line_cut_by_the_kill_is_dropped_before_the_checker_appends(tmp_path: Path) -> None:
+    """SIGKILL can stop a write part-way: the log then ends without a newline, and the checker's
+    resolution lines must not be glued onto the fragment (CI saw "26R" read as a version)."""
+    root, log = tmp_path / "store", tmp_path / "store.log"
+    async with TierStore([open_tier(root)]) as store:
+        await store.put("k1", value_for("k1", 5))
+    log.write_text("I put k1 5\nA put k1 5\nI put k3 7\nI put k2 26")  # k3 in flight, k2's intent cut
+    first = await check(root, log)
+    second = await check(root, log)  # replays the resolution the first check appended
+    assert first.errors == [] and second.errors == []
+    assert first.in_flight_resolved == 1
+    assert log.read_text() == "I put k1 5\nA put k1 5\nI put k3 7\nR del k3\n"
 
 
 # -- corruption ------------------------------------------------------------------------------------------
