@@ -288,6 +288,12 @@ def test_errors_are_clear(tmp_path: Path) -> None:
     run(paged.aclose())
     with pytest.raises(ValueError, match="Invalid learning rate"):
         TieredAdamW(model.parameters(), lr=-1)
+    with pytest.raises(TypeError):  # as torch: at construction, not as a failed step
+        TieredAdamW(model.parameters(), lr="0.001")
+    with pytest.raises(ValueError, match="Tensor lr must be 1-element"):
+        TieredAdamW(model.parameters(), lr=torch.tensor([1e-3, 1e-3]))
+    with pytest.raises(ValueError, match="beta parameter at index 1"):
+        TieredAdamW(model.parameters(), betas=(0.9, 1.0))
     opt = TieredAdamW(model.parameters(), store=paging_store(tmp_path), min_offload_numel=64, step_in_backward=True)
     tokens = next(synthetic_batches(CONFIG, 2))
     model.loss(tokens).backward()
