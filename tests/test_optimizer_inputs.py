@@ -95,3 +95,27 @@ def test_unscale_in_step_false_is_refused_with_zero_stage_2() -> None:
     skipped its step while the other waited for it in a collective."""
     with pytest.raises(ValueError, match="unscale_in_step=False with zero_stage=2"):
         TieredAdamW([torch.nn.Parameter(torch.ones(4))], process_group=True, zero_stage=2, unscale_in_step=False)
+
+
+def test_a_state_dict_of_another_model_is_refused_naming_the_parameter_and_leaves_the_state() -> None:
+    model = torch.nn.Linear(4, 8)
+    opt = TieredAdamW(model.parameters(), offload="host")
+    try:
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        before = opt.state_dict()
+        other = TieredAdamW(torch.nn.Linear(5, 8).parameters(), offload="host")
+        try:
+            for p in other.param_groups[0]["params"]:  # (another model's state: 40 elements where ours has 32)
+                p.grad = torch.ones_like(p)
+            other.step()
+            foreign = other.state_dict()
+        finally:
+            other.close()
+        with pytest.raises(ValueError, match=r"parameter 0: saved 'exp_avg' has 40 elements, the parameter 32: the state dict is not this model's") as raised:
+            opt.load_state_dict(foreign)
+        assert "DTensor" not in str(raised.value)  # (a plain model's parameters are not DTensors)
+        after = opt.state_dict()
+        assert all(torch.equal(before["state"][0][name], after["state"][0][name]) for name in ("exp_avg", "exp_avg_sq"))
+    finally:
+        opt.close()

@@ -107,9 +107,11 @@ def _local(slot: ParamSlot, name: str, value: Any) -> torch.Tensor:
     elif isinstance(slot.param, ParamRange):  # a whole tensor (torch's AdamW's): our rows of it
         tensor = slot.param.local_of(tensor)
     if tensor.numel() != slot.numel:
+        whose = "this rank's shard of the parameter" if isinstance(slot.param, LocalShard | ParamRange) else "the parameter"
+        dtensor = "; a DTensor parameter loads its state as DTensors (get/set_optimizer_state_dict)"
         raise ValueError(
-            f"parameter {slot.index}: saved {name!r} has {tensor.numel()} elements here, the parameter (shard) {slot.numel}; "
-            "a DTensor parameter loads its state as DTensors (get/set_optimizer_state_dict)"
+            f"parameter {slot.index}: saved {name!r} has {tensor.numel()} elements, {whose} {slot.numel}: the state dict "
+            f"is not this model's, or lists its parameters in another order{dtensor if isinstance(slot.param, LocalShard) else ''}"
         )
     return tensor.reshape(-1).to("cpu", torch.float32)
 
