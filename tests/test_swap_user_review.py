@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import gc
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -215,3 +216,40 @@ def test_freeing_offloaded_activations_after_the_store_closed_is_quiet(caplog: p
             other.put("x", torch.ones(1))
         gc.collect()  # an unretrieved task's exception is logged when the task is collected
     assert not [r for r in caplog.records if "never retrieved" in r.getMessage() or r.exc_info], caplog.text
+
+
+def test_conjugate_and_negative_views_are_offloaded_with_their_values() -> None:
+    """A complex product saves ``z.conj()``: a view whose bytes are not its values. On the emulated
+    device the copy over the link viewed those bytes as uint8 and failed in backward."""
+    torch.manual_seed(0)
+    x = torch.randn(256, 128, requires_grad=True)
+
+    def loss_of(x: torch.Tensor) -> torch.Tensor:
+        z = torch.complex(x, x.flip(1))
+        return (z * z.conj()).real.sum() + (torch._neg_view(z) * z).imag.sum()
+
+    loss_of(x).backward()
+    expected, x.grad = x.grad, None
+    with SyncTierStore([DeviceTier("cpu", "8MiB"), HostTier("8MiB")]) as store:
+        activations = offload_activations(store, min_bytes=0)
+        with activations:
+            loss = loss_of(x)
+        time.sleep(0.3)  # (the copies start before backward asks for the values back)
+        loss.backward()
+        activations.close()
+    assert activations.report.offloaded >= 2
+    assert torch.equal(x.grad, expected)
+
+
+def test_close_right_after_a_graph_is_freed_deletes_what_is_left_without_racing_the_frees() -> None:
+    """A freed graph drops what it saved from the event loop; ``close()`` right after it listed
+    those keys too and raised ``KeyNotFoundError`` for one dropped meanwhile."""
+    with SyncTierStore([DeviceTier("cpu", "64MiB"), HostTier("256MiB")]) as store:
+        for round in range(20):
+            activations = offload_activations(store, min_bytes=0)
+            x = torch.randn(64, 64, requires_grad=True)
+            with activations:
+                loss = sum((x * x.roll(i, 1)).exp().sum() for i in range(16))
+            del loss  # (no backward: the graph goes, and with it what it saved)
+            activations.close()
+            assert not [key for key in store.keys() if key.startswith(activations.namespace.name)], round

@@ -307,9 +307,16 @@ class NamespaceRegistry:
         return [key for key in self._store.keys() if key.startswith(name) and not is_reserved(key)]
 
     async def delete_keys(self, keys: list[str]) -> int:
+        """Delete ``keys``; one deleted meanwhile by its owner (a swap freeing what backward
+        used, say) is gone as asked. Returns how many this call deleted."""
+        deleted = 0
         for key in keys:
-            await self._store.delete(key)
-        return len(keys)
+            try:
+                await self._store.delete(key)
+            except KeyNotFoundError:
+                continue
+            deleted += 1
+        return deleted
 
     def _info(self, name: str, record: _Record) -> NamespaceInfo:
         keys = self.keys_under(name)

@@ -147,8 +147,9 @@ class HostLink(Link):
 def _copy_views(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """What a copy of ``src`` into ``dst`` moves: their bytes when both are contiguous; else
     both as one shape (a weight kept flat on the host goes into a channels-last parameter element
-    by element, not byte by byte, which would scramble it)."""
-    if dst.is_contiguous() and src.is_contiguous():
+    by element, not byte by byte, which would scramble it; a conjugate or negative view's bytes
+    are not its values either: torch's copy resolves it)."""
+    if dst.is_contiguous() and src.is_contiguous() and not (src.is_conj() or src.is_neg() or dst.is_conj() or dst.is_neg()):
         dst_bytes, src_bytes = as_bytes(dst), as_bytes(src)
         if dst_bytes.numel() != src_bytes.numel():
             raise ValueError(f"a copy of {src_bytes.numel():,} bytes into a buffer of {dst_bytes.numel():,}")

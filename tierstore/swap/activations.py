@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import threading
 import time
@@ -47,7 +48,7 @@ from typing import Any
 import torch
 
 from ..device import Link
-from ..errors import StoreClosedError, UnknownTierError
+from ..errors import KeyNotFoundError, StoreClosedError, UnknownTierError
 from ..namespaces import Namespace
 from ..store import TierStore
 from ..sync import SyncTierStore, loop_thread, run
@@ -121,6 +122,7 @@ class ActivationOffload:
         self._ahead_bytes = 0  # bytes popped ahead of backward and not yet taken
         self._learned: dict[int, list[int]] = {}  # previous step: index -> the indices after it
         self._in_flight = 0
+        self._storing: set[concurrent.futures.Future[None]] = set()  # copies into the store under way
         self._lock = threading.Condition()
         self._hooks: Any = None
 
@@ -162,7 +164,14 @@ class ActivationOffload:
         """End the claim on the namespace, deleting what is left in it (activations of a step
         whose backward never ran)."""
         if self.namespace.live and self.store.is_open:
-            run(self.namespace.drop())
+            run(self._drop())
+
+    async def _drop(self) -> None:
+        with self._lock:
+            storing = list(self._storing)
+        # (a copy under way would land its key after the drop listed the namespace's keys)
+        await asyncio.gather(*(asyncio.wrap_future(future) for future in storing), return_exceptions=True)
+        await self.namespace.drop()
 
     # -- forward -------------------------------------------------------------------------------------
 
@@ -190,6 +199,9 @@ class ActivationOffload:
             marker = link.mark()  # after the kernels that produced it (and made it contiguous)
             stored = to_store(self.store, saved.key, source, self.tier, link, marker)
             saved.stored = asyncio.run_coroutine_threadsafe(self._put(saved, stored), self._loop)
+        with self._lock:
+            self._storing.add(saved.stored)
+        saved.stored.add_done_callback(self._stored)
         saved.finalizer = weakref.finalize(saved, _forget, self._loop, self.store, saved.key, saved.stored)
         self._saved[index] = saved
         with self._lock:
@@ -203,6 +215,10 @@ class ActivationOffload:
         if link is None:
             link = self._links[device] = swap_link(self.store, device, self.emulate_device)
         return link
+
+    def _stored(self, future: concurrent.futures.Future[None]) -> None:
+        with self._lock:
+            self._storing.discard(future)
 
     def _wait_for_room(self, nbytes: int) -> None:
         """Block forward while more than ``max_in_flight`` bytes are still being copied."""
@@ -230,7 +246,8 @@ class ActivationOffload:
                     self.report.add_moved(saved.nbytes, time.perf_counter() - started, out=True)
                 self._lock.notify_all()
         if stored and taken and saved.key in self.store:  # backward did not wait for this copy
-            await self.store.delete(saved.key)
+            with contextlib.suppress(KeyNotFoundError):  # (close() dropped the namespace meanwhile)
+                await self.store.delete(saved.key)
 
     # -- backward ------------------------------------------------------------------------------------
 
@@ -399,7 +416,7 @@ def _forget(loop: asyncio.AbstractEventLoop, store: TierStore, key: str, stored:
             await asyncio.wrap_future(stored)
             if store.is_open and key in store:
                 await store.delete(key)
-        except StoreClosedError:  # the store closed (before or during the put): nothing left to drop
+        except (StoreClosedError, KeyNotFoundError):  # the store closed, or its namespace was dropped: nothing left
             pass
 
     if not loop.is_closed():
