@@ -400,6 +400,8 @@ class Engine:
         tiers = entry.readable_tiers()
         source = entry.valid(tiers[0]) if tiers else None
         if source is None:
+            if self.entries.get(entry.key) is not entry or not entry.visible:  # (a delete or pop while the get waited)
+                raise KeyNotFoundError(f"{entry.key!r} was deleted")
             raise CorruptionError(f"{entry.key!r} has no valid copy on any tier")
         meta = entry.meta
         if source.inline is not None and out is None and device.type == "cpu" and self._crossing(None, target) is None:

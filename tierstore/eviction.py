@@ -116,11 +116,15 @@ async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, prio
             if not pending:
                 if tier.free >= tier.allocation_size(nbytes):
                     continue
-                held = sum(c.nbytes for e in engine.entries.values() if (c := e.copy_on(t)) is not None and c.users)
+                copies = [c for e in engine.entries.values() if (c := e.copy_on(t)) is not None]
+                held = sum(c.nbytes for c in copies if c.users)
+                # (a value deleted or replaced while a read, pop or write-back still uses its copy)
+                retiring = max(tier.live_bytes - sum(c.nbytes for c in copies), 0)
                 failure = engine.policy_failures.get(t)
                 raise TierFullError(
                     f"tier {tier.name!r} cannot make room for {format_bytes(nbytes)}: {format_bytes(tier.free)} free, "
                     f"{format_bytes(held)} held or in transfer"
+                    + (f", {format_bytes(retiring)} in values deleted or replaced that a read still uses" if retiring else "")
                     + (f" (its eviction policy's {failure})" if failure else "")
                 )
             # A close that seals wakes the wait (``make_room`` then waits for its outcome or

@@ -880,18 +880,21 @@ class TierStore:
         meta = entry.meta
         engine = self._engine
         engine.use(entry, copy)
+        done = asyncio.get_running_loop().create_future()
+        engine.expect_room(copy.tier, done)  # (a request for room meanwhile waits for the pop, not refuses)
         try:
-            deleted = await engine.shielded(engine.delete_entry(entry, expect_version=copy.version))
-        except BaseException:
-            engine.unuse(entry, copy)
-            raise
-        engine.unuse(entry, copy)
-        if not deleted:
-            return None  # retired by the delete: the buffer goes back to the pool ...
-        if copy.retired and not copy.in_memory:
-            owner.forget(buffer)  # ... from which it leaves the tier, handed to the caller
-            return from_bytes(buffer, meta)
-        return from_bytes(buffer, meta).clone()  # still used (a hold taken meanwhile): a copy of it
+            try:
+                deleted = await engine.shielded(engine.delete_entry(entry, expect_version=copy.version))
+            finally:
+                engine.unuse(entry, copy)
+            if not deleted:
+                return None  # retired by the delete: the buffer goes back to the pool ...
+            if copy.retired and not copy.in_memory:
+                owner.forget(buffer)  # ... from which it leaves the tier, handed to the caller
+                return from_bytes(buffer, meta)
+            return from_bytes(buffer, meta).clone()  # still used (a hold taken meanwhile): a copy of it
+        finally:
+            done.set_result(None)
 
     async def read(self, key: str) -> torch.Tensor:
         """The value of ``key`` as a new CPU tensor, read from wherever it is, moving nothing
