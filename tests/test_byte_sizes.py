@@ -18,3 +18,17 @@ def test_sizes_a_tier_takes(size: object, nbytes: int) -> None:
 def test_sizes_refused(size: object, words: str) -> None:
     with pytest.raises((ValueError, TypeError), match=words):
         HostTier(size)  # type: ignore[arg-type]
+
+
+async def test_a_value_just_over_a_tiers_capacity_is_not_said_to_equal_it() -> None:
+    """262,148 bytes on a 256 KiB tier read "256.0 KiB is more than ... (256.0 KiB)"."""
+    import torch
+
+    from tierstore import DeviceTier, TierFullError, TierStore
+
+    async with TierStore([DeviceTier("cpu", "256KiB"), HostTier("1MiB")]) as store:
+        with pytest.raises(TierFullError, match=r"takes 260\.0 KiB on tier 'device' \(whole allocation units\), more than it holds \(256\.0 KiB\)"):
+            await store.put("x", torch.zeros(262_148, dtype=torch.uint8), "device")
+        with pytest.raises(TierFullError, match=r"^512\.0 KiB is more than tier 'device' holds \(256\.0 KiB\)$"):
+            await store.put("x", torch.zeros(2 * 262_144, dtype=torch.uint8), "device")
+        await store.put("x", torch.zeros(262_144, dtype=torch.uint8), "device")

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from .entry import Copy, Entry
 from .errors import PolicyError, StoreClosedError, TierFullError, UnknownTierError
 from .tiers.base import MemoryTier, Tier
-from .units import format_bytes
+from .units import format_bytes, format_sizes
 from .workers import Priority
 
 if TYPE_CHECKING:
@@ -44,10 +44,12 @@ async def make_room(engine: Engine, t: int, nbytes: int, priority: Priority, wai
     tier = engine.tiers[t]
     if not isinstance(tier, MemoryTier):
         raise UnknownTierError(f"tier {tier.name!r} holds no buffers")
-    if tier.value_size(nbytes) > tier.capacity:
-        raise TierFullError(
-            f"{format_bytes(nbytes)} is more than tier {tier.name!r} holds ({format_bytes(tier.capacity)})"
-        )
+    if (size := tier.value_size(nbytes)) > tier.capacity:
+        taken, capacity = format_sizes(size, tier.capacity)
+        if size == nbytes:
+            raise TierFullError(f"{taken} is more than tier {tier.name!r} holds ({capacity})")
+        raise TierFullError(f"a value of {format_bytes(nbytes)} takes {taken} on tier {tier.name!r} (whole allocation units), "
+                            f"more than it holds ({capacity})")
     while True:
         if engine.winding_down:  # (a request that made room while the store closed allocates nothing)
             if wait_for_close and engine.sealed:
