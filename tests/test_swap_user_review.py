@@ -83,6 +83,10 @@ def test_state_dict_and_load_state_dict_follow_the_store_while_training(tmp_path
     reference = torch.optim.AdamW(twin.parameters(), lr=1e-2, fused=True)
     assert train(model, opt, range(3), params) == train(twin, reference, range(3))
     assert all(p.numel() == 0 for p in model.parameters())  # the weights are in the store ...
+    report = opt.time_report()  # (they went back into the store, crossing no link in the step)
+    assert report.weights_to_device_bytes == 0
+    assert report.weights_to_store_bytes == sum(p.numel() * p.element_size() for p in twin.parameters() if p.grad is not None)
+    assert "weights into the store" in str(report)
     assert_same(model.state_dict(), twin.state_dict())  # ... and a checkpoint holds them
     assert_same(model.blocks[0].state_dict(), twin.blocks[0].state_dict())  # a submodule's too
 

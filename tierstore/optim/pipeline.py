@@ -698,7 +698,8 @@ class UpdatePipeline:
         started = time.perf_counter()
         if offload is not None:
             await offload[0].write_weight_range(offload[1], chunk.start, weight)
-            report.weights_to_device += time.perf_counter() - started
+            report.weights_to_store += time.perf_counter() - started
+            report.weights_to_store_bytes += weight.nbytes
             return
         transfer = slot.link.to_device(slot.param.data.view(-1)[chunk.start : chunk.stop], weight, after=after)
         await transfer
@@ -763,8 +764,10 @@ class UpdatePipeline:
             offload = offloaded(slot.param)
             if offload is not None:  # the weight lives in a store (offload_parameters)
                 started = time.perf_counter()
-                await offload[0].write_weight(offload[1], weight.to(slot.param.dtype))
-                report.weights_to_device += time.perf_counter() - started
+                written = weight.to(slot.param.dtype)
+                await offload[0].write_weight(offload[1], written)
+                report.weights_to_store += time.perf_counter() - started
+                report.weights_to_store_bytes += written.nbytes
                 slot.written = True
                 slot.note_written()
             else:

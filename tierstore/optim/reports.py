@@ -239,6 +239,10 @@ class TimeReport:
     weights_to_device: float = 0.0
     grads_to_host_bytes: int = 0
     weights_to_device_bytes: int = 0
+    #: Updated weights of parameters ``offload_parameters`` keeps in a store, written there
+    #: (they cross no link in the step: the next forward brings them to the device).
+    weights_to_store: float = 0.0
+    weights_to_store_bytes: int = 0
     #: Gradients copied to the host in ``step()`` rather than when their hook fired: changed
     #: after backward (clipped, unscaled, replaced), or never captured (no hook, a skipped pass).
     grad_retakes: int = 0
@@ -286,7 +290,10 @@ class TimeReport:
             f"{self.update_elements / max(self.host_update, 1e-9) / 1e9:.2f} G params/s) | grads to host "
             f"{self.grads_to_host * 1e3:.1f} ms ({format_bytes(self.grads_to_host_bytes)}; {self.grad_retakes} taken again in "
             f"step(), {format_bytes(self.grad_retake_bytes)}) | weights to device {self.weights_to_device * 1e3:.1f} ms "
-            f"({format_bytes(self.weights_to_device_bytes)})\n"
+            f"({format_bytes(self.weights_to_device_bytes)})"
+            + (f" | weights into the store {self.weights_to_store * 1e3:.1f} ms ({format_bytes(self.weights_to_store_bytes)})"
+               if self.weights_to_store_bytes else "")
+            + "\n"
             f"  disk read {self.disk_read * 1e3:.1f} ms ({format_bytes(self.disk_read_bytes)}) | disk write "
             f"{self.disk_write * 1e3:.1f} ms ({format_bytes(self.disk_write_bytes)})"
         )
