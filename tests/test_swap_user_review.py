@@ -257,3 +257,23 @@ def test_close_right_after_a_graph_is_freed_deletes_what_is_left_without_racing_
             del loss  # (no backward: the graph goes, and with it what it saved)
             activations.close()
             assert not [key for key in store.keys() if key.startswith(activations.namespace.name)], round
+
+
+def test_a_torch_optimizer_on_offloaded_parameters_is_refused_clearly(tmp_path: Path) -> None:
+    """torch's AdamW met the size-0 placeholders: "The size of tensor a (0) must match ..."."""
+    torch.manual_seed(0)
+    model = Net()
+    twin = copy.deepcopy(model)
+    sync = store(tmp_path)
+    params = offload_parameters(model, sync)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(batch(0)).square().mean().backward()
+    with pytest.raises(TypeError, match=r"AdamW.step\(\): .*offload_parameters keeps in a store.*TieredAdamW.*detach\(\)"):
+        opt.step()
+    params.detach()  # the weights back in the module: torch's optimizer takes them again
+    reference = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    twin(batch(0)).square().mean().backward()
+    opt.step()
+    reference.step()
+    assert_same(dict(model.named_parameters()), dict(twin.named_parameters()))
+    sync.close()

@@ -176,6 +176,9 @@ class PagedOptimizer(torch.optim.Optimizer):
     _supports_sharding = False
     #: Param-group keys that choose how state is stored, not how it is updated: not saved.
     _unsaved_group_keys: tuple[str, ...] = ()
+    #: It writes the updated weights of ``offload_parameters``' parameters into their store
+    #: (another optimizer meets their size-0 placeholders: ``tierstore.swap`` refuses its step).
+    writes_offloaded_weights = True
 
     def __init__(
         self,

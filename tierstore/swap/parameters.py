@@ -61,6 +61,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..device import Link
@@ -87,6 +88,40 @@ warnings.filterwarnings("ignore", message="Full backward hook is firing when gra
 #: children's forward, where the hooks bring a unit's weights in: each is one unit with its
 #: children's weights.
 WHOLE_UNITS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+
+
+_foreign_step_hook: Any = None
+
+
+def _refuse_foreign_steps() -> None:
+    """Make every torch optimizer's ``step`` refuse parameters kept in a store, unless it writes
+    them there (``writes_offloaded_weights``): outside forward and backward their data is a
+    size-0 placeholder, and torch's own message ("The size of tensor a (0) must match ...")
+    names neither the cause nor the cure. Installed once, with the first offload."""
+    global _foreign_step_hook
+    if _foreign_step_hook is None:
+        _foreign_step_hook = register_optimizer_step_pre_hook(_check_step)
+
+
+def _check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if not _REGISTRY:
+        return
+    inner: Any = optimizer
+    for _ in range(4):  # (a wrapper, as accelerate's AcceleratedOptimizer, steps an optimizer of ours)
+        if getattr(inner, "writes_offloaded_weights", False):
+            return
+        inner = getattr(inner, "optimizer", None)
+        if inner is None:
+            break
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if isinstance(param, torch.Tensor) and _REGISTRY.get(param) is not None:
+                raise TypeError(
+                    f"{type(optimizer).__name__}.step(): its parameters include weights that offload_parameters keeps in "
+                    "a store (outside forward and backward their data is a size-0 placeholder); update them with "
+                    "tierstore.optim.TieredAdamW (or TieredOptimizer), which writes the new weights into the store, "
+                    "or call ParameterOffload.detach() first to put the weights back into the module"
+                )
 
 
 def offloaded(param: torch.Tensor) -> tuple[ParameterOffload, str] | None:
@@ -249,6 +284,7 @@ class ParameterOffload:
             weight.param.data = _placeholder(weight.param)
             weight.version = weight.param._version
             _REGISTRY[weight.param] = (self, weight.key)
+        _refuse_foreign_steps()
         self._hooks.append(self.module.register_forward_pre_hook(lambda *_: self._enter_saving()))
         self._hooks.append(self.module.register_forward_hook(lambda *_: self._exit_saving(), always_call=True))
         for index, unit in enumerate(self._units):
