@@ -228,3 +228,39 @@ def test_suggestions_the_trace_cannot_take_are_skipped_as_a_live_store_skips_the
         assert simulate(trace, capacities, prefetch=Suggests(lambda key, odd=odd: odd)).misses == plain, odd
     useful = simulate(trace, capacities, prefetch=Suggests(lambda key: [((key + 1) % 8, "fast")])).misses
     assert useful < plain
+
+
+async def test_a_pop_in_a_store_trace_removes_the_key_in_the_simulator(tmp_path: Path) -> None:
+    """A pop read as a plain access left the key cached: the put after it counted as a hit."""
+    for verb in ("pop", "delete"):
+        path = tmp_path / f"{verb}.npz"
+        async with TierStore([HostTier("64KiB")], trace=path) as store:
+            await store.put("a", torch.zeros(16))
+            await getattr(store, verb)("a")
+            await store.put("a", torch.zeros(16))
+            await store.get("a")
+        result = simulate(load_trace(path), {"host": 65536}, eviction="lru")
+        assert result.misses == 2, verb  # both puts of "a": after the pop or delete it is a new key
+        assert result.requests == (4 if verb == "pop" else 3)  # (a pop reads the value: an access)
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda d: d.update(nbytes=-d["nbytes"]), "negative sizes"),
+    (lambda d: d.update(time=d["time"][::-1].copy()), "times that go backwards"),
+    (lambda d: d["time"].__setitem__(1, np.nan), "times that are not finite"),
+    (lambda d: d["op"].__setitem__(0, 200), "operation codes outside"),
+    (lambda d: d["key"].__setitem__(0, 99), "key indexes outside"),
+])
+async def test_a_store_trace_edited_into_rows_no_store_writes_is_refused(tmp_path: Path, damage: Any, words: str) -> None:
+    from tierstore import TraceError
+
+    path = tmp_path / "t.npz"
+    async with TierStore([HostTier("64KiB")], trace=path) as store:
+        for key in "abc":
+            await store.put(key, torch.zeros(16))
+    with np.load(path) as archive:
+        data = {name: archive[name].copy() for name in archive.files}
+    damage(data)
+    np.savez(path, **data)
+    with pytest.raises(TraceError, match=words):
+        load_trace(path)

@@ -165,19 +165,48 @@ def store_npz(path: str | Path) -> Iterator[Any]:
 
 
 def _load_npz(path: Path) -> Trace:
+    """A store's trace as the simulator reads it: puts, gets and reads are accesses, a delete
+    removes its key, and a pop is both (an access, then the key gone)."""
     with store_npz(path) as data:
         ops_table = [str(op) for op in data["ops"]]
-        op_names = np.asarray(ops_table)[data["op"]]
+        codes, key_ids = data["op"].astype(np.int64), data["key"].astype(np.int64)
+        sizes, times = data["nbytes"].astype(np.int64), data["time"].astype(np.float64)
+        keys = [str(k) for k in data["keys"]]
+        _check_npz_rows(path, len(ops_table), codes, len(keys), key_ids, sizes, times)
+        op_names = np.asarray(ops_table)[codes]
         keep = ~np.isin(op_names, ("prefetch", "evict", "writeback", "update"))
-        ops = np.where(op_names[keep] == "delete", DELETE, ACCESS).astype(np.uint8)
+        kept = op_names[keep]
+        repeats = np.where(kept == "pop", 2, 1)
+        ops = np.repeat(np.where(kept == "delete", DELETE, ACCESS).astype(np.uint8), repeats)
+        ops[np.cumsum(repeats)[kept == "pop"] - 1] = DELETE  # (a pop's second row: the key goes)
         return Trace(
-            keys=[str(k) for k in data["keys"]],
-            ids=data["key"][keep].astype(np.int64),
-            sizes=data["nbytes"][keep].astype(np.int64),
+            keys=keys,
+            ids=np.repeat(key_ids[keep], repeats),
+            sizes=np.repeat(sizes[keep], repeats),
             ops=ops,
-            steps=data["step"][keep].astype(np.int64),
-            times=data["time"][keep].astype(np.float64),
+            steps=np.repeat(data["step"][keep].astype(np.int64), repeats),
+            times=np.repeat(times[keep], repeats),
         )
+
+
+def _check_npz_rows(path: Path, n_ops: int, codes: np.ndarray, n_keys: int, key_ids: np.ndarray, sizes: np.ndarray,
+                    times: np.ndarray) -> None:
+    """``TraceError`` for rows no store writes (a file edited by hand, or damaged)."""
+    problems = []
+    if len(codes) and (codes.min() < 0 or codes.max() >= n_ops):
+        problems.append(f"operation codes outside its table of {n_ops}")
+    if len(key_ids) and (key_ids.min() < 0 or key_ids.max() >= n_keys):
+        problems.append(f"key indexes outside its table of {n_keys} keys")
+    if len(sizes) and sizes.min() < 0:
+        problems.append("negative sizes")
+    if not np.isfinite(times).all():
+        problems.append("times that are not finite")
+    elif len(times) > 1 and (np.diff(times) < 0).any():
+        problems.append("times that go backwards")
+    if not len({len(codes), len(key_ids), len(sizes), len(times)}) == 1:
+        problems.append("columns of different lengths")
+    if problems:
+        raise TraceError(f"{path} is not a trace a store wrote: it has {', '.join(problems)}")
 
 
 def load_evictions(path: str | Path) -> list[tuple[str, int]]:
