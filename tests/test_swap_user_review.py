@@ -9,6 +9,7 @@ import gc
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -241,7 +242,7 @@ def test_conjugate_and_negative_views_are_offloaded_with_their_values() -> None:
         time.sleep(0.3)  # (the copies start before backward asks for the values back)
         loss.backward()
         activations.close()
-    assert activations.report.offloaded >= 2
+    assert activations.report.offloaded >= 2 and activations.report.early == 0  # (each came back over the link)
     assert torch.equal(x.grad, expected)
 
 
@@ -277,3 +278,37 @@ def test_a_torch_optimizer_on_offloaded_parameters_is_refused_clearly(tmp_path: 
     reference.step()
     assert_same(dict(model.named_parameters()), dict(twin.named_parameters()))
     sync.close()
+
+
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise ValueError("backward failed")
+
+
+def test_close_after_a_failed_backward_waits_for_what_was_fetched_ahead() -> None:
+    """Values fetched ahead of a backward that then raised held their keys: close() right after
+    raised EntryHeldError and left the namespace claimed, its keys behind."""
+    with SyncTierStore([DeviceTier("cpu", "64MiB"), HostTier("256MiB")]) as store:
+        for round in range(8):
+            activations = offload_activations(store, min_bytes=0, ahead="64MiB")
+            x = torch.randn(256, 512, requires_grad=True)
+            with activations:
+                h = x
+                for _ in range(4):
+                    h = (h * 1.0001).tanh()
+                h = _FailingBackward.apply(h)
+                for _ in range(4):
+                    h = (h * 1.0001).tanh()
+                loss = h.sum()
+            time.sleep(0.05)
+            with pytest.raises(ValueError, match="backward failed"):
+                loss.backward()
+            activations.close()
+            assert not activations.namespace.live, round
+            assert not [key for key in store.keys() if key.startswith(activations.namespace.name)], round
+            del loss, h

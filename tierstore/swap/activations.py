@@ -122,7 +122,7 @@ class ActivationOffload:
         self._ahead_bytes = 0  # bytes popped ahead of backward and not yet taken
         self._learned: dict[int, list[int]] = {}  # previous step: index -> the indices after it
         self._in_flight = 0
-        self._storing: set[concurrent.futures.Future[None]] = set()  # copies into the store under way
+        self._under_way: set[concurrent.futures.Future[Any]] = set()  # copies into and out of the store
         self._lock = threading.Condition()
         self._hooks: Any = None
 
@@ -168,9 +168,10 @@ class ActivationOffload:
 
     async def _drop(self) -> None:
         with self._lock:
-            storing = list(self._storing)
-        # (a copy under way would land its key after the drop listed the namespace's keys)
-        await asyncio.gather(*(asyncio.wrap_future(future) for future in storing), return_exceptions=True)
+            under_way = list(self._under_way)
+        # (a copy into the store would land its key after the drop listed the namespace's keys; one
+        # out of it, fetched ahead of a backward that then failed, holds its key)
+        await asyncio.gather(*(asyncio.wrap_future(future) for future in under_way), return_exceptions=True)
         await self.namespace.drop()
 
     # -- forward -------------------------------------------------------------------------------------
@@ -199,9 +200,7 @@ class ActivationOffload:
             marker = link.mark()  # after the kernels that produced it (and made it contiguous)
             stored = to_store(self.store, saved.key, source, self.tier, link, marker)
             saved.stored = asyncio.run_coroutine_threadsafe(self._put(saved, stored), self._loop)
-        with self._lock:
-            self._storing.add(saved.stored)
-        saved.stored.add_done_callback(self._stored)
+        self._track(saved.stored)
         saved.finalizer = weakref.finalize(saved, _forget, self._loop, self.store, saved.key, saved.stored)
         self._saved[index] = saved
         with self._lock:
@@ -216,9 +215,15 @@ class ActivationOffload:
             link = self._links[device] = swap_link(self.store, device, self.emulate_device)
         return link
 
-    def _stored(self, future: concurrent.futures.Future[None]) -> None:
+    def _track(self, future: concurrent.futures.Future[Any]) -> None:
+        """Count ``future`` (a copy into or out of the store) as under way until it is done."""
         with self._lock:
-            self._storing.discard(future)
+            self._under_way.add(future)
+        future.add_done_callback(self._done)
+
+    def _done(self, future: concurrent.futures.Future[Any]) -> None:
+        with self._lock:
+            self._under_way.discard(future)
 
     def _wait_for_room(self, nbytes: int) -> None:
         """Block forward while more than ``max_in_flight`` bytes are still being copied."""
@@ -297,6 +302,7 @@ class ActivationOffload:
         else:
             coroutine = _cross_when_stored(self.store, saved, saved.link)
         saved.fetched = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        self._track(saved.fetched)
 
     def _fetch_ahead(self, index: int, device: torch.device) -> None:
         """Pop the saved tensors backward will want next, within ``ahead`` bytes (and a quarter
