@@ -294,6 +294,10 @@ def test_errors_are_clear(tmp_path: Path) -> None:
         TieredAdamW(model.parameters(), lr=torch.tensor([1e-3, 1e-3]))
     with pytest.raises(ValueError, match="beta parameter at index 1"):
         TieredAdamW(model.parameters(), betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="betas must be either both floats or both Tensors"):
+        TieredAdamW(model.parameters(), betas=(torch.tensor(0.9), 0.999))
+    with pytest.raises(ValueError, match="foreach=True"):
+        TieredAdamW(model.parameters(), lr=torch.tensor(1e-3), foreach=True)
     opt = TieredAdamW(model.parameters(), store=paging_store(tmp_path), min_offload_numel=64, step_in_backward=True)
     tokens = next(synthetic_batches(CONFIG, 2))
     model.loss(tokens).backward()

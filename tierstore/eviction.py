@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from .entry import Copy, Entry
 from .errors import PolicyError, StoreClosedError, TierFullError, UnknownTierError
 from .tiers.base import MemoryTier, Tier
-from .units import format_bytes, format_sizes
+from .units import format_bytes
 from .workers import Priority
 
 if TYPE_CHECKING:
@@ -45,10 +45,11 @@ async def make_room(engine: Engine, t: int, nbytes: int, priority: Priority, wai
     if not isinstance(tier, MemoryTier):
         raise UnknownTierError(f"tier {tier.name!r} holds no buffers")
     if (size := tier.value_size(nbytes)) > tier.capacity:
-        taken, capacity = format_sizes(size, tier.capacity)
+        exact = len({format_bytes(n) for n in (nbytes, size, tier.capacity)}) < len({nbytes, size, tier.capacity})
+        value, taken, capacity = (f"{n:,} bytes" if exact else format_bytes(n) for n in (nbytes, size, tier.capacity))
         if size == nbytes:
-            raise TierFullError(f"{taken} is more than tier {tier.name!r} holds ({capacity})")
-        raise TierFullError(f"a value of {format_bytes(nbytes)} takes {taken} on tier {tier.name!r} (whole allocation units), "
+            raise TierFullError(f"{value} is more than tier {tier.name!r} holds ({capacity})")
+        raise TierFullError(f"a value of {value} takes {taken} on tier {tier.name!r} (whole allocation units), "
                             f"more than it holds ({capacity})")
     while True:
         if engine.winding_down:  # (a request that made room while the store closed allocates nothing)

@@ -51,23 +51,13 @@ def parse_bytes(size: int | float | str) -> int:
 
 
 def format_bytes(nbytes: float) -> str:
-    """Return ``nbytes`` in binary units, e.g. ``"1.5 GiB"`` (see ``format_sizes`` for two
-    sizes that must not read the same)."""
+    """Return ``nbytes`` in binary units, e.g. ``"1.5 GiB"``."""
     value = float(nbytes)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(value) < 1024 or unit == "TiB":
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
-
-
-def format_sizes(a: float, b: float) -> tuple[str, str]:
-    """``format_bytes`` of ``a`` and ``b``; in exact bytes when rounding would make two different
-    sizes read the same ("256.0 KiB is more than 256.0 KiB")."""
-    shown = format_bytes(a), format_bytes(b)
-    if a != b and shown[0] == shown[1]:
-        return f"{int(a):,} bytes", f"{int(b):,} bytes"
-    return shown
 
 
 def round_up(value: int, multiple: int) -> int:

@@ -114,8 +114,11 @@ class TieredAdam(PagedOptimizer):
         **paging: Any,
     ) -> None:
         # (torch's checks, in its order: a str lr is a TypeError here, not at the first step)
-        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
+        if isinstance(lr, torch.Tensor):
+            if foreach and not capturable:
+                raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
+            if lr.numel() != 1:
+                raise ValueError("Tensor lr must be 1-element")
         if not lr >= 0.0:
             raise ValueError(f"Invalid learning rate: {lr}")
         if not eps >= 0.0:
@@ -127,6 +130,8 @@ class TieredAdam(PagedOptimizer):
                 raise ValueError(f"Invalid beta parameter at index {index}: {beta}")
         if not weight_decay >= 0.0:
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if not (all(isinstance(beta, float) for beta in betas) or all(isinstance(beta, torch.Tensor) for beta in betas)):
+            raise ValueError("betas must be either both floats or both Tensors")
         if capturable or differentiable:
             raise ValueError("capturable and differentiable are not supported: the update runs on the host")
         if fused and foreach:

@@ -107,10 +107,15 @@ def _local(slot: ParamSlot, name: str, value: Any) -> torch.Tensor:
     elif isinstance(slot.param, ParamRange):  # a whole tensor (torch's AdamW's): our rows of it
         tensor = slot.param.local_of(tensor)
     if tensor.numel() != slot.numel:
-        whose = "this rank's shard of the parameter" if isinstance(slot.param, LocalShard | ParamRange) else "the parameter"
+        if isinstance(slot.param, ParamRange):  # (a whole tensor, or this rank's rows of it)
+            wanted = f"the parameter {slot.param.param.numel()} (this rank's rows of it {slot.numel})"
+        elif isinstance(slot.param, LocalShard):
+            wanted = f"this rank's shard of the parameter {slot.numel}"
+        else:
+            wanted = f"the parameter {slot.numel}"
         dtensor = "; a DTensor parameter loads its state as DTensors (get/set_optimizer_state_dict)"
         raise ValueError(
-            f"parameter {slot.index}: saved {name!r} has {tensor.numel()} elements, {whose} {slot.numel}: the state dict "
+            f"parameter {slot.index}: saved {name!r} has {tensor.numel()} elements, {wanted}: the state dict "
             f"is not this model's, or lists its parameters in another order{dtensor if isinstance(slot.param, LocalShard) else ''}"
         )
     return tensor.reshape(-1).to("cpu", torch.float32)
