@@ -13,9 +13,13 @@ class ARC:
     of ``T1`` towards the list that would have kept it. Sizes are bytes; ``set_capacity`` (the
     store and the simulator call it) bounds the ghosts.
 
-    ``victim(evictable)`` takes the oldest evictable key of the list ARC's rule picks (``T1``
-    when it is over its target ``p`` or ``T2`` is empty), or of the other list when the picked
-    one has no evictable key. A skipped key keeps its list and its place in it."""
+    As in the paper, a miss on a ghost moves ``p`` before the victims for it are chosen: the
+    store and the simulator call ``before_insert`` first (without it, ``on_insert`` adapts ``p``,
+    after the victims). ``victim(evictable)`` takes the oldest evictable key of the list ARC's
+    REPLACE picks (``T1`` when it is over its target ``p``, or at it for a key coming back from
+    ``B2``, or when ``T2`` is empty), or of the other list when the picked one has no evictable
+    key. A skipped key keeps its list and its place in it. With equal sizes this is the paper's
+    ARC, miss for miss (tested against a transcription of its pseudocode)."""
 
     name = "arc"
 
@@ -33,6 +37,7 @@ class ARC:
         self._b2: OrderedDict[str, int] = OrderedDict()
         self._bytes = {"t1": 0, "t2": 0, "b1": 0, "b2": 0}
         self.p = 0.0
+        self._incoming: tuple[str, str] | None = None  # (key, the ghost list it is in) between before_insert and on_insert
 
     def _cap(self) -> int:
         return self.capacity if self.capacity is not None else max(1, self._bytes["t1"] + self._bytes["t2"])
@@ -47,19 +52,34 @@ class ARC:
         getattr(self, f"_{name}")[key] = size
         self._bytes[name] += size
 
+    def before_insert(self, key: str, nbytes: int) -> None:
+        """A miss on ``key`` is about to insert it: a ghost hit adapts ``p`` now, before REPLACE."""
+        self._incoming = None
+        ghost = "b1" if key in self._b1 else "b2" if key in self._b2 else None
+        if ghost is not None:
+            self._adapt(ghost, nbytes)
+            self._incoming = (key, ghost)
+
+    def _adapt(self, ghost: str, nbytes: int) -> None:
+        b1, b2 = self._bytes["b1"], self._bytes["b2"]
+        if ghost == "b1":
+            self.p = min(self._cap(), self.p + max(b2 / max(b1, 1), 1.0) * nbytes)
+        else:
+            self.p = max(0.0, self.p - max(b1 / max(b2, 1), 1.0) * nbytes)
+
     def on_insert(self, key: str, nbytes: int) -> None:
         self.on_remove(key)
-        cap = self._cap()
-        b1, b2 = self._bytes["b1"], self._bytes["b2"]
-        if self._take("b1", key) is not None:
-            self.p = min(cap, self.p + max(b2 / max(b1, 1), 1.0) * nbytes)
-            self._put("t2", key, nbytes)
-        elif self._take("b2", key) is not None:
-            self.p = max(0.0, self.p - max(b1 / max(b2, 1), 1.0) * nbytes)
+        adapted = self._incoming is not None and self._incoming[0] == key
+        self._incoming = None
+        ghost = "b1" if key in self._b1 else "b2" if key in self._b2 else None
+        if ghost is not None:
+            if not adapted:
+                self._adapt(ghost, nbytes)
+            self._take(ghost, key)
             self._put("t2", key, nbytes)
         else:
             self._put("t1", key, nbytes)
-        self._trim_ghosts(cap)
+        self._trim_ghosts(self._cap())
 
     def on_hit(self, key: str) -> None:
         size = self._take("t1", key)
@@ -73,7 +93,9 @@ class ARC:
             self._take("t2", key)
 
     def victim(self, evictable: Callable[[str], bool] | None = None) -> str | None:
-        order = ("t1", "t2") if self._t1 and (self._bytes["t1"] > self.p or not self._t2) else ("t2", "t1")
+        t1 = self._bytes["t1"]
+        from_b2 = self._incoming is not None and self._incoming[1] == "b2"
+        order = ("t1", "t2") if self._t1 and (t1 > self.p or (from_b2 and t1 == self.p) or not self._t2) else ("t2", "t1")
         for name in order:
             queue: OrderedDict[str, int] = getattr(self, f"_{name}")
             key = next((k for k in queue if evictable is None or evictable(k)), None)

@@ -452,6 +452,7 @@ class Engine:
         ):
             return False
         started = time.perf_counter()
+        self.policy_before_insert(t, entry.key, nbytes)
         packed = tier.allocate_packed(nbytes)
         copy = MemoryCopy(t, 0, slab=packed[0], index=packed[1]) if packed is not None else MemoryCopy(t, 0, buffer=tier.allocate(nbytes))
         if nbytes:
@@ -502,6 +503,7 @@ class Engine:
         if not isinstance(tier, MemoryTier):
             raise UnknownTierError(f"tier {tier.name!r} holds no buffers")
         nbytes = (meta or entry.meta).nbytes
+        self.policy_before_insert(t, entry.key, nbytes)
         await eviction.make_room(self, t, nbytes, priority, wait_for_close)
         # A small value takes a slot of a shared slab, named by (slab, index): no tensor is
         # kept per value (a million small keys must not cost a million tensor objects).
@@ -925,6 +927,19 @@ class Engine:
             return entry.copy_on(t) if entry is not None else None
 
         return find
+
+    def policy_before_insert(self, t: int, key: str, nbytes: int) -> None:
+        """Tell tier ``t``'s policy, if it asks (``before_insert``), that ``key`` is about to be
+        inserted, before victims are chosen to make room for it."""
+        policy = self.policies[t]
+        if policy is None or policy.__class__ is CopyLRU:
+            return
+        before = getattr(policy, "before_insert", None)
+        if before is not None:
+            try:
+                before(key, nbytes)
+            except Exception as exc:  # (advice: the insert goes on)
+                self._eviction_policy_failed(t, "before_insert", exc)
 
     def policy_insert(self, entry: Entry, copy: Copy) -> None:
         policy = self.policies[copy.tier]

@@ -44,7 +44,10 @@ class EvictionPolicy(Protocol):
     no torch.
 
     Optional: ``set_capacity(nbytes)`` is called once with the tier's capacity, for policies that
-    size internal queues (ARC, S3-FIFO); ``next_use(key)`` (policies that see the future) returns
+    size internal queues (ARC, S3-FIFO); ``before_insert(key, nbytes)`` is called when ``key`` is
+    about to be inserted, before the victims that make room for it are chosen (ARC adapts its
+    target there on a ghost hit; an insert that then fails may follow it with no ``on_insert``);
+    ``next_use(key)`` (policies that see the future) returns
     when the key is needed next, so prefetch and eviction can agree.
     """
 

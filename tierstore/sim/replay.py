@@ -297,7 +297,7 @@ class _StoreModel:
             self._drop_memory(key)
             self.valid[key] = {self.disk} if self.disk is not None else set()
         if t != self.disk:
-            self._make_room(t, nbytes)
+            self._make_room(t, nbytes, key)
             taken = self.rooms[t].take(nbytes)
         self._drop_memory(key)
         self.nbytes[key] = nbytes
@@ -334,7 +334,7 @@ class _StoreModel:
             return  # read uncached
         self.in_use.add((key, source))
         try:
-            self._make_room(t, nbytes)
+            self._make_room(t, nbytes, key)
         finally:
             self.in_use.discard((key, source))
         taken = self.rooms[t].take(nbytes)
@@ -381,10 +381,14 @@ class _StoreModel:
                 if policy is not None:
                     policy.on_remove(key)
 
-    def _make_room(self, t: int, nbytes: int) -> None:
-        """Evict from tier ``t`` until a value of ``nbytes`` can be allocated; what that takes is
-        asked again after each round (a freed slot of the value's slab class is room enough)."""
+    def _make_room(self, t: int, nbytes: int, key: str) -> None:
+        """Evict from tier ``t`` until a value of ``nbytes`` (of ``key``, about to be inserted)
+        can be allocated; what that takes is asked again after each round (a freed slot of the
+        value's slab class is room enough)."""
         room, policy = self.rooms[t], self.policies[t]
+        before = getattr(policy, "before_insert", None)
+        if before is not None:
+            before(key, nbytes)
         if room.needed(nbytes) > room.capacity:
             raise TierFullError(f"{room.needed(nbytes)} bytes is more than tier {self.names[t]!r} holds ({room.capacity})")
         while room.free() < (needed := room.needed(nbytes)):
@@ -422,7 +426,7 @@ class _StoreModel:
                 nbytes = self.nbytes[key]
                 self.in_use.add((key, t))
                 try:
-                    self._make_room(below, nbytes)
+                    self._make_room(below, nbytes, key)
                 finally:
                     self.in_use.discard((key, t))
                 taken = self.rooms[below].take(nbytes)

@@ -216,7 +216,7 @@ def _no_victim(policy: Any, victim: Any, tier: str, used: int, size: int, capaci
             f"needs {size} more; victim() must forget and return a key given to on_insert and not removed since")
 
 
-_PROTOCOL = ("on_insert", "on_hit", "on_remove", "victim", "reset", "set_capacity")
+_PROTOCOL = ("on_insert", "on_hit", "on_remove", "victim", "reset", "set_capacity", "before_insert")
 
 
 def _batch_path_applies(policy: Any) -> bool:
@@ -247,6 +247,7 @@ def _run_single(trace: Trace, tier: _Tier, oracle: _Oracle, links: LinkModel, re
         _fill(result, tier, link, requests, misses, requested, missed, latency, bandwidth, trace, think)
         return
     on_hit, on_insert, on_remove, victim = policy.on_hit, policy.on_insert, policy.on_remove, policy.victim
+    before_insert = getattr(policy, "before_insert", None)
     used = requests = misses = requested = missed = 0
     track_time = hasattr(policy, "oracle")  # MIN reads the clock through its oracle
     for position, (key, size, op) in enumerate(zip(trace.ids.tolist(), trace.sizes.tolist(), trace.ops.tolist(), strict=True)):
@@ -270,6 +271,8 @@ def _run_single(trace: Trace, tier: _Tier, oracle: _Oracle, links: LinkModel, re
         missed += size
         if size > capacity:
             continue
+        if before_insert is not None:
+            before_insert(key, size)
         while used + size > capacity:
             gone = victim()
             freed = resident.pop(gone, None)
@@ -419,6 +422,9 @@ class _Replay:
         tier = self.tiers[t]
         if size > tier.capacity:
             return False
+        before_insert = getattr(tier.policy, "before_insert", None)
+        if before_insert is not None:
+            before_insert(key, size)
         while tier.used + size > tier.capacity:
             victim = tier.policy.victim()
             gone = tier.resident.pop(victim, None)
