@@ -10,7 +10,7 @@ from .dcp import (
     optimizer_state_dict,
     save_optimizer,
 )
-from .ddp import attach_ddp
+from .ddp import attach_ddp, average_as_ddp
 from .generic import TieredOptimizer
 from .paging import OptimizerCapacityError, PagedOptimizer
 from .reports import MemoryReport, Timeline, TimeReport
@@ -18,5 +18,5 @@ from .reports import MemoryReport, Timeline, TimeReport
 __all__ = [
     "MemoryReport", "OptimizerCapacityError", "PagedOptimizer", "StepIncompleteError", "StreamingFileSystemWriter",
     "StreamingLoadPlanner", "StreamingSavePlanner", "TieredAdam", "TieredAdamW", "TieredOptimizer", "TimeReport", "Timeline",
-    "attach_ddp", "load_optimizer", "optimizer_state_dict", "save_optimizer",
+    "attach_ddp", "average_as_ddp", "load_optimizer", "optimizer_state_dict", "save_optimizer",
 ]

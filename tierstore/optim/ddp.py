@@ -25,12 +25,25 @@ if TYPE_CHECKING:
 CommHook = Callable[[Any, Any], "torch.futures.Future[torch.Tensor]"]
 
 
+def average_as_ddp(process_group: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+    """A communication hook that averages a bucket's gradients as DDP's own reducer does when no
+    hook is registered: multiplied by 1/world, then summed over the ranks. (Torch's
+    ``allreduce_hook`` divides by the world size instead, which rounds differently where it is
+    not a power of two: training with it is not bit for bit what plain DDP gives.)"""
+    import torch.distributed as dist
+
+    group = process_group if process_group is not None else dist.group.WORLD
+    tensor = bucket.buffer()
+    tensor.mul_(1.0 / dist.get_world_size(group))
+    return dist.all_reduce(tensor, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
 def attach_ddp(optimizer: PagedOptimizer, ddp_model: torch.nn.Module, hook: CommHook | None = None, state: Any = None) -> None:
     """Take the gradients of ``ddp_model``'s parameters after their all-reduce.
 
     Registers a communication hook on ``ddp_model`` (a ``DistributedDataParallel``) that runs
-    ``hook(state, bucket)`` (default: torch's ``allreduce_hook``, which averages, with ``state``
-    the process group or None for the default one) and, when its future completes, starts the
+    ``hook(state, bucket)`` (default: ``average_as_ddp``, which averages as DDP does with no hook,
+    with ``state`` the process group or None for the default one) and, when its future completes, starts the
     copies of the bucket's averaged gradients to the host; the bucket goes back to DDP unchanged.
     A hook of your own (compression, say) is passed here as ``hook=``/``state=`` rather than
     registered on the model: DDP takes one communication hook, and one registered already raises
@@ -41,7 +54,6 @@ def attach_ddp(optimizer: PagedOptimizer, ddp_model: torch.nn.Module, hook: Comm
     With ``step_in_backward=True`` only attached DDP can work: updates start from the averaged
     gradients.
     """
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel
 
     if not isinstance(ddp_model, DistributedDataParallel):
@@ -60,7 +72,7 @@ def attach_ddp(optimizer: PagedOptimizer, ddp_model: torch.nn.Module, hook: Comm
     if not slots:
         raise ValueError("none of the optimizer's parameters belongs to this DDP model")
     capture = optimizer._capture
-    chained = _Chained(hook or allreduce_hook, state, weakref.ref(capture), slots)
+    chained = _Chained(hook or average_as_ddp, state, weakref.ref(capture), slots)
     try:
         ddp_model.register_comm_hook(chained, _comm_hook)
     except RuntimeError as exc:  # a built-in hook registered in C++ is not listed in _comm_hooks
