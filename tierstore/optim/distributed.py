@@ -35,6 +35,7 @@ reduction does, so both give ``clip_grad_norm_``'s numbers.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import weakref
@@ -358,6 +359,7 @@ class Sharding:
         tensors = _tensors(groups)
         if any(is_dtensor(t) for t in tensors):
             raise ValueError("parameters are DTensors (FSDP2 shards them already): pass no process_group=")
+        self.check_same(tensors)
         #: Each parameter's owner: a rank, or every rank's rows (a split parameter).
         self._owner: dict[int, int | list[tuple[int, int]]] = {
             id(t): o for t, o in zip(tensors, plan_ownership(tensors, self.world), strict=True)
@@ -373,6 +375,31 @@ class Sharding:
         self.pending = False
         #: This rank's updates of the current step are all applied (its weights not yet sent).
         self.local_done = False
+
+    def check_same(self, params: Sequence[torch.Tensor]) -> None:
+        """``ValueError`` on every rank unless every rank lists parameters of the same shapes,
+        dtypes and ``requires_grad`` (a collective): each rank plans the owners from its own list,
+        and lists that differ (a parameter frozen on one rank only) would split the model
+        silently, each rank broadcasting weights the others do not expect."""
+        described = [(tuple(p.shape), str(p.dtype), bool(p.requires_grad)) for p in params]
+        everyone: list[Any] = [None] * self.world
+        dist.all_gather_object(everyone, hashlib.blake2b(repr(described).encode(), digest_size=16).digest(), group=self.group)
+        if len(set(everyone)) == 1:
+            return
+        dist.all_gather_object(everyone, described, group=self.group)
+        counts = {len(listed) for listed in everyone}
+        if len(counts) > 1:
+            raise ValueError(f"the ranks list different numbers of parameters ({[len(listed) for listed in everyone]} by rank): "
+                             "every rank must give the optimizer the same parameters, in the same order")
+        differing = [i for i in range(len(described)) if len({listed[i] for listed in everyone}) > 1]
+        first = differing[0]
+        seen = "; ".join(f"rank {rank}: shape {listed[first][0]}, {listed[first][1]}, requires_grad={listed[first][2]}"
+                         for rank, listed in enumerate(everyone))
+        raise ValueError(
+            f"parameters {differing[:8]}{'...' if len(differing) > 8 else ''} differ across the ranks (parameter {first}: {seen}): "
+            "with process_group= each rank plans who owns which state from its own list, so every rank must give the same "
+            "parameters, frozen (requires_grad=False) on every rank or on none, before the optimizer is made"
+        )
 
     def owner(self, param: torch.Tensor) -> int | list[tuple[int, int]]:
         """The rank owning ``param``, or each rank's rows of a split one (parameters added

@@ -367,6 +367,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         error: BaseException | None = None
         planned = False
         try:
+            if self._constructed and self._sharding is not None:  # (the constructor checked its own groups)
+                self._sharding.check_same(listed)
             self._add_slots()
             if self._constructed:  # (during construction, the constructor plans every group)
                 self._plan_added(self._slots[first:])
