@@ -264,3 +264,35 @@ async def test_a_store_trace_edited_into_rows_no_store_writes_is_refused(tmp_pat
     np.savez(path, **data)
     with pytest.raises(TraceError, match=words):
         load_trace(path)
+
+
+def test_a_policy_that_raises_in_the_simulator_is_named_with_its_method() -> None:
+    from policies import LRU, NoPrefetch
+
+    from tierstore import PolicyError
+
+    class HitRaises(LRU):
+        def on_hit(self, key: Any) -> None:
+            raise ValueError("bug in on_hit")
+
+    class ListVictim(LRU):
+        def victim(self, evictable: Any = None) -> Any:
+            return [super().victim(evictable)]
+
+    class ResetRaises(NoPrefetch):
+        def reset(self) -> None:
+            raise RuntimeError("bug in reset")
+
+    class BareKeys(NoPrefetch):
+        def suggest(self) -> Any:
+            return ["k"]
+
+    trace = loop_trace(4, 3, 10)
+    with pytest.raises(PolicyError, match=r"eviction policy 'HitRaises' raised ValueError\('bug in on_hit'\) in on_hit\(\)"):
+        simulate(trace, {"host": 40}, HitRaises)  # (a subclass is not 'lru')
+    with pytest.raises(PolicyError, match=r"eviction policy 'ListVictim' named victim \[0\]"):
+        simulate(trace, {"host": 20}, ListVictim)  # (unhashable: TypeError came from the lookup)
+    with pytest.raises(PolicyError, match=r"prefetch policy 'ResetRaises' raised RuntimeError\('bug in reset'\) setting up"):
+        simulate(trace, {"host": 20}, "lru", prefetch=ResetRaises())
+    with pytest.raises(PolicyError, match=r"prefetch policy 'BareKeys': suggest\(\) gave 'k', not a \(key"):
+        simulate(trace, {"host": 20}, "lru", prefetch=BareKeys())

@@ -177,18 +177,51 @@ def simulate(
         prefetch_name = prefetch
     else:
         prefetcher, prefetch_name = prefetch, getattr(prefetch, "name", type(prefetch).__name__)
-        prefetcher.reset()
-    if hasattr(prefetcher, "set_capacities"):
-        prefetcher.set_capacities({t.name: t.capacity for t in tiers})
+    try:
+        if not isinstance(prefetch, str):
+            prefetcher.reset()
+        if hasattr(prefetcher, "set_capacities"):
+            prefetcher.set_capacities({t.name: t.capacity for t in tiers})
+    except Exception as exc:
+        raise PolicyError(f"prefetch policy {policy_name(prefetcher)!r} raised {exc!r} setting up: the simulation did not start") from exc
     result = SimResult(eviction_name, prefetch_name, tiers[0].capacity, {t.name: t.capacity for t in tiers})
     result.hits_by_tier = {t.name: 0 for t in tiers}
     started = time.perf_counter()
-    if len(tiers) == 1 and isinstance(prefetcher, NoPrefetch):
-        _run_single(trace, tiers[0], oracle, links, result, think)
-    else:
-        _Replay(trace, tiers, prefetcher, oracle, links, result, think).run()
+    try:
+        if len(tiers) == 1 and isinstance(prefetcher, NoPrefetch):
+            _run_single(trace, tiers[0], oracle, links, result, think)
+        else:
+            _Replay(trace, tiers, prefetcher, oracle, links, result, think).run()
+    except PolicyError:
+        raise
+    except Exception as exc:
+        raised = _raised_in(exc, {id(t.policy): "eviction" for t in tiers} | {id(prefetcher): "prefetch"})
+        if raised is None:
+            raise
+        role, policy, method = raised
+        raise PolicyError(f"{role} policy {policy_name(policy)!r} raised {exc!r} in {method}(): the simulation stopped "
+                          "(a live store warns about advice it cannot take and goes on)") from exc
     result.sim_seconds = time.perf_counter() - started
     return result
+
+
+def policy_name(policy: Any) -> str:
+    """What errors call ``policy``: its class's own ``name``, else its class name (a subclass of
+    a shipped policy is not that policy)."""
+    own = vars(type(policy)).get("name")
+    return own if isinstance(own, str) else type(policy).__name__
+
+
+def _raised_in(exc: BaseException, roles: dict[int, str]) -> tuple[str, Any, str] | None:
+    """``(role, policy, method)`` of the outermost frame of ``exc``'s traceback that ran a
+    method of one of the policies (by ``id`` in ``roles``), or None if none did."""
+    tb = exc.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if owner is not None and id(owner) in roles:
+            return roles[id(owner)], owner, tb.tb_frame.f_code.co_name
+        tb = tb.tb_next
+    return None
 
 
 def make_eviction_policy(eviction: str | Callable[[], Any], oracle: Callable[[Any], float], capacity: int) -> Any:
@@ -210,7 +243,7 @@ def make_eviction_policy(eviction: str | Callable[[], Any], oracle: Callable[[An
 
 
 def _no_victim(policy: Any, victim: Any, tier: str, used: int, size: int, capacity: int) -> str:
-    name = getattr(policy, "name", type(policy).__name__)
+    name = policy_name(policy)
     what = "no victim (None)" if victim is None else f"victim {victim!r}, which is not resident"
     return (f"eviction policy {name!r} named {what} while tier {tier!r} holds {used} of {capacity} bytes and "
             f"needs {size} more; victim() must forget and return a key given to on_insert and not removed since")
@@ -275,7 +308,10 @@ def _run_single(trace: Trace, tier: _Tier, oracle: _Oracle, links: LinkModel, re
             before_insert(key, size)
         while used + size > capacity:
             gone = victim()
-            freed = resident.pop(gone, None)
+            try:
+                freed = resident.pop(gone, None)
+            except TypeError:  # (unhashable: not a key)
+                freed = None
             if freed is None:
                 raise PolicyError(_no_victim(policy, gone, tier.name, used, size, capacity))
             used -= freed
@@ -427,7 +463,10 @@ class _Replay:
             before_insert(key, size)
         while tier.used + size > tier.capacity:
             victim = tier.policy.victim()
-            gone = tier.resident.pop(victim, None)
+            try:
+                gone = tier.resident.pop(victim, None)
+            except TypeError:  # (unhashable: not a key)
+                gone = None
             if gone is None:
                 raise PolicyError(_no_victim(tier.policy, victim, tier.name, tier.used, size, tier.capacity))
             tier.used -= gone
@@ -445,7 +484,13 @@ class _Replay:
         return True
 
     def _prefetch(self) -> None:
-        for key, tier_name in read_suggestions(self.prefetcher):
+        try:
+            suggestions = read_suggestions(self.prefetcher)
+        except TypeError as exc:
+            if _raised_in(exc, {id(self.prefetcher): "prefetch"}) is not None:
+                raise
+            raise PolicyError(f"prefetch policy {policy_name(self.prefetcher)!r}: {exc}") from exc
+        for key, tier_name in suggestions:
             t = self.index.get(tier_name, -1) if tier_name is not None else 0
             try:
                 key = operator.index(key)  # (a trace's keys are numbers: numpy's too)
