@@ -283,7 +283,16 @@ def test_a_policy_that_raises_in_the_simulator_is_named_with_its_method() -> Non
         def reset(self) -> None:
             raise RuntimeError("bug in reset")
 
-    class BareKeys(NoPrefetch):
+    class BareKeys:
+        def on_access(self, key: Any, nbytes: int, tier: str, hit: bool) -> None:
+            pass
+
+        def on_step(self) -> None:
+            pass
+
+        def reset(self) -> None:
+            pass
+
         def suggest(self) -> Any:
             return ["k"]
 
