@@ -305,3 +305,41 @@ def test_a_policy_that_raises_in_the_simulator_is_named_with_its_method() -> Non
         simulate(trace, {"host": 20}, "lru", prefetch=ResetRaises())
     with pytest.raises(PolicyError, match=r"prefetch policy 'BareKeys': suggest\(\) gave 'k', not a \(key"):
         simulate(trace, {"host": 20}, "lru", prefetch=BareKeys())
+
+
+async def test_a_store_takes_an_eviction_policy_by_name_as_the_simulator_does() -> None:
+    """``eviction="lru"`` was refused ("does not implement EvictionPolicy: 'lru'")."""
+    from tierstore import HostTier, TierStore
+
+    tiers = [HostTier("64KiB"), HostTier("1MiB", name="spill")]
+    async with TierStore(tiers, eviction="fifo") as store:
+        for i in range(5):
+            await store.put(f"k{i}", torch.zeros(4096))  # 16 KiB each: the fifth pushes k0 out
+        assert store.where("k0") == ["spill"] and store.where("k4") == ["host"]
+    with pytest.raises(ValueError, match=r"unknown eviction policy 'nonsense'.*choose from .*'sieve'"):
+        async with TierStore([HostTier("64KiB"), HostTier("1MiB", name="spill")], eviction={"host": "nonsense"}):
+            pass
+
+
+def test_replay_store_trace_says_it_takes_a_path() -> None:
+    from tierstore.sim import replay_store_trace
+
+    with pytest.raises(TypeError, match="path of a store's .npz trace, not a Trace.*simulate"):
+        replay_store_trace(loop_trace(3, 2, 4), [8])
+
+
+def test_command_line_numbers_that_cannot_be_negative_are_refused_by_argparse(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, words in ((["simulate", "t.csv", "--capacity", "host=1", "--think", "-1"], "--think: -1 is not a finite number"),
+                        (["bench", "--tune", "x", "--tune-mib", "0"], "--tune-mib: 0 is not a positive whole number")):
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        assert exited.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_a_csv_size_beyond_int64_is_a_trace_error(tmp_path: Path) -> None:
+    from tierstore import TraceError
+
+    path = tmp_path / "t.csv"
+    path.write_text("key,size\na,10\nb,99999999999999999999\n")
+    with pytest.raises(TraceError, match=r"t.csv:3: size '99999999999999999999' is more bytes than a trace holds"):
+        load_trace(path)

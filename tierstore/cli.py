@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from .arguments import non_negative_float
 from .errors import TierStoreError
 
 
@@ -148,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--plot", help="write miss-ratio curves (PNG) here")
     sim.add_argument("--links", help="link model overrides, e.g. disk->host=2.5GB/s@100us,host->device=20GB/s")
     sim.add_argument("--bench-json", default="benchmarks/results/bench_tiers.json", help="take disk link speeds from this bench output if present")
-    sim.add_argument("--think", type=float, default=None, help="compute seconds per access (default: the trace's own timing, else 0)")
+    sim.add_argument("--think", type=non_negative_float, default=None, help="compute seconds per access (default: the trace's own timing, else 0)")
     sim.set_defaults(run=_simulate)
 
     # Benchmarks parse their own options: `tierstore bench --help` shows them.

@@ -1240,6 +1240,13 @@ def _make_policies(tiers: list[Tier], eviction: Any, finder: Callable[[int], Cal
     index = {tier.name: t for t, tier in enumerate(tiers)}
 
     def build(spec: Any, name: str) -> EvictionPolicy:
+        if isinstance(spec, str):  # (a name, as the simulator takes: policies.EVICTION's)
+            from policies import EVICTION
+
+            if spec not in EVICTION:
+                raise ValueError(f"unknown eviction policy {spec!r} for tier {name!r}; choose from {sorted(EVICTION)}, "
+                                 "or give a policy class")
+            spec = EVICTION[spec]
         if spec is LRU and isinstance(tiers[index[name]], MemoryTier):
             return CopyLRU(finder(index[name]))
         if isinstance(spec, type) or (callable(spec) and not isinstance(spec, EvictionPolicy)):

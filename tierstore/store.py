@@ -64,8 +64,8 @@ class TierStore:
         Names must be unique; a ``DiskTier``, if any, comes last.
     eviction:
         The eviction policy of each tier that can evict (every tier but the last): a class or
-        factory called once per tier (default ``policies.LRU``), or a mapping from tier name to
-        a class, factory or instance.
+        factory called once per tier (default ``policies.LRU``), a name of ``policies.EVICTION``
+        (``"arc"``), or a mapping from tier name to a class, factory, name or instance.
     prefetch:
         A prefetch policy instance (default ``policies.NoPrefetch()``); it watches demand
         accesses and its suggestions are fetched in the background.

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from ..arguments import positive_int
 from ..disk.tuning import (
     DEFAULTS,
     TUNING_FILE,
@@ -611,13 +612,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=Path(".tierstore/bench"), help="scratch folder on the file system to test")
     parser.add_argument("--json", type=Path, default=None, help="where to write the JSON (default benchmarks/results/bench_tiers.json; "
                         "with --tune: none besides the tuning file)")
-    parser.add_argument("--reps", type=int, default=None, help="repetitions per figure (default 5, quick 3)")
-    parser.add_argument("--volume-mib", type=int, default=None, help="MiB moved per repetition (default 512, quick 128)")
+    parser.add_argument("--reps", type=positive_int, default=None, help="repetitions per figure (default 5, quick 3)")
+    parser.add_argument("--volume-mib", type=positive_int, default=None, help="MiB moved per repetition (default 512, quick 128)")
     parser.add_argument("--sizes-mib", default=None, help="value sizes in MiB, comma-separated (default 1,16,64; quick 1,16)")
     parser.add_argument("--disk-only", action="store_true", help="measure the disk tier only (no links, memory tiers or hit latency)")
     parser.add_argument("--tune", type=Path, metavar="DIR", default=None,
                         help=f"sweep chunk size, threads and queue depth on DIR's device and save the best in DIR/{TUNING_FILE}")
-    parser.add_argument("--tune-mib", type=int, default=256, help="MiB moved per setting and direction by --tune (default 256)")
+    parser.add_argument("--tune-mib", type=positive_int, default=256, help="MiB moved per setting and direction by --tune (default 256)")
     parser.add_argument("--deepspeed-settings", default="4,32,2", metavar="BLOCK_MIB,QUEUE_DEPTH,PARALLELISM",
                         help="DeepSpeed AIO baseline settings (default 4,32,2), used when deepspeed is importable")
     args = parser.parse_args(argv)

@@ -47,6 +47,7 @@ what the store does then.
 from __future__ import annotations
 
 import bisect
+import os
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -157,6 +158,9 @@ def replay_store_trace(
     ReplayResult
         Requests, misses, per-request hits and evictions.
     """
+    if not isinstance(trace, str | os.PathLike):  # (a Trace has lost the rows this replay needs: tiers, write-backs)
+        raise TypeError(f"replay_store_trace takes the path of a store's .npz trace, not a {type(trace).__name__}; "
+                        "a Trace object (load_trace's) goes to simulate()")
     names, rows = read_store_trace(trace)
     if isinstance(capacities, Mapping):
         given = list(capacities)

@@ -203,7 +203,7 @@ def _check_npz_rows(path: Path, n_ops: int, codes: np.ndarray, n_keys: int, key_
         problems.append("times that are not finite")
     elif len(times) > 1 and (np.diff(times) < 0).any():
         problems.append("times that go backwards")
-    if not len({len(codes), len(key_ids), len(sizes), len(times)}) == 1:
+    if len({len(codes), len(key_ids), len(sizes), len(times)}) != 1:
         problems.append("columns of different lengths")
     if problems:
         raise TraceError(f"{path} is not a trace a store wrote: it has {', '.join(problems)}")
@@ -294,6 +294,9 @@ def _is_number(text: str) -> bool:
     return True
 
 
+_MAX_SIZE = 2**63 - 1
+
+
 def _load_csv_plain(path: Path, key_col: int, size_col: int, delimiter: str) -> Trace:
     keys: list[str] = []
     sizes: list[int] = []
@@ -315,6 +318,8 @@ def _load_csv_plain(path: Path, key_col: int, size_col: int, delimiter: str) -> 
             size = int(exact)
             if size < 0:
                 raise TraceError(f"{path}:{number + 1}: negative size {size}")
+            if size > _MAX_SIZE:
+                raise TraceError(f"{path}:{number + 1}: size {row[size_col]!r} is more bytes than a trace holds (at most 2**63 - 1)")
             keys.append(row[key_col])
             sizes.append(size)
     if not keys:

@@ -1,0 +1,29 @@
+"""Argument types for the command lines: a count or a time that cannot be negative is refused
+by argparse with its usage line, not met later as a traceback (a division by zero)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+
+def positive_int(text: str) -> int:
+    """An ``int`` of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive whole number (1 or more)")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite ``float`` of at least 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number of 0 or more")
+    return value
