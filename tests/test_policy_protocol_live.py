@@ -83,7 +83,7 @@ _PREFETCH_SCENARIO = textwrap.dedent("""
                 store.put(f"k{i}", torch.full((1024,), float(i)))
                 store.mark_step()
             assert all(store.get(f"k{i}")[0].item() == i for i in range(8))
-    warned = [w for w in caught if issubclass(w.category, RuntimeWarning) and "prefetch policy Broken" in str(w.message)]
+    warned = [w for w in caught if issubclass(w.category, RuntimeWarning) and "prefetch policy broken" in str(w.message)]
     assert len(warned) == (0 if mode == "endless" else 1), [str(w.message) for w in caught]
     print("done")
 """)
@@ -197,3 +197,29 @@ async def test_a_victim_that_is_not_a_key_is_a_policy_error(tmp_path: Path) -> N
         with pytest.raises(PolicyError, match="which is not a key"):
             await store.put("k3", torch.zeros(1024))
         assert [(await store.get(f"k{i}", tier="slow"))[0].item() for i in range(3)] == [0.0, 1.0, 2.0]
+
+
+async def test_a_victim_of_none_while_values_could_go_is_warned_of_once(tmp_path: Path) -> None:
+    """A policy that never evicts sent every put to the tier below without a word."""
+    import warnings
+
+    import torch
+
+    from policies import LRU
+    from tierstore import HostTier, TierStore
+
+    class NeverEvicts(LRU):
+        def victim(self, evictable=None):  # type: ignore[no-untyped-def]
+            return None
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        async with TierStore([HostTier("12KiB"), HostTier("1MiB", name="slow")], eviction=NeverEvicts) as store:
+            for i in range(6):
+                await store.put(f"k{i}", torch.full((1024,), float(i)))
+            assert store.where("k5") == ["slow"]  # (still served: the request goes on)
+        async with TierStore([HostTier("12KiB"), HostTier("1MiB", name="slow")], eviction=LRU) as store:
+            for i in range(6):
+                await store.put(f"k{i}", torch.full((1024,), float(i)))
+    said = [str(w.message) for w in caught if "returned None from victim()" in str(w.message)]
+    assert len(said) == 1 and "NeverEvicts of tier 'host'" in said[0] and "3 value(s)" in said[0], said

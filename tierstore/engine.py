@@ -42,7 +42,7 @@ from .gcpause import gc_paused
 from .keys import check_key, plain_text
 from .prefetching import PrefetchIssuer
 from .process import this_process
-from .protocols import EvictionPolicy, PrefetchPolicy
+from .protocols import EvictionPolicy, PrefetchPolicy, policy_name
 from .recency import CopyLRU
 from .stats import StoreCounters
 from .suggestions import read_suggestions
@@ -77,7 +77,7 @@ class Engine:
         self.prefetch_policy: PrefetchPolicy = prefetch if prefetch is not None else NoPrefetch()
         #: Per tier, the last failure of its eviction policy's hooks (``_eviction_policy_failed``).
         self.policy_failures: dict[int, str] = {}
-        #: The policies whose failures were warned of (``_warn_once``).
+        #: What was warned of (``warn_once``).
         self._warned: set[object] = set()
         #: The policy that never suggests anything is not asked on every access.
         self._no_prefetch = type(self.prefetch_policy) is NoPrefetch
@@ -972,15 +972,19 @@ class Engine:
         the store goes on, and says so once per tier. A value the policy was not told of is
         evicted once the policy has no victim left (``eviction._untracked_victim``)."""
         self.policy_failures[t] = f"{hook} raised {exc!r}"
-        self._warn_once(t, f"the eviction policy {type(self.policies[t]).__name__} of tier {self.names[t]!r} raised {exc!r} in "
+        self.warn_once(t, f"the eviction policy {policy_name(self.policies[t])} of tier {self.names[t]!r} raised {exc!r} in "
                            f"{hook}; the request went on (values it was not told of are evicted once it has no victim left; "
                            "warned once per tier)")
 
-    def _warn_once(self, about: object, message: str) -> None:
+    def warned(self, about: object) -> bool:
+        """Whether ``warn_once`` warned about ``about`` already."""
+        return about in self._warned
+
+    def warn_once(self, about: object, message: str) -> None:
         """A ``RuntimeWarning`` of ``message``, the first time only for ``about``, sent from the
         loop after the request (a warning turned into an error, ``-W error``, must not fail a
         request that took effect)."""
-        if about in self._warned:
+        if self.warned(about):
             return
         self._warned.add(about)
         try:
@@ -1208,7 +1212,7 @@ class Engine:
 
     def prefetch_failed(self, exc: Exception) -> None:
         """The prefetch policy raised (it is advice: warned once per store, requests go on)."""
-        self._warn_once("prefetch", f"the prefetch policy {type(self.prefetch_policy).__name__} raised {exc!r} in on_access, "
+        self.warn_once("prefetch", f"the prefetch policy {policy_name(self.prefetch_policy)} raised {exc!r} in on_access, "
                                     "suggest or on_step: its suggestions are skipped, requests go on (warned once per store)")
 
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from .entry import Copy, Entry
 from .errors import PolicyError, StoreClosedError, TierFullError, UnknownTierError
+from .protocols import policy_name
 from .tiers.base import MemoryTier, Tier
 from .units import format_bytes
 from .workers import Priority
@@ -168,13 +169,16 @@ def _next_victim(engine: Engine, t: int) -> tuple[Entry, Copy] | None:
         try:
             key = policy.victim(evictable)
         except Exception as exc:
-            name = type(policy).__name__  # (not its ``name``: a subclass of a built-in inherits that)
+            name = policy_name(policy)
             raise PolicyError(f"eviction policy {name!r} of tier {engine.names[t]!r} raised {exc!r} in victim(): the request "
                               "failed, having changed no value (the victims it had chosen stay)") from exc
         if key is None:
-            return _untracked_victim(engine, t, evictable) if t in engine.policy_failures else None
+            if t in engine.policy_failures:
+                return _untracked_victim(engine, t, evictable)
+            _warn_if_none_was_wrong(engine, t, policy, evictable)
+            return None
         if not isinstance(key, str):  # (an unhashable one raised TypeError from the lookup)
-            name = type(policy).__name__
+            name = policy_name(policy)
             raise PolicyError(f"eviction policy {name!r} of tier {engine.names[t]!r} named victim {key!r:.80}, which is not "
                               "a key: victim() must return a key given to on_insert, or None")
         entry = engine.entries.get(key)
@@ -184,7 +188,7 @@ def _next_victim(engine: Engine, t: int) -> tuple[Entry, Copy] | None:
             # policy that names a key it never had, or one it did not forget, would be asked
             # on and on, the loop stuck with it).
             if key in stale or len(stale) > len(entries):
-                name = getattr(policy, "name", type(policy).__name__)
+                name = policy_name(policy)
                 raise PolicyError(
                     f"eviction policy {name!r} of tier {engine.names[t]!r} named victim {key!r}, which is not on that tier "
                     "(or named it before without forgetting it): victim() must forget and return a key given to "
@@ -196,6 +200,20 @@ def _next_victim(engine: Engine, t: int) -> tuple[Entry, Copy] | None:
         if engine.trace is not None:
             engine.trace.evicted(key, copy.nbytes, t)
         return entry, copy
+
+
+def _warn_if_none_was_wrong(engine: Engine, t: int, policy: object, evictable: Callable[[str], bool]) -> None:
+    """Warn once per tier when ``victim()`` said None (no tracked key may go) while a value it
+    was told of could have gone: the request then lands on a slower tier, with no error."""
+    about = ("victim None", t)
+    if engine.warned(about):
+        return
+    could = [e.key for e in engine.entries.values() if (c := e.copy_on(t)) is not None and c.in_policy and evictable(e.key)]
+    if could:
+        engine.warn_once(about, (
+            f"the eviction policy {policy_name(policy)} of tier {engine.names[t]!r} returned None from victim() while "
+            f"{len(could)} value(s) it was told of could go (e.g. {could[0]!r}): requests that needed room there went "
+            "to slower tiers; victim() returns None only when no key it tracks may go (warned once per tier)"))
 
 
 def _untracked_victim(engine: Engine, t: int, evictable: Callable[[str], bool]) -> tuple[Entry, Copy] | None:

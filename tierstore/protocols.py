@@ -10,7 +10,7 @@ decides what to issue.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 @runtime_checkable
@@ -88,3 +88,10 @@ class PrefetchPolicy(Protocol):
 #: What the store accepts for ``eviction=``: a policy class (or any factory called once per tier
 #: with no arguments), or a mapping from tier name to such a factory.
 EvictionFactory = Callable[[], EvictionPolicy]
+
+
+def policy_name(policy: Any) -> str:
+    """What messages call ``policy``: its class's own ``name``, else its class name (a subclass
+    of a shipped policy inherits its ``name`` but is not that policy)."""
+    own = vars(type(policy)).get("name")
+    return own if isinstance(own, str) else type(policy).__name__

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import PolicyError
+from ..protocols import policy_name
 from ..suggestions import read_suggestions
 from .links import LinkModel
 from .trace import DELETE, Trace
@@ -203,13 +204,6 @@ def simulate(
                           "(a live store warns about advice it cannot take and goes on)") from exc
     result.sim_seconds = time.perf_counter() - started
     return result
-
-
-def policy_name(policy: Any) -> str:
-    """What errors call ``policy``: its class's own ``name``, else its class name (a subclass of
-    a shipped policy is not that policy)."""
-    own = vars(type(policy)).get("name")
-    return own if isinstance(own, str) else type(policy).__name__
 
 
 def _raised_in(exc: BaseException, roles: dict[int, str]) -> tuple[str, Any, str] | None:
