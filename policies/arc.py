@@ -37,7 +37,10 @@ class ARC:
         self._b2: OrderedDict[str, int] = OrderedDict()
         self._bytes = {"t1": 0, "t2": 0, "b1": 0, "b2": 0}
         self.p = 0.0
-        self._incoming: tuple[str, str] | None = None  # (key, the ghost list it is in) between before_insert and on_insert
+        #: Keys between ``before_insert`` and ``on_insert`` that came back from a ghost list (its
+        #: name): ``p`` adapted for them already. A store inserts several at once.
+        self._adapted: dict[str, str] = {}
+        self._incoming: str | None = None  # the key of the latest before_insert (REPLACE's x)
 
     def _cap(self) -> int:
         return self.capacity if self.capacity is not None else max(1, self._bytes["t1"] + self._bytes["t2"])
@@ -54,11 +57,11 @@ class ARC:
 
     def before_insert(self, key: str, nbytes: int) -> None:
         """A miss on ``key`` is about to insert it: a ghost hit adapts ``p`` now, before REPLACE."""
-        self._incoming = None
+        self._incoming = key
         ghost = "b1" if key in self._b1 else "b2" if key in self._b2 else None
-        if ghost is not None:
+        if ghost is not None and key not in self._adapted:
             self._adapt(ghost, nbytes)
-            self._incoming = (key, ghost)
+            self._adapted[key] = ghost
 
     def _adapt(self, ghost: str, nbytes: int) -> None:
         b1, b2 = self._bytes["b1"], self._bytes["b2"]
@@ -69,8 +72,9 @@ class ARC:
 
     def on_insert(self, key: str, nbytes: int) -> None:
         self.on_remove(key)
-        adapted = self._incoming is not None and self._incoming[0] == key
-        self._incoming = None
+        adapted = self._adapted.pop(key, None) is not None
+        if self._incoming == key:
+            self._incoming = None
         ghost = "b1" if key in self._b1 else "b2" if key in self._b2 else None
         if ghost is not None:
             if not adapted:
@@ -94,7 +98,7 @@ class ARC:
 
     def victim(self, evictable: Callable[[str], bool] | None = None) -> str | None:
         t1 = self._bytes["t1"]
-        from_b2 = self._incoming is not None and self._incoming[1] == "b2"
+        from_b2 = self._incoming is not None and self._adapted.get(self._incoming) == "b2"
         order = ("t1", "t2") if self._t1 and (t1 > self.p or (from_b2 and t1 == self.p) or not self._t2) else ("t2", "t1")
         for name in order:
             queue: OrderedDict[str, int] = getattr(self, f"_{name}")
@@ -109,11 +113,13 @@ class ARC:
 
     def _trim_ghosts(self, cap: int) -> None:
         while self._b1 and self._bytes["t1"] + self._bytes["b1"] > cap:
-            _, size = self._b1.popitem(last=False)
+            key, size = self._b1.popitem(last=False)
             self._bytes["b1"] -= size
+            self._adapted.pop(key, None)  # (an insert that never came: forgotten with its ghost)
         while self._b2 and sum(self._bytes.values()) > 2 * cap:
-            _, size = self._b2.popitem(last=False)
+            key, size = self._b2.popitem(last=False)
             self._bytes["b2"] -= size
+            self._adapted.pop(key, None)
 
     def __len__(self) -> int:
         return len(self._t1) + len(self._t2)

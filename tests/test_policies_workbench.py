@@ -313,6 +313,37 @@ def test_arc_is_the_papers_with_equal_sizes(trace: list[tuple[str, int]], capaci
     assert sim_misses([(k, 1) for k in "aabcba"], 2, "arc") == 5
 
 
+def test_arc_adapts_once_for_a_ghost_hit_while_another_insert_overlaps_it() -> None:
+    """A store inserts several keys at once (between before_insert and on_insert it awaits): with
+    one slot for the pending key, on_insert of the ghost hit adapted p a second time."""
+    from policies import ARC
+
+    def with_c_in_b1() -> ARC:
+        arc = ARC(4)
+        for key in "abcd":
+            arc.before_insert(key, 1)
+            arc.on_insert(key, 1)
+        arc.on_hit("a")
+        arc.on_hit("b")
+        arc.before_insert("e", 1)
+        assert arc.victim() == "c"
+        arc.on_insert("e", 1)
+        return arc
+
+    alone = with_c_in_b1()
+    alone.before_insert("c", 1)
+    alone.victim()
+    alone.on_insert("c", 1)
+    overlapped = with_c_in_b1()
+    overlapped.before_insert("c", 1)
+    overlapped.before_insert("z", 1)
+    overlapped.victim()
+    overlapped.on_insert("z", 1)
+    overlapped.victim()
+    overlapped.on_insert("c", 1)
+    assert alone.p == overlapped.p == 1.0
+
+
 @settings(max_examples=60, deadline=None)
 @given(keys=st.lists(st.integers(0, 5000), min_size=1, max_size=300))
 def test_count_min_sketch_never_underestimates(keys: list[int]) -> None:

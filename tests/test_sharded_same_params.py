@@ -44,6 +44,13 @@ def _frozen_on_one_rank(rank: int) -> dict[str, Any]:
         result["added"] = "yes"
     except ValueError as error:
         result["added"] = str(error)
+    b.requires_grad_(rank == 0)  # frozen on one rank after construction: new owners would be planned apart
+    try:
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(500))]})
+        result["added_after_freeze"] = "yes"
+    except ValueError as error:
+        result["added_after_freeze"] = str(error)
+    b.requires_grad_(True)
     result["groups"] = len(opt.param_groups)
     for _ in range(3):
         (a * 2 + b * 3).square().sum().backward()
@@ -60,5 +67,6 @@ def test_a_parameter_frozen_on_one_rank_only_is_refused_on_every_rank(tmp_path: 
     ranks = spawn_ranks(__file__, tmp_path, LIMIT_S)
     for result in ranks:
         assert "parameters [0] differ across the ranks" in result["made"] and "requires_grad=False" in result["made"], result
-        assert "parameters [0] differ across the ranks" in result["added"] and result["groups"] == 1, result
+        assert "parameters [2] differ across the ranks" in result["added"] and result["groups"] == 1, result
+        assert "parameters [1] differ across the ranks" in result["added_after_freeze"], result
         assert result["b_same_on_every_rank"], result

@@ -271,6 +271,13 @@ def test_a_torch_optimizer_on_offloaded_parameters_is_refused_clearly(tmp_path: 
     model(batch(0)).square().mean().backward()
     with pytest.raises(TypeError, match=r"AdamW.step\(\): .*offload_parameters keeps in a store.*TieredAdamW.*detach\(\)"):
         opt.step()
+    opt.zero_grad()  # (without gradients the offloaded weights are skipped, as torch skips them:
+    for p in model.parameters():  # a frozen offloaded backbone beside a torch-trained head)
+        p.requires_grad_(False)
+    opt.step()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    model(batch(0)).square().mean().backward()
     params.detach()  # the weights back in the module: torch's optimizer takes them again
     reference = torch.optim.AdamW(twin.parameters(), lr=1e-2)
     twin(batch(0)).square().mean().backward()

@@ -25,11 +25,13 @@ if TYPE_CHECKING:
 CommHook = Callable[[Any, Any], "torch.futures.Future[torch.Tensor]"]
 
 
-def average_as_ddp(process_group: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+def average_as_ddp(process_group, bucket):  # type: ignore[no-untyped-def]  # (DDP checks annotations: none)
     """A communication hook that averages a bucket's gradients as DDP's own reducer does when no
     hook is registered: multiplied by 1/world, then summed over the ranks. (Torch's
     ``allreduce_hook`` divides by the world size instead, which rounds differently where it is
-    not a power of two: training with it is not bit for bit what plain DDP gives.)"""
+    not a power of two: training with it is not bit for bit what plain DDP gives.) One case
+    still differs so: DDP made with ``gradient_as_bucket_view=True`` whose gradients are zeroed
+    with ``set_to_none=False`` accumulates into the bucket and divides it in place."""
     import torch.distributed as dist
 
     group = process_group if process_group is not None else dist.group.WORLD

@@ -378,10 +378,10 @@ class Sharding:
 
     def check_same(self, params: Sequence[torch.Tensor]) -> None:
         """``ValueError`` on every rank unless every rank lists parameters of the same shapes,
-        dtypes and ``requires_grad`` (a collective): each rank plans the owners from its own list,
+        dtypes, ``requires_grad``, layout and class (a collective): each rank plans the owners from its own list,
         and lists that differ (a parameter frozen on one rank only) would split the model
         silently, each rank broadcasting weights the others do not expect."""
-        described = [(tuple(p.shape), str(p.dtype), bool(p.requires_grad)) for p in params]
+        described = [(tuple(p.shape), str(p.dtype), bool(p.requires_grad), p.is_contiguous(), type(p).__name__) for p in params]
         everyone: list[Any] = [None] * self.world
         dist.all_gather_object(everyone, hashlib.blake2b(repr(described).encode(), digest_size=16).digest(), group=self.group)
         if len(set(everyone)) == 1:
@@ -394,6 +394,7 @@ class Sharding:
         differing = [i for i in range(len(described)) if len({listed[i] for listed in everyone}) > 1]
         first = differing[0]
         seen = "; ".join(f"rank {rank}: shape {listed[first][0]}, {listed[first][1]}, requires_grad={listed[first][2]}"
+                         + ("" if listed[first][3] else ", not contiguous") + f", {listed[first][4]}"
                          for rank, listed in enumerate(everyone))
         raise ValueError(
             f"parameters {differing[:8]}{'...' if len(differing) > 8 else ''} differ across the ranks (parameter {first}: {seen}): "

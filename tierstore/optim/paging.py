@@ -367,8 +367,9 @@ class PagedOptimizer(torch.optim.Optimizer):
         error: BaseException | None = None
         planned = False
         try:
-            if self._constructed and self._sharding is not None:  # (the constructor checked its own groups)
-                self._sharding.check_same(listed)
+            if self._constructed and self._sharding is not None:
+                # (all of them: the owners of the new ones are planned from the others' flags now)
+                self._sharding.check_same([*self._sharding.params, *listed])
             self._add_slots()
             if self._constructed:  # (during construction, the constructor plans every group)
                 self._plan_added(self._slots[first:])

@@ -115,7 +115,8 @@ def _check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
             break
     for group in optimizer.param_groups:
         for param in group["params"]:
-            if isinstance(param, torch.Tensor) and _REGISTRY.get(param) is not None:
+            # (one without a gradient is skipped by the step, as torch skips it: a frozen offloaded backbone)
+            if isinstance(param, torch.Tensor) and param.grad is not None and _REGISTRY.get(param) is not None:
                 raise TypeError(
                     f"{type(optimizer).__name__}.step(): its parameters include weights that offload_parameters keeps in "
                     "a store (outside forward and backward their data is a size-0 placeholder); update them with "
