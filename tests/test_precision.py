@@ -461,3 +461,35 @@ def test_tiled_update_refuses_a_gradient_of_another_size() -> None:
     state = codec.PackedState(layout, layout.empty(512), 512)
     with pytest.raises(ValueError, match="gradient of 511 elements"):
         state.update(torch.zeros(511), torch.tensor(0.0), _adam_rows)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "8bit"])
+def test_a_master_that_torch_kept_but_never_updated_restarts_from_the_weight(precision: str) -> None:
+    """torch's AdamW keeps our 'master' entry (cast to bf16) without updating it: loaded back, it
+    was written into the parameter at the next step, undoing every step torch took."""
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(64, 64).bfloat16())
+    ours = TieredAdamW([weight], lr=1e-2, state_precision=precision, offload="host")
+    for _ in range(3):
+        weight.grad = torch.randn(64, 64).bfloat16()
+        ours.step()
+    saved = ours.state_dict()
+    ours.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch casts what it loads)
+        theirs = torch.optim.AdamW([weight], lr=1e-1)
+        theirs.load_state_dict(saved)
+    for _ in range(5):
+        weight.grad = torch.randn(64, 64).bfloat16()
+        theirs.step()
+    trained = weight.detach().clone()
+    again = TieredAdamW([weight], lr=1e-2, state_precision=precision, offload="host")
+    with pytest.warns(RuntimeWarning, match="master weight does not round to its parameter's current value"):
+        again.load_state_dict(theirs.state_dict())
+    weight.grad = torch.zeros(64, 64, dtype=torch.bfloat16)
+    again.step()  # (a zero gradient: the weight moves by what the moments carry, not back to step 3)
+    assert (weight.detach().float() - trained.float()).abs().max() < 0.1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # our own round trip: the master is the weight's, no warning
+        again.load_state_dict(again.state_dict())
+    again.close()

@@ -45,6 +45,7 @@ from __future__ import annotations
 import copy
 import itertools
 import sys
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -278,13 +279,30 @@ async def adam_load_entry(optimizer: TieredAdam, slot: ParamSlot, entry: Mapping
         await optimizer.delete_state(slot)
         return
     rows = torch.zeros(optimizer._rows(slot), slot.numel, dtype=torch.float32)
-    rows[0].copy_((await optimizer._weight(slot)).reshape(-1))
+    weight = (await optimizer._weight(slot)).reshape(-1)
+    rows[0].copy_(weight)
     for row, name in enumerate(_ROWS[: rows.shape[0]]):
         if name in entry:
             rows[row].copy_(_local(slot, name, entry[name]))
+    if "master" in entry and _stale_master(optimizer, slot, rows[0], weight):
+        rows[0].copy_(weight)
+        warnings.warn(
+            "a loaded master weight does not round to its parameter's current value: the weight moved since the "
+            "master was saved (trained by another optimizer, e.g. torch's AdamW, which keeps a 'master' entry it never "
+            "updates, or loaded anew); that master restarts from the weight",
+            RuntimeWarning, stacklevel=2,
+        )
     step = entry.get("step", 0)
     optimizer._step_counts[slot.index] = torch.tensor(float(step.item() if torch.is_tensor(step) else step))
     await optimizer.write_state_rows(slot, rows)
+
+
+def _stale_master(optimizer: TieredAdam, slot: ParamSlot, master: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a loaded fp32 ``master`` of a lower-precision parameter is not the one its
+    ``weight`` was rounded from (a lossless master's high half is the weight: never stale)."""
+    if weight.dtype == torch.float32 or optimizer.param_groups[slot.group].get("master_weights") == "lossless":
+        return False
+    return not torch.equal(master.to(weight.dtype), weight)
 
 
 # -- opt.state ----------------------------------------------------------------------------------
