@@ -67,6 +67,9 @@ def test_demo_bf16_with_compressed_state(tmp_path: Path, capsys: pytest.CaptureF
     ("--lr", "nan", "--lr must be a finite number >= 0"),
     ("--clip", "-1", "--clip is a gradient norm"),
     ("--drive-capacity", "0", "--drive-capacity must be above 0"),
+    ("--json", "/proc/x.json", "--json /proc/x.json: cannot be written"),  # (it trained, then a traceback)
+    ("--plot", "/", "--plot /: is a folder"),
+    ("--root", "/proc/nope", "--root /proc/nope: the disk tier's folder cannot be made"),
 ])
 def test_demo_refuses_bad_numbers_before_training(tmp_path: Path, capsys: pytest.CaptureFixture[str], option: str, value: str, says: str) -> None:
     args = ["demo", "--steps", "2", "--layers", "1", "--dim", "32", "--heads", "2", "--root", str(tmp_path / "store"), option, value]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -156,6 +157,33 @@ def check_args(args: argparse.Namespace) -> str | None:
             return f"--drive-capacity must be above 0, not {getattr(args, name)}"
     if args.master_weights == "lossless" and args.dtype != "bf16":
         return "--master-weights lossless keeps the master's high half in bf16 weights: it needs --dtype bf16"
+    try:
+        Path(args.root).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"--root {args.root}: the disk tier's folder cannot be made there ({exc.strerror or exc})"
+    for name in ("timeline", "plot", "json"):  # (checked now, not after the whole run)
+        problem = _unwritable(getattr(args, name))
+        if problem:
+            return f"--{name} {getattr(args, name)}: {problem}"
+    return None
+
+
+def _unwritable(path: Path | None) -> str | None:
+    """Why a file cannot be written at ``path``, or None (it tries: its folder is made, and an
+    empty file it made is removed again)."""
+    if path is None:
+        return None
+    if path.is_dir():
+        return "is a folder; give a file name"
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "ab"):
+            pass
+    except OSError as exc:
+        return f"cannot be written ({exc.strerror or exc})"
+    if not existed:
+        path.unlink()
     return None
 
 
@@ -221,10 +249,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         print(f"updates {'during backward' if args.step_in_backward else 'after backward, pipelined'}, "
-              f"{optimizer.inflight} at a time; clipping {'off' if not args.clip else f'at norm {args.clip}'}\n")
+              f"{optimizer.inflight} at a time; clipping {'off' if not args.clip else f'at norm {args.clip}'}"
+              + ("\n(the first step builds the 8-bit codec's kernels: it takes seconds longer, once)" if args.state_precision == "8bit" else "")
+              + "\n")
         losses, times = train(model, optimizer, args, "tiered", clip_with_torch=False, swaps=swaps)
         memory, timing = optimizer.memory_report(), optimizer.time_report()
         swapped = [str(s.report) for s in swaps if s is not None]
+        swap_reports = {s.report.kind: s.report.as_dict() for s in swaps if s is not None}
         stats = optimizer.store.stats()
         if args.timeline:
             optimizer.write_timeline(args.timeline)
@@ -250,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     wear = drive_wear(written, sum(times), capacity=args.drive_capacity, rated_tbw=args.drive_tbw)
     print(f"over the run, {format_bytes(written / len(times))} written to disk a step; {wear}")
     result: dict[str, Any] = {"losses": losses, "step_seconds": times, "memory": memory.as_dict(), "last_step": timing.as_dict(),
-                              "wear": wear.as_dict()}
+                              "wear": wear.as_dict(), **({"swap": swap_reports} if swap_reports else {})}
     if reference is not None:
         ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=args.lr, weight_decay=0.1, fused=True)
         ref_losses, ref_times = train(reference, ref_optimizer, args, "torch AdamW", clip_with_torch=True)
@@ -259,10 +290,12 @@ def main(argv: list[str] | None = None) -> int:
         exact = args.dtype == "fp32" and args.state_precision == "fp32"
         tail = max(1, len(losses) // 10)  # the last tenth's mean, as a final loss less noisy than the last step's
         final, ref_final = sum(losses[-tail:]) / tail, sum(ref_losses[-tail:]) / tail
+        last = "the last step" if tail == 1 else f"mean of the last {tail} steps"
         print(f"\ncompare with torch.optim.AdamW in memory ({args.dtype} parameters): largest loss difference {gap:.2e} over "
-              f"{args.steps} steps, final loss (mean of the last {tail} steps) {final:.4f} against {ref_final:.4f} ({final - ref_final:+.4f}); "
+              f"{args.steps} steps, final loss ({last}) {final:.4f} against {ref_final:.4f} ({final - ref_final:+.4f}); "
               f"its median step {ref_middle[len(ref_middle) // 2] * 1e3:.1f} ms")
         result["reference_losses"] = ref_losses
+        result["reference_step_seconds"] = ref_times
         result["final_loss_gap"] = final - ref_final
         if exact:  # the same math on the same numbers: the curves must agree
             agree = gap <= 1e-4 * max(1.0, max(abs(v) for v in ref_losses))
@@ -279,11 +312,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.timeline:
         print(f"timeline of the last step: {args.timeline} (open in https://ui.perfetto.dev)")
     if args.plot:
-        _plot(args.plot, losses, result.get("reference_losses"), f"{args.dtype}, {args.state_precision} moments, {args.master_weights} master")
+        master = "the fp32 weights are the master" if args.dtype == "fp32" else f"{args.master_weights} master"
+        _plot(args.plot, losses, result.get("reference_losses"), f"{args.dtype}, {args.state_precision} moments, {master}")
         print(f"loss plot: {args.plot}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2, default=str))
+        print(f"losses and reports: {args.json}")
     return 0
 
 
@@ -292,14 +327,19 @@ def _plot(path: Path, losses: list[float], reference: list[float] | None, settin
 
     plt = pyplot()
 
+    from matplotlib.ticker import MaxNLocator
+
     figure, axes = plt.subplots(figsize=(7, 4))
-    axes.plot(losses, label=f"TieredAdamW (state paged to disk; {setting})", linewidth=2)
+    steps = range(1, len(losses) + 1)  # (as the text counts them)
+    axes.plot(steps, losses, label="TieredAdamW (state paged to disk)", linewidth=2)
     if reference is not None:
-        axes.plot(reference, "--", label="torch.optim.AdamW (in memory)", linewidth=1.2)
+        axes.plot(range(1, len(reference) + 1), reference, "--", label="torch.optim.AdamW (in memory)", linewidth=1.2)
     axes.set_xlabel("step")
     axes.set_ylabel("loss")
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes.grid(alpha=0.3)
-    axes.legend()
+    axes.set_title(setting, fontsize=10)
+    axes.legend(loc="best", framealpha=0.9)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)

@@ -287,10 +287,13 @@ class TimeReport:
             f"step {self.step} ({self.mode}): {self.step_wall * 1e3:.1f} ms wall since the last step, training loop stalled "
             f"{self.stall * 1e3:.1f} ms\n"
             f"  host updates {self.host_update * 1e3:.1f} ms ({self.updates} tensors, "
-            f"{self.update_elements / max(self.host_update, 1e-9) / 1e9:.2f} G params/s) | grads to host "
+            f"{self.update_elements / max(self.host_update, 1e-9) / 1e9:.3g} G params/s) | grads to host "
             f"{self.grads_to_host * 1e3:.1f} ms ({format_bytes(self.grads_to_host_bytes)}; {self.grad_retakes} taken again in "
-            f"step(), {format_bytes(self.grad_retake_bytes)}) | weights to device {self.weights_to_device * 1e3:.1f} ms "
-            f"({format_bytes(self.weights_to_device_bytes)})"
+            f"step(), {format_bytes(self.grad_retake_bytes)}) | "
+            + (f"weights to device {self.weights_to_device * 1e3:.1f} ms ({format_bytes(self.weights_to_device_bytes)})"
+               if self.weights_to_device_bytes or not self.weights_to_device
+               # (the plain CPU: parameters in host memory are written in place, crossing no link)
+               else f"weights into parameters {self.weights_to_device * 1e3:.1f} ms (in place: no link crossed)")
             + (f" | weights into the store {self.weights_to_store * 1e3:.1f} ms ({format_bytes(self.weights_to_store_bytes)})"
                if self.weights_to_store_bytes else "")
             + "\n"
