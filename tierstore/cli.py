@@ -47,7 +47,7 @@ def _gc(args: argparse.Namespace) -> int:
     removed = asyncio.run(collect())
     verb = "would remove" if args.dry_run else "removed"
     for ns in removed:
-        print(f"{verb} {ns.name!r} (owner {ns.owner}, {'auto' if ns.auto else 'named'}): {ns.keys} keys, {format_bytes(ns.nbytes)}")
+        print(f"{verb} {ns.name!r} (owner {ns.owner}, {'auto' if ns.auto else 'named'}): {ns.keys} key{'' if ns.keys == 1 else 's'}, {format_bytes(ns.nbytes)}")
     if not removed:
         print("no orphaned namespaces" if not args.name else "nothing removed")
     return 0

@@ -49,7 +49,8 @@ def describe_folder(root: str | Path, verify: bool = False, progress: bool = Fal
         failed = _verify(root, layout.chunk_size, [r for r in records if r.key not in unreadable], progress)
         if failed:
             shown = ", ".join(repr(k) for k in failed[:10]) + (f" and {len(failed) - 10} more" if len(failed) > 10 else "")
-            problems.append(f"{len(failed)} entries fail their checksums (their bytes on disk are corrupt): {shown}")
+            problems.append(f"{_entries(len(failed))} fail{'s' if len(failed) == 1 else ''} their checksums (their bytes on "
+                            f"disk are corrupt): {shown}")
             damaged = sorted({*damaged, *failed})
     namespaces = _namespaces(root, layout.chunk_size, [r for r in records if r.key not in damaged], index)
     records = [r for r in records if not is_reserved(r.key)]
@@ -68,6 +69,7 @@ def describe_folder(root: str | Path, verify: bool = False, progress: bool = Fal
         "chunk_size": layout.chunk_size,
         "format_version": layout.format_version,
         "healthy": not problems,
+        "verified": verify,
         "problems": problems,
         "damaged_keys": damaged,
         "dtypes": dict(Counter(str(r.meta.dtype).removeprefix("torch.") for r in records)),
@@ -89,14 +91,19 @@ def format_description(info: dict[str, Any], limit: int | None = 40) -> str:
     """A short human-readable report of ``describe_folder``'s result."""
     lines = [
         f"{info['root']}",
-        f"  {info['entries']} entries, {format_bytes(info['tensor_bytes'])} of tensors "
+        f"  {_entries(info['entries'])}, {format_bytes(info['tensor_bytes'])} of tensors "
         f"in {info['segments']} segment file(s) of {format_bytes(info['reserved_bytes'])} "
         f"({format_bytes(info['free_in_segments'])} free inside them)",
         f"  file system free: {format_bytes(info['filesystem_free'])}",
     ]
     if not info["healthy"]:
-        lines.append(f"  UNHEALTHY ({len(info['damaged_keys'])} entries damaged):")
+        lines.append(f"  UNHEALTHY ({_entries(len(info['damaged_keys']))} damaged):")
         lines.extend(f"    {problem}" for problem in info["problems"])
+    elif info.get("verified"):
+        lines.append("  healthy: every data file is whole, and every value was read and passes its checksums")
+    else:
+        lines.append("  healthy: every data file the catalog names is there and long enough (--verify reads every value "
+                     "and checks its checksums)")
     if info["dtypes"]:
         lines.append("  dtypes: " + ", ".join(f"{name} x{n}" for name, n in sorted(info["dtypes"].items())))
     if info.get("namespaces"):
@@ -119,6 +126,10 @@ def format_description(info: dict[str, Any], limit: int | None = 40) -> str:
         if hidden > 0:
             lines.append(f"  ... and {hidden} more (--all to list them)")
     return "\n".join(lines)
+
+
+def _entries(count: int) -> str:
+    return f"{count:,} entr{'y' if count == 1 else 'ies'}"
 
 
 def _health(root: Path, segments: tuple[int, ...], records: list[DiskRecord]) -> tuple[list[str], list[str]]:
