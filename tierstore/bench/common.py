@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -101,5 +102,17 @@ def table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> st
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
+    """``payload`` as strict JSON: a NaN or infinite figure (none measured) is written as null,
+    which every parser reads (Python's json would write ``NaN``, which strict ones refuse)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2, default=str))
+    path.write_text(json.dumps(_finite(payload), indent=2, default=str, allow_nan=False))
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
