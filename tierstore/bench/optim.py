@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--link", default="25GB/s,10us", help="the emulated link's speed for (c)")
     parser.add_argument("--device", default="cpu", help="where the model runs: cpu (plain and emulated device) or cuda")
     parser.add_argument("--parts", default="abcd",
-                        help="which parts to run: a (update), b (training step), c (the link), d (HF Trainer-driven steps), "
+                        help="which parts to run (default abcd): a (update), b (training step), c (the link), d (HF Trainer-driven steps), "
                              "e (disk-paged step against its bound; host-resident step against fused AdamW), "
                              "f (compressed state: bytes, disk step, convergence; tierstore.bench.precision), "
                              "g (compressed state, disk-bound optimizer step; tierstore.bench.compressed_step)")

@@ -160,9 +160,13 @@ def main(argv: list[str] | None = None) -> int:
     plot_curves(curves, trace, args.plot)
     prefetch_png = args.plot.with_name("bench_policies_prefetch.png")
     plot_prefetch([r for r in results_for_plot if r.eviction in ("lru", "min")], prefetch_png)
+    print(f"plots: {args.plot} (miss-ratio curves), {prefetch_png} (prefetch)")
 
     print(f"End to end on one {accesses:,}-request CSV (zipf 0.9, 100k objects of 4-252 KiB), capacity 10% of the working set;")
-    print(f"median of {repeats} run(s), each a fresh process (start, import, parse, simulate); ratio = ours / libCacheSim req/s")
+    compared = "lcs_kreq_s" in speed_rows[0]
+    print(f"median of {repeats} run(s), each a fresh process (start, import, parse, simulate)"
+          + ("; ratio = ours / libCacheSim req/s" if compared else "; libCacheSim is not installed here, so no ratio "
+             "(pip install "tierstore[libcachesim]" adds it)"))
     columns = [("eviction", "eviction", "s"), ("ours_kreq_s", "ours k req/s", ".0f"), ("ours_miss_ratio", "ours miss", ".4f")]
     if "lcs_kreq_s" in speed_rows[0]:
         columns += [("lcs_kreq_s", "libCacheSim k req/s", ".0f"), ("lcs_miss_ratio", "libCacheSim miss", ".4f"), ("ratio", "ratio", ".2f")]
