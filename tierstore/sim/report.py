@@ -144,10 +144,12 @@ def format_table(results: list[SimResult], trace: Trace) -> str:
             lines.append(f"{engine_label(r):<{width}} {r.prefetch:<11} " + ", ".join(served))
     stats = [(r, tier, s) for r in results for tier, s in r.prefetch_stats.items()]
     if stats:
-        lines += ["", f"{'prefetch':<11} {'eviction':<{width}} {'tier':<8} {'issued':>8} {'accuracy':>8} {'coverage':>8} "
-                      f"{'on time':>8} {'late':>6} {'late ms':>8} {'pollution':>9}"]
+        lines += ["", f"{'prefetch':<11} {'eviction':<{width}} {'tier':<8} {'capacity':>10} {'issued':>8} {'accuracy':>8} "
+                      f"{'coverage':>8} {'on time':>8} {'late':>6} {'late ms':>8} {'pollution':>9}"]
         for r, tier, s in stats:
-            lines.append(f"{r.prefetch:<11} {engine_label(r):<{width}} {tier:<8} {s['issued']:>8,} {s['accuracy']:>8.3f} {s['coverage']:>8.3f} "
+            capacity = format_bytes(r.capacities.get(tier, r.capacity))
+            lines.append(f"{r.prefetch:<11} {engine_label(r):<{width}} {tier:<8} {capacity:>10} {s['issued']:>8,} "
+                         f"{s['accuracy']:>8.3f} {s['coverage']:>8.3f} "
                          f"{s['timeliness']:>8.3f} {s['late']:>6,} {1e3 * s['mean_lateness_seconds']:>8.2f} {s['pollution']:>9.3f}")
     return "\n".join(lines)
 
@@ -195,7 +197,7 @@ def plot_prefetch(results: list[SimResult], path: Path) -> bool:
     import numpy as np
 
     metrics = ["accuracy", "coverage", "timeliness", "pollution"]
-    names = [f"{p} / {e} / {t}" for p, e, t in chosen]
+    names = [f"{p} / {e} / {t} ({format_bytes(largest[(p, e, t)])})" for p, e, t in chosen]
     figure, axes = plt.subplots(figsize=(max(6, 1.4 * len(names) + 2), 4.5))
     x = np.arange(len(names))
     for i, metric in enumerate(metrics):
