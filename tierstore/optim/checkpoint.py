@@ -287,9 +287,10 @@ async def adam_load_entry(optimizer: TieredAdam, slot: ParamSlot, entry: Mapping
     if "master" in entry and _stale_master(optimizer, slot, rows[0], weight):
         rows[0].copy_(weight)
         warnings.warn(
-            "a loaded master weight does not round to its parameter's current value: the weight moved since the "
-            "master was saved (trained by another optimizer, e.g. torch's AdamW, which keeps a 'master' entry it never "
-            "updates, or loaded anew); that master restarts from the weight",
+            "a loaded master weight does not round to its parameter's current value, so it restarts from the weight: "
+            "either the model's weights are not loaded yet (load the optimizer's state_dict after the model's, or the "
+            "master's extra bits are lost), or the weight moved since the master was saved (trained by another "
+            "optimizer, e.g. torch's AdamW, which keeps a 'master' entry it never updates)",
             RuntimeWarning, stacklevel=2,
         )
     step = entry.get("step", 0)
