@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     compared = "lcs_kreq_s" in speed_rows[0]
     print(f"median of {repeats} run(s), each a fresh process (start, import, parse, simulate)"
           + ("; ratio = ours / libCacheSim req/s" if compared else "; libCacheSim is not installed here, so no ratio "
-             "(pip install "tierstore[libcachesim]" adds it)"))
+             "(pip install 'tierstore[libcachesim]' adds it)"))
     columns = [("eviction", "eviction", "s"), ("ours_kreq_s", "ours k req/s", ".0f"), ("ours_miss_ratio", "ours miss", ".4f")]
     if "lcs_kreq_s" in speed_rows[0]:
         columns += [("lcs_kreq_s", "libCacheSim k req/s", ".0f"), ("lcs_miss_ratio", "libCacheSim miss", ".4f"), ("ratio", "ratio", ".2f")]

@@ -300,8 +300,13 @@ async def adam_load_entry(optimizer: TieredAdam, slot: ParamSlot, entry: Mapping
 
 def _stale_master(optimizer: TieredAdam, slot: ParamSlot, master: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a loaded fp32 ``master`` of a lower-precision parameter is not the one its
-    ``weight`` was rounded from (a lossless master's high half is the weight: never stale)."""
-    if weight.dtype == torch.float32 or optimizer.param_groups[slot.group].get("master_weights") == "lossless":
+    ``weight`` was rounded from (a lossless master's high half is the weight: never stale).
+    Only for a whole parameter: a sharded one (``process_group=``, FSDP2) is not watched for
+    writes between steps, so its weight may be the initial one still, the model's own to be
+    loaded after this, and the loaded master is what the next step must write into it."""
+    if isinstance(slot.param, LocalShard | ParamRange) or weight.dtype == torch.float32:
+        return False
+    if optimizer.param_groups[slot.group].get("master_weights") == "lossless":
         return False
     return not torch.equal(master.to(weight.dtype), weight)
 

@@ -37,7 +37,9 @@ class LinkModel:
         model = cls()
         rows = json.loads(Path(path).read_text()).get("rows", [])
         for what, links in (("disk get (into out=)", ("disk->host", "disk->device")), ("disk put (durable)", ("host->disk", "device->disk"))):
-            measured = sorted((r["size_mib"], r["ours_gbs"]) for r in rows if r.get("what") == what)
+            # (a figure not measured is null in the JSON)
+            measured = sorted((r["size_mib"], r["ours_gbs"]) for r in rows
+                              if r.get("what") == what and r.get("size_mib") is not None and r.get("ours_gbs"))
             if measured:
                 for link in links:
                     model.links[link] = (measured[-1][1] * 1e9, model.links[link][1])

@@ -187,8 +187,9 @@ def plot_prefetch(results: list[SimResult], path: Path) -> bool:
     for r in results:
         for tier, stats in r.prefetch_stats.items():
             key = (r.prefetch, engine_label(r), tier)
-            if r.capacity >= largest.get(key, -1):
-                largest[key], chosen[key] = r.capacity, stats
+            capacity = r.capacities.get(tier, r.capacity)  # (as the table shows it)
+            if capacity >= largest.get(key, -1):
+                largest[key], chosen[key] = capacity, stats
     if not chosen:
         return False
     from ..plotting import pyplot
