@@ -67,6 +67,28 @@ def test_array_names_are_safe_file_names() -> None:
         assert not name.startswith((".", "_"))
     assert array_name("a.b-c_d") == "a.b-c_d" and array_name("a/b") == "a%2Fb"
     assert array_name("a/b") != array_name("a%2Fb")
+    assert array_name("zarr.json") == "%7Aarr.json"  # (the group's own metadata file: export raised FileExistsError)
+
+
+async def test_a_key_named_like_zarr_metadata_round_trips(tmp_path: Path) -> None:
+    async with TierStore(tiers(tmp_path)) as store:
+        await store.put("zarr.json", torch.tensor([1, 2]))
+        await store.export_zarr(tmp_path / "snap")
+    async with TierStore(tiers(tmp_path / "other")) as other:
+        await other.import_zarr(tmp_path / "snap")
+        assert torch.equal(await other.get("zarr.json"), torch.tensor([1, 2]))
+
+
+async def test_an_export_from_inside_the_callers_own_write_hold_raises(tmp_path: Path) -> None:
+    """It waited for every write hold to end, the caller's own too: for ever."""
+    from tierstore import EntryHeldError
+
+    async with TierStore(tiers(tmp_path)) as store:
+        await store.put("w", torch.zeros(10))
+        async with store.hold("w", "host", write=True):
+            with pytest.raises(EntryHeldError, match="inside your own write hold of 'w'"):
+                await asyncio.wait_for(store.export_zarr(tmp_path / "snap"), 30)
+        assert await store.export_zarr(tmp_path / "snap") == 1  # released: it works
 
 
 async def test_export_does_not_move_entries(tmp_path: Path) -> None:

@@ -860,6 +860,10 @@ class Engine:
         started meanwhile wait until it ends; the block starts once those in flight ended."""
         while self.frozen:  # one view at a time
             await self.until_thawed()
+        own = [e.key for e in self.entries.values() if e.writer is not None and holds.inside(e.writer_token)]
+        if own:  # (it would wait for the caller's own hold to end: for ever)
+            raise EntryHeldError(f"cannot take a point-in-time view from inside your own write hold of {own[0]!r}: "
+                                 "release the hold first")
         self.frozen, self._thawed = True, asyncio.Event()
         try:
             while any(e.pending_writes or e.writer is not None for e in self.entries.values()):

@@ -72,8 +72,10 @@ INFLIGHT_BYTES = 256 << 20
 def array_name(key: str) -> str:
     """The zarr array name of ``key``."""
     raw = key.encode("utf-8")
+    # (a leading "." or "_", and a first letter of "zarr.json", the group's own metadata file, escaped)
+    clash = raw == b"zarr.json"
     escaped = "".join(
-        chr(b) if b in _SAFE and not (i == 0 and b in b"._") else f"%{b:02X}" for i, b in enumerate(raw)
+        chr(b) if b in _SAFE and not (i == 0 and (b in b"._" or clash)) else f"%{b:02X}" for i, b in enumerate(raw)
     )
     if len(escaped) > _MAX_NAME:
         return "~" + hashlib.blake2b(raw, digest_size=16).hexdigest()
