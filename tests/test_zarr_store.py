@@ -305,3 +305,20 @@ def test_a_blocking_call_on_an_async_store_whose_loop_is_idle_raises_instead_of_
     assert isinstance(outcome[0], StoreClosedError) and "not running" in str(outcome[0])
     loop.run_until_complete(store.aclose())
     loop.close()
+
+
+def test_a_disk_tier_to_promote_reads_to_is_refused_when_made(sync_store: SyncTierStore) -> None:
+    """Whole-chunk reads worked and a byte range raised "hold needs a memory tier"."""
+    with pytest.raises(ValueError, match=r"tier='disk' is not a memory tier: reads promote chunks to a memory tier"):
+        TierZarrStore(sync_store, tier="disk")
+
+
+def test_a_blocking_call_from_the_store_loop_is_a_loop_deadlock_error(sync_store: SyncTierStore) -> None:
+    from tierstore import LoopDeadlockError
+    from tierstore.sync import call_now
+
+    def blocking() -> None:
+        sync_store.put("x", torch.ones(2))  # (on the store's own loop thread)
+
+    with pytest.raises(LoopDeadlockError, match="from the tierstore loop thread"):
+        call_now(blocking)

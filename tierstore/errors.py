@@ -104,6 +104,11 @@ class NamespaceClaimedError(TierStoreError, RuntimeError):
     earlier run for another owner), or overlaps one that is; nothing was changed."""
 
 
+class LoopDeadlockError(TierStoreError, RuntimeError):
+    """A call to the store cannot run: the store's loop thread is blocked waiting for it (a
+    blocking call made on that thread, e.g. from a policy or a zarr codec it runs)."""
+
+
 class PolicyError(TierStoreError, RuntimeError):
     """An eviction policy broke the protocol: it named no victim, or a key it does not track
     (or one it returned before without forgetting it), or its ``victim()`` raised, while a

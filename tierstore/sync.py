@@ -37,6 +37,7 @@ import torch
 
 from . import holds
 from .device.caller import marking_caller
+from .errors import LoopDeadlockError
 from .intra_op import run_ops_serially
 from .namespaces import Namespace
 from .prefetching import PrefetchHandle, PrefetchResult
@@ -129,13 +130,15 @@ def run(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         reads the caller's tensor). If it completed regardless, its result is returned instead.
     KeyboardInterrupt
         Likewise re-raised once the cancelled coroutine has finished.
-    RuntimeError
-        Called from the tierstore loop thread (it would wait for itself forever).
+    LoopDeadlockError
+        Called from the tierstore loop thread (it would wait for itself forever; a
+        ``RuntimeError`` too).
     """
     loop = loop_thread()
     if threading.current_thread() is _thread:
         coro.close()
-        raise RuntimeError("a blocking tierstore call was made from the tierstore loop thread; await the async API there")
+        raise LoopDeadlockError("a blocking tierstore call was made from the tierstore loop thread (it would wait for "
+                                "itself for ever); await the async API there")
     if sys.is_finalizing():  # (the loop's daemon thread runs no more: waiting for it would hang)
         coro.close()
         raise RuntimeError("a blocking tierstore call was made while the interpreter shuts down")
@@ -172,7 +175,8 @@ def call_now(function: Callable[..., T], *args: Any) -> T:
     loop thread itself (``RuntimeError``)."""
     loop = loop_thread()
     if threading.current_thread() is _thread:
-        raise RuntimeError("a blocking tierstore call was made from the tierstore loop thread; await the async API there")
+        raise LoopDeadlockError("a blocking tierstore call was made from the tierstore loop thread (it would wait for "
+                                "itself for ever); await the async API there")
     if sys.is_finalizing():  # (as run(): the loop's daemon thread runs no more)
         raise RuntimeError("a blocking tierstore call was made while the interpreter shuts down")
     context = contextvars.copy_context()

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import zarr.core.sync
 
-from tierstore.errors import StoreClosedError, TierStoreError
+from tierstore.errors import LoopDeadlockError, StoreClosedError
 from tierstore.store import TierStore
 
 __all__ = ["DEADLOCK_CONFIRM_S", "LoopDeadlockError", "STALL_CHECK_S", "block_on_store_loop", "on_store_loop"]
@@ -38,10 +38,6 @@ T = TypeVar("T")
 STALL_CHECK_S = 0.2
 #: How long the store's loop thread must stay in one blocking zarr call for a stalled call to raise.
 DEADLOCK_CONFIRM_S = 1.0
-
-
-class LoopDeadlockError(TierStoreError, RuntimeError):
-    """A call to the store cannot run: the store's loop thread is blocked waiting for it."""
 
 
 def store_loop(store: TierStore) -> asyncio.AbstractEventLoop:

@@ -162,6 +162,9 @@ class TierZarrStore(Store):
         base = store.store if isinstance(store, SyncTierStore) else store
         if not isinstance(base, TierStore):
             raise TypeError(f"store must be a TierStore or SyncTierStore, not {type(store).__name__}")
+        if tier is not None and not isinstance(base.tier(tier), MemoryTier):  # (UnknownTierError for a name it lacks)
+            memory = [t.name for t in base.tiers if isinstance(t, MemoryTier)]
+            raise ValueError(f"tier={tier!r} is not a memory tier: reads promote chunks to a memory tier (this store's: {memory})")
         self._base = base
         self._sync = store if isinstance(store, SyncTierStore) else None
         self._prefix = _normalise_prefix(prefix)
