@@ -484,12 +484,52 @@ def test_a_master_that_torch_kept_but_never_updated_restarts_from_the_weight(pre
         theirs.step()
     trained = weight.detach().clone()
     again = TieredAdamW([weight], lr=1e-2, state_precision=precision, offload="host")
-    with pytest.warns(RuntimeWarning, match="master weight does not round to its parameter's current value"):
-        again.load_state_dict(theirs.state_dict())
+    again.load_state_dict(theirs.state_dict())
     weight.grad = torch.zeros(64, 64, dtype=torch.bfloat16)
-    again.step()  # (a zero gradient: the weight moves by what the moments carry, not back to step 3)
+    with pytest.warns(RuntimeWarning, match="master weight loaded from the checkpoint does not round to the parameter's value"):
+        again.step()  # (a zero gradient: the weight moves by what the moments carry, not back to step 3)
     assert (weight.detach().float() - trained.float()).abs().max() < 0.1
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # our own round trip: the master is the weight's, no warning
         again.load_state_dict(again.state_dict())
+        again.step()
     again.close()
+
+
+@pytest.mark.parametrize("master_weights", ["fp32", "lossless"])
+@pytest.mark.parametrize("optimizer_first", [False, True])
+def test_a_bf16_resume_keeps_the_fp32_master_whichever_is_loaded_first(optimizer_first: bool, master_weights: str) -> None:
+    """Loaded before the model's weights, the master was replaced by the fresh weights (its
+    extra bits lost, the continued run off by bf16 roundings); it is checked at the first update
+    now, when the model's weights are the checkpoint's."""
+
+    def make() -> torch.nn.Linear:
+        return torch.nn.Linear(64, 64).bfloat16()
+
+    def train(model: torch.nn.Linear, opt: TieredAdamW, steps: range) -> None:
+        for step in steps:
+            opt.zero_grad()
+            model(torch.randn(8, 64, generator=torch.Generator().manual_seed(step)).bfloat16()).float().square().mean().backward()
+            opt.step()
+
+    torch.manual_seed(0)
+    straight = make()
+    opt = TieredAdamW(straight.parameters(), lr=1e-2, offload="host", master_weights=master_weights)
+    train(straight, opt, range(3))
+    model_state, opt_state = {k: v.clone() for k, v in straight.state_dict().items()}, opt.state_dict()
+    train(straight, opt, range(3, 6))
+    opt.close()
+    torch.manual_seed(1)
+    resumed = make()
+    again = TieredAdamW(resumed.parameters(), lr=1e-2, offload="host", master_weights=master_weights)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no master is lost, so nothing to warn of)
+        if optimizer_first:
+            again.load_state_dict(opt_state)
+            resumed.load_state_dict(model_state)
+        else:
+            resumed.load_state_dict(model_state)
+            again.load_state_dict(opt_state)
+        train(resumed, again, range(3, 6))
+    again.close()
+    assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), straight.parameters(), strict=True))

@@ -259,7 +259,7 @@ class TieredAdam(PagedOptimizer):
                 if self._in_place(slot):
                     return _MasterRows(slot, packed, start, stop)
                 return [await self._param_master(slot, start, stop), *packed.unbind(0)]
-            if fresh and self._reloads(slot):
+            if fresh and await self._reloads(slot, start, stop, packed[0]):
                 await fill_weight_range(slot, start, stop, packed[0])
             return packed
         high = None
@@ -279,28 +279,49 @@ class TieredAdam(PagedOptimizer):
             master = await self._param_master(slot, start, stop)
             return PackedState(layout, packed, stop - start, param_numel=slot.numel, master=master)
         state = PackedState(layout, packed, stop - start, high, param_numel=slot.numel)  # (its kernels: the parameter's)
-        if fresh and self._reloads(slot):
+        if fresh and await self._reloads(slot, start, stop, None if layout.lossless else state.master()):
             state.set_master((high if high is not None else await read_weight_range(slot, start, stop)).reshape(-1).float())
         return state
 
-    def _reloads(self, slot: ParamSlot) -> bool:
-        """Whether the master (kept apart from the parameter) must be reloaded from the
-        parameter before this update: it was written from outside since the optimizer wrote it
-        (``ParamSlot.foreign_write``), and torch's optimizer would update what it holds now. An
-        fp32 parameter reloads exactly; a lower-precision one loses the master's extra bits (a
-        lossless master's low halves restart at zero), with a warning, once."""
-        if offloaded(slot.param) is not None:  # its data comes and goes (placeholder, held buffer): the version counts
-            if slot.seen is None or slot.seen[0] == slot.param._version:  # load_state_dict bumps it
+    async def _reloads(self, slot: ParamSlot, start: int, stop: int, master: torch.Tensor | None) -> bool:
+        """Whether the master (kept apart from the parameter) of elements ``start:stop`` must be
+        reloaded from the parameter before this update: it was written from outside since the
+        optimizer wrote it (``ParamSlot.foreign_write``), and torch's optimizer would update what
+        it holds now; or the master was loaded from a checkpoint (``verify_master``) and the
+        weight is not what that ``master`` rounds to (where it is, the model's own weights were
+        loaded from the same checkpoint, before or after the optimizer's state, and the master's
+        extra bits are kept). An fp32 parameter reloads exactly; a lower-precision one loses the
+        master's extra bits (a lossless master's low halves restart at zero), with a warning,
+        once."""
+        loaded = slot.verify_master
+        if not loaded:
+            if offloaded(slot.param) is not None:  # its data comes and goes (placeholder, held buffer): the version counts
+                if slot.seen is None or slot.seen[0] == slot.param._version:  # load_state_dict bumps it
+                    return False
+            elif not slot.foreign_write():
                 return False
-        elif not slot.foreign_write():
+        if loaded and master is None:  # (lossless: its high half is the weight now, its loaded low half kept)
             return False
+        if loaded:
+            weight = await read_weight_range(slot, start, stop)
+            if torch.equal(master.to(weight.dtype), weight.reshape(-1)):
+                return False
+        if loaded:
+            warnings.warn(
+                f"parameter {slot.index}: the master weight loaded from the checkpoint does not round to the parameter's "
+                "value at the first step, so it restarts from the weight (its extra bits lost): the weight moved since "
+                "the master was saved (trained by another optimizer, e.g. torch's AdamW, which keeps a 'master' entry it "
+                "never updates), or the model's weights loaded are not the checkpoint's",
+                RuntimeWarning, stacklevel=2,
+            )
+            return True
         if slot.param.dtype != torch.float32 and not self._warned_foreign:
             self._warned_foreign = True
             warnings.warn(
                 f"parameter {slot.index} ({slot.param.dtype}) was written from outside the optimizer since its last "
                 "step (load_state_dict, an in-place change under no_grad, p.data = ...): its fp32 master is reloaded "
-                "from it, and the bits the master held beyond the parameter's precision are lost (load the optimizer's "
-                "state_dict after the model's to keep them)",
+                "from it, and the bits the master held beyond the parameter's precision are lost (a resume keeps them: "
+                "load the model's weights and the optimizer's state_dict from the same checkpoint, in either order)",
                 stacklevel=2,
             )
         return True

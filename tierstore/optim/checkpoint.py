@@ -45,7 +45,6 @@ from __future__ import annotations
 import copy
 import itertools
 import sys
-import warnings
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -284,31 +283,18 @@ async def adam_load_entry(optimizer: TieredAdam, slot: ParamSlot, entry: Mapping
     for row, name in enumerate(_ROWS[: rows.shape[0]]):
         if name in entry:
             rows[row].copy_(_local(slot, name, entry[name]))
-    if "master" in entry and _stale_master(optimizer, slot, rows[0], weight):
-        rows[0].copy_(weight)
-        warnings.warn(
-            "a loaded master weight does not round to its parameter's current value, so it restarts from the weight: "
-            "either the model's weights are not loaded yet (load the optimizer's state_dict after the model's, or the "
-            "master's extra bits are lost), or the weight moved since the master was saved (trained by another "
-            "optimizer, e.g. torch's AdamW, which keeps a 'master' entry it never updates)",
-            RuntimeWarning, stacklevel=2,
-        )
     step = entry.get("step", 0)
     optimizer._step_counts[slot.index] = torch.tensor(float(step.item() if torch.is_tensor(step) else step))
     await optimizer.write_state_rows(slot, rows)
+    # (checked at the first update, once the model's weights are loaded too, in whichever order)
+    slot.verify_master = "master" in entry and _checks_master(optimizer, slot, weight)
 
 
-def _stale_master(optimizer: TieredAdam, slot: ParamSlot, master: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a loaded fp32 ``master`` of a lower-precision parameter is not the one its
-    ``weight`` was rounded from (a lossless master's high half is the weight: never stale).
-    Only for a whole parameter: a sharded one (``process_group=``, FSDP2) is not watched for
-    writes between steps, so its weight may be the initial one still, the model's own to be
-    loaded after this, and the loaded master is what the next step must write into it."""
-    if isinstance(slot.param, LocalShard | ParamRange) or weight.dtype == torch.float32:
-        return False
-    if optimizer.param_groups[slot.group].get("master_weights") == "lossless":
-        return False
-    return not torch.equal(master.to(weight.dtype), weight)
+def _checks_master(optimizer: TieredAdam, slot: ParamSlot, weight: torch.Tensor) -> bool:
+    """Whether a loaded master of ``slot`` is checked against the parameter at its first update
+    (a lower-precision parameter's: the model's weights may be loaded after it; a lossless one
+    then keeps its loaded low half with the weight as its high half)."""
+    return weight.dtype != torch.float32
 
 
 # -- opt.state ----------------------------------------------------------------------------------

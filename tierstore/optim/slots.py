@@ -101,6 +101,9 @@ class ParamSlot:
     seen: tuple[int, int] | None = None
     #: This step's update reloads the master from the parameter (a write from outside).
     reload: bool = False
+    #: The master was loaded from a checkpoint: the first update checks that the parameter holds
+    #: what it rounds to, else restarts it from the parameter (``TieredAdam._reloads``).
+    verify_master: bool = False
 
     @property
     def grad_key(self) -> str:
@@ -112,6 +115,7 @@ class ParamSlot:
 
     def note_written(self) -> None:
         """The optimizer wrote the parameter (or its master is the parameter's value now)."""
+        self.verify_master = False
         if isinstance(self.param, torch.Tensor):  # (a rank's view of a sharded one is not tracked)
             self.seen = (self.param._version, self.param.data_ptr())
 
