@@ -259,7 +259,7 @@ class TieredAdam(PagedOptimizer):
                 if self._in_place(slot):
                     return _MasterRows(slot, packed, start, stop)
                 return [await self._param_master(slot, start, stop), *packed.unbind(0)]
-            if fresh and await self._reloads(slot, start, stop, packed[0]):
+            if fresh and self._may_reload(slot) and await self._reloads(slot, start, stop, packed[0]):
                 await fill_weight_range(slot, start, stop, packed[0])
             return packed
         high = None
@@ -279,34 +279,36 @@ class TieredAdam(PagedOptimizer):
             master = await self._param_master(slot, start, stop)
             return PackedState(layout, packed, stop - start, param_numel=slot.numel, master=master)
         state = PackedState(layout, packed, stop - start, high, param_numel=slot.numel)  # (its kernels: the parameter's)
-        if fresh and await self._reloads(slot, start, stop, None if layout.lossless else state.master()):
+        if fresh and self._may_reload(slot) and await self._reloads(slot, start, stop, None if layout.lossless else state.master()):
             state.set_master((high if high is not None else await read_weight_range(slot, start, stop)).reshape(-1).float())
         return state
 
+    @staticmethod
+    def _may_reload(slot: ParamSlot) -> bool:
+        """Whether ``_reloads`` is to be asked (no await made per update where not): the master
+        was loaded from a checkpoint, or the parameter written from outside."""
+        if slot.verify_master:
+            return True
+        if offloaded(slot.param) is not None:  # its data comes and goes (placeholder, held buffer): the version counts
+            return slot.seen is not None and slot.seen[0] != slot.param._version  # (load_state_dict bumps it)
+        return slot.foreign_write()
+
     async def _reloads(self, slot: ParamSlot, start: int, stop: int, master: torch.Tensor | None) -> bool:
         """Whether the master (kept apart from the parameter) of elements ``start:stop`` must be
-        reloaded from the parameter before this update: it was written from outside since the
-        optimizer wrote it (``ParamSlot.foreign_write``), and torch's optimizer would update what
-        it holds now; or the master was loaded from a checkpoint (``verify_master``) and the
-        weight is not what that ``master`` rounds to (where it is, the model's own weights were
-        loaded from the same checkpoint, before or after the optimizer's state, and the master's
-        extra bits are kept). An fp32 parameter reloads exactly; a lower-precision one loses the
-        master's extra bits (a lossless master's low halves restart at zero), with a warning,
-        once."""
-        loaded = slot.verify_master
-        if not loaded:
-            if offloaded(slot.param) is not None:  # its data comes and goes (placeholder, held buffer): the version counts
-                if slot.seen is None or slot.seen[0] == slot.param._version:  # load_state_dict bumps it
-                    return False
-            elif not slot.foreign_write():
+        reloaded from the parameter before this update (``_may_reload`` said it may). Yes where
+        the parameter was written from outside since the optimizer wrote it
+        (``ParamSlot.foreign_write``): torch's optimizer would update what it holds now. Where
+        the master was loaded from a checkpoint (``verify_master``), only if the weight is not
+        what that ``master`` rounds to: where it is, the model's weights were loaded from the same
+        checkpoint (before or after the optimizer's state) and the master's extra bits are kept.
+        An fp32 parameter reloads exactly; a lower-precision one loses the master's extra bits (a
+        lossless master's low halves restart at zero), with a warning, once."""
+        if slot.verify_master:
+            if master is None:  # (lossless: its high half is the weight now, its loaded low half kept)
                 return False
-        if loaded and master is None:  # (lossless: its high half is the weight now, its loaded low half kept)
-            return False
-        if loaded:
             weight = await read_weight_range(slot, start, stop)
             if torch.equal(master.to(weight.dtype), weight.reshape(-1)):
                 return False
-        if loaded:
             warnings.warn(
                 f"parameter {slot.index}: the master weight loaded from the checkpoint does not round to the parameter's "
                 "value at the first step, so it restarts from the weight (its extra bits lost): the weight moved since "
