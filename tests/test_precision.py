@@ -496,9 +496,10 @@ def test_a_master_that_torch_kept_but_never_updated_restarts_from_the_weight(pre
     again.close()
 
 
+@pytest.mark.parametrize("precision", ["fp32", "8bit"])
 @pytest.mark.parametrize("master_weights", ["fp32", "lossless"])
 @pytest.mark.parametrize("optimizer_first", [False, True])
-def test_a_bf16_resume_keeps_the_fp32_master_whichever_is_loaded_first(optimizer_first: bool, master_weights: str) -> None:
+def test_a_bf16_resume_keeps_the_fp32_master_whichever_is_loaded_first(optimizer_first: bool, master_weights: str, precision: str) -> None:
     """Loaded before the model's weights, the master was replaced by the fresh weights (its
     extra bits lost, the continued run off by bf16 roundings); it is checked at the first update
     now, when the model's weights are the checkpoint's."""
@@ -514,18 +515,19 @@ def test_a_bf16_resume_keeps_the_fp32_master_whichever_is_loaded_first(optimizer
 
     torch.manual_seed(0)
     straight = make()
-    opt = TieredAdamW(straight.parameters(), lr=1e-2, offload="host", master_weights=master_weights)
+    opt = TieredAdamW(straight.parameters(), lr=1e-2, offload="host", master_weights=master_weights, state_precision=precision)
     train(straight, opt, range(3))
     model_state, opt_state = {k: v.clone() for k, v in straight.state_dict().items()}, opt.state_dict()
     train(straight, opt, range(3, 6))
     opt.close()
     torch.manual_seed(1)
     resumed = make()
-    again = TieredAdamW(resumed.parameters(), lr=1e-2, offload="host", master_weights=master_weights)
+    again = TieredAdamW(resumed.parameters(), lr=1e-2, offload="host", master_weights=master_weights, state_precision=precision)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # (no master is lost, so nothing to warn of)
         if optimizer_first:
             again.load_state_dict(opt_state)
+            again.state_dict()  # (a read in between checked the master against the fresh weight, and replaced it)
             resumed.load_state_dict(model_state)
         else:
             resumed.load_state_dict(model_state)

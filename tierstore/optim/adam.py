@@ -247,19 +247,23 @@ class TieredAdam(PagedOptimizer):
             packed[0].copy_(weight.reshape(-1))
         return packed
 
-    async def _wrap(self, slot: ParamSlot, packed: torch.Tensor, start: int, stop: int, chunk: Chunk | None = None) -> Any:
+    async def _wrap(self, slot: ParamSlot, packed: torch.Tensor, start: int, stop: int, chunk: Chunk | None = None,
+                    *, for_update: bool = True) -> Any:
         """What the update gets of an entry: the fp32 rows themselves (the parameter's own
         elements first where it is the master), or a ``PackedState`` (with a lossless master,
         holding the model's weight for those elements; where the parameter is the master, its
-        own elements as the master)."""
+        own elements as the master). ``for_update=False``: for a read (``state_dict``), which
+        leaves a loaded master to be checked by the first update (the model's weights may not be
+        loaded yet)."""
         layout = self._layout(slot)
         fresh = chunk.index not in slot.chunks_updated if chunk is not None else not slot.updated
+        fresh = fresh and (for_update or not slot.master_to_check(chunk))
         if layout is None:
             if packed.shape[0] != self._rows(slot):  # the parameter is the master
                 if self._in_place(slot):
                     return _MasterRows(slot, packed, start, stop)
                 return [await self._param_master(slot, start, stop), *packed.unbind(0)]
-            if fresh and self._may_reload(slot) and await self._reloads(slot, start, stop, packed[0]):
+            if fresh and self._may_reload(slot, chunk) and await self._reloads(slot, chunk, start, stop, packed[0]):
                 await fill_weight_range(slot, start, stop, packed[0])
             return packed
         high = None
@@ -279,21 +283,21 @@ class TieredAdam(PagedOptimizer):
             master = await self._param_master(slot, start, stop)
             return PackedState(layout, packed, stop - start, param_numel=slot.numel, master=master)
         state = PackedState(layout, packed, stop - start, high, param_numel=slot.numel)  # (its kernels: the parameter's)
-        if fresh and self._may_reload(slot) and await self._reloads(slot, start, stop, None if layout.lossless else state.master()):
+        if fresh and self._may_reload(slot, chunk) and await self._reloads(slot, chunk, start, stop, None if layout.lossless else state.master()):
             state.set_master((high if high is not None else await read_weight_range(slot, start, stop)).reshape(-1).float())
         return state
 
     @staticmethod
-    def _may_reload(slot: ParamSlot) -> bool:
+    def _may_reload(slot: ParamSlot, chunk: Chunk | None) -> bool:
         """Whether ``_reloads`` is to be asked (no await made per update where not): the master
         was loaded from a checkpoint, or the parameter written from outside."""
-        if slot.verify_master:
+        if slot.master_to_check(chunk):
             return True
         if offloaded(slot.param) is not None:  # its data comes and goes (placeholder, held buffer): the version counts
             return slot.seen is not None and slot.seen[0] != slot.param._version  # (load_state_dict bumps it)
         return slot.foreign_write()
 
-    async def _reloads(self, slot: ParamSlot, start: int, stop: int, master: torch.Tensor | None) -> bool:
+    async def _reloads(self, slot: ParamSlot, chunk: Chunk | None, start: int, stop: int, master: torch.Tensor | None) -> bool:
         """Whether the master (kept apart from the parameter) of elements ``start:stop`` must be
         reloaded from the parameter before this update (``_may_reload`` said it may). Yes where
         the parameter was written from outside since the optimizer wrote it
@@ -303,7 +307,9 @@ class TieredAdam(PagedOptimizer):
         checkpoint (before or after the optimizer's state) and the master's extra bits are kept.
         An fp32 parameter reloads exactly; a lower-precision one loses the master's extra bits (a
         lossless master's low halves restart at zero), with a warning, once."""
-        if slot.verify_master:
+        if slot.master_to_check(chunk):
+            slot.master_checked(chunk)  # (decided once: a retry or a later step does not ask again)
+            slot.note_seen()  # (the model's load after the optimizer's is taken into account here, not again)
             if master is None:  # (lossless: its high half is the weight now, its loaded low half kept)
                 return False
             weight = await read_weight_range(slot, start, stop)
@@ -459,7 +465,7 @@ class TieredAdam(PagedOptimizer):
             saved = replace(layout, param_master=not layout.param_master)
             master = await self._param_master(slot, start, stop) if saved.param_master else None  # (read: decode copies it)
             return PackedState(saved, packed, stop - start, master=master).decode()
-        state = await self._wrap(slot, packed, start, stop)
+        state = await self._wrap(slot, packed, start, stop, for_update=False)
         return state.decode() if isinstance(state, PackedState) else state
 
     def _encode(self, slot: ParamSlot, rows: torch.Tensor) -> torch.Tensor:

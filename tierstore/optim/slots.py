@@ -102,8 +102,10 @@ class ParamSlot:
     #: This step's update reloads the master from the parameter (a write from outside).
     reload: bool = False
     #: The master was loaded from a checkpoint: the first update checks that the parameter holds
-    #: what it rounds to, else restarts it from the parameter (``TieredAdam._reloads``).
+    #: what it rounds to, else restarts it from the parameter (``TieredAdam._reloads``); a
+    #: chunked parameter, chunk by chunk (those checked in ``master_checked_chunks``).
     verify_master: bool = False
+    master_checked_chunks: set[int] = field(default_factory=set)
 
     @property
     def grad_key(self) -> str:
@@ -113,9 +115,27 @@ class ParamSlot:
     def numel(self) -> int:
         return self.shape.numel()
 
+    def master_to_check(self, chunk: Any) -> bool:
+        """Whether the loaded master of ``chunk`` (None: the whole parameter) is still to check."""
+        return self.verify_master and (chunk is None or chunk.index not in self.master_checked_chunks)
+
+    def master_checked(self, chunk: Any) -> None:
+        """The loaded master of ``chunk`` (None: of the whole parameter) was checked."""
+        if chunk is not None:
+            self.master_checked_chunks.add(chunk.index)
+            if self.chunks is not None and len(self.master_checked_chunks) < len(self.chunks):
+                return
+        self.verify_master = False
+        self.master_checked_chunks.clear()
+
     def note_written(self) -> None:
         """The optimizer wrote the parameter (or its master is the parameter's value now)."""
         self.verify_master = False
+        self.master_checked_chunks.clear()
+        self.note_seen()
+
+    def note_seen(self) -> None:
+        """The parameter as it is now is known to the master (no write from outside since)."""
         if isinstance(self.param, torch.Tensor):  # (a rank's view of a sharded one is not tracked)
             self.seen = (self.param._version, self.param.data_ptr())
 
