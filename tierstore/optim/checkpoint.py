@@ -286,15 +286,9 @@ async def adam_load_entry(optimizer: TieredAdam, slot: ParamSlot, entry: Mapping
     step = entry.get("step", 0)
     optimizer._step_counts[slot.index] = torch.tensor(float(step.item() if torch.is_tensor(step) else step))
     await optimizer.write_state_rows(slot, rows)
-    # (checked at the first update, once the model's weights are loaded too, in whichever order)
-    slot.verify_master = "master" in entry and _checks_master(optimizer, slot, weight)
-
-
-def _checks_master(optimizer: TieredAdam, slot: ParamSlot, weight: torch.Tensor) -> bool:
-    """Whether a loaded master of ``slot`` is checked against the parameter at its first update
-    (a lower-precision parameter's: the model's weights may be loaded after it; a lossless one
-    then keeps its loaded low half with the weight as its high half)."""
-    return weight.dtype != torch.float32
+    # A lower-precision parameter's master is checked against the weight at its first update,
+    # once the model's weights are loaded too, in whichever order (``TieredAdam._reloads``).
+    slot.verify_master = "master" in entry and weight.dtype != torch.float32
 
 
 # -- opt.state ----------------------------------------------------------------------------------
