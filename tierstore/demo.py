@@ -156,10 +156,9 @@ def check_args(args: argparse.Namespace) -> str | None:
             return f"--drive-capacity must be above 0, not {getattr(args, name)}"
     if args.master_weights == "lossless" and args.dtype != "bf16":
         return "--master-weights lossless keeps the master's high half in bf16 weights: it needs --dtype bf16"
-    try:
-        Path(args.root).mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        return f"--root {args.root}: the disk tier's folder cannot be made there ({exc.strerror or exc})"
+    problem = _unmakeable(Path(args.root))
+    if problem:
+        return f"--root {args.root}: the disk tier's folder cannot be made there ({problem})"
     for name in ("timeline", "plot", "json"):  # (checked now, not after the whole run)
         problem = _unwritable(getattr(args, name))
         if problem:
@@ -167,23 +166,39 @@ def check_args(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _unmakeable(folder: Path, file: str | None = None) -> str | None:
+    """Why ``folder`` (and ``file`` in it) cannot be made, or None. It tries, and removes what it
+    made: a run refused later leaves nothing behind."""
+    missing = []
+    here = folder
+    while not here.exists() and here != here.parent:
+        missing.append(here)
+        here = here.parent
+    made = None
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if file is not None and not (folder / file).exists() and not (folder / file).is_symlink():
+            with open(folder / file, "ab"):
+                made = folder / file
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    finally:
+        if made is not None:
+            made.unlink()
+        for empty in missing:  # (deepest first)
+            if empty.is_dir():
+                empty.rmdir()
+    return None
+
+
 def _unwritable(path: Path | None) -> str | None:
-    """Why a file cannot be written at ``path``, or None (it tries: its folder is made, and an
-    empty file it made is removed again)."""
+    """Why a file cannot be written at ``path``, or None (see ``_unmakeable``)."""
     if path is None:
         return None
     if path.is_dir():
         return "is a folder; give a file name"
-    existed = path.exists()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "ab"):
-            pass
-    except OSError as exc:
-        return f"cannot be written ({exc.strerror or exc})"
-    if not existed:
-        path.unlink()
-    return None
+    problem = _unmakeable(path.parent, path.name)
+    return f"cannot be written ({problem})" if problem else None
 
 
 def state_bytes(args: argparse.Namespace, param: torch.Tensor) -> int:
