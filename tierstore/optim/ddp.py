@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 CommHook = Callable[[Any, Any], "torch.futures.Future[torch.Tensor]"]
 
 
-def average_as_ddp(process_group, bucket):  # type: ignore[no-untyped-def]  # (DDP checks annotations: none)
+def average_as_ddp(process_group, bucket):  # (DDP checks annotations: none)
     """A communication hook that averages a bucket's gradients as DDP's own reducer does when no
     hook is registered: multiplied by 1/world, then summed over the ranks. (Torch's
     ``allreduce_hook`` divides by the world size instead, which rounds differently where it is
