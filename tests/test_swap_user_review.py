@@ -49,6 +49,13 @@ def store(tmp_path: Path, device: str = "64KiB") -> SyncTierStore:
     return SyncTierStore([DeviceTier("cpu", device), HostTier("8MiB"), DiskTier(tmp_path / "d", "64MiB", durable=False)]).open()
 
 
+def offloaded_twins(tmp_path: Path, model: nn.Module, device: str = "64KiB", **options: Any) -> tuple[nn.Module, SyncTierStore, Any]:
+    """An untouched twin of ``model``, a fresh store, and ``model``'s weights offloaded into it."""
+    twin = copy.deepcopy(model)
+    sync = store(tmp_path, device)
+    return twin, sync, offload_parameters(model, sync, **options)
+
+
 def batch(step: int) -> torch.Tensor:
     return torch.randint(0, 50, (4, 12), generator=torch.Generator().manual_seed(step))
 
@@ -77,9 +84,7 @@ def assert_same(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) 
 def test_state_dict_and_load_state_dict_follow_the_store_while_training(tmp_path: Path, tier: str) -> None:
     torch.manual_seed(0)
     model = Net()
-    twin = copy.deepcopy(model)
-    sync = store(tmp_path)
-    params = offload_parameters(model, sync, tier=tier)
+    twin, sync, params = offloaded_twins(tmp_path, model, tier=tier)
     opt = TieredAdamW(model.parameters(), lr=1e-2, store=sync, min_offload_numel=64, fused=True)
     reference = torch.optim.AdamW(twin.parameters(), lr=1e-2, fused=True)
     assert train(model, opt, range(3), params) == train(twin, reference, range(3))
@@ -106,9 +111,7 @@ def test_state_dict_and_load_state_dict_follow_the_store_while_training(tmp_path
 def test_load_state_dict_reports_as_torch_does(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = Net()
-    twin = copy.deepcopy(model)
-    sync = store(tmp_path)
-    params = offload_parameters(model, sync)
+    twin, sync, params = offloaded_twins(tmp_path, model)
     before = model.state_dict()
 
     wrong = dict(twin.state_dict(), **{"blocks.0.0.weight": torch.zeros(5, 32)})
@@ -141,9 +144,7 @@ def test_load_state_dict_reports_as_torch_does(tmp_path: Path) -> None:
 def test_tied_weights_and_keep_vars(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = Net(tied=True)
-    twin = copy.deepcopy(model)
-    sync = store(tmp_path)
-    params = offload_parameters(model, sync)
+    twin, sync, params = offloaded_twins(tmp_path, model)
     state = model.state_dict()
     assert_same(state, twin.state_dict())
     assert state["out.weight"] is state["emb.weight"]  # one stored weight, one tensor, as torch aliases them
@@ -185,9 +186,7 @@ def test_an_in_place_change_of_a_placeholder_raises_instead_of_being_lost(tmp_pa
 def test_checkpointed_blocks_with_offloaded_weights_give_torch_gradients(tmp_path: Path, ckpt: str) -> None:
     torch.manual_seed(0)
     model = Net(tied=True, ckpt=ckpt)
-    twin = copy.deepcopy(model)
-    sync = store(tmp_path, device="48KiB")  # less than the weights: units come and go
-    params = offload_parameters(model, sync)
+    twin, sync, params = offloaded_twins(tmp_path, model, device="48KiB")  # less than the weights: units come and go
     activations = offload_activations(sync, min_bytes=1024)
     for step in range(3):
         with activations:
@@ -264,9 +263,7 @@ def test_a_torch_optimizer_on_offloaded_parameters_is_refused_clearly(tmp_path: 
     """torch's AdamW met the size-0 placeholders: "The size of tensor a (0) must match ..."."""
     torch.manual_seed(0)
     model = Net()
-    twin = copy.deepcopy(model)
-    sync = store(tmp_path)
-    params = offload_parameters(model, sync)
+    twin, sync, params = offloaded_twins(tmp_path, model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(batch(0)).square().mean().backward()
     with pytest.raises(TypeError, match=r"AdamW.step\(\): .*offload_parameters keeps in a store.*TieredAdamW.*detach\(\)"):

@@ -137,8 +137,7 @@ def run(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
     loop = loop_thread()
     if threading.current_thread() is _thread:
         coro.close()
-        raise LoopDeadlockError("a blocking tierstore call was made from the tierstore loop thread (it would wait for "
-                                "itself for ever); await the async API there")
+        raise _blocking_on_loop_thread()
     if sys.is_finalizing():  # (the loop's daemon thread runs no more: waiting for it would hang)
         coro.close()
         raise RuntimeError("a blocking tierstore call was made while the interpreter shuts down")
@@ -168,15 +167,19 @@ def run(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
     return task.result()  # the task is done: reading its outcome from this thread is safe
 
 
+def _blocking_on_loop_thread() -> LoopDeadlockError:
+    return LoopDeadlockError("a blocking tierstore call was made from the tierstore loop thread (it would wait for itself "
+                             "for ever); await the async API there")
+
+
 def call_now(function: Callable[..., T], *args: Any) -> T:
     """Call ``function(*args)``, a plain function that must not block, on the tierstore loop
     thread in a copy of the caller's context, and return its result (or raise its error): one
     hand-over each way and no task, for the parts of verbs that need no await. Not from the
-    loop thread itself (``RuntimeError``)."""
+    loop thread itself (``LoopDeadlockError``)."""
     loop = loop_thread()
     if threading.current_thread() is _thread:
-        raise LoopDeadlockError("a blocking tierstore call was made from the tierstore loop thread (it would wait for "
-                                "itself for ever); await the async API there")
+        raise _blocking_on_loop_thread()
     if sys.is_finalizing():  # (as run(): the loop's daemon thread runs no more)
         raise RuntimeError("a blocking tierstore call was made while the interpreter shuts down")
     context = contextvars.copy_context()

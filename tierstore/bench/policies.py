@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
           + ("; ratio = ours / libCacheSim req/s" if compared else "; libCacheSim is not installed here, so no ratio "
              "(pip install 'tierstore[libcachesim]' adds it)"))
     columns = [("eviction", "eviction", "s"), ("ours_kreq_s", "ours k req/s", ".0f"), ("ours_miss_ratio", "ours miss", ".4f")]
-    if "lcs_kreq_s" in speed_rows[0]:
+    if compared:
         columns += [("lcs_kreq_s", "libCacheSim k req/s", ".0f"), ("lcs_miss_ratio", "libCacheSim miss", ".4f"), ("ratio", "ratio", ".2f")]
     print(table(speed_rows, columns))
     print(f"\nOptimizer pattern: 64 keys x 4 MiB, forward then backward, {steps} steps; host capacity 50% of the working set;")
