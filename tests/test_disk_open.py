@@ -440,3 +440,37 @@ async def test_a_catalog_made_half_way_is_a_new_store_not_a_damaged_one(tmp_path
         await store.put("k", torch.arange(3))
     async with TierStore([DiskTier(tmp_path / "d", "16MiB")]) as store:
         assert torch.equal(await store.get("k"), torch.arange(3))
+
+
+async def test_a_damaged_catalog_page_is_a_catalog_error_on_open_and_in_info(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The root page of the catalog's records with its LMDB page-type flag damaged made opening
+    the store and ``tierstore info`` raise LMDB's raw ``CorruptedError`` (with a traceback in
+    the CLI): it is a ``CatalogError``, nothing is changed, and ``info`` says so. (Some damage
+    to a leaf page trips an assertion inside LMDB instead, which ends the process.)"""
+    root = tmp_path / "d"
+    async with TierStore([disk(root)]) as store:
+        for i in range(200):
+            await store.put(f"small-{i}", torch.full((10,), float(i)))
+    catalog = root / "catalog" / "data.mdb"
+    data = bytearray(catalog.read_bytes())
+    page = _entries_root_page(bytes(data))
+    data[page * 4096 + 10 : page * 4096 + 12] = (0x04).to_bytes(2, "little")  # (P_BRANCH -> P_OVERFLOW)
+    catalog.write_bytes(bytes(data))
+    with pytest.raises(CatalogError, match="is damaged: .*MDB_CORRUPTED"):
+        async with TierStore([disk(root)]):
+            pass
+    assert catalog.read_bytes() == bytes(data)
+    assert cli_main(["info", str(root)]) != 0
+    captured = capsys.readouterr()
+    assert "is damaged" in captured.err + captured.out and "Traceback" not in captured.err
+
+
+def _entries_root_page(data: bytes) -> int:
+    """The root page of the catalog's ``entries`` database, read from LMDB's file layout: the
+    newer of the two meta pages (by transaction id) names the main database's root, a leaf
+    whose node ``entries`` holds that database's ``MDB_db`` record (its root page last)."""
+    newest = max((int.from_bytes(data[p * 4096 + 144 : p * 4096 + 152], "little"), p) for p in (0, 1))[1]
+    main_root = int.from_bytes(data[newest * 4096 + 128 : newest * 4096 + 136], "little")
+    page = data[main_root * 4096 : (main_root + 1) * 4096]
+    record = page.index(b"entries") + len(b"entries")
+    return int.from_bytes(page[record + 40 : record + 48], "little")

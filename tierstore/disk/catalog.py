@@ -492,16 +492,19 @@ class Catalog:
     def records(self, with_data: bool = False) -> Iterator[tuple[bytes, DiskRecord]]:
         """Every committed record, validated; raises ``CatalogError`` naming the first bad one.
         Inline values are left in the catalog unless ``with_data``."""
-        with self._env.begin(db=self._entries, buffers=True) as txn:
-            for digest_view, raw in txn.cursor():
-                digest = bytes(digest_view)
-                try:
-                    record = DiskRecord.from_bytes(raw, with_data)
-                except ValueError as exc:
-                    raise CatalogError(f"catalog record {digest.hex()} in {self.path} is corrupt: {exc}") from None
-                if key_digest(record.key) != digest:
-                    raise CatalogError(f"catalog record for {record.key!r} is filed under the wrong address")
-                yield digest, record
+        try:
+            with self._env.begin(db=self._entries, buffers=True) as txn:
+                for digest_view, raw in txn.cursor():
+                    digest = bytes(digest_view)
+                    try:
+                        record = DiskRecord.from_bytes(raw, with_data)
+                    except ValueError as exc:
+                        raise CatalogError(f"catalog record {digest.hex()} in {self.path} is corrupt: {exc}") from None
+                    if key_digest(record.key) != digest:
+                        raise CatalogError(f"catalog record for {record.key!r} is filed under the wrong address")
+                    yield digest, record
+        except lmdb.Error as exc:
+            raise self._damaged(exc) from None
 
     def scan(self) -> tuple[dict[str, DiskRecord], InlineScan]:
         """Every committed record, validated as ``records`` does, split for a fast open: the
@@ -521,39 +524,42 @@ class Catalog:
         head, head_size, checksum_size, tag_inline = _SCAN_HEAD.unpack_from, _SCAN_HEAD.size, _CHECKSUM.size, _INLINE_TAG
         hasher, inline_bytes = address_hash, 0
         # (records as bytes, not buffers: slicing bytes is cheaper than making memoryviews)
-        with self._env.begin(db=self._entries) as txn:
-            for digest, raw in txn.cursor():
-                try:
-                    tag, form, key_len, version = head(raw, 0)
-                    at = head_size + (form >> 8) + 8 * (form & 0xFF)  # past the dtype name and shape
-                    known = described.get(raw[head_size:at])
-                    if known is None or tag != tag_inline or known[0] != form or not key_len:
-                        raise _SlowPath
-                    end = at + key_len
-                    nbytes = known[2]
-                    if len(raw) - end - checksum_size != nbytes:
-                        raise _SlowPath  # (the full parse names what is wrong)
-                    encoded = raw[at:end]
-                    if hasher(encoded).digest() != digest:
-                        raise _SlowPath  # (the full parse raises for a record under another key's address)
-                    add_key(encoded.decode("utf-8"))
-                except (_SlowPath, struct.error, UnicodeDecodeError):
-                    record = self._parse(digest, raw)
-                    if record.extent is not None:
-                        extents[record.key] = record
+        try:
+            with self._env.begin(db=self._entries) as txn:
+                for digest, raw in txn.cursor():
+                    try:
+                        tag, form, key_len, version = head(raw, 0)
+                        at = head_size + (form >> 8) + 8 * (form & 0xFF)  # past the dtype name and shape
+                        known = described.get(raw[head_size:at])
+                        if known is None or tag != tag_inline or known[0] != form or not key_len:
+                            raise _SlowPath
+                        end = at + key_len
+                        nbytes = known[2]
+                        if len(raw) - end - checksum_size != nbytes:
+                            raise _SlowPath  # (the full parse names what is wrong)
+                        encoded = raw[at:end]
+                        if hasher(encoded).digest() != digest:
+                            raise _SlowPath  # (the full parse raises for a record under another key's address)
+                        add_key(encoded.decode("utf-8"))
+                    except (_SlowPath, struct.error, UnicodeDecodeError):
+                        record = self._parse(digest, raw)
+                        if record.extent is not None:
+                            extents[record.key] = record
+                            continue
+                        meta = shared_meta(record.meta)
+                        if raw[0] == _BINARY:  # (the next records of this dtype and shape take the fast path)
+                            form = _SCAN_HEAD.unpack_from(raw, 0)[1]
+                            described[raw[head_size : head_size + (form >> 8) + 8 * (form & 0xFF)]] = (form, meta, meta.nbytes)
+                        add_key(record.key)
+                        add_meta(meta)
+                        add_version(record.version)
+                        inline_bytes += meta.nbytes
                         continue
-                    meta = shared_meta(record.meta)
-                    if raw[0] == _BINARY:  # (the next records of this dtype and shape take the fast path)
-                        form = _SCAN_HEAD.unpack_from(raw, 0)[1]
-                        described[raw[head_size : head_size + (form >> 8) + 8 * (form & 0xFF)]] = (form, meta, meta.nbytes)
-                    add_key(record.key)
-                    add_meta(meta)
-                    add_version(record.version)
-                    inline_bytes += meta.nbytes
-                    continue
-                add_meta(known[1])
-                add_version(version)
-                inline_bytes += nbytes
+                    add_meta(known[1])
+                    add_version(version)
+                    inline_bytes += nbytes
+        except lmdb.Error as exc:
+            raise self._damaged(exc) from None
         found.nbytes = inline_bytes
         return extents, found
 
@@ -576,14 +582,17 @@ class Catalog:
             return DiskRecord.from_bytes(record) if isinstance(record, bytes) else record
         if self._env is None:
             raise StoreClosedError(f"the catalog in {self.path} is closed")
-        with self._env.begin(db=self._entries, buffers=True) as txn:
-            raw = txn.get(key_digest(key))
-            if raw is None:
-                return None
-            try:
-                return DiskRecord.from_bytes(raw)
-            except ValueError as exc:
-                raise CatalogError(f"catalog record of {key!r} in {self.path} is corrupt: {exc}") from None
+        try:
+            with self._env.begin(db=self._entries, buffers=True) as txn:
+                raw = txn.get(key_digest(key))
+                if raw is None:
+                    return None
+                try:
+                    return DiskRecord.from_bytes(raw)
+                except ValueError as exc:
+                    raise CatalogError(f"catalog record of {key!r} in {self.path} is corrupt: {exc}") from None
+        except lmdb.Error as exc:
+            raise self._damaged(exc) from None
 
     def inline_value(self, key: str) -> tuple[int, int, bytes | bytearray] | None:
         """``(version, checksum, bytes)`` of ``key``'s newest record (as ``get``) if its value is
@@ -602,9 +611,16 @@ class Catalog:
         env = self._env
         if env is None:
             raise StoreClosedError(f"the catalog in {self.path} is closed")
-        with env.begin(db=self._entries, buffers=True) as txn:
-            raw = txn.get(key_digest(key))
-            return None if raw is None else self._inline_of(raw, key)
+        try:
+            with env.begin(db=self._entries, buffers=True) as txn:
+                raw = txn.get(key_digest(key))
+                return None if raw is None else self._inline_of(raw, key)
+        except lmdb.Error as exc:
+            raise self._damaged(exc) from None
+
+    def _damaged(self, exc: lmdb.Error) -> CatalogError:
+        """LMDB's error reading the tree (a damaged page: ``MDB_CORRUPTED``, ``MDB_PAGE_NOTFOUND``)."""
+        return CatalogError(f"the catalog in {self.path} is damaged: {exc}; nothing was changed (restore the folder from a copy)")
 
     def _inline_of(self, raw: bytes | memoryview, key: str) -> tuple[int, int, bytes | bytearray] | None:
         try:
