@@ -45,6 +45,7 @@ from .checkpoint import adam_entry, adam_load_state_dict, adam_state_dict
 from .chunks import Chunk, chunk_key
 from .clipping import inverse_scale
 from .distributed import ParamRange
+from .lanes import Placed, on_whole_lanes
 from .memory_order import InMemoryOrder, memory_order
 from .paging import PagedOptimizer, ParamSlot
 from .pipeline import (
@@ -685,7 +686,7 @@ class TieredAdam(PagedOptimizer):
             if plain:
                 rows, tiles = [list(states[i]) for i, _ in plain], [grads[i] for i, _ in plain]
                 laid = self._in_memory_order(group, [slots[i] for i, _ in plain], rows, tiles)
-                self._adam(group, rows, tiles, [step for _, step in plain], grad_scale)
+                self._adam(group, rows, tiles, [step for _, step in plain], grad_scale, [_placed(slots[i]) for i, _ in plain])
                 for copy in laid:
                     copy.write_back()
             together: list[tuple[int, torch.Tensor]] = []  # (small entries: one decode, Adam call and encode for them all)
@@ -738,10 +739,12 @@ class TieredAdam(PagedOptimizer):
 
     def _adam(
         self, group: dict[str, Any], states: list[list[torch.Tensor]], grads: list[torch.Tensor], steps: list[torch.Tensor],
-        grad_scale: torch.Tensor | None,
+        grad_scale: torch.Tensor | None, placed: list[Placed | None] | None = None,
     ) -> None:
         """One call of torch's Adam on ``states`` (per parameter: fp32 master, exp_avg,
-        exp_avg_sq[, max_exp_avg_sq]) of one group."""
+        exp_avg_sq[, max_exp_avg_sq]) of one group; ``placed``: where each entry's elements lie
+        in a parameter split across ranks (``tierstore.optim.lanes``: each element takes the
+        code path it takes in torch's update of the whole parameter)."""
         amsgrad = group["amsgrad"]
         fused = group["fused"] if group["fused"] is not None else not group["foreach"]
         beta1, beta2 = group["betas"]
@@ -749,8 +752,12 @@ class TieredAdam(PagedOptimizer):
         if grad_scale is not None and not fused:
             inverse = inverse_scale(grad_scale)
             flat = [g.mul(inverse) for g in flat]
+        flat = [g if g.dtype == torch.float32 else g.float() for g in flat]
+        copy_back = None
+        if placed is not None and any(where is not None for where in placed):
+            states, flat, steps, copy_back = on_whole_lanes(placed, states, flat, steps)
         adam(
-            [state[0] for state in states], [g if g.dtype == torch.float32 else g.float() for g in flat],
+            [state[0] for state in states], flat,
             [state[1] for state in states], [state[2] for state in states],
             [state[3] for state in states] if amsgrad else [],
             steps,
@@ -760,6 +767,8 @@ class TieredAdam(PagedOptimizer):
             decoupled_weight_decay=group.get("decoupled_weight_decay", self.decoupled_weight_decay),
             grad_scale=grad_scale if fused else None,
         )
+        if copy_back is not None:
+            copy_back()
 
     def _resident_pieces(self, slot: ParamSlot) -> list[Piece] | None:
         """The pieces of ``slot``'s state for the resident step (``tierstore.optim.resident``):
@@ -795,9 +804,9 @@ class TieredAdam(PagedOptimizer):
         """Torch's Adam over every piece of ``slots`` at once, one call per parameter group,
         in place on the parameters (each their own master) and the held ``states``. A chunked
         parameter's pieces each start from its count, as its chunks do in the pipeline."""
-        by_group: dict[int, tuple[list[list[torch.Tensor]], list[torch.Tensor], list[torch.Tensor]]] = {}
+        by_group: dict[int, tuple[list[list[torch.Tensor]], list[torch.Tensor], list[torch.Tensor], list[Placed | None]]] = {}
         for slot, parts, entries, grad in zip(slots, pieces, states, grads, strict=True):
-            rows, tiles, steps = by_group.setdefault(slot.group, ([], [], []))
+            rows, tiles, steps, placed = by_group.setdefault(slot.group, ([], [], [], []))
             count = self._step_count(slot.index)
             param = _flat(slot.param.data)
             flat = grad if grad.dim() == 1 else grad.reshape(-1)
@@ -805,14 +814,16 @@ class TieredAdam(PagedOptimizer):
                 rows.append([param, *entries[0].unbind(0)])
                 tiles.append(flat)
                 steps.append(count)
+                placed.append(_placed(slot))
                 continue
             for piece, entry in zip(parts, entries, strict=True):
                 rows.append([param[piece.start : piece.stop], *entry.unbind(0)])
                 tiles.append(flat[piece.start : piece.stop])
                 steps.append(count.clone())
+                placed.append(_placed(slot, piece.start))
             self._step_counts[slot.index] = steps[-1]  # (counted up by the update, as every piece's)
-        for group_index, (rows, tiles, steps) in by_group.items():
-            self._adam(self.param_groups[group_index], rows, tiles, steps, None)
+        for group_index, (rows, tiles, steps, placed) in by_group.items():
+            self._adam(self.param_groups[group_index], rows, tiles, steps, None, placed)
 
     def _begin_chunks(self, slot: ParamSlot) -> None:
         """Before the first chunk of this step's update: every chunk starts from this count
@@ -828,7 +839,7 @@ class TieredAdam(PagedOptimizer):
         if isinstance(state, PackedState):
             self._adam_packed(group, state, grad, step, grad_scale)
         else:
-            self._adam(group, [list(state)], [grad], [step], grad_scale)
+            self._adam(group, [list(state)], [grad], [step], grad_scale, [_placed(slot, chunk.start)])
         self._chunk_steps[slot.index] = (before, step)
         return self._master(slot, state)
 
@@ -933,3 +944,10 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous ``tensor`` as a flat view: itself if it is flat already (on the loop, a
     torch call lets go of the GIL, and getting it back waits for the math threads)."""
     return tensor if tensor.dim() == 1 else tensor.view(-1)
+
+
+def _placed(slot: ParamSlot, start: int = 0) -> Placed | None:
+    """Where elements ``start:`` of ``slot``'s flat state lie in a parameter split across ranks
+    (``tierstore.optim.lanes``); None for a whole parameter (its chunks start on lanes)."""
+    param = slot.param
+    return Placed(param.start + start, param.param.numel()) if isinstance(param, ParamRange) else None
