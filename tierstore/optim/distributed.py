@@ -110,10 +110,15 @@ def comm_device(group: Any = None) -> torch.device:
 
 
 def rank_folder(root: str | os.PathLike[str]) -> Path:
-    """``{root}/rank{r}`` under an initialized process group (ranks share nothing on disk),
-    else ``root``."""
+    """``{root}/rank{r}`` under an initialized process group, or in a process that a launcher
+    started as rank *r* (``RANK`` and ``WORLD_SIZE`` set, as torchrun and accelerate set them:
+    the group may be initialized later, as transformers' ``TrainingArguments`` does); else
+    ``root``. Ranks share nothing on disk."""
     if dist.is_available() and dist.is_initialized():
         return Path(root) / f"rank{dist.get_rank()}"
+    rank = os.environ.get("RANK", "")
+    if rank.isdigit() and os.environ.get("WORLD_SIZE", "").isdigit():
+        return Path(root) / f"rank{int(rank)}"
     return Path(root)
 
 

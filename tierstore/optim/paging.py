@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..device import link_for
 from ..errors import OptimizerClosedError, StepIncompleteError, StoreLockedError
@@ -280,7 +281,14 @@ class PagedOptimizer(torch.optim.Optimizer):
                     self.store = bind_store(store, self._loop, state_tier)
                 except StoreLockedError as error:
                     if not getattr(error, "in_this_process", False):
-                        raise
+                        if dist.is_available() and dist.is_initialized():
+                            raise
+                        raise StoreLockedError(
+                            f"{error}. If that process is another rank of this job: no process group was "
+                            "initialized when this optimizer was made, so every rank chose the same folder; make "
+                            "the optimizer after torch.distributed.init_process_group (or under a launcher that "
+                            "sets RANK), or give each rank its own disk_root="
+                        ) from None
                     raise StoreLockedError(
                         f"{error}. Another open optimizer uses this disk folder: give each its own disk_root=, "
                         "or make one TierStore and pass it to both as store= (each keeps its state in its own namespace)"
