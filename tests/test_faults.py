@@ -272,3 +272,19 @@ def test_host_memory_stays_within_the_host_tier_plus_staging(tmp_path: Path) -> 
     report = json.loads(result.stdout.strip().splitlines()[-1])
     slack = 24 << 20  # one value returned by get (4 MiB), allocator and interpreter noise
     assert report["growth"] <= report["host"] + report["staging"] + slack, report
+
+
+def test_an_overcommitted_tier_grows_by_smaller_segments_when_a_whole_one_does_not_fit(tmp_path: Path) -> None:
+    """With ``overcommit=True`` on a 40 MiB file system, the second data file (32 MiB) could not
+    be reserved and every put failed with ``DiskFullError`` while 24 MiB were still free: a
+    smaller data file is reserved instead, down to what the value needs."""
+    with small_tmpfs(tmp_path, "40m") as mount:
+        from tierstore import DiskFullError, SyncTierStore
+
+        stored = 0
+        with SyncTierStore([DiskTier(mount / "d", "200MiB", overcommit=True)]) as store:
+            with pytest.raises(DiskFullError):
+                for stored in range(64):  # noqa: B007  (1 MiB each: the file system fills before the tier)
+                    store.put(f"k{stored}", torch.full((1 << 18,), stored, dtype=torch.float32))
+            assert stored >= 32, f"only {stored} MiB stored on a 40 MiB file system"
+            assert torch.equal(store.get(f"k{stored - 1}"), torch.full((1 << 18,), stored - 1, dtype=torch.float32))

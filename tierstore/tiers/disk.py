@@ -35,6 +35,7 @@ from ..disk.tuning import TUNING_FILE
 from ..disk.tuning import resolve as resolve_io_settings
 from ..errors import (
     CapacityError,
+    DiskFullError,
     CatalogError,
     ChecksumError,
     ForeignFolderError,
@@ -446,7 +447,8 @@ class DiskTier(Tier):
         """Reserve an extent for ``nbytes``, creating a segment file if needed.
 
         Raises ``TierFullError`` when the capacity is reached (or too fragmented) and
-        ``DiskFullError`` when the file system has no room for a new segment.
+        ``DiskFullError`` when the file system has no room for a new segment, even one of
+        just the value's size (a segment that does not fit is tried again at half its size).
         """
         self._require_open()
         length = self.extent_size(nbytes)
@@ -479,7 +481,16 @@ class DiskTier(Tier):
                     f"of {format_bytes(self.capacity)} (largest free extent {format_bytes(self._allocator.largest_free)})"
                 )
             segment = len(self._allocator.segment_sizes)
-            await self.pool.run(partial(files.create, segment, size))
+            while True:
+                try:
+                    await self.pool.run(partial(files.create, segment, size))
+                    break
+                except DiskFullError:
+                    if size <= length:
+                        raise
+                    # (an overcommitted tier on a file system with less room than a whole
+                    # segment: a smaller one, down to what the value needs, may still fit)
+                    size = max(length, size // 2 // ALIGNMENT * ALIGNMENT)
             layout = CatalogLayout(self.chunk_size, ALIGNMENT, (*self._allocator.segment_sizes, size))
             with self.io.catalog_commit([], layout):
                 await catalog.commit([], layout=layout)
