@@ -43,6 +43,9 @@ FORMAT_VERSION = 3
 #: What a catalog that records no version was written with.
 _UNVERSIONED = 1
 _META_KEY = b"format"
+#: LMDB's errors that say the tree it read is damaged (not a reader's environment: a map grown
+#: by the writer, a full reader table, which pass as LMDB raised them).
+_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.BadTxnError, lmdb.InvalidError)
 _INITIAL_MAP_SIZE = 256 << 20
 #: The most changes a transaction with no sync may hold to be committed on the loop's thread
 #: (``Catalog._flush``), about 1.3 ms of the loop at ~5 us a change; larger ones (a ``flush()``
@@ -503,7 +506,7 @@ class Catalog:
                     if key_digest(record.key) != digest:
                         raise CatalogError(f"catalog record for {record.key!r} is filed under the wrong address")
                     yield digest, record
-        except lmdb.Error as exc:
+        except _DAMAGE as exc:
             raise self._damaged(exc) from None
 
     def scan(self) -> tuple[dict[str, DiskRecord], InlineScan]:
@@ -558,7 +561,7 @@ class Catalog:
                     add_meta(known[1])
                     add_version(version)
                     inline_bytes += nbytes
-        except lmdb.Error as exc:
+        except _DAMAGE as exc:
             raise self._damaged(exc) from None
         found.nbytes = inline_bytes
         return extents, found
@@ -591,7 +594,7 @@ class Catalog:
                     return DiskRecord.from_bytes(raw)
                 except ValueError as exc:
                     raise CatalogError(f"catalog record of {key!r} in {self.path} is corrupt: {exc}") from None
-        except lmdb.Error as exc:
+        except _DAMAGE as exc:
             raise self._damaged(exc) from None
 
     def inline_value(self, key: str) -> tuple[int, int, bytes | bytearray] | None:
@@ -615,11 +618,11 @@ class Catalog:
             with env.begin(db=self._entries, buffers=True) as txn:
                 raw = txn.get(key_digest(key))
                 return None if raw is None else self._inline_of(raw, key)
-        except lmdb.Error as exc:
+        except _DAMAGE as exc:
             raise self._damaged(exc) from None
 
     def _damaged(self, exc: lmdb.Error) -> CatalogError:
-        """LMDB's error reading the tree (a damaged page: ``MDB_CORRUPTED``, ``MDB_PAGE_NOTFOUND``)."""
+        """LMDB's error reading a damaged tree (``_DAMAGE``)."""
         return CatalogError(f"the catalog in {self.path} is damaged: {exc}; nothing was changed (restore the folder from a copy)")
 
     def _inline_of(self, raw: bytes | memoryview, key: str) -> tuple[int, int, bytes | bytearray] | None:

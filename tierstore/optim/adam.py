@@ -743,8 +743,9 @@ class TieredAdam(PagedOptimizer):
     ) -> None:
         """One call of torch's Adam on ``states`` (per parameter: fp32 master, exp_avg,
         exp_avg_sq[, max_exp_avg_sq]) of one group; ``placed``: where each entry's elements lie
-        in a parameter split across ranks (``tierstore.optim.lanes``: each element takes the
-        code path it takes in torch's update of the whole parameter)."""
+        in a parameter split across ranks (``tierstore.optim.lanes``: for the fused kernel, each
+        element takes the code path it takes in torch's update of the whole parameter; the
+        foreach and for-loop kernels give every element the same bits wherever it lies)."""
         amsgrad = group["amsgrad"]
         fused = group["fused"] if group["fused"] is not None else not group["foreach"]
         beta1, beta2 = group["betas"]
@@ -754,7 +755,7 @@ class TieredAdam(PagedOptimizer):
             flat = [g.mul(inverse) for g in flat]
         flat = [g if g.dtype == torch.float32 else g.float() for g in flat]
         copy_back = None
-        if placed is not None and any(where is not None for where in placed):
+        if fused and placed is not None and any(where is not None for where in placed):
             states, flat, steps, copy_back = on_whole_lanes(placed, states, flat, steps)
         adam(
             [state[0] for state in states], flat,

@@ -116,8 +116,8 @@ def rank_folder(root: str | os.PathLike[str]) -> Path:
     ``root``. Ranks share nothing on disk."""
     if dist.is_available() and dist.is_initialized():
         return Path(root) / f"rank{dist.get_rank()}"
-    rank = os.environ.get("RANK", "")
-    if rank.isdigit() and os.environ.get("WORLD_SIZE", "").isdigit():
+    rank, world = os.environ.get("RANK", ""), os.environ.get("WORLD_SIZE", "")
+    if rank.isascii() and rank.isdigit() and world.isascii() and world.isdigit():
         return Path(root) / f"rank{int(rank)}"
     return Path(root)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import bisect
 import ctypes
 import os
@@ -485,9 +486,9 @@ class DiskTier(Tier):
                 try:
                     await self.pool.run(partial(files.create, segment, size))
                     break
-                except DiskFullError:
-                    if size <= length:
-                        raise
+                except DiskFullError as error:
+                    if size <= length or error.errno not in (errno.ENOSPC, errno.EDQUOT):
+                        raise  # (EFBIG, a limit on a file's size, is the disk's limit here)
                     # (an overcommitted tier on a file system with less room than a whole
                     # segment: a smaller one, down to what the value needs, may still fit)
                     size = max(length, size // 2 // ALIGNMENT * ALIGNMENT)
