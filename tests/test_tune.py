@@ -64,12 +64,27 @@ def test_tune_writes_the_tuning_file_and_a_disk_tier_there_uses_it(tmp_path: Pat
         assert f"  {stage}: {reason}" in out
     assert sum(bool(row.get("chosen")) for row in measured) == 3
     assert sorted(p.name for p in folder.iterdir()) == [TUNING_FILE]  # the scratch files are gone
+    # (a small --tune-mib measured 1 MiB chunks only and saved one never compared with the default,
+    # for good: a folder's chunk size is fixed when a store is first made there)
+    assert 4 * MiB in {row["chunk_size"] for row in measured if row["stage"] == "chunk_size"}
+    assert "not among them" not in saved["choices"]["chunk_size"]
 
     disk = DiskTier(folder, "64MiB")
     assert (disk.chunk_size, disk.io_threads, disk.queue_depth) == (best["chunk_size"], best["io_threads"], best["queue_depth"])
     assert disk.io_settings.sources == {"chunk_size": "tuning file", "io_threads": "tuning file", "queue_depth": "tuning file"}
     assert "tuning file" in repr(disk) and str(folder / TUNING_FILE) in repr(disk)
     asyncio.run(_round_trip(folder))
+
+
+def test_tune_with_the_least_volume_and_on_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--tune-mib 1`` (which argparse takes) ended in a traceback from the chooser (no chunk
+    size fitted the values); a regular file as the folder in a ``FileExistsError`` traceback."""
+    assert cli_main(["bench", "--tune", str(tmp_path / "store"), "--tune-mib", "1"]) == 0
+    assert json.loads((tmp_path / "store" / TUNING_FILE).read_text())["settings"]["chunk_size"] in (1 * MiB, 2 * MiB, 4 * MiB)
+    capsys.readouterr()
+    (tmp_path / "file").write_text("x")
+    assert cli_main(["bench", "--tune", str(tmp_path / "file")]) == 2
+    assert "is not a folder" in capsys.readouterr().err
 
 
 LABELS = ["chunk 1 MiB", "chunk 4 MiB", "chunk 16 MiB"]

@@ -37,6 +37,7 @@ import ctypes
 import math
 import os
 import shutil
+import sys
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -575,8 +576,17 @@ async def _in_flight_results(limit: int, coros: list[Any]) -> list[Any]:
 
 def tune_main(folder: Path, volume_mib: int, json_path: Path | None) -> int:
     """``tierstore bench --tune FOLDER``: sweep, print, save the best beside the store."""
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # a store's folder: 0700, as DiskTier makes it
-    value_bytes = min(64 * MiB, volume_mib * MiB // 2)
+    if folder.exists() and not folder.is_dir():
+        print(f"tierstore bench --tune: {folder} is not a folder", file=sys.stderr)
+        return 2
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # a store's folder: 0700, as DiskTier makes it
+    except OSError as error:
+        print(f"tierstore bench --tune: cannot make the folder {folder}: {error.strerror or error}", file=sys.stderr)
+        return 2
+    # (values of at least the default chunk, so every sweep measures the default beside the others:
+    # a chunk size never compared with it is not saved, and the folder's chunk size is for good)
+    value_bytes = max(DEFAULTS.chunk_size, min(64 * MiB, volume_mib * MiB // 2))
     started = time.perf_counter()
     with tqdm(total=3, desc="tierstore bench --tune (chunk size, threads, queue depth)", unit="sweep", leave=False, disable=None) as bar:
         best, rows, reasons = asyncio.run(tune(folder, value_bytes=value_bytes, volume=volume_mib * MiB, progress=bar))
@@ -618,7 +628,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--disk-only", action="store_true", help="measure the disk tier only (no links, memory tiers or hit latency)")
     parser.add_argument("--tune", type=Path, metavar="DIR", default=None,
                         help=f"sweep chunk size, threads and queue depth on DIR's device and save the best in DIR/{TUNING_FILE}")
-    parser.add_argument("--tune-mib", type=positive_int, default=256, help="MiB moved per setting and direction by --tune (default 256)")
+    parser.add_argument("--tune-mib", type=positive_int, default=256,
+                        help="MiB moved per setting and direction by --tune (default 256; at least twice the default chunk, 8)")
     parser.add_argument("--deepspeed-settings", default="4,32,2", metavar="BLOCK_MIB,QUEUE_DEPTH,PARALLELISM",
                         help="DeepSpeed AIO baseline settings (default 4,32,2), used when deepspeed is importable")
     args = parser.parse_args(argv)
