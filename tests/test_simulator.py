@@ -343,3 +343,30 @@ def test_a_csv_size_beyond_int64_is_a_trace_error(tmp_path: Path) -> None:
     path.write_text("key,size\na,10\nb,99999999999999999999\n")
     with pytest.raises(TraceError, match=r"t.csv:3: size '99999999999999999999' is more bytes than a trace holds"):
         load_trace(path)
+
+
+def test_csv_keys_are_the_same_key_whatever_the_other_lines_hold(tmp_path: Path) -> None:
+    """``01`` and ``1`` were one key in a CSV of numbers only (read as int64) and two once any
+    line held a key that is not a number (read as text): the miss counts of the same accesses
+    changed with an unrelated line."""
+    numbers, mixed = tmp_path / "numbers.csv", tmp_path / "mixed.csv"
+    numbers.write_text("01,100\n1,100\n+1,100\n 1,100\n")
+    mixed.write_text("01,100\n1,100\n+1,100\n 1,100\nx,100\n")
+    assert len(load_trace(numbers).keys) == 1
+    assert len(load_trace(mixed).keys) == 2
+
+
+def test_a_csv_with_a_byte_order_mark_keeps_its_header_names(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A spreadsheet's UTF-8 export starts with a byte-order mark: the header's first name was
+    read as '\\ufeffkey' and ``--columns key=key`` said there is no such column."""
+    path = tmp_path / "excel.csv"
+    path.write_bytes(b"\xef\xbb\xbfkey,size\n1,100\n2,100\n1,100\n")
+    trace = load_trace(path, {"key": "key", "size": "size"})
+    assert len(trace) == 3 and len(trace.keys) == 2
+    assert main(["simulate", str(path), "--capacity", "host=1KiB", "--columns", "key=key,size=size"]) == 0
+    assert "3 accesses, 2 keys" in capsys.readouterr().out
+
+
+def test_a_zipf_trace_without_keys_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "zipf:keys=0", "--capacity", "host=1MiB"]) != 0
+    assert "needs keys= 1 or more" in capsys.readouterr().err

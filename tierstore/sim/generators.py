@@ -19,6 +19,8 @@ def optimizer_trace(keys: int = 64, steps: int = 20, size: int | list[int] = 4 <
 
 def zipf_trace(keys: int = 10_000, accesses: int = 1_000_000, alpha: float = 1.0, size: int = 4096, seed: int = 0) -> Trace:
     """Independent accesses with zipf(alpha) popularity over ``keys`` keys of ``size`` bytes."""
+    if accesses > 0 and keys < 1:
+        raise ValueError(f"a zipf trace of {accesses} accesses needs keys= 1 or more, not {keys}")
     rng = np.random.default_rng(seed)
     weights = 1.0 / np.arange(1, keys + 1) ** alpha
     ids = rng.choice(keys, size=accesses, p=weights / weights.sum())

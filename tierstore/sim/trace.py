@@ -4,7 +4,9 @@ binary ``oracleGeneral`` traces.
 A CSV trace has one access a line, by default ``key,size``, an optional header line and any
 further columns ignored (libCacheSim's csv reader takes the same); ``columns`` picks other
 columns, by 0-based index or by header name. Numeric keys are read columnar (numpy) and
-interned to integers in one pass; other keys go through a plain parser. An ``oracleGeneral``
+interned to integers in one pass; other keys go through a plain parser. A key that is a whole
+number is that number either way (``01`` and ``1`` are one key, whatever the other lines hold).
+A UTF-8 byte-order mark before the header (a spreadsheet's export) is skipped. An ``oracleGeneral``
 trace (``*.oracleGeneral*``, ``*.bin``: the format public cache traces are published in) is a
 sequence of packed little-endian records ``uint32 time, uint64 id, uint32 size, int64 next
 access``; requests of size 0 are skipped, as libCacheSim does. A store trace (``TierStore(trace=...)``,
@@ -17,6 +19,7 @@ its writeback and update rows; a pop counts as an access.
 from __future__ import annotations
 
 import csv
+import re
 import warnings
 import zipfile
 from collections.abc import Iterator, Mapping
@@ -249,9 +252,9 @@ def _load_csv(path: Path, columns: Mapping[str, int | str], delimiter: str) -> T
     unknown = set(columns) - {"key", "size"}
     if unknown:
         raise TraceError(f"unknown CSV column role(s) {sorted(unknown)}; give 'key' and 'size'")
-    with open(path, newline="") as handle:
+    with open(path, newline="", encoding="utf-8-sig") as handle:
         first = handle.readline()
-    if not first.strip() and path.stat().st_size <= len(first):
+    if not first.strip() and path.stat().st_size <= len(first.encode()):
         raise TraceError(f"{path} holds no accesses")
     if first.startswith("#"):
         first = ""  # a comment first: no header names
@@ -295,13 +298,24 @@ def _is_number(text: str) -> bool:
 
 
 _MAX_SIZE = 2**63 - 1
+#: A key numpy's columnar reader may take as an int64 (leading zeros, a sign, blanks around it).
+_WHOLE_NUMBER = re.compile(r"\s*[+-]?[0-9]+\s*")
+
+
+def _as_read(key: str) -> str:
+    """``key`` as the columnar path reads it: a whole number that fits an int64 as that number."""
+    if _WHOLE_NUMBER.fullmatch(key):
+        number = int(key)
+        if -(2**63) <= number < 2**63:
+            return str(number)
+    return key
 
 
 def _load_csv_plain(path: Path, key_col: int, size_col: int, delimiter: str) -> Trace:
     keys: list[str] = []
     sizes: list[int] = []
     width = max(key_col, size_col) + 1
-    with open(path, newline="") as handle:
+    with open(path, newline="", encoding="utf-8-sig") as handle:
         for number, row in enumerate(csv.reader(handle, delimiter=delimiter)):
             if not row or row[0].startswith("#"):
                 continue
@@ -320,7 +334,8 @@ def _load_csv_plain(path: Path, key_col: int, size_col: int, delimiter: str) -> 
                 raise TraceError(f"{path}:{number + 1}: negative size {size}")
             if size > _MAX_SIZE:
                 raise TraceError(f"{path}:{number + 1}: size {row[size_col]!r} is more bytes than a trace holds (at most 2**63 - 1)")
-            keys.append(row[key_col])
+            key = row[key_col]
+            keys.append(_as_read(key))
             sizes.append(size)
     if not keys:
         raise TraceError(f"{path} holds no accesses")
