@@ -164,9 +164,14 @@ def plot_curves(results: list[SimResult], trace: Trace, path: Path) -> None:
     for r in results:
         curves.setdefault(f"{engine_label(r)} + {r.prefetch}", []).append((r.capacity / trace.working_set, r.miss_ratio))
     figure, axes = plt.subplots(figsize=(7, 4.5))
-    for label, points in sorted(curves.items()):
+    # (a sweep of every policy draws more curves than the default cycle's 10 colours: 20
+    # colours, 10 markers, and dashed lines past the 20th, so no two curves look alike)
+    colours = plt.get_cmap("tab20").colors
+    markers, dashes = "os^vDP*Xph", ["-", "--", "-.", ":"]
+    for n, (label, points) in enumerate(sorted(curves.items())):
         points.sort()
-        axes.plot([100 * x for x, _ in points], [y for _, y in points], marker="o", markersize=3, label=label)
+        axes.plot([100 * x for x, _ in points], [y for _, y in points], marker=markers[n % len(markers)], markersize=3, label=label,
+                  color=colours[n % len(colours)], linestyle=dashes[(n // len(colours)) % len(dashes)])
     axes.set_xlabel("capacity (% of working set)")
     axes.set_ylabel("miss ratio")
     axes.set_ylim(bottom=0)
