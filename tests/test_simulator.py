@@ -268,7 +268,6 @@ async def test_a_store_trace_edited_into_rows_no_store_writes_is_refused(tmp_pat
 
 def test_a_policy_that_raises_in_the_simulator_is_named_with_its_method() -> None:
     from policies import LRU, NoPrefetch
-
     from tierstore import PolicyError
 
     class HitRaises(LRU):

@@ -37,8 +37,8 @@ import ctypes
 import math
 import os
 import shutil
-import sys
 import statistics
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import errno
 import bisect
 import ctypes
+import errno
 import os
 import shutil
 import weakref
@@ -36,9 +36,9 @@ from ..disk.tuning import TUNING_FILE
 from ..disk.tuning import resolve as resolve_io_settings
 from ..errors import (
     CapacityError,
-    DiskFullError,
     CatalogError,
     ChecksumError,
+    DiskFullError,
     ForeignFolderError,
     NotAStoreFolderError,
     StoreClosedError,
