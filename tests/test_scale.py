@@ -161,6 +161,34 @@ def test_memory_plan_before_the_first_step_and_refusal(tmp_path: Path, device_mo
         _paged(tmp_path, model.parameters(), disk_root=tmp_path / "small", disk_capacity="1MiB")
 
 
+def test_memory_plan_counts_what_other_values_hold_on_a_shared_store(tmp_path: Path, device_mode: str) -> None:
+    """On a store shared with the user's own values, the plan compared the disk tier's need with
+    its capacity, not with what the other values leave of it: an 8 MiB disk tier 7 MiB full was
+    "fits", and every step then failed with the tier full. The disk evicts nothing: what other
+    values hold is not the optimizer's. Where the sizes round alike, the message gives bytes."""
+    from tierstore import DiskTier, HostTier, SyncTierStore
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
+    with SyncTierStore([HostTier("1MiB"), DiskTier(tmp_path / "shared", "8MiB", durable=False)]) as store:
+        store.put("mine", torch.zeros(7 * 2**20 // 4))
+        with pytest.raises(OptimizerCapacityError, match=r"'disk' tier needs .* but holds 8.0 MiB, 7.0 MiB of it other values"):
+            TieredAdamW(model.parameters(), store=store)
+        store.delete("mine")
+        opt = TieredAdamW(model.parameters(), store=store)  # (its own state on the disk is not "other values")
+        for _ in range(2):
+            model(torch.randn(4, 512)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        assert opt.memory_plan().fits and opt.memory_plan().tier_used_by_others.get("disk", 0) == 0
+        need = opt.memory_plan().tier_need["disk"]
+        opt.close()
+    short = need - 4096  # (a page short: both read the same, rounded)
+    with SyncTierStore([HostTier("1MiB"), DiskTier(tmp_path / "exact", short, durable=False)]) as store:
+        with pytest.raises(OptimizerCapacityError, match=f"needs {need:,} B but holds {short:,} B"):
+            TieredAdamW(model.parameters(), store=store)
+
+
 def test_embedding_far_larger_than_the_host_tier_trains_exactly(tmp_path: Path, device_mode: str) -> None:
     """The issue asks for a 100M-element embedding (1.2 GB of state) under a 64 MiB host tier;
     that is minutes of disk traffic on a CI runner, so this is the same shape of problem at

@@ -756,7 +756,28 @@ class PagedOptimizer(torch.optim.Optimizer):
         return plan_memory(
             self.store, self._slots, self._state_bytes, state_tier=self.state_tier, unit_need=pipeline.need,
             inflight=pipeline.inflight, chunk_bytes=pipeline.chunk_bytes, offloaded=offloaded,
+            used_by_others=run(self._used_by_others()),
         )
+
+    async def _used_by_others(self) -> dict[str, int]:
+        """Bytes of the store's bottom tier (which evicts nothing) that values other than this
+        optimizer's hold: a store shared with the user's own keys or another optimizer."""
+        from ..keys import reserved_keys
+        from ..namespaces import INDEX_KEY
+
+        bottom = self.store.tiers[-1]
+        own = 0
+        mine = self.namespace.keys() if getattr(self, "namespace", None) is not None else []
+        with reserved_keys():  # (the store's own record of its namespaces is nobody's values)
+            for key in [*mine, INDEX_KEY]:
+                try:
+                    info = self.store.info(key)
+                except KeyError:  # (deleted meanwhile, or no namespace recorded yet)
+                    continue
+                # (wherever its current value is: a value updated in a memory tier keeps its
+                # older copy's extent on the disk until written back)
+                own += -(-info["nbytes"] // 4096) * 4096  # (extents are whole pages; more than a small value's)
+        return {bottom.name: max(0, bottom.used - own)}
 
     def memory_report(self) -> MemoryReport:
         """Bytes per parameter and totals: weights and grads on the device, state by tier."""

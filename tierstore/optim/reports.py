@@ -140,6 +140,9 @@ class MemoryPlan:
     chunked_parameters: int
     chunk_bytes: int
     problems: list[str] = field(default_factory=list)
+    #: Per tier, bytes held by values that are not this optimizer's (a store shared with other
+    #: users): on the bottom tier, which evicts nothing, they are not the optimizer's to use.
+    tier_used_by_others: dict[str, int] = field(default_factory=dict)
 
     @property
     def fits(self) -> bool:
@@ -148,7 +151,9 @@ class MemoryPlan:
     def __str__(self) -> str:
         lines = [f"memory plan ({'fits' if self.fits else 'does NOT fit'}):"]
         for name, need in self.tier_need.items():
-            lines.append(f"  {name:<8} needs {format_bytes(need)} of {format_bytes(self.tier_capacity[name])}")
+            others = self.tier_used_by_others.get(name, 0)
+            held = f" ({format_bytes(others)} of it held by other values)" if others else ""
+            lines.append(f"  {name:<8} needs {format_bytes(need)} of {format_bytes(self.tier_capacity[name])}{held}")
         lines.append(
             f"  process  at most {format_bytes(self.process_bytes)} (model {format_bytes(self.model_bytes)}, tiers, "
             f"resident state {format_bytes(self.resident_state_bytes)}, working set {format_bytes(self.working_bytes)})"
@@ -163,8 +168,10 @@ class MemoryPlan:
 def plan_memory(
     store: TierStore, slots: Sequence[ParamSlot], state_bytes: Callable[[ParamSlot], int], *, state_tier: str,
     unit_need: Callable[[ParamSlot], int], inflight: int, chunk_bytes: int, offloaded: Callable[[Any], Any],
+    used_by_others: dict[str, int] | None = None,
 ) -> MemoryPlan:
-    """The ``MemoryPlan`` of an optimizer's ``slots`` in ``store`` (see ``MemoryPlan``)."""
+    """The ``MemoryPlan`` of an optimizer's ``slots`` in ``store`` (see ``MemoryPlan``);
+    ``used_by_others``: bytes of the bottom tier held by values that are not the optimizer's."""
     from ..tiers import DiskTier, MemoryTier
 
     tiers = store.tiers
@@ -196,10 +203,17 @@ def plan_memory(
     else:
         need[state_tier] = max(need[state_tier], paged_state + sum(copied_grads))
     capacity = {tier.name: tier.capacity for tier in tiers}
-    problems = [
-        f"the {name!r} tier needs {format_bytes(need[name])} but holds {format_bytes(capacity[name])}"
-        for name in names if need[name] > capacity[name]
-    ]
+    others = {name: used for name, used in (used_by_others or {}).items() if used}
+    problems = []
+    for name in names:
+        room = capacity[name] - others.get(name, 0)
+        if need[name] > room:
+            wanted, held = _distinct_bytes(need[name], capacity[name])
+            problems.append(
+                f"the {name!r} tier needs {wanted} but holds {held}"
+                + (f", {format_bytes(others[name])} of it other values (it evicts nothing: {_distinct_bytes(room, 0)[0]} is left)"
+                   if name in others else "")
+            )
     working = sum(tier.io_threads * tier.chunk_size for tier in tiers if isinstance(tier, DiskTier))
     model = sum(slot.numel * slot.param.element_size() for slot in slots if offloaded(slot.param) is None)
     model += sum(slot.numel * slot.param.element_size() for slot in slots if slot.param.requires_grad)
@@ -207,7 +221,7 @@ def plan_memory(
     return MemoryPlan(
         tier_need=need, tier_capacity=capacity, process_bytes=model + memory + resident + working, model_bytes=model,
         working_bytes=working, resident_state_bytes=resident, paged_state_bytes=paged_state,
-        chunked_parameters=len(chunked), problems=problems,
+        chunked_parameters=len(chunked), problems=problems, tier_used_by_others=others,
         # (the state of the largest chunk made: a chunk is a whole number of blocks, so not quite the cap asked for)
         chunk_bytes=max((state_bytes(slot) * max(c.numel for c in slot.chunks) // slot.numel for slot in chunked if slot.chunks), default=chunk_bytes),
     )
@@ -401,6 +415,13 @@ async def memory_report(
         disk_write_bytes_per_step=written, wear=last.wear() if last is not None and paged_to_disk else None,
         state_contents=contents, swapped_parameters=sum(1 for slot in slots if offloaded(slot.param) is not None),
     )
+
+
+def _distinct_bytes(a: int, b: int) -> tuple[str, str]:
+    """``a`` and ``b`` as sizes, in exact bytes where the rounded forms would read the same
+    ("needs 6.0 MiB but holds 6.0 MiB" hid a shortfall of a few KiB)."""
+    first, second = format_bytes(a), format_bytes(b)
+    return (f"{a:,} B", f"{b:,} B") if first == second else (first, second)
 
 
 class Timeline:
