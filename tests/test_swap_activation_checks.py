@@ -114,3 +114,45 @@ def test_a_change_after_backward_took_the_tensor_itself_raises_in_the_next_backw
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
     acts.close()
+
+
+class _SavesStrides(torch.autograd.Function):
+    """``x @ w`` saving both; its backward records the strides it got them with."""
+
+    seen: list[tuple[int, ...]] = []
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        _SavesStrides.seen = [x.stride(), w.stride()]
+        return grad @ w.t(), x.t() @ grad
+
+
+def test_a_saved_tensor_comes_back_with_its_strides(sync: SyncTierStore, device_mode: str) -> None:
+    """A transposed or channels_last activation came back from the store contiguous: backward's
+    kernels took other paths (a matmul sums in another order) and the gradients of a compiled
+    T5 with TieredAdamW differed in the last bits, depending on whether the copy had ended
+    before backward took the tensor. It is stored in its memory order and given back so."""
+    acts = offload_activations(sync, min_bytes=0)
+    torch.manual_seed(0)
+    base, w = torch.randn(96, 64), torch.randn(64, 32, requires_grad=True)
+    x = base.t().contiguous().t().requires_grad_()  # (strides (1, 96): a transposed layout)
+    image = torch.randn(2, 8, 5, 5).contiguous(memory_format=torch.channels_last).requires_grad_()
+    with acts:
+        y = _SavesStrides.apply(x, w)
+        z = (image * 3).sin()
+    deadline = time.monotonic() + 30
+    while acts.report.bytes_out < x.nbytes + image.nbytes and time.monotonic() < deadline:  # (w is a leaf: kept)
+        time.sleep(0.01)  # (every copy ended: backward gets the stored values)
+    assert acts.report.early == 0
+    (y.sum() + z.sum()).backward()
+    assert _SavesStrides.seen == [x.stride(), w.stride()]
+    expected_x, expected_w = torch.ones(96, 32) @ w.detach().t(), x.detach().t() @ torch.ones(96, 32)
+    assert torch.equal(x.grad, expected_x) and torch.equal(w.grad, expected_w)
+    assert torch.equal(image.grad, (image.detach() * 3).cos() * 3)
+    acts.close()

@@ -145,6 +145,16 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8)
 
 
+def memory_order(tensor: torch.Tensor) -> list[int] | None:
+    """The order of dimensions in which ``tensor`` is contiguous (its memory order: a transposed
+    or channels_last tensor's); None for a contiguous tensor, and for one with gaps or overlaps
+    (no such order)."""
+    if tensor.is_contiguous() or tensor.dim() < 2:
+        return None
+    dims = sorted(range(tensor.dim()), key=lambda d: -tensor.stride(d))
+    return dims if tensor.permute(dims).is_contiguous() else None
+
+
 def from_bytes(raw: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
     """View the first ``meta.nbytes`` bytes of a uint8 buffer as a tensor described by ``meta``."""
     data = raw[: meta.nbytes]

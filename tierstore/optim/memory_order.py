@@ -13,15 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from ..tensors import memory_order
 
-def memory_order(param: torch.Tensor) -> list[int] | None:
-    """The order of dimensions in which ``param`` is contiguous (its memory order); None for a
-    contiguous parameter, and for one with gaps or overlaps (no such order: torch's kernels
-    would not update those in memory order either)."""
-    if param.is_contiguous() or param.dim() < 2:
-        return None
-    dims = sorted(range(param.dim()), key=lambda d: -param.stride(d))
-    return dims if param.permute(dims).is_contiguous() else None
+__all__ = ["InMemoryOrder", "memory_order"]
 
 
 class InMemoryOrder:

@@ -52,6 +52,7 @@ from ..errors import KeyNotFoundError, StoreClosedError, UnknownTierError
 from ..namespaces import Namespace
 from ..store import TierStore
 from ..sync import SyncTierStore, loop_thread, run
+from ..tensors import memory_order
 from ..tiers import DeviceTier, MemoryTier
 from ..units import parse_bytes
 from .crossing import swap_link, to_device, to_store
@@ -77,6 +78,9 @@ class _Saved:
     owner: Any = None  # the ActivationOffload that packed it
     version: int = 0  # the tensor's version counter when it was saved
     changed: int | None = None  # its version when its copy ended, if an in-place change came first
+    #: The order of dimensions in which the tensor lay in memory (a transposed one's), stored so
+    #: and given back so: backward's kernels pick their paths (and rounding) by strides.
+    order: list[int] | None = None
 
 
 class ActivationOffload:
@@ -190,13 +194,15 @@ class ActivationOffload:
         self._wait_for_room(tensor.nbytes)
         room = time.perf_counter()
         index = next(self._counter)
+        order = memory_order(tensor)
         saved = _Saved(index, f"{self.prefix}/{self._step}/{index}", tensor.nbytes, tensor.device, tensor, owner=self,
-                       version=tensor._version)
+                       version=tensor._version, order=order)
+        laid = tensor if order is None else tensor.permute(order)  # (contiguous: its bytes as they lie)
         if link.lends:
-            saved.stored = asyncio.run_coroutine_threadsafe(self._put(saved, self.store.put(saved.key, tensor, tier=self.tier)), self._loop)
+            saved.stored = asyncio.run_coroutine_threadsafe(self._put(saved, self.store.put(saved.key, laid, tier=self.tier)), self._loop)
         else:
             saved.link = link
-            source = tensor if tensor.is_contiguous() else tensor.contiguous()
+            source = laid if laid.is_contiguous() else laid.contiguous()
             marker = link.mark()  # after the kernels that produced it (and made it contiguous)
             stored = to_store(self.store, saved.key, source, self.tier, link, marker)
             saved.stored = asyncio.run_coroutine_threadsafe(self._put(saved, stored), self._loop)
@@ -405,14 +411,24 @@ def _is_parameter(tensor: torch.Tensor) -> bool:
 async def _pop_when_stored(store: TierStore, saved: _Saved, tier: str) -> torch.Tensor:
     await asyncio.wrap_future(saved.stored)
     value = await store.pop(saved.key, tier)
-    return value if value.device == saved.device else value.to(saved.device)
+    return _as_saved(saved, value if value.device == saved.device else value.to(saved.device))
 
 
 async def _cross_when_stored(store: TierStore, saved: _Saved, link: Link) -> torch.Tensor:
     await asyncio.wrap_future(saved.stored)
     value = await to_device(store, saved.key, saved.device, link)
     await store.delete(saved.key)
-    return value
+    return _as_saved(saved, value)
+
+
+def _as_saved(saved: _Saved, value: torch.Tensor) -> torch.Tensor:
+    """The stored ``value`` with the strides of the tensor saved (stored in its memory order)."""
+    if saved.order is None:
+        return value
+    inverse = [0] * len(saved.order)
+    for position, dim in enumerate(saved.order):
+        inverse[dim] = position
+    return value.permute(inverse)
 
 
 def _forget(loop: asyncio.AbstractEventLoop, store: TierStore, key: str, stored: Any) -> None:
