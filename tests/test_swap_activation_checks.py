@@ -156,3 +156,24 @@ def test_a_saved_tensor_comes_back_with_its_strides(sync: SyncTierStore, device_
     assert torch.equal(x.grad, expected_x) and torch.equal(w.grad, expected_w)
     assert torch.equal(image.grad, (image.detach() * 3).cos() * 3)
     acts.close()
+
+
+def test_a_saved_tensor_with_gaps_comes_back_dense_in_its_order_of_strides(sync: SyncTierStore, device_mode: str) -> None:
+    """A slice of a transposed tensor has no memory order (it has gaps): it came back row-major,
+    the other way round from what backward got when it took the tensor before its copy ended.
+    It comes back dense with its dimensions in the same order of strides."""
+    acts = offload_activations(sync, min_bytes=0)
+    torch.manual_seed(0)
+    w = torch.randn(64, 32, requires_grad=True)
+    x = torch.randn(64, 96).t()[:48].requires_grad_()  # (48, 64) with strides (1, 96): gaps
+    with acts:
+        y = _SavesStrides.apply(x, w)
+    deadline = time.monotonic() + 30
+    while acts.report.bytes_out < x.nbytes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert acts.report.early == 0
+    y.sum().backward()
+    assert _SavesStrides.seen == [(1, 48), w.stride()]
+    assert torch.equal(x.grad, torch.ones(48, 32) @ w.detach().t())
+    assert torch.equal(w.grad, x.detach().t() @ torch.ones(48, 32))
+    acts.close()

@@ -194,7 +194,7 @@ class ActivationOffload:
         self._wait_for_room(tensor.nbytes)
         room = time.perf_counter()
         index = next(self._counter)
-        order = memory_order(tensor)
+        order = _stored_order(tensor)
         saved = _Saved(index, f"{self.prefix}/{self._step}/{index}", tensor.nbytes, tensor.device, tensor, owner=self,
                        version=tensor._version, order=order)
         laid = tensor if order is None else tensor.permute(order)  # (contiguous: its bytes as they lie)
@@ -401,6 +401,17 @@ def _changed_in_place(saved: _Saved, version: int) -> RuntimeError:
         f"expected version {saved.version} instead (it was changed in place while it was being copied into the store; "
         "without offload_activations torch raises this too: change a clone instead)"
     )
+
+
+def _stored_order(tensor: torch.Tensor) -> list[int] | None:
+    """The order of dimensions to store ``tensor`` in: its memory order; for one with gaps or
+    overlaps (a slice, an expanded view), the order of its strides, so that it comes back dense
+    but laid out the same way round (what ``torch.preserve_format`` gives)."""
+    order = memory_order(tensor)
+    if order is not None or tensor.is_contiguous() or tensor.dim() < 2:
+        return order
+    by_stride = sorted(range(tensor.dim()), key=lambda d: -tensor.stride(d))
+    return None if by_stride == list(range(tensor.dim())) else by_stride
 
 
 def _is_parameter(tensor: torch.Tensor) -> bool:
