@@ -189,6 +189,28 @@ def test_memory_plan_counts_what_other_values_hold_on_a_shared_store(tmp_path: P
             TieredAdamW(model.parameters(), store=store)
 
 
+def test_memory_plan_counts_other_values_whole_when_the_state_stays_in_memory(tmp_path: Path, device_mode: str) -> None:
+    """What other values hold on the disk was the disk's use less the size of every key of the
+    optimizer's, wherever those lay: with its state all on the host tier, a user's 6 MiB on an
+    8 MiB disk counted as ~0 and the plan said "fits". Only the optimizer's copies on the disk
+    are its own there."""
+    from tierstore import DiskTier, HostTier, SyncTierStore
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
+    with SyncTierStore([HostTier("64MiB"), DiskTier(tmp_path / "shared", "64MiB", durable=False)]) as store:
+        store.put("mine", torch.zeros(6 * 2**20 // 4), tier="disk")
+        opt = TieredAdamW(model.parameters(), store=store)
+        try:
+            for _ in range(2):
+                model(torch.randn(4, 512)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            assert opt.memory_plan().tier_used_by_others["disk"] == 6 * 2**20
+        finally:
+            opt.close()
+
+
 def test_embedding_far_larger_than_the_host_tier_trains_exactly(tmp_path: Path, device_mode: str) -> None:
     """The issue asks for a 100M-element embedding (1.2 GB of state) under a 64 MiB host tier;
     that is minutes of disk traffic on a CI runner, so this is the same shape of problem at

@@ -291,6 +291,14 @@ class TierStore:
         copy = entry.valid(self._engine.index_of(tier)) if entry is not None else None
         return copy is not None and (not idle or copy.users == 0 and entry.writer is None)  # type: ignore[union-attr]
 
+    def _bytes_on_tier(self, key: str, tier: TierRef) -> int:
+        """For the package's own callers: bytes ``key``'s copy on ``tier`` takes of its room,
+        whether it holds the current value or an older one not yet written over (0: none)."""
+        self._engine.require_open()
+        entry = self._engine.entries.get(key) if isinstance(key, str) else None
+        copy = entry.copy_on(self._engine.index_of(tier)) if entry is not None else None
+        return 0 if copy is None else copy.nbytes
+
     def _shape_and_dtype(self, key: str) -> tuple[tuple[int, ...], torch.dtype] | None:
         """For the package's own callers: shape and dtype of ``key`` (None: not in the store),
         what ``info`` tells of them without building its dict."""

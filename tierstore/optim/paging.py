@@ -762,21 +762,13 @@ class PagedOptimizer(torch.optim.Optimizer):
     async def _used_by_others(self) -> dict[str, int]:
         """Bytes of the store's bottom tier (which evicts nothing) that values other than this
         optimizer's hold: a store shared with the user's own keys or another optimizer."""
-        from ..keys import reserved_keys
         from ..namespaces import INDEX_KEY
 
         bottom = self.store.tiers[-1]
-        own = 0
         mine = self.namespace.keys() if getattr(self, "namespace", None) is not None else []
-        with reserved_keys():  # (the store's own record of its namespaces is nobody's values)
-            for key in [*mine, INDEX_KEY]:
-                try:
-                    info = self.store.info(key)
-                except KeyError:  # (deleted meanwhile, or no namespace recorded yet)
-                    continue
-                # (wherever its current value is: a value updated in a memory tier keeps its
-                # older copy's extent on the disk until written back)
-                own += -(-info["nbytes"] // 4096) * 4096  # (extents are whole pages; more than a small value's)
+        # (only what they hold there: a key of ours on a memory tier alone takes none of it, and
+        # one updated in a memory tier keeps its older copy's extent until written back)
+        own = sum(self.store._bytes_on_tier(key, bottom.name) for key in [*mine, INDEX_KEY])
         return {bottom.name: max(0, bottom.used - own)}
 
     def memory_report(self) -> MemoryReport:
