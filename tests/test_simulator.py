@@ -355,6 +355,21 @@ def test_csv_keys_are_the_same_key_whatever_the_other_lines_hold(tmp_path: Path)
     assert len(load_trace(mixed).keys) == 2
 
 
+def test_a_csv_key_of_thousands_of_digits_is_a_key_and_bad_text_a_trace_error(tmp_path: Path) -> None:
+    """A key of 5,000 digits made ``int()`` raise Python's own digit-limit ValueError; a CSV in
+    Latin-1 raised UnicodeDecodeError. The first is a key like any other, the second a TraceError."""
+    from tierstore import TraceError
+
+    long = tmp_path / "long.csv"
+    long.write_text(f"{'7' * 5000},100\nx,100\n{'7' * 5000},100\n")
+    trace = load_trace(long)
+    assert len(trace) == 3 and len(trace.keys) == 2
+    latin = tmp_path / "latin.csv"
+    latin.write_bytes("clé,100\nclé,100\n".encode("latin-1"))
+    with pytest.raises(TraceError, match="not UTF-8 text"):
+        load_trace(latin)
+
+
 def test_a_csv_with_a_byte_order_mark_keeps_its_header_names(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A spreadsheet's UTF-8 export starts with a byte-order mark: the header's first name was
     read as '\\ufeffkey' and ``--columns key=key`` said there is no such column."""

@@ -86,7 +86,11 @@ def load_trace(path: str | Path, columns: Mapping[str, int | str] | None = None,
         if path.suffix in (".zst", ".gz", ".xz"):
             raise TraceError(f"{path}: compressed oracleGeneral traces are not read; decompress it first")
         return load_oracle_general(path)
-    return _load_csv(path, columns or {}, delimiter)
+    try:
+        return _load_csv(path, columns or {}, delimiter)
+    except UnicodeDecodeError as error:
+        raise TraceError(f"{path} is not UTF-8 text (byte {error.object[error.start]:#04x} at offset {error.start}); "
+                         "give a key,size CSV, a store .npz or an oracleGeneral .bin") from None
 
 
 def load_oracle_general(path: str | Path) -> Trace:
@@ -304,7 +308,7 @@ _WHOLE_NUMBER = re.compile(r"\s*[+-]?[0-9]+\s*")
 
 def _as_read(key: str) -> str:
     """``key`` as the columnar path reads it: a whole number that fits an int64 as that number."""
-    if _WHOLE_NUMBER.fullmatch(key):
+    if _WHOLE_NUMBER.fullmatch(key) and len(key.strip().lstrip("+-").lstrip("0")) <= 19:  # (int() refuses 4,300 digits)
         number = int(key)
         if -(2**63) <= number < 2**63:
             return str(number)
