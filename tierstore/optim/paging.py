@@ -765,7 +765,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         from ..namespaces import INDEX_KEY
 
         bottom = self.store.tiers[-1]
-        mine = self.namespace.keys() if getattr(self, "namespace", None) is not None else []
+        namespace = getattr(self, "namespace", None)
+        mine = namespace.keys() if namespace is not None else []
         # (only what they hold there: a key of ours on a memory tier alone takes none of it, and
         # one updated in a memory tier keeps its older copy's extent until written back)
         own = sum(self.store._bytes_on_tier(key, bottom.name) for key in [*mine, INDEX_KEY])

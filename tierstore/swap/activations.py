@@ -410,7 +410,8 @@ def _stored_order(tensor: torch.Tensor) -> list[int] | None:
     order = memory_order(tensor)
     if order is not None or tensor.is_contiguous() or tensor.dim() < 2:
         return order
-    by_stride = sorted(range(tensor.dim()), key=lambda d: -tensor.stride(d))
+    strides = tensor.stride()
+    by_stride = sorted(range(tensor.dim()), key=lambda d: -strides[d])
     return None if by_stride == list(range(tensor.dim())) else by_stride
 
 
