@@ -5,6 +5,7 @@ that without hooks; behind a background copy the gradient would depend on timing
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -176,4 +177,27 @@ def test_a_saved_tensor_with_gaps_comes_back_dense_in_its_order_of_strides(sync:
     assert _SavesStrides.seen == [(1, 48), w.stride()]
     assert torch.equal(x.grad, torch.ones(48, 32) @ w.detach().t())
     assert torch.equal(w.grad, x.detach().t() @ torch.ones(48, 32))
+    acts.close()
+
+
+def test_an_expanded_view_comes_back_laid_out_as_torch_copies_it(sync: SyncTierStore, device_mode: str) -> None:
+    """Ordered by strides alone, an expanded view's broadcast dimension (stride 0) went innermost
+    and the reduction over it in backward summed in another order: gradients off by 5e-5. It is
+    laid out as ``torch.empty_like`` lays out its copy (row-major here), as before."""
+    acts = offload_activations(sync, min_bytes=0)
+    torch.manual_seed(0)
+    b = torch.randn(1, 517, requires_grad=True)
+
+    def grad(offloaded: bool) -> torch.Tensor:
+        b.grad = None
+        with acts if offloaded else contextlib.nullcontext():
+            loss = (b * 1.0).expand(300, 517).logsumexp(-1).pow(2).sum()
+        deadline = time.monotonic() + 30
+        while offloaded and acts.report.bytes_out < (300 * 517 + 2 * 300) * 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        loss.backward()
+        return b.grad.clone()
+
+    assert torch.equal(grad(False), grad(True))
+    assert acts.report.early == 0 and acts.report.offloaded >= 1
     acts.close()

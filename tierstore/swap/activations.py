@@ -405,14 +405,12 @@ def _changed_in_place(saved: _Saved, version: int) -> RuntimeError:
 
 def _stored_order(tensor: torch.Tensor) -> list[int] | None:
     """The order of dimensions to store ``tensor`` in: its memory order; for one with gaps or
-    overlaps (a slice, an expanded view), the order of its strides, so that it comes back dense
-    but laid out the same way round (what ``torch.preserve_format`` gives)."""
+    overlaps (a slice, an expanded view), the memory order of the dense layout torch gives such
+    a tensor's copy (``torch.empty_like``: by its strides, a broadcast dimension left in place)."""
     order = memory_order(tensor)
     if order is not None or tensor.is_contiguous() or tensor.dim() < 2:
         return order
-    strides = tensor.stride()
-    by_stride = sorted(range(tensor.dim()), key=lambda d: -strides[d])
-    return None if by_stride == list(range(tensor.dim())) else by_stride
+    return memory_order(torch.empty_like(tensor, device="meta"))
 
 
 def _is_parameter(tensor: torch.Tensor) -> bool:
