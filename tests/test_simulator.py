@@ -366,8 +366,15 @@ def test_a_csv_key_of_thousands_of_digits_is_a_key_and_bad_text_a_trace_error(tm
     assert len(trace) == 3 and len(trace.keys) == 2
     latin = tmp_path / "latin.csv"
     latin.write_bytes("clé,100\nclé,100\n".encode("latin-1"))
-    with pytest.raises(TraceError, match="not UTF-8 text"):
+    with pytest.raises(TraceError, match="not UTF-8 text .byte 0xe9 at offset 2[)]"):
         load_trace(latin)
+    zeros = tmp_path / "zeros.csv"  # (leading zeros count in int()'s limit too)
+    zeros.write_text(f"{'0' * 5000}7,100\nx,100\n+0007,100\n")
+    assert len(load_trace(zeros).keys) == 2
+    far = tmp_path / "far.csv"  # (the offset is the file's, not the decoder's block's)
+    far.write_bytes(b"k,100\n" * 50_000 + "clé,100\n".encode("latin-1"))
+    with pytest.raises(TraceError, match="byte 0xe9 at offset 300,002[)]"):
+        load_trace(far)
 
 
 def test_a_csv_with_a_byte_order_mark_keeps_its_header_names(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

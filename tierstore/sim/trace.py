@@ -18,6 +18,7 @@ its writeback and update rows; a pop counts as an access.
 
 from __future__ import annotations
 
+import codecs
 import csv
 import re
 import warnings
@@ -88,9 +89,26 @@ def load_trace(path: str | Path, columns: Mapping[str, int | str] | None = None,
         return load_oracle_general(path)
     try:
         return _load_csv(path, columns or {}, delimiter)
-    except UnicodeDecodeError as error:
-        raise TraceError(f"{path} is not UTF-8 text (byte {error.object[error.start]:#04x} at offset {error.start}); "
+    except UnicodeDecodeError:
+        offset, byte = _first_bad_byte(path)
+        raise TraceError(f"{path} is not UTF-8 text (byte {byte:#04x} at offset {offset:,}); "
                          "give a key,size CSV, a store .npz or an oracleGeneral .bin") from None
+
+
+def _first_bad_byte(path: Path) -> tuple[int, int]:
+    """Offset in the file and value of the first byte that is not UTF-8 there."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with open(path, "rb") as handle:
+        while block := handle.read(1 << 20):
+            pending = len(decoder.getstate()[0])
+            try:
+                decoder.decode(block)
+            except UnicodeDecodeError as error:
+                return offset - pending + error.start, error.object[error.start]
+            offset += len(block)
+    pending = decoder.getstate()[0]  # (a sequence cut off by the end of the file)
+    return offset - len(pending), pending[0] if pending else 0
 
 
 def load_oracle_general(path: str | Path) -> Trace:
@@ -308,8 +326,13 @@ _WHOLE_NUMBER = re.compile(r"\s*[+-]?[0-9]+\s*")
 
 def _as_read(key: str) -> str:
     """``key`` as the columnar path reads it: a whole number that fits an int64 as that number."""
-    if _WHOLE_NUMBER.fullmatch(key) and len(key.strip().lstrip("+-").lstrip("0")) <= 19:  # (int() refuses 4,300 digits)
-        number = int(key)
+    if _WHOLE_NUMBER.fullmatch(key):
+        text = key.strip()
+        sign, digits = ("-", text[1:]) if text[0] == "-" else ("", text.lstrip("+"))
+        digits = digits.lstrip("0") or "0"
+        if len(digits) > 19:  # (int() refuses 4,300 digits)
+            return key
+        number = int(sign + digits)
         if -(2**63) <= number < 2**63:
             return str(number)
     return key
