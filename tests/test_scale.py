@@ -184,9 +184,9 @@ def test_memory_plan_counts_what_other_values_hold_on_a_shared_store(tmp_path: P
         need = opt.memory_plan().tier_need["disk"]
         opt.close()
     short = need - 4096  # (a page short: both read the same, rounded)
-    with SyncTierStore([HostTier("1MiB"), DiskTier(tmp_path / "exact", short, durable=False)]) as store:
-        with pytest.raises(OptimizerCapacityError, match=f"needs {need:,} B but holds {short:,} B"):
-            TieredAdamW(model.parameters(), store=store)
+    with (SyncTierStore([HostTier("1MiB"), DiskTier(tmp_path / "exact", short, durable=False)]) as store,
+          pytest.raises(OptimizerCapacityError, match=f"needs {need:,} B but holds {short:,} B")):
+        TieredAdamW(model.parameters(), store=store)
 
 
 def test_memory_plan_counts_other_values_whole_when_the_state_stays_in_memory(tmp_path: Path, device_mode: str) -> None:
