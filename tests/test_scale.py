@@ -330,3 +330,29 @@ def test_chunks_leave_room_for_an_offloaded_weight_held_whole(tmp_path: Path, de
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split("\n")[:2] == ["32MiB refused True", "40MiB trained"], done.stdout
+
+
+def test_a_bucket_larger_than_the_state_tier_is_capped_to_fit(tmp_path: Path, device_mode: str) -> None:
+    """A ``bucket_bytes`` beyond what the host tier holds for ``max_inflight`` buckets made every
+    step fail with the tier full; it is capped there, and the steps are torch's."""
+
+    def layers() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)])  # 4.7 MB of state
+
+    reference, paged = layers(), layers()
+    expected = torch.optim.AdamW(reference.parameters(), fused=True)
+    opt = _paged(tmp_path, paged.parameters(), bucket_bytes="64MiB", chunk_bytes=None)
+    try:
+        assert opt.bucket_bytes <= 4 << 20
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x = torch.randn(32, 256, generator=generator)
+            for model, optimizer in ((reference, expected), (paged, opt)):
+                model(x).square().mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        for a, b in zip(reference.parameters(), paged.parameters(), strict=True):
+            assert torch.equal(a, b)
+    finally:
+        opt.close()

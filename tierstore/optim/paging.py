@@ -137,8 +137,10 @@ class PagedOptimizer(torch.optim.Optimizer):
         Buckets of updates holding state on the host at once (default 2: one loads while the
         other computes).
     bucket_bytes:
-        State and gradient bytes updated together in one call (default: what the state tier
-        can hold for ``max_inflight`` buckets, at most 64 MiB).
+        State and gradient bytes updated together in one call (default: a quarter of what the
+        state tier holds for ``max_inflight`` buckets, at most 64 MiB). Where state pages below
+        the state tier, a larger value is capped at what the tier holds for ``max_inflight``
+        buckets (``bucket_bytes`` says the size used).
     chunk_bytes:
         A parameter whose state (and host gradient) is larger than this (default 32 MiB, and
         at most what the state tier holds for ``2 * max_inflight + 2`` chunks) is paged, prefetched,

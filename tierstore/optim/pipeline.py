@@ -207,7 +207,9 @@ class UpdatePipeline:
         inflight = max(1, min(max_inflight, room // max(largest, 1)))  # (0: every parameter too small to page)
         # At least four buckets a step, so in-backward updates start early and transfers overlap;
         # and buckets in flight take at most a quarter of the tier, whose rest caches state.
-        bucket = bucket_bytes or min(64 << 20, room // (4 * inflight), sum(needs) // 4)
+        # A bucket larger than the tier holds for ``inflight`` of them would fail every step
+        # with the tier full: a user's size is capped there.
+        bucket = min(bucket_bytes, room // inflight) if bucket_bytes else min(64 << 20, room // (4 * inflight), sum(needs) // 4)
         self.bucket_bytes, self.inflight = max(bucket, largest), inflight
 
     def _grad_bytes(self, slot: ParamSlot, tier: MemoryTier | None, numel: int | None = None) -> int:
