@@ -121,7 +121,9 @@ class ActivationOffload:
         self._generation = itertools.count()
         self._step = 0
         self._counter = itertools.count()
-        self._saved: dict[int, _Saved] = {}
+        # Held weakly: a handle lives as long as the graph that saved it (autograd frees it once
+        # backward used it, or with the graph), and with it what it brought back.
+        self._saved: weakref.WeakValueDictionary[int, _Saved] = weakref.WeakValueDictionary()
         self._order: list[int] = []  # this step's unpack order (pack indices)
         self._ahead_bytes = 0  # bytes popped ahead of backward and not yet taken
         self._learned: dict[int, list[int]] = {}  # previous step: index -> the indices after it
@@ -144,7 +146,7 @@ class ActivationOffload:
             order = self._order
             self._learned = {index: order[position + 1 :] for position, index in enumerate(order)}
         self._order = []
-        self._saved = {}
+        self._saved = weakref.WeakValueDictionary()
         self._ahead_bytes = 0
         self._step = next(self._generation)
         self._counter = itertools.count()
@@ -158,11 +160,11 @@ class ActivationOffload:
         self._hooks = None
         _active.stack = getattr(_active, "stack", [])[:-1]
         if exc_type is not None:  # the forward failed: drop what it saved now, not when its graph is freed
-            for saved in self._saved.values():
+            for saved in list(self._saved.values()):
                 if saved.fetched is None and saved.finalizer.alive:
                     saved.dropped = True
                     saved.finalizer()
-            self._saved = {}
+            self._saved = weakref.WeakValueDictionary()
 
     def close(self) -> None:
         """End the claim on the namespace, deleting what is left in it (activations of a step
@@ -183,6 +185,10 @@ class ActivationOffload:
     def _pack(self, tensor: torch.Tensor) -> Any:
         if not self.store.is_open:  # (closed inside the with: refused now, not at backward, counting nothing)
             raise StoreClosedError("offload_activations: its store closed during this forward")
+        if tensor.layout is not torch.strided or tensor.is_nested or tensor.is_quantized:  # (no raw bytes to store)
+            with self._lock:
+                self.report.kept += 1
+            return tensor
         if tensor.nbytes < self.min_bytes or _is_parameter(tensor) or tensor.device.type not in ("cpu", "cuda"):
             with self._lock:
                 self.report.kept += 1

@@ -1,0 +1,109 @@
+"""What offload_activations brings back lives no longer than torch would keep it: each saved
+tensor is freed once backward used it (and a freed graph's values leave the store), and saved
+tensors that are not plain strided ones (sparse, nested) stay as they are."""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from tierstore import DeviceTier, HostTier, SyncTierStore
+from tierstore.swap import offload_activations
+
+pytestmark = pytest.mark.device_modes
+
+
+@pytest.fixture
+def sync() -> Iterator[SyncTierStore]:
+    store = SyncTierStore([DeviceTier("cpu", "64MiB"), HostTier("256MiB")]).open()
+    yield store
+    store.close()
+
+
+class _Square(torch.autograd.Function):
+    """x * x, noting (weakly) the memory of the tensor backward got back for x."""
+
+    seen: list[int] = []  # weak references to storages (torch's: a tensor object is a fresh wrapper each time)
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        _Square.seen.append(x.untyped_storage()._weak_ref())
+        return 2 * x * grad
+
+
+def _wait_empty(store: SyncTierStore) -> int:
+    deadline = time.monotonic() + 10
+    while len(store) and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.02)
+    return len(store)
+
+
+def test_what_backward_got_back_is_freed_once_it_was_used(sync: SyncTierStore, device_mode: str) -> None:
+    acts = offload_activations(sync, min_bytes=1024)
+    try:
+        _Square.seen = []
+        x = torch.randn(4, 4096, requires_grad=True)
+        with acts:
+            y = x
+            for _ in range(4):
+                y = _Square.apply(y.tanh())
+            loss = y.sum()
+        time.sleep(0.2)  # (the copies into the store end: backward gets them back from it)
+        loss.backward()
+        del loss, y
+        gc.collect()
+        assert len(_Square.seen) == 4
+        alive = [ref for ref in _Square.seen if not torch.UntypedStorage._expired(ref)]
+        assert not alive, f"{len(alive)} saved tensors brought back are still alive after backward"
+        assert _wait_empty(sync) == 0
+    finally:
+        acts.close()
+
+
+def test_a_graph_freed_without_backward_leaves_the_store_before_the_next_step(sync: SyncTierStore, device_mode: str) -> None:
+    acts = offload_activations(sync, min_bytes=1024)
+    try:
+        x = torch.randn(4, 4096, requires_grad=True)
+        with acts:
+            loss = (x.tanh() * 3).tanh().sum()
+        assert acts.report.offloaded > 0
+        del loss
+        gc.collect()
+        assert _wait_empty(sync) == 0
+    finally:
+        acts.close()
+
+
+def test_sparse_and_nested_saved_tensors_stay_as_they_are(sync: SyncTierStore, device_mode: str) -> None:
+    torch.manual_seed(0)
+    adjacency = ((torch.rand(100, 100) < 0.05).float()).to_sparse()
+    layer = torch.nn.Linear(16, 16)
+    features = torch.randn(100, 16)
+    acts = offload_activations(sync, min_bytes=0)
+    try:
+        with acts:
+            loss = torch.sparse.mm(adjacency, layer(features)).sum()
+        loss.backward()
+        offloaded = [p.grad.clone() for p in layer.parameters()]
+        layer.zero_grad()
+        torch.sparse.mm(adjacency, layer(features)).sum().backward()
+        assert all(torch.equal(a, p.grad) for a, p in zip(offloaded, layer.parameters(), strict=True))
+        nested = torch.nested.nested_tensor([torch.randn(3, 16), torch.randn(5, 16)], requires_grad=True)
+        with acts:
+            out = layer(nested)
+        torch.nested.to_padded_tensor(out, 0.0).sum().backward()
+        assert nested.grad is not None
+    finally:
+        acts.close()
