@@ -314,7 +314,15 @@ class ParameterOffload:
         a weight unfrozen later gets its hook when it is next held.)"""
         if weight.param.requires_grad and not weight.hooked:
             weight.hooked = True
+            self._hooks.append(weight.param.register_hook(lambda _, w=weight: self._before_accumulate(w)))
             self._hooks.append(weight.param.register_post_accumulate_grad_hook(lambda _, w=weight: self._let_go([w], everyone=True)))
+
+    def _before_accumulate(self, weight: _Weight) -> None:
+        """A gradient reaches a weight no unit holds (a second-order backward, such as a
+        gradient penalty's, runs outside the units' backward hooks): hold it, so that torch
+        accumulates into the weight, not its zero-size placeholder; its accumulation lets go."""
+        if weight.hold is None:
+            self._hold_weights([weight], weight.units[0])
 
     async def _store_all(self, sources: list[torch.Tensor], marker: Any) -> None:
         for weight, source in zip(self._weights, sources, strict=True):
@@ -423,9 +431,11 @@ class ParameterOffload:
             if weight.hold is None:  # used in backward outside its units' own backward
                 self._hold_weights([weight], weight.units[0])
             data = weight.param.data
-            if packed.whole:
-                return data
-            return data.as_strided(packed.size, packed.stride, data.storage_offset() + packed.offset)
+            value = data if packed.whole else data.as_strided(packed.size, packed.stride, data.storage_offset() + packed.offset)
+            # A backward that records a graph (create_graph=True: a gradient penalty) saves what it
+            # computes with for the next backward, past the hold: it gets its own copy, as the
+            # store reuses the buffer once the weight is let go.
+            return value.clone() if torch.is_grad_enabled() else value
         if isinstance(packed, _Saved):
             return packed.owner._unpack(packed)
         return packed
