@@ -356,3 +356,40 @@ def test_a_bucket_larger_than_the_state_tier_is_capped_to_fit(tmp_path: Path, de
             assert torch.equal(a, b)
     finally:
         opt.close()
+
+
+def test_the_plan_of_a_store_nobody_shares_counts_nothing_as_others(device_mode: str) -> None:
+    """The namespace record's slab counted as "3.9 KiB held by other values" on the optimizer's own store."""
+    opt = TieredAdamW(torch.nn.Linear(10, 10).parameters())
+    try:
+        assert opt.memory_plan().tier_used_by_others.get("host", 0) == 0
+        assert "other values" not in str(opt.memory_plan())
+    finally:
+        opt.close()
+
+
+def test_the_plan_made_is_still_given_after_close(device_mode: str) -> None:
+    """The README promises it; it raised the closed store's error, telling to reopen a store the user never made."""
+    model = torch.nn.Linear(64, 64)
+    opt = TieredAdamW(model.parameters())
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    plan = str(opt.memory_plan())
+    opt.close()
+    assert str(opt.memory_plan()) == plan
+
+
+@pytest.mark.parametrize("capacity", ["0", "1KiB"])
+def test_a_host_tier_too_small_for_anything_is_an_optimizer_capacity_error(capacity: str, device_mode: str) -> None:
+    with pytest.raises(OptimizerCapacityError, match="host_capacity"):
+        TieredAdamW(torch.nn.Linear(256, 256).parameters(), host_capacity=capacity)
+
+
+@pytest.mark.parametrize("options, error", [
+    ({"chunk_bytes": 0}, ValueError), ({"chunk_bytes": "0KiB"}, ValueError),
+    ({"max_inflight": 2.5}, TypeError), ({"gradient_accumulation_steps": 1.5}, TypeError), ({"max_inflight": True}, TypeError),
+])
+def test_sizes_and_counts_that_mean_nothing_are_refused(options: dict[str, Any], error: type[Exception], device_mode: str) -> None:
+    """chunk_bytes=0 silently meant "never chunk" and its capacity error then advised chunk_bytes=; 2.5 buckets trained."""
+    with pytest.raises(error, match=next(iter(options))):
+        TieredAdamW(torch.nn.Linear(4, 4).parameters(), **options)

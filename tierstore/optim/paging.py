@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import numbers
 import os
 import signal
 import threading
@@ -45,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ..device import link_for
-from ..errors import OptimizerClosedError, StepIncompleteError, StoreLockedError
+from ..errors import OptimizerClosedError, StepIncompleteError, StoreLockedError, TierFullError
 from ..namespaces import Namespace
 from ..store import TierStore
 from ..sync import (
@@ -57,6 +58,7 @@ from ..sync import (
     run,
     wait_unfinished,
 )
+from ..tiers import MemoryTier
 from ..units import parse_bytes
 from ..workers import WorkerPool
 from .capture import GradientCapture, observe
@@ -225,8 +227,13 @@ class PagedOptimizer(torch.optim.Optimizer):
                 "max_grad_norm needs every gradient before any update, so it cannot be combined with "
                 "step_in_backward=True; use the default (updates after backward, still pipelined)"
             )
-        if gradient_accumulation_steps < 1 or max_inflight < 1:
-            raise ValueError("gradient_accumulation_steps and max_inflight must be at least 1")
+        for name, count in (("gradient_accumulation_steps", gradient_accumulation_steps), ("max_inflight", max_inflight)):
+            if isinstance(count, bool) or not isinstance(count, numbers.Integral):
+                raise TypeError(f"{name} must be a whole number, not {count!r}")
+            if count < 1:
+                raise ValueError(f"{name} must be at least 1, not {count}")
+        if chunk_bytes is not None and parse_bytes(chunk_bytes) <= 0:
+            raise ValueError(f"chunk_bytes must be a positive size (None: never chunk), not {chunk_bytes!r}")
         if key_prefix is not None:
             warnings.warn("key_prefix is deprecated; pass namespace=", DeprecationWarning, stacklevel=3)
             if namespace is not None and namespace != key_prefix:
@@ -438,9 +445,15 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     async def _claim(self, name: str | None, overwrite: bool) -> Namespace:
         owner = type(self).__name__
-        if name is None:
-            return await self.store.claim_unique(DEFAULT_NAMESPACE_BASE, owner=owner)
-        return await self.store.claim(name, owner=owner, overwrite=overwrite)
+        try:
+            if name is None:
+                return await self.store.claim_unique(DEFAULT_NAMESPACE_BASE, owner=owner)
+            return await self.store.claim(name, owner=owner, overwrite=overwrite)
+        except TierFullError as error:  # (the namespace's record, a few hundred bytes, did not fit)
+            raise OptimizerCapacityError(
+                f"this configuration cannot fit: the store cannot hold even the optimizer's namespace record ({error}); "
+                "give the state tier more capacity (host_capacity=)"
+            ) from error
 
     async def _adopt(self) -> None:
         """Take up what an earlier optimizer left in our (named) namespace. This class cannot
@@ -753,26 +766,32 @@ class PagedOptimizer(torch.optim.Optimizer):
         """Bytes each tier and the process will need (``MemoryPlan``), from the parameters and
         the store alone: known before the first step (the constructor refuses a plan that
         cannot fit)."""
+        if getattr(self, "_closed", False):  # (the store may be closed: the last plan made)
+            return self._plan
         pipeline = self._pipeline
         assert pipeline is not None
-        return plan_memory(
+        self._plan: MemoryPlan = plan_memory(
             self.store, self._slots, self._state_bytes, state_tier=self.state_tier, unit_need=pipeline.need,
             inflight=pipeline.inflight, chunk_bytes=pipeline.chunk_bytes, offloaded=offloaded,
             used_by_others=run(self._used_by_others()),
         )
+        return self._plan
 
     async def _used_by_others(self) -> dict[str, int]:
         """Bytes of the store's bottom tier (which evicts nothing) that values other than this
         optimizer's hold: a store shared with the user's own keys or another optimizer."""
-        from ..namespaces import INDEX_KEY
-
         bottom = self.store.tiers[-1]
         namespace = getattr(self, "namespace", None)
-        mine = namespace.keys() if namespace is not None else []
-        # (only what they hold there: a key of ours on a memory tier alone takes none of it, and
-        # one updated in a memory tier keeps its older copy's extent until written back)
-        own = sum(self.store._bytes_on_tier(key, bottom.name) for key in [*mine, INDEX_KEY])
-        return {bottom.name: max(0, bottom.used - own)}
+        mine = set(namespace.keys()) if namespace is not None else set()
+        # What the others' copies there take (a value updated in a memory tier keeps its older
+        # copy's extent until written back); not the tier's ``used``, which also counts the
+        # store's own records and the unused slots of their slabs.
+        others = 0
+        for key in self.store.keys():
+            if key not in mine:
+                nbytes = self.store._bytes_on_tier(key, bottom.name)
+                others += bottom.value_size(nbytes) if nbytes and isinstance(bottom, MemoryTier) else nbytes
+        return {bottom.name: min(others, bottom.used)}
 
     def memory_report(self) -> MemoryReport:
         """Bytes per parameter and totals: weights and grads on the device, state by tier."""
