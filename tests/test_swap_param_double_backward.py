@@ -71,3 +71,25 @@ def test_a_penalty_backpropagated_alone_accumulates_into_the_weights(device_mode
             assert reference.grad is None or torch.equal(offloaded.grad, reference.grad)
     finally:
         store.close()
+
+
+def test_a_gradient_with_respect_to_the_input_alone_fits_a_device_tier_smaller_than_the_model(device_mode: str) -> None:
+    """FGSM or saliency: no weight gradient is accumulated, so nothing let go of the trainable
+    weights until the backward ended, and a model larger than the device tier ran out of it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(6)], nn.Linear(64, 10))
+    twin = copy.deepcopy(model)
+    weights = sum(p.nbytes for p in model.parameters())
+    store = SyncTierStore([DeviceTier("cpu", weights // 2), HostTier("16MiB")]).open()
+    try:
+        offload_parameters(model, store)
+        generator = torch.Generator().manual_seed(1)
+        x, y = torch.randn(8, 64, generator=generator), torch.randint(0, 10, (8,), generator=generator)
+        grads = []
+        for net in (model, twin):
+            x_ = x.clone().requires_grad_(True)
+            grads.append(torch.autograd.grad(nn.functional.cross_entropy(net(x_), y), x_)[0])
+        assert torch.equal(*grads)
+        assert all(p.grad is None for p in model.parameters())
+    finally:
+        store.close()

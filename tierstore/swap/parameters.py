@@ -5,9 +5,11 @@ while a submodule computes with them.
 default, or disk) and leaves a zero-size placeholder in the module. Around each submodule that
 owns parameters (a *unit*), hooks hold its parameters on the device tier -- the store's own
 buffers -- for its forward, release them after it (even when it raises), hold them again before
-its backward and release each once its gradient is accumulated (a frozen one once the unit's
-backward computed its inputs' gradients; any left, such as one without a gradient, when the
-backward ends). A release ends the store's hold
+its backward (once the gradient of one of its outputs is computed) and release each once its
+gradient is accumulated (a frozen one once the gradient of one of the unit's inputs is
+computed; any left, such as one without a gradient, when the backward ends). These are gradient
+hooks on the forward's tensors, not module backward hooks: the autograd graph stays the plain
+model's (same gradients, bit for bit; in-place changes of a unit's output allowed). A release ends the store's hold
 only after the kernels queued until then, which may still read the weights, are done
 (``link.mark()`` on the training thread, awaited on the loop). Autograd would keep a reference to the
 forward-time buffers of the weights it saves for backward (and read them there, after the store
@@ -53,9 +55,8 @@ import concurrent.futures
 import sys
 import threading
 import time
-import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,10 +78,6 @@ from .report import SwapReport
 
 # Keyed by identity (tensors compare elementwise, so a plain WeakKeyDictionary cannot hold them).
 _REGISTRY: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-# Our backward pre-hook on the first unit (whose inputs, token ids, need no gradient) makes torch
-# say so on every backward; the hook only fetches weights, so the remark does not apply.
-warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with respect to module outputs")
 
 
 #: Modules whose forward reads their children's weights itself (``nn.MultiheadAttention`` reads
@@ -289,11 +286,11 @@ class ParameterOffload:
         self._hooks.append(self.module.register_forward_pre_hook(lambda *_: self._enter_saving()))
         self._hooks.append(self.module.register_forward_hook(lambda *_: self._exit_saving(), always_call=True))
         for index, unit in enumerate(self._units):
-            self._hooks.append(unit.module.register_forward_pre_hook(lambda *_, i=index: self._hold(i, forward=True)))
+            self._hooks.append(unit.module.register_forward_pre_hook(
+                lambda _, args, kwargs, i=index: self._before_forward(i, args, kwargs), with_kwargs=True))
             # always_call: a forward that raises still lets go of the unit's weights
-            self._hooks.append(unit.module.register_forward_hook(lambda *_, i=index: self._release_after_forward(i), always_call=True))
-            self._hooks.append(unit.module.register_full_backward_pre_hook(lambda *_, i=index: self._hold(i)))
-            self._hooks.append(unit.module.register_full_backward_hook(lambda *args, i=index: self._frozen_done(i, args[1])))
+            self._hooks.append(unit.module.register_forward_hook(
+                lambda _, args, output, i=index: self._after_forward(i, output), always_call=True))
         # (the modules owning offloaded weights: a unit's, and within a whole unit its children)
         units = {id(sub) for sub in self.module.modules() if any(id(p) in self._weight_of for p in sub._parameters.values())}
         for sub in self.module.modules():  # where a state_dict() call starts and ends
@@ -319,7 +316,7 @@ class ParameterOffload:
 
     def _before_accumulate(self, weight: _Weight) -> None:
         """A gradient reaches a weight no unit holds (a second-order backward, such as a
-        gradient penalty's, runs outside the units' backward hooks): hold it, so that torch
+        gradient penalty's, reaches no unit's output hooks): hold it, so that torch
         accumulates into the weight, not its zero-size placeholder; its accumulation lets go."""
         if weight.hold is None:
             self._hold_weights([weight], weight.units[0])
@@ -442,6 +439,29 @@ class ParameterOffload:
 
     # -- around each unit --------------------------------------------------------------------------------
 
+    def _before_forward(self, index: int, args: Any, kwargs: Any) -> None:
+        """Hold the unit's weights for its forward; once backward has computed the gradient of
+        one of its inputs, its frozen weights can go (``_frozen_done``).
+        Gradient hooks on tensors, as FSDP2's, not torch's full backward hooks on the module:
+        those wrap its inputs and outputs in a view that an in-place change
+        (``ReLU(inplace=True)`` on its output, a residual ``out += x``) makes torch refuse."""
+        self._hold(index, forward=True)
+        if torch.is_grad_enabled():
+            inputs = _needing_grad((args, kwargs))
+            if inputs:
+                # (the first of them: "all" is refused under autograd.grad with a leaf input; a
+                # frozen weight a later node of the unit's backward reads is held again then)
+                torch.autograd.graph.register_multi_grad_hook(inputs, lambda grad, i=index: self._frozen_done(i, (grad,)), mode="any")
+
+    def _after_forward(self, index: int, output: Any) -> None:
+        """Let go after the unit's forward; hold again when backward reaches it: as soon as
+        the gradient of any of its outputs is computed (before its own backward runs)."""
+        self._release_after_forward(index)
+        if torch.is_grad_enabled() and output is not None:
+            outputs = _needing_grad(output)
+            if outputs:
+                torch.autograd.graph.register_multi_grad_hook(outputs, lambda _, i=index: self._hold(i), mode="any")
+
     def _hold(self, index: int, forward: bool = False) -> None:
         """Hold the unit's weights on the device tier (one round trip to the loop for all).
         A forward inside backward is a checkpoint recomputing the unit: its frozen weights
@@ -511,17 +531,22 @@ class ParameterOffload:
         units.add(holder)
 
     def _frozen_done(self, index: int, grad_inputs: Any) -> None:
-        """The unit's backward computed the gradients of its inputs: its frozen weights (no
-        gradient accumulation lets go of them) are let go now, unless no input needed a
-        gradient (torch then calls this before the unit's backward ran); the backward's end
-        lets go of those. What a checkpoint's recomputation saved refers to copies of them
-        (``_lend``), not to these holds. A use after this (a frozen weight feeding another's
-        gradient) holds it again."""
+        """The gradient of an input of the unit is computed (a tensor's gradient is complete
+        once all its uses have theirs: the unit's backward is done): its frozen weights, which
+        no gradient accumulation lets go of, are let go now, and so are trainable ones whose
+        gradient this backward does not accumulate (``autograd.grad`` with respect to the input
+        alone: they stayed held to its end, all together; an accumulation still to come holds
+        its weight again, ``_before_accumulate``). A unit whose inputs need no gradient gets no
+        call: the backward's end lets go of its weights. What a checkpoint's recomputation saved
+        refers to copies of its frozen weights (``_lend``), not to these holds, but to its
+        trainable weights' buffers: those stay held. A use after this (a frozen weight feeding
+        another's gradient) holds it again."""
         if all(g is None for g in grad_inputs):
             return
         if self._lent.get(index):
             self._give_back(index)
-        weights = [w for w in self._units[index].weights if not w.param.requires_grad and index in w.holders]
+        recomputed = index in self._recomputing
+        weights = [w for w in self._units[index].weights if index in w.holders and not (w.param.requires_grad and recomputed)]
         for weight in weights:
             weight.holders.discard(index)
         self._let_go(weights)
@@ -582,7 +607,7 @@ class ParameterOffload:
         recomputing it (``torch.utils.checkpoint``): what it saved for backward are plain
         aliases of the held trainable weights (the checkpoint's hooks, not ours, packed
         them), and its backward follows at once, so those stay held until their gradients
-        are accumulated, as after a backward pre-hook; its frozen weights keep their copies
+        are accumulated, as when backward reaches a unit; its frozen weights keep their copies
         until its backward is done (``_lend``)."""
         if not _in_backward():
             self._release(index)
@@ -880,6 +905,23 @@ def _running_state_dicts() -> list[Any]:
             modules.append(frame.f_locals.get("self"))
         frame = frame.f_back  # type: ignore[assignment]
     return modules
+
+
+def _needing_grad(value: Any) -> list[torch.Tensor]:
+    """The tensors requiring a gradient in ``value`` (nested tuples, lists and dicts, such as
+    a model output), each once."""
+    found: dict[int, torch.Tensor] = {}
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            if item.requires_grad:
+                found.setdefault(id(item), item)
+        elif isinstance(item, (tuple, list)):
+            stack.extend(item)
+        elif isinstance(item, Mapping):
+            stack.extend(item.values())
+    return list(found.values())
 
 
 def _in_backward() -> bool:
