@@ -393,3 +393,17 @@ def test_sizes_and_counts_that_mean_nothing_are_refused(options: dict[str, Any],
     """chunk_bytes=0 silently meant "never chunk" and its capacity error then advised chunk_bytes=; 2.5 buckets trained."""
     with pytest.raises(error, match=next(iter(options))):
         TieredAdamW(torch.nn.Linear(4, 4).parameters(), **options)
+
+
+def test_a_refused_group_leaves_the_plan_in_force(device_mode: str) -> None:
+    opt = TieredAdamW(torch.nn.Linear(64, 64).parameters(), host_capacity="2MiB")
+    before = str(opt.memory_plan())
+    with pytest.raises(OptimizerCapacityError):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(1024, 1024))]})
+    opt.close()
+    assert str(opt.memory_plan()) == before and opt.memory_plan().fits
+
+
+def test_a_whole_number_from_a_config_file_is_a_count(device_mode: str) -> None:
+    opt = TieredAdamW(torch.nn.Linear(4, 4).parameters(), gradient_accumulation_steps=2.0, max_inflight=3.0)
+    opt.close()

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import math
 import numbers
 import os
 import signal
@@ -140,9 +141,9 @@ class PagedOptimizer(torch.optim.Optimizer):
         other computes).
     bucket_bytes:
         State and gradient bytes updated together in one call (default: a quarter of what the
-        state tier holds for ``max_inflight`` buckets, at most 64 MiB). Where state pages below
-        the state tier, a larger value is capped at what the tier holds for ``max_inflight``
-        buckets (``bucket_bytes`` says the size used).
+        state tier holds for ``max_inflight`` buckets, at most 64 MiB). Where buckets pipeline
+        (state pages below the state tier, or crosses a device link), a larger value is capped
+        at what the tier holds for ``max_inflight`` buckets (``bucket_bytes`` says the size used).
     chunk_bytes:
         A parameter whose state (and host gradient) is larger than this (default 32 MiB, and
         at most what the state tier holds for ``2 * max_inflight + 2`` chunks) is paged, prefetched,
@@ -227,11 +228,8 @@ class PagedOptimizer(torch.optim.Optimizer):
                 "max_grad_norm needs every gradient before any update, so it cannot be combined with "
                 "step_in_backward=True; use the default (updates after backward, still pipelined)"
             )
-        for name, count in (("gradient_accumulation_steps", gradient_accumulation_steps), ("max_inflight", max_inflight)):
-            if isinstance(count, bool) or not isinstance(count, numbers.Integral):
-                raise TypeError(f"{name} must be a whole number, not {count!r}")
-            if count < 1:
-                raise ValueError(f"{name} must be at least 1, not {count}")
+        gradient_accumulation_steps = _count("gradient_accumulation_steps", gradient_accumulation_steps)
+        max_inflight = _count("max_inflight", max_inflight)
         if chunk_bytes is not None and parse_bytes(chunk_bytes) <= 0:
             raise ValueError(f"chunk_bytes must be a positive size (None: never chunk), not {chunk_bytes!r}")
         if key_prefix is not None:
@@ -417,8 +415,10 @@ class PagedOptimizer(torch.optim.Optimizer):
         assert self._pipeline is not None
         pipeline = self._pipeline
         pipeline.plan_added(added)  # (OptimizerCapacityError: the plan as it was)
+        in_force = self._plan
         plan = self.memory_plan()
         if not plan.fits:
+            self._plan = in_force  # (what memory_plan() gives once closed)
             pipeline.replan(without=added)
             raise OptimizerCapacityError("this parameter group cannot fit: " + "; ".join(plan.problems) + f"\n{plan}")
 
@@ -780,18 +780,17 @@ class PagedOptimizer(torch.optim.Optimizer):
     async def _used_by_others(self) -> dict[str, int]:
         """Bytes of the store's bottom tier (which evicts nothing) that values other than this
         optimizer's hold: a store shared with the user's own keys or another optimizer."""
+        from ..namespaces import INDEX_KEY
+
         bottom = self.store.tiers[-1]
         namespace = getattr(self, "namespace", None)
-        mine = set(namespace.keys()) if namespace is not None else set()
-        # What the others' copies there take (a value updated in a memory tier keeps its older
-        # copy's extent until written back); not the tier's ``used``, which also counts the
-        # store's own records and the unused slots of their slabs.
-        others = 0
-        for key in self.store.keys():
-            if key not in mine:
-                nbytes = self.store._bytes_on_tier(key, bottom.name)
-                others += bottom.value_size(nbytes) if nbytes and isinstance(bottom, MemoryTier) else nbytes
-        return {bottom.name: min(others, bottom.used)}
+        mine = [*(namespace.keys() if namespace is not None else []), INDEX_KEY]
+        # (only what they hold there: a key of ours on a memory tier alone takes none of it, and
+        # one updated in a memory tier keeps its older copy's extent until written back)
+        sizes = [self.store._bytes_on_tier(key, bottom.name) for key in mine]
+        if isinstance(bottom, MemoryTier):  # (what values take: not pooled buffers nor a slab's free slots)
+            return {bottom.name: max(0, bottom.live_bytes - sum(bottom.value_size(n) for n in sizes if n))}
+        return {bottom.name: max(0, bottom.used - sum(sizes))}
 
     def memory_report(self) -> MemoryReport:
         """Bytes per parameter and totals: weights and grads on the device, state by tier."""
@@ -912,3 +911,12 @@ def _hook(optimizer: weakref.ref[PagedOptimizer], slot: ParamSlot, param: torch.
     live = optimizer()
     if live is not None:
         live._capture.hook(slot, slot.param)  # (for a DTensor, the view of its local shard)
+
+
+def _count(name: str, value: Any) -> int:
+    """``value`` as a count of at least 1 (a whole float from a config file too), or a clear error."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or int(value) != value:
+        raise TypeError(f"{name} must be a whole number, not {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, not {value}")
+    return int(value)
