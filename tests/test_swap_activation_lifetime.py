@@ -79,6 +79,9 @@ def test_a_graph_freed_without_backward_leaves_the_store_before_the_next_step(sy
         with acts:
             loss = (x.tanh() * 3).tanh().sum()
         assert acts.report.offloaded > 0
+        deadline = time.monotonic() + 10
+        while len(sync) < acts.report.offloaded and time.monotonic() < deadline:  # (the copies land: else the
+            time.sleep(0.01)  # store looks empty before they do)
         del loss
         gc.collect()
         assert _wait_empty(sync) == 0

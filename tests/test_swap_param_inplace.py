@@ -6,6 +6,8 @@ streams too (with full backward hooks they differed in the last bits)."""
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -91,5 +93,65 @@ def test_a_residual_stream_gets_a_plain_models_gradients(checkpointing: bool | N
         assert pairs
         for ours, theirs in pairs:
             assert torch.equal(ours.grad, theirs.grad)
+    finally:
+        store.close()
+
+
+class _Conditioned(nn.Module):
+    """A frozen base whose every block also reads one trainable conditioning (a diffusion
+    model's time embedding, FiLM): the conditioning's gradient is complete only at the end."""
+
+    def __init__(self, blocks: int = 8, width: int = 128) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, width)
+        self.mains = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
+        self.projections = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
+        self.mains.requires_grad_(False)
+        self.projections.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        e = self.embed(t)
+        for main, projection in zip(self.mains, self.projections, strict=True):
+            x = torch.relu(main(x) + projection(e)) + x
+        return x
+
+
+def test_a_frozen_unit_reading_a_shared_input_goes_once_its_own_backward_is_done(device_mode: str) -> None:
+    """Waiting for the shared input's whole gradient held every projection to the end of
+    backward: a frozen base three times the device tier ran out of room."""
+    torch.manual_seed(0)
+    model = _Conditioned()
+    twin = copy.deepcopy(model)
+    frozen = sum(p.nbytes for p in model.mains.parameters()) + sum(p.nbytes for p in model.projections.parameters())
+    store = SyncTierStore([DeviceTier("cpu", frozen // 3), HostTier("64MiB")]).open()
+    try:
+        offload_parameters(model, store)
+        x, t = torch.randn(4, 128), torch.randn(4, 4)
+        for net in (model, twin):
+            net(x, t).square().sum().backward()
+        for ours, theirs in zip(model.embed.parameters(), twin.embed.parameters(), strict=True):
+            assert torch.equal(ours.grad, theirs.grad)
+    finally:
+        store.close()
+
+
+def test_a_leaf_input_keeps_no_hook_of_the_offload(device_mode: str) -> None:
+    """An iterative attack on a persistent leaf input: hooks on the leaf outlived each graph
+    (one more every step) and kept the offload alive after detach()."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    store = SyncTierStore([DeviceTier("cpu", "1MiB"), HostTier("16MiB")]).open()
+    try:
+        params = offload_parameters(model, store)
+        x = torch.randn(8, 16, requires_grad=True)
+        for _ in range(5):
+            (grad,) = torch.autograd.grad(model(x).sum(), x)
+            with torch.no_grad():
+                x += 0.01 * grad.sign()
+        alive = weakref.ref(params)
+        params.detach()
+        del params
+        gc.collect()
+        assert alive() is None
     finally:
         store.close()

@@ -6,10 +6,11 @@ default, or disk) and leaves a zero-size placeholder in the module. Around each 
 owns parameters (a *unit*), hooks hold its parameters on the device tier -- the store's own
 buffers -- for its forward, release them after it (even when it raises), hold them again before
 its backward (once the gradient of one of its outputs is computed) and release each once its
-gradient is accumulated (a frozen one once the gradient of one of the unit's inputs is
-computed; any left, such as one without a gradient, when the backward ends). These are gradient
-hooks on the forward's tensors, not module backward hooks: the autograd graph stays the plain
-model's (same gradients, bit for bit; in-place changes of a unit's output allowed). A release ends the store's hold
+gradient is accumulated (a frozen one, or one whose gradient the backward does not accumulate,
+once the unit's backward passed a gradient on to its inputs; any left, such as one without a
+gradient, when the backward ends). These are hooks on the autograd graph the unit's forward
+made, not module backward hooks: the graph stays the plain model's (same gradients, bit for
+bit; in-place changes of a unit's output allowed). A release ends the store's hold
 only after the kernels queued until then, which may still read the weights, are done
 (``link.mark()`` on the training thread, awaited on the loop). Autograd would keep a reference to the
 forward-time buffers of the weights it saves for backward (and read them there, after the store
@@ -222,6 +223,7 @@ class ParameterOffload:
         self._saving: list[Any] = []
         #: The saved-tensor hooks wrapped for torch.compile (``_saved_tensor_hooks``), once made.
         self._compile_safe: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None
+        self._compile_safe_units: tuple[Callable[[int], None], Callable[[int, Any], None]] | None = None
         self._releasing: list[Any] = []  # holds being let go on the loop
         self._hooks: list[Any] = []
         self._order: list[int] = []  # units in the order they were held this step
@@ -229,6 +231,8 @@ class ParameterOffload:
         self._cursor = 0
         #: Units held by each backward now running (by graph task): at its end, they let go.
         self._in_backward: dict[int, set[int]] = {}
+        #: Per unit, the autograd sequence numbers its forwards running now started at.
+        self._starts: dict[int, list[int]] = {}
         #: Units with trainable weights a checkpoint recomputes in the running backward (those
         #: weights stay held until their gradients are accumulated: they must all fit).
         self._recomputing: set[int] = set()
@@ -286,11 +290,10 @@ class ParameterOffload:
         self._hooks.append(self.module.register_forward_pre_hook(lambda *_: self._enter_saving()))
         self._hooks.append(self.module.register_forward_hook(lambda *_: self._exit_saving(), always_call=True))
         for index, unit in enumerate(self._units):
-            self._hooks.append(unit.module.register_forward_pre_hook(
-                lambda _, args, kwargs, i=index: self._before_forward(i, args, kwargs), with_kwargs=True))
+            self._hooks.append(unit.module.register_forward_pre_hook(lambda *_, i=index: self._unit_hooks()[0](i)))
             # always_call: a forward that raises still lets go of the unit's weights
             self._hooks.append(unit.module.register_forward_hook(
-                lambda _, args, output, i=index: self._after_forward(i, output), always_call=True))
+                lambda _, args, output, i=index: self._unit_hooks()[1](i, output), always_call=True))
         # (the modules owning offloaded weights: a unit's, and within a whole unit its children)
         units = {id(sub) for sub in self.module.modules() if any(id(p) in self._weight_of for p in sub._parameters.values())}
         for sub in self.module.modules():  # where a state_dict() call starts and ends
@@ -399,6 +402,13 @@ class ParameterOffload:
             self._compile_safe = (torch.compiler.disable(self._pack), torch.compiler.disable(self._unpack))
         return self._compile_safe or (self._pack, self._unpack)
 
+    def _unit_hooks(self) -> tuple[Callable[[int], None], Callable[[int, Any], None]]:
+        """``_before_forward`` and ``_after_forward``, run as Python under ``torch.compile`` as
+        the saved-tensor hooks are (traced, the walk of the graph recompiled at every call)."""
+        if self._compile_safe_units is None and "torch._dynamo" in sys.modules:
+            self._compile_safe_units = (torch.compiler.disable(self._before_forward), torch.compiler.disable(self._after_forward))
+        return self._compile_safe_units or (self._before_forward, self._after_forward)
+
     def _exit_saving(self) -> None:
         if self._saving:
             hooks = self._saving.pop()
@@ -439,28 +449,36 @@ class ParameterOffload:
 
     # -- around each unit --------------------------------------------------------------------------------
 
-    def _before_forward(self, index: int, args: Any, kwargs: Any) -> None:
-        """Hold the unit's weights for its forward; once backward has computed the gradient of
-        one of its inputs, its frozen weights can go (``_frozen_done``).
-        Gradient hooks on tensors, as FSDP2's, not torch's full backward hooks on the module:
-        those wrap its inputs and outputs in a view that an in-place change
-        (``ReLU(inplace=True)`` on its output, a residual ``out += x``) makes torch refuse."""
+    def _before_forward(self, index: int) -> None:
+        """Hold the unit's weights for its forward, and note where its part of the autograd
+        graph starts (``_after_forward`` hooks it)."""
         self._hold(index, forward=True)
         if torch.is_grad_enabled():
-            inputs = _needing_grad((args, kwargs))
-            if inputs:
-                # (the first of them: "all" is refused under autograd.grad with a leaf input; a
-                # frozen weight a later node of the unit's backward reads is held again then)
-                torch.autograd.graph.register_multi_grad_hook(inputs, lambda grad, i=index: self._frozen_done(i, (grad,)), mode="any")
+            self._starts.setdefault(index, []).append(_next_sequence_nr())
 
     def _after_forward(self, index: int, output: Any) -> None:
-        """Let go after the unit's forward; hold again when backward reaches it: as soon as
-        the gradient of any of its outputs is computed (before its own backward runs)."""
+        """Let go after the unit's forward, and hook the part of the autograd graph it made:
+        hold again when backward reaches it (the first gradient of one of its outputs), and
+        let go of what it no longer needs once its backward has passed a gradient on to its
+        inputs (``_unit_backward_done``). Hooks on the graph, as FSDP2's, not torch's full
+        backward hooks on the module: those wrap its inputs and outputs in views (an in-place
+        change of its output, ``ReLU(inplace=True)`` or a residual ``out += x``, was refused)
+        and add nodes to the graph (gradients summed in another order). Nothing is hooked on a
+        leaf tensor, whose hooks would outlive the graph."""
         self._release_after_forward(index)
-        if torch.is_grad_enabled() and output is not None:
-            outputs = _needing_grad(output)
-            if outputs:
-                torch.autograd.graph.register_multi_grad_hook(outputs, lambda _, i=index: self._hold(i), mode="any")
+        starts = self._starts.get(index)
+        start = starts.pop() if starts else None
+        if start is None or output is None or not torch.is_grad_enabled():
+            return
+        roots = [t.grad_fn for t in _needing_grad(output) if t.grad_fn is not None and t.grad_fn._sequence_nr() >= start]
+        if not roots:
+            return
+        torch.autograd.graph.register_multi_grad_hook(
+            [t for t in _needing_grad(output) if t.grad_fn is not None], lambda _, i=index: self._hold(i), mode="any")
+        edges, accumulators = _edge_nodes(roots, start, self._weight_of)
+        done = _OncePerBackward(lambda i=index, a=accumulators: self._unit_backward_done(i, a))
+        for node in edges:
+            node.register_hook(done)
 
     def _hold(self, index: int, forward: bool = False) -> None:
         """Hold the unit's weights on the device tier (one round trip to the loop for all).
@@ -484,7 +502,7 @@ class ParameterOffload:
         accumulation would tell when that is, so the unit computes with a copy of each that
         autograd owns (freed when the nodes that saved it ran, as an activation) and the
         store's hold ends at once. The parameter keeps its copy until the unit's backward is
-        done (``_frozen_done``, or the backward's end): torch's checkpoint saves a frozen leaf
+        done (``_unit_backward_done``, or the backward's end): torch's checkpoint saves a frozen leaf
         parameter as the parameter itself (not a detached alias), checks what it recomputed
         against the forward's (shapes), and reads it when the node runs."""
         if not weights:
@@ -530,30 +548,33 @@ class ParameterOffload:
             torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_backward(task))
         units.add(holder)
 
-    def _frozen_done(self, index: int, grad_inputs: Any) -> None:
-        """The gradient of an input of the unit is computed (a tensor's gradient is complete
-        once all its uses have theirs: the unit's backward is done): its frozen weights, which
-        no gradient accumulation lets go of, are let go now, and so are trainable ones whose
-        gradient this backward does not accumulate (``autograd.grad`` with respect to the input
-        alone: they stayed held to its end, all together; an accumulation still to come holds
-        its weight again, ``_before_accumulate``). A unit whose inputs need no gradient gets no
-        call: the backward's end lets go of its weights. What a checkpoint's recomputation saved
+    def _unit_backward_done(self, index: int, accumulators: dict[int, Any]) -> None:
+        """The unit's backward passed a gradient on to one of its inputs: its frozen weights,
+        which no gradient accumulation lets go of, are let go now, and so are trainable ones
+        whose gradient this backward does not accumulate (``autograd.grad`` with respect to the
+        input alone: they stayed held to its end, all together). A unit whose inputs need no
+        gradient gets no call: the backward's end lets go of its weights. What a checkpoint's recomputation saved
         refers to copies of its frozen weights (``_lend``), not to these holds, but to its
         trainable weights' buffers: those stay held. A use after this (a frozen weight feeding
         another's gradient) holds it again."""
-        if all(g is None for g in grad_inputs):
-            return
         if self._lent.get(index):
             self._give_back(index)
         recomputed = index in self._recomputing
-        weights = [w for w in self._units[index].weights if index in w.holders and not (w.param.requires_grad and recomputed)]
+
+        def done_with(weight: _Weight) -> bool:
+            if not weight.param.requires_grad:
+                return True
+            accumulator = accumulators.get(id(weight.param))
+            return not recomputed and accumulator is not None and not _accumulates(accumulator)
+
+        weights = [w for w in self._units[index].weights if index in w.holders and done_with(w)]
         for weight in weights:
             weight.holders.discard(index)
         self._let_go(weights)
 
     def _end_backward(self, task: int) -> None:
         """A backward ended: what it held is no longer needed by it, nor the copies lent for
-        its recomputations (a unit whose inputs needed no gradient gets no ``_frozen_done``)."""
+        its recomputations (a unit whose inputs needed no gradient gets no ``_unit_backward_done``)."""
         for index in self._in_backward.pop(task, ()):
             weights = [w for w in self._units[index].weights if index in w.holders]
             for weight in weights:
@@ -922,6 +943,67 @@ def _needing_grad(value: Any) -> list[torch.Tensor]:
         elif isinstance(item, Mapping):
             stack.extend(item.values())
     return list(found.values())
+
+
+_PROBE = torch.empty(0, requires_grad=True)
+
+
+def _next_sequence_nr() -> int:
+    """The sequence number autograd gives the next node made on this thread (numbers grow)."""
+    return int(_PROBE.view(0).grad_fn._sequence_nr()) + 1
+
+
+def _edge_nodes(roots: list[Any], start: int, weights: dict[int, Any]) -> tuple[list[Any], dict[int, Any]]:
+    """The nodes of a unit's part of the graph (made since sequence number ``start``,
+    reached from ``roots``) that pass a gradient on outside it: to a node made before, or to
+    a leaf that is not a stored weight (an input); and the stored weights' gradient
+    accumulators it reaches, by the weight's ``id``."""
+    edges, stack, seen = [], list(roots), set()
+    accumulators: dict[int, Any] = {}
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        outward = False
+        for following, _ in node.next_functions:
+            if following is None:
+                continue
+            if hasattr(following, "variable"):  # (AccumulateGrad: a leaf)
+                if id(following.variable) in weights:
+                    accumulators[id(following.variable)] = following
+                else:
+                    outward = True
+            elif following._sequence_nr() >= start:
+                stack.append(following)
+            else:
+                outward = True
+        if outward:
+            edges.append(node)
+    return edges, accumulators
+
+
+def _accumulates(accumulator: Any) -> bool:
+    """Whether the running backward accumulates into the leaf of ``accumulator`` (not so
+    under ``autograd.grad``, nor ``backward(inputs=...)`` without it)."""
+    try:
+        return bool(torch._C._will_engine_execute_node(accumulator))
+    except RuntimeError:  # (torch refuses to say for a leaf under autograd.grad, which accumulates nothing)
+        return False
+
+
+class _OncePerBackward:
+    """Calls ``action`` the first time it is called in each backward pass (graph task)."""
+
+    def __init__(self, action: Callable[[], None]) -> None:
+        self._action = action
+        self._task: int | None = None
+
+    def __call__(self, *_: Any) -> None:
+        task = torch._C._current_graph_task_id()
+        if task != self._task:
+            self._task = task
+            self._action()
 
 
 def _in_backward() -> bool:
