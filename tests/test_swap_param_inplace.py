@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import copy
 import gc
+import threading
 import weakref
 
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from tierstore import DeviceTier, HostTier, SyncTierStore
 from tierstore.optim import TieredAdamW
@@ -148,6 +150,97 @@ def test_a_leaf_input_keeps_no_hook_of_the_offload(device_mode: str) -> None:
             (grad,) = torch.autograd.grad(model(x).sum(), x)
             with torch.no_grad():
                 x += 0.01 * grad.sign()
+        alive = weakref.ref(params)
+        params.detach()
+        del params
+        gc.collect()
+        assert alive() is None
+    finally:
+        store.close()
+
+
+class _Gate(nn.Module):
+    """Reads its own weight twice, with a path to its input that skips the second read."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.g = nn.Parameter(torch.randn(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.g + torch.tanh(x) * self.g
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_checkpointed_frozen_unit_keeps_its_weight_until_its_whole_backward_ran(reentrant: bool, device_mode: str) -> None:
+    """The first node passing a gradient out of the unit ended it: the other read met the placeholder."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _Gate(), nn.Linear(8, 1))
+    model[1].requires_grad_(False)
+    twin = copy.deepcopy(model)
+    store = SyncTierStore([DeviceTier("cpu", "1MiB"), HostTier("16MiB")]).open()
+    try:
+        offload_parameters(model, store)
+        x = torch.randn(3, 8)
+        for net in (model, twin):
+            net[2](checkpoint(net[1], net[0](x), use_reentrant=reentrant)).sum().backward()
+        for ours, theirs in zip(model.parameters(), twin.parameters(), strict=True):
+            assert (ours.grad is None and theirs.grad is None) or torch.equal(ours.grad, theirs.grad)
+    finally:
+        store.close()
+
+
+class _Residual(nn.Module):
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(width, width) / width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(x @ self.w)
+
+
+def test_frozen_units_with_a_residual_inside_go_one_by_one(device_mode: str) -> None:
+    """A residual inside a unit ended its backward at once; the weights its later nodes read
+    were held again to the end of backward, and a frozen stack 3x the device tier ran out."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), *[_Residual() for _ in range(12)])
+    model[1:].requires_grad_(False)
+    twin = copy.deepcopy(model)
+    unit = 64 * 64 * 4
+    store = SyncTierStore([DeviceTier("cpu", 4 * unit), HostTier("16MiB")]).open()
+    try:
+        offload_parameters(model, store)
+        x = torch.randn(4, 64)
+        for net in (model, twin):
+            net(x).square().sum().backward()
+        for ours, theirs in zip(model[0].parameters(), twin[0].parameters(), strict=True):
+            assert torch.equal(ours.grad, theirs.grad)
+    finally:
+        store.close()
+
+
+def _forward_into(model: nn.Module, x: torch.Tensor, outputs: list[torch.Tensor]) -> None:
+    outputs.append(model(x))
+
+
+def test_a_forward_on_another_thread_hooks_nothing_of_the_callers_graph(device_mode: str) -> None:
+    """Sequence numbers are per thread: the walk of a unit's graph went on into the caller's
+    (kept) graph, left a hook there every step and kept the offload alive."""
+    torch.manual_seed(0)
+    before = nn.Linear(16, 16)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    store = SyncTierStore([DeviceTier("cpu", "1MiB"), HostTier("16MiB")]).open()
+    try:
+        params = offload_parameters(model, store)
+        x = torch.randn(4, 16)
+        for _ in range(300):  # (the caller's numbers run ahead of a fresh thread's)
+            x.detach().requires_grad_().view(-1)
+        condition = before(x)
+        for _ in range(3):
+            outputs: list[torch.Tensor] = []
+            worker = threading.Thread(target=_forward_into, args=(model, condition, outputs))
+            worker.start()
+            worker.join()
+            outputs.pop().square().sum().backward(retain_graph=True)
         alive = weakref.ref(params)
         params.detach()
         del params

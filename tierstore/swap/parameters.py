@@ -231,8 +231,8 @@ class ParameterOffload:
         self._cursor = 0
         #: Units held by each backward now running (by graph task): at its end, they let go.
         self._in_backward: dict[int, set[int]] = {}
-        #: Per unit, the autograd sequence numbers its forwards running now started at.
-        self._starts: dict[int, list[int]] = {}
+        #: Per thread and unit, the autograd sequence numbers its forwards running now started at.
+        self._starts: dict[tuple[int, int], list[int]] = {}
         #: Units with trainable weights a checkpoint recomputes in the running backward (those
         #: weights stay held until their gradients are accumulated: they must all fit).
         self._recomputing: set[int] = set()
@@ -454,7 +454,7 @@ class ParameterOffload:
         graph starts (``_after_forward`` hooks it)."""
         self._hold(index, forward=True)
         if torch.is_grad_enabled():
-            self._starts.setdefault(index, []).append(_next_sequence_nr())
+            self._starts.setdefault((threading.get_ident(), index), []).append(_next_sequence_nr())
 
     def _after_forward(self, index: int, output: Any) -> None:
         """Let go after the unit's forward, and hook the part of the autograd graph it made:
@@ -466,17 +466,18 @@ class ParameterOffload:
         and add nodes to the graph (gradients summed in another order). Nothing is hooked on a
         leaf tensor, whose hooks would outlive the graph."""
         self._release_after_forward(index)
-        starts = self._starts.get(index)
+        starts = self._starts.get((threading.get_ident(), index))
         start = starts.pop() if starts else None
         if start is None or output is None or not torch.is_grad_enabled():
             return
-        roots = [t.grad_fn for t in _needing_grad(output) if t.grad_fn is not None and t.grad_fn._sequence_nr() >= start]
+        end = _next_sequence_nr()  # (numbers are per thread: nodes outside [start, end) are not this forward's)
+        roots = [t.grad_fn for t in _needing_grad(output) if t.grad_fn is not None and start <= t.grad_fn._sequence_nr() < end]
         if not roots:
             return
         torch.autograd.graph.register_multi_grad_hook(
             [t for t in _needing_grad(output) if t.grad_fn is not None], lambda _, i=index: self._hold(i), mode="any")
-        edges, accumulators = _edge_nodes(roots, start, self._weight_of)
-        done = _OncePerBackward(lambda i=index, a=accumulators: self._unit_backward_done(i, a))
+        edges, accumulators = _edge_nodes(roots, start, end, self._weight_of)
+        done = _UnitBackward(len(edges), lambda i=index, a=accumulators: self._unit_backward_done(i, a))
         for node in edges:
             node.register_hook(done)
 
@@ -953,9 +954,9 @@ def _next_sequence_nr() -> int:
     return int(_PROBE.view(0).grad_fn._sequence_nr()) + 1
 
 
-def _edge_nodes(roots: list[Any], start: int, weights: dict[int, Any]) -> tuple[list[Any], dict[int, Any]]:
-    """The nodes of a unit's part of the graph (made since sequence number ``start``,
-    reached from ``roots``) that pass a gradient on outside it: to a node made before, or to
+def _edge_nodes(roots: list[Any], start: int, end: int, weights: dict[int, Any]) -> tuple[list[Any], dict[int, Any]]:
+    """The nodes of a unit's part of the graph (made between sequence numbers ``start`` and
+    ``end``, reached from ``roots``) that pass a gradient on outside it: to a node made before, or to
     a leaf that is not a stored weight (an input); and the stored weights' gradient
     accumulators it reaches, by the weight's ``id``."""
     edges, stack, seen = [], list(roots), set()
@@ -974,7 +975,7 @@ def _edge_nodes(roots: list[Any], start: int, weights: dict[int, Any]) -> tuple[
                     accumulators[id(following.variable)] = following
                 else:
                     outward = True
-            elif following._sequence_nr() >= start:
+            elif start <= following._sequence_nr() < end:
                 stack.append(following)
             else:
                 outward = True
@@ -992,17 +993,26 @@ def _accumulates(accumulator: Any) -> bool:
         return False
 
 
-class _OncePerBackward:
-    """Calls ``action`` the first time it is called in each backward pass (graph task)."""
+class _UnitBackward:
+    """A post-hook of each of a unit's ``edges`` nodes: calls ``action`` once in each backward
+    pass (graph task), once all of them have run (the first alone is too early: a residual
+    inside the unit passes its gradient out before the nodes that read its weights). Where some
+    edge does not run (``backward(inputs=...)``), the backward's end lets go instead. It keeps
+    no node: a node's hook referring to nodes would be a cycle the collector cannot see."""
 
-    def __init__(self, action: Callable[[], None]) -> None:
+    def __init__(self, edges: int, action: Callable[[], None]) -> None:
+        self._edges = edges
         self._action = action
         self._task: int | None = None
+        self._waiting = 0
 
     def __call__(self, *_: Any) -> None:
         task = torch._C._current_graph_task_id()
         if task != self._task:
             self._task = task
+            self._waiting = self._edges
+        self._waiting -= 1
+        if self._waiting == 0:
             self._action()
 
 
