@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import math
 import numbers
 import os
 import signal
@@ -175,6 +174,9 @@ class PagedOptimizer(torch.optim.Optimizer):
     ``StepIncompleteError`` naming the parameters it updated; calling ``step()`` again completes
     it without applying any update twice (``zero_grad()`` abandons it instead).
     """
+
+    #: The memory plan last made (what ``memory_plan()`` gives once closed).
+    _plan: MemoryPlan
     #: ``GradScaler.step`` hands us its scale and inf flag (``grad_scale``/``found_inf``
     #: attributes) instead of unscaling ``p.grad`` itself: the host copies are unscaled.
     _step_supports_amp_scaling = True
@@ -770,7 +772,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             return self._plan
         pipeline = self._pipeline
         assert pipeline is not None
-        self._plan: MemoryPlan = plan_memory(
+        self._plan = plan_memory(
             self.store, self._slots, self._state_bytes, state_tier=self.state_tier, unit_need=pipeline.need,
             inflight=pipeline.inflight, chunk_bytes=pipeline.chunk_bytes, offloaded=offloaded,
             used_by_others=run(self._used_by_others()),
@@ -915,8 +917,10 @@ def _hook(optimizer: weakref.ref[PagedOptimizer], slot: ParamSlot, param: torch.
 
 def _count(name: str, value: Any) -> int:
     """``value`` as a count of at least 1 (a whole float from a config file too), or a clear error."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or int(value) != value:
+    whole = (isinstance(value, numbers.Integral) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
+    if not whole:
         raise TypeError(f"{name} must be a whole number, not {value!r}")
-    if value < 1:
+    count = int(value)
+    if count < 1:
         raise ValueError(f"{name} must be at least 1, not {value}")
-    return int(value)
+    return count

@@ -59,6 +59,7 @@ import time
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -475,11 +476,14 @@ class ParameterOffload:
         if not roots:
             return
         torch.autograd.graph.register_multi_grad_hook(
-            [t for t in _needing_grad(output) if t.grad_fn is not None], lambda _, i=index: self._hold(i), mode="any")
+            [t for t in _needing_grad(output) if t.grad_fn is not None], partial(self._hold_for_backward, index), mode="any")
         edges, accumulators = _edge_nodes(roots, start, end, self._weight_of)
-        done = _UnitBackward(len(edges), lambda i=index, a=accumulators: self._unit_backward_done(i, a))
+        done = _UnitBackward(len(edges), partial(self._unit_backward_done, index, accumulators))
         for node in edges:
             node.register_hook(done)
+
+    def _hold_for_backward(self, index: int, _: Any) -> None:
+        self._hold(index)
 
     def _hold(self, index: int, forward: bool = False) -> None:
         """Hold the unit's weights on the device tier (one round trip to the loop for all).
@@ -951,7 +955,9 @@ _PROBE = torch.empty(0, requires_grad=True)
 
 def _next_sequence_nr() -> int:
     """The sequence number autograd gives the next node made on this thread (numbers grow)."""
-    return int(_PROBE.view(0).grad_fn._sequence_nr()) + 1
+    node = _PROBE.view(0).grad_fn
+    assert node is not None
+    return int(node._sequence_nr()) + 1
 
 
 def _edge_nodes(roots: list[Any], start: int, end: int, weights: dict[int, Any]) -> tuple[list[Any], dict[int, Any]]:
