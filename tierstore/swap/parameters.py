@@ -967,11 +967,13 @@ def _edge_nodes(roots: list[Any], start: int, end: int, weights: dict[int, Any])
     accumulators it reaches, by the weight's ``id``."""
     edges, stack, seen = [], list(roots), set()
     accumulators: dict[int, Any] = {}
+    visited = []  # (kept alive while walking: a freed wrapper's id could come back for another node)
     while stack:
         node = stack.pop()
         if id(node) in seen:
             continue
         seen.add(id(node))
+        visited.append(node)
         outward = False
         for following, _ in node.next_functions:
             if following is None:
