@@ -417,10 +417,11 @@ class PagedOptimizer(torch.optim.Optimizer):
         assert self._pipeline is not None
         pipeline = self._pipeline
         pipeline.plan_added(added)  # (OptimizerCapacityError: the plan as it was)
-        in_force = self._plan
+        in_force = getattr(self, "_plan", None)
         plan = self.memory_plan()
         if not plan.fits:
-            self._plan = in_force  # (what memory_plan() gives once closed)
+            if in_force is not None:
+                self._plan = in_force  # (what memory_plan() gives once closed)
             pipeline.replan(without=added)
             raise OptimizerCapacityError("this parameter group cannot fit: " + "; ".join(plan.problems) + f"\n{plan}")
 
