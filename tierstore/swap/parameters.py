@@ -472,11 +472,11 @@ class ParameterOffload:
         if start is None or output is None or not torch.is_grad_enabled():
             return
         end = _next_sequence_nr()  # (numbers are per thread: nodes outside [start, end) are not this forward's)
-        roots = [t.grad_fn for t in _needing_grad(output) if t.grad_fn is not None and start <= t.grad_fn._sequence_nr() < end]
+        computed = [t for t in _needing_grad(output) if t.grad_fn is not None]
+        roots = [node for node in (t.grad_fn for t in computed) if node is not None and start <= node._sequence_nr() < end]
         if not roots:
             return
-        torch.autograd.graph.register_multi_grad_hook(
-            [t for t in _needing_grad(output) if t.grad_fn is not None], partial(self._hold_for_backward, index), mode="any")
+        torch.autograd.graph.register_multi_grad_hook(computed, partial(self._hold_for_backward, index), mode="any")
         edges, accumulators = _edge_nodes(roots, start, end, self._weight_of)
         done = _UnitBackward(len(edges), partial(self._unit_backward_done, index, accumulators))
         for node in edges:
