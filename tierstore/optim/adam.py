@@ -143,6 +143,7 @@ class TieredAdam(PagedOptimizer):
         #: ``(rows, paged, chunks)`` (``_resident_pieces``; read only: they are shared).
         self._pieces_made: dict[int, tuple[int, bool, Any, list[Piece]]] = {}
         self._warned_foreign = False
+        self._warned_lossless_load = False
         #: Per slot index: the move of its master out of a parameter no longer fp32 (``_keep_master_apart``).
         self._master_moves: dict[int, asyncio.Lock] = {}
         #: Per slot index: its state with the master apart, moved but not yet written whole.
@@ -284,9 +285,43 @@ class TieredAdam(PagedOptimizer):
             master = await self._param_master(slot, start, stop)
             return PackedState(layout, packed, stop - start, param_numel=slot.numel, master=master)
         state = PackedState(layout, packed, stop - start, high, param_numel=slot.numel)  # (its kernels: the parameter's)
+        if slot.loaded_master is not None and slot.master_to_check(chunk):
+            state.high = await self._high_as_loaded(slot, state, start, update=fresh)
         if fresh and self._may_reload(slot, chunk) and await self._reloads(slot, chunk, start, stop, None if layout.lossless else state.master()):
             state.set_master((high if high is not None else await read_weight_range(slot, start, stop)).reshape(-1).float())
         return state
+
+    async def _high_as_loaded(self, slot: ParamSlot, state: PackedState, start: int, *, update: bool) -> torch.Tensor:
+        """The high halves of a lossless master loaded from a checkpoint, for ``state``'s
+        elements from ``start`` (``tierstore.optim.lossless_load``): the weight the model holds
+        if it is the master truncated; turned back into the master's high halves if it is the
+        master rounded (a checkpoint of an fp32 master); if neither, at an update (``update``),
+        the weight, with the low halves restarted at zero and a warning once."""
+        loaded = slot.loaded_master
+        high = state.high
+        assert loaded is not None and high is not None
+        which = loaded.decided
+        if which is None:
+            version = slot.param._version if isinstance(slot.param, torch.Tensor) else -1
+            if loaded.seen is not None and loaded.seen[0] == version and version >= 0:
+                which = loaded.seen[1]
+            else:
+                which = loaded.which(await read_weight(slot))
+                loaded.seen = (version, which)
+            if update:
+                loaded.decided = which
+        if which == "rounded":
+            return loaded.high_of_rounded(high, state.view("master_low"), start)
+        if which == "neither" and update:
+            state.view("master_low").zero_()
+            if not self._warned_lossless_load:
+                self._warned_lossless_load = True
+                warnings.warn(
+                    f"parameter {slot.index}: the model's weight is neither the loaded master truncated (a lossless "
+                    "master's checkpoint) nor rounded (an fp32 master's), so the master restarts from the weight (its "
+                    "low halves lost): the weight moved since the master was saved, or the model's weights loaded are "
+                    "not the checkpoint's", RuntimeWarning, stacklevel=2)
+        return high
 
     @staticmethod
     def _may_reload(slot: ParamSlot, chunk: Chunk | None) -> bool:
@@ -313,9 +348,9 @@ class TieredAdam(PagedOptimizer):
             slot.note_seen()  # (the model's load after the optimizer's is taken into account here, not again)
             if master is None:  # (lossless: its high half is the weight now, its loaded low half kept)
                 return False
-            weight = await read_weight_range(slot, start, stop)
-            if torch.equal(master.to(weight.dtype), weight.reshape(-1)):
-                return False
+            weight = (await read_weight_range(slot, start, stop)).reshape(-1)
+            if torch.equal(master.to(weight.dtype), weight) or weight.dtype == torch.bfloat16 and torch.equal(_truncated(master), weight):
+                return False  # (rounded: our own checkpoint; truncated: a lossless master's, exact too)
             warnings.warn(
                 f"parameter {slot.index}: the master weight loaded from the checkpoint does not round to the parameter's "
                 "value at the first step, so it restarts from the weight (its extra bits lost): the weight moved since "
@@ -876,6 +911,11 @@ class TieredAdamW(TieredAdam):
     def __init__(self, params: Iterable[Any], lr: float | torch.Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, **kwargs: Any) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
+
+
+def _truncated(master: torch.Tensor) -> torch.Tensor:
+    """The bf16 weight a lossless master keeps beside fp32 ``master``: its high halves."""
+    return master.reshape(-1).view(torch.int32).bitwise_and(-65536).view(torch.float32).bfloat16()
 
 
 @lru_cache(maxsize=64)

@@ -33,7 +33,9 @@ those values), ``master`` the exact fp32 master. The param groups leave ``state_
 have torch's keys only); loading never changes them: the loading optimizer
 compresses what it loads as it was built to (an fp32 checkpoint into an 8-bit optimizer is
 quantised; our own compressed checkpoint re-encodes to the same codes). With a lossless master,
-what is kept of a loaded ``master`` is its low 16 bits: the high half is the model's weight.
+what is kept of a loaded ``master`` is its low 16 bits: the high half is the model's weight
+(rounded from the master when the checkpoint's optimizer kept an fp32 master: taken back
+exactly at the first update, ``tierstore.optim.lossless_load``).
 
 Memory: ``state_dict()`` holds this rank's whole state at once (DCP's ``get_optimizer_state_dict``
 needs the tensors), one parameter's state read from the store at a time; ``opt.state[p]`` reads
@@ -52,6 +54,7 @@ import torch
 
 from ..sync import run
 from .distributed import LocalShard, ParamRange, is_dtensor
+from .lossless_load import LoadedMaster
 
 if TYPE_CHECKING:
     from .adam import TieredAdam
@@ -243,13 +246,28 @@ def adam_load_state_dict(optimizer: TieredAdam, state_dict: dict[str, Any]) -> N
     for saved, group in zip(groups, optimizer.param_groups, strict=True):
         if len(saved["params"]) != len(group["params"]):
             raise ValueError("loaded state dict contains a parameter group that doesn't match the size of optimizer's group")
+    ids = [i for saved in groups for i in saved["params"]]
+    saved_state = {slot: state_dict["state"].get(ids[saved_index(optimizer, slot)]) for slot in optimizer._slots}
+    _require_entries(optimizer, saved_state, groups)
     for saved, group in zip(groups, optimizer.param_groups, strict=True):
         # deep copies, as torch takes: a tensor lr shared with the source would follow its scheduler
         group.update({k: copy.deepcopy(v) for k, v in saved.items() if k not in _STORAGE_KEYS})
         group.setdefault("decoupled_weight_decay", optimizer.decoupled_weight_decay)
-    ids = [i for saved in groups for i in saved["params"]]
-    saved_state = {slot: state_dict["state"].get(ids[saved_index(optimizer, slot)]) for slot in optimizer._slots}
     run(_adam_load(optimizer, saved_state))
+
+
+def _require_entries(optimizer: TieredAdam, saved_state: dict[ParamSlot, Any], groups: list[dict[str, Any]]) -> None:
+    """Raise ``KeyError``, before anything changes, if a parameter's saved state lacks what Adam
+    needs (``step``, both moments, ``max_exp_avg_sq`` under amsgrad): torch's AdamW fails on such
+    an entry at its next step; filled with zeros, the update would be silently wrong."""
+    for slot, saved in saved_state.items():
+        if not saved:
+            continue
+        needed = ["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if groups[slot.group].get("amsgrad") else [])
+        missing = [name for name in needed if name not in saved]
+        if missing:
+            raise KeyError(f"the state dict's entry for parameter {saved_index(optimizer, slot)} lacks {', '.join(map(repr, missing))} "
+                           f"(it has {', '.join(map(repr, saved))}): nothing was loaded")
 
 
 def _fresh(saved: Mapping[str, Any]) -> bool:
@@ -289,6 +307,8 @@ async def adam_load_entry(optimizer: TieredAdam, slot: ParamSlot, entry: Mapping
     # A lower-precision parameter's master is checked against the weight at its first update,
     # once the model's weights are loaded too, in whichever order (``TieredAdam._reloads``).
     slot.verify_master = "master" in entry and weight.dtype != torch.float32
+    layout = optimizer._layout(slot)
+    slot.loaded_master = LoadedMaster.of(rows[0]) if slot.verify_master and layout is not None and layout.lossless else None
 
 
 # -- opt.state ----------------------------------------------------------------------------------

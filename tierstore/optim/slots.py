@@ -106,6 +106,9 @@ class ParamSlot:
     #: chunked parameter, chunk by chunk (those checked in ``master_checked_chunks``).
     verify_master: bool = False
     master_checked_chunks: set[int] = field(default_factory=set)
+    #: With a lossless master, what the load kept to tell which weight the model holds
+    #: (``tierstore.optim.lossless_load.LoadedMaster``), until the master is checked.
+    loaded_master: Any = None
 
     @property
     def grad_key(self) -> str:
@@ -127,11 +130,13 @@ class ParamSlot:
                 return
         self.verify_master = False
         self.master_checked_chunks.clear()
+        self.loaded_master = None
 
     def note_written(self) -> None:
         """The optimizer wrote the parameter (or its master is the parameter's value now)."""
         self.verify_master = False
         self.master_checked_chunks.clear()
+        self.loaded_master = None
         self.note_seen()
 
     def note_seen(self) -> None:

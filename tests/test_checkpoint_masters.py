@@ -1,0 +1,108 @@
+"""Loading a checkpoint's master across ``master_weights`` settings, and entries that lack what
+Adam needs. An fp32 master's checkpoint comes with weights rounded from it, a lossless one's
+with weights truncated from it: either loads into either kind of optimizer exactly, in either
+order of loading the model and the optimizer."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from tierstore.optim import TieredAdamW
+
+pytestmark = pytest.mark.device_modes
+
+
+def _trained(master_weights: str, numel: int = 5003, steps: int = 4) -> tuple[dict[str, torch.Tensor], dict]:
+    """A bf16 weight trained a few steps with ``master_weights``: the model's state, and the
+    optimizer's (whose ``master`` is exact), some masters forced onto a rounding tie."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(numel, 1, bias=False).bfloat16()
+    opt = TieredAdamW(model.parameters(), lr=1e-2, master_weights=master_weights, offload="host")
+    for _ in range(steps):
+        model.weight.grad = torch.randn_like(model.weight)
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    opt.close()
+    master = saved["state"][0]["master"].reshape(-1)
+    # Ties (a low half of exactly 0x8000) round to the even high half: up from an odd one only.
+    words = master.view(torch.int32)
+    words[::97] = (words[::97] & -65536) | 0x8000
+    weight = master.bfloat16() if master_weights == "fp32" else (words & -65536).view(torch.float32).bfloat16()
+    return {"weight": weight.reshape(1, numel)}, saved
+
+
+def _resumed(model_state: dict, saved: dict, master_weights: str, optimizer_first: bool, **kwargs: object) -> tuple[torch.nn.Linear, TieredAdamW]:
+    model = torch.nn.Linear(model_state["weight"].shape[1], 1, bias=False).bfloat16()
+    opt = TieredAdamW(model.parameters(), lr=1e-2, master_weights=master_weights, offload="host", **kwargs)  # type: ignore[arg-type]
+    if optimizer_first:
+        opt.load_state_dict(copy.deepcopy(saved))
+        model.load_state_dict(model_state)
+    else:
+        model.load_state_dict(model_state)
+        opt.load_state_dict(copy.deepcopy(saved))
+    return model, opt
+
+
+@pytest.mark.parametrize("optimizer_first", [False, True])
+@pytest.mark.parametrize(("saved_with", "loaded_into"), [("fp32", "lossless"), ("lossless", "fp32"), ("lossless", "lossless")])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_master_loads_exactly_across_master_weights(device_mode: str, saved_with: str, loaded_into: str, optimizer_first: bool,
+                                                      chunked: bool) -> None:
+    """An fp32 master's checkpoint loaded into a lossless master lost one bf16 step on about half
+    the elements (the rounded weight taken as the master's high half); a lossless checkpoint
+    loaded into an fp32 master restarted from the weight with a warning blaming the user."""
+    model_state, saved = _trained(saved_with)
+    master = saved["state"][0]["master"].clone()
+    extra = {"chunk_bytes": 4096} if chunked else {}
+    model, opt = _resumed(model_state, saved, loaded_into, optimizer_first, **extra)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(opt.state_dict()["state"][0]["master"].view(torch.int32), master.view(torch.int32))
+        model.weight.grad = torch.zeros_like(model.weight)
+        opt.param_groups[0]["lr"] = 0.0
+        opt.step()  # (lr 0, zero gradient: the master stays what was saved)
+        assert torch.equal(opt.state_dict()["state"][0]["master"].view(torch.int32), master.view(torch.int32))
+    expected = master.reshape(-1).view(torch.int32).bitwise_and(-65536).view(torch.float32) if loaded_into == "lossless" else master.reshape(-1)
+    assert torch.equal(model.weight.detach().reshape(-1), expected.bfloat16())
+    opt.close()
+
+
+def test_a_lossless_master_whose_weight_is_not_the_checkpoints_restarts_with_a_warning(device_mode: str) -> None:
+    model_state, saved = _trained("fp32")
+    moved = {"weight": (model_state["weight"].float() * 1.5).bfloat16()}
+    model, opt = _resumed(moved, saved, "lossless", optimizer_first=False)
+    model.weight.grad = torch.zeros_like(model.weight)
+    opt.param_groups[0]["lr"] = 0.0
+    with pytest.warns(RuntimeWarning, match="neither the loaded master truncated"):
+        opt.step()
+    master = opt.state_dict()["state"][0]["master"].reshape(-1)
+    assert torch.equal(master, moved["weight"].reshape(-1).float())  # (from the weight, low halves zero)
+    opt.close()
+
+
+@pytest.mark.parametrize("missing", ["step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"])
+def test_an_entry_lacking_what_adam_needs_is_refused_and_nothing_changes(device_mode: str, missing: str) -> None:
+    """A missing ``step`` or moment was filled with zeros: the next update 2x (step) to 36x
+    (``exp_avg_sq``) too large, where torch's AdamW raises ``KeyError``."""
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(300))
+    opt = TieredAdamW([weight], lr=1e-2, amsgrad=True, offload="host")
+    for _ in range(3):
+        weight.grad = torch.randn(300)
+        opt.step()
+    before = copy.deepcopy(opt.state_dict())
+    broken = copy.deepcopy(before)
+    del broken["state"][0][missing]
+    broken["param_groups"][0]["lr"] = 0.5
+    with pytest.raises(KeyError, match=f"parameter 0 lacks '{missing}'"):
+        opt.load_state_dict(broken)
+    after = opt.state_dict()
+    assert after["param_groups"][0]["lr"] == 1e-2
+    assert all(torch.equal(after["state"][0][k], v) for k, v in before["state"][0].items())
+    weight.grad = torch.randn(300)
+    opt.step()  # (still usable)
+    opt.close()
