@@ -87,6 +87,22 @@ def test_tune_with_the_least_volume_and_on_a_file(tmp_path: Path, capsys: pytest
     assert "is not a folder" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "arguments",
+    [["bench", "--sizes-mib", "0"], ["bench", "--sizes-mib", "x"], ["bench", "--sizes-mib", "1,-1"],
+     ["bench", "--deepspeed-settings", "1,2"], ["bench", "--deepspeed-settings", "4,0,2"], ["info", "ROOT", "--limit", "-1"]],
+    ids=["size-0", "size-x", "size-negative", "deepspeed-two", "deepspeed-depth-0", "info-negative-limit"],
+)
+def test_bad_numbers_on_the_command_line_are_usage_errors(tmp_path: Path, arguments: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """Each was a traceback (a division by zero, a negative tensor size, an unpack) or, for
+    ``info --limit -1``, a listing that silently left keys out."""
+    arguments = [str(tmp_path) if argument == "ROOT" else argument for argument in arguments]
+    with pytest.raises(SystemExit) as exited:
+        cli_main([*arguments, "--dir", str(tmp_path)] if arguments[0] == "bench" else arguments)
+    assert exited.value.code == 2
+    assert f"argument {arguments[1] if arguments[0] == 'bench' else '--limit'}" in capsys.readouterr().err
+
+
 LABELS = ["chunk 1 MiB", "chunk 4 MiB", "chunk 16 MiB"]
 
 
@@ -173,8 +189,10 @@ async def test_a_folder_keeps_the_chunk_size_it_was_created_with(tmp_path: Path)
         json.dumps({"format": "tierstore-tuning", "version": 1, "settings": {"chunk_size": 4096, "io_threads": -1, "queue_depth": 2}}),
         json.dumps({"format": "tierstore-tuning", "version": 1, "settings": {"chunk_size": 4096, "io_threads": 2}}),
         json.dumps([1, 2, 3]),
+        "[" * 100_000,
     ],
-    ids=["not-json", "foreign", "other-version", "unaligned-chunk", "negative-threads", "missing-setting", "a-list"],
+    ids=["not-json", "foreign", "other-version", "unaligned-chunk", "negative-threads", "missing-setting", "a-list",
+         "nested-too-deeply"],  # (the last: a RecursionError kept the store from opening)
 )
 async def test_a_damaged_or_foreign_tuning_file_warns_and_the_defaults_apply(tmp_path: Path, content: str) -> None:
     (tmp_path / TUNING_FILE).write_text(content)

@@ -27,3 +27,28 @@ def non_negative_float(text: str) -> float:
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"{text} is not a finite number of 0 or more")
     return value
+
+
+def non_negative_int(text: str) -> int:
+    """An ``int`` of at least 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is not a whole number of 0 or more")
+    return value
+
+
+def positive_numbers(text: str) -> list[float]:
+    """Comma-separated finite numbers above 0 (``"1,16,0.5"``)."""
+    values = []
+    for part in text.split(","):
+        try:
+            value = float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part.strip()!r} in {text!r} is not a number") from None
+        if not math.isfinite(value) or value <= 0:
+            raise argparse.ArgumentTypeError(f"{part.strip()} in {text!r} is not a finite number above 0")
+        values.append(value)
+    return values

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .arguments import non_negative_float
+from .arguments import non_negative_float, non_negative_int
 from .errors import TierStoreError
 
 
@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--verify", action="store_true",
                       help="read every value and check its checksums (without it the values' bytes are not read: "
                            "a store checks them on every read)")
-    info.add_argument("--limit", type=int, default=40, help="keys to list (default 40)")
+    info.add_argument("--limit", type=non_negative_int, default=40, help="keys to list (default 40)")
     info.add_argument("--all", action="store_true", help="list every key")
     info.set_defaults(run=_info)
 

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from ..arguments import positive_int
+from ..arguments import positive_int, positive_numbers
 from ..disk.tuning import (
     DEFAULTS,
     TUNING_FILE,
@@ -616,6 +616,14 @@ def tune_main(folder: Path, volume_mib: int, json_path: Path | None) -> int:
     return 0
 
 
+def _deepspeed_settings(text: str) -> tuple[float, int, int]:
+    """``BLOCK_MIB,QUEUE_DEPTH,PARALLELISM``: a block size above 0, two whole numbers of 1 or more."""
+    values = positive_numbers(text)
+    if len(values) != 3 or not all(value.is_integer() for value in values[1:]):
+        raise argparse.ArgumentTypeError(f"{text!r} is not BLOCK_MIB,QUEUE_DEPTH,PARALLELISM (e.g. 4,32,2: whole queue depth and parallelism)")
+    return values[0], int(values[1]), int(values[2])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tierstore bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="1 and 16 MiB only, fewer repetitions (about a minute)")
@@ -624,13 +632,14 @@ def main(argv: list[str] | None = None) -> int:
                         "with --tune: none besides the tuning file)")
     parser.add_argument("--reps", type=positive_int, default=None, help="repetitions per figure (default 5, quick 3)")
     parser.add_argument("--volume-mib", type=positive_int, default=None, help="MiB moved per repetition (default 512, quick 128)")
-    parser.add_argument("--sizes-mib", default=None, help="value sizes in MiB, comma-separated (default 1,16,64; quick 1,16)")
+    parser.add_argument("--sizes-mib", type=positive_numbers, default=None,
+                        help="value sizes in MiB, comma-separated (default 1,16,64; quick 1,16)")
     parser.add_argument("--disk-only", action="store_true", help="measure the disk tier only (no links, memory tiers or hit latency)")
     parser.add_argument("--tune", type=Path, metavar="DIR", default=None,
                         help=f"sweep chunk size, threads and queue depth on DIR's device and save the best in DIR/{TUNING_FILE}")
     parser.add_argument("--tune-mib", type=positive_int, default=256,
                         help="MiB moved per setting and direction by --tune (default 256; at least twice the default chunk, 8)")
-    parser.add_argument("--deepspeed-settings", default="4,32,2", metavar="BLOCK_MIB,QUEUE_DEPTH,PARALLELISM",
+    parser.add_argument("--deepspeed-settings", type=_deepspeed_settings, default="4,32,2", metavar="BLOCK_MIB,QUEUE_DEPTH,PARALLELISM",
                         help="DeepSpeed AIO baseline settings (default 4,32,2), used when deepspeed is importable")
     args = parser.parse_args(argv)
     if args.tune is not None:
@@ -638,15 +647,15 @@ def main(argv: list[str] | None = None) -> int:
     json_path = args.json or Path("benchmarks/results/bench_tiers.json")
     sizes = [1 * MiB, 16 * MiB] if args.quick else [1 * MiB, 16 * MiB, 64 * MiB]
     if args.sizes_mib:
-        sizes = [int(float(part) * MiB) for part in args.sizes_mib.split(",")]
+        sizes = [max(1, int(mib * MiB)) for mib in args.sizes_mib]
     reps = args.reps or (3 if args.quick else 5)
     volume = (args.volume_mib or (128 if args.quick else 512)) * MiB
     args.dir.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     latency: list[dict[str, Any]] = []
 
-    block_mib, depth, parallelism = (float(part) for part in args.deepspeed_settings.split(","))
-    deepspeed = deepspeed_aio(args.dir, int(block_mib * MiB), int(depth), int(parallelism))
+    block_mib, depth, parallelism = args.deepspeed_settings
+    deepspeed = deepspeed_aio(args.dir, max(1, int(block_mib * MiB)), int(depth), int(parallelism))
     # The disk cells use the settings `--tune` saved for this folder, if it did (the raw loop
     # takes the same chunk size and threads).
     tuned = load_tuning(args.dir)

@@ -105,6 +105,9 @@ def load_tuning(root: str | os.PathLike[str]) -> IOSettings | None:
     except ValueError as exc:
         _warn(path, f"is not valid JSON ({exc})")
         return None
+    except RecursionError:  # (arrays nested deeper than Python's parser goes)
+        _warn(path, "is not a tuning file (JSON nested too deeply to read)")
+        return None
     if not isinstance(document, dict) or document.get("format") != _FORMAT:
         _warn(path, f"is not a tierstore tuning file (no \"format\": \"{_FORMAT}\")")
         return None

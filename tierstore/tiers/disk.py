@@ -128,8 +128,9 @@ class DiskTier(Tier):
 
     Notes
     -----
-    Freed extents are given back to the file system at once (holes punched where it supports
-    them), and empty segment files at the end go once the rest is at most half full. Opening a
+    Freed extents are given back to the file system (holes punched where it supports them) once
+    the store has mostly emptied, and at close; empty segment files at the end go once the rest
+    is at most half full. Opening a
     folder with a capacity smaller than its segment files compacts it (live extents move into the
     first ``capacity`` bytes) or, if the live data does not fit, raises ``CapacityError``.
 
