@@ -100,3 +100,40 @@ def test_memory_report_shows_the_last_steps_disk_writes(tmp_path: Path) -> None:
         assert "to disk; SSD wear:" in str(memory)
     finally:
         opt.close()
+
+
+def test_reports_for_a_given_drive_say_so_everywhere(tmp_path: Path) -> None:
+    """The demo's ``--drive-capacity 1TB --drive-tbw 600`` reached only its last line: the memory
+    and time reports (text and JSON) still described a 2 TB drive rated 1200 TBW."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Linear(128, 128))
+    opt = TieredAdamW(model.parameters(), lr=1e-3, offload="disk", disk_root=tmp_path / "disk", host_capacity="128KiB")
+    try:
+        for _ in range(2):
+            model(torch.randn(8, 128)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        timing, memory = opt.time_report().for_drive("1TB", 600), opt.memory_report().for_drive("1TB", 600)
+        for text in (str(timing), str(memory)):
+            assert "a 1 TB drive rated 600 TBW" in text and "2 TB" not in text
+        expected = drive_wear(timing.disk_write_bytes, timing.step_wall, capacity="1TB", rated_tbw=600)
+        assert timing.wear() == expected and timing.as_dict()["wear"] == expected.as_dict()
+        assert memory.wear is not None and memory.wear.rated_bytes == 600 * 10**12 and memory.as_dict()["wear"]["capacity"] == 10**12
+        assert opt.time_report().wear().capacity == drive_wear(1, 1.0).capacity  # (the optimizer's own reports keep the default)
+        with pytest.raises(ValueError, match="capacity"):
+            opt.time_report().for_drive("0TB")
+    finally:
+        opt.close()
+
+
+def test_the_demo_describes_the_drive_it_is_given(tmp_path: Path) -> None:
+    import json
+
+    from tierstore.demo import main as demo_main
+
+    out = tmp_path / "demo.json"
+    assert demo_main(["--steps", "3", "--layers", "1", "--dim", "64", "--host-capacity", "256KiB", "--root", str(tmp_path / "d"),
+                      "--drive-capacity", "1TB", "--drive-tbw", "600", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["last_step"]["wear"]["capacity"] == result["wear"]["capacity"] == 10**12
+    assert result["last_step"]["wear"]["rated_bytes"] == result["memory"]["wear"]["rated_bytes"] == 600 * 10**12

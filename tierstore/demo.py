@@ -267,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
               + ("\n(the first step builds the 8-bit codec's kernels: it takes seconds longer, once)" if args.state_precision == "8bit" else "")
               + "\n")
         losses, times = train(model, optimizer, args, "tiered", clip_with_torch=False, swaps=swaps)
-        memory, timing = optimizer.memory_report(), optimizer.time_report()
+        drive = {"capacity": args.drive_capacity, "rated_tbw": args.drive_tbw}
+        memory, timing = optimizer.memory_report().for_drive(**drive), optimizer.time_report().for_drive(**drive)
         swapped = [str(s.report) for s in swaps if s is not None]
         swap_reports = {s.report.kind: s.report.as_dict() for s in swaps if s is not None}
         stats = optimizer.store.stats()

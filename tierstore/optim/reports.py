@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +51,15 @@ class MemoryReport:
     #: Parameters whose weights ``tierstore.swap.offload_parameters`` keeps in the store (not
     #: counted on the device above: they come and go).
     swapped_parameters: int = 0
+
+    def for_drive(self, capacity: int | str = DEFAULT_CAPACITY, rated_tbw: float | None = None) -> MemoryReport:
+        """This report with its wear line describing a drive of ``capacity`` rated for
+        ``rated_tbw`` terabytes written (``TimeReport.for_drive``)."""
+        if self.wear is None:
+            drive_wear(0, 0.0, capacity=capacity, rated_tbw=rated_tbw)  # (refuses a bad drive)
+            return self
+        wear = drive_wear(self.wear.bytes_written, self.wear.seconds, capacity=capacity, rated_tbw=rated_tbw)
+        return replace(self, wear=wear)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -269,6 +278,15 @@ class TimeReport:
     updates: int = 0
     update_elements: int = 0
     mode: str = "after-backward"
+    #: The drive the wear figures describe (``for_drive``; rated_tbw None: 600 TBW per TB).
+    drive_capacity: int | str = DEFAULT_CAPACITY
+    drive_tbw: float | None = None
+
+    def for_drive(self, capacity: int | str = DEFAULT_CAPACITY, rated_tbw: float | None = None) -> TimeReport:
+        """This report with its wear figures (``wear()``, the text, ``as_dict``) describing a
+        drive of ``capacity`` rated for ``rated_tbw`` terabytes written."""
+        drive_wear(0, 0.0, capacity=capacity, rated_tbw=rated_tbw)  # (refuses a bad drive here, not when printed)
+        return replace(self, drive_capacity=capacity, drive_tbw=rated_tbw)
 
     @property
     def io_overhead(self) -> float:
@@ -284,10 +302,13 @@ class TimeReport:
         """Bytes written to the disk tier per hour of training at this step's rate."""
         return self.disk_write_bytes / self.step_wall * 3600.0 if self.step_wall > 0 else 0.0
 
-    def wear(self, capacity: int | str = DEFAULT_CAPACITY, rated_tbw: float | None = None) -> DriveWear:
+    def wear(self, capacity: int | str | None = None, rated_tbw: float | None = None) -> DriveWear:
         """What this step's disk writes, at this step's rate, do to a drive of ``capacity``
-        rated for ``rated_tbw`` terabytes written (defaults: 2 TB, 600 TBW per TB; see
-        ``tierstore.wear``): bytes per hour, drive writes per day, days to the rating."""
+        rated for ``rated_tbw`` terabytes written (defaults: the report's drive, ``for_drive``,
+        else 2 TB, 600 TBW per TB; see ``tierstore.wear``): bytes per hour, drive writes per
+        day, days to the rating."""
+        if capacity is None:
+            capacity, rated_tbw = self.drive_capacity, self.drive_tbw if rated_tbw is None else rated_tbw
         return drive_wear(self.disk_write_bytes, self.step_wall, capacity=capacity, rated_tbw=rated_tbw)
 
     def as_dict(self) -> dict[str, Any]:
