@@ -533,7 +533,7 @@ class Engine:
                 continue
             self._give_back(tier, copy)
             raise StoreClosedError(f"the store closed while a value was being copied onto tier {tier.name!r}; nothing was installed")
-        self.count_link(source_tier, t, nbytes, time.perf_counter() - started)
+        self.count_link(source_tier, t, self._moved_from(entry, source_tier, nbytes), time.perf_counter() - started)
         if version is None:
             live = self._live_entry(entry, meta)  # type: ignore[arg-type]
             self.new_version(live, keep=None, meta=meta)
@@ -628,7 +628,7 @@ class Engine:
                     except BaseException:
                         disk.release(extent)
                         raise
-                    self.count_link(source_tier, d, meta.nbytes, time.perf_counter() - started)
+                    self.count_link(source_tier, d, extent.length, time.perf_counter() - started)  # (whole blocks cross)
                     new = Copy(d, record_version, extent=extent, checksums=checksums)
                     old = entry.copy_on(d)
                     if old is not None:
@@ -1189,6 +1189,15 @@ class Engine:
                 self.counters.prefetch.useful += 1
         else:
             counters.misses += 1
+
+    def _moved_from(self, entry: Entry, source: int | None, nbytes: int) -> int:
+        """Bytes a copy of ``nbytes`` from tier ``source`` moved: a disk extent is read in whole
+        blocks (what the kernel's block-I/O counters see)."""
+        if source is None or source != self.disk_index:
+            return nbytes
+        copy = entry.copy_on(source)
+        extent = copy.extent if copy is not None else None
+        return extent.length if extent is not None else nbytes
 
     def count_link(self, source: int | None, target: int, nbytes: int, seconds: float) -> None:
         name = self.names[source] if source is not None else "caller"

@@ -246,8 +246,8 @@ class TimeReport:
 
     Disk bytes: ``disk_read_bytes``/``disk_write_bytes`` are what crossed the disk tier's links
     in the step (what the kernel's block-I/O counters see, the disk tier writing with
-    ``O_DIRECT``); ``disk_need_bytes`` is what the step had to move at least: twice the paged
-    state of the parameters it updated that was not on the state tier when it began (read once,
+    ``O_DIRECT``, in whole 4 KiB blocks); ``disk_need_bytes`` is what the step had to move at
+    least: twice the paged state (in the disk's blocks) of the parameters it updated that was not on the state tier when it began (read once,
     written back once), plus state created in the step beyond the room the state tier had
     free. ``io_overhead`` is their ratio (1.0: no byte wasted). Gradients, and the state of
     frozen or unused parameters, are not part of the need. The bytes moved are the whole
@@ -357,11 +357,14 @@ class Residency:
 async def state_residency(store: TierStore, slots: Sequence[ParamSlot], state_tier: str) -> Residency | None:
     """The ``Residency`` of the paged state of ``slots`` (on the store's loop); None when no
     tier lies below ``state_tier`` (no state can be off it)."""
-    from ..tiers import MemoryTier
+    from ..tiers import DiskTier, MemoryTier
 
     names = [tier.name for tier in store.tiers]
     if names.index(state_tier) == len(names) - 1:
         return None
+    bottom = store.tiers[-1]
+    # (a disk moves whole 4 KiB blocks: an entry's need is what its transfers move, as counted)
+    moved = bottom.stored_size if isinstance(bottom, DiskTier) else int
     state: dict[str, tuple[int, bool]] = {}
     for slot in slots:
         if not slot.paged:
@@ -369,7 +372,7 @@ async def state_residency(store: TierStore, slots: Sequence[ParamSlot], state_ti
         for key in _state_keys(slot):
             if key in store:
                 info = store.info(key)
-                state[key] = (info["nbytes"], state_tier in info["tiers"])
+                state[key] = (moved(info["nbytes"]), state_tier in info["tiers"])
     tier = store.tier(state_tier)
     free = tier.free if isinstance(tier, MemoryTier) else 0
     return Residency(state=state, free=max(0, free))
