@@ -222,6 +222,9 @@ class ParameterOffload:
         self._weights: list[_Weight] = []
         self._weight_of: dict[int, _Weight] = {}
         self._saving: list[Any] = []
+        #: The root forwards running now: their thread and torch's frame calling the module (None
+        #: where not found), to tell at the next forward whether one ended without its hooks.
+        self._forwards: list[tuple[int, Any]] = []
         #: The saved-tensor hooks wrapped for torch.compile (``_saved_tensor_hooks``), once made.
         self._compile_safe: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None
         self._compile_safe_units: tuple[Callable[[int], None], Callable[[int, Any], None]] | None = None
@@ -389,10 +392,38 @@ class ParameterOffload:
     def _enter_saving(self) -> None:
         if _in_backward():  # a checkpoint's recompute: its own hooks must see what the forward saves
             self._saving.append(None)
+            self._forwards.append((threading.get_ident(), None))
             return
+        self._recover()
         hooks = torch.autograd.graph.saved_tensors_hooks(*self._saved_tensor_hooks())
         hooks.__enter__()
         self._saving.append(hooks)
+        self._forwards.append((threading.get_ident(), None if torch.compiler.is_compiling() else _calling_frame(self.module)))
+
+    def _recover(self) -> None:
+        """At a forward's start, outside backward: let go of what a forward or a backward that
+        raised left. A forward hook marked ``always_call`` runs for an ``Exception`` only: a
+        ``KeyboardInterrupt`` (Ctrl-C) in a unit's forward left its weights held and our
+        saved-tensor hooks pushed; a backward that raised never ran its end, so the units it
+        held stayed held (both filled the device tier at the next step)."""
+        me = threading.get_ident()
+        stale = [i for i, (thread, frame) in enumerate(self._forwards) if thread == me and frame is not None and not _on_stack(frame)]
+        for i in reversed(stale):  # (innermost first: torch's stack of saved-tensor hooks pops its top)
+            del self._forwards[i]
+            hooks = self._saving.pop(i)
+            if hooks is not None and torch._C._autograd._top_saved_tensors_default_hooks(False) == self._saved_tensor_hooks():
+                hooks.__exit__(None, None, None)
+        if stale:
+            self._order, self._cursor = [], 0
+            for key in [key for key in self._starts if key[0] == me]:
+                del self._starts[key]
+        if self._forwards:
+            return  # (a forward on another thread: what is held may be its)
+        for task in list(self._in_backward):
+            self._end_backward(task)
+        self._give_back_all()
+        self._recomputing.clear()
+        self._let_go([w for w in self._weights if w.hold is not None], everyone=True)
 
     def _saved_tensor_hooks(self) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
         """The pack and unpack hooks; run as Python under ``torch.compile`` (traced, the pack went
@@ -415,6 +446,11 @@ class ParameterOffload:
             hooks = self._saving.pop()
             if hooks is not None:
                 hooks.__exit__(None, None, None)
+        me = threading.get_ident()
+        for i in range(len(self._forwards) - 1, -1, -1):
+            if self._forwards[i][0] == me:
+                del self._forwards[i]
+                break
         if sys.exc_info()[1] is not None:  # the forward raised: no backward follows its units
             self._order = []
             self._cursor = 0
@@ -1022,6 +1058,28 @@ class _UnitBackward:
         self._waiting -= 1
         if self._waiting == 0:
             self._action()
+
+
+def _calling_frame(module: nn.Module) -> Any:
+    """The frame of torch's ``Module._call_impl`` calling ``module`` (a forward pre-hook runs
+    inside it), or None where it is not found."""
+    frame = sys._getframe(1)
+    code = nn.Module._call_impl.__code__
+    while frame is not None:
+        if frame.f_code is code and frame.f_locals.get("self") is module:
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def _on_stack(frame: Any) -> bool:
+    """Whether ``frame`` is still running on this thread (a caller of this function)."""
+    current = sys._getframe(1)
+    while current is not None:
+        if current is frame:
+            return True
+        current = current.f_back
+    return False
 
 
 def _in_backward() -> bool:

@@ -1,0 +1,126 @@
+"""Parameter offload after a step that did not finish, with a device tier smaller than the
+model's weights: the next steps train as a plain model's do, bit for bit. Torch runs a forward
+hook marked ``always_call`` for an ``Exception`` only, so a ``KeyboardInterrupt`` (Ctrl-C) in a
+unit's forward left its weights held and the saved-tensor hooks pushed; a backward that raised
+left the units it held held. Either filled the device tier: every later step (Ctrl-C), or the
+next one (backward), failed with ``TierFullError``."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from tierstore import DeviceTier, HostTier, SyncTierStore
+from tierstore.optim import TieredAdamW
+from tierstore.swap import offload_parameters
+
+pytestmark = pytest.mark.device_modes
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True) for _ in range(4))
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x.mean(1))
+
+
+class Interrupt:
+    """Raises ``error`` once, when armed, from a forward hook or a gradient hook."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+        self.armed = False
+
+    def __call__(self, *_: object) -> None:
+        if self.armed:
+            self.armed = False
+            raise self.error
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+@pytest.mark.parametrize("error", [KeyboardInterrupt, ValueError])
+def test_a_step_that_raised_leaves_nothing_held_and_training_goes_on(device_mode: str, where: str, error: type[BaseException]) -> None:
+    model = Encoder()
+    twin = copy.deepcopy(model)
+    interrupts = []
+    for net in (model, twin):
+        interrupt = Interrupt(error("injected"))
+        if where == "forward":  # (inside a unit: a child of a transformer layer, one unit whole)
+            net.layers[1].linear1.register_forward_hook(interrupt)
+        else:  # (backward has passed the layers after it, holding their weights)
+            net.layers[1].linear1.weight.register_hook(interrupt)
+        interrupts.append(interrupt)
+    store = SyncTierStore([DeviceTier("cpu", "160KiB"), HostTier("64MiB")]).open()  # (about 3 of the 4 layers)
+    try:
+        params = offload_parameters(model, store)
+        opt = TieredAdamW(model.parameters(), lr=1e-3, store=store, min_offload_numel=1, fused=True)
+        reference = torch.optim.AdamW(twin.parameters(), lr=1e-3, fused=True)
+        generator = torch.Generator().manual_seed(1)
+        for step in range(5):
+            x, y = torch.randn(4, 8, 64, generator=generator), torch.randint(0, 10, (4,), generator=generator)
+            for interrupt in interrupts:
+                interrupt.armed = step in (1, 3)
+            losses = []
+            for net, optimizer in ((model, opt), (twin, reference)):
+                try:
+                    loss = nn.functional.cross_entropy(net(x), y)
+                    loss.backward()
+                    optimizer.step()
+                    losses.append(loss.item())
+                except error:
+                    losses.append(None)
+                optimizer.zero_grad()
+            params.mark_step()
+            assert losses[0] == losses[1] and (losses[0] is None) == (step in (1, 3)), (step, losses)
+            assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None or step in (1, 3)
+        params.detach()
+        for ours, theirs in zip(model.parameters(), twin.parameters(), strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+        opt.close()
+    finally:
+        store.close()
+
+
+def test_a_forward_running_inside_another_is_not_taken_for_one_that_ended(device_mode: str) -> None:
+    """The root called again from inside its own forward (a model that runs itself on a second
+    input) is still running: its holds and hooks are not let go."""
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(16, 16)
+            self.b = nn.Linear(16, 16)
+            self.inner = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            if not self.inner:
+                self.inner = True
+                h = h + self(x * 2)
+                self.inner = False
+            return self.b(h)
+
+    torch.manual_seed(0)
+    model = Twice()
+    twin = copy.deepcopy(model)
+    store = SyncTierStore([DeviceTier("cpu", "64KiB"), HostTier("16MiB")]).open()
+    try:
+        params = offload_parameters(model, store)
+        x = torch.randn(4, 16)
+        model(x).square().sum().backward()
+        twin(x).square().sum().backward()
+        params.detach()
+        for ours, theirs in zip(model.parameters(), twin.parameters(), strict=True):
+            torch.testing.assert_close(ours.grad, theirs.grad, rtol=0, atol=0)
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    finally:
+        store.close()
