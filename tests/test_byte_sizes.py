@@ -3,18 +3,23 @@ with a message that says what to write."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from tierstore import HostTier
 
 
-@pytest.mark.parametrize("size, nbytes", [(4096, 4096), (1e6, 1_000_000), ("1.5 KiB", 1536), ("2MB", 2_000_000)])
+@pytest.mark.parametrize("size, nbytes", [(4096, 4096), (1e6, 1_000_000), ("1.5 KiB", 1536), ("2MB", 2_000_000),
+                                         (np.int64(8192), 8192), (np.uint32(4096), 4096), (np.float64(2e6), 2_000_000)])
 def test_sizes_a_tier_takes(size: object, nbytes: int) -> None:
-    assert HostTier(size).capacity == nbytes  # type: ignore[arg-type]
+    """(numpy's integers, a sum over a config's sizes say, were refused as not an int)"""
+    capacity = HostTier(size).capacity  # type: ignore[arg-type]
+    assert capacity == nbytes and type(capacity) is int
 
 
 @pytest.mark.parametrize("size, words", [(1.5, "must be whole.*'1.5GiB'"), (-1, "negative"), (float("inf"), "non-negative number"),
-                                         (float("nan"), "non-negative number"), ("lots", "cannot read"), (True, "must be an int")])
+                                         (float("nan"), "non-negative number"), ("lots", "cannot read"), (True, "must be an int"),
+                                         (np.int64(-1), "negative"), (np.float32(1.5), "must be an int")])
 def test_sizes_refused(size: object, words: str) -> None:
     with pytest.raises((ValueError, TypeError), match=words):
         HostTier(size)  # type: ignore[arg-type]

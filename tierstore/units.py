@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import re
 
 _UNITS = {
@@ -26,11 +27,13 @@ _PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
 def parse_bytes(size: int | float | str) -> int:
     """Return ``size`` as a whole number of bytes.
 
-    Accepts a non-negative int, or a string such as ``"512MiB"``, ``"1.5 GB"``, ``"4096"``.
+    Accepts a non-negative int (numpy's too), or a string such as ``"512MiB"``, ``"1.5 GB"``, ``"4096"``.
     Decimal units (kB, MB, GB, TB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB) of 1024.
     """
     if isinstance(size, bool):
         raise TypeError(f"a byte size must be an int or a string like '512MiB', not {size!r}")
+    if not isinstance(size, int) and isinstance(size, numbers.Integral):  # (numpy's integers, from a config or a sum)
+        size = int(size)
     if isinstance(size, int):
         if size < 0:
             raise ValueError(f"a byte size cannot be negative: {size}")
