@@ -386,11 +386,12 @@ def test_a_host_tier_too_small_for_anything_is_an_optimizer_capacity_error(capac
 
 
 @pytest.mark.parametrize("options, error", [
-    ({"chunk_bytes": 0}, ValueError), ({"chunk_bytes": "0KiB"}, ValueError),
+    ({"chunk_bytes": 0}, ValueError), ({"chunk_bytes": "0KiB"}, ValueError), ({"bucket_bytes": 0}, ValueError),
     ({"max_inflight": 2.5}, TypeError), ({"gradient_accumulation_steps": 1.5}, TypeError), ({"max_inflight": True}, TypeError),
 ])
 def test_sizes_and_counts_that_mean_nothing_are_refused(options: dict[str, Any], error: type[Exception], device_mode: str) -> None:
-    """chunk_bytes=0 silently meant "never chunk" and its capacity error then advised chunk_bytes=; 2.5 buckets trained."""
+    """chunk_bytes=0 silently meant "never chunk" and its capacity error then advised chunk_bytes=; 2.5 buckets trained;
+    bucket_bytes=0 silently meant the default."""
     with pytest.raises(error, match=next(iter(options))):
         TieredAdamW(torch.nn.Linear(4, 4).parameters(), **options)
 

@@ -234,6 +234,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         max_inflight = _count("max_inflight", max_inflight)
         if chunk_bytes is not None and parse_bytes(chunk_bytes) <= 0:
             raise ValueError(f"chunk_bytes must be a positive size (None: never chunk), not {chunk_bytes!r}")
+        if bucket_bytes is not None and parse_bytes(bucket_bytes) <= 0:  # (0 silently meant the default)
+            raise ValueError(f"bucket_bytes must be a positive size (None: the default), not {bucket_bytes!r}")
         if key_prefix is not None:
             warnings.warn("key_prefix is deprecated; pass namespace=", DeprecationWarning, stacklevel=3)
             if namespace is not None and namespace != key_prefix:
