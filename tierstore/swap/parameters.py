@@ -60,6 +60,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
+from types import FrameType
 from typing import Any
 
 import torch
@@ -1063,7 +1064,7 @@ class _UnitBackward:
 def _calling_frame(module: nn.Module) -> Any:
     """The frame of torch's ``Module._call_impl`` calling ``module`` (a forward pre-hook runs
     inside it), or None where it is not found."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     code = nn.Module._call_impl.__code__
     while frame is not None:
         if frame.f_code is code and frame.f_locals.get("self") is module:
@@ -1074,7 +1075,7 @@ def _calling_frame(module: nn.Module) -> Any:
 
 def _on_stack(frame: Any) -> bool:
     """Whether ``frame`` is still running on this thread (a caller of this function)."""
-    current = sys._getframe(1)
+    current: FrameType | None = sys._getframe(1)
     while current is not None:
         if current is frame:
             return True
