@@ -66,15 +66,19 @@ def test_time_report_wear_and_summary() -> None:
     assert "SSD wear" not in str(TimeReport(step_wall=0.1))  # no disk, no wear line
 
 
+def _train(model: torch.nn.Module, opt: TieredAdamW, steps: int = 2) -> None:
+    for _ in range(steps):
+        model(torch.randn(8, 128)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def test_a_real_disk_step_reports_writes_per_hour(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Linear(128, 128), torch.nn.Linear(128, 128))
     opt = TieredAdamW(model.parameters(), lr=1e-3, offload="disk", disk_root=tmp_path / "disk", host_capacity="128KiB")
     try:
-        for _ in range(2):
-            model(torch.randn(8, 128)).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
+        _train(model, opt)
         report = opt.time_report()
         assert report.disk_write_bytes > 0 and report.disk_write_bytes_per_hour > 0
         wear = report.wear()
@@ -90,10 +94,7 @@ def test_memory_report_shows_the_last_steps_disk_writes(tmp_path: Path) -> None:
     opt = TieredAdamW(model.parameters(), lr=1e-3, offload="disk", disk_root=tmp_path / "disk", host_capacity="128KiB")
     try:
         assert opt.memory_report().wear is None  # no step yet
-        for _ in range(2):
-            model(torch.randn(8, 128)).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
+        _train(model, opt)
         memory = opt.memory_report()
         assert memory.disk_write_bytes_per_step == opt.time_report().disk_write_bytes > 0
         assert memory.wear is not None and memory.wear.bytes_per_hour > 0
@@ -109,10 +110,7 @@ def test_reports_for_a_given_drive_say_so_everywhere(tmp_path: Path) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Linear(128, 128))
     opt = TieredAdamW(model.parameters(), lr=1e-3, offload="disk", disk_root=tmp_path / "disk", host_capacity="128KiB")
     try:
-        for _ in range(2):
-            model(torch.randn(8, 128)).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
+        _train(model, opt)
         timing, memory = opt.time_report().for_drive("1TB", 600), opt.memory_report().for_drive("1TB", 600)
         for text in (str(timing), str(memory)):
             assert "a 1 TB drive rated 600 TBW" in text and "2 TB" not in text

@@ -9,12 +9,21 @@ import math
 
 def positive_int(text: str) -> int:
     """An ``int`` of at least 1."""
+    return _whole(text, 1, "a positive whole number (1 or more)")
+
+
+def non_negative_int(text: str) -> int:
+    """An ``int`` of at least 0."""
+    return _whole(text, 0, "a whole number of 0 or more")
+
+
+def _whole(text: str, least: int, what: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive whole number (1 or more)")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{value} is not {what}")
     return value
 
 
@@ -26,17 +35,6 @@ def non_negative_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"{text} is not a finite number of 0 or more")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    """An ``int`` of at least 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is not a whole number of 0 or more")
     return value
 
 
