@@ -106,3 +106,72 @@ def test_an_entry_lacking_what_adam_needs_is_refused_and_nothing_changes(device_
     weight.grad = torch.randn(300)
     opt.step()  # (still usable)
     opt.close()
+
+
+def _lr0_zero_grad_step(model: torch.nn.Linear, opt: TieredAdamW) -> None:
+    model.weight.grad = torch.zeros_like(model.weight)
+    opt.param_groups[0]["lr"] = 0.0
+    opt.step()
+
+
+def _master_bits(opt: TieredAdamW) -> torch.Tensor:
+    return opt.state_dict()["state"][0]["master"].reshape(-1).view(torch.int32)
+
+
+def test_a_read_before_the_weights_load_decides_nothing(device_mode: str) -> None:
+    """A read of the state (``opt.state[p]``) before the model's weights were loaded (through
+    ``p.data``, which no version counter sees) decided "neither" for good: the first update warned
+    and restarted every master from the weight."""
+    model_state, saved = _trained("fp32")
+    model = torch.nn.Linear(5003, 1, bias=False).bfloat16()
+    opt = TieredAdamW(model.parameters(), lr=1e-2, master_weights="lossless", offload="host")
+    opt.load_state_dict(copy.deepcopy(saved))
+    assert opt.state[model.weight]["exp_avg"].shape == model_state["weight"].shape
+    with torch.no_grad():
+        model.weight.data.copy_(model_state["weight"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _lr0_zero_grad_step(model, opt)
+    assert torch.equal(_master_bits(opt), saved["state"][0]["master"].reshape(-1).view(torch.int32))
+    opt.close()
+
+
+def test_a_later_load_without_state_forgets_the_earlier_master(device_mode: str) -> None:
+    model_state, saved = _trained("fp32")
+    model = torch.nn.Linear(5003, 1, bias=False).bfloat16()
+    model.load_state_dict(model_state)
+    opt = TieredAdamW(model.parameters(), lr=1e-2, master_weights="lossless", offload="host")
+    opt.load_state_dict(copy.deepcopy(saved))
+    opt.load_state_dict({"state": {}, "param_groups": copy.deepcopy(saved["param_groups"])})
+    before = model.weight.detach().clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _lr0_zero_grad_step(model, opt)
+    assert torch.equal(model.weight.detach(), before)  # (19 weights moved a bf16 step: the old master's ties)
+    opt.close()
+
+
+def test_a_first_step_that_failed_takes_the_master_back_when_retried(device_mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tierstore.errors import StepIncompleteError
+    from tierstore.optim.pipeline import UpdatePipeline
+
+    model_state, saved = _trained("fp32")
+    model = torch.nn.Linear(5003, 1, bias=False).bfloat16()
+    model.load_state_dict(model_state)
+    opt = TieredAdamW(model.parameters(), lr=1e-2, master_weights="lossless", offload="host")
+    opt.load_state_dict(copy.deepcopy(saved))
+    real, failures = UpdatePipeline.grad_for_update, [OSError("injected: the gradient could not be read")]
+
+    def fails_once(self: UpdatePipeline, slot: object) -> object:
+        if failures:
+            raise failures.pop()
+        return real(self, slot)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(UpdatePipeline, "grad_for_update", fails_once)
+    with pytest.raises(StepIncompleteError, match="injected"):
+        _lr0_zero_grad_step(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()  # (the retry: half the masters were off a bf16 step)
+    assert torch.equal(_master_bits(opt), saved["state"][0]["master"].reshape(-1).view(torch.int32))
+    opt.close()

@@ -106,3 +106,21 @@ def test_bytes_reported_are_the_kernels_for_entries_not_a_multiple_of_a_block(tm
             assert report.disk_need_bytes % 4096 == 0  # (the need counts the blocks an entry's transfers move, too)
     finally:
         opt.close()
+
+
+async def test_flushed_and_read_values_count_whole_blocks_as_the_kernel_does(tmp_path: Path, counters: None) -> None:
+    """A flush counted each value's own bytes (10,166), where the disk wrote 12,288."""
+    async with TierStore([HostTier(16 << 20), DiskTier(tmp_path / "disk", 64 << 20, durable=False)]) as store:
+        if not store.tier("disk").direct_io:  # type: ignore[attr-defined]
+            pytest.skip(f"the disk tier cannot use O_DIRECT under {tmp_path} (tmpfs?)")
+        for i in range(4):
+            await store.put(f"k{i}", torch.zeros(10_166, dtype=torch.uint8))
+        before = block_io()
+        await store.flush()
+        after = block_io()
+        links = store.stats()["links"]
+        assert links["host->disk"]["nbytes"] == 4 * 12_288
+        assert abs((after[1] - before[1]) - 4 * 12_288) <= 64 << 10  # (and the catalog's pages)
+        for i in range(4):
+            await store.put(f"e{i}", torch.zeros(10_166, dtype=torch.uint8), tier="disk")
+        assert store.stats()["links"]["caller->disk"]["nbytes"] == 4 * 12_288

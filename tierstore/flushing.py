@@ -128,7 +128,7 @@ async def _flush_plan_locked(engine: Engine, disk: DiskTier, d: int, plan: list[
                 disk.release(extent)
                 raise
             written.append((entry, source, extent, checksums, meta))
-            engine.count_link(source.tier, d, meta.nbytes, time.perf_counter() - started)
+            engine.count_link(source.tier, d, extent.length, time.perf_counter() - started)  # (whole blocks cross)
 
     tasks = [asyncio.ensure_future(write(entry, source, meta)) for entry, source, meta in large]
     try:

@@ -300,16 +300,9 @@ class TieredAdam(PagedOptimizer):
         loaded = slot.loaded_master
         high = state.high
         assert loaded is not None and high is not None
-        which = loaded.decided
-        if which is None:
-            version = slot.param._version if isinstance(slot.param, torch.Tensor) else -1
-            if loaded.seen is not None and loaded.seen[0] == version and version >= 0:
-                which = loaded.seen[1]
-            else:
-                which = loaded.which(await read_weight(slot))
-                loaded.seen = (version, which)
-            if update:
-                loaded.decided = which
+        which = loaded.which(high, start)
+        if which is None:  # (a range planned after the load: decided on the whole weight)
+            which = loaded.which(await read_weight(slot), 0)
         if which == "rounded":
             return loaded.high_of_rounded(high, state.view("master_low"), start)
         if which == "neither" and update:
@@ -344,6 +337,11 @@ class TieredAdam(PagedOptimizer):
         An fp32 parameter reloads exactly; a lower-precision one loses the master's extra bits (a
         lossless master's low halves restart at zero), with a warning, once."""
         if slot.master_to_check(chunk):
+            if master is None and slot.loaded_master is not None:
+                # (lossless: its high half is the weight, read as loaded by ``_high_as_loaded``
+                # until the update writes the weight: a step that fails before asks again)
+                slot.note_seen()
+                return False
             slot.master_checked(chunk)  # (decided once: a retry or a later step does not ask again)
             slot.note_seen()  # (the model's load after the optimizer's is taken into account here, not again)
             if master is None:  # (lossless: its high half is the weight now, its loaded low half kept)

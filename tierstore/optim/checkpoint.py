@@ -292,6 +292,8 @@ async def adam_load_entry(optimizer: TieredAdam, slot: ParamSlot, entry: Mapping
     state (as never updated); a missing ``master`` is the parameter's current weight."""
     if not entry or _fresh(entry):
         slot.resident = None
+        slot.verify_master, slot.loaded_master = False, None  # (an earlier load's master is gone)
+        slot.master_checked_chunks.clear()
         optimizer._step_counts.pop(slot.index, None)
         await optimizer.delete_state(slot)
         return
@@ -308,7 +310,9 @@ async def adam_load_entry(optimizer: TieredAdam, slot: ParamSlot, entry: Mapping
     # once the model's weights are loaded too, in whichever order (``TieredAdam._reloads``).
     slot.verify_master = "master" in entry and weight.dtype != torch.float32
     layout = optimizer._layout(slot)
-    slot.loaded_master = LoadedMaster.of(rows[0]) if slot.verify_master and layout is not None and layout.lossless else None
+    ranges = [(chunk.start, chunk.stop) for chunk in slot.chunks] if slot.chunks is not None else []
+    slot.loaded_master = LoadedMaster.of(rows[0], ranges) if slot.verify_master and layout is not None and layout.lossless else None
+    slot.master_checked_chunks.clear()
 
 
 # -- opt.state ----------------------------------------------------------------------------------
