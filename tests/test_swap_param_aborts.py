@@ -124,3 +124,99 @@ def test_a_forward_running_inside_another_is_not_taken_for_one_that_ended(device
         assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     finally:
         store.close()
+
+
+def _no_saved_tensor_hooks() -> bool:
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+def test_ctrl_c_under_torch_compile_is_recovered_too(device_mode: str) -> None:
+    """Compiled, the forward hooks' Python was decided when traced: the aborted forward was never
+    found, and every later step failed with ``TierFullError``."""
+    model = Encoder()
+    twin = copy.deepcopy(model)
+    interrupt, twin_interrupt = Interrupt(KeyboardInterrupt("injected")), Interrupt(KeyboardInterrupt("injected"))
+    model.layers[1].linear1.register_forward_hook(torch.compiler.disable(lambda *args: interrupt(*args)))
+    twin.layers[1].linear1.register_forward_hook(twin_interrupt)
+    store = SyncTierStore([DeviceTier("cpu", "160KiB"), HostTier("64MiB")]).open()
+    try:
+        params = offload_parameters(model, store)
+        compiled = torch.compile(model, backend="eager")
+        opt = TieredAdamW(model.parameters(), lr=1e-3, store=store, min_offload_numel=1, fused=True)
+        reference = torch.optim.AdamW(twin.parameters(), lr=1e-3, fused=True)
+        generator = torch.Generator().manual_seed(1)
+        for step in range(4):
+            x, y = torch.randn(4, 8, 64, generator=generator), torch.randint(0, 10, (4,), generator=generator)
+            interrupt.armed = twin_interrupt.armed = step == 1
+            losses = []
+            for net, optimizer in ((compiled, opt), (twin, reference)):
+                try:
+                    loss = nn.functional.cross_entropy(net(x), y)
+                    loss.backward()
+                    optimizer.step()
+                    losses.append(loss.item())
+                except KeyboardInterrupt:
+                    losses.append(None)
+                optimizer.zero_grad()
+            params.mark_step()
+            assert losses[0] == losses[1], (step, losses)
+        assert _no_saved_tensor_hooks()
+        params.detach()
+        opt.close()
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("then", ["train", "detach"])
+def test_ctrl_c_inside_an_activation_offload_leaves_no_hooks_pushed(then: str) -> None:
+    """The ``with`` block's exit popped the top hooks (parameter offload's, left by the aborted
+    forward), so its own stayed pushed for good: autograd after the store closed raised
+    ``StoreClosedError``. A ``detach()`` right after the abort (no forward to recover) left
+    parameter offload's pushed."""
+    from tierstore.swap import offload_activations
+
+    model = Encoder()
+    interrupt = Interrupt(KeyboardInterrupt("injected"))
+    model.layers[1].linear1.register_forward_hook(interrupt)
+    store = SyncTierStore([DeviceTier("cpu", "160KiB"), HostTier("64MiB")]).open()
+    params = offload_parameters(model, store)
+    activations = offload_activations(store, min_bytes=0)
+    x = torch.randn(4, 8, 64)
+    interrupt.armed = True
+    with pytest.raises(KeyboardInterrupt), activations:
+        model(x)
+    if then == "train":
+        model(x).sum().backward()
+    params.detach()
+    assert _no_saved_tensor_hooks()
+    activations.close()
+    store.close()
+    a = torch.randn(1000, requires_grad=True)
+    (a * a).sum().backward()  # (autograd after the store closed: no hook of ours in the way)
+    assert torch.equal(a.grad, 2 * a.detach())
+
+
+def test_a_forward_called_from_deeper_code_after_ctrl_c_still_recovers(device_mode: str) -> None:
+    """The next forward after the aborted one comes from a helper (an evaluation), deeper in the
+    stack than the loop that was interrupted: the aborted forward is over all the same."""
+    model = Encoder()
+    twin = copy.deepcopy(model)
+    interrupt = Interrupt(KeyboardInterrupt("injected"))
+    model.layers[1].linear1.register_forward_hook(interrupt)
+    store = SyncTierStore([DeviceTier("cpu", "160KiB"), HostTier("64MiB")]).open()
+    try:
+        params = offload_parameters(model, store)
+        x = torch.randn(4, 8, 64)
+
+        def evaluate(net: nn.Module) -> torch.Tensor:
+            with torch.no_grad():
+                return net(x)
+
+        interrupt.armed = True
+        with pytest.raises(KeyboardInterrupt):
+            model(x)
+        assert torch.equal(evaluate(model), evaluate(twin))
+        assert _no_saved_tensor_hooks()
+        params.detach()
+    finally:
+        store.close()

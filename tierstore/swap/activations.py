@@ -156,6 +156,10 @@ class ActivationOffload:
         return self
 
     def __exit__(self, exc_type: object, *exc_info: object) -> None:
+        if exc_type is not None:  # (a Ctrl-C in a forward under offload_parameters left its hooks above ours)
+            from .parameters import pop_abandoned_hooks
+
+            pop_abandoned_hooks((self._pack, self._unpack))
         self._hooks.__exit__(exc_type, *exc_info)
         self._hooks = None
         _active.stack = getattr(_active, "stack", [])[:-1]

@@ -60,6 +60,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -189,6 +190,23 @@ class _Unit:
     nbytes: int = 0
 
 
+@dataclass(frozen=True)
+class _Saving:
+    """A forward of the offloaded module running now: the saved-tensor hooks it pushed (None
+    in backward: a checkpoint's recompute) and their ``(pack, unpack)``, its thread, and where
+    it was called from (``CallSite``: a forward that ended without its hook is told from one
+    still running by it, ``_forget_aborted``)."""
+
+    hooks: Any
+    pushed: Any
+    thread: int
+    site: CallSite
+
+
+#: The packs ``torch.compiler.disable`` made of parameter offloads' (``pop_abandoned_hooks``).
+_COMPILE_SAFE_PACKS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
 class ParameterOffload:
     """See the module docstring; make one with ``offload_parameters``."""
 
@@ -222,13 +240,12 @@ class ParameterOffload:
         self._units: list[_Unit] = []
         self._weights: list[_Weight] = []
         self._weight_of: dict[int, _Weight] = {}
-        self._saving: list[Any] = []
-        #: The root forwards running now: their thread and torch's frame calling the module (None
-        #: where not found), to tell at the next forward whether one ended without its hooks.
-        self._forwards: list[tuple[int, Any]] = []
+        #: The forwards of the module running now, innermost last (``_Saving``).
+        self._saving: list[_Saving] = []
         #: The saved-tensor hooks wrapped for torch.compile (``_saved_tensor_hooks``), once made.
         self._compile_safe: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None
         self._compile_safe_units: tuple[Callable[[int], None], Callable[[int, Any], None]] | None = None
+        self._compile_safe_root: tuple[Callable[[], None], Callable[[], None]] | None = None
         self._releasing: list[Any] = []  # holds being let go on the loop
         self._hooks: list[Any] = []
         self._order: list[int] = []  # units in the order they were held this step
@@ -292,8 +309,8 @@ class ParameterOffload:
             weight.version = weight.param._version
             _REGISTRY[weight.param] = (self, weight.key)
         _refuse_foreign_steps()
-        self._hooks.append(self.module.register_forward_pre_hook(lambda *_: self._enter_saving()))
-        self._hooks.append(self.module.register_forward_hook(lambda *_: self._exit_saving(), always_call=True))
+        self._hooks.append(self.module.register_forward_pre_hook(lambda *_: self._root_hooks()[0]()))
+        self._hooks.append(self.module.register_forward_hook(lambda *_: self._root_hooks()[1](), always_call=True))
         for index, unit in enumerate(self._units):
             self._hooks.append(unit.module.register_forward_pre_hook(lambda *_, i=index: self._unit_hooks()[0](i)))
             # always_call: a forward that raises still lets go of the unit's weights
@@ -339,6 +356,7 @@ class ParameterOffload:
         the store does this first (the module keeps its weights)."""
         if self._detached:
             return
+        self._forget_aborted(threading.get_ident(), CallSite.here())  # (no forward follows to do it)
         self._let_go(self._weights, everyone=True)  # (here: after the kernels this thread queued)
         run(self._put_back())
 
@@ -391,35 +409,45 @@ class ParameterOffload:
     # -- what autograd saves -------------------------------------------------------------------------------
 
     def _enter_saving(self) -> None:
+        me, site = threading.get_ident(), CallSite.here()
         if _in_backward():  # a checkpoint's recompute: its own hooks must see what the forward saves
-            self._saving.append(None)
-            self._forwards.append((threading.get_ident(), None))
+            self._saving.append(_Saving(None, None, me, site))
             return
-        self._recover()
-        hooks = torch.autograd.graph.saved_tensors_hooks(*self._saved_tensor_hooks())
+        self._recover(me, site)
+        pushed = self._saved_tensor_hooks()
+        hooks = torch.autograd.graph.saved_tensors_hooks(*pushed)
         hooks.__enter__()
-        self._saving.append(hooks)
-        self._forwards.append((threading.get_ident(), None if torch.compiler.is_compiling() else _calling_frame(self.module)))
+        self._saving.append(_Saving(hooks, pushed, me, site))
 
-    def _recover(self) -> None:
-        """At a forward's start, outside backward: let go of what a forward or a backward that
-        raised left. A forward hook marked ``always_call`` runs for an ``Exception`` only: a
-        ``KeyboardInterrupt`` (Ctrl-C) in a unit's forward left its weights held and our
-        saved-tensor hooks pushed; a backward that raised never ran its end, so the units it
-        held stayed held (both filled the device tier at the next step)."""
-        me = threading.get_ident()
-        stale = [i for i, (thread, frame) in enumerate(self._forwards) if thread == me and frame is not None and not _on_stack(frame)]
+    def _forget_aborted(self, me: int, here: CallSite) -> bool:
+        """Drop the forwards of this thread that ended without their forward hook (a
+        ``KeyboardInterrupt``: torch runs a hook marked ``always_call`` for an ``Exception``
+        only), popping the saved-tensor hooks each pushed where they are still torch's top.
+        ``here``: where the code asking runs (``CallSite.inside``). Returns whether there was one."""
+        stale = [i for i, entry in enumerate(self._saving) if entry.thread == me and not here.inside(entry.site)]
         for i in reversed(stale):  # (innermost first: torch's stack of saved-tensor hooks pops its top)
-            del self._forwards[i]
-            hooks = self._saving.pop(i)
-            if hooks is not None and torch._C._autograd._top_saved_tensors_default_hooks(False) == self._saved_tensor_hooks():
-                hooks.__exit__(None, None, None)
-        if stale:
+            entry = self._saving.pop(i)
+            if entry.hooks is not None and _top_saved_tensor_hooks() == entry.pushed:
+                entry.hooks.__exit__(None, None, None)
+        if not any(entry.thread == me for entry in self._saving):  # (pushed, but interrupted before it was noted)
+            top = _top_saved_tensor_hooks()
+            while top is not None and (getattr(top[0], "__self__", None) is self or top == self._compile_safe):
+                torch._C._autograd._pop_saved_tensors_default_hooks()
+                top = _top_saved_tensor_hooks()
+        return bool(stale)
+
+    def _recover(self, me: int, here: CallSite) -> None:
+        """At a forward's start, outside backward: let go of what a forward or a backward that
+        raised left. A ``KeyboardInterrupt`` (Ctrl-C) in a unit's forward left its weights held
+        and our saved-tensor hooks pushed (``_forget_aborted``); a backward that raised never
+        ran its end, so the units it held stayed held (both filled the device tier at the next
+        step)."""
+        if self._forget_aborted(me, here):
             self._order, self._cursor = [], 0
             for key in [key for key in self._starts if key[0] == me]:
                 del self._starts[key]
-        if self._forwards:
-            return  # (a forward on another thread: what is held may be its)
+        if self._saving:
+            return  # (a forward running on another thread: what is held may be its)
         for task in list(self._in_backward):
             self._end_backward(task)
         self._give_back_all()
@@ -433,7 +461,15 @@ class ParameterOffload:
         for its import nor for the wrapper."""
         if self._compile_safe is None and "torch._dynamo" in sys.modules:
             self._compile_safe = (torch.compiler.disable(self._pack), torch.compiler.disable(self._unpack))
+            _COMPILE_SAFE_PACKS.add(self._compile_safe[0])
         return self._compile_safe or (self._pack, self._unpack)
+
+    def _root_hooks(self) -> tuple[Callable[[], None], Callable[[], None]]:
+        """``_enter_saving`` and ``_exit_saving``, run as Python under ``torch.compile`` as the
+        units' hooks are (traced, what they decide was decided once, when compiled)."""
+        if self._compile_safe_root is None and "torch._dynamo" in sys.modules:
+            self._compile_safe_root = (torch.compiler.disable(self._enter_saving), torch.compiler.disable(self._exit_saving))
+        return self._compile_safe_root or (self._enter_saving, self._exit_saving)
 
     def _unit_hooks(self) -> tuple[Callable[[int], None], Callable[[int, Any], None]]:
         """``_before_forward`` and ``_after_forward``, run as Python under ``torch.compile`` as
@@ -443,14 +479,12 @@ class ParameterOffload:
         return self._compile_safe_units or (self._before_forward, self._after_forward)
 
     def _exit_saving(self) -> None:
-        if self._saving:
-            hooks = self._saving.pop()
-            if hooks is not None:
-                hooks.__exit__(None, None, None)
         me = threading.get_ident()
-        for i in range(len(self._forwards) - 1, -1, -1):
-            if self._forwards[i][0] == me:
-                del self._forwards[i]
+        for i in range(len(self._saving) - 1, -1, -1):
+            if self._saving[i].thread == me:
+                hooks = self._saving.pop(i).hooks
+                if hooks is not None:
+                    hooks.__exit__(None, None, None)
                 break
         if sys.exc_info()[1] is not None:  # the forward raised: no backward follows its units
             self._order = []
@@ -878,7 +912,8 @@ class ParameterOffload:
             weight.version = now if written else weight.version + now - before
 
     def _write_all(self, writes: list[tuple[_Weight, torch.Tensor]], seen: dict[str, Any]) -> None:
-        if any(hooks is not None for hooks in self._saving):
+        self._forget_aborted(threading.get_ident(), CallSite.here())
+        if any(entry.hooks is not None for entry in self._saving):
             raise RuntimeError("load_state_dict() during a forward of a module under offload_parameters: load between steps")
         writes = [(w, v) for w, v in writes if seen.get(w.key) is not v]  # a tied weight's second name, same tensor
         if not writes:
@@ -1061,26 +1096,65 @@ class _UnitBackward:
             self._action()
 
 
-def _calling_frame(module: nn.Module) -> Any:
-    """The frame of torch's ``Module._call_impl`` calling ``module`` (a forward pre-hook runs
-    inside it), or None where it is not found."""
-    frame: FrameType | None = sys._getframe(1)
-    code = nn.Module._call_impl.__code__
-    while frame is not None:
-        if frame.f_code is code and frame.f_locals.get("self") is module:
-            return frame
-        frame = frame.f_back
-    return None
+#: Folders of torch's and this package's code (``CallSite`` looks past their frames).
+_INTERNAL = (str(Path(torch.__file__).parent), str(Path(__file__).resolve().parents[1]))
 
 
-def _on_stack(frame: Any) -> bool:
-    """Whether ``frame`` is still running on this thread (a caller of this function)."""
-    current: FrameType | None = sys._getframe(1)
+@dataclass(frozen=True)
+class CallSite:
+    """Where in this thread's code something runs, as the nearest frame outside torch and this
+    package (the code that called the module, or ``detach()``; the same whatever wrappers torch
+    adds, ``torch.compile``'s): how deep it is in the stack, that frame's identity and the
+    instruction it is at. No reference to the frame is kept (it would keep its locals alive)."""
+
+    depth: int
+    frame: int
+    instruction: int
+
+    @staticmethod
+    def here() -> CallSite:
+        frame: FrameType | None = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+            frame = frame.f_back
+        if frame is None:
+            return CallSite(0, 0, -1)
+        return CallSite(_depth_of(frame), id(frame), frame.f_lasti)
+
+    def inside(self, earlier: CallSite) -> bool:
+        """Whether code here runs inside the call made at ``earlier`` (it is still running): the
+        frame ``earlier`` names is below this one in the stack, still at that instruction. A
+        call ended and made again from the same place (the next step) is at the same depth."""
+        if self.depth <= earlier.depth:
+            return False
+        frame: FrameType | None = sys._getframe(1)
+        depth = _depth_of(frame)  # type: ignore[arg-type]
+        while frame is not None and depth > earlier.depth:
+            frame, depth = frame.f_back, depth - 1
+        return frame is not None and id(frame) == earlier.frame and frame.f_lasti == earlier.instruction
+
+
+def _depth_of(frame: FrameType) -> int:
+    depth = 0
+    current: FrameType | None = frame
     while current is not None:
-        if current is frame:
-            return True
+        depth += 1
         current = current.f_back
-    return False
+    return depth
+
+
+def _top_saved_tensor_hooks() -> Any:
+    """The saved-tensor hooks on top of this thread's stack (torch's ``(pack, unpack)``), or None."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+def pop_abandoned_hooks(kept: tuple[Any, Any]) -> None:
+    """Pop the saved-tensor hooks a parameter offload pushed for a forward that ended without
+    its forward hook (a ``KeyboardInterrupt``) while they sit above ``kept`` (another ``with``
+    block's, about to be popped by its own exit, which pops whatever is on top)."""
+    top = _top_saved_tensor_hooks()
+    while top is not None and top != kept and (isinstance(getattr(top[0], "__self__", None), ParameterOffload) or top[0] in _COMPILE_SAFE_PACKS):
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        top = _top_saved_tensor_hooks()
 
 
 def _in_backward() -> bool:
