@@ -46,6 +46,31 @@ class Interrupt:
             raise self.error
 
 
+def _train_side_by_side(runs: list[tuple[nn.Module, torch.optim.Optimizer]], interrupts: list[Interrupt], error: type[BaseException],
+                        params: object, steps: int, aborted: tuple[int, ...]) -> None:
+    """Train the offloaded model and its plain twin on the same batches, the interrupts armed at
+    the ``aborted`` steps: each step's losses equal (None where it raised ``error``), and no
+    saved-tensor hooks stay pushed after a step that finished."""
+    generator = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        x, y = torch.randn(4, 8, 64, generator=generator), torch.randint(0, 10, (4,), generator=generator)
+        for interrupt in interrupts:
+            interrupt.armed = step in aborted
+        losses = []
+        for net, optimizer in runs:
+            try:
+                loss = nn.functional.cross_entropy(net(x), y)
+                loss.backward()
+                optimizer.step()
+                losses.append(loss.item())
+            except error:
+                losses.append(None)
+            optimizer.zero_grad()
+        params.mark_step()  # type: ignore[attr-defined]
+        assert losses[0] == losses[1] and (losses[0] is None) == (step in aborted), (step, losses)
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None or step in aborted
+
+
 @pytest.mark.parametrize("where", ["forward", "backward"])
 @pytest.mark.parametrize("error", [KeyboardInterrupt, ValueError])
 def test_a_step_that_raised_leaves_nothing_held_and_training_goes_on(device_mode: str, where: str, error: type[BaseException]) -> None:
@@ -64,24 +89,7 @@ def test_a_step_that_raised_leaves_nothing_held_and_training_goes_on(device_mode
         params = offload_parameters(model, store)
         opt = TieredAdamW(model.parameters(), lr=1e-3, store=store, min_offload_numel=1, fused=True)
         reference = torch.optim.AdamW(twin.parameters(), lr=1e-3, fused=True)
-        generator = torch.Generator().manual_seed(1)
-        for step in range(5):
-            x, y = torch.randn(4, 8, 64, generator=generator), torch.randint(0, 10, (4,), generator=generator)
-            for interrupt in interrupts:
-                interrupt.armed = step in (1, 3)
-            losses = []
-            for net, optimizer in ((model, opt), (twin, reference)):
-                try:
-                    loss = nn.functional.cross_entropy(net(x), y)
-                    loss.backward()
-                    optimizer.step()
-                    losses.append(loss.item())
-                except error:
-                    losses.append(None)
-                optimizer.zero_grad()
-            params.mark_step()
-            assert losses[0] == losses[1] and (losses[0] is None) == (step in (1, 3)), (step, losses)
-            assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None or step in (1, 3)
+        _train_side_by_side([(model, opt), (twin, reference)], interrupts, error, params, steps=5, aborted=(1, 3))
         params.detach()
         for ours, theirs in zip(model.parameters(), twin.parameters(), strict=True):
             torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
@@ -144,23 +152,8 @@ def test_ctrl_c_under_torch_compile_is_recovered_too(device_mode: str) -> None:
         compiled = torch.compile(model, backend="eager")
         opt = TieredAdamW(model.parameters(), lr=1e-3, store=store, min_offload_numel=1, fused=True)
         reference = torch.optim.AdamW(twin.parameters(), lr=1e-3, fused=True)
-        generator = torch.Generator().manual_seed(1)
-        for step in range(4):
-            x, y = torch.randn(4, 8, 64, generator=generator), torch.randint(0, 10, (4,), generator=generator)
-            interrupt.armed = twin_interrupt.armed = step == 1
-            losses = []
-            for net, optimizer in ((compiled, opt), (twin, reference)):
-                try:
-                    loss = nn.functional.cross_entropy(net(x), y)
-                    loss.backward()
-                    optimizer.step()
-                    losses.append(loss.item())
-                except KeyboardInterrupt:
-                    losses.append(None)
-                optimizer.zero_grad()
-            params.mark_step()
-            assert losses[0] == losses[1], (step, losses)
-        assert _no_saved_tensor_hooks()
+        _train_side_by_side([(compiled, opt), (twin, reference)], [interrupt, twin_interrupt], KeyboardInterrupt, params,
+                            steps=4, aborted=(1,))
         params.detach()
         opt.close()
     finally:
