@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import sys
 import threading
 import time
@@ -1097,7 +1098,7 @@ class _UnitBackward:
 
 
 #: Folders of torch's and this package's code (``CallSite`` looks past their frames).
-_INTERNAL = (str(Path(torch.__file__).parent), str(Path(__file__).resolve().parents[1]))
+_INTERNAL = (str(Path(torch.__file__).parent) + os.sep, str(Path(__file__).parents[1]) + os.sep)
 
 
 @dataclass(frozen=True)
