@@ -247,9 +247,9 @@ class TimeReport:
     Disk bytes: ``disk_read_bytes``/``disk_write_bytes`` are what crossed the disk tier's links
     in the step (what the kernel's block-I/O counters see, the disk tier writing with
     ``O_DIRECT``, in whole 4 KiB blocks); ``disk_need_bytes`` is what the step had to move at
-    least: twice the paged state (in the disk's blocks) of the parameters it updated that was not on the state tier when it began (read once,
-    written back once), plus state created in the step beyond the room the state tier had
-    free. ``io_overhead`` is their ratio (1.0: no byte wasted). Gradients, and the state of
+    least: twice the paged state (in the disk's blocks) of the parameters it updated that was
+    not on the state tier when it began (read once, written back once), plus state created in
+    the step beyond the room the state tier had free. ``io_overhead`` is their ratio (1.0: no byte wasted). Gradients, and the state of
     frozen or unused parameters, are not part of the need. The bytes moved are the whole
     store's: whatever else uses the optimizer's store (``offload_parameters``,
     ``offload_activations``, puts of your own) adds to them."""
