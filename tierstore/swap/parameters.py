@@ -204,10 +204,6 @@ class _Saving:
     site: CallSite
 
 
-#: The packs ``torch.compiler.disable`` made of parameter offloads' (``pop_abandoned_hooks``).
-_COMPILE_SAFE_PACKS: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
 class ParameterOffload:
     """See the module docstring; make one with ``offload_parameters``."""
 
@@ -243,10 +239,8 @@ class ParameterOffload:
         self._weight_of: dict[int, _Weight] = {}
         #: The forwards of the module running now, innermost last (``_Saving``).
         self._saving: list[_Saving] = []
-        #: The saved-tensor hooks wrapped for torch.compile (``_saved_tensor_hooks``), once made.
-        self._compile_safe: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None
-        self._compile_safe_units: tuple[Callable[[int], None], Callable[[int, Any], None]] | None = None
-        self._compile_safe_root: tuple[Callable[[], None], Callable[[], None]] | None = None
+        #: Hooks wrapped to run as Python under torch.compile (``_as_python``), by name, once made.
+        self._compile_safe: dict[str, tuple[Callable[..., Any], ...]] = {}
         self._releasing: list[Any] = []  # holds being let go on the loop
         self._hooks: list[Any] = []
         self._order: list[int] = []  # units in the order they were held this step
@@ -431,10 +425,7 @@ class ParameterOffload:
             if entry.hooks is not None and _top_saved_tensor_hooks() == entry.pushed:
                 entry.hooks.__exit__(None, None, None)
         if not any(entry.thread == me for entry in self._saving):  # (pushed, but interrupted before it was noted)
-            top = _top_saved_tensor_hooks()
-            while top is not None and (getattr(top[0], "__self__", None) is self or top == self._compile_safe):
-                torch._C._autograd._pop_saved_tensors_default_hooks()
-                top = _top_saved_tensor_hooks()
+            _pop_saved_tensor_hooks_while(lambda top: _offload_of(top[0]) is self)
         return bool(stale)
 
     def _recover(self, me: int, here: CallSite) -> None:
@@ -455,29 +446,30 @@ class ParameterOffload:
         self._recomputing.clear()
         self._let_go([w for w in self._weights if w.hold is not None], everyone=True)
 
-    def _saved_tensor_hooks(self) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
-        """The pack and unpack hooks; run as Python under ``torch.compile`` (traced, the pack went
-        on into the activations' own hook and the store, which dynamo cannot trace). Wrapped once
-        dynamo is loaded (a compiled model loads it first), so that eager-only use neither pays
-        for its import nor for the wrapper."""
-        if self._compile_safe is None and "torch._dynamo" in sys.modules:
-            self._compile_safe = (torch.compiler.disable(self._pack), torch.compiler.disable(self._unpack))
-            _COMPILE_SAFE_PACKS.add(self._compile_safe[0])
-        return self._compile_safe or (self._pack, self._unpack)
+    def _as_python(self, name: str, *functions: Callable[..., Any]) -> tuple[Callable[..., Any], ...]:
+        """``functions`` run as Python under ``torch.compile``: wrapped by
+        ``torch.compiler.disable`` once dynamo is loaded (a compiled model loads it first; the
+        wrappers made once, kept as ``name``), so that eager-only use neither pays for its
+        import nor for the wrappers."""
+        made = self._compile_safe.get(name)
+        if made is None and "torch._dynamo" in sys.modules:
+            made = self._compile_safe[name] = tuple(torch.compiler.disable(function) for function in functions)
+        return made or functions
 
-    def _root_hooks(self) -> tuple[Callable[[], None], Callable[[], None]]:
-        """``_enter_saving`` and ``_exit_saving``, run as Python under ``torch.compile`` as the
-        units' hooks are (traced, what they decide was decided once, when compiled)."""
-        if self._compile_safe_root is None and "torch._dynamo" in sys.modules:
-            self._compile_safe_root = (torch.compiler.disable(self._enter_saving), torch.compiler.disable(self._exit_saving))
-        return self._compile_safe_root or (self._enter_saving, self._exit_saving)
+    def _saved_tensor_hooks(self) -> tuple[Callable[..., Any], ...]:
+        """The pack and unpack hooks (``_as_python``: traced, the pack went on into the
+        activations' own hook and the store, which dynamo cannot trace)."""
+        return self._as_python("saved", self._pack, self._unpack)
 
-    def _unit_hooks(self) -> tuple[Callable[[int], None], Callable[[int, Any], None]]:
-        """``_before_forward`` and ``_after_forward``, run as Python under ``torch.compile`` as
-        the saved-tensor hooks are (traced, the walk of the graph recompiled at every call)."""
-        if self._compile_safe_units is None and "torch._dynamo" in sys.modules:
-            self._compile_safe_units = (torch.compiler.disable(self._before_forward), torch.compiler.disable(self._after_forward))
-        return self._compile_safe_units or (self._before_forward, self._after_forward)
+    def _root_hooks(self) -> tuple[Callable[..., Any], ...]:
+        """``_enter_saving`` and ``_exit_saving`` (``_as_python``: traced, what they decide was
+        decided once, when compiled)."""
+        return self._as_python("root", self._enter_saving, self._exit_saving)
+
+    def _unit_hooks(self) -> tuple[Callable[..., Any], ...]:
+        """``_before_forward`` and ``_after_forward`` (``_as_python``: traced, the walk of the
+        graph recompiled at every call)."""
+        return self._as_python("units", self._before_forward, self._after_forward)
 
     def _exit_saving(self) -> None:
         me = threading.get_ident()
@@ -1152,10 +1144,20 @@ def pop_abandoned_hooks(kept: tuple[Any, Any]) -> None:
     """Pop the saved-tensor hooks a parameter offload pushed for a forward that ended without
     its forward hook (a ``KeyboardInterrupt``) while they sit above ``kept`` (another ``with``
     block's, about to be popped by its own exit, which pops whatever is on top)."""
+    _pop_saved_tensor_hooks_while(lambda top: top != kept and isinstance(_offload_of(top[0]), ParameterOffload))
+
+
+def _pop_saved_tensor_hooks_while(popping: Callable[[tuple[Any, Any]], bool]) -> None:
+    """Pop this thread's top saved-tensor hooks for as long as ``popping(top)`` says so."""
     top = _top_saved_tensor_hooks()
-    while top is not None and top != kept and (isinstance(getattr(top[0], "__self__", None), ParameterOffload) or top[0] in _COMPILE_SAFE_PACKS):
+    while top is not None and popping(top):
         torch._C._autograd._pop_saved_tensors_default_hooks()
         top = _top_saved_tensor_hooks()
+
+
+def _offload_of(pack: Any) -> Any:
+    """The object whose bound method ``pack`` is, through a ``torch.compiler.disable`` wrapper."""
+    return getattr(getattr(pack, "__wrapped__", pack), "__self__", None)
 
 
 def _in_backward() -> bool:
