@@ -90,11 +90,15 @@ def test_tune_with_the_least_volume_and_on_a_file(tmp_path: Path, capsys: pytest
 @pytest.mark.parametrize(
     "arguments",
     [["bench", "--sizes-mib", "0"], ["bench", "--sizes-mib", "x"], ["bench", "--sizes-mib", "1,-1"],
-     ["bench", "--deepspeed-settings", "1,2"], ["bench", "--deepspeed-settings", "4,0,2"], ["info", "ROOT", "--limit", "-1"]],
-    ids=["size-0", "size-x", "size-negative", "deepspeed-two", "deepspeed-depth-0", "info-negative-limit"],
+     ["bench", "--sizes-mib", "1e-12"], ["bench", "--sizes-mib", "1e300"],
+     ["bench", "--deepspeed-settings", "1,2"], ["bench", "--deepspeed-settings", "4,0,2"], ["bench", "--deepspeed-settings", "4,1e300,2"],
+     ["bench", "--deepspeed-settings", "1e300,32,2"], ["bench", "--deepspeed-settings", "0.001,32,2"], ["info", "ROOT", "--limit", "-1"]],
+    ids=["size-0", "size-x", "size-negative", "size-below-a-byte", "size-beyond-memory", "deepspeed-two", "deepspeed-depth-0",
+         "deepspeed-depth-huge", "deepspeed-block-huge", "deepspeed-block-below-a-page", "info-negative-limit"],
 )
 def test_bad_numbers_on_the_command_line_are_usage_errors(tmp_path: Path, arguments: list[str], capsys: pytest.CaptureFixture[str]) -> None:
-    """Each was a traceback (a division by zero, a negative tensor size, an unpack) or, for
+    """Each was a traceback (a division by zero, a negative tensor size, an unpack), a size
+    silently made 1 byte (``1e-12``) or taken as given (a queue depth of 1e300), or, for
     ``info --limit -1``, a listing that silently left keys out."""
     arguments = [str(tmp_path) if argument == "ROOT" else argument for argument in arguments]
     with pytest.raises(SystemExit) as exited:

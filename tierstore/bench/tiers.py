@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from ..arguments import positive_int, positive_numbers
+from ..arguments import bounded_int, positive_int, sizes_in_mib
 from ..disk.tuning import (
     DEFAULTS,
     TUNING_FILE,
@@ -616,12 +616,15 @@ def tune_main(folder: Path, volume_mib: int, json_path: Path | None) -> int:
     return 0
 
 
-def _deepspeed_settings(text: str) -> tuple[float, int, int]:
-    """``BLOCK_MIB,QUEUE_DEPTH,PARALLELISM``: a block size above 0, two whole numbers of 1 or more."""
-    values = positive_numbers(text)
-    if len(values) != 3 or not all(value.is_integer() for value in values[1:]):
-        raise argparse.ArgumentTypeError(f"{text!r} is not BLOCK_MIB,QUEUE_DEPTH,PARALLELISM (e.g. 4,32,2: whole queue depth and parallelism)")
-    return values[0], int(values[1]), int(values[2])
+def _deepspeed_settings(text: str) -> tuple[int, int, int]:
+    """``BLOCK_MIB,QUEUE_DEPTH,PARALLELISM``: a block of at least a page (4 KiB) and a queue depth
+    and a parallelism of 1 to 1,024 (DeepSpeed's own sweeps stay far inside these), as bytes
+    and two counts."""
+    parts = text.split(",")
+    if len(parts) != 3:
+        raise argparse.ArgumentTypeError(f"{text!r} is not BLOCK_MIB,QUEUE_DEPTH,PARALLELISM (e.g. 4,32,2)")
+    (block,) = sizes_in_mib(parts[0], least=4096)
+    return block, bounded_int(parts[1], 1, 1024), bounded_int(parts[2], 1, 1024)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -632,7 +635,7 @@ def main(argv: list[str] | None = None) -> int:
                         "with --tune: none besides the tuning file)")
     parser.add_argument("--reps", type=positive_int, default=None, help="repetitions per figure (default 5, quick 3)")
     parser.add_argument("--volume-mib", type=positive_int, default=None, help="MiB moved per repetition (default 512, quick 128)")
-    parser.add_argument("--sizes-mib", type=positive_numbers, default=None,
+    parser.add_argument("--sizes-mib", type=sizes_in_mib, default=None,
                         help="value sizes in MiB, comma-separated (default 1,16,64; quick 1,16)")
     parser.add_argument("--disk-only", action="store_true", help="measure the disk tier only (no links, memory tiers or hit latency)")
     parser.add_argument("--tune", type=Path, metavar="DIR", default=None,
@@ -647,15 +650,15 @@ def main(argv: list[str] | None = None) -> int:
     json_path = args.json or Path("benchmarks/results/bench_tiers.json")
     sizes = [1 * MiB, 16 * MiB] if args.quick else [1 * MiB, 16 * MiB, 64 * MiB]
     if args.sizes_mib:
-        sizes = [max(1, int(mib * MiB)) for mib in args.sizes_mib]
+        sizes = args.sizes_mib
     reps = args.reps or (3 if args.quick else 5)
     volume = (args.volume_mib or (128 if args.quick else 512)) * MiB
     args.dir.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     latency: list[dict[str, Any]] = []
 
-    block_mib, depth, parallelism = args.deepspeed_settings
-    deepspeed = deepspeed_aio(args.dir, max(1, int(block_mib * MiB)), int(depth), int(parallelism))
+    block, depth, parallelism = args.deepspeed_settings
+    deepspeed = deepspeed_aio(args.dir, block, depth, parallelism)
     # The disk cells use the settings `--tune` saved for this folder, if it did (the raw loop
     # takes the same chunk size and threads).
     tuned = load_tuning(args.dir)
