@@ -55,3 +55,44 @@ def test_ctrl_c_during_step_leaves_everything_usable(tmp_path: Path, mode: str) 
     done = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "s"), mode], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "interrupted 5" in done.stdout, done.stdout + done.stderr[-2000:]
+
+
+def test_ctrl_c_before_the_loop_starts_a_call_cancels_it(tmp_path: Path) -> None:
+    """A Ctrl-C while the loop was still to start a blocking call (busy with another) reached
+    the caller at once and left the call to start later: a ``pop`` the caller was told had been
+    interrupted still removed the value, and a hold taken so was never let go (later steps of a
+    parameter offload ran out of room). It is now cancelled, and has finished, before the
+    ``KeyboardInterrupt`` reaches the caller, as one interrupted while running is."""
+    import signal
+    import threading
+    import time
+
+    import torch
+
+    from tierstore import HostTier, SyncTierStore
+
+    store = SyncTierStore([HostTier("1MiB")]).open()
+
+    async def hog_the_loop() -> None:
+        time.sleep(0.6)  # (a blocking call on the loop: the next call cannot start until it returns)
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    store.put("weights", torch.ones(16))
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    hog = threading.Thread(target=store.run, args=(hog_the_loop(),))
+    try:
+        hog.start()
+        time.sleep(0.1)
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        with pytest.raises(KeyboardInterrupt):
+            store.pop("weights")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        hog.join()
+    time.sleep(0.2)
+    assert torch.equal(store.get("weights"), torch.ones(16))
+    assert torch.equal(store.pop("weights"), torch.ones(16))  # the store is still usable
+    store.close()

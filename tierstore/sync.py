@@ -154,11 +154,15 @@ def run(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         started.set_result(task)
 
     loop.call_soon_threadsafe(start)
-    task = started.result()
     try:
+        # (inside: a Ctrl-C before the loop got to ``start`` must cancel the call too, or it
+        # would start after the caller has moved on, and a hold it takes be held for ever)
+        task = started.result()
         completed = finished.wait(timeout)
     except KeyboardInterrupt:
-        _cancel_and_wait(loop, task, finished)
+        # the loop runs callbacks in order: ``start`` has made the task when this one runs
+        loop.call_soon_threadsafe(lambda: started.result().cancel())
+        finished.wait()
         raise
     if not completed:
         _cancel_and_wait(loop, task, finished)
