@@ -334,11 +334,15 @@ class Engine:
         version = entry.version
         self.hit(entry, source)
         self.use(entry, source)
+        # (a load down the tiers needs room below its source only, never on it: a request for
+        # room there may wait for it. One up the tiers may demote into its source's tier.)
+        read = self.reading(source) if source.tier < t else None
         try:
             fill = self._filler(entry, source, t)
             await self._write_memory(entry, t, version, fill, priority, source_tier=sources[0], wait_for_close=True)
         finally:
             self.unuse(entry, source)
+            self.read_done(read)
 
     async def _superseded(self, entry: Entry) -> None:
         """An inline value read from the catalog was of a newer version than the entry's copy:
@@ -408,6 +412,7 @@ class Engine:
             # No await, so no use taken: the bytes come from the catalog into a new tensor.
             return from_bytes(self.disk.read_inline_new(entry.key, source.version), meta)
         self.use(entry, source)
+        read = self.reading(source)
         try:
             if out is None and device.type == "cpu":
                 buffer = aligned_empty(meta.nbytes)
@@ -419,6 +424,7 @@ class Engine:
             return out
         finally:
             self.unuse(entry, source)
+            self.read_done(read)
 
     # -- writing -------------------------------------------------------------------------------
 
@@ -877,6 +883,24 @@ class Engine:
         """Wait until no point-in-time view is being read."""
         while self.frozen and self._thawed is not None:
             await self._thawed.wait()
+
+    def reading(self, copy: Copy) -> asyncio.Future[None] | None:
+        """Note a use of ``copy`` (taken) by a read out of it that needs no room on ``copy``'s
+        tier (into the caller's memory, or a load down the tiers): it ends by itself, so a
+        request for room on that tier that finds nothing else to evict waits for it instead of
+        refusing (a read is no hold). Pass what this returns to ``read_done`` after the
+        ``unuse``."""
+        if not copy.in_memory:
+            return None
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.expect_room(copy.tier, done)
+        return done
+
+    @staticmethod
+    def read_done(read: asyncio.Future[None] | None) -> None:
+        """The read ``reading`` noted has let go of its copy."""
+        if read is not None and not read.done():
+            read.set_result(None)
 
     def expect_room(self, t: int, landed: asyncio.Future[Any]) -> None:
         """Room on tier ``t`` comes back when ``landed`` ends (holds let go from another thread,

@@ -764,10 +764,12 @@ class TierStore:
                 copy = await self._engine.acquire(entry, t, Priority.DEMAND)
             except TierFullError:
                 return await self._engine.read_uncached(entry, device, out, target=t)
+            read = self._engine.reading(copy)
             try:
                 return await self._engine.clone(entry, copy, t, out)
             finally:
                 self._engine.unuse(entry, copy)
+                self._engine.read_done(read)
         finally:
             if isinstance(given, torch.Tensor):  # (written as ``out.copy_`` writes: autograd sees the change)
                 _increment_version(given)
