@@ -6,7 +6,9 @@ more (not packed in a slab, where nothing is kept) are the ones that reach the k
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
+import pytest
 import torch
 
 from tierstore import HostTier, TierStore
@@ -122,3 +124,37 @@ def test_a_hold_set_on_the_instance_is_asked_in_the_resident_step() -> None:
     finally:
         opt.close()
         run(store.aclose())
+
+
+def test_get_into_the_buffer_of_a_read_hold_is_refused(tmp_path: Path) -> None:
+    """``get(key, out=<another key's read-held buffer>)`` wrote into the store's own copy of that
+    value: it read the new bytes in memory and the old ones from disk after a reopen. It is an
+    ``InvalidTensorError`` now, nothing written; reading into a write hold's buffer (the
+    holder's to change) still works, and so does ``out=`` once the hold has ended."""
+    from tierstore import DiskTier, InvalidTensorError, SyncTierStore
+
+    def open_store() -> SyncTierStore:
+        return SyncTierStore([HostTier("1MiB"), DiskTier(tmp_path / "s", "64MiB")]).open()
+
+    store = open_store()
+    store.put("a", torch.arange(1024.0))
+    store.put("b", torch.zeros(1024))
+    store.put("small", torch.arange(4.0))  # (packed in a slab beside others)
+    store.flush()
+    with store.hold("b", "host") as held, store.hold("small", "host") as small:
+        with pytest.raises(InvalidTensorError, match="read hold of 'b'"):
+            store.get("a", out=held)
+        with pytest.raises(InvalidTensorError, match="read hold of 'b'"):
+            store.get("a", out=held[:1024])
+        with pytest.raises(InvalidTensorError, match="read hold of 'small'"):
+            store.get("small", out=small)
+    assert torch.equal(store.get("b"), torch.zeros(1024))
+    with store.hold("b", "host", write=True) as writable:
+        store.get("a", out=writable)
+    assert torch.equal(store.get("b"), torch.arange(1024.0))
+    kept = store.get("b")
+    store.get("a", out=kept)  # (no hold: an ordinary tensor of the caller's)
+    store.close()
+    store = open_store()
+    assert torch.equal(store.get("b"), torch.arange(1024.0))
+    store.close()

@@ -109,6 +109,9 @@ class TierStore:
         self._staged_puts = 0
         self._namespaces = NamespaceRegistry(self)
         self._close_hooks: OrderedDict[int, Callable[[], Awaitable[None]]] = OrderedDict()  # (torch's handles need a weakref-able dict)
+        #: The copies read holds have handed out now, by ``id``, with their keys: a ``get`` must
+        #: not write into one (``_refuse_held_out``).
+        self._read_held: dict[int, tuple[str, Copy]] = {}
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -734,6 +737,7 @@ class TierStore:
             device = self._engine.tiers[t].device if isinstance(self._engine.tiers[t], MemoryTier) else _CPU  # type: ignore[attr-defined]
             if out is not None:
                 _check_out(out, entry.meta, device)
+                self._refuse_held_out(out)
             if entry.writer is not None:  # (checked here first: this is the hot path of a hit)
                 await self._engine.no_writer(entry, "get")
                 entry = self._engine.visible_entry(key)
@@ -773,6 +777,21 @@ class TierStore:
         finally:
             if isinstance(given, torch.Tensor):  # (written as ``out.copy_`` writes: autograd sees the change)
                 _increment_version(given)
+
+    def _refuse_held_out(self, out: torch.Tensor) -> None:
+        """Raise ``InvalidTensorError`` if ``out`` shares memory with a buffer a read hold has
+        handed out: it is the store's own copy of that value (a write into it would change the
+        value in memory only, and not its copy on disk). A write hold's buffer is the holder's
+        to change, and may be read into."""
+        if not self._read_held:
+            return
+        start = out.data_ptr()
+        end = start + out.numel() * out.element_size()
+        for key, copy in self._read_held.values():
+            if copy.in_memory and copy.nbytes and copy.address < end and start < copy.address + copy.nbytes:
+                raise InvalidTensorError(
+                    f"out is the buffer of a read hold of {key!r} (the store's own copy of its value); read into a tensor of "
+                    f"your own, or hold {key!r} for writing to change it")
 
     def _get_small_now(self, key: str, tier: TierRef, out: torch.Tensor | None) -> torch.Tensor | None:
         """All of a get that needs no await, done at once: a small value inline in the disk
@@ -1064,6 +1083,8 @@ class TierStore:
             holds.leave(token)
         entry.discard_hold_token(token)
         copy.holds -= 1
+        if copy.holds == 0:
+            self._read_held.pop(id(copy), None)
         link = getattr(self._engine.tiers[t], "link", None)
         if link is not None and not link.lends:
             copy.last_use = caller_work(link)  # the holder's kernels may still use the buffer
@@ -1105,6 +1126,8 @@ class TierStore:
         if hit:
             self._engine.hit(entry, copy)
         copy.holds += 1
+        if not write:
+            self._read_held[id(copy)] = (entry.key, copy)
         return copy
 
     async def prefetch(self, keys: Iterable[str], tier: TierRef = None) -> PrefetchHandle:
