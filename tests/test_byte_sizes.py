@@ -19,8 +19,12 @@ def test_sizes_a_tier_takes(size: object, nbytes: int) -> None:
 
 @pytest.mark.parametrize("size, words", [(1.5, "must be whole.*'1.5GiB'"), (-1, "negative"), (float("inf"), "non-negative number"),
                                          (float("nan"), "non-negative number"), ("lots", "cannot read"), (True, "must be an int"),
-                                         (np.int64(-1), "negative"), (np.float32(1.5), "must be an int")])
+                                         (np.int64(-1), "negative"), (np.float32(1.5), "must be an int"),
+                                         ("0.5B", "must be whole"), ("1.7B", "must be whole"), ("1.5", "must be whole"),
+                                         ("0.0001KiB", "less than a byte")])
 def test_sizes_refused(size: object, words: str) -> None:
+    """(a fraction of a byte in a string was dropped: "0.5B" made a tier of 0 bytes, "1.7B" one of
+    1, while the float 1.5 was refused)"""
     with pytest.raises((ValueError, TypeError), match=words):
         HostTier(size)  # type: ignore[arg-type]
 

@@ -50,7 +50,12 @@ def parse_bytes(size: int | float | str) -> int:
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
         raise ValueError(f"cannot read {size!r} as a byte size; write e.g. 4096, '512MiB' or '2GB'")
-    return int(float(match.group(1)) * _UNITS[unit])
+    value = float(match.group(1)) * _UNITS[unit]
+    if _UNITS[unit] == 1 and not value.is_integer():
+        raise ValueError(f"a byte size in bytes must be whole, not {size!r}; for other units write e.g. '{value:g}GiB'")
+    if 0 < value < 1:
+        raise ValueError(f"{size!r} is less than a byte")
+    return int(value)  # (a fraction of a byte of a larger unit, "1.1MiB", is dropped)
 
 
 def format_bytes(nbytes: float) -> str:
