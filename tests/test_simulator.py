@@ -318,6 +318,10 @@ async def test_a_store_takes_an_eviction_policy_by_name_as_the_simulator_does() 
     with pytest.raises(ValueError, match=r"unknown eviction policy 'nonsense'.*choose from .*'sieve'"):
         async with TierStore([HostTier("64KiB"), HostTier("1MiB", name="spill")], eviction={"host": "nonsense"}):
             pass
+    # (a store of one tier evicts nothing, and took any name: a typo showed only once a tier was added)
+    for eviction in ("nonsense", {"host": "nonsense"}):
+        with pytest.raises(ValueError, match=r"unknown eviction policy 'nonsense'"):
+            TierStore([HostTier("64KiB")], eviction=eviction)
 
 
 def test_replay_store_trace_says_it_takes_a_path() -> None:

@@ -1280,14 +1280,17 @@ def _make_policies(tiers: list[Tier], eviction: Any, finder: Callable[[int], Cal
     capacities = {tier.name: tier.capacity for tier in tiers}
     index = {tier.name: t for t, tier in enumerate(tiers)}
 
-    def build(spec: Any, name: str) -> EvictionPolicy:
-        if isinstance(spec, str):  # (a name, as the simulator takes: policies.EVICTION's)
-            from policies import EVICTION
+    def named(spec: str, name: str) -> Any:
+        from policies import EVICTION  # (a name, as the simulator takes: policies.EVICTION's)
 
-            if spec not in EVICTION:
-                raise ValueError(f"unknown eviction policy {spec!r} for tier {name!r}; choose from {sorted(EVICTION)}, "
-                                 "or give a policy class")
-            spec = EVICTION[spec]
+        if spec not in EVICTION:
+            raise ValueError(f"unknown eviction policy {spec!r} for tier {name!r}; choose from {sorted(EVICTION)}, "
+                             "or give a policy class")
+        return EVICTION[spec]
+
+    def build(spec: Any, name: str) -> EvictionPolicy:
+        if isinstance(spec, str):
+            spec = named(spec, name)
         if spec is LRU and isinstance(tiers[index[name]], MemoryTier):
             return CopyLRU(finder(index[name]))
         if isinstance(spec, type) or (callable(spec) and not isinstance(spec, EvictionPolicy)):
@@ -1304,7 +1307,11 @@ def _make_policies(tiers: list[Tier], eviction: Any, finder: Callable[[int], Cal
         unknown = set(eviction) - {tier.name for tier in tiers}
         if unknown:
             raise UnknownTierError(f"eviction policies given for unknown tiers {sorted(unknown)}")
+        if isinstance(spec := eviction.get(tiers[-1].name), str):  # (the last tier evicts nothing: a typo still shows)
+            named(spec, tiers[-1].name)
         return [build(eviction.get(tier.name, LRU), tier.name) for tier in tiers[:-1]] + [None]
+    if isinstance(eviction, str) and not evicting:
+        named(eviction, tiers[-1].name)
     if isinstance(eviction, EvictionPolicy) and not isinstance(eviction, type) and len(evicting) > 1:
         raise TypeError("one policy instance cannot serve several tiers: pass its class (or a factory, or a dict by tier name)")
     return [build(eviction, tier.name) for tier in tiers[:-1]] + [None]
