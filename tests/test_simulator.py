@@ -32,6 +32,36 @@ def test_csv_with_header_and_extra_columns(tmp_path: Path) -> None:
     assert result.requests == 4 and result.misses == 3
 
 
+@pytest.mark.parametrize("third", ["get,set,get", "1,2,3"])
+def test_csv_without_header_and_extra_columns(tmp_path: Path, third: str) -> None:
+    """(refused: the first access, ``a,10,get``, was taken for a header of three columns without
+    a key and a size by their names; the README says extra columns are ignored)"""
+    path = tmp_path / "t.csv"
+    path.write_text("".join(f"{key},{size},{extra}\n" for key, size, extra in zip("aba", (10, 20, 10), third.split(","), strict=True)))
+    trace = load_trace(path)
+    assert trace.keys == ["a", "b"] and trace.ids.tolist() == [0, 1, 0] and trace.sizes.tolist() == [10, 20, 10]
+
+
+def test_simulate_refuses_an_output_it_cannot_write_before_it_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """(a ``FileExistsError`` traceback, after the simulation had run)"""
+    path = tmp_path / "t.csv"
+    path.write_text("a,10\nb,10\na,10\n")
+    (tmp_path / "afile").write_text("x")
+    for option in ("--json", "--plot"):
+        assert main(["simulate", str(path), "--capacity", "host=30", option, str(tmp_path / "afile" / "out")]) == 1
+        err = capsys.readouterr().err
+        assert err.strip() == f"tierstore simulate: cannot write {tmp_path / 'afile' / 'out'}: {tmp_path / 'afile'} is a file, not a folder"
+    assert main(["simulate", str(path), "--capacity", "host=30", "--json", str(tmp_path)]) == 1
+    assert "is a folder" in capsys.readouterr().err
+
+
+def test_a_trace_path_that_is_a_folder_is_refused_when_the_store_is_made(tmp_path: Path) -> None:
+    """(accepted, and at close an ``IsADirectoryError`` lost the trace and left ``<folder>.partial``)"""
+    with pytest.raises(IsADirectoryError, match="is a folder; give the path of the file to write"):
+        TierStore([HostTier("1MiB")], trace=tmp_path)
+    assert not tmp_path.with_name(tmp_path.name + ".partial").exists()
+
+
 def test_csv_without_header_and_bad_lines(tmp_path: Path) -> None:
     path = tmp_path / "t.csv"
     path.write_text("x,1\ny,2\n")

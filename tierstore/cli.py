@@ -7,6 +7,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from .arguments import non_negative_float, non_negative_int
@@ -73,8 +74,6 @@ _PASSTHROUGH_RUN = {"demo": _demo, "bench": _bench}
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from .sim.links import LinkModel
     from .sim.report import (
         format_table,
@@ -86,6 +85,9 @@ def _simulate(args: argparse.Namespace) -> int:
         run_all,
     )
 
+    for output in (args.json, args.plot):  # (before the simulation runs, not after)
+        if output:
+            _output_folder(Path(output))
     trace = open_trace(args.trace, parse_columns(args.columns))
     capacities = parse_capacities(args.capacity)
     bench = Path(args.bench_json)
@@ -99,7 +101,6 @@ def _simulate(args: argparse.Namespace) -> int:
     print(format_table(results, trace))
     if args.json:
         out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps([r.to_json() for r in results], indent=2))
         print(f"\nJSON: {out}")
     if args.plot:
@@ -109,6 +110,19 @@ def _simulate(args: argparse.Namespace) -> int:
         if plot_prefetch(results, prefetch_png):
             print(f"prefetch plot: {prefetch_png}")
     return 0
+
+
+def _output_folder(path: Path) -> None:
+    """Make the folder ``path`` is written into, or raise ``ValueError`` saying why it cannot be."""
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder; give the path of the file to write")
+    blocking = next((p for p in (path.parent, *path.parent.parents) if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise ValueError(f"cannot write {path}: {blocking} is a file, not a folder")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"cannot write {path}: {exc.strerror or exc} ({exc.filename or path.parent})") from None
 
 
 def _names(text: str) -> list[str]:

@@ -100,6 +100,9 @@ class TierStore:
         durable = _durability(durable, none=False)
         self._engine = Engine(tiers, eviction, prefetch, cpu_threads)
         self._trace_path = Path(trace) if trace is not None else None
+        if self._trace_path is not None and self._trace_path.is_dir():  # (else found at close, the trace lost)
+            raise IsADirectoryError(f"trace={str(trace)!r} is a folder; give the path of the file to write, e.g. "
+                                    f"{str(self._trace_path / 'trace.npz')!r}")
         self.flush_on_close = flush_on_close
         self.durable = durable
         if durable and self._engine.disk_index is None:
