@@ -69,3 +69,31 @@ async def test_a_str_subclass_key_reaches_traces_and_reports_as_its_text(tmp_pat
     assert sorted(str(key) for key in recorded["keys"]) == ["good", "p"]
     hits = recorded["hit"] == 1
     assert hits.sum() >= 3 and (recorded["before"][hits] >= 0).all()
+
+
+@pytest.mark.parametrize("where", ["optimizer", "claim", "store", "disk tier"])
+def test_on_off_options_take_a_bool_only(tmp_path: Path, where: str) -> None:
+    """``overwrite="no"`` deleted the keys it was meant to keep, ``step_in_backward="no"`` updated in
+    backward, ``emulate_device="no"`` emulated: a string reads as true. Each is a ``TypeError``,
+    nothing deleted."""
+    from tierstore.optim import TieredAdamW
+
+    store = SyncTierStore([HostTier("4MiB")]).open()
+    store.put("run1/x", torch.ones(4))
+    model = torch.nn.Linear(4, 4)
+    if where == "optimizer":
+        for option in ("overwrite", "step_in_backward", "emulate_device", "unscale_in_step"):
+            with pytest.raises(TypeError, match=f"{option} must be True or False"):
+                TieredAdamW(model.parameters(), store=store, namespace="run1", **{option: "no"})
+    elif where == "claim":
+        with pytest.raises(TypeError, match="overwrite must be True or False"):
+            store.claim("run1", overwrite="no")
+    elif where == "store":
+        with pytest.raises(TypeError, match="flush_on_close must be True or False"):
+            SyncTierStore([HostTier("1MiB")], flush_on_close="no")
+    else:
+        for option in ("durable", "overcommit"):
+            with pytest.raises(TypeError, match=f"{option} must be True or False"):
+                DiskTier(tmp_path / "d", "8MiB", **{option: "no"})
+    assert torch.equal(store.get("run1/x"), torch.ones(4))
+    store.close()

@@ -47,6 +47,7 @@ from .errors import (
     NamespaceClaimedError,
     StoreClosedError,
 )
+from .flags import require_flag
 from .keys import RESERVED_PREFIX, check_key, is_reserved, reserved_keys
 
 if TYPE_CHECKING:
@@ -209,6 +210,7 @@ class NamespaceRegistry:
 
     async def claim(self, name: str, *, owner: str = "user", overwrite: bool = False) -> Namespace:
         """Claim ``name`` for ``owner`` (see the module docstring)."""
+        require_flag("overwrite", overwrite)
         name = namespace_name(name)
         owner = _owner(owner)
         async with self._lock:

@@ -29,6 +29,7 @@ from .errors import (
     TierStoreError,
     UnknownTierError,
 )
+from .flags import require_flag
 from .keys import check_key, is_reserved, plain_text
 from .namespaces import Namespace, NamespaceInfo, NamespaceRegistry
 from .prefetching import PrefetchHandle
@@ -103,7 +104,7 @@ class TierStore:
         if self._trace_path is not None and self._trace_path.is_dir():  # (else found at close, the trace lost)
             raise IsADirectoryError(f"trace={str(trace)!r} is a folder; give the path of the file to write, e.g. "
                                     f"{str(self._trace_path / 'trace.npz')!r}")
-        self.flush_on_close = flush_on_close
+        self.flush_on_close = require_flag("flush_on_close", flush_on_close)
         self.durable = durable
         if durable and self._engine.disk_index is None:
             raise ValueError("durable=True needs a DiskTier to write through to")
@@ -1245,9 +1246,7 @@ def _increment_version(tensor: torch.Tensor) -> None:
 def _durability(durable: object, *, none: bool) -> Any:
     """``durable`` if it is a bool (or None, where ``none``), else ``TypeError``: a string or a
     number would read as true or false without a word."""
-    if durable.__class__ is bool or (none and durable is None):
-        return durable
-    raise TypeError(f"durable must be True or False{' (or None: the store default)' if none else ''}, not {durable!r}")
+    return require_flag("durable", durable, none="the store default" if none else None)
 
 
 def _check_out(out: object, meta: TensorMeta, device: torch.device) -> None:

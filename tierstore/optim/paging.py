@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from ..device import link_for
 from ..errors import OptimizerClosedError, StepIncompleteError, StoreLockedError, TierFullError
+from ..flags import require_flag
 from ..namespaces import Namespace
 from ..store import TierStore
 from ..sync import (
@@ -214,8 +215,9 @@ class PagedOptimizer(torch.optim.Optimizer):
         zero_stage: int = 1,
         unscale_in_step: bool = True,
     ) -> None:
-        if unscale_in_step.__class__ is not bool:
-            raise TypeError(f"unscale_in_step must be True or False, not {unscale_in_step!r}")
+        for name, flag in (("unscale_in_step", unscale_in_step), ("step_in_backward", step_in_backward), ("overwrite", overwrite)):
+            require_flag(name, flag)
+        require_flag("emulate_device", emulate_device, none="as tierstore.device.emulate_device or TIERSTORE_EMULATE_DEVICE says")
         if not unscale_in_step and process_group not in (None, False) and zero_stage == 2:
             raise ValueError(
                 "unscale_in_step=False with zero_stage=2: each rank's GradScaler would check its own gradients before "

@@ -46,6 +46,7 @@ from ..errors import (
     TierFullError,
     TierStoreError,
 )
+from ..flags import require_flag
 from ..process import this_process
 from ..tensors import ALIGNMENT, TensorMeta, aligned_empty
 from ..units import format_bytes, parse_bytes, round_up
@@ -163,7 +164,7 @@ class DiskTier(Tier):
         super().__init__(capacity, name)
         self.root = Path(root)
         self.io = io if io is not None else FileIO()
-        self.durable = bool(durable)
+        self.durable = require_flag("durable", durable)
         if direct not in (True, False, "auto"):
             raise ValueError(f"direct must be True, False or 'auto', not {direct!r}")
         self._direct = direct
@@ -178,7 +179,7 @@ class DiskTier(Tier):
         #: Requests of one value in flight at a time (its chunks, each checksummed in its job).
         self.queue_depth = self.io_settings.settings.queue_depth
         self.create = create
-        self.overcommit = bool(overcommit)
+        self.overcommit = require_flag("overcommit", overcommit)
         self.inline_max = parse_bytes(inline_max)
         if self.inline_max < 0:
             raise ValueError(f"inline_max must not be negative, not {inline_max!r}")
