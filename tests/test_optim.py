@@ -280,6 +280,10 @@ def test_errors_are_clear(tmp_path: Path) -> None:
     model = GPT(CONFIG)
     with pytest.raises(ValueError, match="step_in_backward"):
         TieredAdamW(model.parameters(), max_grad_norm=1.0, step_in_backward=True)
+    # (NaN made every weight NaN, -1 flipped the gradients' sign, "1" failed at the first step)
+    for norm, error in ((float("nan"), ValueError), (-1.0, ValueError), ("1", TypeError), (True, TypeError)):
+        with pytest.raises(error, match="max_grad_norm must be a number of 0 or more"):
+            TieredAdamW(model.parameters(), max_grad_norm=norm)
     with pytest.raises(OptimizerCapacityError, match="cannot hold") as raised:
         TieredAdamW(model.parameters(), store=TierStore([HostTier("16KiB")]))
     enough = int(re.search(r"at least ([\d,]+) bytes", str(raised.value)).group(1).replace(",", ""))  # type: ignore[union-attr]

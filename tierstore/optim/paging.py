@@ -227,6 +227,12 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._step_supports_amp_scaling = unscale_in_step
         if offload not in ("host", "disk"):
             raise ValueError(f"offload must be 'host' or 'disk', not {offload!r}")
+        if max_grad_norm is not None:
+            what = f"max_grad_norm must be a number of 0 or more (inf: measure the norm only; None: no clipping), not {max_grad_norm!r}"
+            if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, numbers.Real):
+                raise TypeError(what)
+            if not max_grad_norm >= 0:  # (NaN too: every weight would become NaN)
+                raise ValueError(what)
         if step_in_backward and max_grad_norm is not None:
             raise ValueError(
                 "max_grad_norm needs every gradient before any update, so it cannot be combined with "
