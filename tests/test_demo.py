@@ -59,7 +59,7 @@ def test_demo_bf16_with_compressed_state(tmp_path: Path, capsys: pytest.CaptureF
     assert main([*args[:-2], "--dtype", "fp32"]) == 2  # a lossless master needs bf16 weights
     assert "needs --dtype bf16" in capsys.readouterr().err
     assert main([*args[:-2], "--drive-tbw", "0"]) == 2
-    assert "--drive-tbw must be above 0" in capsys.readouterr().err
+    assert "--drive-tbw must be a finite number above 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("option", "value", "says"), [
@@ -67,6 +67,7 @@ def test_demo_bf16_with_compressed_state(tmp_path: Path, capsys: pytest.CaptureF
     ("--lr", "nan", "--lr must be a finite number >= 0"),
     ("--clip", "-1", "--clip is a gradient norm"),
     ("--drive-capacity", "0", "--drive-capacity must be above 0"),
+    ("--drive-tbw", "inf", "--drive-tbw must be a finite number above 0"),  # (an OverflowError traceback)
     ("--json", "/proc/x.json", "--json /proc/x.json: cannot be written"),  # (it trained, then a traceback)
     ("--plot", "/", "--plot /: is a folder"),
     ("--root", "/proc/nope", "--root /proc/nope: the disk tier's folder cannot be made"),

@@ -34,17 +34,25 @@ def test_defaults_are_a_typical_two_terabyte_drive() -> None:
 
 
 def test_nothing_written_never_wears_out() -> None:
-    for wear in (drive_wear(0, 1.0), drive_wear(5, 0.0)):
+    for wear in (drive_wear(0, 1.0), drive_wear(0, 0.0)):
         assert wear.days_to_rated == math.inf
         assert "nothing written" in str(wear)
     assert drive_wear(0, 0.0).bytes_per_hour == 0.0
+
+
+def test_bytes_written_in_no_time_are_not_said_to_be_nothing() -> None:
+    """(1 GB in 0 seconds read "nothing written")"""
+    wear = drive_wear(10**9, 0.0)
+    assert "953.7 MiB written in no measured time (no rate)" in str(wear) and "nothing" not in str(wear)
 
 
 @pytest.mark.parametrize(
     ("args", "kwargs"),
     [((-1, 1.0), {}), ((1.5, 1.0), {}), ((True, 1.0), {}), ((1, -1.0), {}), ((1, float("nan")), {}),
      ((1, 1.0), {"capacity": 0}), ((1, 1.0), {"capacity": "lots"}), ((1, 1.0), {"rated_tbw": 0}),
-     ((1, 1.0), {"rated_tbw": "1200"})],
+     ((1, 1.0), {"rated_tbw": "1200"}),
+     # (an infinite rating was an OverflowError, 1e-30 TBW "rated 0 TBW ... in 0.0 hours", infinite seconds "nothing written")
+     ((1, 1.0), {"rated_tbw": float("inf")}), ((1, 1.0), {"rated_tbw": 1e-30}), ((1, float("inf")), {})],
 )
 def test_bad_input(args: tuple[object, ...], kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError):

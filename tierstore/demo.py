@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -137,8 +138,8 @@ def check_args(args: argparse.Namespace) -> str | None:
             return f"--device {args.device}: there are {torch.cuda.device_count()} CUDA devices"
     elif device.type != "cpu":
         return f"--device {args.device}: the demo runs on cpu or cuda"
-    if args.drive_tbw is not None and not args.drive_tbw > 0:
-        return f"--drive-tbw must be above 0, not {args.drive_tbw}"
+    if args.drive_tbw is not None and not 1e-12 <= args.drive_tbw < math.inf:
+        return f"--drive-tbw must be a finite number above 0 (terabytes), not {args.drive_tbw}"
     if not args.lr >= 0 or args.lr == float("inf"):  # (torch's AdamW refuses a negative one; nan fails this too)
         return f"--lr must be a finite number >= 0, not {args.lr}"
     if args.clip is not None and not args.clip >= 0:

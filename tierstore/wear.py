@@ -13,6 +13,7 @@ per TB of capacity, as the Samsung 990 Pro and WD SN850X 2 TB are).
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -70,6 +71,8 @@ class DriveWear:
 
     def __str__(self) -> str:
         drive = f"a {self.capacity / _TB:g} TB drive rated {self.rated_bytes / _TB:g} TBW"
+        if self.bytes_written and not self.seconds:
+            return f"SSD wear: {format_bytes(self.bytes_written)} written in no measured time (no rate) to {drive}"
         if self.bytes_per_second <= 0:
             return f"SSD wear: nothing written to {drive}"
         days = self.days_to_rated
@@ -89,15 +92,15 @@ def drive_wear(
     Raises ``ValueError`` for a negative count or time, or a capacity or rating not above 0."""
     if isinstance(bytes_written, bool) or not isinstance(bytes_written, int) or bytes_written < 0:
         raise ValueError(f"bytes_written must be a non-negative int, not {bytes_written!r}")
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds >= 0:
-        raise ValueError(f"seconds must be a non-negative number, not {seconds!r}")
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < math.inf:
+        raise ValueError(f"seconds must be a finite number of 0 or more, not {seconds!r}")
     size = parse_bytes(capacity)
     if size <= 0:
         raise ValueError(f"capacity must be above 0, not {capacity!r}")
     if rated_tbw is None:
         rated = size * DEFAULT_TBW_PER_CAPACITY
     else:
-        if isinstance(rated_tbw, bool) or not isinstance(rated_tbw, (int, float)) or not rated_tbw > 0:
-            raise ValueError(f"rated_tbw (terabytes written) must be a number above 0, not {rated_tbw!r}")
+        if isinstance(rated_tbw, bool) or not isinstance(rated_tbw, (int, float)) or not 1 / _TB <= rated_tbw < math.inf:
+            raise ValueError(f"rated_tbw (terabytes written) must be a finite number of at least a byte's worth, not {rated_tbw!r}")
         rated = int(rated_tbw * _TB)
     return DriveWear(bytes_written=bytes_written, seconds=float(seconds), capacity=size, rated_bytes=rated)
