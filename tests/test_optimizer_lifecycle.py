@@ -163,3 +163,27 @@ def test_exiting_right_after_a_drop_waits_for_its_release(tmp_path: Path) -> Non
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr[-2000:]
 
+
+
+def test_store_is_taken_as_given(tmp_path: Path) -> None:
+    """With ``store=``, the options that describe the store an optimizer makes for itself were
+    silently ignored (a ``host_capacity=`` meant to bound memory bounded nothing), and a store
+    the user had closed was opened again behind their back. Both are refused now; a store not
+    yet opened is still opened here."""
+    from tierstore import DiskTier, HostTier, StoreClosedError, SyncTierStore, TierStore
+
+    model = torch.nn.Linear(8, 8)
+    store = SyncTierStore([HostTier("1MiB"), DiskTier(tmp_path / "s", "16MiB")]).open()
+    for option in ({"host_capacity": "8MiB"}, {"disk_capacity": "1GiB"}, {"disk_root": tmp_path / "x"}, {"offload": "disk"}):
+        with pytest.raises(ValueError, match=f"{next(iter(option))}= describes the store the optimizer makes"):
+            TieredAdamW(model.parameters(), store=store, **option)
+    store.close()
+    with pytest.raises(StoreClosedError, match="the store given as store= was closed"):
+        TieredAdamW(model.parameters(), store=store)
+    assert not store.is_open and store.closed
+    fresh = TierStore([HostTier("1MiB")])
+    TieredAdamW(model.parameters(), store=fresh).close()
+    if fresh.is_open:
+        from tierstore.sync import run
+
+        run(fresh.aclose())

@@ -194,6 +194,12 @@ class TierStore:
     # -- introspection -------------------------------------------------------------------------
 
     @property
+    def closed(self) -> bool:
+        """Whether the store was opened and has been closed since (``is_open`` is False before
+        the first ``open`` too)."""
+        return not self._engine.is_open and self._engine.closed
+
+    @property
     def is_open(self) -> bool:
         """Whether the store is open (and not closing)."""
         return self._engine.is_open and not self._engine.closing

@@ -227,6 +227,13 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._step_supports_amp_scaling = unscale_in_step
         if offload not in ("host", "disk"):
             raise ValueError(f"offload must be 'host' or 'disk', not {offload!r}")
+        if store is not None:  # (they describe the store made when none is given: with one, they did nothing)
+            ignored = [name for name, value in (("offload", offload != "host"), ("disk_root", disk_root), ("host_capacity", host_capacity),
+                                                ("disk_capacity", disk_capacity)) if value not in (None, False)]
+            if ignored:
+                raise ValueError(f"{', '.join(f'{name}=' for name in ignored)} {'describes' if len(ignored) == 1 else 'describe'} "
+                                 "the store the optimizer makes when none "
+                                 "is given; with store= they would do nothing: size and place the store's own tiers instead")
         if max_grad_norm is not None:
             what = f"max_grad_norm must be a number of 0 or more (inf: measure the norm only; None: no clipping), not {max_grad_norm!r}"
             if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, numbers.Real):

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..errors import StoreClosedError
 from ..store import TierStore
 from ..sync import SyncTierStore, run
 from ..tiers import DiskTier, HostTier, MemoryTier
@@ -38,6 +39,8 @@ def bind_store(store: Any, loop: asyncio.AbstractEventLoop, state_tier: str) -> 
         store = store.store
     if not isinstance(store, TierStore):
         raise TypeError(f"store must be a TierStore or SyncTierStore, not {type(store).__name__}")
+    if store.closed:
+        raise StoreClosedError("the store given as store= was closed: open it again (or make a new one) first")
     if not store.is_open:
         run(store.open())
     elif store.loop is not loop:
