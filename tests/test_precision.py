@@ -535,3 +535,43 @@ def test_a_bf16_resume_keeps_the_fp32_master_whichever_is_loaded_first(optimizer
         train(resumed, again, range(3, 6))
     again.close()
     assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), straight.parameters(), strict=True))
+
+
+@pytest.mark.parametrize(("key", "before", "after"), [("state_precision", "fp32", "8bit"), ("state_precision", "8bit", "fp32"),
+                                                      ("state_precision", "bf16", "int4"), ("amsgrad", False, True)])
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_a_layout_setting_changed_in_param_groups_is_refused(key: str, before: object, after: object, in_backward: bool) -> None:
+    """``opt.param_groups[0]["state_precision"] = "8bit"`` after a step: the next step read the
+    fp32 state as 8-bit (the moments restarted from zero while the step count went on; 8bit to
+    fp32: ``state_dict()`` an ``AttributeError``, a paged state ``TierFullError``; "int4" a
+    ``KeyError``). Each is a ``ValueError`` now, at ``step()`` (in backward, at the first
+    gradient), ``state_dict()`` and ``opt.state``, nothing changed; set back, training goes on
+    as torch's AdamW."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    settings = {"state_precision": before} if key == "state_precision" else {"amsgrad": before}
+    opt = TieredAdamW(model.parameters(), lr=1e-2, step_in_backward=in_backward, **settings)  # type: ignore[arg-type]
+    reference = TieredAdamW([torch.nn.Parameter(p.detach().clone()) for p in model.parameters()], lr=1e-2, **settings)  # type: ignore[arg-type]
+
+    def step(o: TieredAdamW, params: list[torch.Tensor]) -> None:
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+        o.zero_grad()
+        torch.nn.functional.linear(x, params[0], params[1]).square().mean().backward()
+        o.step()
+
+    for _ in range(2):
+        step(opt, list(model.parameters()))
+        step(reference, reference.param_groups[0]["params"])
+    opt.param_groups[0][key] = after
+    with pytest.raises(ValueError, match=f"param group 0's {key} from {before!r} to {after!r} was changed"):
+        step(opt, list(model.parameters()))
+    for read in (opt.state_dict, lambda: opt.state[model.weight]):
+        with pytest.raises(ValueError, match="was changed in param_groups"):
+            read()
+    opt.param_groups[0][key] = before
+    step(opt, list(model.parameters()))
+    step(reference, reference.param_groups[0]["params"])
+    for mine, theirs in zip(model.parameters(), reference.param_groups[0]["params"], strict=True):
+        assert torch.equal(mine, theirs)
+    opt.close()
+    reference.close()

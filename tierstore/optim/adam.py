@@ -185,6 +185,26 @@ class TieredAdam(PagedOptimizer):
                     f"and this group has {', '.join(wrong)} ones; put those in a group with master_weights='fp32'"
                 )
         super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        self.__dict__.setdefault("_laid_out_as", {})[id(group)] = _layout_settings(group)
+
+    #: Group keys that decide how a group's state is stored (``_layout``).
+    _layout_keys = ("state_precision", "master_weights", "amsgrad")
+
+    def _refuse_changed_layouts(self) -> None:
+        """``ValueError`` if a group's ``state_precision``, ``master_weights`` or ``amsgrad`` was
+        changed in ``param_groups`` after its state was laid out: the state would be read in the
+        new layout (moments restarting from zero, or a failure part-way)."""
+        laid_out = self.__dict__.setdefault("_laid_out_as", {})
+        for index, group in enumerate(self.param_groups):
+            now = _layout_settings(group)
+            was = laid_out.setdefault(id(group), now)
+            if now != was:
+                changed = ", ".join(f"{key} from {a!r} to {b!r}" for key, a, b in zip(self._layout_keys, was, now, strict=True) if a != b)
+                raise ValueError(
+                    f"param group {index}'s {changed} was changed in param_groups after its state was laid out; the state "
+                    "cannot change layout in place. Set it back, or save opt.state_dict() and load it into a new optimizer "
+                    "made with the new setting (load_state_dict converts the state)")
 
     def _layout(self, slot: ParamSlot) -> StateLayout | None:
         """The packed layout of ``slot``'s state; None for the plain ``(rows, numel)`` fp32 one."""
@@ -889,14 +909,18 @@ class TieredAdam(PagedOptimizer):
         "param_groups": [...]}``, loadable by ``torch.optim.Adam``/``AdamW``. Parameters whose dtype
         is not fp32 also carry their fp32 ``master`` weight (torch ignores it); DTensor parameters
         (FSDP2) get DTensor state. See ``tierstore.optim.checkpoint``."""
+        self._refuse_changed_layouts()
         return adam_state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict saved by this class or by ``torch.optim.Adam``/``AdamW``."""
+        self._refuse_changed_layouts()
         adam_load_state_dict(self, state_dict)
+        self._laid_out_as = {id(group): _layout_settings(group) for group in self.param_groups}  # (as loaded)
 
     def _entry_of(self, slot: ParamSlot) -> dict[str, torch.Tensor]:
         """One parameter's state in torch's format, read from the store (``opt.state[p]``)."""
+        self._refuse_changed_layouts()
         return run(adam_entry(self, slot))
 
 
@@ -909,6 +933,11 @@ class TieredAdamW(TieredAdam):
     def __init__(self, params: Iterable[Any], lr: float | torch.Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, **kwargs: Any) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
+
+
+def _layout_settings(group: dict[str, Any]) -> tuple[Any, ...]:
+    """A group's values of ``TieredAdam._layout_keys``."""
+    return group.get("state_precision"), group.get("master_weights"), bool(group.get("amsgrad"))
 
 
 def _truncated(master: torch.Tensor) -> torch.Tensor:

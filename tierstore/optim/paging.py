@@ -568,6 +568,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             scaling = (getattr(self, "grad_scale", None), sharding.found_inf(found) if sharding is not None else found)
         if not resumed:
             self._refuse_sparse()
+            self._refuse_changed_layouts()
         try:
             if not resumed:
                 self._finish_step(scaling)
@@ -616,6 +617,11 @@ class PagedOptimizer(torch.optim.Optimizer):
         if pressed:  # after the step's last job: the step is done, and Ctrl-C stands
             raise KeyboardInterrupt
         finishing.result()
+
+    def _refuse_changed_layouts(self) -> None:
+        """Raise, before anything changes, if a param group's setting that decides how its
+        state is stored was changed in ``param_groups`` since the state was laid out (a
+        subclass with such settings says how: ``TieredAdam``)."""
 
     #: Appended to the error on a sparse gradient (TieredAdam names torch's SparseAdam, as torch does).
     _sparse_advice = ""
@@ -930,6 +936,8 @@ def _hook(optimizer: weakref.ref[PagedOptimizer], slot: ParamSlot, param: torch.
     """The hook holds the optimizer weakly: one the program dropped stops listening."""
     live = optimizer()
     if live is not None:
+        if live.step_in_backward:  # (its update may start now)
+            live._refuse_changed_layouts()
         live._capture.hook(slot, slot.param)  # (for a DTensor, the view of its local shard)
 
 
