@@ -284,6 +284,19 @@ def test_restart_through_a_named_namespace(tmp_path: Path, device_mode: str, mas
         straight.close()
 
 
+def test_a_restart_with_another_precision_says_why_its_state_starts_over(tmp_path: Path, device_mode: str) -> None:
+    """(the warning said the saved state "has another shape": the shapes were the same)"""
+    _, paged = _models(torch.float32)
+    store = SyncTierStore([HostTier("128KiB"), DiskTier(tmp_path / "store", "16MiB")]).open()
+    opt = TieredAdamW(paged.parameters(), lr=3e-3, store=store, namespace="run", min_offload_numel=100)
+    _steps(paged, opt, range(2))
+    opt.close()
+    with pytest.warns(UserWarning, match=r"is laid out for other settings \(another state_precision.*load the state_dict\(\) of an optimizer"):
+        opt = TieredAdamW(paged.parameters(), lr=3e-3, store=store, namespace="run", state_precision="8bit", min_offload_numel=100)
+    opt.close()
+    store.close()
+
+
 # -- the lossless master ---------------------------------------------------------------------------
 
 

@@ -632,8 +632,9 @@ class TieredAdam(PagedOptimizer):
                     slot.resident = {"packed": await self.store.read(slot.key)}
         if mismatched:
             warnings.warn(
-                f"namespace {namespace.name!r}: the saved state of parameters {mismatched} has another shape; "
-                "those start over",
+                f"namespace {namespace.name!r}: the saved state of parameters {mismatched} is laid out for other settings "
+                "(another state_precision, master_weights or amsgrad, or parameters of another size); those start over. "
+                "To continue with new settings, load the state_dict() of an optimizer made with the old ones",
                 stacklevel=2,
             )
         for key in namespace.keys():
