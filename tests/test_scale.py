@@ -161,6 +161,35 @@ def test_memory_plan_before_the_first_step_and_refusal(tmp_path: Path, device_mo
         _paged(tmp_path, model.parameters(), disk_root=tmp_path / "small", disk_capacity="1MiB")
 
 
+def test_frozen_parameters_have_no_state_in_the_plan_or_the_report(tmp_path: Path, device_mode: str) -> None:
+    """A LoRA-like model given as ``model.parameters()``: a frozen 12.8M-parameter embedding and
+    a small trainable head. The plan counted the embedding's state (98 MiB of disk needed) and
+    refused an 8 MiB disk tier, though torch's AdamW keeps state for the head alone (33 KiB);
+    the report said 12.8M parameters paged."""
+    torch.manual_seed(0)
+    base, head = torch.nn.Embedding(200_000, 64), torch.nn.Linear(64, 64)
+    base.weight.requires_grad_(False)
+    reference = [p.detach().clone().requires_grad_(p.requires_grad) for p in (*base.parameters(), *head.parameters())]
+    opt = TieredAdamW([*base.parameters(), *head.parameters()], offload="disk", disk_root=tmp_path / "s", host_capacity="1MiB",
+                      disk_capacity="8MiB")
+    expected = torch.optim.AdamW(reference, fused=True)
+    try:
+        assert opt.memory_plan().fits and opt.memory_plan().paged_state_bytes < 64 << 10
+        for _ in range(2):
+            x = torch.randint(0, 200_000, (8,))
+            for o, (weight, w, b) in ((opt, (base.weight, head.weight, head.bias)), (expected, reference)):
+                o.zero_grad()
+                torch.nn.functional.linear(torch.nn.functional.embedding(x, weight), w, b).sum().backward()
+                o.step()
+        for mine, theirs in zip((*base.parameters(), *head.parameters()), reference, strict=True):
+            assert torch.equal(mine, theirs)
+        report = opt.memory_report()
+        assert report.frozen_parameters == 200_000 * 64 and report.paged_parameters == 64 * 64
+        assert "12,800,000 frozen: no state" in str(report)
+    finally:
+        opt.close()
+
+
 def test_memory_plan_counts_what_other_values_hold_on_a_shared_store(tmp_path: Path, device_mode: str) -> None:
     """On a store shared with the user's own values, the plan compared the disk tier's need with
     its capacity, not with what the other values leave of it: an 8 MiB disk tier 7 MiB full was

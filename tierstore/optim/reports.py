@@ -51,6 +51,9 @@ class MemoryReport:
     #: Parameters whose weights ``tierstore.swap.offload_parameters`` keeps in the store (not
     #: counted on the device above: they come and go).
     swapped_parameters: int = 0
+    #: Elements of frozen parameters (``requires_grad=False``): no state, as torch's AdamW keeps
+    #: none (not in ``paged_parameters`` or the bytes per parameter of the state).
+    frozen_parameters: int = 0
 
     def for_drive(self, capacity: int | str = DEFAULT_CAPACITY, rated_tbw: float | None = None) -> MemoryReport:
         """This report with its wear line describing a drive of ``capacity`` rated for
@@ -66,14 +69,16 @@ class MemoryReport:
 
     def __str__(self) -> str:
         n = max(self.parameters, 1)
+        frozen = f", {self.frozen_parameters:,} frozen: no state" if self.frozen_parameters else ""
         lines = [
-            f"optimizer memory for {self.parameters:,} parameters ({self.paged_parameters:,} paged)",
+            f"optimizer memory for {self.parameters:,} parameters ({self.paged_parameters:,} paged{frozen})",
             f"  model on the device: {self.device_weight_bytes / n:.1f} + {self.device_grad_bytes / n:.1f} bytes/param "
             f"(weights + grads) = {format_bytes(self.device_weight_bytes + self.device_grad_bytes)}",
             f"  optimizer state, {self.state_bytes_per_param:.0f} bytes/param{self._contents()}, by store tier:",
         ]
+        trainable = max(self.parameters - self.frozen_parameters, 1)
         for tier, nbytes in self.state_by_tier.items():
-            lines.append(f"    {tier:<8} {nbytes / n:5.1f} bytes/param = {format_bytes(nbytes)}")
+            lines.append(f"    {tier:<8} {nbytes / trainable:5.1f} bytes/param = {format_bytes(nbytes)}")
         if self.resident_parameters:
             lines.append(
                 f"    not paged: {format_bytes(self.resident_state_bytes)} in host memory for {self.resident_parameters} "
@@ -186,12 +191,15 @@ def plan_memory(
     tiers = store.tiers
     names = [tier.name for tier in tiers]
     position = names.index(state_tier)
-    paged = [slot for slot in slots if slot.paged]
+    # Frozen parameters (``requires_grad=False``: a LoRA model's base) get no state, as torch's
+    # AdamW makes none for them; one unfrozen later adds its state then.
+    trainable = [slot for slot in slots if slot.param.requires_grad]
+    paged = [slot for slot in trainable if slot.paged]
     paged_state = sum(state_bytes(slot) for slot in paged)
-    copied_grads = [slot.numel * slot.param.element_size() for slot in slots if not slot.link.lends and slot.chunks is None]
-    resident = sum(state_bytes(slot) for slot in slots if not slot.paged)
-    largest = max((unit_need(slot) for slot in slots), default=0)
-    chunked = [slot for slot in slots if slot.chunks is not None]
+    copied_grads = [slot.numel * slot.param.element_size() for slot in trainable if not slot.link.lends and slot.chunks is None]
+    resident = sum(state_bytes(slot) for slot in trainable if not slot.paged)
+    largest = max((unit_need(slot) for slot in trainable), default=0)
+    chunked = [slot for slot in trainable if slot.chunks is not None]
     need = {name: 0 for name in names}
     weights: dict[str, list[int]] = {}
     # What must fit: one update at a time and one more gradient arriving (the pipeline runs
@@ -406,7 +414,10 @@ async def memory_report(
     last step's ``TimeReport``, for its disk writes."""
     by_tier: dict[str, int] = {tier.name: 0 for tier in store.tiers}
     resident = resident_params = paged = 0
+    frozen = sum(slot.numel for slot in slots if not slot.param.requires_grad)
     for slot in slots:
+        if not slot.param.requires_grad:
+            continue
         size = state_bytes(slot)
         if not slot.paged:
             resident += size if slot.resident is not None else 0
@@ -424,20 +435,23 @@ async def memory_report(
     contents: dict[str, int] = {}
     if owner is not None and hasattr(owner, "param_groups"):
         for slot in slots:
+            if not slot.param.requires_grad:
+                continue
             what = state_contents(owner, slot)
             contents[what] = contents.get(what, 0) + slot.numel
     weights = sum(slot.numel * slot.param.element_size() for slot in slots if offloaded(slot.param) is None)
     grads = sum(slot.numel * slot.param.element_size() for slot in slots if slot.param.requires_grad)
-    state = sum(state_bytes(slot) for slot in slots)
+    state = sum(state_bytes(slot) for slot in slots if slot.param.requires_grad)
     tiers = {name: {"used": t["used"], "capacity": t["capacity"]} for name, t in store.stats()["tiers"].items()}
     paged_to_disk = last is not None and last.step_wall > 0 and last.disk_write_bytes > 0
     written = last.disk_write_bytes if last is not None and paged_to_disk else None
     return MemoryReport(
         parameters=params, paged_parameters=paged, device_weight_bytes=weights, device_grad_bytes=grads,
         state_by_tier=by_tier, resident_state_bytes=resident, resident_parameters=resident_params,
-        state_bytes_per_param=state / max(params, 1), tiers=tiers, plan=plan,
+        state_bytes_per_param=state / max(params - frozen, 1), tiers=tiers, plan=plan,
         disk_write_bytes_per_step=written, wear=last.wear() if last is not None and paged_to_disk else None,
         state_contents=contents, swapped_parameters=sum(1 for slot in slots if offloaded(slot.param) is not None),
+        frozen_parameters=frozen,
     )
 
 
