@@ -121,3 +121,37 @@ async def test_a_hold_still_fails_at_once_when_the_tier_is_held(tmp_path: Path) 
                         pass
         async with store.hold("b", "host"):  # (usable, nothing lost)
             pass
+
+
+@pytest.mark.parametrize("held", [False, True])
+async def test_readers_that_never_let_go_make_a_request_fail_not_hang(tmp_path: Path, held: bool) -> None:
+    """A task reading "a" again and again (each read starting as the last ends) kept a put naming
+    the tier waiting for ever (the first version of this change); with "a" also held, no read's
+    end could ever make room. It fails as full after a bounded number of reads (``READ_WAITS``),
+    at once when the copy is held."""
+    async with _paged(tmp_path / "s") as store:
+        await store.put("a", torch.randn(A), "host")
+        stop = False
+
+        async def read_on() -> None:
+            while not stop:
+                await store.get("a")
+
+        async def request() -> None:
+            reader = asyncio.create_task(read_on())
+            await asyncio.sleep(0.01)
+            try:
+                with pytest.raises(TierFullError, match="held or in transfer"):
+                    async with asyncio.timeout(30):
+                        await store.put("b", torch.randn(B), "host")
+            finally:
+                nonlocal stop
+                stop = True
+                await reader
+
+        if held:
+            async with store.hold("a", "host"):
+                await request()
+        else:
+            await request()
+        await store.put("b", torch.randn(B), "host")  # (usable: once the reads stop, room is made)

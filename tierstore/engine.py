@@ -99,6 +99,9 @@ class Engine:
         #: comes back without an eviction (``tierstore.eviction`` counts it and waits for it).
         self.releasing = [0] * len(self._tiers)
         self.releases: list[set[asyncio.Future[None]]] = [set() for _ in self._tiers]
+        #: Per tier, futures each ending as a read out of an unheld copy there lets go of it
+        #: (``reading``): a request for room waits for those under way when it began only.
+        self.reads: list[set[asyncio.Future[None]]] = [set() for _ in self._tiers]
         #: Buffers allocated on a tier and being filled (they become evictable copies when done).
         self.incoming: list[set[asyncio.Future[None]]] = [set() for _ in self._tiers]
         self.background: set[asyncio.Task[Any]] = set()
@@ -888,12 +891,14 @@ class Engine:
         """Note a use of ``copy`` (taken) by a read out of it that needs no room on ``copy``'s
         tier (into the caller's memory, or a load down the tiers): it ends by itself, so a
         request for room on that tier that finds nothing else to evict waits for it instead of
-        refusing (a read is no hold). Pass what this returns to ``read_done`` after the
-        ``unuse``."""
-        if not copy.in_memory:
+        refusing (a read is no hold; a held copy's read frees nothing: not noted). Pass what
+        this returns to ``read_done`` after the ``unuse``."""
+        if not copy.in_memory or copy.holds:
             return None
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.expect_room(copy.tier, done)
+        reads = self.reads[copy.tier]
+        reads.add(done)
+        done.add_done_callback(reads.discard)
         return done
 
     @staticmethod

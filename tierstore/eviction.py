@@ -8,6 +8,10 @@ write-backs to the disk run concurrently. A batch finishes before room is asked 
 room check is the last thing before the caller allocates: the tiers then look as the policy
 decided, and as ``tierstore.sim.replay_store_trace`` replays.
 
+A copy being read out (a get, a read, a load down the tiers: ``Engine.reading``) is no hold:
+a request that finds nothing else to evict waits for such reads to end, up to ``READ_WAITS``
+times (readers that start again at once would keep it waiting for ever), then fails as full.
+
 A copy dropped from a tier behind a link while a kernel may still use it comes back to the tier
 only when that kernel is done (``Engine._release_after``): those bytes count as room on its way,
 as a demotion's do, and a request that finds nothing else to evict waits for them, until a
@@ -37,6 +41,11 @@ from .workers import Priority
 
 if TYPE_CHECKING:
     from .engine import Engine
+
+#: How many times a request for room that finds nothing to evict waits for reads of the tier's
+#: copies to end (a read is no hold: its copy is a victim once it ends) before it fails as full.
+READ_WAITS = 64
+
 
 async def make_room(engine: Engine, t: int, nbytes: int, priority: Priority, wait_for_close: bool = False) -> None:
     """Evict from tier ``t`` until a value of ``nbytes`` can be allocated there (the rules are
@@ -77,6 +86,7 @@ def _refuse_closing(engine: Engine, tier: MemoryTier) -> None:
 async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, priority: Priority, wait_for_close: bool) -> None:
     one_at_a_time = t + 1 < len(engine.tiers) and isinstance(engine.tiers[t + 1], MemoryTier)
     mine: list[asyncio.Task[None]] = []
+    read_waits = 0  # (reads waited for: readers that start again at once, a loop of gets, would keep it waiting for ever)
     try:
         while tier.free < (size := tier.allocation_size(nbytes)):
             if engine.winding_down:
@@ -116,7 +126,8 @@ async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, prio
                 _raise_failed(tier, task, wait_for_close)
             if batch:
                 continue  # (evicting packed values frees room only when a slab empties)
-            pending = engine.demotions[t] | engine.incoming[t] | engine.releases[t]  # each ends with room or a victim
+            reads = engine.reads[t] if read_waits < READ_WAITS else set()
+            pending = engine.demotions[t] | engine.incoming[t] | engine.releases[t] | reads  # each ends with room or a victim
             if not pending:
                 if tier.free >= tier.allocation_size(nbytes):
                     continue
@@ -134,6 +145,7 @@ async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, prio
             # A close that seals wakes the wait (``make_room`` then waits for its outcome or
             # refuses): room on its way may come only after it, or never (a kernel that never
             # ends, a hold kept open across the close).
+            read_waits += bool(reads)
             await asyncio.wait([*pending, engine.closing_signal()], return_when=asyncio.FIRST_COMPLETED)
     finally:
         if any(not task.done() for task in mine):
