@@ -588,3 +588,23 @@ def test_a_layout_setting_changed_in_param_groups_is_refused(key: str, before: o
         assert torch.equal(mine, theirs)
     opt.close()
     reference.close()
+
+
+def test_a_layout_setting_changed_before_the_first_step_is_taken() -> None:
+    """As with torch, a group's settings may change before it has state (the review found the
+    first version refusing it); a group dict replaced after, with another layout, is refused."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    mine = TieredAdamW(model.parameters(), lr=1e-2)
+    reference = torch.optim.AdamW([p.detach().clone().requires_grad_() for p in model.parameters()], lr=1e-2, amsgrad=True, fused=True)
+    mine.param_groups[0]["amsgrad"] = True
+    for _ in range(2):
+        for o, (w, b) in ((mine, model.parameters()), (reference, reference.param_groups[0]["params"])):
+            o.zero_grad()
+            torch.nn.functional.linear(torch.ones(4, 64), w, b).square().mean().backward()
+            o.step()
+    assert all(torch.equal(x, y) for x, y in zip(model.parameters(), reference.param_groups[0]["params"], strict=True))
+    mine.param_groups[0] = {**mine.param_groups[0], "amsgrad": False}
+    with pytest.raises(ValueError, match="amsgrad from True to False was changed"):
+        mine.state_dict()
+    mine.close()

@@ -185,21 +185,23 @@ class TieredAdam(PagedOptimizer):
                     f"and this group has {', '.join(wrong)} ones; put those in a group with master_weights='fp32'"
                 )
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        self.__dict__.setdefault("_laid_out_as", {})[id(group)] = _layout_settings(group)
+        self.__dict__.setdefault("_laid_out_as", {})[len(self.param_groups) - 1] = _layout_settings(self.param_groups[-1])
 
     #: Group keys that decide how a group's state is stored (``_layout``).
     _layout_keys = ("state_precision", "master_weights", "amsgrad")
 
     def _refuse_changed_layouts(self) -> None:
         """``ValueError`` if a group's ``state_precision``, ``master_weights`` or ``amsgrad`` was
-        changed in ``param_groups`` after its state was laid out: the state would be read in the
-        new layout (moments restarting from zero, or a failure part-way)."""
+        changed in ``param_groups`` (or the group replaced) after its state was made: the state
+        would be read in the new layout (moments restarting from zero, or a failure part-way).
+        Before a group has state, as with torch, a change is taken."""
         laid_out = self.__dict__.setdefault("_laid_out_as", {})
         for index, group in enumerate(self.param_groups):
             now = _layout_settings(group)
-            was = laid_out.setdefault(id(group), now)
-            if now != was:
+            was = laid_out.setdefault(index, now)
+            if now != was and not any(slot.index in self._step_counts for slot in self._slots if slot.group == index):
+                laid_out[index] = now  # (no state yet: made in the new layout)
+            elif now != was:
                 changed = ", ".join(f"{key} from {a!r} to {b!r}" for key, a, b in zip(self._layout_keys, was, now, strict=True) if a != b)
                 raise ValueError(
                     f"param group {index}'s {changed} was changed in param_groups after its state was laid out; the state "
@@ -917,7 +919,7 @@ class TieredAdam(PagedOptimizer):
         """Load a state dict saved by this class or by ``torch.optim.Adam``/``AdamW``."""
         self._refuse_changed_layouts()
         adam_load_state_dict(self, state_dict)
-        self._laid_out_as = {id(group): _layout_settings(group) for group in self.param_groups}  # (as loaded)
+        self._laid_out_as = dict(enumerate(map(_layout_settings, self.param_groups)))  # (as loaded)
 
     def _entry_of(self, slot: ParamSlot) -> dict[str, torch.Tensor]:
         """One parameter's state in torch's format, read from the store (``opt.state[p]``)."""

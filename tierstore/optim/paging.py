@@ -936,7 +936,7 @@ def _hook(optimizer: weakref.ref[PagedOptimizer], slot: ParamSlot, param: torch.
     """The hook holds the optimizer weakly: one the program dropped stops listening."""
     live = optimizer()
     if live is not None:
-        if live.step_in_backward:  # (its update may start now)
+        if live.step_in_backward and not live._capture.hooked:  # (the step's first gradient: its updates start now)
             live._refuse_changed_layouts()
         live._capture.hook(slot, slot.param)  # (for a DTensor, the view of its local shard)
 
