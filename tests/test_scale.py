@@ -190,6 +190,43 @@ def test_frozen_parameters_have_no_state_in_the_plan_or_the_report(tmp_path: Pat
         opt.close()
 
 
+def test_unfreezing_what_the_store_cannot_hold_is_refused_before_the_step_changes_anything(tmp_path: Path, device_mode: str) -> None:
+    """With frozen parameters out of the plan, a base unfrozen later whose state the store could
+    not hold failed part-way through a step (``StepIncompleteError``: some parameters updated,
+    others not; found by the review). The step plans again when the trainable parameters
+    change, and refuses before any update; frozen again, training goes on; and the store an
+    optimizer makes for itself is sized without the frozen state."""
+    from tierstore import DiskTier, HostTier, SyncTierStore
+
+    torch.manual_seed(0)
+    base, adapter = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(4))), torch.nn.Linear(512, 512)
+    base.requires_grad_(False)
+    params = [*base.parameters(), *adapter.parameters()]
+    own = TieredAdamW(params, offload="disk", disk_root=tmp_path / "own")
+    trainable = sum(p.numel() for p in adapter.parameters())
+    assert own.store.tiers[-1].capacity <= (256 << 20) + 2 * 16 * trainable  # (16 B an element: state and grad; none for the frozen 1M)
+    own.close()
+    store = SyncTierStore([HostTier("2MiB"), DiskTier(tmp_path / "s", "8MiB")]).open()
+    opt = TieredAdamW(params, store=store)
+
+    def step() -> None:
+        opt.zero_grad()
+        adapter(base(torch.ones(4, 512))).square().mean().backward()
+        opt.step()
+
+    step()
+    base.requires_grad_(True)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(OptimizerCapacityError, match="made trainable since this optimizer was made cannot fit"):
+        step()
+    assert all(torch.equal(p, q) for p, q in zip(params, before, strict=True))
+    base.requires_grad_(False)
+    step()
+    assert not torch.equal(adapter.weight, before[-2])
+    opt.close()
+    store.close()
+
+
 def test_memory_plan_counts_what_other_values_hold_on_a_shared_store(tmp_path: Path, device_mode: str) -> None:
     """On a store shared with the user's own values, the plan compared the disk tier's need with
     its capacity, not with what the other values leave of it: an 8 MiB disk tier 7 MiB full was

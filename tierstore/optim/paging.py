@@ -289,8 +289,10 @@ class PagedOptimizer(torch.optim.Optimizer):
         try:
             super().__init__(params, defaults)
             if store is None:
-                state = sum(self._state_bytes(slot) for slot in self._slots if slot.paged)
-                grads = sum(slot.numel * slot.param.element_size() for slot in self._slots if not slot.link.lends)
+                # (frozen parameters get no state: a LoRA model's base would size a disk for nothing)
+                state = sum(self._state_bytes(slot) for slot in self._slots if slot.paged and slot.param.requires_grad)
+                grads = sum(slot.numel * slot.param.element_size() for slot in self._slots
+                            if not slot.link.lends and slot.param.requires_grad)
                 root = rank_folder(disk_root if disk_root is not None else DEFAULT_DISK_ROOT)
                 store = default_store(offload, state, grads, root, host_capacity, disk_capacity)
             try:
@@ -334,6 +336,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             plan = self.memory_plan()
             if not plan.fits:  # refused now rather than failing mid-step
                 raise OptimizerCapacityError("this configuration cannot fit: " + "; ".join(plan.problems) + f"\n{plan}")
+            self._planned_trainable = self._trainable_elements()
             self._runner = StepRunner(self._slots, self.store, self._pipeline, max_grad_norm=max_grad_norm, in_backward=step_in_backward)
             self._runner.resident = ResidentStep(
                 self.store, state_tier, self, self._pipeline.math, report=lambda: self._window.report, timeline=self.timeline
@@ -441,6 +444,7 @@ class PagedOptimizer(torch.optim.Optimizer):
                 self._plan = in_force  # (what memory_plan() gives once closed)
             pipeline.replan(without=added)
             raise OptimizerCapacityError("this parameter group cannot fit: " + "; ".join(plan.problems) + f"\n{plan}")
+        self._planned_trainable = self._trainable_elements()
 
     def _add_slots(self) -> None:
         """A slot for each parameter of the last group (this rank's part of it)."""
@@ -569,6 +573,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         if not resumed:
             self._refuse_sparse()
             self._refuse_changed_layouts()
+            self._refuse_unplanned_unfreezing()
         try:
             if not resumed:
                 self._finish_step(scaling)
@@ -617,6 +622,23 @@ class PagedOptimizer(torch.optim.Optimizer):
         if pressed:  # after the step's last job: the step is done, and Ctrl-C stands
             raise KeyboardInterrupt
         finishing.result()
+
+    def _trainable_elements(self) -> int:
+        return sum(slot.numel for slot in self._slots if slot.param.requires_grad)
+
+    def _refuse_unplanned_unfreezing(self) -> None:
+        """The memory plan leaves frozen parameters out (no state, as torch makes none): when
+        the trainable ones changed since it was made, plan again, and raise
+        ``OptimizerCapacityError`` before anything changes if it no longer fits (a base
+        unfrozen later whose state the store cannot hold would fail part-way through the step)."""
+        trainable = self._trainable_elements()
+        if trainable == getattr(self, "_planned_trainable", trainable):
+            return
+        plan = self.memory_plan()
+        if not plan.fits:
+            raise OptimizerCapacityError("the parameters made trainable since this optimizer was made cannot fit: "
+                                         + "; ".join(plan.problems) + f"\n{plan}")
+        self._planned_trainable = trainable
 
     def _refuse_changed_layouts(self) -> None:
         """Raise, before anything changes, if a param group's setting that decides how its
@@ -938,6 +960,7 @@ def _hook(optimizer: weakref.ref[PagedOptimizer], slot: ParamSlot, param: torch.
     if live is not None:
         if live.step_in_backward and not live._capture.hooked:  # (the step's first gradient: its updates start now)
             live._refuse_changed_layouts()
+            live._refuse_unplanned_unfreezing()
         live._capture.hook(slot, slot.param)  # (for a DTensor, the view of its local shard)
 
 
