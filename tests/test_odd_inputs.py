@@ -95,5 +95,12 @@ def test_on_off_options_take_a_bool_only(tmp_path: Path, where: str) -> None:
         for option in ("durable", "overcommit"):
             with pytest.raises(TypeError, match=f"{option} must be True or False"):
                 DiskTier(tmp_path / "d", "8MiB", **{option: "no"})
+        from tierstore import DeviceTier
+        from tierstore.device import emulate_device
+
+        with pytest.raises(TypeError, match="emulate_device must be True or False"):
+            DeviceTier("cpu", "1MiB", emulate_device="no")
+        with pytest.raises(TypeError, match="enabled must be True or False"):
+            emulate_device("no")  # type: ignore[arg-type]
     assert torch.equal(store.get("run1/x"), torch.ones(4))
     store.close()

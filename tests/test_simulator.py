@@ -40,6 +40,8 @@ def test_csv_without_header_and_extra_columns(tmp_path: Path, third: str) -> Non
     path.write_text("".join(f"{key},{size},{extra}\n" for key, size, extra in zip("aba", (10, 20, 10), third.split(","), strict=True)))
     trace = load_trace(path)
     assert trace.keys == ["a", "b"] and trace.ids.tolist() == [0, 1, 0] and trace.sizes.tolist() == [10, 20, 10]
+    path.write_text("key,2024,size\na,1,100\nb,1,200\na,1,100\n")  # (a header with a numeric name: still a header)
+    assert load_trace(path).sizes.tolist() == [100, 200, 100]
 
 
 def test_simulate_refuses_an_output_it_cannot_write_before_it_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -138,7 +138,7 @@ def check_args(args: argparse.Namespace) -> str | None:
             return f"--device {args.device}: there are {torch.cuda.device_count()} CUDA devices"
     elif device.type != "cpu":
         return f"--device {args.device}: the demo runs on cpu or cuda"
-    if args.drive_tbw is not None and not 1e-12 <= args.drive_tbw < math.inf:
+    if args.drive_tbw is not None and not 1 <= args.drive_tbw * 1e12 < math.inf:  # (1e300 TB overflows as bytes)
         return f"--drive-tbw must be a finite number above 0 (terabytes), not {args.drive_tbw}"
     if not args.lr >= 0 or args.lr == float("inf"):  # (torch's AdamW refuses a negative one; nan fails this too)
         return f"--lr must be a finite number >= 0, not {args.lr}"

@@ -100,7 +100,7 @@ def drive_wear(
     if rated_tbw is None:
         rated = size * DEFAULT_TBW_PER_CAPACITY
     else:
-        if isinstance(rated_tbw, bool) or not isinstance(rated_tbw, (int, float)) or not 1 / _TB <= rated_tbw < math.inf:
+        if isinstance(rated_tbw, bool) or not isinstance(rated_tbw, (int, float)) or not 1 <= rated_tbw * _TB < math.inf:
             raise ValueError(f"rated_tbw (terabytes written) must be a finite number of at least a byte's worth, not {rated_tbw!r}")
         rated = int(rated_tbw * _TB)
     return DriveWear(bytes_written=bytes_written, seconds=float(seconds), capacity=size, rated_bytes=rated)

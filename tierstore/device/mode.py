@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..flags import require_flag
 from .link import HostLink, Link
 from .spec import LinkSpec
 
@@ -69,7 +70,7 @@ def emulate_device(enabled: bool = True, link: str | LinkSpec | None = None) -> 
     spec = link if isinstance(link, LinkSpec) else LinkSpec.parse(link) if link is not None else _from_env()[1]
     with _lock:
         previous = _override
-        _override = (bool(enabled), spec)
+        _override = (require_flag("enabled", enabled), spec)
     return _Setting(previous)
 
 

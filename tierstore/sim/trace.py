@@ -255,13 +255,15 @@ def _named_columns(names: list[str], path: Path) -> dict[str, int | str]:
     """Key and size columns from a header's names when none were given: the usual names
     (``key``/``obj_id``..., ``size``/``obj_size``...); with no header, or a header of two
     columns, the first two. A wider header without those names is ambiguous: refused."""
-    if not names or all(_is_number(name) for name in names) or (len(names) > 1 and _is_number(names[1])):
-        return {}  # (no header: a first line whose size column, the second, is a number is an access)
+    if not names or all(_is_number(name) for name in names):
+        return {}
     lowered = [name.strip().lower() for name in names]
     key = next((lowered.index(n) for n in _KEY_NAMES if n in lowered), None)
     size = next((lowered.index(n) for n in _SIZE_NAMES if n in lowered), None)
     if key is not None and size is not None:
         return {"key": key, "size": size}
+    if len(names) > 1 and _is_number(names[1]):
+        return {}  # (no header: a first line whose size column, the second, is a number is an access)
     if len(names) > 2:
         raise TraceError(
             f"{path} has a header of {len(names)} columns {names} without a key and a size column by their usual names; "

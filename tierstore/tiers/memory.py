@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..device import Link, link_for
+from ..flags import require_flag
 from ..tensors import ALIGNMENT, page_empty
 from ..units import round_up
 from .base import MemoryTier
@@ -39,7 +40,7 @@ class DeviceTier(MemoryTier):
             raise ValueError(f"DeviceTier takes 'cuda', 'cuda:N' or 'cpu', not {device!r}")
         if self._device.type == "cuda" and self._device.index is None:
             self._device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
-        self._emulate = emulate_device
+        self._emulate = require_flag("emulate_device", emulate_device, none="as tierstore.device.emulate_device or TIERSTORE_EMULATE_DEVICE says")
         #: The link copies to and from this tier cross (None: plain memory copies).
         self.link: Link | None = None
 
