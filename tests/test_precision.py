@@ -608,3 +608,12 @@ def test_a_layout_setting_changed_before_the_first_step_is_taken() -> None:
     with pytest.raises(ValueError, match="amsgrad from True to False was changed"):
         mine.state_dict()
     mine.close()
+    # (a setting changed before any state is still checked as the constructor checks it: an
+    # unknown precision failed part-way through the step, "lossless" on fp32 weights too)
+    for key, value, says in (("state_precision", "fp13", "state_precision must be one of"),
+                             ("master_weights", "lossless", "needs bf16 parameters")):
+        fresh = TieredAdamW(torch.nn.Linear(4, 4).parameters())
+        fresh.param_groups[0][key] = value
+        with pytest.raises(ValueError, match=says):
+            fresh.step()
+        fresh.close()

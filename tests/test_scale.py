@@ -227,6 +227,34 @@ def test_unfreezing_what_the_store_cannot_hold_is_refused_before_the_step_change
     store.close()
 
 
+def test_swapping_which_parameters_train_is_planned_again(tmp_path: Path, device_mode: str) -> None:
+    """(the second review: the check compared the number of trainable elements, so freezing one
+    layer and unfreezing another of its size was not planned again, and the frozen layer's state,
+    still in the store, was not counted: the step failed part-way)"""
+    from tierstore import HostTier, SyncTierStore
+
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024)
+    second.requires_grad_(False)
+    store = SyncTierStore([HostTier("14MiB")]).open()
+    opt = TieredAdamW([*first.parameters(), *second.parameters()], store=store)
+
+    def step() -> None:
+        opt.zero_grad()
+        second(first(torch.ones(2, 1024))).square().mean().backward()
+        opt.step()
+
+    step()
+    first.requires_grad_(False)
+    second.requires_grad_(True)
+    before = [p.detach().clone() for p in (*first.parameters(), *second.parameters())]
+    with pytest.raises(OptimizerCapacityError, match="made trainable since"):
+        step()
+    assert all(torch.equal(p, q) for p, q in zip((*first.parameters(), *second.parameters()), before, strict=True))
+    opt.close()
+    store.close()
+
+
 def test_memory_plan_counts_what_other_values_hold_on_a_shared_store(tmp_path: Path, device_mode: str) -> None:
     """On a store shared with the user's own values, the plan compared the disk tier's need with
     its capacity, not with what the other values leave of it: an 8 MiB disk tier 7 MiB full was

@@ -101,7 +101,7 @@ class Engine:
         self.releases: list[set[asyncio.Future[None]]] = [set() for _ in self._tiers]
         #: Per tier, futures each ending as a read out of an unheld copy there lets go of it
         #: (``reading``): a request for room waits for those under way when it began only.
-        self.reads: list[set[asyncio.Future[None]]] = [set() for _ in self._tiers]
+        self.reads: list[dict[asyncio.Future[None], Copy]] = [{} for _ in self._tiers]
         #: Buffers allocated on a tier and being filled (they become evictable copies when done).
         self.incoming: list[set[asyncio.Future[None]]] = [set() for _ in self._tiers]
         self.background: set[asyncio.Task[Any]] = set()
@@ -891,14 +891,14 @@ class Engine:
         """Note a use of ``copy`` (taken) by a read out of it that needs no room on ``copy``'s
         tier (into the caller's memory, or a load down the tiers): it ends by itself, so a
         request for room on that tier that finds nothing else to evict waits for it instead of
-        refusing (a read is no hold; a held copy's read frees nothing: not noted). Pass what
-        this returns to ``read_done`` after the ``unuse``."""
-        if not copy.in_memory or copy.holds:
+        refusing (a read is no hold; one of a copy held when the request looks frees nothing:
+        not waited for). Pass what this returns to ``read_done`` after the ``unuse``."""
+        if not copy.in_memory:
             return None
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         reads = self.reads[copy.tier]
-        reads.add(done)
-        done.add_done_callback(reads.discard)
+        reads[done] = copy
+        done.add_done_callback(reads.pop)
         return done
 
     @staticmethod

@@ -10,7 +10,8 @@ decided, and as ``tierstore.sim.replay_store_trace`` replays.
 
 A copy being read out (a get, a read, a load down the tiers: ``Engine.reading``) is no hold:
 a request that finds nothing else to evict waits for such reads to end, up to ``READ_WAITS``
-times (readers that start again at once would keep it waiting for ever), then fails as full.
+times (readers that start again at once would keep it waiting for ever), and not for reads of a
+held copy (their end frees nothing), then fails as full.
 
 A copy dropped from a tier behind a link while a kernel may still use it comes back to the tier
 only when that kernel is done (``Engine._release_after``): those bytes count as room on its way,
@@ -126,7 +127,7 @@ async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, prio
                 _raise_failed(tier, task, wait_for_close)
             if batch:
                 continue  # (evicting packed values frees room only when a slab empties)
-            reads = engine.reads[t] if read_waits < READ_WAITS else set()
+            reads = {read for read, copy in engine.reads[t].items() if not copy.holds} if read_waits < READ_WAITS else set()
             pending = engine.demotions[t] | engine.incoming[t] | engine.releases[t] | reads  # each ends with room or a victim
             if not pending:
                 if tier.free >= tier.allocation_size(nbytes):

@@ -100,7 +100,11 @@ def drive_wear(
     if rated_tbw is None:
         rated = size * DEFAULT_TBW_PER_CAPACITY
     else:
-        if isinstance(rated_tbw, bool) or not isinstance(rated_tbw, (int, float)) or not 1 <= rated_tbw * _TB < math.inf:
+        try:
+            rated_float = float(rated_tbw) * _TB if isinstance(rated_tbw, (int, float)) and not isinstance(rated_tbw, bool) else math.nan
+        except OverflowError:  # (an int too large for a float)
+            rated_float = math.inf
+        if not 1 <= rated_float < math.inf:
             raise ValueError(f"rated_tbw (terabytes written) must be a finite number of at least a byte's worth, not {rated_tbw!r}")
         rated = int(rated_tbw * _TB)
     return DriveWear(bytes_written=bytes_written, seconds=float(seconds), capacity=size, rated_bytes=rated)

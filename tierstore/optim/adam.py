@@ -177,13 +177,7 @@ class TieredAdam(PagedOptimizer):
                     "float64 parameters are not supported by TieredAdam/TieredAdamW: the master and moments are kept in "
                     "fp32, so their updates would be rounded to fp32; use torch.optim.AdamW for them, or train in fp32"
                 )
-        if master == "lossless":
-            wrong = sorted({str(p.dtype) for p in params if p.dtype != torch.bfloat16})
-            if wrong:
-                raise ValueError(
-                    f"master_weights='lossless' keeps the master's high half in the bf16 weight: it needs bf16 parameters, "
-                    f"and this group has {', '.join(wrong)} ones; put those in a group with master_weights='fp32'"
-                )
+        _require_bf16_for_lossless(master, params)
         super().add_param_group(param_group)
         self.__dict__.setdefault("_laid_out_as", {})[len(self.param_groups) - 1] = _layout_settings(self.param_groups[-1])
 
@@ -200,13 +194,18 @@ class TieredAdam(PagedOptimizer):
             now = _layout_settings(group)
             was = laid_out.setdefault(index, now)
             if now != was and not any(slot.index in self._step_counts for slot in self._slots if slot.group == index):
-                laid_out[index] = now  # (no state yet: made in the new layout)
+                validate(now[0], now[1])  # (no state yet: made in the new layout, if it is one)
+                _require_bf16_for_lossless(now[1], group["params"])
+                laid_out[index] = now
             elif now != was:
                 changed = ", ".join(f"{key} from {a!r} to {b!r}" for key, a, b in zip(self._layout_keys, was, now, strict=True) if a != b)
                 raise ValueError(
                     f"param group {index}'s {changed} was changed in param_groups after its state was laid out; the state "
                     "cannot change layout in place. Set it back, or save opt.state_dict() and load it into a new optimizer "
                     "made with the new setting (load_state_dict converts the state)")
+
+    def _has_state(self, slot: ParamSlot) -> bool:
+        return slot.index in self._step_counts
 
     def _layout(self, slot: ParamSlot) -> StateLayout | None:
         """The packed layout of ``slot``'s state; None for the plain ``(rows, numel)`` fp32 one."""
@@ -936,6 +935,17 @@ class TieredAdamW(TieredAdam):
     def __init__(self, params: Iterable[Any], lr: float | torch.Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, **kwargs: Any) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
+
+
+def _require_bf16_for_lossless(master: str, params: Iterable[torch.Tensor]) -> None:
+    """``ValueError`` unless a group with ``master_weights='lossless'`` holds bf16 parameters only."""
+    if master == "lossless":
+        wrong = sorted({str(p.dtype) for p in params if p.dtype != torch.bfloat16})
+        if wrong:
+            raise ValueError(
+                f"master_weights='lossless' keeps the master's high half in the bf16 weight: it needs bf16 parameters, "
+                f"and this group has {', '.join(wrong)} ones; put those in a group with master_weights='fp32'"
+            )
 
 
 def _layout_settings(group: dict[str, Any]) -> tuple[Any, ...]:

@@ -139,11 +139,6 @@ class GradientCapture:
         if wake:
             self._loop.call_soon_threadsafe(self.take_pending)
 
-    @property
-    def hooked(self) -> bool:
-        """Whether a gradient's hook fired since ``new_step`` (this step's backward has begun)."""
-        return self._hooked
-
     def take_pending(self) -> None:
         """On the loop: take the gradients hooks handed over (see the module docstring)."""
         with self._lock:

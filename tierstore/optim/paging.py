@@ -286,11 +286,13 @@ class PagedOptimizer(torch.optim.Optimizer):
         #: Whether the constructor has ended (an ``add_param_group`` after it plans the group).
         self._constructed = False
         self._warned_zero2_changes = False
+        #: With step_in_backward: this step's settings were checked at its first gradient.
+        self._checked_in_backward = False
         try:
             super().__init__(params, defaults)
             if store is None:
                 # (frozen parameters get no state: a LoRA model's base would size a disk for nothing)
-                state = sum(self._state_bytes(slot) for slot in self._slots if slot.paged and slot.param.requires_grad)
+                state = sum(self._state_bytes(slot) for slot in self._slots if slot.paged and self._in_plan(slot))
                 grads = sum(slot.numel * slot.param.element_size() for slot in self._slots
                             if not slot.link.lends and slot.param.requires_grad)
                 root = rank_folder(disk_root if disk_root is not None else DEFAULT_DISK_ROOT)
@@ -336,7 +338,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             plan = self.memory_plan()
             if not plan.fits:  # refused now rather than failing mid-step
                 raise OptimizerCapacityError("this configuration cannot fit: " + "; ".join(plan.problems) + f"\n{plan}")
-            self._planned_trainable = self._trainable_elements()
+            self._planned = self._planned_slots()
             self._runner = StepRunner(self._slots, self.store, self._pipeline, max_grad_norm=max_grad_norm, in_backward=step_in_backward)
             self._runner.resident = ResidentStep(
                 self.store, state_tier, self, self._pipeline.math, report=lambda: self._window.report, timeline=self.timeline
@@ -444,7 +446,7 @@ class PagedOptimizer(torch.optim.Optimizer):
                 self._plan = in_force  # (what memory_plan() gives once closed)
             pipeline.replan(without=added)
             raise OptimizerCapacityError("this parameter group cannot fit: " + "; ".join(plan.problems) + f"\n{plan}")
-        self._planned_trainable = self._trainable_elements()
+        self._planned = self._planned_slots()
 
     def _add_slots(self) -> None:
         """A slot for each parameter of the last group (this rank's part of it)."""
@@ -573,9 +575,9 @@ class PagedOptimizer(torch.optim.Optimizer):
         if not resumed:
             self._refuse_sparse()
             self._refuse_changed_layouts()
-            self._refuse_unplanned_unfreezing()
         try:
             if not resumed:
+                self._refuse_unplanned_unfreezing()  # (in here: with sharded state, the other ranks are told)
                 self._finish_step(scaling)
         except StepIncompleteError as exc:
             if sharding is not None:
@@ -587,6 +589,7 @@ class PagedOptimizer(torch.optim.Optimizer):
                 sharding.agree(exc)
             raise
         finally:
+            self._checked_in_backward = False
             ended = time.perf_counter()
             self._report.stall += ended - started
             self.timeline.add("step() wait", "train loop", started, ended)
@@ -623,22 +626,32 @@ class PagedOptimizer(torch.optim.Optimizer):
             raise KeyboardInterrupt
         finishing.result()
 
-    def _trainable_elements(self) -> int:
-        return sum(slot.numel for slot in self._slots if slot.param.requires_grad)
+    def _has_state(self, slot: ParamSlot) -> bool:
+        """Whether ``slot``'s parameter may have state in the store (a subclass that knows says
+        exactly: ``TieredAdam``)."""
+        return True
+
+    def _in_plan(self, slot: ParamSlot) -> bool:
+        """Whether the memory plan counts ``slot``'s state: a trainable parameter's, or one that
+        has state (frozen since). A frozen parameter without state gets none, as with torch."""
+        return slot.param.requires_grad or self._has_state(slot)
+
+    def _planned_slots(self) -> frozenset[int]:
+        return frozenset(slot.index for slot in self._slots if self._in_plan(slot))
 
     def _refuse_unplanned_unfreezing(self) -> None:
-        """The memory plan leaves frozen parameters out (no state, as torch makes none): when
-        the trainable ones changed since it was made, plan again, and raise
-        ``OptimizerCapacityError`` before anything changes if it no longer fits (a base
-        unfrozen later whose state the store cannot hold would fail part-way through the step)."""
-        trainable = self._trainable_elements()
-        if trainable == getattr(self, "_planned_trainable", trainable):
+        """The memory plan leaves frozen parameters without state out: when the parameters it
+        counts changed since it was made (some unfrozen), plan again, and raise
+        ``OptimizerCapacityError`` before anything changes if it no longer fits (state the
+        store cannot hold would fail part-way through the step)."""
+        planned = self._planned_slots()
+        if planned == getattr(self, "_planned", planned):
             return
         plan = self.memory_plan()
         if not plan.fits:
             raise OptimizerCapacityError("the parameters made trainable since this optimizer was made cannot fit: "
                                          + "; ".join(plan.problems) + f"\n{plan}")
-        self._planned_trainable = trainable
+        self._planned = planned
 
     def _refuse_changed_layouts(self) -> None:
         """Raise, before anything changes, if a param group's setting that decides how its
@@ -821,7 +834,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._plan = plan_memory(
             self.store, self._slots, self._state_bytes, state_tier=self.state_tier, unit_need=pipeline.need,
             inflight=pipeline.inflight, chunk_bytes=pipeline.chunk_bytes, offloaded=offloaded,
-            used_by_others=run(self._used_by_others()),
+            used_by_others=run(self._used_by_others()), planned=self._in_plan,
         )
         return self._plan
 
@@ -844,7 +857,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         """Bytes per parameter and totals: weights and grads on the device, state by tier."""
         self._require_open("memory_report")
         plan = self.memory_plan() if self._pipeline is not None else None
-        return run(memory_report(self.store, self._slots, self._state_bytes, offloaded, plan, self._window.last))
+        return run(memory_report(self.store, self._slots, self._state_bytes, offloaded, plan, self._window.last, planned=self._in_plan))
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -958,9 +971,10 @@ def _hook(optimizer: weakref.ref[PagedOptimizer], slot: ParamSlot, param: torch.
     """The hook holds the optimizer weakly: one the program dropped stops listening."""
     live = optimizer()
     if live is not None:
-        if live.step_in_backward and not live._capture.hooked:  # (the step's first gradient: its updates start now)
+        if live.step_in_backward and not live._checked_in_backward:  # (the step's first gradient: its updates start now)
             live._refuse_changed_layouts()
             live._refuse_unplanned_unfreezing()
+            live._checked_in_backward = True
         live._capture.hook(slot, slot.param)  # (for a DTensor, the view of its local shard)
 
 

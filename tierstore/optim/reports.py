@@ -182,10 +182,11 @@ class MemoryPlan:
 def plan_memory(
     store: TierStore, slots: Sequence[ParamSlot], state_bytes: Callable[[ParamSlot], int], *, state_tier: str,
     unit_need: Callable[[ParamSlot], int], inflight: int, chunk_bytes: int, offloaded: Callable[[Any], Any],
-    used_by_others: dict[str, int] | None = None,
+    used_by_others: dict[str, int] | None = None, planned: Callable[[ParamSlot], bool] = lambda slot: slot.param.requires_grad,
 ) -> MemoryPlan:
     """The ``MemoryPlan`` of an optimizer's ``slots`` in ``store`` (see ``MemoryPlan``);
-    ``used_by_others``: bytes of the bottom tier held by values that are not the optimizer's."""
+    ``used_by_others``: bytes of the bottom tier held by values that are not the optimizer's;
+    ``planned``: whether a slot's state counts (not a frozen parameter's without state)."""
     from ..tiers import DiskTier, MemoryTier
 
     tiers = store.tiers
@@ -193,7 +194,7 @@ def plan_memory(
     position = names.index(state_tier)
     # Frozen parameters (``requires_grad=False``: a LoRA model's base) get no state, as torch's
     # AdamW makes none for them; one unfrozen later adds its state then.
-    trainable = [slot for slot in slots if slot.param.requires_grad]
+    trainable = [slot for slot in slots if planned(slot)]
     paged = [slot for slot in trainable if slot.paged]
     paged_state = sum(state_bytes(slot) for slot in paged)
     copied_grads = [slot.numel * slot.param.element_size() for slot in trainable if not slot.link.lends and slot.chunks is None]
@@ -408,15 +409,16 @@ def _state_keys(slot: ParamSlot) -> list[str]:
 
 async def memory_report(
     store: TierStore, slots: Sequence[ParamSlot], state_bytes: Callable[[ParamSlot], int], offloaded: Callable[[Any], Any],
-    plan: MemoryPlan | None = None, last: TimeReport | None = None,
+    plan: MemoryPlan | None = None, last: TimeReport | None = None, *,
+    planned: Callable[[ParamSlot], bool] = lambda slot: slot.param.requires_grad,
 ) -> MemoryReport:
     """The ``MemoryReport`` of an optimizer's ``slots`` (on the store's loop); ``last``: the
     last step's ``TimeReport``, for its disk writes."""
     by_tier: dict[str, int] = {tier.name: 0 for tier in store.tiers}
     resident = resident_params = paged = 0
-    frozen = sum(slot.numel for slot in slots if not slot.param.requires_grad)
+    frozen = sum(slot.numel for slot in slots if not planned(slot))
     for slot in slots:
-        if not slot.param.requires_grad:
+        if not planned(slot):
             continue
         size = state_bytes(slot)
         if not slot.paged:
@@ -435,13 +437,13 @@ async def memory_report(
     contents: dict[str, int] = {}
     if owner is not None and hasattr(owner, "param_groups"):
         for slot in slots:
-            if not slot.param.requires_grad:
+            if not planned(slot):
                 continue
             what = state_contents(owner, slot)
             contents[what] = contents.get(what, 0) + slot.numel
     weights = sum(slot.numel * slot.param.element_size() for slot in slots if offloaded(slot.param) is None)
     grads = sum(slot.numel * slot.param.element_size() for slot in slots if slot.param.requires_grad)
-    state = sum(state_bytes(slot) for slot in slots if slot.param.requires_grad)
+    state = sum(state_bytes(slot) for slot in slots if planned(slot))
     tiers = {name: {"used": t["used"], "capacity": t["capacity"]} for name, t in store.stats()["tiers"].items()}
     paged_to_disk = last is not None and last.step_wall > 0 and last.disk_write_bytes > 0
     written = last.disk_write_bytes if last is not None and paged_to_disk else None
