@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -208,12 +210,7 @@ def test_unfreezing_what_the_store_cannot_hold_is_refused_before_the_step_change
     own.close()
     store = SyncTierStore([HostTier("2MiB"), DiskTier(tmp_path / "s", "8MiB")]).open()
     opt = TieredAdamW(params, store=store)
-
-    def step() -> None:
-        opt.zero_grad()
-        adapter(base(torch.ones(4, 512))).square().mean().backward()
-        opt.step()
-
+    step = partial(_step_on, opt, lambda: adapter(base(torch.ones(4, 512))).square().mean())
     step()
     base.requires_grad_(True)
     before = [p.detach().clone() for p in params]
@@ -227,6 +224,12 @@ def test_unfreezing_what_the_store_cannot_hold_is_refused_before_the_step_change
     store.close()
 
 
+def _step_on(opt: TieredAdamW, loss: Callable[[], torch.Tensor]) -> None:
+    opt.zero_grad()
+    loss().backward()
+    opt.step()
+
+
 def test_swapping_which_parameters_train_is_planned_again(tmp_path: Path, device_mode: str) -> None:
     """(the second review: the check compared the number of trainable elements, so freezing one
     layer and unfreezing another of its size was not planned again, and the frozen layer's state,
@@ -238,12 +241,7 @@ def test_swapping_which_parameters_train_is_planned_again(tmp_path: Path, device
     second.requires_grad_(False)
     store = SyncTierStore([HostTier("14MiB")]).open()
     opt = TieredAdamW([*first.parameters(), *second.parameters()], store=store)
-
-    def step() -> None:
-        opt.zero_grad()
-        second(first(torch.ones(2, 1024))).square().mean().backward()
-        opt.step()
-
+    step = partial(_step_on, opt, lambda: second(first(torch.ones(2, 1024))).square().mean())
     step()
     first.requires_grad_(False)
     second.requires_grad_(True)
