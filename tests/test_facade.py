@@ -23,7 +23,7 @@ from tierstore.sync import EXTRAS, FACADES, RENAMED, SyncNamespace, public_verbs
 
 #: Names that are not verbs on data: lifecycle, the tiers (configuration, there before open), and
 #: properties describing the store itself (its state, loop, counters, policy, transfer listener).
-NOT_VERBS_ON_DATA = {"open", "aclose", "__aenter__", "__aexit__", "tier", "tiers", "is_open", "loop", "counters", "prefetch_policy", "on_transfer", "changes", "register_close_hook"}
+NOT_VERBS_ON_DATA = {"open", "aclose", "__aenter__", "__aexit__", "tier", "tiers", "is_open", "closed", "loop", "counters", "prefetch_policy", "on_transfer", "changes", "register_close_hook"}
 
 
 def _parameters(member: Any) -> list[tuple[str, Any, Any]]:
