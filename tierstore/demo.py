@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ from .sync import run
 from .tensors import ALIGNMENT
 from .tiers import DeviceTier, DiskTier, HostTier
 from .units import format_bytes, parse_bytes, round_up
-from .wear import drive_wear
+from .wear import drive_wear, valid_rating
 
 DEFAULT_ROOT = Path(".tierstore") / "demo"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -138,7 +137,7 @@ def check_args(args: argparse.Namespace) -> str | None:
             return f"--device {args.device}: there are {torch.cuda.device_count()} CUDA devices"
     elif device.type != "cpu":
         return f"--device {args.device}: the demo runs on cpu or cuda"
-    if args.drive_tbw is not None and not 1 <= args.drive_tbw * 1e12 < math.inf:  # (1e300 TB overflows as bytes)
+    if args.drive_tbw is not None and not valid_rating(args.drive_tbw):
         return f"--drive-tbw must be a finite number above 0 (terabytes), not {args.drive_tbw}"
     if not args.lr >= 0 or args.lr == float("inf"):  # (torch's AdamW refuses a negative one; nan fails this too)
         return f"--lr must be a finite number >= 0, not {args.lr}"

@@ -99,8 +99,9 @@ class Engine:
         #: comes back without an eviction (``tierstore.eviction`` counts it and waits for it).
         self.releasing = [0] * len(self._tiers)
         self.releases: list[set[asyncio.Future[None]]] = [set() for _ in self._tiers]
-        #: Per tier, futures each ending as a read out of an unheld copy there lets go of it
-        #: (``reading``): a request for room waits for those under way when it began only.
+        #: Per tier, futures each ending as a read out of a copy there lets go of it, with the
+        #: copy (``reading``): a request for room waits for those of unheld copies, a bounded
+        #: number of times (``tierstore.eviction.READ_WAITS``).
         self.reads: list[dict[asyncio.Future[None], Copy]] = [{} for _ in self._tiers]
         #: Buffers allocated on a tier and being filled (they become evictable copies when done).
         self.incoming: list[set[asyncio.Future[None]]] = [set() for _ in self._tiers]

@@ -160,12 +160,10 @@ def run(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         task = started.result()
         completed = finished.wait(timeout)
     except KeyboardInterrupt:
-        # the loop runs callbacks in order: ``start`` has made the task when this one runs
-        loop.call_soon_threadsafe(lambda: started.result().cancel())
-        finished.wait()
+        _cancel_and_wait(loop, started, finished)
         raise
     if not completed:
-        _cancel_and_wait(loop, task, finished)
+        _cancel_and_wait(loop, started, finished)
         if task.cancelled():
             raise TimeoutError(f"the tierstore call did not finish within {timeout} s and was cancelled")
     return task.result()  # the task is done: reading its outcome from this thread is safe
@@ -224,10 +222,13 @@ class _Raised:
         self.error = error
 
 
-def _cancel_and_wait(loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any], finished: threading.Event) -> None:
-    """Cancel ``task`` and wait until it has finished (it may defer the cancellation until it
-    no longer uses the caller's memory)."""
-    loop.call_soon_threadsafe(task.cancel)
+def _cancel_and_wait(
+    loop: asyncio.AbstractEventLoop, started: concurrent.futures.Future[asyncio.Task[Any]], finished: threading.Event
+) -> None:
+    """Cancel the task ``started`` gives and wait until it has finished (it may defer the
+    cancellation until it no longer uses the caller's memory). The task may not be made yet:
+    the loop runs callbacks in order, so the one that makes it runs before this one."""
+    loop.call_soon_threadsafe(lambda: started.result().cancel())
     finished.wait()
 
 

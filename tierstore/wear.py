@@ -83,6 +83,17 @@ class DriveWear:
         )
 
 
+def valid_rating(rated_tbw: object) -> bool:
+    """Whether ``rated_tbw`` (terabytes written) is a rating ``drive_wear`` takes: a number of at
+    least a byte's worth whose bytes are finite."""
+    if isinstance(rated_tbw, bool) or not isinstance(rated_tbw, (int, float)):
+        return False
+    try:
+        return 1 <= float(rated_tbw) * _TB < math.inf
+    except OverflowError:  # (an int too large for a float)
+        return False
+
+
 def drive_wear(
     bytes_written: int, seconds: float, *, capacity: int | str = DEFAULT_CAPACITY, rated_tbw: float | None = None
 ) -> DriveWear:
@@ -100,11 +111,7 @@ def drive_wear(
     if rated_tbw is None:
         rated = size * DEFAULT_TBW_PER_CAPACITY
     else:
-        try:
-            rated_float = float(rated_tbw) * _TB if isinstance(rated_tbw, (int, float)) and not isinstance(rated_tbw, bool) else math.nan
-        except OverflowError:  # (an int too large for a float)
-            rated_float = math.inf
-        if not 1 <= rated_float < math.inf:
+        if not valid_rating(rated_tbw):
             raise ValueError(f"rated_tbw (terabytes written) must be a finite number of at least a byte's worth, not {rated_tbw!r}")
         rated = int(rated_tbw * _TB)
     return DriveWear(bytes_written=bytes_written, seconds=float(seconds), capacity=size, rated_bytes=rated)

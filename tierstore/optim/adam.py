@@ -139,6 +139,8 @@ class TieredAdam(PagedOptimizer):
             raise ValueError("fused and foreach cannot both be True")
         validate(state_precision, master_weights)
         self._step_counts: dict[int, torch.Tensor] = {}
+        #: Per group index: its ``_layout_keys`` values when its state was laid out (``_refuse_changed_layouts``).
+        self._laid_out_as: dict[int, tuple[Any, ...]] = {}
         #: Per slot index: the resident step's pieces, with the layout they were made for
         #: ``(rows, paged, chunks)`` (``_resident_pieces``; read only: they are shared).
         self._pieces_made: dict[int, tuple[int, bool, Any, list[Piece]]] = {}
@@ -179,7 +181,7 @@ class TieredAdam(PagedOptimizer):
                 )
         _require_bf16_for_lossless(master, params)
         super().add_param_group(param_group)
-        self.__dict__.setdefault("_laid_out_as", {})[len(self.param_groups) - 1] = _layout_settings(self.param_groups[-1])
+        self._laid_out_as[len(self.param_groups) - 1] = _layout_settings(self.param_groups[-1])
 
     #: Group keys that decide how a group's state is stored (``_layout``).
     _layout_keys = ("state_precision", "master_weights", "amsgrad")
@@ -189,20 +191,21 @@ class TieredAdam(PagedOptimizer):
         changed in ``param_groups`` (or the group replaced) after its state was made: the state
         would be read in the new layout (moments restarting from zero, or a failure part-way).
         Before a group has state, as with torch, a change is taken."""
-        laid_out = self.__dict__.setdefault("_laid_out_as", {})
         for index, group in enumerate(self.param_groups):
             now = _layout_settings(group)
-            was = laid_out.setdefault(index, now)
-            if now != was and not any(slot.index in self._step_counts for slot in self._slots if slot.group == index):
+            was = self._laid_out_as.setdefault(index, now)
+            if now == was:
+                continue
+            if not any(slot.index in self._step_counts for slot in self._slots if slot.group == index):
                 validate(now[0], now[1])  # (no state yet: made in the new layout, if it is one)
                 _require_bf16_for_lossless(now[1], group["params"])
-                laid_out[index] = now
-            elif now != was:
-                changed = ", ".join(f"{key} from {a!r} to {b!r}" for key, a, b in zip(self._layout_keys, was, now, strict=True) if a != b)
-                raise ValueError(
-                    f"param group {index}'s {changed} was changed in param_groups after its state was laid out; the state "
-                    "cannot change layout in place. Set it back, or save opt.state_dict() and load it into a new optimizer "
-                    "made with the new setting (load_state_dict converts the state)")
+                self._laid_out_as[index] = now
+                continue
+            changed = ", ".join(f"{key} from {a!r} to {b!r}" for key, a, b in zip(self._layout_keys, was, now, strict=True) if a != b)
+            raise ValueError(
+                f"param group {index}'s {changed} was changed in param_groups after its state was laid out; the state "
+                "cannot change layout in place. Set it back, or save opt.state_dict() and load it into a new optimizer "
+                "made with the new setting (load_state_dict converts the state)")
 
     def _has_state(self, slot: ParamSlot) -> bool:
         return slot.index in self._step_counts

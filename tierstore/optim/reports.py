@@ -179,10 +179,16 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
+def _trainable(slot: ParamSlot) -> bool:
+    """Whether ``slot``'s parameter trains (``plan_memory``'s and ``memory_report``'s default
+    ``planned``: a frozen parameter gets no state)."""
+    return slot.param.requires_grad
+
+
 def plan_memory(
     store: TierStore, slots: Sequence[ParamSlot], state_bytes: Callable[[ParamSlot], int], *, state_tier: str,
     unit_need: Callable[[ParamSlot], int], inflight: int, chunk_bytes: int, offloaded: Callable[[Any], Any],
-    used_by_others: dict[str, int] | None = None, planned: Callable[[ParamSlot], bool] = lambda slot: slot.param.requires_grad,
+    used_by_others: dict[str, int] | None = None, planned: Callable[[ParamSlot], bool] = _trainable,
 ) -> MemoryPlan:
     """The ``MemoryPlan`` of an optimizer's ``slots`` in ``store`` (see ``MemoryPlan``);
     ``used_by_others``: bytes of the bottom tier held by values that are not the optimizer's;
@@ -410,7 +416,7 @@ def _state_keys(slot: ParamSlot) -> list[str]:
 async def memory_report(
     store: TierStore, slots: Sequence[ParamSlot], state_bytes: Callable[[ParamSlot], int], offloaded: Callable[[Any], Any],
     plan: MemoryPlan | None = None, last: TimeReport | None = None, *,
-    planned: Callable[[ParamSlot], bool] = lambda slot: slot.param.requires_grad,
+    planned: Callable[[ParamSlot], bool] = _trainable,
 ) -> MemoryReport:
     """The ``MemoryReport`` of an optimizer's ``slots`` (on the store's loop); ``last``: the
     last step's ``TimeReport``, for its disk writes."""
