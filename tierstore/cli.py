@@ -88,12 +88,14 @@ def _simulate(args: argparse.Namespace) -> int:
     for output in (args.json, args.plot):  # (before the simulation runs, not after)
         if output:
             _output_folder(Path(output))
-    trace = open_trace(args.trace, parse_columns(args.columns))
+    if args.plot:
+        _refuse_unknown_image_format(Path(args.plot))
     capacities = parse_capacities(args.capacity)
     bench = Path(args.bench_json)
     links = LinkModel.from_bench(bench) if bench.exists() else LinkModel()
     if args.links:
-        links.override(args.links)
+        links.override(args.links, capacities)
+    trace = open_trace(args.trace, parse_columns(args.columns))
     results = run_all(
         trace, capacities, _names(args.eviction), _names(args.prefetch), links, sweep=args.sweep, think=args.think,
         engines=tuple(_names(args.engine)),
@@ -123,6 +125,19 @@ def _output_folder(path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ValueError(f"cannot write {path}: {exc.strerror or exc} ({exc.filename or path.parent})") from None
+
+
+def _refuse_unknown_image_format(path: Path) -> None:
+    """``ValueError`` for a plot path whose suffix names no format matplotlib writes (checked
+    before the simulation runs: matplotlib would only refuse it after)."""
+    if not path.suffix:
+        return  # (matplotlib's default format, PNG, and its suffix added)
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if path.suffix[1:].lower() not in formats:
+        raise ValueError(f"--plot {path}: matplotlib writes no {path.suffix!r} images; give a file ending in one of "
+                         f"{', '.join('.' + name for name in sorted(formats))}")
 
 
 def _names(text: str) -> list[str]:

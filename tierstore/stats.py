@@ -26,7 +26,8 @@ class LinkStats:
 
 @dataclass
 class TierCounters:
-    """Demand requests (get and hold) answered by one tier."""
+    """Demand requests (get, hold, pop) made of one tier: a hit found the value there, a miss
+    brought it from another tier."""
 
     hits: int = 0
     misses: int = 0

@@ -331,7 +331,10 @@ class TierStore:
 
     def stats(self) -> dict[str, Any]:
         """Bytes used and capacity per tier, hits and misses, bytes and seconds per link, and
-        prefetch counters, as plain (JSON-ready) data."""
+        prefetch counters, as plain (JSON-ready) data. A tier's hits and misses are of the
+        requests made of it (a get, hold or pop names a tier, the fastest by default): a value
+        read from the disk for a get of the host tier is a host miss, not a disk hit; the
+        ``links`` show where the bytes came from."""
         self._engine.require_open()
         counters = self._engine.counters.to_dict()
         tiers = {}

@@ -76,6 +76,7 @@ def simulate_libcachesim(trace: Trace, capacities: dict[str, int], eviction: str
     """Replay ``trace`` with libCacheSim's policy ``eviction`` at the one capacity given."""
     if len(capacities) != 1 or prefetch != "none":
         raise ValueError("the libcachesim engine simulates one cache without prefetch: give one capacity and --prefetch none")
+    trace.check()
     lcs = _module()
     cls = policy_class(eviction)
     (name, capacity), = capacities.items()
@@ -87,7 +88,7 @@ def simulate_libcachesim(trace: Trace, capacities: dict[str, int], eviction: str
     object_miss, byte_miss = cls(int(capacity)).process_trace(reader)
     seconds = time.perf_counter() - started
     accesses = trace.ops == ACCESS
-    requests, requested = int(accesses.sum()), int(trace.sizes[accesses].sum())
+    requests, requested = int(accesses.sum()), sum(trace.sizes[accesses].tolist())
     result = SimResult(eviction, "none", int(capacity), {name: int(capacity)}, engine="libcachesim")
     result.requests = requests
     result.misses = round(object_miss * requests)

@@ -95,6 +95,9 @@ def run_all(
 
     from .external import NAMES, simulate_libcachesim
 
+    if not evictions or not prefetches:
+        raise ValueError(f"no {'eviction' if not evictions else 'prefetch'} policy named; give one or more, "
+                         f"e.g. {'--eviction lru,min' if not evictions else '--prefetch none,schedule'}")
     unknown_engines = set(engines) - {"tierstore", "libcachesim"}
     if unknown_engines or not engines:
         raise ValueError(f"unknown engine(s) {sorted(unknown_engines)}; choose tierstore and/or libcachesim")
@@ -110,7 +113,9 @@ def run_all(
             for prefetch in (prefetches if engine == "tierstore" else ["none"]):
                 runs.extend((engine, eviction, prefetch, size) for size in sizes)
     results = []
-    for engine, eviction, prefetch, size in tqdm(runs, desc="simulate", unit="run", leave=False, disable=True if len(runs) < 4 else None):
+    # (shown on stderr even when it is not a terminal: a long sweep is not mistaken for a hang)
+    for engine, eviction, prefetch, size in tqdm(runs, desc=f"simulate ({len(trace):,} rows a run)", unit="run", leave=False,
+                                                 disable=len(runs) < 2, mininterval=1.0):
         if engine == "libcachesim":
             results.append(simulate_libcachesim(trace, {**capacities, first: size}, eviction))
         else:
@@ -123,8 +128,15 @@ def engine_label(result: SimResult) -> str:
     return result.eviction if result.engine == "tierstore" else f"{result.eviction} [libCacheSim]"
 
 
+def describe(trace: Trace) -> str:
+    """``"1,000 accesses, 12 keys"``, and the deletes where there are some (they are not accesses:
+    the miss ratios are of the accesses)."""
+    deletes = trace.deletes
+    return f"{len(trace) - deletes:,} accesses{f' and {deletes:,} deletes' if deletes else ''}, {len(trace.keys):,} keys"
+
+
 def format_table(results: list[SimResult], trace: Trace) -> str:
-    header = f"{len(trace):,} accesses, {len(trace.keys):,} keys, working set {format_bytes(trace.working_set)}"
+    header = f"{describe(trace)}, working set {format_bytes(trace.working_set)}"
     width = max([9] + [len(engine_label(r)) for r in results])
     lines = [header, "", f"{'eviction':<{width}} {'prefetch':<11} {'capacity':>10} {'misses':>9} {'miss ratio':>10} "
              f"{'byte miss':>9} {'prefetches':>10} {'stall s':>9} {'k acc/s':>8}"]
@@ -175,12 +187,14 @@ def plot_curves(results: list[SimResult], trace: Trace, path: Path) -> None:
     axes.set_xlabel("capacity (% of working set)")
     axes.set_ylabel("miss ratio")
     axes.set_ylim(bottom=0)
-    axes.set_title(f"miss-ratio curves ({len(trace):,} accesses, working set {format_bytes(trace.working_set)})", fontsize=10)
+    axes.set_title(f"miss-ratio curves ({describe(trace)}, working set {format_bytes(trace.working_set)})", fontsize=10)
     axes.grid(alpha=0.3)
-    axes.legend(fontsize=8)
-    figure.tight_layout()
+    if len(curves) <= 10:
+        axes.legend(fontsize=8)
+    else:  # (beside the axes, in as many columns as it takes: inside, it would cover the curves)
+        axes.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=1 + (len(curves) - 1) // 24, borderaxespad=0)
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
+    figure.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(figure)
 
 
@@ -204,18 +218,18 @@ def plot_prefetch(results: list[SimResult], path: Path) -> bool:
 
     metrics = ["accuracy", "coverage", "timeliness", "pollution"]
     names = [f"{p} / {e} / {t} ({format_bytes(largest[(p, e, t)])})" for p, e, t in chosen]
-    figure, axes = plt.subplots(figsize=(max(6, 1.4 * len(names) + 2), 4.5))
+    many = len(names) > 8  # (then narrower groups, labels upright: the figure stays readable on a screen)
+    figure, axes = plt.subplots(figsize=(min(max(6, (0.45 if many else 1.4) * len(names) + 2), 24), 4.5))
     x = np.arange(len(names))
     for i, metric in enumerate(metrics):
         axes.bar(x + (i - 1.5) * 0.2, [stats[metric] for stats in chosen.values()], width=0.2, label=metric)
-    axes.set_xticks(x, names, rotation=20, ha="right", fontsize=8)
+    axes.set_xticks(x, names, rotation=90 if many else 20, ha="center" if many else "right", fontsize=7 if many else 8)
     axes.set_ylim(0, 1.05)
     axes.set_ylabel("share")
     axes.set_title("prefetch: accuracy, coverage, on-time share, pollution (prefetcher / eviction / tier)", fontsize=9)
     axes.grid(axis="y", alpha=0.3)
-    axes.legend(fontsize=8)
-    figure.tight_layout()
+    axes.legend(fontsize=8, **({"loc": "upper left", "bbox_to_anchor": (1.005, 1.0), "borderaxespad": 0} if many else {}))
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
+    figure.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(figure)
     return True

@@ -16,6 +16,7 @@ import numpy as np
 from ..errors import PolicyError
 from ..protocols import policy_name
 from ..suggestions import read_suggestions
+from ..units import parse_bytes
 from .links import LinkModel
 from .trace import DELETE, Trace
 
@@ -164,6 +165,8 @@ def simulate(
 
     if not capacities:
         raise ValueError("give at least one tier capacity, e.g. {'host': 2 << 30}")
+    capacities = {name: _capacity(name, capacity) for name, capacity in capacities.items()}
+    trace.check()
     links = links or LinkModel()
     oracle = _Oracle(trace)
     eviction_name = eviction if isinstance(eviction, str) else getattr(eviction, "name", getattr(eviction, "__name__", "custom"))
@@ -204,6 +207,13 @@ def simulate(
                           "(a live store warns about advice it cannot take and goes on)") from exc
     result.sim_seconds = time.perf_counter() - started
     return result
+
+
+def _capacity(tier: str, capacity: Any) -> int:
+    try:
+        return parse_bytes(capacity)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"capacity of tier {tier!r}: {exc}") from None
 
 
 def _raised_in(exc: BaseException, roles: dict[int, str]) -> tuple[str, Any, str] | None:
@@ -269,8 +279,9 @@ def _run_single(trace: Trace, tier: _Tier, oracle: _Oracle, links: LinkModel, re
     link = f"disk->{tier.name}"
     bandwidth, latency = links.links.get(link, (2.5e9, 100e-6))
     if _batch_path_applies(policy) and not (trace.ops == DELETE).any() and _one_size_per_key(trace):
-        misses, missed = policy.replay(trace.ids.tolist(), trace.sizes.tolist(), capacity)
-        requests, requested = len(trace), int(trace.sizes.sum())
+        sizes = trace.sizes.tolist()
+        misses, missed = policy.replay(trace.ids.tolist(), sizes, capacity)
+        requests, requested = len(trace), sum(sizes)  # (Python integers: each size fits an int64, their total need not)
         _fill(result, tier, link, requests, misses, requested, missed, latency, bandwidth, trace, think)
         return
     on_hit, on_insert, on_remove, victim = policy.on_hit, policy.on_insert, policy.on_remove, policy.victim

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import codecs
 import csv
+import math
 import re
 import warnings
 import zipfile
@@ -55,10 +56,34 @@ class Trace:
 
     @property
     def working_set(self) -> int:
-        """Bytes of all distinct keys (each at its largest size)."""
+        """Bytes of all distinct keys (each at its largest size; summed as Python integers: each
+        size fits an int64, their total need not)."""
         largest = np.zeros(len(self.keys), dtype=np.int64)
         np.maximum.at(largest, self.ids, self.sizes)
-        return int(largest.sum())
+        return sum(largest.tolist())
+
+    @property
+    def deletes(self) -> int:
+        """Rows that remove their key (the others are accesses)."""
+        return int(np.count_nonzero(self.ops == DELETE))
+
+    def check(self) -> None:
+        """``TraceError`` unless the arrays describe a trace: one entry per access in each, key
+        indexes within ``keys``, whole sizes of 0 or more, known operations."""
+        n = len(self.ids)
+        arrays = {"sizes": self.sizes, "ops": self.ops, "steps": self.steps} | ({"times": self.times} if self.times is not None else {})
+        unequal = [f"{name} {len(array)}" for name, array in arrays.items() if len(array) != n]
+        if unequal:
+            raise TraceError(f"the trace's arrays differ in length: ids {n}, {', '.join(unequal)}")
+        for name, array in (("ids", self.ids), ("sizes", self.sizes), ("ops", self.ops)):
+            if np.asarray(array).dtype.kind not in "iu":
+                raise TraceError(f"the trace's {name} hold {np.asarray(array).dtype} values; give integers")
+        if n and (int(self.ids.min()) < 0 or int(self.ids.max()) >= len(self.keys)):
+            raise TraceError(f"the trace's ids reach outside its table of {len(self.keys)} keys (0 to {len(self.keys) - 1})")
+        if n and int(self.sizes.min()) < 0:
+            raise TraceError(f"the trace holds a negative size ({int(self.sizes.min())} bytes)")
+        if n and not np.isin(self.ops, (ACCESS, DELETE)).all():
+            raise TraceError(f"the trace's ops hold codes other than {ACCESS} (access) and {DELETE} (delete)")
 
     @classmethod
     def from_accesses(cls, keys: list[str], sizes: list[int] | np.ndarray, steps: list[int] | np.ndarray | None = None) -> Trace:
@@ -193,11 +218,12 @@ def _load_npz(path: Path) -> Trace:
     """A store's trace as the simulator reads it: puts, gets and reads are accesses, a delete
     removes its key, and a pop is both (an access, then the key gone)."""
     with store_npz(path) as data:
-        ops_table = [str(op) for op in data["ops"]]
-        codes, key_ids = data["op"].astype(np.int64), data["key"].astype(np.int64)
-        sizes, times = data["nbytes"].astype(np.int64), data["time"].astype(np.float64)
-        keys = [str(k) for k in data["keys"]]
-        _check_npz_rows(path, len(ops_table), codes, len(keys), key_ids, sizes, times)
+        ops_table = [str(op) for op in _npz_array(data, "ops", "U", path)]
+        codes, key_ids = _npz_array(data, "op", "iu", path).astype(np.int64), _npz_array(data, "key", "iu", path).astype(np.int64)
+        sizes, times = _npz_array(data, "nbytes", "iu", path).astype(np.int64), _npz_array(data, "time", "iuf", path).astype(np.float64)
+        keys = [str(k) for k in _npz_array(data, "keys", "U", path)]
+        steps = _npz_array(data, "step", "iu", path)
+        _check_npz_rows(path, len(ops_table), codes, len(keys), key_ids, sizes, times, steps)
         op_names = np.asarray(ops_table)[codes]
         keep = ~np.isin(op_names, ("prefetch", "evict", "writeback", "update"))
         kept = op_names[keep]
@@ -209,13 +235,29 @@ def _load_npz(path: Path) -> Trace:
             ids=np.repeat(key_ids[keep], repeats),
             sizes=np.repeat(sizes[keep], repeats),
             ops=ops,
-            steps=np.repeat(data["step"][keep].astype(np.int64), repeats),
+            steps=np.repeat(steps[keep].astype(np.int64), repeats),
             times=np.repeat(times[keep], repeats),
         )
 
 
+_KINDS = {"U": "text", "iu": "integers", "iuf": "numbers"}
+
+
+def _npz_array(data: Any, name: str, kinds: str, path: str | Path) -> np.ndarray:
+    """``data[name]``, with ``TraceError`` unless its values are of one of ``kinds`` (numpy
+    dtype kinds: a float key index would be truncated, numeric strings parsed as sizes)."""
+    try:
+        array = data[name]
+    except ValueError:  # (an object array: reading it needs pickle, which a trace never holds)
+        raise TraceError(f"{path} is not a store trace: its {name!r} array holds Python objects (a store writes "
+                         f"{_KINDS[kinds]}, no pickles)") from None
+    if array.dtype.kind not in kinds:
+        raise TraceError(f"{path} is not a store trace: its {name!r} array holds {array.dtype} values, not {_KINDS[kinds]}")
+    return array
+
+
 def _check_npz_rows(path: Path, n_ops: int, codes: np.ndarray, n_keys: int, key_ids: np.ndarray, sizes: np.ndarray,
-                    times: np.ndarray) -> None:
+                    times: np.ndarray, steps: np.ndarray) -> None:
     """``TraceError`` for rows no store writes (a file edited by hand, or damaged)."""
     problems = []
     if len(codes) and (codes.min() < 0 or codes.max() >= n_ops):
@@ -228,7 +270,7 @@ def _check_npz_rows(path: Path, n_ops: int, codes: np.ndarray, n_keys: int, key_
         problems.append("times that are not finite")
     elif len(times) > 1 and (np.diff(times) < 0).any():
         problems.append("times that go backwards")
-    if len({len(codes), len(key_ids), len(sizes), len(times)}) != 1:
+    if len({len(codes), len(key_ids), len(sizes), len(times), len(steps)}) != 1:
         problems.append("columns of different lengths")
     if problems:
         raise TraceError(f"{path} is not a trace a store wrote: it has {', '.join(problems)}")
@@ -239,12 +281,13 @@ def load_evictions(path: str | Path) -> list[tuple[str, int]]:
     (``tiers[index]`` of the file names the tier). Empty for traces made before the store
     recorded evictions."""
     with store_npz(path) as data:
-        ops_table = [str(op) for op in data["ops"]]
+        ops_table = [str(op) for op in _npz_array(data, "ops", "U", path)]
         if "evict" not in ops_table:
             return []
-        rows = np.flatnonzero(data["op"] == ops_table.index("evict"))
-        keys = data["keys"]
-        return [(str(keys[k]), int(t)) for k, t in zip(data["key"][rows].tolist(), data["tier"][rows].tolist(), strict=True)]
+        rows = np.flatnonzero(_npz_array(data, "op", "iu", path) == ops_table.index("evict"))
+        keys = _npz_array(data, "keys", "U", path)
+        key_ids, tiers = _npz_array(data, "key", "iu", path)[rows].tolist(), _npz_array(data, "tier", "iu", path)[rows].tolist()
+        return [(str(keys[k]), int(t)) for k, t in zip(key_ids, tiers, strict=True)]
 
 
 _KEY_NAMES = ("key", "obj_id", "object_id", "id", "obj", "object")
@@ -340,6 +383,21 @@ def _as_read(key: str) -> str:
     return key
 
 
+def _whole_bytes(text: str) -> int | float | None:
+    """``text`` as a number of bytes: an int when whole (exact: a float rounds those above
+    2**53; ``1e3`` and ``12.0`` count), else the float it reads as (not whole, or infinite),
+    or None for text that is no number."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        exact = float(text)
+    except ValueError:
+        return None
+    return int(exact) if exact.is_integer() else exact
+
+
 def _load_csv_plain(path: Path, key_col: int, size_col: int, delimiter: str) -> Trace:
     keys: list[str] = []
     sizes: list[int] = []
@@ -350,15 +408,14 @@ def _load_csv_plain(path: Path, key_col: int, size_col: int, delimiter: str) -> 
                 continue
             if len(row) < width:
                 raise TraceError(f"{path}:{number + 1}: expected at least {width} columns (key in {key_col}, size in {size_col}), got {row!r}")
-            try:
-                exact = float(row[size_col])
-            except ValueError:
+            size = _whole_bytes(row[size_col])
+            if size is None:
                 if number == 0:
                     continue  # a header line
-                raise TraceError(f"{path}:{number + 1}: size {row[size_col]!r} is not a number") from None
-            if not exact.is_integer():
-                raise TraceError(f"{path}:{number + 1}: size {row[size_col]!r} is not a whole number of bytes")
-            size = int(exact)
+                raise TraceError(f"{path}:{number + 1}: size {row[size_col]!r} is not a number")
+            if isinstance(size, float):
+                what = "more bytes than a trace holds (at most 2**63 - 1)" if math.isinf(size) else "not a whole number of bytes"
+                raise TraceError(f"{path}:{number + 1}: size {row[size_col]!r} is {what}")
             if size < 0:
                 raise TraceError(f"{path}:{number + 1}: negative size {size}")
             if size > _MAX_SIZE:
