@@ -201,6 +201,24 @@ async def test_a_folder_open_in_another_process_names_it(tmp_path: Path) -> None
     assert said == f"StoreLockedError: {tmp_path / 'd'} is open in another process (pid {os.getpid()})"
 
 
+async def test_a_lock_file_deleted_while_open_does_not_let_a_second_store_in(tmp_path: Path) -> None:
+    """A clean-up of "stale" lock files let a second store (another process in the tryout)
+    take a new lock file and write the same extents: the folder no longer opened (overlapping
+    extents). The folder itself is locked too."""
+    root = tmp_path / "d"
+    async with TierStore([disk(root)]) as first:
+        await first.put("kept", torch.arange(3000.0), durable=True)
+        (root / "lock").unlink()
+        with pytest.raises(StoreLockedError, match="lock file .* was deleted while that store was open"):
+            async with TierStore([disk(root)]):
+                pass
+        assert open_elsewhere(root).startswith("StoreLockedError: ")
+        await first.put("after", torch.ones(3000), durable=True)  # the first goes on
+    async with TierStore([disk(root)]) as again:  # and once it closed, the folder opens whole
+        assert torch.equal(await again.get("kept"), torch.arange(3000.0))
+        assert torch.equal(await again.get("after"), torch.ones(3000))
+
+
 async def test_a_tier_dropped_without_closing_lets_the_folder_go(tmp_path: Path) -> None:
     root = tmp_path / "d"
     tier = disk(root)

@@ -1,6 +1,9 @@
 """The lock that makes one disk tier folder belong to one open store in one process.
 
-An exclusive ``flock`` on ``<root>/lock``, taken without waiting. ``flock`` locks belong to the
+An exclusive ``flock`` on ``<root>/lock``, taken without waiting, and one on the folder itself:
+a lock file deleted while its store is open (a clean-up of "stale" lock files) would let a
+second store take a new one and write the same extents; the folder cannot be deleted so
+(where the file system cannot lock a folder, the file's lock alone stands). ``flock`` locks belong to the
 open file description, which ``fork`` shares with the child: while any process keeps a copy of
 the descriptor open, the lock stays taken. So a forked child (a DataLoader worker) closes its
 copy right after the fork, without unlocking (an unlock would release the parent's lock too);
@@ -29,10 +32,11 @@ class FolderLock:
     ``release`` late can never close a descriptor number the process has reused meanwhile.
     """
 
-    def __init__(self, path: Path, fd: int) -> None:
+    def __init__(self, path: Path, fd: int, folder_fd: int | None = None) -> None:
         self.path = path
         self.pid = os.getpid()
         self._fd: int | None = fd
+        self._folder_fd = folder_fd
         _HELD.add(self)
 
     @classmethod
@@ -63,12 +67,19 @@ class FolderLock:
             os.close(fd)
             raise
         try:
+            folder_fd = _lock_folder(path.parent)
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         except BaseException:
             os.close(fd)  # closing the only descriptor releases the lock
+            if folder_fd is not None:
+                os.close(folder_fd)
             raise
-        return cls(path, fd)
+        return cls(path, fd, folder_fd)
 
     @property
     def held(self) -> bool:
@@ -79,15 +90,42 @@ class FolderLock:
         """Let the lock go (idempotent). Closing is enough: it is the last descriptor of the
         open file description in this process, and a forked child closed its copy already."""
         fd, self._fd = self._fd, None
+        folder_fd, self._folder_fd = self._folder_fd, None
         _HELD.discard(self)
-        if fd is not None:
-            os.close(fd)
+        for descriptor in (fd, folder_fd):
+            if descriptor is not None:
+                os.close(descriptor)
 
     def _forget_after_fork(self) -> None:
-        """In a forked child: close the inherited copy without unlocking (the parent holds it)."""
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
+        """In a forked child: close the inherited copies without unlocking (the parent holds them)."""
+        self.release()  # (closing a copy does not unlock: the parent's descriptors hold the locks)
+
+
+def _lock_folder(folder: Path) -> int | None:
+    """A descriptor of ``folder`` holding an exclusive ``flock`` on it; None where its file
+    system cannot lock a folder (NFS maps ``flock`` to byte-range locks, which need a file
+    open for writing).
+
+    Raises ``StoreLockedError`` if another open store holds it: its lock file was deleted."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise StoreLockedError(
+            f"{folder} is open in another store (which process is not known: the lock file {folder / 'lock'} was deleted "
+            "while that store was open); close it first"
+        ) from None
+    except OSError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _after_fork_in_child() -> None:
