@@ -47,6 +47,7 @@ from __future__ import annotations
 import copy
 import itertools
 import sys
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -218,7 +219,62 @@ async def _adam_state_dict(optimizer: TieredAdam, every_trainable: bool) -> dict
             state[saved_index(optimizer, slot)] = await adam_entry(optimizer, slot)
     for index in _others(optimizer):
         state[index] = {}
-    return {"state": dict(sorted(state.items())), "param_groups": saved_groups(optimizer)}
+    saved: dict[str, Any] = {"state": dict(sorted(state.items())), "param_groups": saved_groups(optimizer)}
+    if optimizer._sharding is not None and not every_trainable:  # (DCP's template gets none: it fills each rank's own)
+        saved[SHARD] = _shard_record(optimizer)
+        _warn_once_of_a_rank_state(optimizer)
+    return saved
+
+
+#: The key of a sharded optimizer's state dict (``process_group=``) naming the rank it came from
+#: and the parameters whose state it holds whole (torch's optimizers ignore it), so that loading
+#: it where other parameters are updated is refused instead of restarting their state.
+SHARD = "tierstore_shard"
+
+
+def _shard_record(optimizer: PagedOptimizer) -> dict[str, Any]:
+    sharding = optimizer._sharding
+    assert sharding is not None
+    whole = sorted(saved_index(optimizer, slot) for slot in optimizer._slots if not isinstance(slot.param, ParamRange))
+    return {"rank": sharding.rank, "world_size": sharding.world, "whole": whole}
+
+
+def _warn_once_of_a_rank_state(optimizer: PagedOptimizer) -> None:
+    if getattr(optimizer, "_warned_rank_state", False):
+        return
+    optimizer._warned_rank_state = True  # type: ignore[attr-defined]
+    warnings.warn(
+        "with process_group=, state_dict() holds this rank's state only (the parameters it updates; the others' "
+        "entries are empty): a checkpoint of one rank's dict (what the HF Trainer and accelerate save from rank 0) "
+        "cannot resume the others, and loading it there raises. Checkpoint with tierstore.optim.save_optimizer/"
+        "load_optimizer (or DCP's get/set_optimizer_state_dict) on every rank, or save each rank's own dict",
+        RuntimeWarning, stacklevel=4,
+    )
+
+
+def _refuse_another_ranks_state(optimizer: PagedOptimizer, state_dict: Mapping[str, Any]) -> None:
+    """``ValueError``, before anything changes, for a sharded optimizer's state dict (``SHARD``)
+    that lacks the state of parameters this optimizer updates: another rank's, or loaded under
+    another world size or without ``process_group=``."""
+    record = state_dict.get(SHARD)
+    if not isinstance(record, Mapping):
+        return
+    sharding = optimizer._sharding
+    if sharding is not None and (sharding.rank, sharding.world) == (record.get("rank"), record.get("world_size")):
+        return  # (this rank's own dict: the same parameters, split rows included)
+    whole = set(record.get("whole", ()))
+    lacking = [saved_index(optimizer, slot) for slot in optimizer._slots
+               if saved_index(optimizer, slot) not in whole and model_param(slot).requires_grad]
+    if lacking:
+        here = f"rank {sharding.rank} of {sharding.world}" if sharding is not None else "this optimizer (no process_group=)"
+        shown = ", ".join(map(str, lacking[:8])) + (f" ... ({len(lacking)} in all)" if len(lacking) > 8 else "")
+        raise ValueError(
+            f"this state dict is rank {record.get('rank')}'s of {record.get('world_size')} under process_group=: it holds "
+            f"the state of the parameters that rank updated, not of parameters {shown}, which {here} updates; loaded, "
+            "their moments and step counts would restart from zero. Nothing was loaded. Checkpoint a sharded optimizer "
+            "with tierstore.optim.save_optimizer/load_optimizer (or DCP's get/set_optimizer_state_dict) on every rank, "
+            "or load each rank's own state_dict() on that rank with the same world size"
+        )
 
 
 def _others(optimizer: PagedOptimizer) -> list[int]:
@@ -246,6 +302,7 @@ def adam_load_state_dict(optimizer: TieredAdam, state_dict: dict[str, Any]) -> N
     for saved, group in zip(groups, optimizer.param_groups, strict=True):
         if len(saved["params"]) != len(group["params"]):
             raise ValueError("loaded state dict contains a parameter group that doesn't match the size of optimizer's group")
+    _refuse_another_ranks_state(optimizer, state_dict)
     ids = [i for saved in groups for i in saved["params"]]
     saved_state = {slot: state_dict["state"].get(ids[saved_index(optimizer, slot)]) for slot in optimizer._slots}
     _require_entries(optimizer, saved_state, groups)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..sync import run
-from .checkpoint import _others, saved_index
+from .checkpoint import SHARD, _others, _refuse_another_ranks_state, _shard_record, _warn_once_of_a_rank_state, saved_index
 from .chunks import Chunk, is_elementwise
 from .clipping import inverse_scale
 from .distributed import ParamRange, is_dtensor
@@ -209,7 +209,11 @@ class TieredOptimizer(PagedOptimizer):
                 state[saved_index(self, slot)] = await self._entry(slot)
         for index in _others(self):  # (sharded: another rank's, as TieredAdam's dict has them)
             state[index] = {}
-        return {"state": dict(sorted(state.items())), "param_groups": self._groups_for_saving()}
+        saved: dict[str, Any] = {"state": dict(sorted(state.items())), "param_groups": self._groups_for_saving()}
+        if self._sharding is not None:
+            saved[SHARD] = _shard_record(self)
+            _warn_once_of_a_rank_state(self)
+        return saved
 
     async def _entry(self, slot: ParamSlot) -> dict[str, Any]:
         """One parameter's state in the wrapped optimizer's format ({} before its first step);
@@ -264,6 +268,7 @@ class TieredOptimizer(PagedOptimizer):
             len(s["params"]) != len(g["params"]) for s, g in zip(groups, self.param_groups, strict=True)
         ):
             raise ValueError("loaded state dict does not match the optimizer's parameter groups")
+        _refuse_another_ranks_state(self, state_dict)
         for saved, group in zip(groups, self.param_groups, strict=True):
             group.update({k: copy.deepcopy(v) for k, v in saved.items() if k != "params"})  # as torch: never shared
         ids = [i for saved in groups for i in saved["params"]]
