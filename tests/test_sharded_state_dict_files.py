@@ -85,7 +85,7 @@ def _round_trips(rank: int, out: Path) -> dict[str, Any]:
 
 def test_one_ranks_state_dict_loaded_on_another_rank_is_refused(tmp_path: Path) -> None:
     ranks = spawn_ranks(__file__, tmp_path, LIMIT_S)
-    for rank, result in enumerate(ranks):
+    for result in ranks:
         assert len(result["warnings"]) == 1 and "holds this rank's state only" in result["warnings"][0], result
         assert result["own_steps"] == [2.0], result
     assert ranks[0]["rank0_file"] == "loaded"  # its own

@@ -23,7 +23,14 @@ from typing import Any
 import torch
 
 from ..sync import run
-from .checkpoint import SHARD, _others, _refuse_another_ranks_state, _shard_record, _warn_once_of_a_rank_state, saved_index
+from .checkpoint import (
+    SHARD,
+    _others,
+    _refuse_another_ranks_state,
+    _shard_record,
+    _warn_once_of_a_rank_state,
+    saved_index,
+)
 from .chunks import Chunk, is_elementwise
 from .clipping import inverse_scale
 from .distributed import ParamRange, is_dtensor
