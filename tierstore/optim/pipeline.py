@@ -553,6 +553,20 @@ class UpdatePipeline:
         slot.written = True
         slot.note_written()
 
+    def close_finished_chunks(self, slots: Sequence[ParamSlot]) -> None:
+        """Close the update of each slot paged in chunks whose every chunk was updated and
+        written, though its update was not closed (the step was interrupted in between: a Ctrl-C
+        cancels the wait, the chunks' work in flight ends): its step count moves on, as all its
+        chunks took the step; left as it was, its next update would count this step again. A
+        slot only some of whose chunks ran stays as it is (the README's known gap)."""
+        for slot in slots:
+            if slot.updated or not slot.chunks:
+                continue
+            indices = {chunk.index for chunk in slot.chunks}
+            if indices <= slot.chunks_updated and indices <= slot.chunks_written:
+                self._owner._end_chunks(slot)
+                slot.updated = slot.written = True
+
     def _chunk_runs(self, chunks: list[Chunk], needs: dict[int, int]) -> list[list[Chunk]]:
         """``chunks`` cut into runs of consecutive chunks needing at most ``bucket_bytes``, or two
         chunks' worth (so a short last chunk can go with a full one instead of being one more

@@ -401,6 +401,7 @@ class StepRunner:
             failures = await self._pipeline.finish(drop_open=True)
         finally:
             self.release_backward()
+        self._pipeline.close_finished_chunks(self._slots)
         self.updated_without_step = [] if self._step_called else sorted(s.index for s in self._slots if s.updated)
         self._step_called = False
         for slot in self._slots:
