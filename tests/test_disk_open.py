@@ -492,3 +492,44 @@ def _entries_root_page(data: bytes) -> int:
     page = data[main_root * 4096 : (main_root + 1) * 4096]
     record = page.index(b"entries") + len(b"entries")
     return int.from_bytes(page[record + 40 : record + 48], "little")
+
+
+# -- one damaged catalog record --------------------------------------------------------------------------------
+
+
+def _flip_in_record(root: Path, key: str, byte: int, bit: int) -> None:
+    """Flip one bit of ``key``'s catalog record (LMDB pages carry no checksum of their own)."""
+    env = lmdb.open(str(root / "catalog"), max_dbs=2)
+    try:
+        entries = env.open_db(b"entries", create=False)
+        with env.begin(write=True, db=entries) as txn:
+            for address, raw in txn.cursor():
+                if key.encode() in raw:
+                    changed = bytearray(raw)
+                    changed[byte] ^= 1 << bit
+                    txn.put(address, bytes(changed), db=entries)
+                    return
+    finally:
+        env.close()
+    raise AssertionError(f"no record of {key!r}")
+
+
+@pytest.mark.parametrize("value, byte, bit, words", [
+    (torch.arange(100.0), 8, 1, "version 0"),  # (version 2 -> 0: the key silently vanished)
+    (torch.arange(3 * 700001.0), 16 + 7 + 8 + 6 + 4, 0, "not aligned to the 4096-byte blocks"),  # (head, "float32", shape, key, segment: the offset 0 -> 1: a bare EINVAL on read)
+], ids=["version", "extent offset"])
+async def test_a_damaged_record_is_a_catalog_error_on_open_not_a_silent_change(
+    tmp_path: Path, value: torch.Tensor, byte: int, bit: int, words: str
+) -> None:
+    """Found by a kill-and-corrupt fuzzer: a record whose version read 0 made its key disappear
+    without a word; one whose extent offset lost its alignment opened, and its read failed with
+    a bare ``OSError: [Errno 22]`` naming no key."""
+    root = tmp_path / "d"
+    async with TierStore([disk(root)]) as store:
+        await store.put("other", torch.ones(10))
+        await store.put("victim", value)
+    _flip_in_record(root, "victim", byte, bit)
+    with pytest.raises(CatalogError, match=words):
+        async with TierStore([disk(root)]):
+            pass
+    assert cli_main(["info", str(root)]) != 0

@@ -13,6 +13,7 @@ import numpy as np
 from .disk.catalog import Catalog, DiskRecord
 from .disk.extents import ExtentAllocator
 from .disk.files import checksum, segment_name
+from .tensors import ALIGNMENT
 from .errors import CatalogError, ChecksumError
 from .keys import is_reserved
 from .namespaces import INDEX_KEY
@@ -164,7 +165,7 @@ def _health(root: Path, segments: tuple[int, ...], records: list[DiskRecord]) ->
         shown = ", ".join(repr(k) for k in keys[:10]) + (f" and {len(keys) - 10} more" if len(keys) > 10 else "")
         problems.append(f"{len(keys)} entries lie in {where}: {shown}")
     try:
-        ExtentAllocator.rebuild(segments, (r.extent for r in records if r.extent is not None and r.extent.segment in lengths))
+        ExtentAllocator.rebuild(segments, (r.extent for r in records if r.extent is not None and r.extent.segment in lengths), ALIGNMENT)
     except ValueError as exc:
         problems.append(f"the catalog's extents are inconsistent: {exc}")
     return problems, sorted(key for keys in damaged.values() for key in keys)

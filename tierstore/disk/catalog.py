@@ -165,6 +165,8 @@ class DiskRecord:
             raise ValueError(f"not a well-formed record ({exc})") from None
         if any(d < 0 for d in shape) or not key:
             raise ValueError("negative dimension or empty key")
+        if version < 1:
+            raise ValueError(f"version {version}: a stored value's version is 1 or more")
         meta = TensorMeta(dtype, shape)
         if stored < meta.nbytes or (inline and stored != meta.nbytes):
             raise ValueError(f"{stored} stored bytes cannot hold a value of {meta.nbytes}")
@@ -534,7 +536,7 @@ class Catalog:
                         tag, form, key_len, version = head(raw, 0)
                         at = head_size + (form >> 8) + 8 * (form & 0xFF)  # past the dtype name and shape
                         known = described.get(raw[head_size:at])
-                        if known is None or tag != tag_inline or known[0] != form or not key_len:
+                        if known is None or tag != tag_inline or known[0] != form or not key_len or not version:
                             raise _SlowPath
                         end = at + key_len
                         nbytes = known[2]

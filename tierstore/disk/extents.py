@@ -115,11 +115,12 @@ class ExtentAllocator:
             self.segment_sizes.pop()
 
     @classmethod
-    def rebuild(cls, segment_sizes: Iterable[int], used: Iterable[Extent]) -> ExtentAllocator:
+    def rebuild(cls, segment_sizes: Iterable[int], used: Iterable[Extent], alignment: int = 1) -> ExtentAllocator:
         """An allocator whose free space is everything in the segments but ``used``.
 
-        Raises ``ValueError`` naming the first extent that lies outside its segment or overlaps
-        another one.
+        Raises ``ValueError`` naming the first extent that lies outside its segment, is not
+        aligned to ``alignment`` bytes (every extent a disk tier allocates is: a damaged record's
+        would fail its reads with a bare ``EINVAL``) or overlaps another one.
         """
         allocator = cls()
         allocator.segment_sizes = list(segment_sizes)
@@ -129,6 +130,8 @@ class ExtentAllocator:
                 raise ValueError(f"{extent} names segment {extent.segment}, which does not exist")
             if extent.offset < 0 or extent.length <= 0 or extent.end > allocator.segment_sizes[extent.segment]:
                 raise ValueError(f"{extent} lies outside its segment of {allocator.segment_sizes[extent.segment]} bytes")
+            if extent.offset % alignment or extent.length % alignment:
+                raise ValueError(f"{extent} is not aligned to the {alignment}-byte blocks extents are made of")
             by_segment.setdefault(extent.segment, []).append(extent)
         for segment, size in enumerate(allocator.segment_sizes):
             cursor = 0

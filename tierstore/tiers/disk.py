@@ -313,7 +313,7 @@ class DiskTier(Tier):
             if len(record.checksums) != expected_chunks:
                 raise CatalogError(f"catalog record for {record.key!r} has {len(record.checksums)} checksums, expected {expected_chunks}")
         try:
-            self._allocator = ExtentAllocator.rebuild(layout.segments, (r.extent for r in records.values() if r.extent is not None))
+            self._allocator = ExtentAllocator.rebuild(layout.segments, (r.extent for r in records.values() if r.extent is not None), ALIGNMENT)
         except ValueError as exc:
             raise CatalogError(f"the catalog in {self.root} is inconsistent: {exc}") from None
         try:
@@ -331,7 +331,7 @@ class DiskTier(Tier):
             placeholders = {key: DiskRecord(key, meta, None, version, (0,), None, True) for key, meta, version in inline}
             plan = plan_compaction(self.root, {**records, **placeholders}, layout.segments, self.capacity, ALIGNMENT)
             layout, records = compact(self._files, self._catalog, layout, records, plan, self.chunk_size)
-            self._allocator = ExtentAllocator.rebuild(layout.segments, (r.extent for r in records.values() if r.extent is not None))
+            self._allocator = ExtentAllocator.rebuild(layout.segments, (r.extent for r in records.values() if r.extent is not None), ALIGNMENT)
         count = self._allocator.removable_tail()
         if count:
             layout = CatalogLayout(layout.chunk_size, ALIGNMENT, tuple(self._allocator.segment_sizes[:-count]))
