@@ -533,3 +533,16 @@ async def test_a_damaged_record_is_a_catalog_error_on_open_not_a_silent_change(
         async with TierStore([disk(root)]):
             pass
     assert cli_main(["info", str(root)]) != 0
+
+
+async def test_info_leaves_a_damaged_records_extent_out_of_the_free_space(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An extent length damaged to 2**62 was counted as used: ``info`` said -8388608.0 TiB free."""
+    root = tmp_path / "d"
+    async with TierStore([disk(root)]) as store:
+        await store.put("other", torch.ones(10))
+        await store.put("victim", torch.arange(3 * 700001.0))
+    _flip_in_record(root, "victim", 16 + 7 + 8 + 6 + 4 + 8 + 7, 6)  # (the length's top byte)
+    assert cli_main(["info", str(root), "--json"]) != 0
+    info = json.loads(capsys.readouterr().out)
+    assert 0 <= info["free_in_segments"] <= info["reserved_bytes"], info
+    assert info["damaged_keys"] == ["victim"] and not info["healthy"], info

@@ -13,10 +13,10 @@ import numpy as np
 from .disk.catalog import Catalog, DiskRecord
 from .disk.extents import ExtentAllocator
 from .disk.files import checksum, segment_name
-from .tensors import ALIGNMENT
 from .errors import CatalogError, ChecksumError
 from .keys import is_reserved
 from .namespaces import INDEX_KEY
+from .tensors import ALIGNMENT
 from .units import format_bytes
 
 
@@ -45,6 +45,7 @@ def describe_folder(root: str | Path, verify: bool = False, progress: bool = Fal
         catalog.close()
     records.sort(key=lambda r: r.key)
     problems, damaged = _health(root, layout.segments, records)
+    misplaced = set(damaged)  # (entries whose extents lie outside the data files)
     if verify:
         unreadable = set(damaged)
         failed = _verify(root, layout.chunk_size, [r for r in records if r.key not in unreadable], progress)
@@ -56,7 +57,8 @@ def describe_folder(root: str | Path, verify: bool = False, progress: bool = Fal
     namespaces = _namespaces(root, layout.chunk_size, [r for r in records if r.key not in damaged], index)
     records = [r for r in records if not is_reserved(r.key)]
     reserved = sum(layout.segments)
-    used = sum(r.extent.length for r in records if r.extent is not None)
+    # (a damaged record's extent may be any length: counted, a report said -8388608.0 TiB free)
+    used = sum(r.extent.length for r in records if r.extent is not None and r.key not in misplaced)
     disk = shutil.disk_usage(root)
     return {
         "root": str(root.resolve()),
@@ -65,7 +67,7 @@ def describe_folder(root: str | Path, verify: bool = False, progress: bool = Fal
         "extent_bytes": used,
         "segments": len(layout.segments),
         "reserved_bytes": reserved,
-        "free_in_segments": reserved - used,
+        "free_in_segments": max(reserved - used, 0),
         "filesystem_free": disk.free,
         "chunk_size": layout.chunk_size,
         "format_version": layout.format_version,
