@@ -310,6 +310,18 @@ class CatalogLayout:
         return layout
 
 
+def _key_in(raw: bytes | memoryview, digest: bytes) -> str | None:
+    """The key a damaged binary record names, where its bytes are intact (they hash to the
+    record's address, so it is that key's record), else None."""
+    try:
+        _, _, ndim, dtype_len, key_len, _ = _HEAD.unpack_from(raw, 0)
+        at = _HEAD.size + dtype_len + 8 * ndim
+        key = bytes(raw[at : at + key_len]).decode("utf-8")
+    except (struct.error, UnicodeDecodeError):
+        return None
+    return key if key and key_digest(key) == digest else None
+
+
 def _version_of(fields: dict[str, Any], where: Path) -> int:
     """The format version a format record declares; refuses one this code cannot read."""
     version = fields.get("format_version", fields.get("version", _UNVERSIONED))
@@ -572,7 +584,9 @@ class Catalog:
         try:
             record = DiskRecord.from_bytes(raw, with_data=False)
         except ValueError as exc:
-            raise CatalogError(f"catalog record {digest.hex()} in {self.path} is corrupt: {exc}") from None
+            key = _key_in(raw, digest)
+            named = f"of {key!r} ({digest.hex()})" if key is not None else digest.hex()
+            raise CatalogError(f"catalog record {named} in {self.path} is corrupt: {exc}") from None
         if key_digest(record.key) != digest:
             raise CatalogError(f"catalog record for {record.key!r} is filed under the wrong address")
         return record
