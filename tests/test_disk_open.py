@@ -547,3 +547,18 @@ async def test_info_leaves_a_damaged_records_extent_out_of_the_free_space(tmp_pa
     info = json.loads(capsys.readouterr().out)
     assert 0 <= info["free_in_segments"] <= info["reserved_bytes"], info
     assert info["damaged_keys"] == ["victim"] and not info["healthy"], info
+
+
+async def test_info_counts_the_room_of_values_in_a_truncated_data_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """(The review of the change above: values past a truncated file's end were left out of the
+    used bytes too, overstating the free space.) Their extents still take their room."""
+    root = tmp_path / "d"
+    async with TierStore([DiskTier(root, "64MiB", inline_max=0)]) as store:
+        for i in range(4):
+            await store.put(f"k{i}", torch.zeros(1 << 20, dtype=torch.uint8))
+    segment = sorted((root / "data").glob("segment-*"))[0]
+    os.truncate(segment, 2 << 20)  # the last two values' bytes cut off
+    assert cli_main(["info", str(root), "--json"]) != 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["extent_bytes"] == 4 << 20 and info["free_in_segments"] == info["reserved_bytes"] - (4 << 20), info
+    assert info["damaged_keys"] == ["k2", "k3"]

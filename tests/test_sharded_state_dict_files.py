@@ -67,6 +67,14 @@ def _round_trips(rank: int, out: Path) -> dict[str, Any]:
     result["untouched"] = all(not entry or float(entry["step"]) == 0.0 for entry in untouched.values())
     again.load_state_dict(torch.load(out / f"optim{rank}.pt", weights_only=True))  # each rank's own
     result["own_steps"] = sorted({float(entry["step"]) for entry in again.state_dict()["state"].values() if entry})
+    # each rank's own dict through DCP: the record has one key on every rank, and one rank's comes back to all
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"optim": again.state_dict()}, checkpoint_id=out / "dcp")
+    template = {"optim": again.state_dict()}
+    dcp.load(template, checkpoint_id=out / "dcp")
+    again.load_state_dict(template["optim"])
+    result["dcp_steps"] = sorted({float(entry["step"]) for entry in again.state_dict()["state"].values() if entry})
     again.close()
 
     if rank == 0:  # one process, no process group: a rank's dict lacks the other's parameters
@@ -77,6 +85,13 @@ def _round_trips(rank: int, out: Path) -> dict[str, Any]:
         except ValueError as error:
             result["single"] = str(error)
         single.close()
+        merged = torch.load(out / "optim0.pt", weights_only=True)  # both ranks' entries in one dict (a consolidation)
+        other = torch.load(out / "optim1.pt", weights_only=True)
+        merged["state"].update({index: entry for index, entry in other["state"].items() if entry})
+        whole = TieredAdamW(_model().parameters(), lr=1e-2)
+        whole.load_state_dict(merged)
+        result["merged_steps"] = sorted({float(entry["step"]) for entry in whole.state_dict()["state"].values()})
+        whole.close()
         reference = torch.optim.AdamW(_model().parameters(), lr=1e-2)
         reference.load_state_dict(torch.load(out / "optim0.pt", weights_only=True))  # (torch ignores the rank's record)
         result["torch_loads"] = True
@@ -87,7 +102,7 @@ def test_one_ranks_state_dict_loaded_on_another_rank_is_refused(tmp_path: Path) 
     ranks = spawn_ranks(__file__, tmp_path, LIMIT_S)
     for result in ranks:
         assert len(result["warnings"]) == 1 and "holds this rank's state only" in result["warnings"][0], result
-        assert result["own_steps"] == [2.0], result
+        assert result["own_steps"] == [2.0] and result["dcp_steps"] == [2.0], result
     assert ranks[0]["rank0_file"] == "loaded"  # its own
     said = ranks[1]["rank0_file"]
     assert said.startswith("this state dict is rank 0's of 2 under process_group=") and "Nothing was loaded" in said, said
@@ -95,3 +110,4 @@ def test_one_ranks_state_dict_loaded_on_another_rank_is_refused(tmp_path: Path) 
     assert ranks[1]["untouched"]
     assert "which this optimizer (no process_group=) updates" in ranks[0]["single"], ranks[0]["single"]
     assert ranks[0]["torch_loads"]
+    assert ranks[0]["merged_steps"] == [2.0]  # (a complete dict loads, its record notwithstanding)

@@ -153,7 +153,7 @@ async def test_the_header_counts_deletes_apart_from_accesses(tmp_path: Path, cap
     await _store_trace(path)
     out = tmp_path / "r.json"
     assert main(["simulate", str(path), "--capacity", "host=1KiB", "--json", str(out)]) == 0
-    assert capsys.readouterr().out.startswith("3 accesses and 1 deletes, 3 keys")
+    assert capsys.readouterr().out.startswith("3 accesses and 1 delete, 3 keys")
     assert json.loads(out.read_text())[0]["requests"] == 3
 
 
@@ -189,3 +189,23 @@ def test_plots_of_many_combinations_stay_readable(tmp_path: Path) -> None:
     curves, bars = Image.open(plot), Image.open(tmp_path / "many_prefetch.png")
     assert curves.width > 7 * 120  # (the legend beside the axes, not over them)
     assert bars.width <= 25 * 120, bars.size
+
+
+def test_simulate_takes_a_capacity_of_a_fraction_of_the_working_set() -> None:
+    """(The review: a float capacity, ``0.5 * trace.working_set``, ran before the capacities were
+    checked; it is rounded down again, and a negative or infinite one refused.)"""
+    trace = _trace([0, 1, 2, 0], [10, 20, 30, 10])
+    assert simulate(trace, {"host": 0.5 * trace.working_set}).capacity == 30
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="capacity of tier 'host'"):
+            simulate(trace, {"host": bad})
+
+
+def test_simulate_refuses_sizes_past_an_int64_and_arrays_of_two_dimensions() -> None:
+    """(The review: uint64 sizes of 2**63 or more passed and made the working set negative; 2-D
+    arrays passed and the policy was blamed.)"""
+    with pytest.raises(TraceError, match="at most 2..63 - 1"):
+        simulate(_trace([0], np.array([2**63], dtype=np.uint64)), {"host": 10})
+    flat = _trace([0, 1], [5, 5])
+    with pytest.raises(TraceError, match="ids are an array of 2 dimensions"):
+        simulate(Trace(flat.keys, flat.ids.reshape(1, 2), flat.sizes, flat.ops, flat.steps), {"host": 10})

@@ -130,6 +130,9 @@ def _output_folder(path: Path) -> None:
 def _refuse_unknown_image_format(path: Path) -> None:
     """``ValueError`` for a plot path whose suffix names no format matplotlib writes (checked
     before the simulation runs: matplotlib would only refuse it after)."""
+    from .plotting import pyplot
+
+    pyplot()  # (without matplotlib: its clear ImportError, before the simulation)
     if not path.suffix:
         return  # (matplotlib's default format, PNG, and its suffix added)
     from matplotlib.backend_bases import FigureCanvasBase

@@ -45,7 +45,6 @@ def describe_folder(root: str | Path, verify: bool = False, progress: bool = Fal
         catalog.close()
     records.sort(key=lambda r: r.key)
     problems, damaged = _health(root, layout.segments, records)
-    misplaced = set(damaged)  # (entries whose extents lie outside the data files)
     if verify:
         unreadable = set(damaged)
         failed = _verify(root, layout.chunk_size, [r for r in records if r.key not in unreadable], progress)
@@ -57,8 +56,9 @@ def describe_folder(root: str | Path, verify: bool = False, progress: bool = Fal
     namespaces = _namespaces(root, layout.chunk_size, [r for r in records if r.key not in damaged], index)
     records = [r for r in records if not is_reserved(r.key)]
     reserved = sum(layout.segments)
-    # (a damaged record's extent may be any length: counted, a report said -8388608.0 TiB free)
-    used = sum(r.extent.length for r in records if r.extent is not None and r.key not in misplaced)
+    # (a damaged record's extent may be any length: counted, a report said -8388608.0 TiB free;
+    # one in a truncated data file still takes its room)
+    used = sum(r.extent.length for r in records if r.extent is not None and _within(r.extent, layout.segments))
     disk = shutil.disk_usage(root)
     return {
         "root": str(root.resolve()),
@@ -88,6 +88,11 @@ def describe_folder(root: str | Path, verify: bool = False, progress: bool = Fal
             for r in records
         ],
     }
+
+
+def _within(extent: Any, segments: tuple[int, ...] | list[int]) -> bool:
+    """Whether ``extent`` lies inside the segments the catalog's layout reserves."""
+    return 0 <= extent.segment < len(segments) and extent.offset >= 0 and extent.end <= segments[extent.segment]
 
 
 def format_description(info: dict[str, Any], limit: int | None = 40) -> str:

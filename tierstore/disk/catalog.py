@@ -196,6 +196,8 @@ class DiskRecord:
         nbytes, segment, offset, length, version = ints
         if nbytes != meta.nbytes:
             raise ValueError(f"nbytes {nbytes} disagrees with dtype and shape ({meta.nbytes})")
+        if version < 1:
+            raise ValueError(f"version {version}: a stored value's version is 1 or more")
         if length < nbytes:
             raise ValueError(f"extent of {length} bytes cannot hold {nbytes}")
         return cls(key, meta, Extent(segment, offset, length), version, tuple(checksums))

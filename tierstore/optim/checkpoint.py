@@ -164,7 +164,10 @@ def adam_state_dict(optimizer: TieredAdam) -> dict[str, Any]:
         # all back. So that round trip gets a placeholder, which load_state_dict recognises.
         token = optimizer._unmoved_token = (id(optimizer), next(_tokens))
         return {"state": {}, "param_groups": saved_groups(optimizer), UNMOVED: list(token)}
-    return run(_adam_state_dict(optimizer, every_trainable=_dcp_state_dict()))
+    saved = run(_adam_state_dict(optimizer, every_trainable=_dcp_state_dict()))
+    if SHARD in saved:
+        warn_once_of_a_rank_state(optimizer, stacklevel=3)
+    return saved
 
 
 def saved_groups(optimizer: TieredAdam) -> list[dict[str, Any]]:
@@ -221,25 +224,27 @@ async def _adam_state_dict(optimizer: TieredAdam, every_trainable: bool) -> dict
         state[index] = {}
     saved: dict[str, Any] = {"state": dict(sorted(state.items())), "param_groups": saved_groups(optimizer)}
     if optimizer._sharding is not None and not every_trainable:  # (DCP's template gets none: it fills each rank's own)
-        saved[SHARD] = _shard_record(optimizer)
-        _warn_once_of_a_rank_state(optimizer)
+        saved[SHARD] = shard_record(optimizer)
     return saved
 
 
 #: The key of a sharded optimizer's state dict (``process_group=``) naming the rank it came from
-#: and the parameters whose state it holds whole (torch's optimizers ignore it), so that loading
-#: it where other parameters are updated is refused instead of restarting their state.
+#: (torch's optimizers ignore it): where that dict's entry of a parameter this optimizer updates
+#: is empty (another rank's), loading it is refused instead of restarting that state. (Through
+#: DCP every rank's record has this key: one rank's comes back to all, so only the entries decide.)
 SHARD = "tierstore_shard"
 
 
-def _shard_record(optimizer: PagedOptimizer) -> dict[str, Any]:
+def shard_record(optimizer: PagedOptimizer) -> dict[str, Any]:
+    """``SHARD``'s value for a sharded optimizer's state dict."""
     sharding = optimizer._sharding
     assert sharding is not None
-    whole = sorted(saved_index(optimizer, slot) for slot in optimizer._slots if not isinstance(slot.param, ParamRange))
-    return {"rank": sharding.rank, "world_size": sharding.world, "whole": whole}
+    return {"rank": sharding.rank, "world_size": sharding.world}
 
 
-def _warn_once_of_a_rank_state(optimizer: PagedOptimizer) -> None:
+def warn_once_of_a_rank_state(optimizer: PagedOptimizer, stacklevel: int) -> None:
+    """The warning a sharded optimizer's ``state_dict()`` gives once (``stacklevel``: the caller's
+    frame, as ``warnings.warn`` counts from here)."""
     if getattr(optimizer, "_warned_rank_state", False):
         return
     optimizer._warned_rank_state = True  # type: ignore[attr-defined]
@@ -248,7 +253,7 @@ def _warn_once_of_a_rank_state(optimizer: PagedOptimizer) -> None:
         "entries are empty): a checkpoint of one rank's dict (what the HF Trainer and accelerate save from rank 0) "
         "cannot resume the others, and loading it there raises. Checkpoint with tierstore.optim.save_optimizer/"
         "load_optimizer (or DCP's get/set_optimizer_state_dict) on every rank, or save each rank's own dict",
-        RuntimeWarning, stacklevel=4,
+        RuntimeWarning, stacklevel=stacklevel + 1,
     )
 
 
@@ -259,19 +264,22 @@ def _refuse_another_ranks_state(optimizer: PagedOptimizer, state_dict: Mapping[s
     record = state_dict.get(SHARD)
     if not isinstance(record, Mapping):
         return
-    sharding = optimizer._sharding
-    if sharding is not None and (sharding.rank, sharding.world) == (record.get("rank"), record.get("world_size")):
-        return  # (this rank's own dict: the same parameters, split rows included)
-    whole = set(record.get("whole", ()))
-    lacking = [saved_index(optimizer, slot) for slot in optimizer._slots
-               if saved_index(optimizer, slot) not in whole and model_param(slot).requires_grad]
+    ids = [i for saved in state_dict["param_groups"] for i in saved["params"]]
+    state = state_dict["state"]
+    lacking = []
+    for slot in optimizer._slots:  # (a split parameter's rows are not told apart: its entry is a DTensor either way)
+        index = saved_index(optimizer, slot)
+        entry = state.get(ids[index])
+        if entry is not None and len(entry) == 0 and model_param(slot).requires_grad and not isinstance(slot.param, ParamRange):
+            lacking.append(index)
     if lacking:
+        sharding = optimizer._sharding
         here = f"rank {sharding.rank} of {sharding.world}" if sharding is not None else "this optimizer (no process_group=)"
         shown = ", ".join(map(str, lacking[:8])) + (f" ... ({len(lacking)} in all)" if len(lacking) > 8 else "")
         raise ValueError(
-            f"this state dict is rank {record.get('rank')}'s of {record.get('world_size')} under process_group=: it holds "
-            f"the state of the parameters that rank updated, not of parameters {shown}, which {here} updates; loaded, "
-            "their moments and step counts would restart from zero. Nothing was loaded. Checkpoint a sharded optimizer "
+            f"this state dict is rank {record.get('rank')}'s of {record.get('world_size')} under process_group=: its entries "
+            f"of parameters {shown}, which {here} updates, are empty (another rank held their state); loaded, their "
+            "moments and step counts would restart from zero. Nothing was loaded. Checkpoint a sharded optimizer "
             "with tierstore.optim.save_optimizer/load_optimizer (or DCP's get/set_optimizer_state_dict) on every rank, "
             "or load each rank's own state_dict() on that rank with the same world size"
         )

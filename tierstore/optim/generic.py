@@ -25,11 +25,13 @@ import torch
 from ..sync import run
 from .checkpoint import (
     SHARD,
+    _accelerate_placement,
+    _dcp_state_dict,
     _others,
     _refuse_another_ranks_state,
-    _shard_record,
-    _warn_once_of_a_rank_state,
     saved_index,
+    shard_record,
+    warn_once_of_a_rank_state,
 )
 from .chunks import Chunk, is_elementwise
 from .clipping import inverse_scale
@@ -207,9 +209,13 @@ class TieredOptimizer(PagedOptimizer):
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's format: ``{"state": {index: {name: value}}, "param_groups": [...]}``."""
         self._require_open("state_dict")
-        return run(self._state_dict())
+        template = _dcp_state_dict()  # (DCP's template: it fills each rank's own, so no rank record)
+        saved = run(self._state_dict(record=not template))
+        if SHARD in saved and not _accelerate_placement():  # (a round trip to the device: no checkpoint)
+            warn_once_of_a_rank_state(self, stacklevel=2)
+        return saved
 
-    async def _state_dict(self) -> dict[str, Any]:
+    async def _state_dict(self, record: bool = True) -> dict[str, Any]:
         state: dict[int, dict[str, Any]] = {}
         for slot in self._slots:
             if slot.index in self._small_state or slot.index in self._paged_names:
@@ -217,9 +223,8 @@ class TieredOptimizer(PagedOptimizer):
         for index in _others(self):  # (sharded: another rank's, as TieredAdam's dict has them)
             state[index] = {}
         saved: dict[str, Any] = {"state": dict(sorted(state.items())), "param_groups": self._groups_for_saving()}
-        if self._sharding is not None:
-            saved[SHARD] = _shard_record(self)
-            _warn_once_of_a_rank_state(self)
+        if self._sharding is not None and record:
+            saved[SHARD] = shard_record(self)
         return saved
 
     async def _entry(self, slot: ParamSlot) -> dict[str, Any]:

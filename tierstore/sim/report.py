@@ -132,7 +132,8 @@ def describe(trace: Trace) -> str:
     """``"1,000 accesses, 12 keys"``, and the deletes where there are some (they are not accesses:
     the miss ratios are of the accesses)."""
     deletes = trace.deletes
-    return f"{len(trace) - deletes:,} accesses{f' and {deletes:,} deletes' if deletes else ''}, {len(trace.keys):,} keys"
+    removed = f" and {deletes:,} delete{'s' if deletes != 1 else ''}" if deletes else ""
+    return f"{len(trace) - deletes:,} accesses{removed}, {len(trace.keys):,} keys"
 
 
 def format_table(results: list[SimResult], trace: Trace) -> str:

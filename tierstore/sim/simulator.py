@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import numbers
 import operator
 import time
 from collections.abc import Callable
@@ -210,6 +211,13 @@ def simulate(
 
 
 def _capacity(tier: str, capacity: Any) -> int:
+    """A tier's capacity in bytes: a byte size (``2 << 30``, ``"2GiB"``), or a real number of
+    bytes, rounded down (``0.5 * trace.working_set``)."""
+    if isinstance(capacity, numbers.Real) and not isinstance(capacity, (bool, numbers.Integral)):
+        value = float(capacity)
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"capacity of tier {tier!r}: {capacity!r} is not a number of bytes of 0 or more")
+        return int(value)
     try:
         return parse_bytes(capacity)
     except (TypeError, ValueError) as exc:

@@ -70,14 +70,19 @@ class Trace:
     def check(self) -> None:
         """``TraceError`` unless the arrays describe a trace: one entry per access in each, key
         indexes within ``keys``, whole sizes of 0 or more, known operations."""
+        for name, array in (("ids", self.ids), ("sizes", self.sizes), ("ops", self.ops), ("steps", self.steps)):
+            if np.ndim(array) != 1:
+                raise TraceError(f"the trace's {name} are an array of {np.ndim(array)} dimensions; give one value per access")
         n = len(self.ids)
         arrays = {"sizes": self.sizes, "ops": self.ops, "steps": self.steps} | ({"times": self.times} if self.times is not None else {})
         unequal = [f"{name} {len(array)}" for name, array in arrays.items() if len(array) != n]
         if unequal:
             raise TraceError(f"the trace's arrays differ in length: ids {n}, {', '.join(unequal)}")
-        for name, array in (("ids", self.ids), ("sizes", self.sizes), ("ops", self.ops)):
+        for name, array in (("ids", self.ids), ("sizes", self.sizes), ("ops", self.ops), ("steps", self.steps)):
             if np.asarray(array).dtype.kind not in "iu":
                 raise TraceError(f"the trace's {name} hold {np.asarray(array).dtype} values; give integers")
+        if n and int(self.sizes.max()) > 2**63 - 1:
+            raise TraceError(f"the trace holds a size of {int(self.sizes.max())} bytes: at most 2**63 - 1")
         if n and (int(self.ids.min()) < 0 or int(self.ids.max()) >= len(self.keys)):
             raise TraceError(f"the trace's ids reach outside its table of {len(self.keys)} keys (0 to {len(self.keys) - 1})")
         if n and int(self.sizes.min()) < 0:
@@ -414,7 +419,7 @@ def _load_csv_plain(path: Path, key_col: int, size_col: int, delimiter: str) -> 
                     continue  # a header line
                 raise TraceError(f"{path}:{number + 1}: size {row[size_col]!r} is not a number")
             if isinstance(size, float):
-                what = "more bytes than a trace holds (at most 2**63 - 1)" if math.isinf(size) else "not a whole number of bytes"
+                what = "more bytes than a trace holds (at most 2**63 - 1)" if size == math.inf else "not a whole number of bytes"
                 raise TraceError(f"{path}:{number + 1}: size {row[size_col]!r} is {what}")
             if size < 0:
                 raise TraceError(f"{path}:{number + 1}: negative size {size}")
