@@ -71,7 +71,6 @@ class TieredTrainerMixin:
             grad_norm = optimizer.clip_grad_norm_(float("inf"), **_in_order_of(optimizer, model))  # (a coefficient of exactly 1.0: the norm only)
         return super()._get_grad_norm(model, grad_norm=grad_norm)  # type: ignore[misc]
 
-
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         sharding = _sharding(self.optimizer)
         with warnings.catch_warnings():
@@ -86,7 +85,8 @@ class TieredTrainerMixin:
         optimizer, sharding = paged_optimizer(self.optimizer), _sharding(self.optimizer)
         own = _rank_file(checkpoint, sharding) if checkpoint is not None and sharding is not None and sharding.rank else None
         if optimizer is None or own is None or not os.path.isfile(own):
-            super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]  # (another world size: refused, saying why)
+            # (another world size: rank 0's dict, refused on the other ranks, saying why)
+            super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
             return
         state = torch.load(own, map_location="cpu", weights_only=True)
         # The Trainer loads optimizer.pt (rank 0's) into every rank: this rank takes its own instead.
