@@ -196,7 +196,7 @@ class TieredAdam(PagedOptimizer):
             was = self._laid_out_as.setdefault(index, now)
             if now == was:
                 continue
-            if not any(slot.index in self._step_counts for slot in self._slots if slot.group == index):
+            if not any(self._has_state(slot) for slot in self._slots if slot.group == index):
                 validate(now[0], now[1])  # (no state yet: made in the new layout, if it is one)
                 _require_bf16_for_lossless(now[1], group["params"])
                 self._laid_out_as[index] = now

@@ -245,9 +245,9 @@ def shard_record(optimizer: PagedOptimizer) -> dict[str, Any]:
 def warn_once_of_a_rank_state(optimizer: PagedOptimizer, stacklevel: int) -> None:
     """The warning a sharded optimizer's ``state_dict()`` gives once (``stacklevel``: the caller's
     frame, as ``warnings.warn`` counts from here)."""
-    if getattr(optimizer, "_warned_rank_state", False):
+    if optimizer._warned_rank_state:
         return
-    optimizer._warned_rank_state = True  # type: ignore[attr-defined]
+    optimizer._warned_rank_state = True
     warnings.warn(
         "with process_group=, state_dict() holds this rank's state only (the parameters it updates; the others' "
         "entries are empty): a checkpoint of one rank's dict (what the HF Trainer and accelerate save from rank 0) "

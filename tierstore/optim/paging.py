@@ -286,6 +286,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         #: Whether the constructor has ended (an ``add_param_group`` after it plans the group).
         self._constructed = False
         self._warned_zero2_changes = False
+        #: Whether a sharded ``state_dict()`` has said it holds this rank's state only.
+        self._warned_rank_state = False
         #: With step_in_backward: this step's settings were checked at its first gradient.
         self._checked_in_backward = False
         try:

@@ -422,10 +422,8 @@ async def memory_report(
     last step's ``TimeReport``, for its disk writes."""
     by_tier: dict[str, int] = {tier.name: 0 for tier in store.tiers}
     resident = resident_params = paged = 0
-    frozen = sum(slot.numel for slot in slots if not planned(slot))
-    for slot in slots:
-        if not planned(slot):
-            continue
+    trainable = [slot for slot in slots if planned(slot)]  # (a frozen parameter without state gets none)
+    for slot in trainable:
         size = state_bytes(slot)
         if not slot.paged:
             resident += size if slot.resident is not None else 0
@@ -438,18 +436,17 @@ async def memory_report(
                 for tier in store.where(key)[:1]:
                     by_tier[tier] += nbytes
     params = sum(slot.numel for slot in slots)
+    frozen = params - sum(slot.numel for slot in trainable)
     # the optimizer these slots are of: its bound _state_bytes (how to store is a group setting)
     owner = getattr(state_bytes, "__self__", None)
     contents: dict[str, int] = {}
     if owner is not None and hasattr(owner, "param_groups"):
-        for slot in slots:
-            if not planned(slot):
-                continue
+        for slot in trainable:
             what = state_contents(owner, slot)
             contents[what] = contents.get(what, 0) + slot.numel
     weights = sum(slot.numel * slot.param.element_size() for slot in slots if offloaded(slot.param) is None)
     grads = sum(slot.numel * slot.param.element_size() for slot in slots if slot.param.requires_grad)
-    state = sum(state_bytes(slot) for slot in slots if planned(slot))
+    state = sum(state_bytes(slot) for slot in trainable)
     tiers = {name: {"used": t["used"], "capacity": t["capacity"]} for name, t in store.stats()["tiers"].items()}
     paged_to_disk = last is not None and last.step_wall > 0 and last.disk_write_bytes > 0
     written = last.disk_write_bytes if last is not None and paged_to_disk else None

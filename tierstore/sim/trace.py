@@ -73,14 +73,13 @@ class Trace:
         for name, array in (("ids", self.ids), ("sizes", self.sizes), ("ops", self.ops), ("steps", self.steps)):
             if np.ndim(array) != 1:
                 raise TraceError(f"the trace's {name} are an array of {np.ndim(array)} dimensions; give one value per access")
+            if np.asarray(array).dtype.kind not in "iu":
+                raise TraceError(f"the trace's {name} hold {np.asarray(array).dtype} values; give integers")
         n = len(self.ids)
         arrays = {"sizes": self.sizes, "ops": self.ops, "steps": self.steps} | ({"times": self.times} if self.times is not None else {})
         unequal = [f"{name} {len(array)}" for name, array in arrays.items() if len(array) != n]
         if unequal:
             raise TraceError(f"the trace's arrays differ in length: ids {n}, {', '.join(unequal)}")
-        for name, array in (("ids", self.ids), ("sizes", self.sizes), ("ops", self.ops), ("steps", self.steps)):
-            if np.asarray(array).dtype.kind not in "iu":
-                raise TraceError(f"the trace's {name} hold {np.asarray(array).dtype} values; give integers")
         if n and int(self.sizes.max()) > 2**63 - 1:
             raise TraceError(f"the trace holds a size of {int(self.sizes.max())} bytes: at most 2**63 - 1")
         if n and (int(self.ids.min()) < 0 or int(self.ids.max()) >= len(self.keys)):
