@@ -554,16 +554,17 @@ class UpdatePipeline:
         slot.note_written()
 
     def close_finished_chunks(self, slots: Sequence[ParamSlot]) -> None:
-        """Close the update of each slot paged in chunks whose every chunk was updated and
-        written, though its update was not closed (the step was interrupted in between: a Ctrl-C
-        cancels the wait, the chunks' work in flight ends): its step count moves on, as all its
-        chunks took the step; left as it was, its next update would count this step again. A
-        slot only some of whose chunks ran stays as it is (the README's known gap)."""
+        """Close the update of each slot paged in chunks whose every chunk's state was updated,
+        though its update was not closed (the step was interrupted in between: a Ctrl-C cancels
+        the wait, the chunks' work in flight ends): its step count moves on with its state, as all
+        its chunks took the step; left as it was, its next update would count this step again.
+        (Whether each chunk's weight copy was recorded does not decide it: on a device a Ctrl-C
+        can cancel the wait for a copy that still lands.) A slot only some of whose chunks ran
+        stays as it is (the README's known gap)."""
         for slot in slots:
             if slot.updated or not slot.chunks:
                 continue
-            indices = {chunk.index for chunk in slot.chunks}
-            if indices <= slot.chunks_updated and indices <= slot.chunks_written:
+            if {chunk.index for chunk in slot.chunks} <= slot.chunks_updated:
                 self._owner._end_chunks(slot)
                 slot.updated = slot.written = True
 
