@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from .disk.catalog import Catalog, DiskRecord
+from .disk.catalog import Catalog, DamagedRecord, DiskRecord
 from .disk.extents import ExtentAllocator
 from .disk.files import checksum, segment_name
 from .errors import CatalogError, ChecksumError
@@ -38,13 +38,17 @@ def describe_folder(root: str | Path, verify: bool = False, progress: bool = Fal
         raise CatalogError(f"{root} is not a tierstore disk folder (no catalog/ inside)")
     catalog = Catalog(root / "catalog", durable=False)
     layout = catalog.open_readonly()
+    corrupt: list[DamagedRecord] = []
     try:
-        records = [record for _, record in catalog.records()]
-        index = catalog.get(INDEX_KEY)  # with its bytes, if they are inline in the catalog
+        records = [record for _, record in catalog.records(damaged=corrupt)]
+        index = catalog.get(INDEX_KEY) if any(r.key == INDEX_KEY for r in records) else None  # (inline: with its bytes)
     finally:
         catalog.close()
     records.sort(key=lambda r: r.key)
     problems, damaged = _health(root, layout.segments, records)
+    if corrupt:
+        problems.insert(0, _corrupt_records(corrupt))
+        damaged = sorted({*damaged, *(bad.key for bad in corrupt if bad.key is not None)})
     if verify:
         unreadable = set(damaged)
         failed = _verify(root, layout.chunk_size, [r for r in records if r.key not in unreadable], progress)
@@ -176,6 +180,15 @@ def _health(root: Path, segments: tuple[int, ...], records: list[DiskRecord]) ->
     except ValueError as exc:
         problems.append(f"the catalog's extents are inconsistent: {exc}")
     return problems, sorted(key for keys in damaged.values() for key in keys)
+
+
+def _corrupt_records(corrupt: list[DamagedRecord]) -> str:
+    """The problem line of catalog records that do not parse or fail their own checksum (their
+    values cannot be found: a store refuses to open until they are dealt with)."""
+    shown = ", ".join(f"{bad.key!r}" if bad.key is not None else f"one at address {bad.digest.hex()}" for bad in corrupt[:10])
+    more = f" and {len(corrupt) - 10} more" if len(corrupt) > 10 else ""
+    count = "1 catalog record is" if len(corrupt) == 1 else f"{len(corrupt)} catalog records are"
+    return f"{count} damaged ({corrupt[0].reason}; a store refuses to open the folder): {shown}{more}"
 
 
 def _verify(root: Path, chunk_size: int, records: list[DiskRecord], progress: bool) -> list[str]:

@@ -24,6 +24,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import crc32c
 import lmdb
 import torch
 
@@ -37,9 +38,9 @@ from .serial import SerialExecutor
 FORMAT = "tierstore-disk"
 #: The on-disk layout this code writes. 1: the first release (segment files of any sizes, JSON
 #: records); 2: segments shrink and go away as space is freed; 3: binary records, and small
-#: values inline in their record. Raise it whenever the layout changes, and add the upgrade from
-#: the version before to ``_UPGRADES``.
-FORMAT_VERSION = 3
+#: values inline in their record; 4: each binary record ends with a checksum of its own. Raise it
+#: whenever the layout changes, and add the upgrade from the version before to ``_UPGRADES``.
+FORMAT_VERSION = 4
 #: What a catalog that records no version was written with.
 _UNVERSIONED = 1
 _META_KEY = b"format"
@@ -58,9 +59,16 @@ _FEW_CHANGES = 4
 STAGE_WINDOW = 0.002
 
 
-#: First byte of a binary record (format version 3); JSON records (versions 1 and 2) start
-#: with ``{``, so both read back.
+#: First byte of a binary record as format version 3 wrote it; JSON records (versions 1 and 2)
+#: start with ``{``, so both read back.
 _BINARY = 0xB3
+#: First byte of a *sealed* binary record (format version 4, what is written now): the same
+#: record followed by the CRC-32C (``_CHECKSUM``) of all its bytes but an inline value's own
+#: (those have their checksum, in the record), so that a damaged header, shape, key or extent is
+#: found, not read as another tensor (LMDB checks nothing: a flipped bit in an empty tensor's
+#: shape read back as another shape, no byte of data to fail), while a damaged inline value
+#: still fails its own checksum when read, as a value in a data file does.
+_SEALED = 0xB4
 _EXTENT, _INLINE = 1, 2
 #: magic, kind, ndim, dtype name length, key length, version
 _HEAD = struct.Struct("<BBBBIQ")
@@ -70,6 +78,7 @@ _CHECKSUM = struct.Struct("<I")
 #: an inline record), ndim and the dtype name's length (low byte, high byte), key length, version.
 _SCAN_HEAD = struct.Struct("<HHIQ")
 _INLINE_TAG = _BINARY | _INLINE << 8
+_SEALED_INLINE_TAG = _SEALED | _INLINE << 8
 _DTYPE_NAMES: dict[str, bytes] = {}
 _DTYPES_BY_NAME: dict[bytes, torch.dtype] = {}
 
@@ -94,8 +103,9 @@ class DiskRecord:
     inline: bool = False
 
     def to_bytes(self) -> bytes:
-        """The binary record (format version 3): a fixed header, the dtype name, the shape,
-        the key, then an extent and its checksums, or the checksum and bytes of an inline value."""
+        """The sealed binary record (format version 4): a fixed header, the dtype name, the
+        shape, the key, then an extent and its checksums, or the checksum and bytes of an inline
+        value, then the checksum of all that (``seal``)."""
         if self.inline and self.data is not None and len(self.checksums) == 1:
             return inline_bytes(self.key, self.meta, self.version, self.checksums[0], self.data)
         dtype = _DTYPE_NAMES.get(str(self.meta.dtype))
@@ -104,7 +114,7 @@ class DiskRecord:
         key = self.key.encode("utf-8")
         shape = self.meta.shape
         parts = [
-            _HEAD.pack(_BINARY, _INLINE if self.inline else _EXTENT, len(shape), len(dtype), len(key), self.version),
+            _HEAD.pack(_SEALED, _INLINE if self.inline else _EXTENT, len(shape), len(dtype), len(key), self.version),
             dtype,
             struct.pack(f"<{len(shape)}q", *shape),
             key,
@@ -121,13 +131,16 @@ class DiskRecord:
                 _EXTENT_PART.pack(extent.segment, extent.offset, extent.length, len(self.checksums)),
                 struct.pack(f"<{len(self.checksums)}I", *self.checksums),
             ]
-        return b"".join(parts)
+        return seal(b"".join(parts))
 
     @classmethod
     def from_bytes(cls, raw: bytes | memoryview, with_data: bool = True) -> DiskRecord:
-        """Parse a record (binary, or the JSON of format versions 1 and 2); raises
-        ``ValueError`` with the reason if it is malformed. ``with_data=False`` leaves an inline
-        value's bytes in the catalog (``data`` None)."""
+        """Parse a record (sealed binary, the unsealed binary of format version 3, or the JSON
+        of versions 1 and 2); raises ``ValueError`` with the reason if it is malformed or fails
+        its own checksum. ``with_data=False`` leaves an inline value's bytes in the catalog
+        (``data`` None)."""
+        if len(raw) and raw[0] == _SEALED:
+            return cls._from_binary(unsealed(raw), with_data)
         if len(raw) and raw[0] == _BINARY:
             return cls._from_binary(raw, with_data)
         return cls._from_json(bytes(raw))
@@ -250,18 +263,44 @@ def inline_bytes(key: str, meta: TensorMeta, version: int, checksum: int, data: 
         _LAST_DESCRIBED[0] = (meta, found)
     ndim, name_length, dtype_and_shape = described
     encoded = key.encode("utf-8")
-    return b"".join(
-        (_HEAD.pack(_BINARY, _INLINE, ndim, name_length, len(encoded), version), dtype_and_shape, encoded, _CHECKSUM.pack(checksum), data)
+    described_part = b"".join(
+        (_HEAD.pack(_SEALED, _INLINE, ndim, name_length, len(encoded), version), dtype_and_shape, encoded, _CHECKSUM.pack(checksum))
     )
+    return b"".join((described_part, data, _CHECKSUM.pack(crc32c.crc32c(described_part))))
+
+
+def seal(body: bytes) -> bytes:
+    """``body`` (the binary record of a value in an extent, starting with ``_SEALED``)
+    followed by its own checksum."""
+    return body + _CHECKSUM.pack(crc32c.crc32c(body))
+
+
+def unsealed(raw: bytes | memoryview) -> memoryview:
+    """A sealed record without its checksum, once that checksum is checked (``ValueError`` if
+    the record is too short to hold one, or fails it). An inline value's bytes are not
+    checked here: they fail their own checksum when read."""
+    view = memoryview(raw)
+    end = len(view) - _CHECKSUM.size
+    if end < _HEAD.size:
+        raise ValueError(f"{len(view)} bytes are too few for a record")
+    _, kind, ndim, dtype_len, key_len, _ = _HEAD.unpack_from(view, 0)
+    covered = _HEAD.size + dtype_len + 8 * ndim + key_len + _CHECKSUM.size if kind == _INLINE else end
+    if covered > end or crc32c.crc32c(view[:covered]) != _CHECKSUM.unpack_from(view, end)[0]:
+        raise ValueError("the record fails its own checksum (damaged)")
+    return view[:end]
 
 
 def _inline_of(raw: bytes | memoryview, key: str) -> tuple[int, int, bytes | bytearray] | None:
     """``(version, checksum, bytes)`` of a binary record if it holds an inline value (the bytes
     copied out once, into a bytearray a tensor can take over), else None; raises ``ValueError``
-    (or ``struct.error``) if it is malformed or names another key."""
+    (or ``struct.error``) if it is malformed, fails its own checksum or names another key."""
     magic, kind, ndim, dtype_len, key_len, version = _HEAD.unpack_from(raw, 0)
-    if magic != _BINARY or kind != _INLINE:
+    if magic == _SEALED:
+        raw = unsealed(raw)
+    elif magic != _BINARY:
         return None  # (a JSON record, format 1 or 2, is never inline)
+    if kind != _INLINE:
+        return None
     at = _HEAD.size + dtype_len + 8 * ndim
     if raw[at : at + key_len] != key.encode("utf-8"):
         raise ValueError("the record names another key")
@@ -312,6 +351,21 @@ class CatalogLayout:
         return layout
 
 
+@dataclass(frozen=True)
+class DamagedRecord:
+    """A catalog record that does not parse or fails its own checksum: its address, the key
+    it names where that is still readable (``_key_in``), and what is wrong."""
+
+    digest: bytes
+    key: str | None
+    reason: str
+
+    @property
+    def name(self) -> str:
+        """How a message names it: by its key where known, always by its address."""
+        return f"of {self.key!r} ({self.digest.hex()})" if self.key is not None else self.digest.hex()
+
+
 def _key_in(raw: bytes | memoryview, digest: bytes) -> str | None:
     """The key a damaged binary record names, where its bytes are intact (they hash to the
     record's address, so it is that key's record), else None."""
@@ -346,12 +400,13 @@ def _version_of(fields: dict[str, Any], where: Path) -> int:
 def _records_unchanged(txn: Any, entries: Any) -> None:
     """Version 1 -> 2: records and segments read the same; only the version number moves.
     Version 2 -> 3: JSON records stay as they are (they read back beside binary ones) and are
-    rewritten in the binary form when their key is next written."""
+    rewritten in the binary form when their key is next written. Version 3 -> 4: the same for
+    unsealed binary records, sealed when their key is next written."""
 
 
 #: Upgrades in place, by the version they start from: each brings a catalog to the next version
 #: inside the write transaction that records the new version.
-_UPGRADES: dict[int, Callable[[Any, Any], None]] = {1: _records_unchanged, 2: _records_unchanged}
+_UPGRADES: dict[int, Callable[[Any, Any], None]] = {1: _records_unchanged, 2: _records_unchanged, 3: _records_unchanged}
 
 
 class Catalog:
@@ -508,19 +563,24 @@ class Catalog:
             self._env.close()
             self._env = None
 
-    def records(self, with_data: bool = False) -> Iterator[tuple[bytes, DiskRecord]]:
-        """Every committed record, validated; raises ``CatalogError`` naming the first bad one.
-        Inline values are left in the catalog unless ``with_data``."""
+    def records(self, with_data: bool = False, damaged: list[DamagedRecord] | None = None) -> Iterator[tuple[bytes, DiskRecord]]:
+        """Every committed record, validated; raises ``CatalogError`` naming the first bad one,
+        or, given a ``damaged`` list, adds each bad one to it and goes on. Inline values are
+        left in the catalog unless ``with_data``."""
         try:
             with self._env.begin(db=self._entries, buffers=True) as txn:
                 for digest_view, raw in txn.cursor():
                     digest = bytes(digest_view)
                     try:
                         record = DiskRecord.from_bytes(raw, with_data)
+                        if key_digest(record.key) != digest:
+                            raise ValueError("filed under another key's address")
                     except ValueError as exc:
-                        raise CatalogError(f"catalog record {digest.hex()} in {self.path} is corrupt: {exc}") from None
-                    if key_digest(record.key) != digest:
-                        raise CatalogError(f"catalog record for {record.key!r} is filed under the wrong address")
+                        bad = DamagedRecord(digest, _key_in(raw, digest), str(exc))
+                        if damaged is None:
+                            raise CatalogError(f"catalog record {bad.name} in {self.path} is corrupt: {exc}") from None
+                        damaged.append(bad)
+                        continue
                     yield digest, record
         except _DAMAGE as exc:
             raise self._damaged(exc) from None
@@ -541,6 +601,7 @@ class Catalog:
         # few distinct ones; each is parsed in full once (the slow path), then recognized.
         described: dict[bytes, tuple[int, TensorMeta, int]] = {}
         head, head_size, checksum_size, tag_inline = _SCAN_HEAD.unpack_from, _SCAN_HEAD.size, _CHECKSUM.size, _INLINE_TAG
+        tag_sealed, unpack_checksum, crc = _SEALED_INLINE_TAG, _CHECKSUM.unpack_from, crc32c.crc32c
         hasher, inline_bytes = address_hash, 0
         # (records as bytes, not buffers: slicing bytes is cheaper than making memoryviews)
         try:
@@ -550,12 +611,16 @@ class Catalog:
                         tag, form, key_len, version = head(raw, 0)
                         at = head_size + (form >> 8) + 8 * (form & 0xFF)  # past the dtype name and shape
                         known = described.get(raw[head_size:at])
-                        if known is None or tag != tag_inline or known[0] != form or not key_len or not version:
+                        if known is None or known[0] != form or not key_len or not version:
                             raise _SlowPath
                         end = at + key_len
                         nbytes = known[2]
-                        if len(raw) - end - checksum_size != nbytes:
-                            raise _SlowPath  # (the full parse names what is wrong)
+                        if tag == tag_sealed:  # (its seal covers all but the value's bytes: they have their own checksum)
+                            sealed_at = len(raw) - checksum_size
+                            if sealed_at - end - checksum_size != nbytes or crc(raw[: end + checksum_size]) != unpack_checksum(raw, sealed_at)[0]:
+                                raise _SlowPath  # (the full parse names what is wrong)
+                        elif tag != tag_inline or len(raw) - end - checksum_size != nbytes:
+                            raise _SlowPath
                         encoded = raw[at:end]
                         if hasher(encoded).digest() != digest:
                             raise _SlowPath  # (the full parse raises for a record under another key's address)
@@ -566,7 +631,7 @@ class Catalog:
                             extents[record.key] = record
                             continue
                         meta = shared_meta(record.meta)
-                        if raw[0] == _BINARY:  # (the next records of this dtype and shape take the fast path)
+                        if raw[0] in (_BINARY, _SEALED):  # (the next records of this dtype and shape take the fast path)
                             form = _SCAN_HEAD.unpack_from(raw, 0)[1]
                             described[raw[head_size : head_size + (form >> 8) + 8 * (form & 0xFF)]] = (form, meta, meta.nbytes)
                         add_key(record.key)
@@ -586,9 +651,8 @@ class Catalog:
         try:
             record = DiskRecord.from_bytes(raw, with_data=False)
         except ValueError as exc:
-            key = _key_in(raw, digest)
-            named = f"of {key!r} ({digest.hex()})" if key is not None else digest.hex()
-            raise CatalogError(f"catalog record {named} in {self.path} is corrupt: {exc}") from None
+            name = DamagedRecord(digest, _key_in(raw, digest), str(exc)).name
+            raise CatalogError(f"catalog record {name} in {self.path} is corrupt: {exc}") from None
         if key_digest(record.key) != digest:
             raise CatalogError(f"catalog record for {record.key!r} is filed under the wrong address")
         return record
