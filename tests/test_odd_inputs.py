@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 from tierstore import DiskTier, HostTier, SyncTierStore, TierStore
 from tierstore.errors import InvalidTensorError
+from tierstore.sync import run
 
 
 class OddKey(str):
@@ -71,7 +73,7 @@ async def test_a_str_subclass_key_reaches_traces_and_reports_as_its_text(tmp_pat
     assert hits.sum() >= 3 and (recorded["before"][hits] >= 0).all()
 
 
-@pytest.mark.parametrize("where", ["optimizer", "claim", "store", "disk tier"])
+@pytest.mark.parametrize("where", ["optimizer", "claim", "store", "disk tier", "store verbs", "zarr and swap"])
 def test_on_off_options_take_a_bool_only(tmp_path: Path, where: str) -> None:
     """``overwrite="no"`` deleted the keys it was meant to keep, ``step_in_backward="no"`` updated in
     backward, ``emulate_device="no"`` emulated: a string reads as true. Each is a ``TypeError``,
@@ -91,8 +93,30 @@ def test_on_off_options_take_a_bool_only(tmp_path: Path, where: str) -> None:
     elif where == "store":
         with pytest.raises(TypeError, match="flush_on_close must be True or False"):
             SyncTierStore([HostTier("1MiB")], flush_on_close="no")
+    elif where == "store verbs":  # (a tryout: export_zarr(overwrite="no") replaced the snapshot, hold(write="no") took a write hold)
+        store.export_zarr(tmp_path / "snap")
+        with pytest.raises(TypeError, match="overwrite must be True or False"):
+            store.export_zarr(tmp_path / "snap", overwrite="no")
+        with pytest.raises(TypeError, match="write must be True or False"), store.hold("run1/x", write="no"):
+            pass
+        with pytest.raises(TypeError, match="write must be True or False"):
+            run(_hold_async(store.store, "run1/x", write="no"))
+        with pytest.raises(TypeError, match="dry_run must be True or False"):
+            store.gc(dry_run="no")
+        with pytest.raises(TypeError, match="flush must be True or False"):
+            store.close(flush="no")
+        assert store.is_open
+    elif where == "zarr and swap":
+        from tierstore.swap import offload_activations
+        from tierstore.zarr import TierZarrStore
+
+        for option in ("read_only", "prefetch"):
+            with pytest.raises(TypeError, match=f"{option} must be True or False"):
+                TierZarrStore(store, "z/", **{option: "no"})
+        with pytest.raises(TypeError, match="emulate_device must be True or False"):
+            offload_activations(store, emulate_device="no")
     else:
-        for option in ("durable", "overcommit"):
+        for option in ("durable", "overcommit", "create"):
             with pytest.raises(TypeError, match=f"{option} must be True or False"):
                 DiskTier(tmp_path / "d", "8MiB", **{option: "no"})
         from tierstore import DeviceTier
@@ -104,3 +128,8 @@ def test_on_off_options_take_a_bool_only(tmp_path: Path, where: str) -> None:
             emulate_device("no")  # type: ignore[arg-type]
     assert torch.equal(store.get("run1/x"), torch.ones(4))
     store.close()
+
+
+async def _hold_async(store: TierStore, key: str, write: Any) -> None:
+    async with store.hold(key, write=write):
+        pass

@@ -4,11 +4,14 @@ true, it meant write-through), and a read into ``out=`` seen by autograd as ``ou
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
-from tierstore import DiskTier, HostTier, SyncTierStore
+from tierstore import DiskTier, HostTier, SyncTierStore, TierStore
+from tierstore.errors import InvalidTensorError
 
 
 @pytest.mark.parametrize("durable", ["no", 0, 1, "False"])
@@ -38,3 +41,31 @@ def test_a_read_into_out_moves_its_version_as_copy_does() -> None:
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             loss.backward()
 
+
+
+@pytest.mark.parametrize("dtype, shape, words", [
+    (torch.qint8, (2,), "dtype torch.qint8 cannot be stored"),
+    (torch.bits8, (2,), "dtype torch.bits8 cannot be stored"),
+    (torch.uint4, (2,), "dtype torch.uint4 cannot be stored"),
+    ("float32", (2,), "needs a torch.dtype"),
+    (torch.float32, (2.7,), "non-negative integer sizes"),
+    (torch.float32, (True, 2), "non-negative integer sizes"),
+    (torch.float32, (-1,), "non-negative integer sizes"),
+    (torch.float32, None, "non-negative integer sizes"),
+])
+async def test_fill_refuses_what_put_refuses_and_the_store_still_flushes(tmp_path: Path, dtype: Any, shape: Any, words: str) -> None:
+    """A tryout: ``fill`` installed a qint8 (bits8, uint4, ...) value a put refuses, and every
+    later ``flush()`` and close raised, so the write-back values of an open ``SyncTierStore``
+    were lost at exit; ``(2.7,)`` filled a (2,) tensor and ``(True, 2)`` a (1, 2) one."""
+    root = tmp_path / "d"
+    async with TierStore([HostTier("1MiB"), DiskTier(root, "16MiB")]) as store:
+        await store.put("a", torch.arange(1000))
+        with pytest.raises(InvalidTensorError, match=words):
+            async with store.fill("b", shape, dtype):
+                pass
+        assert "b" not in store
+        async with store.fill("c", np.int64(3), torch.float32) as buffer:  # (an int is a 1-D shape, numpy's too)
+            buffer.copy_(torch.arange(3.0))
+        await store.flush()
+    async with TierStore([HostTier("1MiB"), DiskTier(root, "16MiB")]) as store:
+        assert sorted(store.keys()) == ["a", "c"] and torch.equal(await store.get("c"), torch.arange(3.0))

@@ -1192,14 +1192,16 @@ class Engine:
         task.add_done_callback(self.writes.discard)
         return task
 
-    async def shielded(self, coro: Awaitable[T], abandon: asyncio.Event | None = None) -> T:
+    async def shielded(self, coro: Awaitable[T], abandon: asyncio.Event | None = None, settle: bool = False) -> T:
         """Run ``coro`` to completion even if the caller is cancelled (it changes durable state);
         ``aclose`` waits for it. Returns what ``coro`` returns.
 
         With ``abandon`` (a put reading the caller's memory), a cancelled caller sets it and gets
         control back only once ``coro`` has ended: by then the write either gave up before its
         commit (nothing changed) or committed (the put took effect), and the caller's memory is
-        no longer read. Without it, the caller gets control back at once."""
+        no longer read. With ``settle`` (a delete), a cancelled caller waits for ``coro`` too,
+        so what it sees next is the outcome, not a key that vanishes later. Otherwise the
+        caller gets control back at once."""
         task = self._track(coro)
         try:
             return await asyncio.shield(task)
@@ -1207,6 +1209,7 @@ class Engine:
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
             if abandon is not None:
                 abandon.set()
+            if abandon is not None or settle:
                 await wait_uncancelled(task)
             raise
 

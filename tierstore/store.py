@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import operator
 import traceback
 import warnings
 from collections import OrderedDict
@@ -35,7 +36,7 @@ from .namespaces import Namespace, NamespaceInfo, NamespaceRegistry
 from .prefetching import PrefetchHandle
 from .protocols import PrefetchPolicy
 from .stats import StoreCounters
-from .tensors import TensorMeta, as_bytes, check_tensor, from_bytes, supported_dtypes
+from .tensors import TensorMeta, as_bytes, check_tensor, dtype_name, from_bytes, supported_dtypes
 from .tiers.base import MemoryTier, Tier
 from .tiers.disk import InlineSuperseded
 from .units import format_bytes
@@ -130,6 +131,7 @@ class TierStore:
         """Run the close hooks (``register_close_hook``), finish in-flight work (prefetches
         are cancelled, writes drained), write memory-only entries to disk (if ``flush``,
         default ``flush_on_close``), and close the tiers."""
+        require_flag("flush", flush, none="flush_on_close")
         await self._run_close_hooks()
         await self._engine.close(self.flush_on_close if flush is None else flush)
 
@@ -647,7 +649,7 @@ class TierStore:
         is freed. For producers that write the value themselves, such as a copy over a device
         link, instead of handing ``put`` a tensor to copy. ``durable`` as in ``put`` (a durable
         value is filled in a staging buffer and then written through)."""
-        return self._fill(key, tuple(int(d) for d in shape), dtype, tier, durable)
+        return self._fill(key, _fill_shape(shape, dtype), dtype, tier, durable)
 
     @asynccontextmanager
     async def _fill(self, key: str, shape: tuple[int, ...], dtype: torch.dtype, tier: TierRef, durable: bool | None) -> AsyncIterator[torch.Tensor]:
@@ -657,8 +659,6 @@ class TierStore:
         durable = _durability(durable, none=True)
         if engine.frozen:
             await engine.until_thawed()
-        if not isinstance(dtype, torch.dtype) or any(d < 0 for d in shape):
-            raise InvalidTensorError(f"fill needs a torch.dtype and a shape of non-negative sizes, not {dtype!r}, {shape!r}")
         meta = TensorMeta(dtype, shape)
         through = self.durable if durable is None else bool(durable)
         targets = [engine.index_of(tier)] if tier is not None else [t for t, x in enumerate(engine.tiers) if isinstance(x, MemoryTier)]
@@ -910,7 +910,7 @@ class TierStore:
         if self._engine.sealed:  # (sealed while it read: no delete starts now, its flush may be past)
             await self._require_open()
             return None  # (the close failed: read again, the value may have changed meanwhile)
-        if not await self._engine.shielded(self._engine.delete_entry(entry, expect_version=version)):
+        if not await self._engine.shielded(self._engine.delete_entry(entry, expect_version=version), settle=True):
             return None
         return value
 
@@ -926,7 +926,7 @@ class TierStore:
         engine.expect_room(copy.tier, done)  # (a request for room meanwhile waits for the pop, not refuses)
         try:
             try:
-                deleted = await engine.shielded(engine.delete_entry(entry, expect_version=copy.version))
+                deleted = await engine.shielded(engine.delete_entry(entry, expect_version=copy.version), settle=True)
             finally:
                 engine.unuse(entry, copy)
             if not deleted:
@@ -952,6 +952,7 @@ class TierStore:
         """Write every entry as a zarr v3 array under ``path`` (see ``tierstore.snapshot``)."""
         from .snapshot import export_zarr
 
+        require_flag("overwrite", overwrite)
         self._engine.require_open()
         async with self._engine.freeze():  # a point-in-time view: writers wait until it is written
             return await export_zarr(self, path, overwrite)
@@ -972,7 +973,7 @@ class TierStore:
         entry = self._engine.visible_entry(key)
         if entry.held():
             raise EntryHeldError(f"{key!r} is held; release it before deleting")
-        if not await self._engine.shielded(self._engine.delete_entry(entry)) and not self._engine.is_open:
+        if not await self._engine.shielded(self._engine.delete_entry(entry), settle=True) and not self._engine.is_open:
             raise StoreClosedError(f"the store closed before {key!r} was deleted (it was not)")
         self._engine.observe("delete", key, entry.meta.nbytes, None, hit=None)
 
@@ -989,7 +990,7 @@ class TierStore:
         instead of waiting for itself. Read holds share the buffer with each other; a put
         while one is open replaces the value without changing the held buffer.
         """
-        return self._hold(key, tier, write, holds.new_token(), mark=True)
+        return self._hold(key, tier, require_flag("write", write), holds.new_token(), mark=True)
 
     @asynccontextmanager
     async def _hold_all(self, keys: Sequence[str], tier: TierRef = None, write: bool = False) -> AsyncIterator[list[torch.Tensor]]:
@@ -1222,7 +1223,30 @@ class TierStore:
     async def gc(self, *, names: Iterable[str] | None = None, dry_run: bool = True) -> list[NamespaceInfo]:
         """Remove orphaned namespaces (recorded, not claimed live): the auto ones, or ``names``.
         Returns what was removed (with ``dry_run``, what would be)."""
-        return await self._namespaces.gc(names=names, dry_run=dry_run)
+        return await self._namespaces.gc(names=names, dry_run=require_flag("dry_run", dry_run))
+
+
+def _fill_shape(shape: Sequence[int], dtype: torch.dtype) -> tuple[int, ...]:
+    """``fill``'s shape as a tuple of ints, once the dtype is one ``put`` takes and every size
+    is a non-negative integer (``InvalidTensorError`` otherwise: a float or a bool is not
+    truncated into a size; ``torch.empty`` refuses them too)."""
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidTensorError(f"fill needs a torch.dtype, not {dtype!r}")
+    dtype_name(dtype)  # (InvalidTensorError for a dtype the store cannot hold: a put refuses it too)
+    sizes = shape if hasattr(shape, "__iter__") else (shape,)  # (one size alone: a 1-D shape, as torch.empty takes)
+    try:
+        dims = tuple(_size(d) for d in sizes)
+    except TypeError:
+        raise InvalidTensorError(f"fill needs a shape of non-negative integer sizes, not {shape!r}") from None
+    if any(d < 0 for d in dims):
+        raise InvalidTensorError(f"fill needs a shape of non-negative integer sizes, not {shape!r}")
+    return dims
+
+
+def _size(dimension: object) -> int:
+    if isinstance(dimension, bool):
+        raise TypeError("a bool is not a size")
+    return operator.index(dimension)  # type: ignore[arg-type]
 
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)

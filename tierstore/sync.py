@@ -38,6 +38,7 @@ import torch
 from . import holds
 from .device.caller import marking_caller
 from .errors import LoopDeadlockError
+from .flags import require_flag
 from .intra_op import run_ops_serially
 from .namespaces import Namespace
 from .prefetching import PrefetchHandle, PrefetchResult
@@ -447,7 +448,7 @@ class SyncTierStore:
         # This thread is the holder: calls it makes inside the hold carry the mark to the loop,
         # so a read of the key raises there instead of waiting for this very hold.
         token = holds.new_token()
-        manager = self.store._hold(key, tier, write, token, mark=False)
+        manager = self.store._hold(key, tier, require_flag("write", write), token, mark=False)
         tensor = run(manager.__aenter__())
         holds.enter(token)
         device = tensor.device

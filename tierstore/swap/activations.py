@@ -49,6 +49,7 @@ import torch
 
 from ..device import Link
 from ..errors import KeyNotFoundError, StoreClosedError, UnknownTierError
+from ..flags import require_flag
 from ..namespaces import Namespace
 from ..store import TierStore
 from ..sync import SyncTierStore, loop_thread, run
@@ -104,7 +105,7 @@ class ActivationOffload:
         for argument, name in (("tier", tier), ("device_tier", device_tier)):
             if name is not None and name not in names:
                 raise UnknownTierError(f"offload_activations: {argument}={name!r} is not a tier of the store (its tiers: {names})")
-        self.emulate_device = emulate_device
+        self.emulate_device = require_flag("emulate_device", emulate_device, none="the device tier's link, else tierstore.device.emulate_device")
         self._links: dict[torch.device, Link] = {}
         for tier_ in self.store.tiers:  # a contradicting emulate_device raises here, not in forward
             if isinstance(tier_, DeviceTier):

@@ -20,6 +20,7 @@ import torch
 
 from ..device import Link, link_for
 from ..errors import TierFullError
+from ..flags import require_flag
 from ..store import TierStore
 from ..tensors import empty
 from ..tiers import DeviceTier, MemoryTier
@@ -28,6 +29,7 @@ from ..tiers import DeviceTier, MemoryTier
 def swap_link(store: TierStore, device: torch.device, emulate: bool | None) -> Link:
     """The link ``device``'s tensors cross when swapped through ``store`` (see the module
     docstring)."""
+    require_flag("emulate_device", emulate, none="the device tier's link, else tierstore.device.emulate_device")
     for tier in store.tiers:
         if isinstance(tier, DeviceTier) and tier.device == device:
             link = tier.link if tier.link is not None else link_for(device, emulate=False)

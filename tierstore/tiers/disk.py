@@ -178,7 +178,7 @@ class DiskTier(Tier):
         self.io_threads = self.io_settings.settings.io_threads
         #: Requests of one value in flight at a time (its chunks, each checksummed in its job).
         self.queue_depth = self.io_settings.settings.queue_depth
-        self.create = create
+        self.create = require_flag("create", create)
         self.overcommit = require_flag("overcommit", overcommit)
         self.inline_max = parse_bytes(inline_max)
         if self.inline_max < 0:

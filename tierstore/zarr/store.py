@@ -31,6 +31,7 @@ from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 
 from tierstore.engine import TierRef
 from tierstore.errors import InvalidKeyError, KeyNotFoundError, TierFullError, TierStoreError
+from tierstore.flags import require_flag
 from tierstore.keys import check_key
 from tierstore.store import TierStore
 from tierstore.sync import SyncTierStore
@@ -158,7 +159,7 @@ class TierZarrStore(Store):
         tier: TierRef = None,
         prefetch: bool = True,
     ) -> None:
-        super().__init__(read_only=read_only)
+        super().__init__(read_only=require_flag("read_only", read_only))
         base = store.store if isinstance(store, SyncTierStore) else store
         if not isinstance(base, TierStore):
             raise TypeError(f"store must be a TierStore or SyncTierStore, not {type(store).__name__}")
@@ -169,7 +170,7 @@ class TierZarrStore(Store):
         self._sync = store if isinstance(store, SyncTierStore) else None
         self._prefix = _normalise_prefix(prefix)
         self._tier_ref = tier
-        self._prefetch = bool(prefetch)
+        self._prefetch = require_flag("prefetch", prefetch)
         self._index: KeyIndex = index_of(base, self._prefix)
         self._prefetcher: BurstPrefetcher | None = None
 
