@@ -110,3 +110,57 @@ def test_sparse_and_nested_saved_tensors_stay_as_they_are(sync: SyncTierStore, d
         assert nested.grad is not None
     finally:
         acts.close()
+
+
+def test_a_closed_offload_cannot_be_entered_again(sync: SyncTierStore) -> None:
+    """A tryout: ``with offload:`` after ``offload.close()`` went on writing into the namespace
+    it had given up, which the next ``offload_activations`` claimed: both wrote the same keys,
+    and one graph's backward used the other's activations (wrong gradients, no error)."""
+    first = offload_activations(sync, min_bytes=0)
+    first.close()
+    with pytest.raises(RuntimeError, match="was closed"):
+        with first:
+            pass
+    second = offload_activations(sync, min_bytes=0)
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    x = torch.randn(4, 8)
+    with second:
+        loss = m(x).sum()
+    loss.backward()
+    second.close()
+
+
+def test_a_put_that_failed_leaves_no_unretrieved_task_errors(device_mode: str) -> None:
+    """A tryout: activations larger than the host tier failed at backward (as they should),
+    and each saved tensor's clean-up task then raised the put's error again, which asyncio
+    logged as "Task exception was never retrieved" with a full traceback (at exit)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import gc, torch
+        from tierstore import DeviceTier, HostTier, SyncTierStore
+        from tierstore.swap import offload_activations
+        store = SyncTierStore([DeviceTier("cpu", "64MiB"), HostTier("1MiB")]).open()
+        offload = offload_activations(store, min_bytes=0)
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 1))
+        with offload:
+            loss = m(torch.randn(4096, 256)).square().mean()  # (4 MiB saved)
+        try:
+            loss.backward()
+        except Exception as exc:
+            print("backward:", exc)
+        del loss
+        gc.collect()
+        """
+    )
+    env = {**os.environ, "TIERSTORE_EMULATE_DEVICE": "1" if device_mode == "emulated" else "0"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "more than tier 'host' holds" in result.stdout
+    assert "never retrieved" not in result.stderr, result.stderr[-3000:]

@@ -143,6 +143,8 @@ class ActivationOffload:
             )
         if not self.store.is_open:  # (else forward ran on, counting saves that never left, and backward raised)
             raise StoreClosedError("offload_activations: its store is closed; make a new one on an open store")
+        if not self.namespace.live:  # (it wrote on into the namespace it gave up, which a new one claims: the same keys)
+            raise RuntimeError("this offload_activations object was closed (its namespace given up); make a new one")
         if self._order:  # the previous step's backward order becomes what we prefetch along
             order = self._order
             self._learned = {index: order[position + 1 :] for position, index in enumerate(order)}
@@ -457,6 +459,9 @@ def _forget(loop: asyncio.AbstractEventLoop, store: TierStore, key: str, stored:
     async def drop() -> None:
         try:
             await asyncio.wrap_future(stored)
+        except Exception:  # noqa: BLE001 - the put failed (raised where the value was needed): nothing to drop
+            return
+        try:
             if store.is_open and key in store:
                 await store.delete(key)
         except (StoreClosedError, KeyNotFoundError):  # the store closed, or its namespace was dropped: nothing left

@@ -304,10 +304,12 @@ class ParameterOffload:
             weight.version = weight.param._version
             _REGISTRY[weight.param] = (self, weight.key)
         _refuse_foreign_steps()
-        self._hooks.append(self.module.register_forward_pre_hook(lambda *_: self._root_hooks()[0]()))
+        # prepend: a pre-hook registered before ours reads the unit's weights too (weight_norm,
+        # prune, spectral_norm compute the weight from them), so the weights are there before it
+        self._hooks.append(self.module.register_forward_pre_hook(lambda *_: self._root_hooks()[0](), prepend=True))
         self._hooks.append(self.module.register_forward_hook(lambda *_: self._root_hooks()[1](), always_call=True))
         for index, unit in enumerate(self._units):
-            self._hooks.append(unit.module.register_forward_pre_hook(lambda *_, i=index: self._unit_hooks()[0](i)))
+            self._hooks.append(unit.module.register_forward_pre_hook(lambda *_, i=index: self._unit_hooks()[0](i), prepend=True))
             # always_call: a forward that raises still lets go of the unit's weights
             self._hooks.append(unit.module.register_forward_hook(
                 lambda _, args, output, i=index: self._unit_hooks()[1](i, output), always_call=True))
