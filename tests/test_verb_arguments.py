@@ -69,3 +69,20 @@ async def test_fill_refuses_what_put_refuses_and_the_store_still_flushes(tmp_pat
         await store.flush()
     async with TierStore([HostTier("1MiB"), DiskTier(root, "16MiB")]) as store:
         assert sorted(store.keys()) == ["a", "c"] and torch.equal(await store.get("c"), torch.arange(3.0))
+
+
+@pytest.mark.parametrize("shared", ["host", "disk"])
+async def test_a_tier_object_open_in_one_store_is_refused_by_another(tmp_path: Path, shared: str) -> None:
+    """A tryout: one ``HostTier`` object given to two open stores: both opened and counted the
+    same bytes, each as its own (a DiskTier object the same, silently). The second open is
+    refused, and the first store is unharmed."""
+    host, disk = HostTier("64KiB"), DiskTier(tmp_path / "d", "16MiB")
+    async with TierStore([host, disk]) as first:
+        await first.put("a", torch.ones(1024))
+        again = [HostTier("64KiB"), disk] if shared == "disk" else [host]
+        with pytest.raises(ValueError, match=f"tier.*'{shared}'.* open already, in another store"):
+            async with TierStore(again):
+                pass
+        assert torch.equal(await first.get("a"), torch.ones(1024))
+    async with TierStore([host, disk]) as reopened:  # (closed: its tiers may serve a store again)
+        assert torch.equal(await reopened.get("a"), torch.ones(1024))

@@ -150,6 +150,10 @@ class Engine:
 
     async def _open(self, trace_path: Path | None) -> None:
         opened: list[Tier] = []
+        in_use = [tier.name for tier in self._tiers if tier.is_open]
+        if in_use:  # (two stores over one tier object counted the same bytes, each as its own)
+            raise ValueError(f"tier(s) {in_use} are open already, in another store (or opened by hand): each store needs "
+                             "tier objects of its own, made for it")
         try:
             for tier in self._tiers:
                 await tier.open()
