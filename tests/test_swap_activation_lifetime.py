@@ -118,9 +118,8 @@ def test_a_closed_offload_cannot_be_entered_again(sync: SyncTierStore) -> None:
     and one graph's backward used the other's activations (wrong gradients, no error)."""
     first = offload_activations(sync, min_bytes=0)
     first.close()
-    with pytest.raises(RuntimeError, match="was closed"):
-        with first:
-            pass
+    with pytest.raises(RuntimeError, match="was closed"), first:
+        pass
     second = offload_activations(sync, min_bytes=0)
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))

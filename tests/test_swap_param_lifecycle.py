@@ -258,7 +258,7 @@ def test_a_forward_pre_hook_registered_before_offloading_sees_the_weights(device
         for step in range(3):
             torch.manual_seed(step)
             x = torch.randn(8, 16)
-            for m, opt in zip((plain, swapped), opts):
+            for m, opt in zip((plain, swapped), opts, strict=True):
                 opt.zero_grad()
                 m(x).square().mean().backward()
                 opt.step()
