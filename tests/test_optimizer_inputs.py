@@ -119,3 +119,109 @@ def test_a_state_dict_of_another_model_is_refused_naming_the_parameter_and_leave
         assert all(torch.equal(before["state"][0][name], after["state"][0][name]) for name in ("exp_avg", "exp_avg_sq"))
     finally:
         opt.close()
+
+
+@pytest.mark.device_modes
+@pytest.mark.parametrize("size", [7000, 100_000, 5000])
+@pytest.mark.parametrize("where", ["host", "resident", "in backward"])
+def test_data_of_another_size_is_refused_before_the_update(device_mode: str, size: int, where: str) -> None:
+    """A tryout: ``p.data = torch.randn(7000)`` on a parameter whose state is for 6,000
+    elements, then ``step()``: on the plain CPU torch's fused kernel wrote past the end of the
+    smaller tensors and the process aborted ("malloc_consolidate(): invalid chunk size";
+    100,000 elements: a segfault); 5,000 updated the 5,000 without a word. Now a
+    ``RuntimeError`` naming the parameter, nothing changed, and the old size works again."""
+    p = torch.nn.Parameter(torch.randn(6000))
+    options = {"min_offload_numel": 10**6} if where == "resident" else {"step_in_backward": where == "in backward"}
+    opt = TieredAdamW([p], lr=1e-2, offload="host", **options)
+    try:
+        for _ in range(2):
+            (p * torch.randn(6000)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        kept = p.detach().clone()
+        kept_values = kept.clone()
+        with torch.no_grad():
+            p.data = torch.randn(size)
+        with pytest.raises(RuntimeError, match=f"parameter 0 now has {size:,} elements.*state is for 6,000"):
+            (p * torch.randn(size)).sum().backward()
+            opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            p.data = kept
+        (p * torch.randn(6000)).sum().backward()
+        opt.step()
+        assert torch.isfinite(p).all() and not torch.equal(p, kept_values)
+    finally:
+        opt.close()
+
+
+def test_add_param_group_refuses_what_the_constructor_refuses() -> None:
+    """A tryout: the constructor refuses ``capturable=True`` and ``differentiable=True``;
+    ``add_param_group`` took them and ``step()`` ignored them."""
+    opt = TieredAdamW(torch.nn.Linear(4, 4).parameters(), offload="host")
+    try:
+        for option in ({"capturable": True}, {"differentiable": True}, {"fused": True, "foreach": True}):
+            with pytest.raises(ValueError, match="not supported|cannot both be True"):
+                opt.add_param_group({"params": torch.nn.Linear(2, 2).parameters(), **option})
+            assert len(opt.param_groups) == 1
+    finally:
+        opt.close()
+
+
+@pytest.mark.device_modes
+def test_foreach_false_runs_torchs_for_loop_kernel(device_mode: str) -> None:
+    """A tryout: ``foreach=False`` ran the fused kernel (and saved ``fused=True``), where
+    torch's ``foreach=False`` is its for-loop kernel: 1.2e-7 apart after 4 steps."""
+    torch.manual_seed(0)
+    model, twin = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+    twin.load_state_dict(model.state_dict())
+    exact = torch.optim.AdamW(twin.parameters(), lr=1e-2, foreach=False)
+    opt = TieredAdamW(model.parameters(), lr=1e-2, offload="host", foreach=False, min_offload_numel=1)
+    try:
+        for seed in range(4):
+            torch.manual_seed(seed)
+            x = torch.randn(8, 64)
+            for m, o in ((model, opt), (twin, exact)):
+                o.zero_grad()
+                m(x).square().mean().backward()
+                o.step()
+        for ours, theirs in zip(model.parameters(), twin.parameters(), strict=True):
+            assert torch.equal(ours, theirs)
+        assert opt.state_dict()["param_groups"][0]["fused"] is False
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("generic", [False, True])
+def test_state_dict_hooks_run_as_torchs_do(generic: bool) -> None:
+    """A tryout: ``register_state_dict_pre_hook``/``_post_hook`` and the load hooks never ran
+    (torch runs all four, and a post-hook's dict is the one returned)."""
+    from tierstore.optim import TieredOptimizer
+
+    model = torch.nn.Linear(4, 4)
+    opt = (TieredOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9, offload="host") if generic
+           else TieredAdamW(model.parameters(), offload="host"))
+    ran: list[str] = []
+    try:
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        opt.register_state_dict_pre_hook(lambda o: ran.append("pre"))
+        opt.register_state_dict_post_hook(lambda o, sd: {**sd, "extra": 1})
+        opt.register_load_state_dict_pre_hook(lambda o, sd: ran.append("load pre") or {k: v for k, v in sd.items() if k != "extra"})
+        opt.register_load_state_dict_post_hook(lambda o: ran.append("load post"))
+        saved = opt.state_dict()
+        assert saved["extra"] == 1
+        opt.load_state_dict(saved)
+        assert ran == ["pre", "load pre", "load post"] and "extra" in saved  # (the pre-hook had a copy)
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("optimizer_class", [torch.optim.LBFGS, torch.optim.SparseAdam])
+def test_the_generic_optimizer_refuses_what_it_cannot_page(optimizer_class: type[torch.optim.Optimizer]) -> None:
+    """A tryout: LBFGS was taken, then every ``step(closure)`` failed, saying to call step()
+    again; SparseAdam the same."""
+    from tierstore.optim import TieredOptimizer
+
+    with pytest.raises(ValueError, match="needs a closure|sparse gradients"):
+        TieredOptimizer(torch.nn.Linear(4, 4).parameters(), optimizer_class, offload="host")

@@ -45,6 +45,7 @@ from .checkpoint import adam_entry, adam_load_state_dict, adam_state_dict
 from .chunks import Chunk, chunk_key
 from .clipping import inverse_scale
 from .distributed import ParamRange
+from .kernels import uses_fused
 from .lanes import Placed, on_whole_lanes
 from .memory_order import InMemoryOrder, memory_order
 from .paging import PagedOptimizer, ParamSlot
@@ -168,6 +169,10 @@ class TieredAdam(PagedOptimizer):
         precision = param_group.get("state_precision", defaults.get("state_precision", "fp32"))
         master = param_group.get("master_weights", defaults.get("master_weights", "fp32"))
         validate(precision, master)
+        if param_group.get("capturable") or param_group.get("differentiable"):  # (as the constructor refuses them)
+            raise ValueError("capturable and differentiable are not supported: the update runs on the host")
+        if param_group.get("fused") and param_group.get("foreach"):
+            raise ValueError("fused and foreach cannot both be True")
         params = param_group["params"]
         if not isinstance(params, set):  # (torch's own check refuses a set, with its message)
             params = [params] if isinstance(params, torch.Tensor) else list(params)
@@ -773,7 +778,7 @@ class TieredAdam(PagedOptimizer):
         """For torch's fused kernel, replace (in ``rows`` and ``grads``) the state and gradient of
         each non-contiguous parameter by copies in its memory order, as torch's fused Adam
         updates it (``tierstore.optim.memory_order``); return the copies, to write back."""
-        if not (group["fused"] if group["fused"] is not None else not group["foreach"]):
+        if not uses_fused(group):
             return []
         laid: list[InMemoryOrder] = []
         for n, slot in enumerate(slots):
@@ -805,7 +810,7 @@ class TieredAdam(PagedOptimizer):
         element takes the code path it takes in torch's update of the whole parameter; the
         foreach and for-loop kernels give every element the same bits wherever it lies)."""
         amsgrad = group["amsgrad"]
-        fused = group["fused"] if group["fused"] is not None else not group["foreach"]
+        fused = uses_fused(group)
         beta1, beta2 = group["betas"]
         flat = [grad if grad.dim() == 1 else grad.reshape(-1) for grad in grads]
         if grad_scale is not None and not fused:
@@ -913,13 +918,18 @@ class TieredAdam(PagedOptimizer):
         """Torch's format: ``{"state": {index: {"step", "exp_avg", "exp_avg_sq"[, "max_exp_avg_sq"]}},
         "param_groups": [...]}``, loadable by ``torch.optim.Adam``/``AdamW``. Parameters whose dtype
         is not fp32 also carry their fp32 ``master`` weight (torch ignores it); DTensor parameters
-        (FSDP2) get DTensor state. See ``tierstore.optim.checkpoint``."""
+        (FSDP2) get DTensor state. See ``tierstore.optim.checkpoint``. The hooks of
+        ``register_state_dict_pre_hook``/``..._post_hook`` run around it, as torch's do."""
         self._refuse_changed_layouts()
-        return adam_state_dict(self)
+        return self._hooked_state_dict(lambda: adam_state_dict(self))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict saved by this class or by ``torch.optim.Adam``/``AdamW``."""
+        """Load a state dict saved by this class or by ``torch.optim.Adam``/``AdamW`` (with the
+        hooks of ``register_load_state_dict_pre_hook``/``..._post_hook``, as torch's)."""
         self._refuse_changed_layouts()
+        self._hooked_load(state_dict, self._load)
+
+    def _load(self, state_dict: dict[str, Any]) -> None:
         adam_load_state_dict(self, state_dict)
         self._laid_out_as = dict(enumerate(map(_layout_settings, self.param_groups)))  # (as loaded)
 

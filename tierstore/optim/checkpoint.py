@@ -55,6 +55,7 @@ import torch
 
 from ..sync import run
 from .distributed import LocalShard, ParamRange, is_dtensor
+from .kernels import uses_fused
 from .lossless_load import LoadedMaster
 
 if TYPE_CHECKING:
@@ -179,7 +180,7 @@ def saved_groups(optimizer: TieredAdam) -> list[dict[str, Any]]:
     groups = optimizer._groups_for_saving()
     for group in groups:
         if group.get("fused") is None:
-            group["fused"] = not group.get("foreach")  # TieredAdam's rule: fused unless foreach asked for
+            group["fused"] = uses_fused(group)  # TieredAdam's rule: fused unless foreach= asked for another kernel
     return groups
 
 

@@ -42,6 +42,21 @@ from .pipeline import read_weight_range
 _PAGING_OPTIONS = set(inspect.signature(PagedOptimizer.__init__).parameters) - {"self", "params", "defaults"}
 
 
+
+def _refuse_unpageable(optimizer_class: type[torch.optim.Optimizer]) -> None:
+    """``ValueError`` for an optimizer whose ``step()`` cannot run per parameter as this class
+    runs it: one that needs a closure (LBFGS re-evaluates the loss within its step, over all
+    parameters at once) or sparse gradients (SparseAdam; the state is paged dense). Accepted,
+    each failed at every ``step()``, saying to call it again."""
+    closure = inspect.signature(optimizer_class.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise ValueError(f"{optimizer_class.__name__}.step() needs a closure (it evaluates the loss itself, over every "
+                         "parameter): TieredOptimizer runs step() a parameter at a time and cannot page its state")
+    if issubclass(optimizer_class, torch.optim.SparseAdam):
+        raise ValueError("SparseAdam updates with sparse gradients; TieredOptimizer pages state dense and takes dense "
+                         "gradients only: use TieredAdam (or TieredOptimizer(params, torch.optim.Adam, ...)) instead")
+
+
 class TieredOptimizer(PagedOptimizer):
     """``TieredOptimizer(params, torch.optim.SGD, lr=0.1, momentum=0.9, store=...)``.
 
@@ -58,6 +73,7 @@ class TieredOptimizer(PagedOptimizer):
     ) -> None:
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, not {optimizer_class!r}")
+        _refuse_unpageable(optimizer_class)
         paging = {k: kwargs.pop(k) for k in list(kwargs) if k in _PAGING_OPTIONS}
         probe = optimizer_class([torch.zeros(1, requires_grad=True)], **kwargs)
         self.optimizer_class = optimizer_class
@@ -207,10 +223,11 @@ class TieredOptimizer(PagedOptimizer):
     # -- checkpoints -------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's format: ``{"state": {index: {name: value}}, "param_groups": [...]}``."""
+        """The wrapped optimizer's format: ``{"state": {index: {name: value}}, "param_groups": [...]}``
+        (the hooks of ``register_state_dict_pre_hook``/``..._post_hook`` run around it, as torch's)."""
         self._require_open("state_dict")
         template = _dcp_state_dict()  # (DCP's template: it fills each rank's own, so no rank record)
-        saved = run(self._state_dict(record=not template))
+        saved = self._hooked_state_dict(lambda: run(self._state_dict(record=not template)))
         if SHARD in saved and not _accelerate_placement():  # (a round trip to the device: no checkpoint)
             warn_once_of_a_rank_state(self, stacklevel=2)
         return saved
@@ -273,8 +290,12 @@ class TieredOptimizer(PagedOptimizer):
                 await self.store.delete(key)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict of this class or of the wrapped optimizer class."""
+        """Load a state dict of this class or of the wrapped optimizer class (with the hooks of
+        ``register_load_state_dict_pre_hook``/``..._post_hook``, as torch's)."""
         self._require_open("load_state_dict")
+        self._hooked_load(state_dict, self._load)
+
+    def _load(self, state_dict: dict[str, Any]) -> None:
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups) or any(
             len(s["params"]) != len(g["params"]) for s, g in zip(groups, self.param_groups, strict=True)

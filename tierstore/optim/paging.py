@@ -92,6 +92,9 @@ from .steps import StepRunner, closes_store
 
 #: Optimizers not given a namespace claim the first free ``optim/<n>/``.
 DEFAULT_NAMESPACE_BASE = "optim/"
+#: Parameters that are themselves what a slot updates (not a shard's rows, a DTensor's local
+#: part): their size is the slot's, unless their data was replaced.
+_PLAIN_PARAMETERS = (torch.Tensor, torch.nn.Parameter)
 
 __all__ = ["DEFAULT_DISK_ROOT", "DEFAULT_NAMESPACE_BASE", "OptimizerCapacityError", "PagedOptimizer", "ParamSlot"]
 
@@ -575,7 +578,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             found = bool(self.found_inf.item())  # type: ignore[attr-defined]
             scaling = (getattr(self, "grad_scale", None), sharding.found_inf(found) if sharding is not None else found)
         if not resumed:
-            self._refuse_sparse()
+            self._refuse_unusable_gradients()
             self._refuse_changed_layouts()
         try:
             if not resumed:
@@ -663,15 +666,22 @@ class PagedOptimizer(torch.optim.Optimizer):
     #: Appended to the error on a sparse gradient (TieredAdam names torch's SparseAdam, as torch does).
     _sparse_advice = ""
 
-    def _refuse_sparse(self) -> None:
+    def _refuse_unusable_gradients(self) -> None:
         """Raise ``RuntimeError``, before anything changes, if a ``p.grad`` is sparse (as torch's
-        Adam does): the state is paged dense, and a sparse gradient cannot be copied to it."""
+        Adam does: the state is paged dense, and a sparse gradient cannot be copied to it), or
+        if a parameter's data was replaced by data of another size (``p.data = ...``): its state
+        is for the old size, and torch's fused kernel, given tensors of unequal sizes, writes
+        past the end of the smaller ones (the process aborted, its memory corrupt)."""
         for slot in self._slots:
-            grad = slot.param.grad
-            if grad is not None and grad.layout is not torch.strided:
+            param = slot.param
+            grad = param.grad
+            if grad is None:
+                continue
+            if grad.layout is not torch.strided:
                 raise RuntimeError(
                     f"{type(self).__name__} does not support sparse gradients (parameter {slot.index} has a {grad.layout} "
                     f"gradient){self._sparse_advice}")
+            _refuse_resized(slot)
 
     # -- across ranks ----------------------------------------------------------------------------
 
@@ -901,6 +911,31 @@ class PagedOptimizer(torch.optim.Optimizer):
         if failures:  # updates started in backward, never stepped, that failed: closed, then said
             raise self._runner.abandoned_error(failures)
 
+    def _hooked_state_dict(self, make: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """``make()`` between the hooks of ``register_state_dict_pre_hook`` and
+        ``..._post_hook``, as torch's ``state_dict`` runs them (a post-hook may return the
+        dict to use instead)."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state_dict = make()
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
+
+    def _hooked_load(self, state_dict: dict[str, Any], load: Callable[[dict[str, Any]], None]) -> None:
+        """``load(state_dict)`` between the hooks of ``register_load_state_dict_pre_hook`` (given
+        a shallow copy, as torch's; one may return the dict to load instead) and ``..._post_hook``."""
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        load(state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
     def _require_open(self, verb: str) -> None:
         """Raise ``OptimizerClosedError`` naming ``verb`` once ``close()`` ran."""
         if getattr(self, "_closed", False):
@@ -969,14 +1004,26 @@ def _cancel_task_of(coroutine: Any) -> None:
             task.cancel()
 
 
+def _refuse_resized(slot: ParamSlot) -> None:
+    """``RuntimeError`` if ``slot``'s parameter has data of another size than its state's."""
+    param = slot.param
+    if param.numel() != slot.numel and param.__class__ in _PLAIN_PARAMETERS and offloaded(param) is None:
+        raise RuntimeError(
+            f"parameter {slot.index} now has {param.numel():,} elements ({tuple(param.shape)}); its optimizer state "
+            f"is for {slot.numel:,} ({tuple(slot.shape)}): its data was replaced by data of another size. Give it data "
+            "of its size again, or make a new optimizer for the new parameters")
+
+
 def _hook(optimizer: weakref.ref[PagedOptimizer], slot: ParamSlot, param: torch.Tensor) -> None:
     """The hook holds the optimizer weakly: one the program dropped stops listening."""
     live = optimizer()
     if live is not None:
-        if live.step_in_backward and not live._checked_in_backward:  # (the step's first gradient: its updates start now)
-            live._refuse_changed_layouts()
-            live._refuse_unplanned_unfreezing()
-            live._checked_in_backward = True
+        if live.step_in_backward:  # (its update may start now)
+            _refuse_resized(slot)
+            if not live._checked_in_backward:  # (the step's first gradient)
+                live._refuse_changed_layouts()
+                live._refuse_unplanned_unfreezing()
+                live._checked_in_backward = True
         live._capture.hook(slot, slot.param)  # (for a DTensor, the view of its local shard)
 
 
