@@ -228,6 +228,39 @@ async def test_a_format_3_folder_opens_reads_and_seals_each_record_it_rewrites(t
     await check(root, values)
 
 
+async def test_a_half_upgraded_folder_of_one_shape_scans_both_kinds_of_record(tmp_path: Path) -> None:
+    """(The review: the open scan's fast path, taken by records of a dtype and shape already
+    seen, was tested on sealed records only.) Sixty inline values of one shape, half rewritten
+    after an upgrade from format 3: every value reads back; an unsealed record one byte short,
+    late in the scan, is refused as before, and ``info`` names it."""
+    root = tmp_path / "d"
+    values = {f"k{i:03d}": torch.full((4,), float(i)) for i in range(60)}
+    async with TierStore([disk(root)]) as store:
+        for key, value in values.items():
+            await store.put(key, value)
+    as_format_3(root)
+    async with TierStore([disk(root)]) as store:
+        for i, key in enumerate(values):
+            if i % 2:
+                values[key] = values[key] + 100
+                await store.put(key, values[key])
+    assert sorted(records_sealed(root)) == [False] * 30 + [True] * 30
+    await check(root, values)
+    env = lmdb.open(str(root / "catalog"), max_dbs=2)
+    try:
+        entries = env.open_db(b"entries", create=False)
+        with env.begin(write=True, db=entries) as txn:
+            address, raw = [(bytes(a), bytes(r)) for a, r in txn.cursor() if r[0] == 0xB3][-1]
+            txn.put(address, raw[:-1])
+    finally:
+        env.close()
+    with pytest.raises(CatalogError, match="is corrupt"):
+        async with TierStore([disk(root)]):
+            pass
+    info = describe_folder(root)
+    assert not info["healthy"] and len(info["damaged_keys"]) == 1 and len(info["keys"]) == 59
+
+
 # -- the lock ---------------------------------------------------------------------------------------------
 
 
@@ -582,6 +615,7 @@ async def test_a_damaged_record_is_a_catalog_error_on_open_not_a_silent_change(
     with pytest.raises(CatalogError, match=words):
         async with TierStore([disk(root)]):
             pass
+    assert read_format_record(root)["format_version"] == 3  # (refused: not upgraded, the version that wrote it opens it)
     assert cli_main(["info", str(root)]) != 0
 
 

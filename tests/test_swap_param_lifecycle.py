@@ -229,8 +229,9 @@ def test_the_optimizers_memory_report_counts_the_swapped_weights(device_mode: st
         offload.detach()
 
 
+@pytest.mark.parametrize("root_unit", [False, True], ids=["child", "root"])
 @pytest.mark.parametrize("reparametrize", ["weight_norm", "prune", "spectral_norm"])
-def test_a_forward_pre_hook_registered_before_offloading_sees_the_weights(device_mode: str, reparametrize: str) -> None:
+def test_a_forward_pre_hook_registered_before_offloading_sees_the_weights(device_mode: str, reparametrize: str, root_unit: bool) -> None:
     """A tryout: the old-style ``weight_norm``, ``prune`` and ``spectral_norm`` compute the
     weight in a forward pre-hook from the module's own parameters; registered before the
     offload's hold, theirs ran first on the size-0 placeholders (``weight_norm``: the process
@@ -241,14 +242,18 @@ def test_a_forward_pre_hook_registered_before_offloading_sees_the_weights(device
 
     def make() -> nn.Module:
         m = model()
+        if root_unit:  # (the root a unit itself: the review found a bare Linear broken by a first version)
+            torch.manual_seed(0)
+            m = nn.Linear(16, 4)
+        layer = m if root_unit else m[0]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # (weight_norm's deprecation)
             if reparametrize == "weight_norm":
-                torch.nn.utils.weight_norm(m[0])
+                torch.nn.utils.weight_norm(layer)
             elif reparametrize == "prune":
-                prune.l1_unstructured(m[0], "weight", 0.3)
+                prune.l1_unstructured(layer, "weight", 0.3)
             else:
-                torch.nn.utils.spectral_norm(m[0])  # (its random start: model() seeds)
+                torch.nn.utils.spectral_norm(layer)  # (its random start: model() seeds)
         return m
 
     plain, swapped = make(), make()  # (a deepcopy of these is refused by torch)

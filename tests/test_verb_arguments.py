@@ -86,3 +86,35 @@ async def test_a_tier_object_open_in_one_store_is_refused_by_another(tmp_path: P
         assert torch.equal(await first.get("a"), torch.ones(1024))
     async with TierStore([host, disk]) as reopened:  # (closed: its tiers may serve a store again)
         assert torch.equal(await reopened.get("a"), torch.ones(1024))
+
+
+async def test_a_close_that_fails_in_the_disk_tier_closes_the_other_tiers_too(tmp_path: Path) -> None:
+    """The review of the check above: a disk tier whose close raised (here giving freed blocks
+    back fails, EIO) left the host tier open, and the store, or any store over those tiers,
+    could never open again ("open already, in another store")."""
+    import errno
+
+    from tierstore.disk.files import FileIO
+
+    class FailingPunch(FileIO):
+        fail = False
+
+        def punch_hole(self, fd: int, offset: int, length: int) -> None:
+            if self.fail:
+                raise OSError(errno.EIO, "Input/output error")
+            super().punch_hole(fd, offset, length)
+
+    io = FailingPunch()
+    host, disk = HostTier("1MiB"), DiskTier(tmp_path / "d", "64MiB", io=io, inline_max=0)
+    store = TierStore([host, disk])
+    await store.open()
+    await store.put("a", torch.ones(10), "disk")
+    await store.put("b", torch.ones(100_000), "disk")
+    await store.delete("b")  # (its blocks are given back at close)
+    io.fail = True
+    with pytest.raises(OSError, match="Input/output error"):
+        await store.aclose()
+    io.fail = False
+    assert not host.is_open and not disk.is_open
+    async with store:
+        assert torch.equal(await store.get("a"), torch.ones(10))

@@ -244,8 +244,7 @@ class Engine:
                 await self.trace.aclose()
         finally:
             try:
-                for tier in reversed(self._tiers):
-                    await tier.aclose()
+                await _close_each(self._tiers)
             finally:
                 self.cpu.shutdown()
                 self.entries.clear()
@@ -1264,6 +1263,19 @@ class Engine:
         """The prefetch policy raised (it is advice: warned once per store, requests go on)."""
         self.warn_once("prefetch", f"the prefetch policy {policy_name(self.prefetch_policy)} raised {exc!r} in on_access, "
                                     "suggest or on_step: its suggestions are skipped, requests go on (warned once per store)")
+
+
+async def _close_each(tiers: Sequence[Tier]) -> None:
+    """Close every tier, slowest first, even where one fails or the close is cancelled: one left
+    open would refuse every later store over it (``Engine._open``). Raises the first failure."""
+    failure: BaseException | None = None
+    for tier in reversed(tiers):
+        try:
+            await tier.aclose()
+        except BaseException as exc:  # noqa: BLE001 - raised below, once every tier is closed
+            failure = failure or exc
+    if failure is not None:
+        raise failure
 
 
 def _check_tiers(tiers: Sequence[Tier]) -> list[Tier]:

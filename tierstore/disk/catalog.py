@@ -263,9 +263,7 @@ def inline_bytes(key: str, meta: TensorMeta, version: int, checksum: int, data: 
         _LAST_DESCRIBED[0] = (meta, found)
     ndim, name_length, dtype_and_shape = described
     encoded = key.encode("utf-8")
-    described_part = b"".join(
-        (_HEAD.pack(_SEALED, _INLINE, ndim, name_length, len(encoded), version), dtype_and_shape, encoded, _CHECKSUM.pack(checksum))
-    )
+    described_part = _HEAD.pack(_SEALED, _INLINE, ndim, name_length, len(encoded), version) + dtype_and_shape + encoded + _CHECKSUM.pack(checksum)
     return b"".join((described_part, data, _CHECKSUM.pack(crc32c.crc32c(described_part))))
 
 
@@ -295,18 +293,19 @@ def _inline_of(raw: bytes | memoryview, key: str) -> tuple[int, int, bytes | byt
     copied out once, into a bytearray a tensor can take over), else None; raises ``ValueError``
     (or ``struct.error``) if it is malformed, fails its own checksum or names another key."""
     magic, kind, ndim, dtype_len, key_len, version = _HEAD.unpack_from(raw, 0)
-    if magic == _SEALED:
-        raw = unsealed(raw)
-    elif magic != _BINARY:
-        return None  # (a JSON record, format 1 or 2, is never inline)
-    if kind != _INLINE:
-        return None
+    if kind != _INLINE or magic not in (_SEALED, _BINARY):
+        return None  # (a JSON record, format 1 or 2, is never inline; an extent's is read in full)
     at = _HEAD.size + dtype_len + 8 * ndim
     if raw[at : at + key_len] != key.encode("utf-8"):
         raise ValueError("the record names another key")
     at += key_len
     (checksum,) = _CHECKSUM.unpack_from(raw, at)
-    return version, checksum, bytearray(raw[at + _CHECKSUM.size :])
+    data_at, end = at + _CHECKSUM.size, len(raw)
+    if magic == _SEALED:  # (its seal, last, covers all but the value: the same check as ``unsealed``)
+        end -= _CHECKSUM.size
+        if end < data_at or crc32c.crc32c(raw[:data_at]) != _CHECKSUM.unpack_from(raw, end)[0]:
+            raise ValueError("the record fails its own checksum (damaged)")
+    return version, checksum, bytearray(raw[data_at:end])
 
 
 @dataclass(frozen=True)
@@ -466,13 +465,18 @@ class Catalog:
             self.layout = create_layout
         else:
             self.layout = CatalogLayout.from_bytes(raw, self.path)
-            if self.layout.format_version < FORMAT_VERSION:
-                self._upgrade(self.layout)
         self._writer = SerialExecutor("tierstore-catalog")
         return self.layout
 
+    def upgrade(self) -> None:
+        """Bring an older catalog to ``FORMAT_VERSION`` in one transaction; the opener calls it
+        once its scan found the records sound (a damaged folder keeps its version: the tierstore
+        that wrote it can still open it)."""
+        layout = self.layout
+        if layout is not None and layout.format_version < FORMAT_VERSION:
+            self._upgrade(layout)
+
     def _upgrade(self, layout: CatalogLayout) -> None:
-        """Bring an older catalog to ``FORMAT_VERSION`` in one transaction."""
         try:
             with self._env.begin(write=True) as txn:
                 for version in range(layout.format_version, FORMAT_VERSION):

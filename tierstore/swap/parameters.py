@@ -306,13 +306,15 @@ class ParameterOffload:
         _refuse_foreign_steps()
         # prepend: a pre-hook registered before ours reads the unit's weights too (weight_norm,
         # prune, spectral_norm compute the weight from them), so the weights are there before it
-        self._hooks.append(self.module.register_forward_pre_hook(lambda *_: self._root_hooks()[0](), prepend=True))
         self._hooks.append(self.module.register_forward_hook(lambda *_: self._root_hooks()[1](), always_call=True))
         for index, unit in enumerate(self._units):
             self._hooks.append(unit.module.register_forward_pre_hook(lambda *_, i=index: self._unit_hooks()[0](i), prepend=True))
             # always_call: a forward that raises still lets go of the unit's weights
             self._hooks.append(unit.module.register_forward_hook(
                 lambda _, args, output, i=index: self._unit_hooks()[1](i, output), always_call=True))
+        # (prepended last: where the root is a unit too, the root's runs before the unit's, which
+        # would otherwise hold the weights the root's then takes for an aborted forward's)
+        self._hooks.append(self.module.register_forward_pre_hook(lambda *_: self._root_hooks()[0](), prepend=True))
         # (the modules owning offloaded weights: a unit's, and within a whole unit its children)
         units = {id(sub) for sub in self.module.modules() if any(id(p) in self._weight_of for p in sub._parameters.values())}
         for sub in self.module.modules():  # where a state_dict() call starts and ends

@@ -325,6 +325,7 @@ class DiskTier(Tier):
                 f"{exc}; {len(inside)} entries live in it ({shown}); nothing was changed, the other "
                 f"{len(records) + len(inline) - len(inside)} entries are intact on disk"
             ) from None
+        self._catalog.upgrade()  # (sound: its records read, its files are there)
         # Segment files the catalog stopped naming just before a crash.
         self._files.remove_strays(len(layout.segments))
         if sum(layout.segments) > self.capacity:
