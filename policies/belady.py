@@ -30,13 +30,23 @@ class MIN:
         self._next: dict[str, float] = {}
         self._heap: list[tuple[float, int, str]] = []
         self._seq = itertools.count()
+        #: Rows of keys ``victim`` found not evictable (in use), out of the heap until the store
+        #: says their copy is free again (``on_release``): the keys in use are the ones just hit,
+        #: so the furthest next uses, the heap's top, and each victim() went through all of them
+        #: again (with 8,000 small entries paged by an optimizer: 230 a call, the step 4x slower).
+        self._parked: dict[str, tuple[float, int, str]] = {}
+        #: The parked rows as a heap too (rows no longer parked are dropped as they surface), so
+        #: ``furthest_next_use`` still sees a passed-over key's next use.
+        self._parked_rows: list[tuple[float, int, str]] = []
 
     def _refresh(self, key: str) -> None:
         when = float(self.oracle(key))
+        self._parked.pop(key, None)
         self._next[key] = when
         heapq.heappush(self._heap, (-when, next(self._seq), key))
         if len(self._heap) > 4 * len(self._next) + 64:  # drop stale heap rows now and then
-            self._heap = [(-w, next(self._seq), k) for k, w in self._next.items()]
+            parked = self._parked
+            self._heap = [(-w, next(self._seq), k) for k, w in self._next.items() if k not in parked]
             heapq.heapify(self._heap)
 
     def on_insert(self, key: str, nbytes: int) -> None:
@@ -48,6 +58,13 @@ class MIN:
 
     def on_remove(self, key: str) -> None:
         self._next.pop(key, None)
+        self._parked.pop(key, None)
+
+    def on_release(self, key: str) -> None:
+        """The store: ``key``'s copy, in use when ``victim`` passed it over, may go again."""
+        row = self._parked.pop(key, None)
+        if row is not None and self._next.get(key) == -row[0]:
+            heapq.heappush(self._heap, row)
 
     def _top(self) -> tuple[float, str] | None:
         while self._heap:
@@ -58,6 +75,25 @@ class MIN:
         return None
 
     def victim(self, evictable: Callable[[str], bool] | None = None) -> str | None:
+        if evictable is None:  # (every key may go: the parked ones too)
+            self._unpark_all()
+        chosen = self._take(evictable, park=True)
+        if chosen is None and self._parked:  # (passed over for a reason no release ends, room below say: look again)
+            self._unpark_all()
+            chosen = self._take(evictable, park=False)
+        if chosen is not None:
+            del self._next[chosen]
+        return chosen
+
+    def _unpark_all(self) -> None:
+        for row in self._parked.values():
+            heapq.heappush(self._heap, row)
+        self._parked.clear()
+        self._parked_rows.clear()
+
+    def _take(self, evictable: Callable[[str], bool] | None, park: bool) -> str | None:
+        """Pop the furthest-used key ``evictable`` allows; the rows passed over are parked
+        (``on_release`` puts each back) or, with ``park`` False, pushed back at once."""
         skipped: list[tuple[float, int, str]] = []
         chosen = None
         while (top := self._top()) is not None:
@@ -65,18 +101,26 @@ class MIN:
             if evictable is None or evictable(top[1]):
                 chosen = top[1]
                 break
-            skipped.append(row)
+            if park:
+                self._parked[top[1]] = row
+                heapq.heappush(self._parked_rows, row)
+                if len(self._parked_rows) > 4 * len(self._parked) + 64:  # (rows of keys released or hit since)
+                    self._parked_rows = list(self._parked.values())
+                    heapq.heapify(self._parked_rows)
+            else:
+                skipped.append(row)
         for row in skipped:
             heapq.heappush(self._heap, row)
-        if chosen is not None:
-            del self._next[chosen]
         return chosen
 
     def furthest_next_use(self) -> float:
         """When the victim-to-be is next needed (``-inf`` if nothing is tracked): a prefetch of a
         key needed later than this would evict something more urgent, so it should wait."""
         top = self._top()
-        return top[0] if top is not None else -math.inf
+        rows, parked = self._parked_rows, self._parked
+        while rows and parked.get(rows[0][2]) is not rows[0]:
+            heapq.heappop(rows)
+        return max(top[0] if top is not None else -math.inf, -rows[0][0] if rows else -math.inf)
 
     def next_use(self, key: str) -> float:
         return self._next.get(key, math.inf)

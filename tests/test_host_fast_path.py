@@ -129,11 +129,14 @@ def test_entry_held_elsewhere_takes_the_pipeline(device_mode: str) -> None:
         assert loop is not None
         holding = asyncio.run_coroutine_threadsafe(reader(), loop)
         assert held.wait(10)
-        # step() waits for the reader (a write hold is exclusive): release it from a timer
+        # step() waits for the reader (a write hold is exclusive): release it from a timer,
+        # started when only step() is left (under load, forward and backward took the 0.2 s)
+        _step(reference, exact, 1)
+        model(torch.randn(16, 200, generator=torch.Generator().manual_seed(1))).square().mean().backward()
         timer = threading.Timer(0.2, lambda: loop.call_soon_threadsafe(release.set))
         timer.start()
-        _step(reference, exact, 1)
-        _step(model, opt, 1)
+        opt.step()
+        opt.zero_grad()
         holding.result(10)
         assert not _resident_steps(opt)
         _step(reference, exact, 2)

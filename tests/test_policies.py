@@ -658,3 +658,32 @@ class TestLiveMINWithSchedule:
             assert stats["prefetch"]["completed"] > 0 and stats["prefetch"]["useful"] > 0
             # one change: from the phase of puts to the phases of gets, which then repeat
             assert schedule.phases == 5 and schedule.changes == 1
+
+
+def test_min_passes_over_keys_in_use_once_until_they_are_released() -> None:
+    """An optimizer paging 8,000 small entries: the keys in use are the ones just hit, whose
+    next use is furthest, so every ``victim()`` went through all of them again (230 a call,
+    the step 4x slower). MIN now sets them aside until the store says a use ended
+    (``on_release``), and looks at them again when nothing else may go."""
+    from policies import MIN
+
+    policy = MIN(lambda key: float(key))  # (key k is next used at time k: the largest goes first)
+    for k in range(1000):
+        policy.on_insert(k, 1)
+    in_use = set(range(800, 1000))
+    asked: list[int] = []
+
+    def evictable(key: int) -> bool:
+        asked.append(key)
+        return key not in in_use
+
+    chosen = [policy.victim(evictable) for _ in range(100)]
+    assert chosen == list(range(799, 699, -1))  # (the furthest evictable each time)
+    assert len(asked) <= 200 + 100, len(asked)  # (each key in use asked once; before: 200 x 100)
+    in_use.discard(999)
+    policy.on_release(999)
+    assert policy.victim(evictable) == 999
+    in_use.discard(998)  # (no release said: found when nothing else may go)
+    in_use.update(range(700))
+    assert policy.victim(evictable) == 998
+    assert policy.victim(evictable) is None and len(policy) == 898

@@ -74,6 +74,11 @@ class Engine:
         self.disk_index = len(self._tiers) - 1 if isinstance(self._tiers[-1], DiskTier) else None
         self.entries: dict[str, Entry] = {}
         self.policies: list[EvictionPolicy | None] = _make_policies(self._tiers, eviction if eviction is not None else LRU, self._copy_finder)
+        #: Per tier, its policy's optional ``on_release`` (told when a copy's use ends).
+        self._releases: list[Callable[[str], None] | None] = [
+            getattr(policy, "on_release", None) if policy is not None and policy.__class__ is not CopyLRU else None
+            for policy in self.policies
+        ]
         self.prefetch_policy: PrefetchPolicy = prefetch if prefetch is not None else NoPrefetch()
         #: Per tier, the last failure of its eviction policy's hooks (``_eviction_policy_failed``).
         self.policy_failures: dict[int, str] = {}
@@ -105,6 +110,9 @@ class Engine:
         self.reads: list[dict[asyncio.Future[None], Copy]] = [{} for _ in self._tiers]
         #: Buffers allocated on a tier and being filled (they become evictable copies when done).
         self.incoming: list[set[asyncio.Future[None]]] = [set() for _ in self._tiers]
+        #: Per tier, the future every request for room there waits on, ending when any of the
+        #: awaitables it was given ends, and those given (``room_may_change``).
+        self._room_waits: list[tuple[asyncio.Future[None] | None, set[Any]]] = [(None, set()) for _ in self._tiers]
         self.background: set[asyncio.Task[Any]] = set()
         #: Writes that must finish even if their caller is cancelled (disk puts, write-backs);
         #: ``aclose`` drains them.
@@ -282,6 +290,30 @@ class Engine:
             if self.sealed:
                 signal.set_result(None)
         return signal
+
+    def room_may_change(self, t: int, pending: Iterable[Any]) -> asyncio.Future[None]:
+        """A future that ends when any of ``pending`` (demotions, fills, releases and reads of
+        tier ``t``: each ends with room or a victim) ends. One is shared by every request for
+        room on the tier, with one callback per awaitable: each request waiting on all of them
+        itself (``asyncio.wait``) added and removed a callback on each, every time any ended,
+        and thousands of small entries in flight made that most of an optimizer's step."""
+        shared, given = self._room_waits[t]
+        if shared is None or shared.done():
+            shared, given = asyncio.get_running_loop().create_future(), set()
+            self._room_waits[t] = (shared, given)
+
+        def wake(_: Any, shared: asyncio.Future[None] = shared) -> None:
+            if not shared.done():
+                shared.set_result(None)
+
+        for awaitable in pending:
+            if awaitable not in given:
+                given.add(awaitable)
+                if awaitable.done():
+                    wake(None)
+                else:
+                    awaitable.add_done_callback(wake)
+        return shared
 
     async def settled(self) -> None:
         """Return once no sealed close is under way (at once when none is): the store is then
@@ -953,6 +985,11 @@ class Engine:
         copy.users -= 1
         if copy.users == 0 and copy.retired:
             self._free(copy)
+        elif copy.in_policy and (release := self._releases[copy.tier]) is not None:
+            try:
+                release(entry.key)
+            except Exception as exc:  # (advice: the request goes on)
+                self._eviction_policy_failed(copy.tier, "on_release", exc)
         entry.wake()
 
     def _copy_finder(self, t: int) -> Callable[[str], Copy | None]:

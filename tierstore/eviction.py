@@ -147,7 +147,7 @@ async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, prio
             # refuses): room on its way may come only after it, or never (a kernel that never
             # ends, a hold kept open across the close).
             read_waits += bool(reads)
-            await asyncio.wait([*pending, engine.closing_signal()], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([engine.room_may_change(t, pending), engine.closing_signal()], return_when=asyncio.FIRST_COMPLETED)
     finally:
         if any(not task.done() for task in mine):
             await asyncio.wait(mine)  # (they run on even if the request is cancelled)

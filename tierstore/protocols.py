@@ -48,7 +48,10 @@ class EvictionPolicy(Protocol):
     about to be inserted, before the victims that make room for it are chosen (ARC adapts its
     target there on a ghost hit; an insert that then fails may follow it with no ``on_insert``);
     ``next_use(key)`` (policies that see the future) returns
-    when the key is needed next, so prefetch and eviction can agree.
+    when the key is needed next, so prefetch and eviction can agree; ``on_release(key)`` is
+    called when a use of ``key``'s copy ends (a hold, a transfer), so a policy that set aside
+    a key ``victim`` passed over can take it back then instead of scanning it on every call
+    (``MIN`` does).
     """
 
     def on_insert(self, key: str, nbytes: int) -> None: ...
