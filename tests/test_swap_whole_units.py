@@ -66,3 +66,51 @@ def test_torch_attention_layers_train_and_save_as_torch(device_mode: str, kind: 
         finally:
             opt.close()
             params.detach()
+
+
+class _ReadsItsChildsWeight(nn.Module):
+    """As transformers' ``CLIPTextEmbeddings``: its forward reads a child's weight itself
+    (``position_embedding.weight.shape[0]``), outside the child's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.token = nn.Embedding(50, 16)
+        self.position = nn.Embedding(12, 16)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.shape[1] > self.position.weight.shape[0]:
+            raise ValueError(f"sequence length {ids.shape[1]} is more than {self.position.weight.shape[0]} positions")
+        return self.token(ids) + self.position(torch.arange(ids.shape[1]))
+
+
+def test_whole_units_makes_a_module_reading_its_childs_weight_one_unit(device_mode: str) -> None:
+    """A tryout: an HF CLIPTextModel failed every forward under offload_parameters (its
+    embeddings read a child's weight shape: the placeholder's, 0). ``whole_units=`` names such
+    classes; their children's weights are held with them."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(_ReadsItsChildsWeight(), nn.Linear(16, 1))
+    model = copy.deepcopy(reference)
+    ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(1))
+    with SyncTierStore([DeviceTier("cpu", "1MiB"), HostTier("8MiB")]) as store:
+        offload = offload_parameters(copy.deepcopy(reference), store)
+        with pytest.raises(ValueError, match="more than 0 positions"):
+            offload.module(ids)
+        offload.detach()
+        offload = offload_parameters(model, store, whole_units=[_ReadsItsChildsWeight])
+        exact = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
+        opt = TieredAdamW(model.parameters(), store=store, lr=1e-2)
+        try:
+            for _ in range(3):
+                reference(ids).square().mean().backward()
+                exact.step()
+                exact.zero_grad()
+                model(ids).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        finally:
+            opt.close()
+        offload.detach()
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(ours, theirs)
+    with SyncTierStore([HostTier("1MiB")]) as store, pytest.raises(TypeError, match="whole_units must be nn.Module classes"):
+        offload_parameters(nn.Linear(2, 2), store, whole_units=["CLIPTextEmbeddings"])  # type: ignore[list-item]

@@ -58,7 +58,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -216,7 +216,13 @@ class ParameterOffload:
         ahead: int | str = "64MiB",
         namespace: str | None = None,
         emulate_device: bool | None = None,
+        whole_units: Iterable[type[nn.Module]] = (),
     ) -> None:
+        extra = tuple(whole_units)
+        if not all(isinstance(kind, type) and issubclass(kind, nn.Module) for kind in extra):
+            raise TypeError(f"whole_units must be nn.Module classes, not {extra!r}")
+        #: The module classes made one unit with their children (``WHOLE_UNITS`` and those given).
+        self.whole_units: tuple[type[nn.Module], ...] = WHOLE_UNITS + extra
         self.module = module
         self.store = store.store if isinstance(store, SyncTierStore) else store
         if not self.store.is_open:
@@ -278,7 +284,7 @@ class ParameterOffload:
         for name, sub in self.module.named_modules():
             if any(not outer or name.startswith(outer + ".") for outer in whole):
                 continue  # (its weights are its whole unit's)
-            recurse = isinstance(sub, WHOLE_UNITS)
+            recurse = isinstance(sub, self.whole_units)
             if recurse:
                 whole.append(name)
             weights = []
@@ -1214,10 +1220,14 @@ def offload_parameters(
     ahead: int | str = "64MiB",
     namespace: str | None = None,
     emulate_device: bool | None = None,
+    whole_units: Iterable[type[nn.Module]] = (),
 ) -> ParameterOffload:
     """Keep ``module``'s parameters in ``store`` (``tier``: host or disk) and bring each
     submodule's onto ``device_tier`` (default: the store's fastest) only while it computes;
     their keys go into ``namespace``, claimed in the store (default: a fresh ``swap/params/<n>/``).
     ``emulate_device`` as for ``offload_activations``: the device tier's link decides, and a
-    contradicting True/False raises ``ValueError``."""
-    return ParameterOffload(module, store, tier, device_tier, ahead, namespace, emulate_device)
+    contradicting True/False raises ``ValueError``. ``whole_units``: module classes that read
+    their children's weights themselves (as ``WHOLE_UNITS``, which are always whole), each
+    made one unit with its children's weights: transformers' ``CLIPTextEmbeddings`` reads its
+    ``position_embedding.weight.shape`` in its own forward, say."""
+    return ParameterOffload(module, store, tier, device_tier, ahead, namespace, emulate_device, whole_units)
