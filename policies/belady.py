@@ -75,17 +75,23 @@ class MIN:
         return None
 
     def victim(self, evictable: Callable[[str], bool] | None = None) -> str | None:
-        if evictable is None:  # (every key may go: the parked ones too)
+        # Park only where the store says each key refused is in use, a use whose end it tells
+        # (``on_release``); refused for another reason (no room below it), a key stays.
+        park = evictable is not None and getattr(evictable, "releases", False)
+        if not park:
             self._unpark_all()
-        chosen = self._take(evictable, park=True)
-        if chosen is None and self._parked:  # (passed over for a reason no release ends, room below say: look again)
+        chosen = self._take(evictable, park)
+        if chosen is None and self._parked:  # (nothing else may go: look at them again)
             self._unpark_all()
             chosen = self._take(evictable, park=False)
         if chosen is not None:
             del self._next[chosen]
+            self._parked.pop(chosen, None)  # (a second row of it, left by a hit at the same next use)
         return chosen
 
     def _unpark_all(self) -> None:
+        if not self._parked:
+            return
         for row in self._parked.values():
             heapq.heappush(self._heap, row)
         self._parked.clear()

@@ -677,6 +677,7 @@ def test_min_passes_over_keys_in_use_once_until_they_are_released() -> None:
         asked.append(key)
         return key not in in_use
 
+    evictable.releases = True  # type: ignore[attr-defined]  # (as the store's: what it refuses is in use)
     chosen = [policy.victim(evictable) for _ in range(100)]
     assert chosen == list(range(799, 699, -1))  # (the furthest evictable each time)
     assert len(asked) <= 200 + 100, len(asked)  # (each key in use asked once; before: 200 x 100)
@@ -687,3 +688,37 @@ def test_min_passes_over_keys_in_use_once_until_they_are_released() -> None:
     in_use.update(range(700))
     assert policy.victim(evictable) == 998
     assert policy.victim(evictable) is None and len(policy) == 898
+
+
+def test_min_parks_nothing_where_a_refusal_is_not_a_use_and_forgets_a_victims_parked_row() -> None:
+    """The review: a predicate refusing for another reason than a use (no room below) gets no
+    release, so a key parked for it stayed set aside and MIN evicted keys needed sooner; and a
+    key chosen through a second heap row (a hit at the same next use) stayed parked,
+    ``furthest_next_use`` reporting it."""
+    from policies import MIN
+
+    future = {"far": 100.0, "near": 1.0, "mid": 50.0}
+    policy = MIN(future.__getitem__)
+    for key in future:
+        policy.on_insert(key, 1)
+    blocked = {"far"}
+    assert policy.victim(lambda key: key not in blocked) == "mid"  # (no ``releases``: nothing parked)
+    blocked.clear()
+    assert policy.victim(lambda key: key not in blocked) == "far"
+
+    future = {"k": 100.0, "a": 100.0, "b": 1.0}
+    policy = MIN(future.__getitem__)
+    policy.on_insert("k", 1)
+    policy.on_insert("a", 1)
+    policy.on_hit("k")  # (two rows of k, at 100)
+    policy.on_insert("b", 1)
+    blocked = {"k"}
+
+    def evictable(key: str) -> bool:
+        return key not in blocked
+
+    evictable.releases = True  # type: ignore[attr-defined]
+    assert policy.victim(evictable) == "a"
+    blocked.clear()
+    assert policy.victim(evictable) == "k"
+    assert len(policy) == 1 and policy.furthest_next_use() == 1.0

@@ -223,3 +223,35 @@ async def test_a_victim_of_none_while_values_could_go_is_warned_of_once(tmp_path
                 await store.put(f"k{i}", torch.full((1024,), float(i)))
     said = [str(w.message) for w in caught if "returned None from victim()" in str(w.message)]
     assert len(said) == 1 and "NeverEvicts of tier 'host'" in said[0] and "3 value(s)" in said[0], said
+
+
+async def test_min_writes_back_what_is_needed_last_once_the_last_tier_has_room_again() -> None:
+    """The review: MIN set aside the keys the store refused because the last memory tier (no
+    policy there) was full; no use ended, so nothing brought them back when room came, and
+    MIN evicted a key needed sooner instead of the one needed last."""
+    import torch
+
+    from policies import MIN
+    from tierstore import DeviceTier, HostTier, TierStore
+
+    later = {"far": 1000.0, "mid": 500.0}
+
+    def next_use(key: str) -> float:
+        return later.get(key, 1.0 if key.startswith("soon") else 10.0)
+
+    def value(x: float) -> torch.Tensor:
+        return torch.full((1024,), float(x))  # 4 KiB
+
+    async with TierStore([DeviceTier("cpu", "16KiB"), HostTier("16KiB")], eviction=lambda: MIN(next_use)) as store:
+        for i in range(4):
+            await store.put(f"h{i}", value(i), tier="host")  # the host, the last tier, full
+        await store.put("far", value(9), tier="device")
+        await store.put("mid", value(8), tier="device")
+        await store.get("h0", tier="device")
+        await store.get("h1", tier="device")
+        later["h0"] = later["h1"] = 2.0
+        await store.put("soon0", value(7), tier="device")  # (far and mid cannot go: no room below)
+        await store.delete("h3")
+        await store.delete("h2")  # room below again
+        await store.put("soon1", value(6), tier="device")
+        assert store.where("far") == ["host"] and "device" in store.where("h1")

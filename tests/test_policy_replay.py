@@ -94,10 +94,12 @@ POLICIES = {"lru": LRU, "fifo": FIFO, "lfu": LFU, "arc": ARC, "s3fifo": S3FIFO, 
 
 
 @pytest.mark.parametrize("disk", [False, True], ids=["device+host", "device+host+disk"])
-@pytest.mark.parametrize("name", list(POLICIES))
-async def test_live_store_and_replay_agree(tmp_path: Path, name: str, disk: bool) -> None:
+@pytest.mark.parametrize("name, seed", [*((name, None) for name in POLICIES), ("min", 8), ("min", 9), ("min", 14)])
+async def test_live_store_and_replay_agree(tmp_path: Path, name: str, seed: int | None, disk: bool) -> None:
+    """(MIN at seeds 8, 9 and 14, three disk tiers: the review of MIN's parked keys found the
+    replay, which told no ``on_release``, choosing other victims than the store.)"""
     tiers = 3 if disk else 2
-    ops = random_ops(seed=sum(map(ord, name)) + disk, count=300, tiers=tiers)
+    ops = random_ops(seed=sum(map(ord, name)) + disk if seed is None else seed, count=300, tiers=tiers)
     oracle = NextUse([key for _, key, _, _ in ops]) if name == "min" else None
     eviction = (lambda: MIN(oracle)) if oracle is not None else POLICIES[name]
     path, stats = await run_live(tmp_path, ops, eviction, disk, oracle)

@@ -16,6 +16,7 @@ import time
 import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -110,9 +111,11 @@ class Engine:
         self.reads: list[dict[asyncio.Future[None], Copy]] = [{} for _ in self._tiers]
         #: Buffers allocated on a tier and being filled (they become evictable copies when done).
         self.incoming: list[set[asyncio.Future[None]]] = [set() for _ in self._tiers]
-        #: Per tier, the future every request for room there waits on, ending when any of the
-        #: awaitables it was given ends, and those given (``room_may_change``).
-        self._room_waits: list[tuple[asyncio.Future[None] | None, set[Any]]] = [(None, set()) for _ in self._tiers]
+        #: Per tier, the future every request for room there waits on (``room_may_change``),
+        #: and the awaitables watched for it, each with one callback that ends the future of
+        #: the moment it ends.
+        self._room_changed: list[asyncio.Future[None] | None] = [None] * len(self._tiers)
+        self._room_watched: list[set[Any]] = [set() for _ in self._tiers]
         self.background: set[asyncio.Task[Any]] = set()
         #: Writes that must finish even if their caller is cancelled (disk puts, write-backs);
         #: ``aclose`` drains them.
@@ -256,6 +259,9 @@ class Engine:
             finally:
                 self.cpu.shutdown()
                 self.entries.clear()
+                # (a reopen may run on another loop: nothing of this one's waits carries over)
+                self._room_changed = [None] * len(self._tiers)
+                self._room_watched = [set() for _ in self._tiers]
                 # The policies forget every copy too: the default one links them (and so their
                 # buffers) through itself, which would keep a closed store's memory alive.
                 for policy in self.policies:
@@ -294,26 +300,29 @@ class Engine:
     def room_may_change(self, t: int, pending: Iterable[Any]) -> asyncio.Future[None]:
         """A future that ends when any of ``pending`` (demotions, fills, releases and reads of
         tier ``t``: each ends with room or a victim) ends. One is shared by every request for
-        room on the tier, with one callback per awaitable: each request waiting on all of them
-        itself (``asyncio.wait``) added and removed a callback on each, every time any ended,
-        and thousands of small entries in flight made that most of an optimizer's step."""
-        shared, given = self._room_waits[t]
-        if shared is None or shared.done():
-            shared, given = asyncio.get_running_loop().create_future(), set()
-            self._room_waits[t] = (shared, given)
-
-        def wake(_: Any, shared: asyncio.Future[None] = shared) -> None:
-            if not shared.done():
-                shared.set_result(None)
-
+        room on the tier, and each awaitable gets one callback, once: each request waiting on
+        all of them itself (``asyncio.wait``) added and removed a callback on each, every time
+        any ended, and thousands of small entries in flight made that most of an optimizer's step."""
+        changed = self._room_changed[t]
+        if changed is None or changed.done():
+            changed = self._room_changed[t] = asyncio.get_running_loop().create_future()
+        watched = self._room_watched[t]
         for awaitable in pending:
-            if awaitable not in given:
-                given.add(awaitable)
-                if awaitable.done():
-                    wake(None)
-                else:
-                    awaitable.add_done_callback(wake)
-        return shared
+            if awaitable in watched:
+                continue
+            if awaitable.done():
+                if not changed.done():
+                    changed.set_result(None)
+                continue
+            watched.add(awaitable)
+            awaitable.add_done_callback(partial(self._room_may_have_changed, t, awaitable))
+        return changed
+
+    def _room_may_have_changed(self, t: int, awaitable: Any, _: Any) -> None:
+        self._room_watched[t].discard(awaitable)
+        changed = self._room_changed[t]
+        if changed is not None and not changed.done():
+            changed.set_result(None)
 
     async def settled(self) -> None:
         """Return once no sealed close is under way (at once when none is): the store is then
@@ -985,11 +994,13 @@ class Engine:
         copy.users -= 1
         if copy.users == 0 and copy.retired:
             self._free(copy)
-        elif copy.in_policy and (release := self._releases[copy.tier]) is not None:
+        elif (copy.in_policy and (release := self._releases[copy.tier]) is not None
+              and copy.users <= (id(copy) in self.early_writes)):  # (free to go again: as ``evictable`` asks)
             try:
                 release(entry.key)
-            except Exception as exc:  # (advice: the request goes on)
-                self._eviction_policy_failed(copy.tier, "on_release", exc)
+            except Exception as exc:  # (advice only: nothing was left half done)
+                self.warn_once((copy.tier, "on_release"), f"the eviction policy {policy_name(self.policies[copy.tier])} of tier "
+                               f"{self.names[copy.tier]!r} raised {exc!r} in on_release; ignored (warned once per tier)")
         entry.wake()
 
     def _copy_finder(self, t: int) -> Callable[[str], Copy | None]:

@@ -177,6 +177,8 @@ def _next_victim(engine: Engine, t: int) -> tuple[Entry, Copy] | None:
             return True
         return last_memory.free >= last_memory.allocation_size(entry.meta.nbytes)  # type: ignore[union-attr]
 
+    # (every key it refuses is then in use, a use whose end ``Engine.unuse`` tells the policy)
+    evictable.releases = last_memory is None  # type: ignore[attr-defined]
     stale: set[str] = set()
     while True:
         try:

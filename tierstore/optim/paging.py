@@ -1007,7 +1007,7 @@ def _cancel_task_of(coroutine: Any) -> None:
 def _refuse_resized(slot: ParamSlot) -> None:
     """``RuntimeError`` if ``slot``'s parameter has data of another size than its state's."""
     param = slot.param
-    if param.numel() != slot.numel and param.__class__ in _PLAIN_PARAMETERS and offloaded(param) is None:
+    if param.__class__ in _PLAIN_PARAMETERS and param.numel() != slot.numel and offloaded(param) is None:  # (a shard's rows: no numel)
         raise RuntimeError(
             f"parameter {slot.index} now has {param.numel():,} elements ({tuple(param.shape)}); its optimizer state "
             f"is for {slot.numel:,} ({tuple(slot.shape)}): its data was replaced by data of another size. Give it data "

@@ -340,7 +340,7 @@ class _StoreModel:
         try:
             self._make_room(t, nbytes, key)
         finally:
-            self.in_use.discard((key, source))
+            self._release(key, source)
         taken = self.rooms[t].take(nbytes)
         valid.add(t)
         self._install(t, key, taken)
@@ -399,7 +399,7 @@ class _StoreModel:
             shortfall = needed - room.free()
             chosen: list[str] = []
             while shortfall > 0:
-                victim = policy.victim(lambda key: self._evictable(key, t)) if policy is not None else None
+                victim = policy.victim(self._evictable_on(t)) if policy is not None else None
                 if victim is None:
                     break
                 self.result.evictions.append((victim, t))
@@ -409,6 +409,24 @@ class _StoreModel:
                 raise TierFullError(f"replay: no room for {needed} bytes on tier {self.names[t]!r} (the store would refuse here)")
             for victim in chosen:
                 self._demote(t, victim)
+
+    def _evictable_on(self, t: int) -> Callable[[str], bool]:
+        """``_evictable`` of tier ``t``, marked as the store marks its own (``releases``: every
+        key it refuses is in use, a use whose end ``on_release`` tells) where it is so."""
+        def evictable(key: str) -> bool:
+            return self._evictable(key, t)
+
+        below = t + 1
+        evictable.releases = below >= self.memory or self.policies[below] is not None  # type: ignore[attr-defined]
+        return evictable
+
+    def _release(self, key: str, t: int) -> None:
+        """End the use of ``key``'s copy on tier ``t``, telling its policy as the store does
+        (``Engine.unuse``: an optional ``on_release``)."""
+        self.in_use.discard((key, t))
+        release = getattr(self.policies[t], "on_release", None) if t < len(self.policies) else None  # (the disk: none)
+        if release is not None and key in self.resident[t]:
+            release(key)
 
     def _evictable(self, key: str, t: int) -> bool:
         """Not in use; and if it would be written back into a last memory tier (which evicts
@@ -432,7 +450,7 @@ class _StoreModel:
                 try:
                     self._make_room(below, nbytes, key)
                 finally:
-                    self.in_use.discard((key, t))
+                    self._release(key, t)
                 taken = self.rooms[below].take(nbytes)
                 valid.add(below)
                 self._install(below, key, taken)
