@@ -284,7 +284,7 @@ def unsealed(raw: bytes | memoryview) -> memoryview:
     _, kind, ndim, dtype_len, key_len, _ = _HEAD.unpack_from(view, 0)
     covered = _HEAD.size + dtype_len + 8 * ndim + key_len + _CHECKSUM.size if kind == _INLINE else end
     if covered > end or crc32c.crc32c(view[:covered]) != _CHECKSUM.unpack_from(view, end)[0]:
-        raise ValueError("the record fails its own checksum (damaged)")
+        raise ValueError("it fails its own checksum")
     return view[:end]
 
 
@@ -304,7 +304,7 @@ def _inline_of(raw: bytes | memoryview, key: str) -> tuple[int, int, bytes | byt
     if magic == _SEALED:  # (its seal, last, covers all but the value: the same check as ``unsealed``)
         end -= _CHECKSUM.size
         if end < data_at or crc32c.crc32c(raw[:data_at]) != _CHECKSUM.unpack_from(raw, end)[0]:
-            raise ValueError("the record fails its own checksum (damaged)")
+            raise ValueError("it fails its own checksum")
     return version, checksum, bytearray(raw[data_at:end])
 
 
