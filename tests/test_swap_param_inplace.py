@@ -248,3 +248,50 @@ def test_a_forward_on_another_thread_hooks_nothing_of_the_callers_graph(device_m
         assert alive() is None
     finally:
         store.close()
+
+
+class _Lookup(nn.Module):
+    """An embedding that renormalises the rows it looks up, in place in its forward
+    (``max_norm``), before a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(32, 16, max_norm=1.0)
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(tokens))
+
+
+@pytest.mark.parametrize("stored_on", ["host", "disk"])
+def test_a_weight_changed_in_place_by_its_forward_is_kept(device_mode: str, stored_on: str, tmp_path) -> None:
+    """A tryout: ``nn.Embedding(max_norm=...)`` renormalises the rows it looks up in place in
+    its forward; offloaded, the change went into the held buffer only and was lost when the
+    hold ended (the next forward, the optimizer and ``state_dict()`` saw the old rows). It is
+    stored now: training equals torch's AdamW bit for bit, and a forward alone (no optimizer)
+    leaves the renormalised rows in the store."""
+    from tierstore import DiskTier
+
+    plain, swapped = _Lookup(), _Lookup()
+    with SyncTierStore([DeviceTier("cpu", "64KiB"), HostTier("64KiB"), DiskTier(tmp_path / "d", "8MiB")]) as store:
+        offload = offload_parameters(swapped, store, tier=stored_on)
+        with torch.no_grad():
+            swapped(torch.tensor([[3, 4, 5]]))
+            plain(torch.tensor([[3, 4, 5]]))
+        assert torch.equal(swapped.state_dict()["embed.weight"], plain.state_dict()["embed.weight"])
+        assert plain.embed.weight[3].norm() <= 1.0 + 1e-6  # (the forward did renormalise)
+        opts = [torch.optim.AdamW(plain.parameters(), lr=5e-2, fused=True),
+                TieredAdamW(swapped.parameters(), lr=5e-2, store=store, min_offload_numel=1, fused=True)]
+        generator = torch.Generator().manual_seed(1)
+        for step in range(4):
+            tokens = torch.randint(0, 32, (4, 6), generator=generator)
+            for m, opt in zip((plain, swapped), opts, strict=True):
+                opt.zero_grad()
+                nn.functional.cross_entropy(m(tokens).flatten(0, 1), tokens.flatten()).backward()
+                opt.step()
+            offload.mark_step()
+        opts[1].close()
+        offload.detach()
+    for ours, theirs in zip(swapped.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(ours, theirs)

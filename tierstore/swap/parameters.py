@@ -32,7 +32,9 @@ placeholder. ``detach()`` puts the weights back into the module.
 
 Checkpoints: ``module.state_dict()`` reads the weights from the store (``keep_vars=True`` keeps
 the Parameter objects, placeholders outside a forward) and ``module.load_state_dict()`` writes
-them into it, through the module's state_dict hooks. An in-place change of a placeholder
+them into it, through the module's state_dict hooks. A unit that changes a held weight in
+place in its forward (``nn.Embedding(max_norm=...)``) has the change stored before the hold
+ends, as the plain module keeps it. An in-place change of a placeholder
 (``p.mul_`` under ``no_grad``) would be lost: torch's version counter shows it, and the next
 hold or ``state_dict()`` raises. A checkpoint's recomputation (``torch.utils.checkpoint``) runs
 the forward inside backward, and torch's checkpoint keeps what it saves: its units' trainable
@@ -152,6 +154,10 @@ class _Weight:
     version: int = 0
     #: The held buffer on the parameter's device, while ``hold`` is set.
     value: torch.Tensor | None = None
+    #: ``param._version`` when the held buffer went in: a forward that changes the weight in
+    #: place (``nn.Embedding(max_norm=...)`` renormalises rows) bumps it, and the change is
+    #: stored before the hold ends (``_store_changes``).
+    held_version: int = 0
     #: A frozen weight's private copy, while units a checkpoint recomputes compute with it
     #: (``borrowers`` of them): what the recomputation saves refers to it, not to store memory.
     lent: torch.Tensor | None = None
@@ -607,7 +613,7 @@ class ParameterOffload:
                 if _REGISTRY.get(weight.param) is None:
                     continue  # put back in place (detach() or a close during this backward): left as it is
                 weight.param.data = weight.value if weight.hold is not None else _placeholder(weight.param)  # type: ignore[assignment]
-                weight.version = weight.param._version
+                weight.version = weight.held_version = weight.param._version
         if not self._lent[index]:
             del self._lent[index]
 
@@ -696,6 +702,7 @@ class ParameterOffload:
                 weight.value = value if value.device == weight.param.device else value.to(weight.param.device)
                 if not weight.borrowers:  # (a recomputation computes with its copy)
                     weight.param.data = weight.value
+                    weight.held_version = weight.param._version
             ended = time.perf_counter()
             self.report.add_stall(started, ended)
             self.report.add_moved(sum(v.nbytes for v in values), ended - started, out=False)
@@ -722,23 +729,46 @@ class ParameterOffload:
     def _let_go(self, weights: list[_Weight], everyone: bool = False) -> None:
         """Put placeholders back for those of ``weights`` no unit holds (``everyone``: whoever
         held them) and end their holds on the loop once the kernels queued so far, which may
-        still read the weights, are done (``link.mark()`` here, on the training thread)."""
-        managers = []
+        still read the weights, are done (``link.mark()`` here, on the training thread). A
+        weight changed in place while held is stored first (``_store_changes``)."""
+        going = []
         for weight in weights:
             if everyone:
                 weight.holders.clear()
             if weight.hold is not None and not weight.holders:
+                going.append(weight)
+        try:
+            self._store_changes(going)
+        finally:
+            managers = []
+            for weight in going:
                 # (not while a recomputation computes with its copy, nor once put back in place)
                 if not weight.borrowers and _REGISTRY.get(weight.param) is not None:
                     weight.param.data = _placeholder(weight.param)
                     weight.version = weight.param._version
                 managers.append(weight.hold)
                 weight.hold = weight.value = None
-        if managers:
-            marker = self.link.mark()
-            self._releasing = [f for f in self._releasing if not f.done()]
-            exiting = _exit_after(self.store, self.device_tier, self.link, marker, managers)
-            self._releasing.append(asyncio.run_coroutine_threadsafe(exiting, self._loop))
+            if managers:
+                marker = self.link.mark()
+                self._releasing = [f for f in self._releasing if not f.done()]
+                exiting = _exit_after(self.store, self.device_tier, self.link, marker, managers)
+                self._releasing.append(asyncio.run_coroutine_threadsafe(exiting, self._loop))
+
+    def _store_changes(self, weights: list[_Weight]) -> None:
+        """Store those of ``weights`` a unit changed in place while it held them (torch's
+        version counter moved: ``nn.Embedding(max_norm=...)`` renormalises the rows it looks up,
+        under ``no_grad``), as the plain module keeps the change: the new value is put before
+        the hold on the old one's buffer ends, and the training thread waits for it (rare), so
+        any later read, hold or optimizer update sees it. The optimizer, seeing the version
+        move, reloads its master from the stored weight, as torch's AdamW updates the changed
+        weight."""
+        changed = [w for w in weights if not w.borrowers and w.value is not None and _REGISTRY.get(w.param) is not None
+                   and w.param._version != w.held_version]
+        if not changed:
+            return
+        marker = self.link.mark()  # the copies follow the kernels that made the change
+        run(self._store_values(changed, [w.value.contiguous() for w in changed], marker))  # type: ignore[union-attr]
+        self.report.bytes_out += sum(w.value.nbytes for w in changed)  # type: ignore[union-attr]
 
     def _prefetch_after(self, position: int, index: int) -> None:
         """Prefetch the units that follow, in last step's order (or, in the first step, the
