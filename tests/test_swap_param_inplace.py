@@ -284,7 +284,7 @@ def test_a_weight_changed_in_place_by_its_forward_is_kept(device_mode: str, stor
         opts = [torch.optim.AdamW(plain.parameters(), lr=5e-2, fused=True),
                 TieredAdamW(swapped.parameters(), lr=5e-2, store=store, min_offload_numel=1, fused=True)]
         generator = torch.Generator().manual_seed(1)
-        for step in range(4):
+        for _ in range(4):
             tokens = torch.randint(0, 32, (4, 6), generator=generator)
             for m, opt in zip((plain, swapped), opts, strict=True):
                 opt.zero_grad()
