@@ -36,7 +36,15 @@ from .namespaces import Namespace, NamespaceInfo, NamespaceRegistry
 from .prefetching import PrefetchHandle
 from .protocols import PrefetchPolicy
 from .stats import StoreCounters
-from .tensors import TensorMeta, as_bytes, check_tensor, dtype_name, from_bytes, supported_dtypes
+from .tensors import (
+    PLAIN_TENSOR_TYPES,
+    TensorMeta,
+    as_bytes,
+    check_tensor,
+    dtype_name,
+    from_bytes,
+    supported_dtypes,
+)
 from .tiers.base import MemoryTier, Tier
 from .tiers.disk import InlineSuperseded
 from .units import format_bytes
@@ -1249,7 +1257,6 @@ def _size(dimension: object) -> int:
     return operator.index(dimension)  # type: ignore[arg-type]
 
 
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _PLAIN_DTYPES = frozenset(supported_dtypes())
 
 
@@ -1257,7 +1264,7 @@ def _plain_cpu(tensor: object) -> bool:
     """Whether ``tensor`` is a contiguous dense CPU tensor whose memory holds its value as is
     (what ``check_tensor`` accepts unchanged), found with a few cheap attribute reads."""
     return (
-        type(tensor) in _PLAIN_TYPES
+        type(tensor) in PLAIN_TENSOR_TYPES
         and tensor.is_cpu  # type: ignore[attr-defined]
         and tensor.layout is torch.strided  # type: ignore[attr-defined]
         and not tensor.is_nested  # type: ignore[attr-defined]

@@ -26,6 +26,10 @@ from .units import round_up
 #: Alignment of the store's own buffers and disk extents (what O_DIRECT asks for).
 ALIGNMENT = 4096
 
+#: The classes of a plain tensor: ``type(t) in PLAIN_TENSOR_TYPES`` is false for a subclass
+#: (a DTensor, a tensor wrapper, a user's subclass), whose memory may not hold its value as is.
+PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
 _DTYPES: dict[str, torch.dtype] = {
     str(dtype).removeprefix("torch."): dtype
     for dtype in (

@@ -40,6 +40,7 @@ import torch
 from torch.optim.adam import adam
 
 from ..sync import run
+from ..tensors import PLAIN_TENSOR_TYPES
 from .batched import batched, update_many
 from .checkpoint import adam_entry, adam_load_state_dict, adam_state_dict
 from .chunks import Chunk, chunk_key
@@ -471,7 +472,7 @@ class TieredAdam(PagedOptimizer):
             yield await self._wrap(slot, packed, 0, slot.numel)
 
     def _chunkable(self, slot: ParamSlot) -> bool:
-        return type(slot.param) in (torch.Tensor, torch.nn.Parameter, ParamRange) and slot.param.is_contiguous()
+        return type(slot.param) in (*PLAIN_TENSOR_TYPES, ParamRange) and slot.param.is_contiguous()
 
     @asynccontextmanager
     async def _chunk_state(self, slot: ParamSlot, chunk: Chunk) -> AsyncIterator[Any]:
@@ -783,7 +784,7 @@ class TieredAdam(PagedOptimizer):
         laid: list[InMemoryOrder] = []
         for n, slot in enumerate(slots):
             param = slot.param
-            if type(param) not in (torch.Tensor, torch.nn.Parameter) or (dims := memory_order(param)) is None:
+            if type(param) not in PLAIN_TENSOR_TYPES or (dims := memory_order(param)) is None:
                 continue
             if any(row.numel() != param.numel() for row in rows[n]) or grads[n].numel() != param.numel():
                 continue

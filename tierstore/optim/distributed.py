@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import StepIncompleteError
+from ..tensors import PLAIN_TENSOR_TYPES
 
 if TYPE_CHECKING:
     from .paging import PagedOptimizer
@@ -310,7 +311,7 @@ def _splittable(param: torch.Tensor) -> bool:
     """A plain, contiguous parameter whose weight lives in the model (not ``offload_parameters``')."""
     from .pipeline import offloaded
 
-    return type(param) in (torch.Tensor, torch.nn.Parameter) and param.is_contiguous() and offloaded(param) is None
+    return type(param) in PLAIN_TENSOR_TYPES and param.is_contiguous() and offloaded(param) is None
 
 
 def balance(sizes: Sequence[int], world: int, start: Sequence[int] | None = None) -> list[int]:

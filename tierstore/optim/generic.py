@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ..sync import run
+from ..tensors import PLAIN_TENSOR_TYPES
 from .checkpoint import (
     SHARD,
     _accelerate_placement,
@@ -104,7 +105,7 @@ class TieredOptimizer(PagedOptimizer):
         return f"{chunk.key if chunk is not None else slot.key}/{name}"
 
     def _chunkable(self, slot: ParamSlot) -> bool:
-        return self.elementwise and type(slot.param) in (torch.Tensor, torch.nn.Parameter, ParamRange) and slot.param.is_contiguous()
+        return self.elementwise and type(slot.param) in (*PLAIN_TENSOR_TYPES, ParamRange) and slot.param.is_contiguous()
 
     @asynccontextmanager
     async def _chunk_state(self, slot: ParamSlot, chunk: Chunk) -> AsyncIterator[dict[str, Any]]:

@@ -59,6 +59,7 @@ from ..sync import (
     run,
     wait_unfinished,
 )
+from ..tensors import PLAIN_TENSOR_TYPES
 from ..tiers import MemoryTier
 from ..units import parse_bytes
 from ..workers import WorkerPool
@@ -94,7 +95,6 @@ from .steps import StepRunner, closes_store
 DEFAULT_NAMESPACE_BASE = "optim/"
 #: Parameters that are themselves what a slot updates (not a shard's rows, a DTensor's local
 #: part): their size is the slot's, unless their data was replaced.
-_PLAIN_PARAMETERS = (torch.Tensor, torch.nn.Parameter)
 
 __all__ = ["DEFAULT_DISK_ROOT", "DEFAULT_NAMESPACE_BASE", "OptimizerCapacityError", "PagedOptimizer", "ParamSlot"]
 
@@ -1007,7 +1007,7 @@ def _cancel_task_of(coroutine: Any) -> None:
 def _refuse_resized(slot: ParamSlot) -> None:
     """``RuntimeError`` if ``slot``'s parameter has data of another size than its state's."""
     param = slot.param
-    if param.__class__ in _PLAIN_PARAMETERS and param.numel() != slot.numel and offloaded(param) is None:  # (a shard's rows: no numel)
+    if param.__class__ in PLAIN_TENSOR_TYPES and param.numel() != slot.numel and offloaded(param) is None:  # (a shard's rows: no numel)
         raise RuntimeError(
             f"parameter {slot.index} now has {param.numel():,} elements ({tuple(param.shape)}); its optimizer state "
             f"is for {slot.numel:,} ({tuple(slot.shape)}): its data was replaced by data of another size. Give it data "

@@ -36,6 +36,7 @@ import torch
 from ..device import Transfer
 from ..errors import TierFullError
 from ..store import TierStore
+from ..tensors import PLAIN_TENSOR_TYPES
 from ..tiers import MemoryTier
 from ..workers import CallerPool, Priority, WorkerPool
 from .chunks import Chunk, plan_chunks
@@ -901,7 +902,7 @@ def _updated_in_place(slot: ParamSlot, master: torch.Tensor, start: int) -> bool
     parameter (``_write_into`` would find nothing to copy)."""
     param = slot.param
     return (
-        slot.link.lends and type(param) in (torch.Tensor, torch.nn.Parameter) and master.dtype == param.dtype
+        slot.link.lends and type(param) in PLAIN_TENSOR_TYPES and master.dtype == param.dtype
         and master.data_ptr() == param.data_ptr() + start * param.element_size() and master.is_contiguous()
         and param.is_contiguous() and offloaded(param) is None
     )

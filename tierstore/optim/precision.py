@@ -58,6 +58,7 @@ import torch
 
 from tierstore.device.mode import emulation
 from tierstore.optim import native
+from tierstore.tensors import PLAIN_TENSOR_TYPES
 
 #: The values of ``state_precision=``.
 PRECISIONS = ("fp32", "bf16", "8bit")
@@ -460,7 +461,7 @@ def _scratch_rows(rows: int, size: int) -> torch.Tensor:
 def can_be_master(param: torch.Tensor) -> bool:
     """Whether ``param``'s memory can serve as its fp32 master (the update in place on it): a
     plain, contiguous fp32 tensor (not a DTensor or another subclass)."""
-    return type(param) in (torch.Tensor, torch.nn.Parameter) and param.dtype == torch.float32 and param.is_contiguous()
+    return type(param) in PLAIN_TENSOR_TYPES and param.dtype == torch.float32 and param.is_contiguous()
 
 
 def keeps_no_master(param: torch.Tensor, master_weights: str = "fp32", *, weights_offloaded: bool = False) -> bool:

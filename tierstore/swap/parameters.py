@@ -766,9 +766,10 @@ class ParameterOffload:
                    and w.param._version != w.held_version]
         if not changed:
             return
+        values = [w.value.contiguous() for w in changed if w.value is not None]
         marker = self.link.mark()  # the copies follow the kernels that made the change
-        run(self._store_values(changed, [w.value.contiguous() for w in changed], marker))  # type: ignore[union-attr]
-        self.report.bytes_out += sum(w.value.nbytes for w in changed)  # type: ignore[union-attr]
+        run(self._store_values(changed, values, marker))
+        self.report.bytes_out += sum(value.nbytes for value in values)
 
     def _prefetch_after(self, position: int, index: int) -> None:
         """Prefetch the units that follow, in last step's order (or, in the first step, the
