@@ -325,3 +325,42 @@ def test_bad_input(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="planner"):
         save_optimizer(opt, tmp_path / "x", model, planner=None)
     opt.close()
+
+
+def test_the_optimizers_state_dict_hooks_run_on_a_streamed_checkpoint(tmp_path: Path) -> None:
+    """A reviewer: the streaming path ran none of the hooks registered on the optimizer
+    (``register_state_dict_pre_hook``/``_post_hook``, ``register_load_state_dict_post_hook``),
+    which torch's ``state_dict``/``load_state_dict`` run, so an entry a post-hook adds was
+    missing from the checkpoint and a load post-hook never ran. A load pre-hook, which takes
+    the whole dict, cannot run on a streamed load: refused before anything is loaded."""
+    model = base_model()
+    opt = tiered(model.parameters(), tmp_path / "store")
+    train(model, opt, STEPS, seed=0)
+    calls: list[str] = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append("pre"))
+
+    def add_warmup(o: Any, state_dict: dict[str, Any]) -> None:
+        calls.append("post")
+        for group in state_dict["param_groups"]:
+            group["warmup"] = 7
+
+    opt.register_state_dict_post_hook(add_warmup)
+    loaded: list[int] = []
+    opt.register_load_state_dict_post_hook(lambda o: loaded.append(o.param_groups[0]["warmup"]))
+    save_optimizer(opt, tmp_path / "ckpt", model)
+    assert calls == ["pre", "post"]
+    twin = base_model()
+    reference = adamw(twin.parameters())
+    train(twin, reference, 1, seed=0)
+    reference.register_state_dict_post_hook(lambda o, sd: [group.update(warmup=0) for group in sd["param_groups"]] and None)
+    standard_load(tmp_path / "ckpt", twin, reference)  # torch's AdamW loads what our hook saved
+    assert reference.param_groups[0]["warmup"] == 7
+    load_optimizer(opt, tmp_path / "ckpt", model)
+    assert loaded == [7]
+    handle = opt.register_load_state_dict_pre_hook(lambda o, sd: sd)
+    before = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="pre-hooks"):
+        load_optimizer(opt, tmp_path / "ckpt", model)
+    assert all(torch.equal(opt.state[p]["exp_avg"], b) for p, b in zip(model.parameters(), before, strict=True))
+    handle.remove()
+    opt.close()

@@ -161,8 +161,14 @@ def _entry_names(optimizer: TieredAdam, slot: ParamSlot) -> list[str]:
 
 
 def _placeholder_state_dict(optimizer: TieredAdam) -> dict[str, Any]:
-    """``optimizer.state_dict()`` with placeholders for tensors (the same keys and shapes)."""
+    """``optimizer.state_dict()`` with placeholders for tensors (the same keys and shapes),
+    between its ``register_state_dict_pre_hook``/``..._post_hook`` hooks as torch's
+    ``state_dict`` runs them: a post-hook sees the placeholders (meta tensors), not values."""
     _check(optimizer)
+    return optimizer._hooked_state_dict(lambda: _unhooked_placeholder_state_dict(optimizer))
+
+
+def _unhooked_placeholder_state_dict(optimizer: TieredAdam) -> dict[str, Any]:
     state: dict[int, dict[str, Any]] = {}
     for slot in optimizer._slots:
         if model_param(slot).requires_grad or slot.index in optimizer._step_counts:
@@ -504,6 +510,10 @@ def load_optimizer(
     is assembled at once (the parameters are loaded in that many passes of ``dcp.load``); see the
     module docstring for the whole bound. Call it on every rank, as ``dcp.load``.
 
+    The optimizer's ``register_load_state_dict_post_hook`` hooks run after it, as
+    ``load_state_dict`` runs them; its pre-hooks, which take (and may replace) the whole state
+    dict, cannot run on a streamed load: a ``ValueError`` before anything is loaded.
+
     If it fails part-way (a disk error, say: DCP raises a ``CheckpointException``), nothing is
     lost, but the state is mixed: each parameter has either its loaded state or its state from
     before the call. Load again to finish.
@@ -529,6 +539,14 @@ def load_optimizer(
         raise TypeError("load_optimizer brings its own planner (StreamingLoadPlanner)")
     if buffer_bytes <= 0:
         raise ValueError(f"buffer_bytes must be positive, got {buffer_bytes}")
+    _check(optimizer)
+    if optimizer._optimizer_load_state_dict_pre_hooks:
+        names = ", ".join(getattr(h, "__name__", repr(h)) for h in optimizer._optimizer_load_state_dict_pre_hooks.values())
+        raise ValueError(
+            f"load_optimizer streams the state into the tiers as DCP reads it, so the load_state_dict pre-hooks "
+            f"registered on the optimizer ({names}), which take and may replace the whole state dict, cannot run; "
+            "nothing was loaded. Remove them, or load through dcp.load + set_optimizer_state_dict (the whole state in memory)"
+        )
     placeholders = optimizer_state_dict(optimizer, model)
     state = {fqn: entry for fqn, entry in placeholders["state"].items() if entry}
     groups = _passes(state, buffer_bytes)
@@ -552,6 +570,8 @@ def load_optimizer(
             optimizer._step_counts.pop(slot.index, None)
             run(optimizer.delete_state(slot))
     _set_groups(optimizer, loaded_groups or [])
+    for post_hook in optimizer._optimizer_load_state_dict_post_hooks.values():  # (as load_state_dict runs them)
+        post_hook(optimizer)
 
 
 def _set_groups(optimizer: TieredAdam, saved: list[dict[str, Any]]) -> None:
