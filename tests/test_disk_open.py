@@ -207,8 +207,10 @@ async def test_a_folder_written_before_format_versions_opens_and_is_upgraded(
     assert read_format_record(root)["format_version"] == FORMAT_VERSION
 
 
-async def test_a_format_3_folder_opens_reads_and_seals_each_record_it_rewrites(tmp_path: Path) -> None:
-    """Version 4 ends each record with a checksum of its own; version 3's records read as they are."""
+async def test_a_format_3_folder_opens_reads_and_is_sealed_whole(tmp_path: Path) -> None:
+    """Version 4 ends each record with a checksum of its own; version 3's records read as they
+    are, and the open that upgrades the folder seals them all (the last stop sealed each only
+    when its key was next written: the others stayed open to an undetected flipped bit)."""
     root = tmp_path / "d"
     values = {"big": torch.arange(300_000.0), "small": torch.arange(8.0), "empty": torch.zeros(0, 3)}
     async with TierStore([disk(root)]) as store:
@@ -216,36 +218,51 @@ async def test_a_format_3_folder_opens_reads_and_seals_each_record_it_rewrites(t
             await store.put(key, value)
     as_format_3(root)
     assert describe_folder(root)["healthy"] and describe_folder(root, verify=True)["healthy"]
-    assert records_sealed(root) == [False] * 3
+    assert records_sealed(root) == [False] * 3  # (info opens read-only: nothing changed)
     async with TierStore([disk(root)]) as store:
         for key, value in values.items():
             got = await store.get(key)
             assert got.shape == value.shape and torch.equal(got, value)
         await store.put("small", torch.ones(8))
     assert read_format_record(root)["format_version"] == FORMAT_VERSION
-    assert sorted(records_sealed(root)) == [False, False, True]
+    assert records_sealed(root) == [True] * 3
     values["small"] = torch.ones(8)
     await check(root, values)
 
 
-async def test_a_half_upgraded_folder_of_one_shape_scans_both_kinds_of_record(tmp_path: Path) -> None:
+def unseal(root: Path, which: Callable[[int], bool]) -> None:
+    """Turn the records ``which(i)`` picks (by position) back into format 3's, keeping the
+    folder's format version 4: what the last stop's tierstore left after an upgrade (each
+    record sealed only once its key was next written)."""
+    env = lmdb.open(str(root / "catalog"), max_dbs=2)
+    try:
+        entries = env.open_db(b"entries", create=False)
+        with env.begin(write=True, db=entries) as txn:
+            for i, (address, raw) in enumerate(list(txn.cursor())):
+                if which(i):
+                    txn.put(address, b"\xb3" + raw[1:-4], db=entries)
+    finally:
+        env.close()
+
+
+async def test_a_folder_half_sealed_by_an_earlier_upgrade_is_sealed_on_open(tmp_path: Path) -> None:
     """(The review: the open scan's fast path, taken by records of a dtype and shape already
-    seen, was tested on sealed records only.) Sixty inline values of one shape, half rewritten
-    after an upgrade from format 3: every value reads back; an unsealed record one byte short,
-    late in the scan, is refused as before, and ``info`` names it."""
+    seen, was tested on sealed records only.) Sixty inline values of one shape, half of their
+    records unsealed as an earlier upgrade left them: every value reads back and the open seals
+    the rest; an unsealed record one byte short, late in the scan, is refused as before (the
+    folder not sealed: nothing changed), and ``info`` names it."""
     root = tmp_path / "d"
     values = {f"k{i:03d}": torch.full((4,), float(i)) for i in range(60)}
     async with TierStore([disk(root)]) as store:
         for key, value in values.items():
             await store.put(key, value)
-    as_format_3(root)
-    async with TierStore([disk(root)]) as store:
-        for i, key in enumerate(values):
-            if i % 2:
-                values[key] = values[key] + 100
-                await store.put(key, values[key])
+    shutil.copytree(root, tmp_path / "damaged")
+    unseal(root, lambda i: i % 2 == 0)
     assert sorted(records_sealed(root)) == [False] * 30 + [True] * 30
     await check(root, values)
+    assert records_sealed(root) == [True] * 60
+    root = tmp_path / "damaged"
+    unseal(root, lambda i: i % 2 == 0)
     env = lmdb.open(str(root / "catalog"), max_dbs=2)
     try:
         entries = env.open_db(b"entries", create=False)
@@ -257,6 +274,7 @@ async def test_a_half_upgraded_folder_of_one_shape_scans_both_kinds_of_record(tm
     with pytest.raises(CatalogError, match="is corrupt"):
         async with TierStore([disk(root)]):
             pass
+    assert sorted(records_sealed(root)) == [False] * 30 + [True] * 30
     info = describe_folder(root)
     assert not info["healthy"] and len(info["damaged_keys"]) == 1 and len(info["keys"]) == 59
 

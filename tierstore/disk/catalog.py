@@ -69,6 +69,7 @@ _BINARY = 0xB3
 #: shape read back as another shape, no byte of data to fail), while a damaged inline value
 #: still fails its own checksum when read, as a value in a data file does.
 _SEALED = 0xB4
+_SEALED_BYTE = bytes([_SEALED])
 _EXTENT, _INLINE = 1, 2
 #: magic, kind, ndim, dtype name length, key length, version
 _HEAD = struct.Struct("<BBBBIQ")
@@ -398,9 +399,19 @@ def _version_of(fields: dict[str, Any], where: Path) -> int:
 
 def _records_unchanged(txn: Any, entries: Any) -> None:
     """Version 1 -> 2: records and segments read the same; only the version number moves.
-    Version 2 -> 3: JSON records stay as they are (they read back beside binary ones) and are
-    rewritten in the binary form when their key is next written. Version 3 -> 4: the same for
-    unsealed binary records, sealed when their key is next written."""
+    Version 2 -> 3: JSON records stay as they are (they read back beside binary ones). Version
+    3 -> 4: the same for unsealed binary records. ``Catalog.upgrade`` then seals them all
+    (``_seal_records``)."""
+
+
+def _seal_records(txn: Any, entries: Any) -> None:
+    """Rewrite every record not sealed (JSON, format 3) as the sealed binary record of the same
+    key, tensor, extent, version and checksums (an inline value's bytes and checksum as they
+    are: a value damaged already still fails its own checksum when read)."""
+    unsealed = [bytes(address) for address, raw in txn.cursor(db=entries) if raw[:1] != _SEALED_BYTE]
+    for address in unsealed:
+        record = DiskRecord.from_bytes(txn.get(address, db=entries))
+        txn.put(address, record.to_bytes(), db=entries)
 
 
 #: Upgrades in place, by the version they start from: each brings a catalog to the next version
@@ -439,6 +450,9 @@ class Catalog:
         #: The timer that starts committing staged changes (``stage_inline``), if one is set.
         self._kick: asyncio.TimerHandle | None = None
         self.layout: CatalogLayout | None = None
+        #: Records the last ``scan`` found without a seal of their own (JSON, format 3):
+        #: ``upgrade`` seals them.
+        self.unsealed = 0
         #: Held by whichever thread runs a write transaction (the writer, or a worker thread
         #: committing the record of what it just wrote: ``commit_here``): one at a time.
         self._txn_lock = threading.RLock()
@@ -469,11 +483,13 @@ class Catalog:
         return self.layout
 
     def upgrade(self) -> None:
-        """Bring an older catalog to ``FORMAT_VERSION`` in one transaction; the opener calls it
-        once its scan found the records sound (a damaged folder keeps its version: the tierstore
-        that wrote it can still open it)."""
+        """Bring an older catalog to ``FORMAT_VERSION``, and seal every record the last ``scan``
+        found unsealed (JSON or format-3 records, which an earlier tierstore left unsealed
+        until their key was next written), in one transaction; the opener calls it once its
+        scan found the records sound (a damaged folder keeps its version: the tierstore that
+        wrote it can still open it)."""
         layout = self.layout
-        if layout is not None and layout.format_version < FORMAT_VERSION:
+        if layout is not None and (layout.format_version < FORMAT_VERSION or self.unsealed):
             self._upgrade(layout)
 
     def _upgrade(self, layout: CatalogLayout) -> None:
@@ -481,11 +497,15 @@ class Catalog:
             with self._env.begin(write=True) as txn:
                 for version in range(layout.format_version, FORMAT_VERSION):
                     _UPGRADES[version](txn, self._entries)
-                txn.put(_META_KEY, layout.to_bytes(), db=self._meta)
+                if self.unsealed:
+                    _seal_records(txn, self._entries)
+                if layout.format_version < FORMAT_VERSION:
+                    txn.put(_META_KEY, layout.to_bytes(), db=self._meta)
         except lmdb.Error as exc:
             self.close()
             raise CatalogError(f"the catalog in {self.path} cannot be upgraded from format version {layout.format_version}: {exc}") from None
         self.layout = replace(layout, format_version=FORMAT_VERSION)
+        self.unsealed = 0
 
     def open_readonly(self) -> CatalogLayout:
         """Open for reading only (safe beside a process that has the folder open for writing)."""
@@ -606,7 +626,7 @@ class Catalog:
         described: dict[bytes, tuple[int, TensorMeta, int]] = {}
         head, head_size, checksum_size, tag_inline = _SCAN_HEAD.unpack_from, _SCAN_HEAD.size, _CHECKSUM.size, _INLINE_TAG
         tag_sealed, unpack_checksum, crc = _SEALED_INLINE_TAG, _CHECKSUM.unpack_from, crc32c.crc32c
-        hasher, inline_bytes = address_hash, 0
+        hasher, inline_bytes, unsealed = address_hash, 0, 0
         # (records as bytes, not buffers: slicing bytes is cheaper than making memoryviews)
         try:
             with self._env.begin(db=self._entries) as txn:
@@ -629,8 +649,10 @@ class Catalog:
                         if hasher(encoded).digest() != digest:
                             raise _SlowPath  # (the full parse raises for a record under another key's address)
                         add_key(encoded.decode("utf-8"))
+                        unsealed += tag != tag_sealed
                     except (_SlowPath, struct.error, UnicodeDecodeError):
                         record = self._parse(digest, raw)
+                        unsealed += raw[0] != _SEALED
                         if record.extent is not None:
                             extents[record.key] = record
                             continue
@@ -649,6 +671,7 @@ class Catalog:
         except _DAMAGE as exc:
             raise self._damaged(exc) from None
         found.nbytes = inline_bytes
+        self.unsealed = unsealed
         return extents, found
 
     def _parse(self, digest: bytes, raw: bytes | memoryview) -> DiskRecord:
