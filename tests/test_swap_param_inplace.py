@@ -295,3 +295,44 @@ def test_a_weight_changed_in_place_by_its_forward_is_kept(device_mode: str, stor
         offload.detach()
     for ours, theirs in zip(swapped.parameters(), plain.parameters(), strict=True):
         assert torch.equal(ours, theirs)
+
+
+class _Doubling(nn.Linear):
+    """Doubles its held weight in place, then is interrupted (torch runs no ``always_call``
+    forward hook for a ``KeyboardInterrupt``: the weight stays held)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.weight.mul_(2.0)
+        raise KeyboardInterrupt
+
+
+def test_a_change_still_held_when_the_store_closes_is_kept(device_mode: str) -> None:
+    """The review: closing the store while a changed weight was still held (a forward
+    interrupted) stored the change from the loop's thread, which cannot wait for itself: the
+    close failed (LoopDeadlockError), and a second close lost the change."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Doubling(4, 4))
+    doubled = model[0].weight.detach() * 2
+    store = SyncTierStore([DeviceTier("cpu", "64KiB"), HostTier("64KiB")]).open()
+    offload_parameters(model, store)
+    with pytest.raises(KeyboardInterrupt), torch.no_grad():
+        model(torch.randn(1, 4))
+    store.close()  # (puts the weights back into the module first)
+    assert torch.equal(model[0].weight.detach(), doubled)
+
+
+def test_a_change_is_written_over_the_stored_weight_without_a_second_copy(device_mode: str) -> None:
+    """The review: the change was put as a new value, which needs room for a second copy: a
+    host tier holding the weights, not twice the changed one, failed every forward
+    (``TierFullError``) where it trained before."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Embedding(64, 64, max_norm=0.5))  # 16 KiB
+    swapped = copy.deepcopy(plain)
+    with SyncTierStore([DeviceTier("cpu", "64KiB"), HostTier("24KiB")]) as store:
+        offload_parameters(swapped, store)
+        for tokens in ([1, 2], [3, 1]):
+            with torch.no_grad():
+                plain(torch.tensor(tokens))
+                swapped(torch.tensor(tokens))
+        assert torch.equal(swapped.state_dict()["0.weight"], plain.state_dict()["0.weight"])

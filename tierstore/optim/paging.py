@@ -93,9 +93,6 @@ from .steps import StepRunner, closes_store
 
 #: Optimizers not given a namespace claim the first free ``optim/<n>/``.
 DEFAULT_NAMESPACE_BASE = "optim/"
-#: Parameters that are themselves what a slot updates (not a shard's rows, a DTensor's local
-#: part): their size is the slot's, unless their data was replaced.
-
 __all__ = ["DEFAULT_DISK_ROOT", "DEFAULT_NAMESPACE_BASE", "OptimizerCapacityError", "PagedOptimizer", "ParamSlot"]
 
 

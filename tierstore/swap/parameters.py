@@ -396,6 +396,9 @@ class ParameterOffload:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        changed = self._changed([w for w in self._weights if w.hold is not None])
+        if changed:  # (on the loop: ``_let_go`` would block on it)
+            await self._store_changed(changed, self.link.mark())
         self._let_go(self._weights, everyone=True)
         for releasing in self._releasing:
             await asyncio.wrap_future(releasing)
@@ -755,21 +758,45 @@ class ParameterOffload:
                 self._releasing.append(asyncio.run_coroutine_threadsafe(exiting, self._loop))
 
     def _store_changes(self, weights: list[_Weight]) -> None:
-        """Store those of ``weights`` a unit changed in place while it held them (torch's
-        version counter moved: ``nn.Embedding(max_norm=...)`` renormalises the rows it looks up,
-        under ``no_grad``), as the plain module keeps the change: the new value is put before
-        the hold on the old one's buffer ends, and the training thread waits for it (rare), so
-        any later read, hold or optimizer update sees it. The optimizer, seeing the version
-        move, reloads its master from the stored weight, as torch's AdamW updates the changed
-        weight."""
-        changed = [w for w in weights if not w.borrowers and w.value is not None and _REGISTRY.get(w.param) is not None
-                   and w.param._version != w.held_version]
-        if not changed:
-            return
-        values = [w.value.contiguous() for w in changed if w.value is not None]
-        marker = self.link.mark()  # the copies follow the kernels that made the change
-        run(self._store_values(changed, values, marker))
-        self.report.bytes_out += sum(value.nbytes for value in values)
+        """Store those of ``weights`` a unit changed in place while it held them
+        (``_store_changed``), the training thread waiting for it."""
+        changed = self._changed(weights)
+        if changed:
+            run(self._store_changed(changed, self.link.mark()))  # (the copies follow the kernels that made the change)
+
+    @staticmethod
+    def _changed(weights: list[_Weight]) -> list[_Weight]:
+        """Those of the held ``weights`` whose version counter moved since their buffer went in
+        (a recomputation's copy aside)."""
+        return [w for w in weights if not w.borrowers and w.value is not None and _REGISTRY.get(w.param) is not None
+                and w.param._version != w.held_version]
+
+    async def _store_changed(self, changed: list[_Weight], marker: Any) -> None:
+        """Store the held values of ``changed``, as the plain module keeps a change its forward
+        makes in place (``nn.Embedding(max_norm=...)`` renormalises the rows it looks up, under
+        ``no_grad``), before the holds on the old value's buffers end, so any later read, hold
+        or optimizer update sees it (the optimizer, seeing the version move, reloads its master
+        from the stored weight, as torch's AdamW updates the changed weight). On a memory tier
+        the change is written over the stored value under a write hold (no second copy needs
+        room); on the disk tier it is put."""
+        in_place = isinstance(self.store.tier(self.tier), MemoryTier) and self.tier != self.device_tier
+        for weight in changed:
+            value = weight.value
+            assert value is not None
+            try:
+                if in_place:
+                    async with self.store.hold(weight.key, self.tier, write=True) as stored:
+                        await self.link.to_host(stored, value, after=marker)
+                else:
+                    await to_store(self.store, weight.key, value.contiguous(), self.tier, self.link, marker)
+            except Exception as exc:
+                exc.add_note(
+                    f"(storing parameter {weight.key.rsplit('/', 1)[-1]!r} (stored as {weight.key!r}), which a forward changed "
+                    "in place while it was held, e.g. nn.Embedding(max_norm=...): that change is lost)"
+                )
+                raise
+            weight.held_version = weight.param._version
+            self.report.bytes_out += value.nbytes
 
     def _prefetch_after(self, position: int, index: int) -> None:
         """Prefetch the units that follow, in last step's order (or, in the first step, the
