@@ -169,3 +169,16 @@ async def test_a_read_begun_while_the_copy_was_held_is_waited_for_once_the_hold_
             await store.put("b", torch.randn(B), "host")
             await reader
             await store.delete("b")
+
+
+def test_a_small_value_that_needs_a_new_slab_says_so_when_it_cannot_have_one() -> None:
+    """A tryout: "cannot make room for 128 B: 2.0 KiB free" read as a contradiction; a value
+    this small takes a slot of a shared slab, and a new slab needs 4 KiB."""
+    with SyncTierStore([DeviceTier("cpu", "6KiB"), HostTier("64KiB")]) as store:
+        store.put("big", torch.zeros(1024), tier="host")
+        store.put("small", torch.zeros(32), tier="host")
+        with store.hold("big", "device"), pytest.raises(TierFullError, match=r"128 B \(it takes a new slab of 4.0 KiB"), \
+                store.hold("small", "device"):
+            pass
+        with store.hold("small", "device") as small:  # (and the store goes on)
+            assert small.numel() == 32

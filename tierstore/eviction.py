@@ -137,8 +137,11 @@ async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, prio
                 # (a value deleted or replaced while a read, pop or write-back still uses its copy)
                 retiring = max(tier.live_bytes - sum(c.nbytes for c in copies), 0)
                 failure = engine.policy_failures.get(t)
+                need = tier.allocation_size(nbytes)
+                takes = ("" if need <= nbytes else f" (it takes a new slab of {format_bytes(need)}: values this small share slabs)"
+                         if tier.value_size(nbytes) < need else f" (it takes {format_bytes(need)} with its alignment)")
                 raise TierFullError(
-                    f"tier {tier.name!r} cannot make room for {format_bytes(nbytes)}: {format_bytes(tier.free)} free, "
+                    f"tier {tier.name!r} cannot make room for {format_bytes(nbytes)}{takes}: {format_bytes(tier.free)} free, "
                     f"{format_bytes(held)} held or in transfer"
                     + (f", {format_bytes(retiring)} in values deleted or replaced that a read still uses" if retiring else "")
                     + (f" (its eviction policy's {failure})" if failure else "")
