@@ -340,3 +340,35 @@ def test_a_change_is_written_over_the_stored_weight_without_a_second_copy(device
                 plain(torch.tensor(tokens))
                 swapped(torch.tensor(tokens))
         assert torch.equal(swapped.state_dict()["0.weight"], plain.state_dict()["0.weight"])
+
+
+class _UseThenClamp(nn.Module):
+    """Computes with its weight, then changes it in place: torch refuses the backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(16, 16) * 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x @ self.w
+        with torch.no_grad():
+            self.w.clamp_(-1, 1)
+        return y
+
+
+def test_a_weight_changed_after_a_forward_saved_it_is_refused_in_backward_as_torch_does(device_mode: str) -> None:
+    """A tryout: offloaded, the backward silently computed the input's gradient with the
+    changed weight (torch's saved-tensor check does not see through the offload's saved
+    references); torch raises. Now the same error, naming the parameter."""
+    torch.manual_seed(0)
+    plain = _UseThenClamp()
+    swapped = copy.deepcopy(plain)
+    x = torch.randn(3, 16, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        plain(x).sum().backward()
+    with SyncTierStore([DeviceTier("cpu", "64KiB"), HostTier("64KiB")]) as store:
+        offload = offload_parameters(swapped, store)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation: parameter 'w'"):
+            swapped(x).sum().backward()
+        offload.detach()
+    assert torch.equal(swapped.w, plain.w)  # (the change itself is kept, as torch keeps it)

@@ -175,6 +175,9 @@ class _ParamRef:
     stride: tuple[int, ...]
     offset: int
     whole: bool
+    #: ``param._version`` when it was saved: torch refuses a backward after an in-place change
+    #: of a saved tensor, and so does ``_unpack``.
+    version: int = 0
 
 
 @dataclass(eq=False)
@@ -512,13 +515,20 @@ class ParameterOffload:
         weight = self._weight_of.get(id(base)) if base is not None else None
         if weight is not None and weight.param is base and offloaded(base) is not None:
             return _ParamRef(weight, tuple(tensor.size()), tuple(tensor.stride()),
-                             int(tensor.storage_offset() - base.storage_offset()), tensor is base)
+                             int(tensor.storage_offset() - base.storage_offset()), tensor is base, base._version)
         activations = active_activation_offload()
         return activations._pack(tensor) if activations is not None else tensor
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, _ParamRef):
             weight = packed.weight
+            if weight.param._version != packed.version:  # (what torch checks of a tensor it saves itself)
+                raise RuntimeError(
+                    f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+                    f"parameter {weight.key.rsplit('/', 1)[-1]!r} (stored as {weight.key!r}) is at version "
+                    f"{weight.param._version}; expected version {packed.version} instead (it was changed in place after "
+                    f"a forward saved it for backward, as torch refuses too)"
+                )
             if weight.hold is None:  # used in backward outside its units' own backward
                 self._hold_weights([weight], weight.units[0])
             data = weight.param.data
