@@ -127,7 +127,7 @@ async def test_a_capacity_beyond_the_file_system_is_refused_unless_overcommitted
 
 def edit_format_record(root: Path, edit: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     """Change the catalog's format record through LMDB, as another version of the code would."""
-    env = lmdb.open(str(root / "catalog"), max_dbs=2)
+    env = lmdb.open(str(root / "catalog"), max_dbs=2, map_size=1 << 31)
     try:
         meta = env.open_db(b"meta")
         with env.begin(write=True, db=meta) as txn:
@@ -146,7 +146,7 @@ def read_format_record(root: Path) -> dict[str, Any]:
 def as_format_3(root: Path) -> None:
     """Turn a closed folder into what format version 3 wrote: binary records without the
     checksum of their own that version 4 ends each with (first byte 0xB3, not 0xB4)."""
-    env = lmdb.open(str(root / "catalog"), max_dbs=2)
+    env = lmdb.open(str(root / "catalog"), max_dbs=2, map_size=1 << 31)
     try:
         entries = env.open_db(b"entries", create=False)
         with env.begin(write=True, db=entries) as txn:
@@ -234,7 +234,7 @@ def unseal(root: Path, which: Callable[[int], bool]) -> None:
     """Turn the records ``which(i)`` picks (by position) back into format 3's, keeping the
     folder's format version 4: what the last stop's tierstore left after an upgrade (each
     record sealed only once its key was next written)."""
-    env = lmdb.open(str(root / "catalog"), max_dbs=2)
+    env = lmdb.open(str(root / "catalog"), max_dbs=2, map_size=1 << 31)
     try:
         entries = env.open_db(b"entries", create=False)
         with env.begin(write=True, db=entries) as txn:
@@ -263,7 +263,7 @@ async def test_a_folder_half_sealed_by_an_earlier_upgrade_is_sealed_on_open(tmp_
     assert records_sealed(root) == [True] * 60
     root = tmp_path / "damaged"
     unseal(root, lambda i: i % 2 == 0)
-    env = lmdb.open(str(root / "catalog"), max_dbs=2)
+    env = lmdb.open(str(root / "catalog"), max_dbs=2, map_size=1 << 31)
     try:
         entries = env.open_db(b"entries", create=False)
         with env.begin(write=True, db=entries) as txn:
@@ -597,7 +597,7 @@ def _entries_root_page(data: bytes) -> int:
 
 def _flip_in_record(root: Path, key: str, byte: int, bit: int) -> None:
     """Flip one bit of ``key``'s catalog record (LMDB pages carry no checksum of their own)."""
-    env = lmdb.open(str(root / "catalog"), max_dbs=2)
+    env = lmdb.open(str(root / "catalog"), max_dbs=2, map_size=1 << 31)
     try:
         entries = env.open_db(b"entries", create=False)
         with env.begin(write=True, db=entries) as txn:
@@ -690,3 +690,23 @@ async def test_info_counts_the_room_of_values_in_a_truncated_data_file(tmp_path:
     info = json.loads(capsys.readouterr().out)
     assert info["extent_bytes"] == 4 << 20 and info["free_in_segments"] == info["reserved_bytes"] - (4 << 20), info
     assert info["damaged_keys"] == ["k2", "k3"]
+
+
+async def test_an_old_catalog_larger_than_half_its_map_is_sealed_and_opens(tmp_path: Path) -> None:
+    """The review: sealing every record in one transaction needed free map room for the whole
+    catalog twice over; a folder of 160 MiB of unsealed inline records (``inline_max`` raised),
+    which the last stop opened, failed every open with MDB_MAP_FULL. Now in transactions that
+    grow the map as a commit does."""
+    root = tmp_path / "d"
+
+    def big_inline() -> DiskTier:
+        return DiskTier(root, "1GiB", chunk_size="256KiB", inline_max="1MiB")
+
+    async with TierStore([big_inline()]) as store:
+        for i in range(160):
+            await store.put(f"k{i}", torch.full((1 << 18,), float(i)))  # 1 MiB each, inline
+    as_format_3(root)
+    async with TierStore([big_inline()]) as store:
+        assert torch.equal(await store.get("k7"), torch.full((1 << 18,), 7.0))
+        assert len(store.keys()) == 160
+    assert all(records_sealed(root))

@@ -48,6 +48,8 @@ _META_KEY = b"format"
 #: by the writer, a full reader table, which pass as LMDB raised them).
 _DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.BadTxnError, lmdb.InvalidError)
 _INITIAL_MAP_SIZE = 256 << 20
+#: Records, and bytes of them, ``Catalog._seal_records`` rewrites per transaction (at most).
+_SEAL_BATCH, _SEAL_BATCH_BYTES = 8192, 32 << 20
 #: The most changes a transaction with no sync may hold to be committed on the loop's thread
 #: (``Catalog._flush``), about 1.3 ms of the loop at ~5 us a change; larger ones (a ``flush()``
 #: of many keys, a burst of puts) go to the writer thread.
@@ -401,17 +403,7 @@ def _records_unchanged(txn: Any, entries: Any) -> None:
     """Version 1 -> 2: records and segments read the same; only the version number moves.
     Version 2 -> 3: JSON records stay as they are (they read back beside binary ones). Version
     3 -> 4: the same for unsealed binary records. ``Catalog.upgrade`` then seals them all
-    (``_seal_records``)."""
-
-
-def _seal_records(txn: Any, entries: Any) -> None:
-    """Rewrite every record not sealed (JSON, format 3) as the sealed binary record of the same
-    key, tensor, extent, version and checksums (an inline value's bytes and checksum as they
-    are: a value damaged already still fails its own checksum when read)."""
-    unsealed = [bytes(address) for address, raw in txn.cursor(db=entries) if raw[:1] != _SEALED_BYTE]
-    for address in unsealed:
-        record = DiskRecord.from_bytes(txn.get(address, db=entries))
-        txn.put(address, record.to_bytes(), db=entries)
+    (``Catalog._seal_records``)."""
 
 
 #: Upgrades in place, by the version they start from: each brings a catalog to the next version
@@ -489,22 +481,44 @@ class Catalog:
         scan found the records sound (a damaged folder keeps its version: the tierstore that
         wrote it can still open it)."""
         layout = self.layout
-        if layout is not None and (layout.format_version < FORMAT_VERSION or self.unsealed):
+        if layout is not None and layout.format_version < FORMAT_VERSION:
             self._upgrade(layout)
+        if self.unsealed:
+            self._seal_records()
 
     def _upgrade(self, layout: CatalogLayout) -> None:
         try:
             with self._env.begin(write=True) as txn:
                 for version in range(layout.format_version, FORMAT_VERSION):
                     _UPGRADES[version](txn, self._entries)
-                if self.unsealed:
-                    _seal_records(txn, self._entries)
-                if layout.format_version < FORMAT_VERSION:
-                    txn.put(_META_KEY, layout.to_bytes(), db=self._meta)
+                txn.put(_META_KEY, layout.to_bytes(), db=self._meta)
         except lmdb.Error as exc:
             self.close()
             raise CatalogError(f"the catalog in {self.path} cannot be upgraded from format version {layout.format_version}: {exc}") from None
         self.layout = replace(layout, format_version=FORMAT_VERSION)
+
+    def _seal_records(self) -> None:
+        """Rewrite every record not sealed (JSON, format 3) as the sealed binary record of the
+        same key, tensor, extent, version and checksums (an inline value's bytes and checksum as
+        they are: a value damaged already still fails its own checksum when read), in
+        transactions of ``_SEAL_BATCH`` records that grow the map as a commit does (one for
+        all would need free map room for the whole catalog twice over). Each record reads the
+        same sealed or not, so a crash part-way leaves a sound folder whose next open seals the
+        rest."""
+        with self._env.begin(db=self._entries) as txn:
+            unsealed = [bytes(address) for address, raw in txn.cursor() if raw[:1] != _SEALED_BYTE]
+        start = 0
+        while start < len(unsealed):
+            batch: list[tuple[str, DiskRecord]] = []
+            nbytes = 0
+            with self._env.begin(db=self._entries) as txn:
+                while start < len(unsealed) and len(batch) < _SEAL_BATCH and nbytes < _SEAL_BATCH_BYTES:
+                    raw = txn.get(unsealed[start])
+                    record = DiskRecord.from_bytes(raw)
+                    batch.append((record.key, record))
+                    nbytes += len(raw)
+                    start += 1
+            self._write_sync(batch, None)
         self.unsealed = 0
 
     def open_readonly(self) -> CatalogLayout:
