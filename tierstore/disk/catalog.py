@@ -475,11 +475,11 @@ class Catalog:
         return self.layout
 
     def upgrade(self) -> None:
-        """Bring an older catalog to ``FORMAT_VERSION``, and seal every record the last ``scan``
-        found unsealed (JSON or format-3 records, which an earlier tierstore left unsealed
-        until their key was next written), in one transaction; the opener calls it once its
-        scan found the records sound (a damaged folder keeps its version: the tierstore that
-        wrote it can still open it)."""
+        """Bring an older catalog to ``FORMAT_VERSION`` (one transaction), then seal every record
+        the last ``scan`` found unsealed (JSON or format-3 records, which an earlier tierstore
+        left unsealed until their key was next written: ``_seal_records``); the opener calls it
+        once its scan found the records sound (a damaged folder keeps its version: the
+        tierstore that wrote it can still open it)."""
         layout = self.layout
         if layout is not None and layout.format_version < FORMAT_VERSION:
             self._upgrade(layout)
@@ -501,7 +501,8 @@ class Catalog:
         """Rewrite every record not sealed (JSON, format 3) as the sealed binary record of the
         same key, tensor, extent, version and checksums (an inline value's bytes and checksum as
         they are: a value damaged already still fails its own checksum when read), in
-        transactions of ``_SEAL_BATCH`` records that grow the map as a commit does (one for
+        transactions of at most ``_SEAL_BATCH`` records and ``_SEAL_BATCH_BYTES`` that grow the
+        map as a commit does (one for
         all would need free map room for the whole catalog twice over). Each record reads the
         same sealed or not, so a crash part-way leaves a sound folder whose next open seals the
         rest."""
