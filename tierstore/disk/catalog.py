@@ -71,7 +71,6 @@ _BINARY = 0xB3
 #: shape read back as another shape, no byte of data to fail), while a damaged inline value
 #: still fails its own checksum when read, as a value in a data file does.
 _SEALED = 0xB4
-_SEALED_BYTE = bytes([_SEALED])
 _EXTENT, _INLINE = 1, 2
 #: magic, kind, ndim, dtype name length, key length, version
 _HEAD = struct.Struct("<BBBBIQ")
@@ -442,9 +441,9 @@ class Catalog:
         #: The timer that starts committing staged changes (``stage_inline``), if one is set.
         self._kick: asyncio.TimerHandle | None = None
         self.layout: CatalogLayout | None = None
-        #: Records the last ``scan`` found without a seal of their own (JSON, format 3):
-        #: ``upgrade`` seals them.
-        self.unsealed = 0
+        #: The addresses of the records the last ``scan`` found without a seal of their own
+        #: (JSON, format 3): ``upgrade`` seals them.
+        self._unsealed: list[bytes] = []
         #: Held by whichever thread runs a write transaction (the writer, or a worker thread
         #: committing the record of what it just wrote: ``commit_here``): one at a time.
         self._txn_lock = threading.RLock()
@@ -483,7 +482,7 @@ class Catalog:
         layout = self.layout
         if layout is not None and layout.format_version < FORMAT_VERSION:
             self._upgrade(layout)
-        if self.unsealed:
+        if self._unsealed:
             self._seal_records()
 
     def _upgrade(self, layout: CatalogLayout) -> None:
@@ -502,25 +501,23 @@ class Catalog:
         same key, tensor, extent, version and checksums (an inline value's bytes and checksum as
         they are: a value damaged already still fails its own checksum when read), in
         transactions of at most ``_SEAL_BATCH`` records and ``_SEAL_BATCH_BYTES`` that grow the
-        map as a commit does (one for
-        all would need free map room for the whole catalog twice over). Each record reads the
-        same sealed or not, so a crash part-way leaves a sound folder whose next open seals the
-        rest."""
-        with self._env.begin(db=self._entries) as txn:
-            unsealed = [bytes(address) for address, raw in txn.cursor() if raw[:1] != _SEALED_BYTE]
+        map as a commit does (one for all would need free map room for the whole catalog twice
+        over). Each record reads the same sealed or not, so a crash part-way leaves a sound
+        folder whose next open seals the rest. The addresses are the scan's: no second pass."""
+        addresses = self._unsealed
         start = 0
-        while start < len(unsealed):
+        while start < len(addresses):
             batch: list[tuple[str, DiskRecord]] = []
             nbytes = 0
             with self._env.begin(db=self._entries) as txn:
-                while start < len(unsealed) and len(batch) < _SEAL_BATCH and nbytes < _SEAL_BATCH_BYTES:
-                    raw = txn.get(unsealed[start])
+                while start < len(addresses) and len(batch) < _SEAL_BATCH and nbytes < _SEAL_BATCH_BYTES:
+                    raw = txn.get(addresses[start])
                     record = DiskRecord.from_bytes(raw)
                     batch.append((record.key, record))
                     nbytes += len(raw)
                     start += 1
             self._write_sync(batch, None)
-        self.unsealed = 0
+        self._unsealed = []
 
     def open_readonly(self) -> CatalogLayout:
         """Open for reading only (safe beside a process that has the folder open for writing)."""
@@ -641,7 +638,8 @@ class Catalog:
         described: dict[bytes, tuple[int, TensorMeta, int]] = {}
         head, head_size, checksum_size, tag_inline = _SCAN_HEAD.unpack_from, _SCAN_HEAD.size, _CHECKSUM.size, _INLINE_TAG
         tag_sealed, unpack_checksum, crc = _SEALED_INLINE_TAG, _CHECKSUM.unpack_from, crc32c.crc32c
-        hasher, inline_bytes, unsealed = address_hash, 0, 0
+        hasher, inline_bytes = address_hash, 0
+        to_seal: list[bytes] = []
         # (records as bytes, not buffers: slicing bytes is cheaper than making memoryviews)
         try:
             with self._env.begin(db=self._entries) as txn:
@@ -664,10 +662,12 @@ class Catalog:
                         if hasher(encoded).digest() != digest:
                             raise _SlowPath  # (the full parse raises for a record under another key's address)
                         add_key(encoded.decode("utf-8"))
-                        unsealed += tag != tag_sealed
+                        if tag != tag_sealed:
+                            to_seal.append(digest)
                     except (_SlowPath, struct.error, UnicodeDecodeError):
                         record = self._parse(digest, raw)
-                        unsealed += raw[0] != _SEALED
+                        if raw[0] != _SEALED:
+                            to_seal.append(digest)
                         if record.extent is not None:
                             extents[record.key] = record
                             continue
@@ -686,7 +686,7 @@ class Catalog:
         except _DAMAGE as exc:
             raise self._damaged(exc) from None
         found.nbytes = inline_bytes
-        self.unsealed = unsealed
+        self._unsealed = to_seal
         return extents, found
 
     def _parse(self, digest: bytes, raw: bytes | memoryview) -> DiskRecord:

@@ -778,8 +778,9 @@ class ParameterOffload:
     def _changed(weights: list[_Weight]) -> list[_Weight]:
         """Those of the held ``weights`` whose version counter moved since their buffer went in
         (a recomputation's copy aside)."""
-        return [w for w in weights if not w.borrowers and w.value is not None and _REGISTRY.get(w.param) is not None
-                and w.param._version != w.held_version]
+        # (asked at every release: the version compare, cheapest and nearly always false, first)
+        return [w for w in weights if w.param._version != w.held_version and not w.borrowers and w.value is not None
+                and _REGISTRY.get(w.param) is not None]
 
     async def _store_changed(self, changed: list[_Weight], marker: Any) -> None:
         """Store the held values of ``changed``, as the plain module keeps a change its forward
