@@ -146,16 +146,24 @@ def read_format_record(root: Path) -> dict[str, Any]:
 def as_format_3(root: Path) -> None:
     """Turn a closed folder into what format version 3 wrote: binary records without the
     checksum of their own that version 4 ends each with (first byte 0xB3, not 0xB4)."""
+    unseal(root, lambda i: True)
+    edit_format_record(root, lambda fields: fields.update(format_version=3, version=3))
+
+
+def unseal(root: Path, which: Callable[[int], bool]) -> None:
+    """Turn the records ``which(i)`` picks (by position) back into format 3's, keeping the
+    folder's format version (4: what the last stop's tierstore left after an upgrade, each
+    record sealed only once its key was next written)."""
     env = lmdb.open(str(root / "catalog"), max_dbs=2, map_size=1 << 31)
     try:
         entries = env.open_db(b"entries", create=False)
         with env.begin(write=True, db=entries) as txn:
-            for address, raw in list(txn.cursor()):
-                assert raw[0] == 0xB4, raw[:1]
-                txn.put(address, b"\xb3" + raw[1:-4], db=entries)
+            for i, (address, raw) in enumerate(list(txn.cursor())):
+                if which(i):
+                    assert raw[0] == 0xB4, raw[:1]
+                    txn.put(address, b"\xb3" + raw[1:-4], db=entries)
     finally:
         env.close()
-    edit_format_record(root, lambda fields: fields.update(format_version=3, version=3))
 
 
 def records_sealed(root: Path) -> list[bool]:
@@ -228,21 +236,6 @@ async def test_a_format_3_folder_opens_reads_and_is_sealed_whole(tmp_path: Path)
     assert records_sealed(root) == [True] * 3
     values["small"] = torch.ones(8)
     await check(root, values)
-
-
-def unseal(root: Path, which: Callable[[int], bool]) -> None:
-    """Turn the records ``which(i)`` picks (by position) back into format 3's, keeping the
-    folder's format version 4: what the last stop's tierstore left after an upgrade (each
-    record sealed only once its key was next written)."""
-    env = lmdb.open(str(root / "catalog"), max_dbs=2, map_size=1 << 31)
-    try:
-        entries = env.open_db(b"entries", create=False)
-        with env.begin(write=True, db=entries) as txn:
-            for i, (address, raw) in enumerate(list(txn.cursor())):
-                if which(i):
-                    txn.put(address, b"\xb3" + raw[1:-4], db=entries)
-    finally:
-        env.close()
 
 
 async def test_a_folder_half_sealed_by_an_earlier_upgrade_is_sealed_on_open(tmp_path: Path) -> None:
