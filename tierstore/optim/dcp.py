@@ -570,8 +570,7 @@ def load_optimizer(
             optimizer._step_counts.pop(slot.index, None)
             run(optimizer.delete_state(slot))
     _set_groups(optimizer, loaded_groups or [])
-    for post_hook in optimizer._optimizer_load_state_dict_post_hooks.values():  # (as load_state_dict runs them)
-        post_hook(optimizer)
+    optimizer._run_load_post_hooks()
 
 
 def _set_groups(optimizer: TieredAdam, saved: list[dict[str, Any]]) -> None:

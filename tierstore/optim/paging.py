@@ -930,6 +930,11 @@ class PagedOptimizer(torch.optim.Optimizer):
             if result is not None:
                 state_dict = result
         load(state_dict)
+        self._run_load_post_hooks()
+
+    def _run_load_post_hooks(self) -> None:
+        """The hooks of ``register_load_state_dict_post_hook``, once a load ended (as torch's
+        ``load_state_dict`` runs them; the streaming ``load_optimizer`` too)."""
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
