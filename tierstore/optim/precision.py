@@ -712,18 +712,24 @@ class PackedState:
         tile = COMPILED_TILE if compiled else TILE
         width = min(self.numel, tile)  # (elements of a scratch row: allocated as the tiles need)
         high = torch.empty(self.numel, dtype=torch.bfloat16) if layout.lossless else None
-        before, counted = step.clone(), step.clone()
+        # The count as a number: the fused tiles need no tensor of it (each torch call on the
+        # training thread lets go of the GIL, and getting it back may wait for the loop).
+        before = float(step)
+        counted: torch.Tensor | float | None = None
         fused = hyper is not None and compiled and len(layout.moments) == 2
-        scalars = hyper.scalars(float(before) + 1) if fused and hyper is not None else None
+        scalars = hyper.scalars(before + 1) if fused and hyper is not None else None
         for start, stop in _tiles(self.numel, tile, split_partial=compiled):
             if scalars is not None and not _FUSED.failed and stop > start and (stop - start) % BLOCK == 0 and self._fused_tile(start, stop, flat, scalars, high):
                 counted = before + 1  # (as torch's Adam counts)
                 continue
             rows = self._decode_tile(start, stop, width, compiled)
-            counted = before.clone()
+            counted = step.clone()  # (not counted yet: each tile from the same count)
             adam(rows, flat[start:stop], counted)
             self._encode_tile(start, stop, rows, high, compiled)
-        step.copy_(counted)
+        if isinstance(counted, torch.Tensor):
+            step.copy_(counted)
+        elif counted is not None:
+            step.fill_(counted)
         if high is not None:
             self.high = high
 
