@@ -186,3 +186,31 @@ def test_a_process_exits_with_the_pool_alive() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 0 and done.stdout.strip() == "called", done.stderr[-2000:]
+
+
+def test_helpers_compute_under_the_callers_flush_to_zero(built: native.Kernel) -> None:
+    # torch.set_flush_denormal sets the calling thread's floating-point control alone; helpers
+    # started before it kept theirs, so the moments of tiny gradients (subnormal values) came
+    # out flushed or not by which thread took their block: different bits from run to run.
+    n = 1 << 20
+    generator = torch.Generator().manual_seed(0)
+    base = {"master": torch.randn(n, generator=generator), "grad": torch.randn(n, generator=generator) * 1e-20,
+            "m_codes": torch.full((n,), 127, dtype=torch.uint8), "m_scales": torch.zeros(n // BLOCK),
+            "v_codes": torch.zeros(n, dtype=torch.uint8), "v_scales": torch.zeros(n // BLOCK)}
+    s = HYPER.scalars(1.0)
+
+    def call(threads: int) -> dict[str, torch.Tensor]:
+        tile = {name: value.clone() for name, value in base.items()}
+        assert native.adam8(tile["master"], None, (tile["m_codes"], tile["m_scales"], tile["v_codes"], tile["v_scales"]),
+                            tile["grad"], s, built, threads)
+        return tile
+
+    call(2)  # (the pool's helpers start under the default control)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        one = call(1)
+        for _ in range(6):
+            _assert_same_bits(call(2), one)
+    finally:
+        torch.set_flush_denormal(False)

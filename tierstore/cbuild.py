@@ -78,7 +78,8 @@ def build(source: Path, flags: Sequence[str], *, optional: Sequence[str] = ()) -
             if done.returncode == 0:
                 break
         if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(full)} failed: {(done.stderr or done.stdout).strip()[-500:]}")
+            said = (done.stderr or done.stdout).strip()[-500:]
+            raise RuntimeError(f"{' '.join(full)} failed (exit status {done.returncode}){': ' + said if said else ', with no message'}")
         compiled = ctypes.CDLL(str(library))  # (the mapping outlives the file)
         _keep(library, cached)
         return compiled

@@ -18,6 +18,15 @@
 #include <stdint.h>
 #include <string.h>
 #include <unistd.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+/* The floating-point control of x86 (flush-to-zero, denormals-are-zero, rounding): a thread's own. */
+#define FP_CONTROL_GET() _mm_getcsr()
+#define FP_CONTROL_SET(CSR) _mm_setcsr(CSR)
+#else
+#define FP_CONTROL_GET() 0u
+#define FP_CONTROL_SET(CSR) ((void)(CSR))
+#endif
 
 #define BLOCK 256
 
@@ -359,6 +368,8 @@ typedef struct {
     _Atomic int64_t next;  /* the first block not yet taken */
     _Atomic int64_t done;  /* blocks updated */
     _Atomic int refs;      /* threads that may still read this job (the caller and joined helpers) */
+    unsigned int fp_control; /* the caller's (torch.set_flush_denormal sets it on the calling thread alone): helpers
+                              * compute under it, so which thread takes a block never changes a bit */
 } job_t;
 
 #define AT(POINTER, OFFSET) ((POINTER) != NULL ? (POINTER) + (OFFSET) : NULL)
@@ -452,7 +463,10 @@ static void *helper(void *unused) {
         pool.wanted--;
         atomic_fetch_add_explicit(&j->refs, 1, memory_order_relaxed); /* (the caller lets go only after taking the lock) */
         pthread_mutex_unlock(&pool.lock);
+        const unsigned int own = FP_CONTROL_GET();
+        FP_CONTROL_SET(j->fp_control);
         take_batches(j);
+        FP_CONTROL_SET(own);
         let_go(j);
         pthread_mutex_lock(&pool.lock);
     }
@@ -548,6 +562,7 @@ void tierstore_adam8(int64_t threads, int64_t numel, float *master, int16_t *low
     atomic_init(&j->next, 0);
     atomic_init(&j->done, 0);
     atomic_init(&j->refs, 1);
+    j->fp_control = FP_CONTROL_GET();
     const int64_t offered = threads > 1 ? offer(j, threads - 1) : 0;
     take_batches(j);
     if (offered > 0)

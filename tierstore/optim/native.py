@@ -12,7 +12,8 @@ thread and helpers of a pool that ``adam8.c`` starts at first need and keeps (at
 than the process's CPUs; none started per call; a forked child starts its own; a call made while
 another thread's call holds the pool runs alone). It gives the same bits
 (the same IEEE operations in the same order, no fused multiply-adds; a NaN takes code 255 as
-the search tables give it), but for a NaN scale's payload: ``tests/test_native_adam8.py`` checks
+the search tables give it), but for NaN payloads (a NaN in a block makes its scale and its
+weights NaN in both, with other bits): ``tests/test_native_adam8.py`` checks
 it against the inductor kernel, a plain reference and every thread count.
 
 On a CPU with AVX2 but not AVX-512 (AMD's Zen 1-3, many Intel client cores) the portable loop,
@@ -104,15 +105,16 @@ def build(*, vectorised: bool = True) -> Kernel:
 def kernel() -> Kernel | None:
     """This process's build of the kernel: built on first use where the CPU has AVX-512 or AVX2
     (warned once if that fails); None where it is turned off (``TIERSTORE_NATIVE_ADAM8=0``, read
-    at each call), where the CPU has neither (the portable code without vector gathers is no
-    faster than the inductor kernel: that runs) or where the build failed."""
+    at each call), where the CPU has neither or ``TIERSTORE_NATIVE_MARCH=0`` (the portable code
+    without vector gathers is no faster than the inductor kernel: that runs) or where the build
+    failed."""
     global _kernel, _tried
     if os.environ.get("TIERSTORE_NATIVE_ADAM8", "1") == "0":
         return None
     if not _tried:
         with _lock:
             if not _tried:
-                if has_vector_gathers():
+                if has_vector_gathers() and os.environ.get("TIERSTORE_NATIVE_MARCH", "1") != "0":
                     try:
                         built = build()
                         _kernel = built if built.vectorised else None

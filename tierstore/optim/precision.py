@@ -158,7 +158,7 @@ def _nearest_codes(normal: torch.Tensor, signed: bool) -> torch.Tensor:
 # place (``_adam8_fp32``/``_adam8_lossless``); its rounding is its own, not torch's fused AdamW's
 # bit for bit (tests/test_fused_8bit.py bounds the difference). On a Linux CPU with AVX-512 or
 # AVX2 the same kernel runs as C (``native.py``, ``adam8.c``: about 2x faster, the same bits but
-# for a NaN scale's payload); the compiled one otherwise. So the update chooses it by the
+# for NaN payloads); the compiled one otherwise. So the update chooses it by the
 # parameter's size (``PackedState.param_numel``), not its entry's: the same run then gives the same
 # bits with its state in memory, on the host or paged in chunks (tests/test_8bit_placement.py).
 
