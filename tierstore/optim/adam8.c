@@ -100,7 +100,7 @@ static inline void encode_row(const float *restrict row, float absmax, const int
  * (`grad16`) gradient; both moments decoded, AdamW, both encoded. `lossless` and `bf16_grad` are
  * constants at every call, so each case compiles to a loop of its own with no branch: inlined
  * always (left to itself gcc kept one copy with the branches in, and a loop with branches is not
- * vectorised; inlined, with AVX2 its lookups become vector gathers: about 2x faster). */
+ * vectorised; inlined, each loop is: about 2x faster without AVX-512). */
 static inline __attribute__((always_inline)) void block_update(const int lossless, const int bf16_grad, float *restrict master, int16_t *restrict low, const uint16_t *restrict high,
                                 uint16_t *restrict high_out, uint8_t *restrict m_codes, float *restrict m_scale,
                                 uint8_t *restrict v_codes, float *restrict v_scale, const float *restrict grad32,
@@ -573,8 +573,7 @@ void tierstore_adam8(int64_t threads, int64_t numel, float *master, int16_t *low
         let_go(j);
 }
 
-/* 1 where the portable loop was compiled for AVX2 (its lookups vector gathers: native.py uses
- * it then, where the CPU lacks AVX-512). */
+/* 1 where the portable loop was compiled for AVX2. */
 int tierstore_adam8_avx2(void) {
 #ifdef __AVX2__
     return 1;

@@ -16,18 +16,19 @@ the search tables give it), but for NaN payloads (a NaN in a block makes its sca
 weights NaN in both, with other bits): ``tests/test_native_adam8.py`` checks
 it against the inductor kernel, a plain reference and every thread count.
 
-On a CPU with AVX2 but not AVX-512 (AMD's Zen 1-3, many Intel client cores) the portable loop,
-compiled for the CPU, is vectorised by the compiler (its lookups are AVX2 gathers): on an AMD
-EPYC (Zen 3) 3.4-5.0 ns a parameter against the inductor kernel's 9-11, one thread; 3.8 against
-9.0 on two (the inductor kernel's vector code for AVX2 is slower than its AVX-512 one).
+Without AVX-512 the portable loop runs, one block at a time as above, vectorised by the
+compiler (256-bit registers with AVX2 under ``-march=native``, 128-bit SSE2 otherwise; its
+lookups are scalar loads into the vectors): on an AMD EPYC (Zen 3, AVX2), 1M-element tiles,
+3.4-5.0 ns a parameter on one thread and 2.3-3.8 on two, against the inductor kernel's 9-12 and
+9-10 (the portable build without ``-march``: 6.8 and 3.5). Not measured on an Intel CPU without
+AVX-512.
 
 It is used wherever the fused kernel is (8-bit moments without amsgrad, parameters of at least
-``precision.COMPILE_MIN_NUMEL`` elements, unless ``TIERSTORE_COMPILE_CODEC=0``) on a Linux CPU
-with AVX-512 or AVX2: built with the system's C compiler (``$CC``, else ``cc``/``gcc``/``clang``;
-about 1 s, in the first 8-bit step; the build is kept for the next processes:
-``tierstore.cbuild``) and called through ``ctypes`` (which lets the GIL go, so I/O threads run
-meanwhile). Elsewhere, or where the build fails (one warning), the inductor kernel runs: the
-portable code without vector gathers (``build(vectorised=False)``) is no faster.
+``precision.COMPILE_MIN_NUMEL`` elements, unless ``TIERSTORE_COMPILE_CODEC=0``) on an x86 CPU:
+built with the system's C compiler (``$CC``, else ``cc``/``gcc``/``clang``; about 1 s, in the
+first 8-bit step; the build is kept for the next processes: ``tierstore.cbuild``) and called
+through ``ctypes`` (which lets the GIL go, so I/O threads run meanwhile). Elsewhere (not
+measured there), or where the build fails (one warning), the inductor kernel runs.
 ``TIERSTORE_NATIVE_ADAM8=0`` turns it off.
 """
 
@@ -36,6 +37,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import platform
 import threading
 import warnings
 from pathlib import Path
@@ -61,36 +63,25 @@ BLOCK = 256
 PER_THREAD = 1 << 16
 
 
-def has_avx512() -> bool:
-    """Whether this CPU runs AVX-512 (Linux's ``/proc/cpuinfo``; elsewhere: not known, False)."""
-    return "avx512f" in cbuild.cpu_flags()
-
-
-def has_vector_gathers() -> bool:
-    """Whether this CPU runs AVX-512 or AVX2, for which ``build()`` makes vector code (Linux's
-    ``/proc/cpuinfo``; elsewhere: not known, False)."""
-    return bool({"avx512f", "avx2"} & cbuild.cpu_flags())
+def on_x86() -> bool:
+    """Whether this machine is x86 (where ``kernel()`` uses the C build)."""
+    return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
 
 
 class Kernel(NamedTuple):
     """A build of ``adam8.c``: its ``tierstore_adam8`` function, whether that is the AVX-512
-    code, and whether its portable loop was compiled for AVX2 (vector gathers)."""
+    code, and whether its portable loop was compiled for AVX2."""
 
     function: Any
     avx512: bool
     avx2: bool = False
 
-    @property
-    def vectorised(self) -> bool:
-        """Whether this build is faster than the inductor kernel (``kernel()`` uses it then)."""
-        return self.avx512 or self.avx2
-
 
 def build(*, vectorised: bool = True) -> Kernel:
     """Compile ``adam8.c`` (``kernel()`` does this once a process). ``vectorised``: for this
-    machine's CPU (``-march=native``: its AVX-512 code where it has AVX-512, the portable loop with
-    AVX2 gathers where it has AVX2); False, the portable code for any CPU of its kind (also where
-    ``TIERSTORE_NATIVE_MARCH=0``). Raises ``RuntimeError`` (with the compiler's
+    machine's CPU (``-march=native``: its AVX-512 code where it has AVX-512, else the portable loop
+    with this CPU's vectors, AVX2 say); False, the portable code for any CPU of its kind (also
+    where ``TIERSTORE_NATIVE_MARCH=0``). Raises ``RuntimeError`` (with the compiler's
     message) where no C compiler builds it."""
     march = vectorised and os.environ.get("TIERSTORE_NATIVE_MARCH", "1") != "0"
     compiled = cbuild.build(_SOURCE, _FLAGS, optional=["-march=native"] if march else [])
@@ -103,21 +94,18 @@ def build(*, vectorised: bool = True) -> Kernel:
 
 
 def kernel() -> Kernel | None:
-    """This process's build of the kernel: built on first use where the CPU has AVX-512 or AVX2
-    (warned once if that fails); None where it is turned off (``TIERSTORE_NATIVE_ADAM8=0``, read
-    at each call), where the CPU has neither or ``TIERSTORE_NATIVE_MARCH=0`` (the portable code
-    without vector gathers is no faster than the inductor kernel: that runs) or where the build
-    failed."""
+    """This process's build of the kernel: built on first use on an x86 CPU (warned once if that
+    fails); None where it is turned off (``TIERSTORE_NATIVE_ADAM8=0``, read at each call), on
+    other CPUs (the inductor kernel runs) or where the build failed."""
     global _kernel, _tried
     if os.environ.get("TIERSTORE_NATIVE_ADAM8", "1") == "0":
         return None
     if not _tried:
         with _lock:
             if not _tried:
-                if has_vector_gathers() and os.environ.get("TIERSTORE_NATIVE_MARCH", "1") != "0":
+                if on_x86():
                     try:
-                        built = build()
-                        _kernel = built if built.vectorised else None
+                        _kernel = build()
                     except Exception as exc:  # noqa: BLE001 - any build failure: the compiled kernel gives the same numbers
                         warnings.warn(f"the C 8-bit AdamW kernel is unavailable ({exc}); using the compiled one", stacklevel=4)
                 _tried = True
@@ -196,18 +184,18 @@ def search_tables(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     them all as the full table does (checked here on every such bucket's ends): zero's (the
     unsigned book gives 0 code 0 and any positive value a code above it), else the first
     bucket's own where every smaller one has the same."""
-    from tierstore.optim.precision import _kernel_tables, _midpoints
+    from tierstore.optim.precision import _kernel_tables, _midpoints, exact_values
 
     table, above = _kernel_tables(signed)
-    mid = _midpoints(signed)
+    mid = _midpoints(signed).double()  # (compared in float64: ``exact_values``)
     rows: list[tuple[torch.Tensor, torch.Tensor]] = []
     for sign in (0, 1):
         base = sign << 15
         high = torch.arange(base, base + _LOWEST_HIGH + 1, dtype=torch.int32)
-        ends = torch.cat([(high << 16).view(torch.float32), ((high << 16) | 0xFFFF).view(torch.float32)])
+        ends = exact_values(torch.cat([high << 16, (high << 16) | 0xFFFF]))
         want = torch.bucketize(ends, mid)
         for first in (base, base + _LOWEST_HIGH):  # (zero's rule, then the first bucket's)
-            if torch.equal(table[first] + (ends > above[first]).long(), want):
+            if torch.equal(table[first] + (ends > above[first].double()).long(), want):
                 break
         else:
             raise AssertionError("internal error: the code book has codes below the C kernel's smallest magnitude")

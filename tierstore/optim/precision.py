@@ -108,19 +108,38 @@ def _midpoints(signed: bool) -> torch.Tensor:
     return mid
 
 
+def exact_values(bits: torch.Tensor) -> torch.Tensor:
+    """The fp32 values with the bit patterns ``bits`` (int32), as float64 decoded from their
+    fields: exact, subnormals included, whatever the thread's flush-to-zero and
+    denormals-are-zero (``torch.set_flush_denormal`` sets them on the calling thread alone, so a
+    threaded fp32 op on subnormals gives other results on each part; every float32 value is a
+    normal float64). NaN patterns give NaN."""
+    word = bits.to(torch.int64) & 0xFFFFFFFF
+    exponent = (word >> 23) & 0xFF
+    fraction = word & 0x7FFFFF
+    subnormal = exponent == 0
+    magnitude = torch.where(subnormal, fraction, fraction | (1 << 23)).double()
+    power = torch.where(subnormal, torch.full_like(exponent, -149), exponent - 150)
+    value = magnitude * ((power + 1023) << 52).view(torch.float64)  # (a power of two, built from its bits: exact)
+    value = torch.where(exponent == 255, torch.where(fraction == 0, float("inf"), float("nan")), value)
+    return torch.where((word >> 31) == 1, -value, value)
+
+
 @cache
 def _search_table(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """A faster ``bucketize(x, midpoints)``: indexed by the high 16 bits of an fp32 ``x``, the
     number of midpoints below every value with those bits; one more comparison, with the next
     midpoint, finishes the search (the code book's midpoints are further apart than such a
-    bucket is wide, which is checked here). Returns the table and the midpoints (+inf last)."""
+    bucket is wide, which is checked here). Returns the table and the midpoints (+inf last).
+    Compared in float64 (``exact_values``): under flush-to-zero the subnormal buckets' ends
+    compared as 0, on the threads that flush."""
     mid = _midpoints(signed)
     high = torch.arange(-32768, 32768, dtype=torch.int32)
-    lowest = ((high << 16) | (high < 0).to(torch.int32) * 0xFFFF).view(torch.float32)  # bucket ends, in value order
-    highest = ((high << 16) | (high >= 0).to(torch.int32) * 0xFFFF).view(torch.float32)
-    below = torch.bucketize(lowest, mid)
+    lowest = exact_values((high << 16) | (high < 0).to(torch.int32) * 0xFFFF)  # bucket ends, in value order
+    highest = exact_values((high << 16) | (high >= 0).to(torch.int32) * 0xFFFF)
+    below = torch.bucketize(lowest, mid.double())
     finite = ~torch.isnan(lowest)
-    if int((torch.bucketize(highest, mid) - below)[finite].max()) > 1:
+    if int((torch.bucketize(highest, mid.double()) - below)[finite].max()) > 1:
         raise AssertionError("internal error: two code-book midpoints within one bf16 bucket")
     table = torch.empty(65536, dtype=torch.int32)
     table[high & 0xFFFF] = below.to(torch.int32)
