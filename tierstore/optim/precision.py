@@ -175,9 +175,9 @@ def _nearest_codes(normal: torch.Tensor, signed: bool) -> torch.Tensor:
 # ``PackedState.update`` given the group's ``AdamHyper`` goes one further for 8-bit moments
 # without amsgrad: one kernel a tile decodes both moments, runs AdamW and encodes them, written in
 # place (``_adam8_fp32``/``_adam8_lossless``); its rounding is its own, not torch's fused AdamW's
-# bit for bit (tests/test_fused_8bit.py bounds the difference). On a Linux CPU with AVX-512 or
-# AVX2 the same kernel runs as C (``native.py``, ``adam8.c``: about 2x faster, the same bits but
-# for NaN payloads); the compiled one otherwise. So the update chooses it by the
+# bit for bit (tests/test_fused_8bit.py bounds the difference). On an x86 CPU the same kernel
+# runs as C (``native.py``, ``adam8.c``: about 2x faster, the same bits but for NaN payloads);
+# the compiled one otherwise. So the update chooses it by the
 # parameter's size (``PackedState.param_numel``), not its entry's: the same run then gives the same
 # bits with its state in memory, on the host or paged in chunks (tests/test_8bit_placement.py).
 
