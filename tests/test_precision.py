@@ -428,7 +428,7 @@ def test_tiled_update_gives_the_bits_of_a_whole_entry_update(monkeypatch: pytest
     # and encoding it back with the eager codec.
     from tierstore.optim import precision as codec
 
-    monkeypatch.setattr(codec, "TILE", 1024)
+    monkeypatch.setattr(codec, "UPDATE_TILE", 1024)
     monkeypatch.setattr(codec, "COMPILED_TILE", 1024)
     monkeypatch.setattr(codec, "COMPILE_MIN_NUMEL", 1)
     numel = 2 * 1024 + 300  # two whole tiles and one ending in a partial block

@@ -130,7 +130,7 @@ def _time(call: Callable[[], None], reps: int) -> float:
 def update_costs(sizes: list[int], bar: Any) -> list[dict[str, Any]]:
     """ns per parameter of the update per setting, size and codec; then 8-bit per tile size."""
     rows = []
-    saved_tile, saved_compiled_tile, saved_min = precision.TILE, precision.COMPILED_TILE, precision.COMPILE_MIN_NUMEL
+    saved_tile, saved_compiled_tile, saved_min = precision.UPDATE_TILE, precision.COMPILED_TILE, precision.COMPILE_MIN_NUMEL
     try:
         for numel in sizes:
             reps = max(3, min(15, (1 << 24) // numel))
@@ -140,7 +140,7 @@ def update_costs(sizes: list[int], bar: Any) -> list[dict[str, Any]]:
                     precision.COMPILE_MIN_NUMEL = 1 << 62 if codec == "eager" else 1
                     seconds = _time(_update_call(setting, numel, fused=codec == "fused"), reps)
                     rows.append({"setting": setting[0], "numel": numel, "codec": codec,
-                                 "tile": min(numel, precision.TILE if codec == "eager" else precision.COMPILED_TILE),
+                                 "tile": min(numel, precision.UPDATE_TILE if codec == "eager" else precision.COMPILED_TILE),
                                  "ns_per_param": seconds / numel * 1e9, "mparams_s": numel / seconds / 1e6})
                     bar.update(1)
         numel = 1 << 20
@@ -152,7 +152,7 @@ def update_costs(sizes: list[int], bar: Any) -> list[dict[str, Any]]:
                          "ns_per_param": seconds / numel * 1e9, "mparams_s": numel / seconds / 1e6})
             bar.update(1)
     finally:
-        precision.TILE, precision.COMPILED_TILE, precision.COMPILE_MIN_NUMEL = saved_tile, saved_compiled_tile, saved_min
+        precision.UPDATE_TILE, precision.COMPILED_TILE, precision.COMPILE_MIN_NUMEL = saved_tile, saved_compiled_tile, saved_min
     return rows
 
 
@@ -298,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
         updates = update_costs(sizes, bar)
         small = small_entry_costs(15, bar)
         steps = disk_steps(args, read_gbs, write_gbs, bar)
-    print(f"(g) the update alone, ns per parameter (torch threads: {torch.get_num_threads()}; tiles of {precision.TILE:,} elements, "
+    print(f"(g) the update alone, ns per parameter (torch threads: {torch.get_num_threads()}; tiles of {precision.UPDATE_TILE:,} elements, "
           f"{precision.COMPILED_TILE:,} compiled, for entries from {precision.COMPILE_MIN_NUMEL:,} elements; the last rows: fused 8-bit per tile size)")
     print(table(updates, [("setting", "setting", "s"), ("numel", "elements", ",d"), ("codec", "codec", "s"), ("tile", "tile", ",d"),
                           ("ns_per_param", "ns/param", ".2f"), ("mparams_s", "M params/s", ".0f")]))
@@ -328,7 +328,7 @@ def run(args: argparse.Namespace) -> int:
           f"both at those floors, 8bit would be {ceiling['at_floors']:.2f}x faster than fp32")
     out = args.json.with_name(f"{args.json.stem}_g.json")
     write_json(out, {"benchmark": "bench_optim part g", "environment": environment(args.dir), "torch_threads": torch.get_num_threads(),
-                     "disk_read_gbs": read_gbs, "disk_write_gbs": write_gbs, "tile": precision.TILE, "compiled_tile": precision.COMPILED_TILE,
+                     "disk_read_gbs": read_gbs, "disk_write_gbs": write_gbs, "tile": precision.UPDATE_TILE, "compiled_tile": precision.COMPILED_TILE,
                      "compile_min_numel": precision.COMPILE_MIN_NUMEL, "params": total, "tensors": args.g_tensors,
                      "host_fraction": args.g_host_fraction, "timed_steps": args.g_steps, "updates": updates, "small_entries": small, "disk_steps": steps,
                      "goal_8bit_vs_fp32": {"want": 1.8, "got": eight["fp32_over_this"], "same_host_bytes": same["fp32_over_this"]}, "reachable_8bit_vs_fp32": ceiling})

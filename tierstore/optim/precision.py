@@ -446,9 +446,16 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, signed: bool, out: tor
     return out
 
 
-#: Elements per tile of ``PackedState.update``: the tile's fp32 rows and gradient (4 x 256 KiB
-#: without amsgrad) stay in a core's L2 cache.
+#: Elements of an entry updated together with others (``tierstore.optim.batched``): a batch's
+#: fp32 rows stay in a core's L2 cache.
 TILE = 1 << 16
+#: Elements per tile of ``PackedState.update`` on the eager codec (bf16 moments, fp32 ones beside
+#: a lossless master, 8-bit ones without the compiled codec): a tile's decode, AdamW and encode
+#: are ~10 torch calls, which cost more than its rows leaving the L2 cache (bf16 alone, AMD EPYC
+#: Zen 3: 2.6-2.7 ns a parameter on 64K-element tiles, 1.2 on 256K, 0.8 on 1M; each call on the
+#: training thread also lets go of the GIL while the loop is busy). Its scratch: at most 16 MiB
+#: a thread.
+UPDATE_TILE = 1 << 20
 #: Elements per tile where the compiled 8-bit codec runs: a compiled call has a fixed cost
 #: (its guards) of about a 64K-element tile's math, so its tiles are larger (measured with
 #: ``bench_optim --parts g``: 1M-element tiles 4x cheaper per parameter than 64K ones).
@@ -702,7 +709,7 @@ class PackedState:
     def update(self, grad: torch.Tensor, step: torch.Tensor, adam: Callable[[list[torch.Tensor], torch.Tensor, torch.Tensor], None],
                hyper: AdamHyper | None = None) -> None:
         """One optimizer step on this entry: ``adam(rows, grad, step)`` (fp32 rows: master, then
-        the moments; updated in place, ``step`` counted up) runs on tiles of ``TILE`` elements,
+        the moments; updated in place, ``step`` counted up) runs on tiles of ``UPDATE_TILE`` elements,
         each decoded into a per-thread fp32 scratch that stays in cache and encoded back right
         after, so memory sees every field once each way and no full-size fp32 copy exists. Every
         tile's ``adam`` starts from the same count; ``step`` ends as the last left it. Elementwise
@@ -728,7 +735,7 @@ class PackedState:
         if layout.lossless and self.high is None:
             raise RuntimeError("internal error: a lossless master needs the model's bf16 weight")
         compiled = layout.precision == "8bit" and _use_compiled(None, self.param_numel)
-        tile = COMPILED_TILE if compiled else TILE
+        tile = COMPILED_TILE if compiled else UPDATE_TILE
         width = min(self.numel, tile)  # (elements of a scratch row: allocated as the tiles need)
         high = torch.empty(self.numel, dtype=torch.bfloat16) if layout.lossless else None
         # The count as a number: the fused tiles need no tensor of it (each torch call on the
