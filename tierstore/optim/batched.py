@@ -33,8 +33,8 @@ from .precision import (
     dynamic_map,
 )
 
-#: The elements of one batch: its fp32 rows (one per moment) are two tiles (half a MiB each),
-#: still in a core's L2 cache (one tile each: 12% slower on the demo's small parameters).
+#: The elements of one batch: its fp32 rows (one per moment) are twice ``TILE`` (half a MiB
+#: each), still in a core's L2 cache (``TILE`` each: 12% slower on the demo's small parameters).
 BATCH_ELEMENTS = 2 * TILE
 
 #: Runs torch's Adam: ``adam(rows, grads, steps)``, per entry its fp32 rows (master, then the
@@ -43,8 +43,8 @@ AdamMany = Callable[[list[list[torch.Tensor]], list[torch.Tensor], list[torch.Te
 
 
 def batched(state: PackedState) -> bool:
-    """Whether ``update_many`` updates ``state`` with others: one tile (``TILE`` elements or
-    fewer) of bf16 moments, of 8-bit moments on the eager codec (a parameter below
+    """Whether ``update_many`` updates ``state`` with others: an entry of ``TILE`` elements or
+    fewer of bf16 moments, of 8-bit moments on the eager codec (a parameter below
     ``COMPILE_MIN_NUMEL`` elements, or the compiled codec off), or of fp32 moments beside a
     lossless master."""
     layout = state.layout

@@ -24,7 +24,7 @@ lookups are scalar loads into the vectors): on an AMD EPYC (Zen 3, AVX2), 1M-ele
 AVX-512.
 
 It is used wherever the fused kernel is (8-bit moments without amsgrad, parameters of at least
-``precision.COMPILE_MIN_NUMEL`` elements, unless ``TIERSTORE_COMPILE_CODEC=0``) on an x86 CPU:
+``precision.COMPILE_MIN_NUMEL`` elements, unless ``TIERSTORE_COMPILE_CODEC=0``) on x86 Linux:
 built with the system's C compiler (``$CC``, else ``cc``/``gcc``/``clang``; about 1 s, in the
 first 8-bit step; the build is kept for the next processes: ``tierstore.cbuild``) and called
 through ``ctypes`` (which lets the GIL go, so I/O threads run meanwhile). Elsewhere (not
@@ -38,6 +38,7 @@ import ctypes
 import functools
 import os
 import platform
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -64,8 +65,8 @@ PER_THREAD = 1 << 16
 
 
 def on_x86() -> bool:
-    """Whether this machine is x86 (where ``kernel()`` uses the C build)."""
-    return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
+    """Whether this machine is an x86 running Linux (where ``kernel()`` uses the C build)."""
+    return sys.platform.startswith("linux") and platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
 
 
 class Kernel(NamedTuple):
@@ -94,7 +95,7 @@ def build(*, vectorised: bool = True) -> Kernel:
 
 
 def kernel() -> Kernel | None:
-    """This process's build of the kernel: built on first use on an x86 CPU (warned once if that
+    """This process's build of the kernel: built on first use on x86 Linux (warned once if that
     fails); None where it is turned off (``TIERSTORE_NATIVE_ADAM8=0``, read at each call), on
     other CPUs (the inductor kernel runs) or where the build failed."""
     global _kernel, _tried

@@ -175,7 +175,7 @@ def _nearest_codes(normal: torch.Tensor, signed: bool) -> torch.Tensor:
 # ``PackedState.update`` given the group's ``AdamHyper`` goes one further for 8-bit moments
 # without amsgrad: one kernel a tile decodes both moments, runs AdamW and encodes them, written in
 # place (``_adam8_fp32``/``_adam8_lossless``); its rounding is its own, not torch's fused AdamW's
-# bit for bit (tests/test_fused_8bit.py bounds the difference). On an x86 CPU the same kernel
+# bit for bit (tests/test_fused_8bit.py bounds the difference). On x86 Linux the same kernel
 # runs as C (``native.py``, ``adam8.c``: about 2x faster, the same bits but for NaN payloads);
 # the compiled one otherwise. So the update chooses it by the
 # parameter's size (``PackedState.param_numel``), not its entry's: the same run then gives the same
@@ -452,10 +452,10 @@ TILE = 1 << 16
 #: Elements per tile of ``PackedState.update`` on the eager codec (bf16 moments, fp32 ones beside
 #: a lossless master, 8-bit ones without the compiled codec): a tile's decode, AdamW and encode
 #: are ~10 torch calls, which cost more than its rows leaving the L2 cache (bf16 alone, AMD EPYC
-#: Zen 3: 2.6-2.7 ns a parameter on 64K-element tiles, 1.2 on 256K, 0.8 on 1M; each call on the
-#: training thread also lets go of the GIL while the loop is busy). Its scratch: at most 16 MiB
-#: a thread.
-UPDATE_TILE = 1 << 20
+#: Zen 3, two threads: 2.6-3.2 ns a parameter on 64K-element tiles, 1.2-1.4 on 256K, 0.8-1.3 on
+#: 1M; each call on the training thread also lets go of the GIL while the loop is busy). 256K:
+#: most of the gain, for a per-thread scratch of at most 4 MiB (not in ``memory_plan()``).
+UPDATE_TILE = 1 << 18
 #: Elements per tile where the compiled 8-bit codec runs: a compiled call has a fixed cost
 #: (its guards) of about a 64K-element tile's math, so its tiles are larger (measured with
 #: ``bench_optim --parts g``: 1M-element tiles 4x cheaper per parameter than 64K ones).
@@ -710,8 +710,8 @@ class PackedState:
                hyper: AdamHyper | None = None) -> None:
         """One optimizer step on this entry: ``adam(rows, grad, step)`` (fp32 rows: master, then
         the moments; updated in place, ``step`` counted up) runs on tiles of ``UPDATE_TILE`` elements,
-        each decoded into a per-thread fp32 scratch that stays in cache and encoded back right
-        after, so memory sees every field once each way and no full-size fp32 copy exists. Every
+        each decoded into a per-thread fp32 scratch and encoded back right after, so no
+        full-size fp32 copy exists. Every
         tile's ``adam`` starts from the same count; ``step`` ends as the last left it. Elementwise
         math, so the numbers are those of one call on the whole entry.
 
