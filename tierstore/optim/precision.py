@@ -134,12 +134,13 @@ def _search_table(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     Compared in float64 (``exact_values``): under flush-to-zero the subnormal buckets' ends
     compared as 0, on the threads that flush."""
     mid = _midpoints(signed)
+    exact_mid = mid.double()
     high = torch.arange(-32768, 32768, dtype=torch.int32)
     lowest = exact_values((high << 16) | (high < 0).to(torch.int32) * 0xFFFF)  # bucket ends, in value order
     highest = exact_values((high << 16) | (high >= 0).to(torch.int32) * 0xFFFF)
-    below = torch.bucketize(lowest, mid.double())
+    below = torch.bucketize(lowest, exact_mid)
     finite = ~torch.isnan(lowest)
-    if int((torch.bucketize(highest, mid.double()) - below)[finite].max()) > 1:
+    if int((torch.bucketize(highest, exact_mid) - below)[finite].max()) > 1:
         raise AssertionError("internal error: two code-book midpoints within one bf16 bucket")
     table = torch.empty(65536, dtype=torch.int32)
     table[high & 0xFFFF] = below.to(torch.int32)
