@@ -59,3 +59,43 @@ def test_an_embedding_trains_without_huge_steps(device_mode: str) -> None:
             assert float((embedding.weight.detach() - before).abs().max()) / 1e-3 < 2.0
     finally:
         opt.close()
+
+
+def _after_a_non_finite_weight(make: object, numel: int, bad: float | None) -> torch.Tensor:
+    """Weights after three steps with finite gradients, one weight set to ``bad`` after the
+    first (None: left as it is)."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(numel))
+    opt = make([p])  # type: ignore[operator]
+    try:
+        for step in range(3):
+            p.grad = torch.randn(numel)
+            opt.step()
+            if step == 0 and bad is not None:
+                with torch.no_grad():
+                    p[7] = bad
+    finally:
+        if isinstance(opt, TieredAdamW):
+            opt.close()
+    return p.detach().clone()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("numel", [256, 1 << 16], ids=["small entry", "fused kernel"])
+@pytest.mark.parametrize("kernel", ["default", "compiled"])
+def test_a_non_finite_weight_stays_its_own_under_adamw(device_mode: str, bad: float, numel: int, kernel: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's AdamW adds no ``p * weight_decay`` to the gradient (its decay is decoupled), so a
+    NaN or inf weight leaves the moments finite and the other weights untouched; the 8-bit
+    kernels added ``p * 0``, a NaN that took the whole block's scale and every weight in it. Now
+    the other weights are those of the same steps without it, bit for bit."""
+    if kernel == "compiled":
+        monkeypatch.setenv("TIERSTORE_NATIVE_ADAM8", "0")
+    exact = _after_a_non_finite_weight(lambda ps: torch.optim.AdamW(ps, lr=1e-2), numel, bad)
+    ours = _after_a_non_finite_weight(lambda ps: TieredAdamW(ps, lr=1e-2, state_precision="8bit"), numel, bad)
+    others = torch.ones(numel, dtype=torch.bool)
+    others[7] = False
+    assert torch.isfinite(exact[others]).all()
+    assert torch.isfinite(ours[others]).all(), f"{int((~torch.isfinite(ours[others])).sum())} other weights became non-finite"
+    clean = _after_a_non_finite_weight(lambda ps: TieredAdamW(ps, lr=1e-2, state_precision="8bit"), numel, None)
+    assert torch.equal(ours[others], clean[others])

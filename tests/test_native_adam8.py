@@ -62,7 +62,9 @@ def _reference(tile: dict[str, torch.Tensor], s: torch.Tensor) -> dict[str, torc
         master = words.view(torch.float32)
     m = (dynamic_map(True)[tile["m_codes"].long()].view(-1, BLOCK) * tile["m_scales"][:, None]).view(-1)
     v = (dynamic_map(False)[tile["v_codes"].long()].view(-1, BLOCK) * tile["v_scales"][:, None]).view(-1)
-    g = tile["grad"].float() * s[9] + master * s[2]
+    g = tile["grad"].float() * s[9]
+    if float(s[2]) != 0:  # (as torch: no p * 0, NaN for a non-finite weight)
+        g = g + master * s[2]
     m = m * s[3] + g * s[4]
     v = v * s[5] + g * g * s[6]
     root = torch.from_numpy(np.sqrt(v.numpy()))  # (IEEE's rounding, as the kernels' sqrtf; torch's vectorised sqrt may be 1 ulp off)

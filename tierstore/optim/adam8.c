@@ -58,6 +58,12 @@ static inline uint32_t float_bits(float f) {
     return bits;
 }
 
+static inline float bits_float(uint32_t bits) {
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
 /* The bits of |x|: for non-negative floats their order as integers is their order as values,
  * and a NaN's bits lie above +inf's, so the largest of them is the absmax with a NaN winning (as
  * torch's amax), and the reduction vectorises (a float max with NaN rules does not). */
@@ -109,6 +115,7 @@ static inline __attribute__((always_inline)) void block_update(const int lossles
     const float ms = *m_scale, vs = *v_scale;
     const float lr = s->lr, decay = s->decay, l2 = s->l2, b1 = s->b1, omb1 = s->omb1, b2 = s->b2, omb2 = s->omb2,
                 bias2 = s->bias2, eps = s->eps, gmul = s->gmul;
+    const uint32_t l2_mask = l2 != 0.0f ? 0xFFFFFFFFu : 0u;
     uint32_t m_max = 0, v_max = 0;
     for (int i = 0; i < BLOCK; i++) {
         float p;
@@ -119,7 +126,11 @@ static inline __attribute__((always_inline)) void block_update(const int lossles
             memcpy(&p, &word, sizeof p);
         }
         float g0 = bf16_grad ? bf16_to_float(grad16[i]) : grad32[i];
-        float g = g0 * gmul + p * l2;
+        /* torch adds p * weight_decay only where it is not 0 (AdamW's decay is decoupled): p * 0
+         * is NaN for a NaN or inf weight, which would take the block's moments with it. Adding
+         * -0.0 instead changes no value (x + -0.0 is x, -0.0 included); chosen with a mask, so
+         * the loop has no branch and is vectorised. */
+        float g = g0 * gmul + bits_float((float_bits(p * l2) & l2_mask) | (~l2_mask & 0x80000000u));
         float m = t->m_book[m_codes[i]] * ms;
         float v = t->v_book[v_codes[i]] * vs;
         m = m * b1 + g * omb1;
@@ -264,6 +275,7 @@ static inline void block_update_512(const int lossless, const int bf16_grad, flo
                  b1 = _mm512_set1_ps(s->b1), omb1 = _mm512_set1_ps(s->omb1), b2 = _mm512_set1_ps(s->b2),
                  omb2 = _mm512_set1_ps(s->omb2), bias2 = _mm512_set1_ps(s->bias2), eps = _mm512_set1_ps(s->eps),
                  gmul = _mm512_set1_ps(s->gmul);
+    const int use_l2 = s->l2 != 0.0f;
     const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
     __m512i m_max = _mm512_setzero_si512(), v_max = _mm512_setzero_si512();
     for (int i = 0; i < BLOCK; i += 16) {
@@ -276,7 +288,9 @@ static inline void block_update_512(const int lossless, const int bf16_grad, flo
             p = _mm512_castsi512_ps(word);
         }
         __m512 g0 = bf16_grad ? bf16x16(grad16 + i) : _mm512_loadu_ps(grad32 + i);
-        __m512 g = _mm512_add_ps(_mm512_mul_ps(g0, gmul), _mm512_mul_ps(p, l2));
+        __m512 g = _mm512_mul_ps(g0, gmul);
+        if (use_l2) /* (block_update's rule) */
+            g = _mm512_add_ps(g, _mm512_mul_ps(p, l2));
         __m512i mc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(m_codes + i)));
         __m512i vc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(v_codes + i)));
         __m512 m = _mm512_mul_ps(lookup256(&t->m_book, mc), ms);

@@ -263,8 +263,11 @@ class AdamHyper(NamedTuple):
 
 def _adam_math(master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
                s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """AdamW on fp32 values (``AdamHyper.scalars``' order), as torch's fused CPU kernel writes it."""
-    g = grad.float() * s[9] + master * s[2]
+    """AdamW on fp32 values (``AdamHyper.scalars``' order), as torch's fused CPU kernel writes it
+    (``p * weight_decay`` added only where it is not 0, as there: ``p * 0`` is NaN for a NaN or
+    inf weight, which would take its block's moments with it)."""
+    g = grad.float() * s[9]
+    g = torch.where(s[2] != 0, g + master * s[2], g)
     m = m * s[3] + g * s[4]
     v = v * s[5] + g * g * s[6]
     denom = v.sqrt() / s[7] + s[8]
