@@ -555,8 +555,10 @@ class TieredAdam(PagedOptimizer):
             return await self._decode(slot, await self.store.read(slot.key), 0, slot.numel)
         rows = torch.empty(self._rows(slot), slot.numel, dtype=torch.float32)
         for chunk in slot.chunks:
-            async with self.store.hold(chunk.key, self.state_tier) as part:
-                rows[:, chunk.start : chunk.stop].copy_(await self._decode(slot, part, chunk.start, chunk.stop))
+            # (read where it lies, moving nothing, as an unchunked state is: room made on the
+            # state tier could need a write to a full disk, and the state could not be saved)
+            part = await self.store.read(chunk.key)
+            rows[:, chunk.start : chunk.stop].copy_(await self._decode(slot, part, chunk.start, chunk.stop))
         return rows
 
     async def write_state_rows(self, slot: ParamSlot, packed: torch.Tensor) -> None:

@@ -273,8 +273,9 @@ class TieredOptimizer(PagedOptimizer):
             key = self._key(slot, name, chunk)
             if key not in self.store:
                 return None
-            async with self.store.hold(key, self.state_tier) as part:
-                value[chunk.start : chunk.stop].copy_(part)
+            # (read where it lies, moving nothing: room made on the state tier could need a
+            # write to a full disk)
+            value[chunk.start : chunk.stop].copy_(await self.store.read(key))
         return value
 
     async def _write_named(self, slot: ParamSlot, name: str, value: torch.Tensor) -> None:

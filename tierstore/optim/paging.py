@@ -844,6 +844,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             self.store, self._slots, self._state_bytes, state_tier=self.state_tier, unit_need=pipeline.need,
             inflight=pipeline.inflight, chunk_bytes=pipeline.chunk_bytes, offloaded=offloaded,
             used_by_others=run(self._used_by_others()), planned=self._in_plan,
+            state_entries=lambda slot: [nbytes for _, nbytes in pipeline.state_keys(slot)],
         )
         return self._plan
 

@@ -134,7 +134,9 @@ class MemoryPlan:
     ``tier_need``: per store tier, what it must be able to hold: on the state tier one update
     (the largest bucket unit or chunk) and the largest gradient copy arriving (more updates in
     flight and chunks prefetched ahead use whatever room is left), on the tier below it all
-    paged state and gradient copies.
+    paged state and gradient copies as stored there, and the room of their copies-on-write (as
+    many of them as the tier above it holds: a value written down again keeps its old copy
+    until the new one is committed).
     ``process_bytes``: the process's bound with state paged: the model's weights and gradients
     (host memory where the device is the CPU), every memory tier's capacity, state kept
     resident, and the bounded working set (``working_bytes``: the disk tier's staging buffers,
@@ -189,10 +191,12 @@ def plan_memory(
     store: TierStore, slots: Sequence[ParamSlot], state_bytes: Callable[[ParamSlot], int], *, state_tier: str,
     unit_need: Callable[[ParamSlot], int], inflight: int, chunk_bytes: int, offloaded: Callable[[Any], Any],
     used_by_others: dict[str, int] | None = None, planned: Callable[[ParamSlot], bool] = _trainable,
+    state_entries: Callable[[ParamSlot], list[int]] | None = None,
 ) -> MemoryPlan:
     """The ``MemoryPlan`` of an optimizer's ``slots`` in ``store`` (see ``MemoryPlan``);
     ``used_by_others``: bytes of the bottom tier held by values that are not the optimizer's;
-    ``planned``: whether a slot's state counts (not a frozen parameter's without state)."""
+    ``planned``: whether a slot's state counts (not a frozen parameter's without state);
+    ``state_entries``: the bytes of each store entry of a slot's state (default: one entry)."""
     from ..tiers import DiskTier, MemoryTier
 
     tiers = store.tiers
@@ -223,7 +227,10 @@ def plan_memory(
         need[name] += max(sizes)
     below = [t for t in tiers[position + 1 :]]
     if below:  # everything pages down to the tier below (the disk)
-        need[below[-1].name] = paged_state + sum(copied_grads)
+        bottom = below[-1]
+        entries = [n for slot in paged for n in (state_entries(slot) if state_entries is not None else [state_bytes(slot)])]
+        entries += copied_grads
+        need[bottom.name] = _bottom_need(bottom, tiers[-2], entries)
     else:
         need[state_tier] = max(need[state_tier], paged_state + sum(copied_grads))
     capacity = {tier.name: tier.capacity for tier in tiers}
@@ -249,6 +256,24 @@ def plan_memory(
         # (the state of the largest chunk made: a chunk is a whole number of blocks, so not quite the cap asked for)
         chunk_bytes=max((state_bytes(slot) * max(c.numel for c in slot.chunks) // slot.numel for slot in chunked if slot.chunks), default=chunk_bytes),
     )
+
+
+def _bottom_need(bottom: Any, above: Any, entries: list[int]) -> int:
+    """What the bottom tier must hold for values of ``entries`` bytes that page down to it from
+    ``above``: each as it is stored there (a disk extent is whole 4 KiB blocks), and room for
+    the copies-on-write of as many of them as ``above`` holds: a value written down again keeps
+    its old copy until the new one is committed, and every value the tier above holds may be
+    written at once (its write-backs in a step; a flush writes them all)."""
+    from ..tiers import DiskTier
+
+    stored = [bottom.stored_size(n) if isinstance(bottom, DiskTier) else n for n in entries]
+    rewritten, room = 0, above.capacity
+    for n, size in sorted(zip(entries, stored, strict=True), key=lambda pair: pair[1], reverse=True):
+        if n > room:
+            continue
+        room -= n
+        rewritten += size
+    return sum(stored) + rewritten
 
 
 @dataclass
