@@ -108,6 +108,38 @@ def test_an_entry_lacking_what_adam_needs_is_refused_and_nothing_changes(device_
     opt.close()
 
 
+@pytest.mark.parametrize("precision", ["fp32", "8bit"])
+@pytest.mark.parametrize("name", ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"])
+def test_an_entry_of_the_wrong_size_is_refused_before_anything_loads(device_mode: str, precision: str, name: str) -> None:
+    """A state dict whose last parameter's entry has the wrong number of elements (another
+    model's) was refused with ``ValueError`` only once the parameters before it had loaded: the
+    optimizer was left half its own state, half the checkpoint's (a tryout). Now every entry's
+    size is checked first: nothing changes."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (100, 5000)]
+    opt = TieredAdamW(params, lr=1e-2, amsgrad=True, state_precision=precision, offload="host")
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    broken = copy.deepcopy(opt.state_dict())
+    broken["state"][0]["step"] = torch.tensor(7.0)
+    broken["state"][0]["exp_avg"] = broken["state"][0]["exp_avg"] * 2
+    broken["state"][1][name] = torch.zeros(4999)
+    broken["param_groups"][0]["lr"] = 0.5
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=rf"parameter 1: saved '{name}' has 4999 elements, the parameter 5000.*nothing was loaded"):
+        opt.load_state_dict(broken)
+    after = opt.state_dict()
+    assert after["param_groups"][0]["lr"] == 1e-2
+    for i in range(2):
+        assert all(torch.equal(after["state"][i][k], v) for k, v in before["state"][i].items()), i
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()  # (still usable)
+    opt.close()
+
+
 def _lr0_zero_grad_step(model: torch.nn.Linear, opt: TieredAdamW) -> None:
     model.weight.grad = torch.zeros_like(model.weight)
     opt.param_groups[0]["lr"] = 0.0

@@ -112,18 +112,37 @@ def _local(slot: ParamSlot, name: str, value: Any) -> torch.Tensor:
     elif isinstance(slot.param, ParamRange):  # a whole tensor (torch's AdamW's): our rows of it
         tensor = slot.param.local_of(tensor)
     if tensor.numel() != slot.numel:
-        if isinstance(slot.param, ParamRange):  # (a whole tensor, or this rank's rows of it)
-            wanted = f"the parameter {slot.param.param.numel()} (this rank's rows of it {slot.numel})"
-        elif isinstance(slot.param, LocalShard):
-            wanted = f"this rank's shard of the parameter {slot.numel}"
-        else:
-            wanted = f"the parameter {slot.numel}"
-        dtensor = "; a DTensor parameter loads its state as DTensors (get/set_optimizer_state_dict)"
-        raise ValueError(
-            f"parameter {slot.index}: saved {name!r} has {tensor.numel()} elements, {wanted}: the state dict "
-            f"is not this model's, or lists its parameters in another order{dtensor if isinstance(slot.param, LocalShard) else ''}"
-        )
+        raise _wrong_size(slot, name, tensor.numel())
     return tensor.reshape(-1).to("cpu", torch.float32)
+
+
+def _wrong_size(slot: ParamSlot, name: str, numel: int) -> ValueError:
+    if isinstance(slot.param, ParamRange):  # (a whole tensor, or this rank's rows of it)
+        wanted = f"the parameter {slot.param.param.numel()} (this rank's rows of it {slot.numel})"
+    elif isinstance(slot.param, LocalShard):
+        wanted = f"this rank's shard of the parameter {slot.numel}"
+    else:
+        wanted = f"the parameter {slot.numel}"
+    dtensor = "; a DTensor parameter loads its state as DTensors (get/set_optimizer_state_dict)"
+    return ValueError(
+        f"parameter {slot.index}: saved {name!r} has {numel} elements, {wanted}: the state dict is not this "
+        f"model's, or lists its parameters in another order{dtensor if isinstance(slot.param, LocalShard) else ''}; nothing was loaded"
+    )
+
+
+def _check_size(slot: ParamSlot, name: str, value: Any) -> None:
+    """Raise ``_local``'s ``ValueError`` if ``value`` is not of ``slot``'s size, converting
+    nothing that costs: a DTensor is checked by its global size (``_local`` would redistribute
+    it, a collective), a plain tensor as ``_local`` takes it."""
+    tensor = value if torch.is_tensor(value) else torch.as_tensor(value)
+    if is_dtensor(tensor):
+        if tensor.numel() != model_param(slot).numel():
+            raise _wrong_size(slot, name, tensor.numel())
+        return
+    if isinstance(slot.param, ParamRange):
+        tensor = slot.param.local_of(tensor)
+    if tensor.numel() != slot.numel:
+        raise _wrong_size(slot, name, tensor.numel())
 
 
 # -- TieredAdam ---------------------------------------------------------------------------------
@@ -325,7 +344,9 @@ def adam_load_state_dict(optimizer: TieredAdam, state_dict: dict[str, Any]) -> N
 def _require_entries(optimizer: TieredAdam, saved_state: dict[ParamSlot, Any], groups: list[dict[str, Any]]) -> None:
     """Raise ``KeyError``, before anything changes, if a parameter's saved state lacks what Adam
     needs (``step``, both moments, ``max_exp_avg_sq`` under amsgrad): torch's AdamW fails on such
-    an entry at its next step; filled with zeros, the update would be silently wrong."""
+    an entry at its next step; filled with zeros, the update would be silently wrong. Raise
+    ``ValueError`` if a saved tensor is not of its parameter's size (``_local`` would, part-way
+    through the load, the parameters before it loaded)."""
     for slot, saved in saved_state.items():
         if not saved:
             continue
@@ -334,6 +355,11 @@ def _require_entries(optimizer: TieredAdam, saved_state: dict[ParamSlot, Any], g
         if missing:
             raise KeyError(f"the state dict's entry for parameter {saved_index(optimizer, slot)} lacks {', '.join(map(repr, missing))} "
                            f"(it has {', '.join(map(repr, saved))}): nothing was loaded")
+        if _fresh(saved):
+            continue  # (loaded as no state: its tensors are not read)
+        for name in _ROWS[: optimizer._rows(slot)]:
+            if name in saved:
+                _check_size(slot, name, saved[name])
 
 
 def _fresh(saved: Mapping[str, Any]) -> bool:
