@@ -99,3 +99,29 @@ def test_a_non_finite_weight_stays_its_own_under_adamw(device_mode: str, bad: fl
     assert torch.isfinite(ours[others]).all(), f"{int((~torch.isfinite(ours[others])).sum())} other weights became non-finite"
     clean = _after_a_non_finite_weight(lambda ps: TieredAdamW(ps, lr=1e-2, state_precision="8bit"), numel, None)
     assert torch.equal(ours[others], clean[others])
+
+
+@pytest.mark.parametrize("scale", [1e19, 4e19])
+@pytest.mark.parametrize("kernel", ["default", "compiled"])
+def test_huge_finite_gradients_keep_the_fused_kernels_finite(device_mode: str, scale: float, kernel: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused 8-bit kernels computed ``g * g * (1 - beta2)``: ``g * g`` overflows fp32 from
+    |g| ~ 1.8e19, and the whole block's second moment and weights became NaN, where torch's
+    AdamW (``(1 - beta2) * g`` first) and the eager codec stay finite (a tryout)."""
+    if kernel == "compiled":
+        monkeypatch.setenv("TIERSTORE_NATIVE_ADAM8", "0")
+    torch.manual_seed(0)
+    numel = 1 << 16
+    for make in (lambda ps: torch.optim.AdamW(ps, lr=1e-2), lambda ps: TieredAdamW(ps, lr=1e-2, state_precision="8bit")):
+        p = torch.nn.Parameter(torch.randn(numel))
+        opt = make([p])
+        try:
+            for _ in range(3):
+                p.grad = torch.randn(numel) * scale
+                opt.step()
+            state = opt.state_dict()["state"][0]
+        finally:
+            if isinstance(opt, TieredAdamW):
+                opt.close()
+        assert torch.isfinite(p).all(), type(opt).__name__
+        assert torch.isfinite(state["exp_avg_sq"]).all() and torch.isfinite(state["exp_avg"]).all(), type(opt).__name__

@@ -66,7 +66,7 @@ def _reference(tile: dict[str, torch.Tensor], s: torch.Tensor) -> dict[str, torc
     if float(s[2]) != 0:  # (as torch: no p * 0, NaN for a non-finite weight)
         g = g + master * s[2]
     m = m * s[3] + g * s[4]
-    v = v * s[5] + g * g * s[6]
+    v = v * s[5] + g * s[6] * g
     root = torch.from_numpy(np.sqrt(v.numpy()))  # (IEEE's rounding, as the kernels' sqrtf; torch's vectorised sqrt may be 1 ulp off)
     updated = master * s[1] - s[0] * m / (root / s[7] + s[8])
     out = {}

@@ -134,7 +134,7 @@ static inline __attribute__((always_inline)) void block_update(const int lossles
         float m = t->m_book[m_codes[i]] * ms;
         float v = t->v_book[v_codes[i]] * vs;
         m = m * b1 + g * omb1;
-        v = v * b2 + g * g * omb2;
+        v = v * b2 + g * omb2 * g; /* (1 - beta2) first, as torch: g * g overflows from |g| ~ 1.8e19 */
         float denom = sqrtf(v) / bias2 + eps;
         float updated = p * decay - lr * m / denom;
         if (!lossless) {
@@ -296,7 +296,7 @@ static inline void block_update_512(const int lossless, const int bf16_grad, flo
         __m512 m = _mm512_mul_ps(lookup256(&t->m_book, mc), ms);
         __m512 v = _mm512_mul_ps(lookup256(&t->v_book, vc), vs);
         m = _mm512_add_ps(_mm512_mul_ps(m, b1), _mm512_mul_ps(g, omb1));
-        v = _mm512_add_ps(_mm512_mul_ps(v, b2), _mm512_mul_ps(_mm512_mul_ps(g, g), omb2));
+        v = _mm512_add_ps(_mm512_mul_ps(v, b2), _mm512_mul_ps(_mm512_mul_ps(g, omb2), g));
         __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bias2), eps);
         __m512 updated = _mm512_sub_ps(_mm512_mul_ps(p, decay), _mm512_div_ps(_mm512_mul_ps(lr, m), denom));
         if (!lossless) {

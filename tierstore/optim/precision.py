@@ -269,7 +269,7 @@ def _adam_math(master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: tor
     g = grad.float() * s[9]
     g = torch.where(s[2] != 0, g + master * s[2], g)
     m = m * s[3] + g * s[4]
-    v = v * s[5] + g * g * s[6]
+    v = v * s[5] + g * s[6] * g  # ((1 - beta2) first, as torch: g * g overflows from |g| ~ 1.8e19)
     denom = v.sqrt() / s[7] + s[8]
     return master * s[1] - s[0] * m / denom, m, v
 
