@@ -225,3 +225,26 @@ def test_the_generic_optimizer_refuses_what_it_cannot_page(optimizer_class: type
 
     with pytest.raises(ValueError, match="needs a closure|sparse gradients"):
         TieredOptimizer(torch.nn.Linear(4, 4).parameters(), optimizer_class, offload="host")
+
+
+@pytest.mark.parametrize("option", [{"disk_root": "somewhere"}, {"disk_capacity": "1GiB"}])
+def test_disk_options_with_offload_host_are_refused(option: dict) -> None:  # type: ignore[type-arg]
+    """``offload="host"`` makes no disk tier: ``disk_root=``/``disk_capacity=`` were taken and
+    did nothing (a tryout), as ``store=`` with them is refused."""
+    with pytest.raises(ValueError, match=f"{next(iter(option))}=.*offload='disk'"):
+        TieredAdamW(torch.nn.Linear(4, 4).parameters(), offload="host", **option)
+
+
+def test_a_disk_root_under_home_is_expanded(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """``disk_root="~/x"`` made a folder named ``~`` in the working directory (a tryout)."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    model = torch.nn.Linear(64, 64)
+    opt = TieredAdamW(model.parameters(), offload="disk", disk_root="~/scratch")
+    try:
+        model(torch.randn(2, 64)).sum().backward()
+        opt.step()
+    finally:
+        opt.close()
+    assert not (tmp_path / "~").exists()
+    assert (tmp_path / "home" / "scratch").is_dir()

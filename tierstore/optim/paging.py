@@ -227,6 +227,11 @@ class PagedOptimizer(torch.optim.Optimizer):
         self._step_supports_amp_scaling = unscale_in_step
         if offload not in ("host", "disk"):
             raise ValueError(f"offload must be 'host' or 'disk', not {offload!r}")
+        if store is None and offload == "host":
+            ignored = [name for name, value in (("disk_root", disk_root), ("disk_capacity", disk_capacity)) if value is not None]
+            if ignored:
+                raise ValueError(f"{', '.join(f'{name}=' for name in ignored)} {'places' if len(ignored) == 1 else 'place'} the disk "
+                                 "tier of offload='disk'; offload='host' makes none, so they would do nothing")
         if store is not None:  # (they describe the store made when none is given: with one, they did nothing)
             ignored = [name for name, value in (("offload", offload != "host"), ("disk_root", disk_root), ("host_capacity", host_capacity),
                                                 ("disk_capacity", disk_capacity)) if value not in (None, False)]
@@ -297,7 +302,7 @@ class PagedOptimizer(torch.optim.Optimizer):
                 state = sum(self._state_bytes(slot) for slot in self._slots if slot.paged and self._in_plan(slot))
                 grads = sum(slot.numel * slot.param.element_size() for slot in self._slots
                             if not slot.link.lends and slot.param.requires_grad)
-                root = rank_folder(disk_root if disk_root is not None else DEFAULT_DISK_ROOT)
+                root = rank_folder(Path(disk_root).expanduser() if disk_root is not None else DEFAULT_DISK_ROOT)
                 store = default_store(offload, state, grads, root, host_capacity, disk_capacity)
             try:
                 self.store: TierStore = bind_store(store, self._loop, state_tier)

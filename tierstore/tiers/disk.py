@@ -162,7 +162,7 @@ class DiskTier(Tier):
         queue_depth: int | None = None,
     ) -> None:
         super().__init__(capacity, name)
-        self.root = Path(root)
+        self.root = Path(root).expanduser()  # ("~/scratch" is the user's, not a folder named ~)
         self.io = io if io is not None else FileIO()
         self.durable = require_flag("durable", durable)
         if direct not in (True, False, "auto"):
