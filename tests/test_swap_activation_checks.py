@@ -201,3 +201,27 @@ def test_an_expanded_view_comes_back_laid_out_as_torch_copies_it(sync: SyncTierS
     assert torch.equal(grad(False), grad(True))
     assert acts.report.early == 0 and acts.report.offloaded >= 1
     acts.close()
+
+
+@pytest.mark.parametrize("which", ["activations", "parameters"])
+def test_a_store_the_user_closed_is_refused_not_opened_again(device_mode: str, which: str) -> None:
+    """``offload_activations``/``offload_parameters`` opened a store the user had closed again
+    (a tryout), where ``TieredAdamW`` refuses it; a store never opened is still opened."""
+    from tierstore import StoreClosedError
+    from tierstore.swap import offload_parameters
+
+    def make(store: SyncTierStore) -> object:
+        return offload_activations(store) if which == "activations" else offload_parameters(torch.nn.Linear(4, 4), store)
+
+    store = SyncTierStore([DeviceTier("cpu", "8MiB"), HostTier("8MiB")]).open()
+    store.close()
+    with pytest.raises(StoreClosedError, match=f"offload_{which}: the store given was closed"):
+        make(store)
+    assert not store.store.is_open
+    fresh = SyncTierStore([DeviceTier("cpu", "8MiB"), HostTier("8MiB")])
+    offloader = make(fresh)
+    try:
+        assert fresh.store.is_open
+    finally:
+        offloader.detach() if which == "parameters" else offloader.close()  # type: ignore[attr-defined]
+        fresh.close()

@@ -163,3 +163,35 @@ def test_a_put_that_failed_leaves_no_unretrieved_task_errors(device_mode: str) -
     assert result.returncode == 0, result.stderr[-3000:]
     assert "more than tier 'host' holds" in result.stdout
     assert "never retrieved" not in result.stderr, result.stderr[-3000:]
+
+
+def test_a_graph_whose_offloader_was_closed_raises_instead_of_reading_another_graphs_values(
+    sync: SyncTierStore, device_mode: str
+) -> None:
+    """``close()`` while a graph still held offloaded activations dropped them, and a new
+    offloader claimed the same namespace and wrote the same keys: the first graph's backward
+    took the second forward's activations (wrong gradients, no error), its freed handles
+    deleted the second's keys, and a backward after ``close()`` alone raised a bare
+    ``KeyNotFoundError`` (a tryout). Now such a backward says what happened, and the second
+    graph trains as if the first had never been."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    x1, x2 = torch.randn(16, 64), torch.randn(16, 64)
+    expected = torch.autograd.grad(model(x2).sum(), list(model.parameters()))
+    first = offload_activations(sync, min_bytes=0)
+    with first:
+        y1 = model(x1)
+    first.close()
+    second = offload_activations(sync, min_bytes=0)
+    try:
+        with second:
+            y2 = model(x2)
+        with pytest.raises(RuntimeError, match=r"offload_activations object that saved it was closed"):
+            torch.autograd.grad(y1.sum(), list(model.parameters()))
+        del y1
+        gc.collect()
+        time.sleep(0.1)  # (a freed handle's key would be deleted on the loop by now)
+        got = torch.autograd.grad(y2.sum(), list(model.parameters()))
+        assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+    finally:
+        second.close()

@@ -271,3 +271,21 @@ def test_a_forward_pre_hook_registered_before_offloading_sees_the_weights(device
         opts[1].close()
     for ours, theirs in zip(swapped.parameters(), plain.parameters(), strict=True):
         assert torch.equal(ours, theirs)
+
+
+def test_a_failed_offload_leaves_the_store_as_it_was(device_mode: str) -> None:
+    """One weight larger than the tier: ``TierFullError`` (the module untouched), but the
+    weights put before it stayed in the store and its namespace stayed claimed, so a model that
+    fits the empty tier was then refused too (a tryout)."""
+    from tierstore import TierFullError
+
+    with SyncTierStore([DeviceTier("cpu", "64MiB"), HostTier("512KiB")]) as store:
+        big = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256), nn.Linear(512, 512))  # 256 KiB, 256 KiB, 1 MiB
+        before = [p.detach().clone() for p in big.parameters()]
+        with pytest.raises(TierFullError):
+            offload_parameters(big, store)
+        assert store.keys() == [] and run(store.store.namespaces()) == []
+        assert all(torch.equal(a, b) for a, b in zip(before, big.parameters(), strict=True))
+        small = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 200))  # fits the empty tier
+        offloader = offload_parameters(small, store)
+        offloader.detach()

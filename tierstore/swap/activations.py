@@ -99,6 +99,8 @@ class ActivationOffload:
         emulate_device: bool | None = None,
     ) -> None:
         self.store = store.store if isinstance(store, SyncTierStore) else store
+        if self.store.closed:  # (one not opened yet is opened; one the user closed stays closed, as TieredAdamW's)
+            raise StoreClosedError("offload_activations: the store given was closed: open it again (or make a new one) first")
         if not self.store.is_open:
             run(self.store.open())
         names = [t.name for t in self.store.tiers]
@@ -220,7 +222,7 @@ class ActivationOffload:
             stored = to_store(self.store, saved.key, source, self.tier, link, marker)
             saved.stored = asyncio.run_coroutine_threadsafe(self._put(saved, stored), self._loop)
         self._track(saved.stored)
-        saved.finalizer = weakref.finalize(saved, _forget, self._loop, self.store, saved.key, saved.stored)
+        saved.finalizer = weakref.finalize(saved, _forget, self._loop, self.store, saved.key, saved.stored, self.namespace)
         self._saved[index] = saved
         with self._lock:
             self.report.offloaded += 1
@@ -269,7 +271,7 @@ class ActivationOffload:
                 if stored:
                     self.report.add_moved(saved.nbytes, time.perf_counter() - started, out=True)
                 self._lock.notify_all()
-        if stored and taken and saved.key in self.store:  # backward did not wait for this copy
+        if stored and taken and self.namespace.live and saved.key in self.store:  # backward did not wait for this copy
             with contextlib.suppress(KeyNotFoundError):  # (close() dropped the namespace meanwhile)
                 await self.store.delete(saved.key)
 
@@ -280,6 +282,14 @@ class ActivationOffload:
             return saved
         if saved.dropped:
             raise RuntimeError("this saved tensor was dropped from the store: the forward that saved it raised inside offload_activations")
+        if not self.namespace.live:
+            if saved.fetched is not None and saved.fetched.done() and not saved.fetched.cancelled() and saved.fetched.exception() is None:
+                return _unchanged(saved, saved.fetched.result())  # (back before the close: its value is in memory)
+            # Its key may be another graph's now: a new offloader claims the namespace given up.
+            raise RuntimeError(
+                "this saved tensor was dropped from the store: the offload_activations object that saved it was closed "
+                "before this backward (close() deletes what its graphs still hold); close it once backward has run"
+            )
         started = time.perf_counter()
         self._order.append(saved.index)
         with self._lock:  # the copy is still in flight: the tensor never left, use it
@@ -454,15 +464,16 @@ def _as_saved(saved: _Saved, value: torch.Tensor) -> torch.Tensor:
     return value.permute(inverse)
 
 
-def _forget(loop: asyncio.AbstractEventLoop, store: TierStore, key: str, stored: Any) -> None:
-    """A saved tensor backward never used (its graph was freed): drop it from the store."""
+def _forget(loop: asyncio.AbstractEventLoop, store: TierStore, key: str, stored: Any, namespace: Namespace) -> None:
+    """A saved tensor backward never used (its graph was freed): drop it from the store (unless
+    its offloader was closed: the namespace's drop deleted it, and the key may be a new one's)."""
     async def drop() -> None:
         try:
             await asyncio.wrap_future(stored)
         except Exception:  # noqa: BLE001 - the put failed (raised where the value was needed): nothing to drop
             return
         try:
-            if store.is_open and key in store:
+            if namespace.live and store.is_open and key in store:
                 await store.delete(key)
         except (StoreClosedError, KeyNotFoundError):  # the store closed, or its namespace was dropped: nothing left
             pass

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import sys
 import threading
@@ -73,7 +74,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..device import Link
-from ..errors import TierFullError
+from ..errors import StoreClosedError, TierFullError
 from ..namespaces import Namespace
 from ..store import TierStore
 from ..sync import SyncTierStore, loop_thread, run
@@ -234,6 +235,8 @@ class ParameterOffload:
         self.whole_units: tuple[type[nn.Module], ...] = WHOLE_UNITS + extra
         self.module = module
         self.store = store.store if isinstance(store, SyncTierStore) else store
+        if self.store.closed:  # (one not opened yet is opened; one the user closed stays closed, as TieredAdamW's)
+            raise StoreClosedError("offload_parameters: the store given was closed: open it again (or make a new one) first")
         if not self.store.is_open:
             run(self.store.open())
         self.tier = tier
@@ -361,8 +364,15 @@ class ParameterOffload:
             self._hold_weights([weight], weight.units[0])
 
     async def _store_all(self, sources: list[torch.Tensor], marker: Any) -> None:
-        for weight, source in zip(self._weights, sources, strict=True):
-            await to_store(self.store, weight.key, source, self.tier, self.link, marker)
+        try:
+            for weight, source in zip(self._weights, sources, strict=True):
+                await to_store(self.store, weight.key, source, self.tier, self.link, marker)
+        except BaseException:
+            # (the constructor fails: the weights put so far leave and the namespace is free
+            # again, so the store is as it was; the module was not changed yet)
+            with contextlib.suppress(Exception):
+                await self.namespace.drop()
+            raise
 
     def detach(self) -> None:
         """Remove the hooks and put every weight back into the module (from the store, in the
