@@ -291,7 +291,7 @@ def test_a_restart_with_another_precision_says_why_its_state_starts_over(tmp_pat
     opt = TieredAdamW(paged.parameters(), lr=3e-3, store=store, namespace="run", min_offload_numel=100)
     _steps(paged, opt, range(2))
     opt.close()
-    with pytest.warns(UserWarning, match=r"is laid out for other settings \(another state_precision.*load the state_dict\(\) of an optimizer"):
+    with pytest.warns(UserWarning, match=r"is laid out for other settings \(another state_precision.*their saved state is deleted.*take the state_dict\(\) of the optimizer with the old ones \(before its close\(\)\)"):
         opt = TieredAdamW(paged.parameters(), lr=3e-3, store=store, namespace="run", state_precision="8bit", min_offload_numel=100)
     opt.close()
     store.close()

@@ -645,8 +645,9 @@ class TieredAdam(PagedOptimizer):
         if mismatched:
             warnings.warn(
                 f"namespace {namespace.name!r}: the saved state of parameters {mismatched} is laid out for other settings "
-                "(another state_precision, master_weights or amsgrad, or parameters of another size); those start over. "
-                "To continue with new settings, load the state_dict() of an optimizer made with the old ones",
+                "(another state_precision, master_weights or amsgrad, or parameters of another size); those start over "
+                "(their saved state is deleted). To carry state across a change of settings, take the state_dict() of the "
+                "optimizer with the old ones (before its close()) and load it into one made with the new ones",
                 stacklevel=2,
             )
         for key in namespace.keys():
