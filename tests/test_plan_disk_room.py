@@ -90,3 +90,79 @@ def test_state_dict_reads_the_state_when_the_disk_is_full(tmp_path: Path, device
     for i in range(len(params)):
         for name in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(saved["state"][i][name], expected["state"][i][name]), (i, name)
+
+
+def _train_then_flush(store_of: object, make_params: object, steps: int = 4, **kwargs: object) -> None:
+    """Plan on a store with a 1 GiB disk, then train on one whose disk is the plan's need and
+    flush everything at once (the copies-on-write of all the memory tiers hold)."""
+    from tierstore import SyncTierStore
+
+    probe_params = make_params()  # type: ignore[operator]
+    probe: SyncTierStore = store_of("probe", "1GiB")  # type: ignore[operator]
+    opt = TieredAdamW(probe_params, lr=1e-3, store=probe, **kwargs)
+    need = opt.memory_plan().tier_need["disk"]
+    opt.close()
+    probe.close()
+    params = make_params()  # type: ignore[operator]
+    store: SyncTierStore = store_of("exact", need)  # type: ignore[operator]
+    opt = TieredAdamW(params, lr=1e-3, store=store, **kwargs)
+    try:
+        for _ in range(steps):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            opt.step()
+        store.flush()
+    finally:
+        opt.close()
+        store.close()
+
+
+def test_the_need_covers_a_flush_of_many_small_values_in_whole_blocks(tmp_path: Path, device_mode: str) -> None:
+    """A reviewer: values of a few KiB take up to twice their size in disk blocks, and the host
+    holds many of them: counting the largest values first undercounted a flush's room."""
+    from tierstore import DiskTier, HostTier, SyncTierStore
+
+    def store_of(name: str, disk: int | str) -> SyncTierStore:
+        return SyncTierStore([HostTier("256KiB"), DiskTier(tmp_path / name, disk, durable=False)])
+
+    def make_params() -> list[torch.nn.Parameter]:
+        torch.manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(270)) for _ in range(150)] + [torch.nn.Parameter(torch.randn(16384))]
+
+    _train_then_flush(store_of, make_params, min_offload_numel=1)
+
+
+def test_the_need_covers_every_memory_tier_above_the_disk(tmp_path: Path, device_mode: str) -> None:
+    """A reviewer: state on a device tier above the host tier; a flush writes the dirty values
+    of both, and only the host tier's were counted."""
+    from tierstore import DeviceTier, DiskTier, HostTier, SyncTierStore
+
+    def store_of(name: str, disk: int | str) -> SyncTierStore:
+        return SyncTierStore([DeviceTier("cpu", "1536KiB", emulate_device=True), HostTier("1536KiB"),
+                              DiskTier(tmp_path / name, disk, durable=False)])
+
+    def make_params() -> list[torch.nn.Parameter]:
+        torch.manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(300, 301)) for _ in range(8)]
+
+    _train_then_flush(store_of, make_params, state_tier="device")
+
+
+def test_a_store_without_a_disk_needs_no_room_for_copies_on_write(device_mode: str) -> None:
+    """A reviewer: with state on a device tier over a host tier (no disk), the host's need got a
+    disk's copy-on-write room, refusing a store that trains and saves."""
+    from tierstore import DeviceTier, HostTier, SyncTierStore
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(300, 301)) for _ in range(4)]
+    host = "3MiB" if device_mode == "plain" else "4400KiB"  # (emulated: the state keeps an fp32 master row)
+    with SyncTierStore([DeviceTier("cpu", "1MiB", emulate_device=True), HostTier(host)]) as store:
+        opt = TieredAdamW(params, lr=1e-3, store=store, state_tier="device")
+        try:
+            for _ in range(3):
+                for p in params:
+                    p.grad = torch.randn_like(p)
+                opt.step()
+            assert opt.state_dict()["state"][0]["step"] == 3
+        finally:
+            opt.close()

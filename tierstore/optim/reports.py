@@ -134,9 +134,9 @@ class MemoryPlan:
     ``tier_need``: per store tier, what it must be able to hold: on the state tier one update
     (the largest bucket unit or chunk) and the largest gradient copy arriving (more updates in
     flight and chunks prefetched ahead use whatever room is left), on the tier below it all
-    paged state and gradient copies as stored there, and the room of their copies-on-write (as
-    many of them as the tier above it holds: a value written down again keeps its old copy
-    until the new one is committed).
+    paged state and gradient copies as stored there, and on a disk the room of the copies-on-write
+    of as many as the memory tiers above it hold (a value written down again keeps its old extent
+    until the new one is committed; a flush writes them all at once).
     ``process_bytes``: the process's bound with state paged: the model's weights and gradients
     (host memory where the device is the CPU), every memory tier's capacity, state kept
     resident, and the bounded working set (``working_bytes``: the disk tier's staging buffers,
@@ -230,7 +230,7 @@ def plan_memory(
         bottom = below[-1]
         entries = [n for slot in paged for n in (state_entries(slot) if state_entries is not None else [state_bytes(slot)])]
         entries += copied_grads
-        need[bottom.name] = _bottom_need(bottom, tiers[-2], entries)
+        need[bottom.name] = _bottom_need(bottom, [t for t in tiers[:-1] if isinstance(t, MemoryTier)], entries)
     else:
         need[state_tier] = max(need[state_tier], paged_state + sum(copied_grads))
     capacity = {tier.name: tier.capacity for tier in tiers}
@@ -258,22 +258,24 @@ def plan_memory(
     )
 
 
-def _bottom_need(bottom: Any, above: Any, entries: list[int]) -> int:
-    """What the bottom tier must hold for values of ``entries`` bytes that page down to it from
-    ``above``: each as it is stored there (a disk extent is whole 4 KiB blocks), and room for
-    the copies-on-write of as many of them as ``above`` holds: a value written down again keeps
-    its old copy until the new one is committed, and every value the tier above holds may be
-    written at once (its write-backs in a step; a flush writes them all)."""
+def _bottom_need(bottom: Any, above: list[Any], entries: list[int]) -> int:
+    """What the bottom tier must hold for values of ``entries`` bytes that page down to it:
+    each as it is stored there, and on a disk room for the copies-on-write of as many of them as
+    the memory tiers ``above`` it hold: a value written down again keeps its old extent until
+    the new one is committed, and every value those tiers hold may be written at once (a step's
+    write-backs and evictions; a flush writes them all). Extents are whole 4 KiB blocks, so
+    that room is the tiers' capacity times the largest ratio of a value's extent to its size.
+    A bound, not an estimate: smaller disks may work, but may fail mid-step."""
     from ..tiers import DiskTier
 
-    stored = [bottom.stored_size(n) if isinstance(bottom, DiskTier) else n for n in entries]
-    rewritten, room = 0, above.capacity
-    for n, size in sorted(zip(entries, stored, strict=True), key=lambda pair: pair[1], reverse=True):
-        if n > room:
-            continue
-        room -= n
-        rewritten += size
-    return sum(stored) + rewritten
+    if not isinstance(bottom, DiskTier):
+        return sum(entries)
+    stored = [bottom.stored_size(n) for n in entries]
+    ratio = max((size / n for n, size in zip(entries, stored, strict=True) if n), default=1.0)
+    rewritten = min(sum(stored), math.ceil(sum(tier.capacity for tier in above) * ratio))
+    # (and a block for the store's own small records, its namespaces' index: inline, it takes
+    # capacity too)
+    return sum(stored) + rewritten + bottom.extent_size(1)
 
 
 @dataclass
