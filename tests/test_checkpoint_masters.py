@@ -207,3 +207,50 @@ def test_a_first_step_that_failed_takes_the_master_back_when_retried(device_mode
         opt.step()  # (the retry: half the masters were off a bf16 step)
     assert torch.equal(_master_bits(opt), saved["state"][0]["master"].reshape(-1).view(torch.int32))
     opt.close()
+
+
+_DTENSOR_ENTRY = r"""
+import copy, os, socket, sys, torch, warnings
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from tierstore.optim import TieredAdamW
+warnings.simplefilter("ignore")
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+dist.init_process_group("gloo", rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+torch.manual_seed(0)
+params = [torch.nn.Parameter(torch.randn(n)) for n in (100, 5000)]
+opt = TieredAdamW(params, lr=1e-2, offload="host")
+for _ in range(3):
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+broken = copy.deepcopy(opt.state_dict())
+broken["state"][0]["exp_avg"] = broken["state"][0]["exp_avg"] * 2
+# global shape (5000,), local part 4999 elements: what _local takes, and refuses
+broken["state"][1]["exp_avg"] = DTensor.from_local(torch.zeros(4999), mesh, [Shard(0)], run_check=False, shape=(5000,), stride=(1,))
+before = opt.state_dict()["state"][0]["exp_avg"].clone()
+try:
+    opt.load_state_dict(broken)
+    print("LOADED")
+except ValueError as e:
+    print("REFUSED", "nothing was loaded" in str(e))
+print("UNCHANGED", torch.equal(before, opt.state_dict()["state"][0]["exp_avg"]))
+opt.close()
+dist.destroy_process_group()
+"""
+
+
+def test_a_dtensor_entry_is_checked_by_the_size_loading_would_take() -> None:
+    """A reviewer: the pre-check took a DTensor by its global size, and loading by its local
+    part: one of the right global size but another local size passed the check and was refused
+    after parameter 0 had loaded, with the message saying nothing was."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", _DTENSOR_ENTRY], capture_output=True, text=True, timeout=300)
+    assert "REFUSED True" in result.stdout and "UNCHANGED True" in result.stdout, result.stdout + result.stderr[-2000:]

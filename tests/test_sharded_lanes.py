@@ -60,7 +60,8 @@ def run_rank(rank: int, world: int, port: int, out: str) -> None:
             ref = DDP(copy.deepcopy(base))
             ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
             ours = DDP(copy.deepcopy(base))
-            opt = TieredAdamW(ours.parameters(), lr=1e-2, weight_decay=0.1, process_group=True, disk_root=str(Path(out, "disk")), **options)
+            where = {"disk_root": str(Path(out, "disk"))} if options["offload"] == "disk" else {}
+            opt = TieredAdamW(ours.parameters(), lr=1e-2, weight_decay=0.1, process_group=True, **where, **options)
             attach_ddp(opt, ours)
             for step in range(STEPS):
                 gen = torch.Generator().manual_seed(step * 10 + rank)

@@ -112,11 +112,11 @@ def _local(slot: ParamSlot, name: str, value: Any) -> torch.Tensor:
     elif isinstance(slot.param, ParamRange):  # a whole tensor (torch's AdamW's): our rows of it
         tensor = slot.param.local_of(tensor)
     if tensor.numel() != slot.numel:
-        raise _wrong_size(slot, name, tensor.numel())
+        raise _wrong_size(slot, name, tensor.numel(), checked_first=False)
     return tensor.reshape(-1).to("cpu", torch.float32)
 
 
-def _wrong_size(slot: ParamSlot, name: str, numel: int) -> ValueError:
+def _wrong_size(slot: ParamSlot, name: str, numel: int, checked_first: bool = True) -> ValueError:
     if isinstance(slot.param, ParamRange):  # (a whole tensor, or this rank's rows of it)
         wanted = f"the parameter {slot.param.param.numel()} (this rank's rows of it {slot.numel})"
     elif isinstance(slot.param, LocalShard):
@@ -126,20 +126,24 @@ def _wrong_size(slot: ParamSlot, name: str, numel: int) -> ValueError:
     dtensor = "; a DTensor parameter loads its state as DTensors (get/set_optimizer_state_dict)"
     return ValueError(
         f"parameter {slot.index}: saved {name!r} has {numel} elements, {wanted}: the state dict is not this "
-        f"model's, or lists its parameters in another order{dtensor if isinstance(slot.param, LocalShard) else ''}; nothing was loaded"
+        f"model's, or lists its parameters in another order{dtensor if isinstance(slot.param, LocalShard) else ''}"
+        + ("; nothing was loaded" if checked_first else "")
     )
 
 
 def _check_size(slot: ParamSlot, name: str, value: Any) -> None:
-    """Raise ``_local``'s ``ValueError`` if ``value`` is not of ``slot``'s size, converting
-    nothing that costs: a DTensor is checked by its global size (``_local`` would redistribute
-    it, a collective), a plain tensor as ``_local`` takes it."""
-    tensor = value if torch.is_tensor(value) else torch.as_tensor(value)
+    """Raise ``_local``'s ``ValueError`` if ``value`` is not of ``slot``'s size, as ``_local``
+    sees it, converting nothing that costs: a DTensor that ``_local`` would redistribute (a
+    collective) is checked by its global size, which decides the shard it becomes."""
+    tensor = torch.as_tensor(value).detach()
     if is_dtensor(tensor):
-        if tensor.numel() != model_param(slot).numel():
-            raise _wrong_size(slot, name, tensor.numel())
-        return
-    if isinstance(slot.param, ParamRange):
+        p = model_param(slot)
+        if isinstance(slot.param, LocalShard) and tuple(tensor.placements) != tuple(p.placements):  # type: ignore[attr-defined]
+            if tensor.numel() != p.numel():
+                raise _wrong_size(slot, name, tensor.numel())
+            return
+        tensor = tensor._local_tensor  # type: ignore[attr-defined]
+    elif isinstance(slot.param, ParamRange):
         tensor = slot.param.local_of(tensor)
     if tensor.numel() != slot.numel:
         raise _wrong_size(slot, name, tensor.numel())
