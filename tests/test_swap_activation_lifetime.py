@@ -195,3 +195,57 @@ def test_a_graph_whose_offloader_was_closed_raises_instead_of_reading_another_gr
         assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
     finally:
         second.close()
+
+
+def test_a_close_on_another_thread_between_backwards_check_and_its_read_is_refused(
+    sync: SyncTierStore, device_mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reviewer: backward checked that its offloader was open, then read the value; a
+    ``close()`` on another thread in between, and a new offloader writing the same key, gave
+    the old backward the new forward's activation (wrong gradient, no error). The read now
+    checks again on the store's loop, where the close's drop runs. The pause between backward's
+    check and its read is injected by wrapping the offloader's fetch (the test's only use of an
+    internal), as a thread switch there would place it."""
+    import threading
+
+    from tierstore.swap import activations
+
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(256, 256))
+    x1, x2 = torch.randn(256, 256), torch.randn(256, 256) * 100
+    first = offload_activations(sync, min_bytes=0)
+    with first:
+        y1 = (x1 @ w).sum()
+    checked, go = threading.Event(), threading.Event()
+    fetch = activations.ActivationOffload._fetch
+
+    def paused(self: Any, saved: Any) -> None:
+        if self is first:
+            checked.set()
+            go.wait(10)
+        fetch(self, saved)
+
+    monkeypatch.setattr(activations.ActivationOffload, "_fetch", paused)
+    outcome: dict[str, Any] = {}
+
+    def backward() -> None:
+        try:
+            outcome["grad"] = torch.autograd.grad(y1, [w])[0]
+        except RuntimeError as error:
+            outcome["error"] = str(error)
+
+    thread = threading.Thread(target=backward)
+    thread.start()
+    assert checked.wait(10)
+    first.close()
+    second = offload_activations(sync, min_bytes=0)
+    try:
+        with second:
+            y2 = (x2 @ w).sum()
+        go.set()
+        thread.join(30)
+        assert "grad" not in outcome and "was closed before this backward" in outcome.get("error", ""), outcome
+        assert torch.equal(torch.autograd.grad(y2, [w])[0], torch.autograd.grad((x2 @ w).sum(), [w])[0])
+    finally:
+        go.set()
+        second.close()

@@ -42,6 +42,7 @@ import itertools
 import threading
 import time
 import weakref
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -286,10 +287,7 @@ class ActivationOffload:
             if saved.fetched is not None and saved.fetched.done() and not saved.fetched.cancelled() and saved.fetched.exception() is None:
                 return _unchanged(saved, saved.fetched.result())  # (back before the close: its value is in memory)
             # Its key may be another graph's now: a new offloader claims the namespace given up.
-            raise RuntimeError(
-                "this saved tensor was dropped from the store: the offload_activations object that saved it was closed "
-                "before this backward (close() deletes what its graphs still hold); close it once backward has run"
-            )
+            raise _closed_before_backward()
         started = time.perf_counter()
         self._order.append(saved.index)
         with self._lock:  # the copy is still in flight: the tensor never left, use it
@@ -443,15 +441,41 @@ def _is_parameter(tensor: torch.Tensor) -> bool:
 
 async def _pop_when_stored(store: TierStore, saved: _Saved, tier: str) -> torch.Tensor:
     await asyncio.wrap_future(saved.stored)
-    value = await store.pop(saved.key, tier)
+    async with _owned(saved):
+        value = await store.pop(saved.key, tier)
     return _as_saved(saved, value if value.device == saved.device else value.to(saved.device))
 
 
 async def _cross_when_stored(store: TierStore, saved: _Saved, link: Link) -> torch.Tensor:
     await asyncio.wrap_future(saved.stored)
-    value = await to_device(store, saved.key, saved.device, link)
-    await store.delete(saved.key)
+    async with _owned(saved):
+        value = await to_device(store, saved.key, saved.device, link)
+        await store.delete(saved.key)
     return _as_saved(saved, value)
+
+
+@contextlib.asynccontextmanager
+async def _owned(saved: _Saved) -> AsyncIterator[None]:
+    """On the loop, around taking ``saved``'s value from the store: refuse it once its
+    offloader's namespace was dropped (``close()`` on another thread after backward's own check:
+    a new offloader may own the key now, and is only given it once the drop, which runs on this
+    loop, has ended), and say so if the drop deleted it meanwhile."""
+    namespace = saved.owner.namespace
+    if not namespace.live:
+        raise _closed_before_backward()
+    try:
+        yield
+    except KeyNotFoundError:
+        if not namespace.live:
+            raise _closed_before_backward() from None
+        raise
+
+
+def _closed_before_backward() -> RuntimeError:
+    return RuntimeError(
+        "this saved tensor was dropped from the store: the offload_activations object that saved it was closed "
+        "before this backward (close() deletes what its graphs still hold); close it once backward has run"
+    )
 
 
 def _as_saved(saved: _Saved, value: torch.Tensor) -> torch.Tensor:
