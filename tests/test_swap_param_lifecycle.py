@@ -289,3 +289,17 @@ def test_a_failed_offload_leaves_the_store_as_it_was(device_mode: str) -> None:
         small = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 200))  # fits the empty tier
         offloader = offload_parameters(small, store)
         offloader.detach()
+
+
+def test_a_refused_offload_gives_its_namespace_back(device_mode: str) -> None:
+    """A reviewer: offloading a module whose weights another offload_parameters holds is
+    refused, but the refused call kept its namespace claimed, so the corrected call with the
+    same ``namespace=`` was refused for the rest of the process."""
+    with SyncTierStore([DeviceTier("cpu", "64MiB"), HostTier("64MiB")]) as store:
+        m = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+        first = offload_parameters(m, store, namespace="p1")
+        with pytest.raises(ValueError, match="offloaded already"):
+            offload_parameters(m[0], store, namespace="p2")
+        assert [info.name for info in run(store.store.namespaces())] == ["p1/"]
+        first.detach()
+        offload_parameters(m, store, namespace="p2").detach()

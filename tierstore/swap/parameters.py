@@ -55,11 +55,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import os
 import sys
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -286,7 +286,17 @@ class ParameterOffload:
         # second waits for the first); ``_state_lock`` guards it and ``_detached``.
         self._putting_back: concurrent.futures.Future[None] | None = None
         self._state_lock = threading.Lock()
-        self._attach()
+        try:
+            self._attach()
+        except BaseException:
+            # (refused, or a put failed: the module is as it was, and the weights put so far
+            # leave with the namespace, so the store is too, and a retry may claim the name)
+            try:
+                run(self.namespace.drop())
+            except Exception as error:  # noqa: BLE001 - the first failure is the one raised
+                warnings.warn(f"offload_parameters failed, and dropping what it had put in the store failed too: {error!r}",
+                              RuntimeWarning, stacklevel=2)
+            raise
         self._close_hook = self.store.register_close_hook(self._put_back)
 
     # -- moving the weights in and out -------------------------------------------------------------
@@ -364,15 +374,8 @@ class ParameterOffload:
             self._hold_weights([weight], weight.units[0])
 
     async def _store_all(self, sources: list[torch.Tensor], marker: Any) -> None:
-        try:
-            for weight, source in zip(self._weights, sources, strict=True):
-                await to_store(self.store, weight.key, source, self.tier, self.link, marker)
-        except BaseException:
-            # (the constructor fails: the weights put so far leave and the namespace is free
-            # again, so the store is as it was; the module was not changed yet)
-            with contextlib.suppress(Exception):
-                await self.namespace.drop()
-            raise
+        for weight, source in zip(self._weights, sources, strict=True):
+            await to_store(self.store, weight.key, source, self.tier, self.link, marker)
 
     def detach(self) -> None:
         """Remove the hooks and put every weight back into the module (from the store, in the
