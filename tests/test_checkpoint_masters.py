@@ -254,3 +254,51 @@ def test_a_dtensor_entry_is_checked_by_the_size_loading_would_take() -> None:
 
     result = subprocess.run([sys.executable, "-c", _DTENSOR_ENTRY], capture_output=True, text=True, timeout=300)
     assert "REFUSED True" in result.stdout and "UNCHANGED True" in result.stdout, result.stdout + result.stderr[-2000:]
+
+
+_UNEVEN_SHARDS = r"""
+import torch, torch.distributed as dist, warnings
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from tierstore.optim import TieredAdamW
+warnings.simplefilter("ignore")
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)  # rank 0 of 4, no peers
+mesh = init_device_mesh("cpu", (4,))
+
+def param(shape, rows):
+    local = torch.randn(rows, *shape[1:])
+    return torch.nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape, stride=torch.empty(shape).stride()))
+
+torch.manual_seed(0)
+params = [param((8, 4), 2), param((10, 3), 3)]
+opt = TieredAdamW(params, lr=1e-2, offload="host")
+for _ in range(2):
+    for p in params:
+        p.grad = DTensor.from_local(torch.randn_like(p._local_tensor), mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride())
+    opt.step()
+saved = opt.state_dict()
+before = saved["state"][0]["exp_avg"]._local_tensor.clone()
+rep = lambda shape: DTensor.from_local(torch.ones(shape), mesh, [Replicate()], run_check=False)
+broken = {"param_groups": saved["param_groups"], "state": {
+    0: {"step": torch.tensor(7.0), "exp_avg": rep((8, 4)) * 5, "exp_avg_sq": rep((8, 4))},
+    1: {"step": torch.tensor(7.0), "exp_avg": rep((5, 6)), "exp_avg_sq": rep((5, 6))}}}  # as many elements, other shape
+try:
+    opt.load_state_dict(broken)
+    print("LOADED")
+except ValueError as e:
+    print("REFUSED", "nothing was loaded" in str(e))
+print("UNCHANGED", torch.equal(before, opt.state_dict()["state"][0]["exp_avg"]._local_tensor))
+opt.close()
+"""
+
+
+def test_a_dtensor_of_another_shape_is_refused_before_a_shard_loads() -> None:
+    """A reviewer: a replicated DTensor of as many elements as a sharded parameter but another
+    shape passed the pre-check by its global size; redistributed to the parameter's shards
+    (uneven over 4 ranks) it had another local size, refused after parameter 0 had loaded."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", _UNEVEN_SHARDS], capture_output=True, text=True, timeout=300)
+    assert "REFUSED True" in result.stdout and "UNCHANGED True" in result.stdout, result.stdout + result.stderr[-2000:]

@@ -134,13 +134,18 @@ def _wrong_size(slot: ParamSlot, name: str, numel: int, checked_first: bool = Tr
 def _check_size(slot: ParamSlot, name: str, value: Any) -> None:
     """Raise ``_local``'s ``ValueError`` if ``value`` is not of ``slot``'s size, as ``_local``
     sees it, converting nothing that costs: a DTensor that ``_local`` would redistribute (a
-    collective) is checked by its global size, which decides the shard it becomes."""
+    collective) is checked by its global shape, which decides the shard it becomes."""
     tensor = torch.as_tensor(value).detach()
     if is_dtensor(tensor):
         p = model_param(slot)
         if isinstance(slot.param, LocalShard) and tuple(tensor.placements) != tuple(p.placements):  # type: ignore[attr-defined]
-            if tensor.numel() != p.numel():
-                raise _wrong_size(slot, name, tensor.numel())
+            # (its global shape decides the shard it becomes: of another shape, even of as many
+            # elements, the shards may differ, and it is not this parameter's state anyway)
+            if tuple(tensor.shape) != tuple(p.shape):
+                raise ValueError(
+                    f"parameter {slot.index}: saved {name!r} has shape {tuple(tensor.shape)}, the parameter {tuple(p.shape)}: "
+                    "the state dict is not this model's, or lists its parameters in another order; nothing was loaded"
+                )
             return
         tensor = tensor._local_tensor  # type: ignore[attr-defined]
     elif isinstance(slot.param, ParamRange):
