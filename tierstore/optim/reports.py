@@ -264,15 +264,22 @@ def _bottom_need(bottom: Any, above: list[Any], entries: list[int]) -> int:
     the memory tiers ``above`` it hold: a value written down again keeps its old extent until
     the new one is committed, and every value those tiers hold may be written at once (a step's
     write-backs and evictions; a flush writes them all). Extents are whole 4 KiB blocks, so
-    that room is the tiers' capacity times the largest ratio of a value's extent to its size.
-    A bound, not an estimate: smaller disks may work, but may fail mid-step."""
+    that room is the most the values filling those tiers can take in blocks. A bound, not an
+    estimate: smaller disks may work, but may fail mid-step."""
     from ..tiers import DiskTier
 
     if not isinstance(bottom, DiskTier):
         return sum(entries)
     stored = [bottom.stored_size(n) for n in entries]
-    ratio = max((size / n for n, size in zip(entries, stored, strict=True) if n), default=1.0)
-    rewritten = min(sum(stored), math.ceil(sum(tier.capacity for tier in above) * ratio))
+    # The most disk the values a capacity of memory holds can take: those whose blocks exceed
+    # their bytes the most first, the last one in part (a fractional knapsack: a true bound).
+    room, rewritten = sum(tier.capacity for tier in above), 0
+    for n, size in sorted(zip(entries, stored, strict=True), key=lambda pair: pair[1] / max(pair[0], 1), reverse=True):
+        if room <= 0:
+            break
+        taken = min(n, room)
+        rewritten += size if taken == n else math.ceil(size * taken / n)
+        room -= taken
     # (and a block for the store's own small records, its namespaces' index: inline, it takes
     # capacity too)
     return sum(stored) + rewritten + bottom.extent_size(1)
