@@ -216,6 +216,9 @@ def test_a_close_on_another_thread_between_backwards_check_and_its_read_is_refus
     first = offload_activations(sync, min_bytes=0)
     with first:
         y1 = (x1 @ w).sum()
+    deadline = time.monotonic() + 10
+    while first.report.bytes_out < x1.nbytes and time.monotonic() < deadline:
+        time.sleep(0.005)  # (its copy into the store ended: backward reads it back, not the tensor itself)
     checked, go = threading.Event(), threading.Event()
     fetch = activations.ActivationOffload._fetch
 
