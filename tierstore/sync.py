@@ -37,7 +37,7 @@ import torch
 
 from . import holds
 from .device.caller import marking_caller
-from .errors import LoopDeadlockError
+from .errors import LoopDeadlockError, StoreClosedError
 from .flags import require_flag
 from .intra_op import run_ops_serially
 from .namespaces import Namespace
@@ -111,6 +111,18 @@ def loop_thread() -> asyncio.AbstractEventLoop:
             thread.start()
             _loop, _thread = loop, thread
         return _loop
+
+
+def open_unless_closed(store: TierStore, what: str) -> bool:
+    """Open ``store`` (a ``TierStore`` a user handed over) if it was never opened; return
+    whether it opened it here. One the user closed stays closed: ``StoreClosedError`` naming
+    ``what`` ("the store given as store=")."""
+    if store.closed:
+        raise StoreClosedError(f"{what} was closed: open it again (or make a new one) first")
+    if store.is_open:
+        return False
+    run(store.open())
+    return True
 
 
 def run(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:

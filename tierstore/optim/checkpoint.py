@@ -103,17 +103,28 @@ def _laid_out(slot: ParamSlot, flat: torch.Tensor) -> torch.Tensor:
 
 def _local(slot: ParamSlot, name: str, value: Any) -> torch.Tensor:
     """A loaded state tensor as this rank's flat fp32 row for ``slot``."""
+    tensor = _this_ranks(slot, value, redistribute=True)
+    assert tensor is not None
+    if tensor.numel() != slot.numel:
+        raise _wrong_size(slot, name, tensor.numel(), checked_first=False)
+    return tensor.reshape(-1).to("cpu", torch.float32)
+
+
+def _this_ranks(slot: ParamSlot, value: Any, *, redistribute: bool) -> torch.Tensor | None:
+    """This rank's part of a loaded state tensor for ``slot``: a DTensor's local tensor
+    (redistributed to a shard's placements first: a collective; None where that is needed and
+    ``redistribute`` is False), a whole tensor's rows of a split parameter, else the tensor."""
     tensor = torch.as_tensor(value).detach()
     if is_dtensor(tensor):
         p = model_param(slot)
         if isinstance(slot.param, LocalShard) and tuple(tensor.placements) != tuple(p.placements):  # type: ignore[attr-defined]
+            if not redistribute:
+                return None
             tensor = tensor.redistribute(p.device_mesh, p.placements)  # type: ignore[attr-defined]
-        tensor = tensor._local_tensor  # type: ignore[attr-defined]
-    elif isinstance(slot.param, ParamRange):  # a whole tensor (torch's AdamW's): our rows of it
-        tensor = slot.param.local_of(tensor)
-    if tensor.numel() != slot.numel:
-        raise _wrong_size(slot, name, tensor.numel(), checked_first=False)
-    return tensor.reshape(-1).to("cpu", torch.float32)
+        return tensor._local_tensor  # type: ignore[attr-defined]
+    if isinstance(slot.param, ParamRange):  # a whole tensor (torch's AdamW's): our rows of it
+        return slot.param.local_of(tensor)
+    return tensor
 
 
 def _wrong_size(slot: ParamSlot, name: str, numel: int, checked_first: bool = True) -> ValueError:
@@ -135,21 +146,17 @@ def _check_size(slot: ParamSlot, name: str, value: Any) -> None:
     """Raise ``_local``'s ``ValueError`` if ``value`` is not of ``slot``'s size, as ``_local``
     sees it, converting nothing that costs: a DTensor that ``_local`` would redistribute (a
     collective) is checked by its global shape, which decides the shard it becomes."""
-    tensor = torch.as_tensor(value).detach()
-    if is_dtensor(tensor):
-        p = model_param(slot)
-        if isinstance(slot.param, LocalShard) and tuple(tensor.placements) != tuple(p.placements):  # type: ignore[attr-defined]
-            # (its global shape decides the shard it becomes: of another shape, even of as many
-            # elements, the shards may differ, and it is not this parameter's state anyway)
-            if tuple(tensor.shape) != tuple(p.shape):
-                raise ValueError(
-                    f"parameter {slot.index}: saved {name!r} has shape {tuple(tensor.shape)}, the parameter {tuple(p.shape)}: "
-                    "the state dict is not this model's, or lists its parameters in another order; nothing was loaded"
-                )
-            return
-        tensor = tensor._local_tensor  # type: ignore[attr-defined]
-    elif isinstance(slot.param, ParamRange):
-        tensor = slot.param.local_of(tensor)
+    tensor = _this_ranks(slot, value, redistribute=False)
+    if tensor is None:
+        # (its global shape decides the shard it becomes: of another shape, even of as many
+        # elements, the shards may differ, and it is not this parameter's state anyway)
+        shape, wanted = tuple(torch.as_tensor(value).shape), tuple(model_param(slot).shape)
+        if shape != wanted:
+            raise ValueError(
+                f"parameter {slot.index}: saved {name!r} has shape {shape}, the parameter {wanted}: "
+                "the state dict is not this model's, or lists its parameters in another order; nothing was loaded"
+            )
+        return
     if tensor.numel() != slot.numel:
         raise _wrong_size(slot, name, tensor.numel())
 

@@ -7,9 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..errors import StoreClosedError
 from ..store import TierStore
-from ..sync import SyncTierStore, run
+from ..sync import SyncTierStore, open_unless_closed
 from ..tiers import DiskTier, HostTier, MemoryTier
 
 #: Where the default disk store lives when no ``disk_root`` is given.
@@ -39,11 +38,7 @@ def bind_store(store: Any, loop: asyncio.AbstractEventLoop, state_tier: str) -> 
         store = store.store
     if not isinstance(store, TierStore):
         raise TypeError(f"store must be a TierStore or SyncTierStore, not {type(store).__name__}")
-    if store.closed:
-        raise StoreClosedError("the store given as store= was closed: open it again (or make a new one) first")
-    if not store.is_open:
-        run(store.open())
-    elif store.loop is not loop:
+    if not open_unless_closed(store, "the store given as store=") and store.loop is not loop:
         raise ValueError("the store was opened on another event loop; open it through tierstore.SyncTierStore or pass it unopened")
     if state_tier not in [tier.name for tier in store.tiers] or not isinstance(store.tier(state_tier), MemoryTier):
         raise ValueError(f"state_tier {state_tier!r} must name a memory tier of the store ({[t.name for t in store.tiers]})")

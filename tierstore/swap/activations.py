@@ -53,7 +53,7 @@ from ..errors import KeyNotFoundError, StoreClosedError, UnknownTierError
 from ..flags import require_flag
 from ..namespaces import Namespace
 from ..store import TierStore
-from ..sync import SyncTierStore, loop_thread, run
+from ..sync import SyncTierStore, loop_thread, open_unless_closed, run
 from ..tensors import memory_order
 from ..tiers import DeviceTier, MemoryTier
 from ..units import parse_bytes
@@ -100,10 +100,7 @@ class ActivationOffload:
         emulate_device: bool | None = None,
     ) -> None:
         self.store = store.store if isinstance(store, SyncTierStore) else store
-        if self.store.closed:  # (one not opened yet is opened; one the user closed stays closed, as TieredAdamW's)
-            raise StoreClosedError("offload_activations: the store given was closed: open it again (or make a new one) first")
-        if not self.store.is_open:
-            run(self.store.open())
+        open_unless_closed(self.store, "offload_activations: the store given")  # (as TieredAdamW's store=)
         names = [t.name for t in self.store.tiers]
         for argument, name in (("tier", tier), ("device_tier", device_tier)):
             if name is not None and name not in names:

@@ -74,10 +74,10 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..device import Link
-from ..errors import StoreClosedError, TierFullError
+from ..errors import TierFullError
 from ..namespaces import Namespace
 from ..store import TierStore
-from ..sync import SyncTierStore, loop_thread, run
+from ..sync import SyncTierStore, loop_thread, open_unless_closed, run
 from ..tiers import MemoryTier
 from ..units import parse_bytes
 from .activations import _claim, _Saved, active_activation_offload
@@ -235,10 +235,7 @@ class ParameterOffload:
         self.whole_units: tuple[type[nn.Module], ...] = WHOLE_UNITS + extra
         self.module = module
         self.store = store.store if isinstance(store, SyncTierStore) else store
-        if self.store.closed:  # (one not opened yet is opened; one the user closed stays closed, as TieredAdamW's)
-            raise StoreClosedError("offload_parameters: the store given was closed: open it again (or make a new one) first")
-        if not self.store.is_open:
-            run(self.store.open())
+        open_unless_closed(self.store, "offload_parameters: the store given")  # (as TieredAdamW's store=)
         self.tier = tier
         self.device_tier = device_tier or self.store.tiers[0].name
         device = self.store.tier(self.device_tier)
