@@ -72,6 +72,7 @@ class Engine:
 
         self._tiers: list[Tier] = _check_tiers(tiers)
         self.names = [tier.name for tier in self._tiers]
+        self._by_name = {name: i for i, name in reversed(list(enumerate(self.names)))}  # (the first of a name, as list.index)
         self.disk_index = len(self._tiers) - 1 if isinstance(self._tiers[-1], DiskTier) else None
         self.entries: dict[str, Entry] = {}
         self.policies: list[EvictionPolicy | None] = _make_policies(self._tiers, eviction if eviction is not None else LRU, self._copy_finder)
@@ -1172,6 +1173,8 @@ class Engine:
     def index_of(self, ref: TierRef) -> int:
         if ref is None:
             return 0
+        if type(ref) is str and ref in self._by_name:  # (the common case, asked on every access: no ABC check)
+            return self._by_name[ref]
         if isinstance(ref, Tier):
             for i, tier in enumerate(self._tiers):
                 if tier is ref:

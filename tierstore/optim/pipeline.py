@@ -43,6 +43,7 @@ from .chunks import Chunk, plan_chunks
 from .clipping import inverse_scale
 from .distributed import LocalShard
 from .reports import Timeline, TimeReport, count_grad_transfer
+from .resident import ResidentStep
 from .slots import Capture, ParamSlot
 
 
@@ -119,6 +120,9 @@ class UpdatePipeline:
         self._plan_args: tuple[int, int, bool, int] = (0, 1, False, 0)
         #: Bytes of state still to write back early this step (None: not counted yet this step).
         self._early_bytes: int | None = None
+        #: The optimizer's resident step: a bucket whose states are all resident takes it
+        #: (``_update_resident``). Set by the optimizer.
+        self.resident: ResidentStep | None = None
 
     @property
     def pages_below(self) -> bool:
@@ -457,6 +461,9 @@ class UpdatePipeline:
         updated by an earlier, failed attempt only send their weight), write the weights."""
         todo = [slot for slot in slots if not slot.updated]
         async with self._gate, AsyncExitStack() as stack:
+            if await self._update_resident(slots, todo, coef, scale):
+                self._write_early([(slot.key, self._owner._state_bytes(slot)) for slot in todo if slot.paged])
+                return
             ready = None if self._flat else [not slot.paged or self._store._on_tier(slot.key, self._tier, idle=True) for slot in slots]
             states = await _enter_all(stack, [self._owner._state(slot) for slot in slots], at_once=self._flat, ready=ready)
             lent = all(slot.capture is not None and slot.capture.lent is not None for slot in todo)  # (nothing to wait for)
@@ -479,6 +486,24 @@ class UpdatePipeline:
             capture = slot.capture
             if capture is not None and capture.lent is None and slot.grad_key in self._store:
                 await self._store.delete(slot.grad_key)
+
+    async def _update_resident(self, slots: list[ParamSlot], todo: list[ParamSlot], coef: torch.Tensor | None, scale: torch.Tensor | None) -> bool:
+        """Update the bucket ``slots`` (in its place) as the resident step updates, if it can now:
+        every state on the state tier, held by no one, every gradient lent (``ResidentStep.pieces``).
+        One hold of them all and one math call, where the bucket's own way takes a hold, a
+        gradient and a weight per slot; the same holds over the same time, and the same bits
+        (Adam is elementwise). Returns whether it did; a failed update raises as the bucket's."""
+        resident = self.resident
+        if resident is None or scale is not None or self._in_backward or len(todo) != len(slots):
+            return False
+        pieces = resident.pieces(slots)
+        held = await resident.hold(slots, pieces, in_order=True) if pieces is not None else None
+        if held is None:
+            return False
+        failures = await resident.update(held, coef, whole=False, bucket=True)
+        if failures:
+            raise failures[0][1]
+        return True
 
     def grad(self, slot: ParamSlot, capture: Capture | None = None) -> AbstractAsyncContextManager[torch.Tensor]:
         """The gradient of ``slot`` its ``capture`` (default: this step's) took to the host:
