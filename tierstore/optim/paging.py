@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..device import link_for
+from ..device import Link
 from ..errors import OptimizerClosedError, StepIncompleteError, StoreLockedError, TierFullError
 from ..flags import require_flag
 from ..namespaces import Namespace
@@ -61,6 +61,7 @@ from ..sync import (
 )
 from ..tensors import PLAIN_TENSOR_TYPES
 from ..tiers import MemoryTier
+from ..tiers.memory import device_link
 from ..units import parse_bytes
 from ..workers import WorkerPool
 from .capture import GradientCapture, observe
@@ -152,7 +153,9 @@ class PagedOptimizer(torch.optim.Optimizer):
     emulate_device:
         CPU parameters count as device memory behind an emulated link (True), as host memory
         (False), or as the process setting says (None: ``tierstore.device.emulate_device``,
-        ``TIERSTORE_EMULATE_DEVICE``).
+        ``TIERSTORE_EMULATE_DEVICE``). On a store with a ``DeviceTier`` on the parameters'
+        device, that tier's link decides, as for swapping; a True/False that contradicts it
+        raises ``ValueError``.
     process_group:
         Shard the state across this ``torch.distributed`` group (``True``: the default group;
         ``None`` or ``False``: no sharding):
@@ -330,6 +333,8 @@ class PagedOptimizer(torch.optim.Optimizer):
                         f"{error}. Another open optimizer uses this disk folder: give each its own disk_root=, "
                         "or make one TierStore and pass it to both as store= (each keeps its state in its own namespace)"
                     ) from None
+            for slot in self._slots:  # (made before the store was bound: its device tier's link decides)
+                slot.link = self._link(slot.param.device)
             self.store.on_transfer = self._window.on_transfer
             self.namespace = run(self._claim(namespace, overwrite))
             for slot in self._slots:
@@ -347,7 +352,7 @@ class PagedOptimizer(torch.optim.Optimizer):
                 raise OptimizerCapacityError("this configuration cannot fit: " + "; ".join(plan.problems) + f"\n{plan}")
             self._planned = self._planned_slots()
             self._runner = StepRunner(self._slots, self.store, self._pipeline, max_grad_norm=max_grad_norm, in_backward=step_in_backward)
-            self._runner.resident = ResidentStep(
+            self._runner.resident = self._pipeline.resident = ResidentStep(
                 self.store, state_tier, self, self._pipeline.math, report=lambda: self._window.report, timeline=self.timeline
             )
             self._capture = self._runner.capture = GradientCapture(
@@ -470,11 +475,18 @@ class PagedOptimizer(torch.optim.Optimizer):
             index = len(self._slots)
             slot = ParamSlot(
                 index=index, group=group, param=view, key=self.namespace.key(str(index)) if self.namespace is not None else "",
-                shape=shape, paged=shape.numel() >= self._min_offload_numel, link=link_for(view.device, self._emulate),
+                shape=shape, paged=shape.numel() >= self._min_offload_numel, link=self._link(view.device),
             )
             if param.requires_grad:
                 slot.hook = param.register_post_accumulate_grad_hook(partial(_hook, weakref.ref(self), slot))
             self._slots.append(slot)
+
+    def _link(self, device: torch.device) -> Link:
+        """The link between ``device`` and the host: the store's device tier's where it has one
+        on ``device`` (``device_link``; an ``emulate_device=`` that contradicts it is refused),
+        else as ``emulate_device=`` says (also before the store is bound)."""
+        store = getattr(self, "store", None)
+        return device_link(store.tiers if store is not None else (), device, self._emulate, type(self).__name__)
 
     async def _claim(self, name: str | None, overwrite: bool) -> Namespace:
         owner = type(self).__name__

@@ -18,30 +18,20 @@ from typing import Any
 
 import torch
 
-from ..device import Link, link_for
+from ..device import Link
 from ..errors import TierFullError
 from ..flags import require_flag
 from ..store import TierStore
 from ..tensors import empty
 from ..tiers import DeviceTier, MemoryTier
+from ..tiers.memory import device_link
 
 
 def swap_link(store: TierStore, device: torch.device, emulate: bool | None) -> Link:
     """The link ``device``'s tensors cross when swapped through ``store`` (see the module
-    docstring)."""
+    docstring and ``tierstore.tiers.memory.device_link``)."""
     require_flag("emulate_device", emulate, none="the device tier's link, else tierstore.device.emulate_device")
-    for tier in store.tiers:
-        if isinstance(tier, DeviceTier) and tier.device == device:
-            link = tier.link if tier.link is not None else link_for(device, emulate=False)
-            if emulate is not None and link_for(device, emulate).lends != link.lends:
-                raise ValueError(
-                    f"emulate_device={emulate} contradicts the store's device tier {tier.name!r} on {device}, "
-                    f"which {'lends plain CPU memory' if link.lends else 'crosses an emulated link'}; "
-                    f"swapping uses the device tier's link: build the store with DeviceTier(..., emulate_device={emulate}) "
-                    f"or leave emulate_device=None here"
-                )
-            return link
-    return link_for(device, emulate)
+    return device_link(store.tiers, device, emulate, "swapping")
 
 
 def host_tier(store: TierStore) -> str | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from ..device import Link, link_for
@@ -114,3 +116,23 @@ class HostTier(MemoryTier):
         # Pinned buffers are mappings of our own, page-locked, rather than blocks of torch's
         # caching host allocator, which rounds every block up to a power of two.
         return page_empty(size, pin_memory=self._pinned)
+
+
+def device_link(tiers: Iterable[object], device: torch.device | str, emulate: bool | None, user: str) -> Link:
+    """The link ``device``'s tensors cross to and from host memory in a store of ``tiers``: its
+    device tier's on ``device`` where it has one (the store decides, so that swapping and the
+    optimizer cross one boundary), else ``link_for(device, emulate)``. An ``emulate`` that
+    contradicts the device tier's raises ``ValueError``; ``user`` names the caller in it."""
+    device = torch.device(device)
+    for tier in tiers:
+        if isinstance(tier, DeviceTier) and tier.device == device:
+            link = tier.link if tier.link is not None else link_for(device, emulate=False)
+            if emulate is not None and link_for(device, emulate).lends != link.lends:
+                raise ValueError(
+                    f"emulate_device={emulate} contradicts the store's device tier {tier.name!r} on {device}, "
+                    f"which {'lends plain CPU memory' if link.lends else 'crosses an emulated link'}; "
+                    f"{user} uses the device tier's link: build the store with DeviceTier(..., emulate_device={emulate}) "
+                    f"or leave emulate_device=None here"
+                )
+            return link
+    return link_for(device, emulate)
