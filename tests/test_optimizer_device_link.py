@@ -14,6 +14,8 @@ from tierstore.optim import TieredAdamW
 from tierstore.sync import run
 from tierstore.tiers import DeviceTier, DiskTier, HostTier
 
+pytestmark = pytest.mark.device_modes
+
 
 def _store(tmp_path: Path, emulated: bool) -> TierStore:
     return TierStore([DeviceTier("cpu", "1MiB", emulate_device=emulated), HostTier("16MiB"), DiskTier(tmp_path / "d", "64MiB", durable=False)])

@@ -497,6 +497,8 @@ class UpdatePipeline:
         if resident is None or scale is not None or self._in_backward or len(todo) != len(slots):
             return False
         pieces = resident.pieces(slots)
+        # (in the bucket's order, as its own holds below take them: no new order between holders,
+        # the buckets of a step hold disjoint keys, and none of these is held by anyone now)
         held = await resident.hold(slots, pieces, in_order=True) if pieces is not None else None
         if held is None:
             return False
