@@ -51,6 +51,7 @@ from .tensors import TensorMeta, aligned_empty, as_bytes, from_bytes
 from .tiers.base import MemoryTier, Tier
 from .tiers.disk import DiskTier, InlineSuperseded
 from .tracing import TraceRecorder
+from .warn import warn
 from .workers import Priority, WorkerPool, wait_uncancelled
 
 TierRef = int | str | Tier | None
@@ -1076,7 +1077,7 @@ class Engine:
         try:
             asyncio.get_running_loop().call_soon(warnings.warn, message, RuntimeWarning)
         except RuntimeError:  # (no loop running here)
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            warn(message, RuntimeWarning)
 
     async def wait_until(self, entry: Entry, ready: Callable[[], bool]) -> None:
         """Return once ``ready()`` holds; re-checked whenever a use or hold of ``entry`` ends."""

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures.thread  # noqa: F401  (imported before we register: see _register_exit_hook)
 import contextlib
-import contextvars
 import functools
 import inspect
 import os
@@ -44,6 +43,7 @@ from .namespaces import Namespace
 from .prefetching import PrefetchHandle, PrefetchResult
 from .store import TierRef, TierStore
 from .tiers.base import Tier
+from .warn import context_of_call
 
 __all__ = [
     "EXTRAS",
@@ -158,8 +158,9 @@ def run(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
     started: concurrent.futures.Future[asyncio.Task[T]] = concurrent.futures.Future()
 
     # The task runs in a copy of the caller's context, as code awaited in place would: context
-    # variables set by the caller (e.g. the holds it is inside of) are seen on the loop.
-    context = contextvars.copy_context()
+    # variables set by the caller (e.g. the holds it is inside of) are seen on the loop; and the
+    # caller's line, to which warnings emitted for it on the loop are attributed.
+    context = context_of_call(sys._getframe(1))
 
     def start() -> None:
         task = context.run(loop.create_task, coro)
@@ -197,7 +198,7 @@ def call_now(function: Callable[..., T], *args: Any) -> T:
         raise _blocking_on_loop_thread()
     if sys.is_finalizing():  # (as run(): the loop's daemon thread runs no more)
         raise RuntimeError("a blocking tierstore call was made while the interpreter shuts down")
-    context = contextvars.copy_context()
+    context = context_of_call(sys._getframe(1))
     finished = threading.Lock()
     finished.acquire()
     outcome: list[Any] = []

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 
 from ..tensors import ALIGNMENT
 from ..units import format_bytes, parse_bytes
+from ..warn import warn
 
 #: The tuning file's name inside a disk tier folder.
 TUNING_FILE = ".tierstore-tuning.json"
@@ -250,9 +250,8 @@ def _signed_percent(fraction: float) -> str:
 
 
 def _warn(path: Path, problem: str) -> None:
-    warnings.warn(
+    warn(
         f"tuning file {path} {problem}; it is ignored: the I/O settings not given as arguments are the defaults "
         f"({DEFAULTS.describe()})",
         TuningFileWarning,
-        stacklevel=4,
     )

@@ -29,7 +29,6 @@ them, as if never interrupted.
 from __future__ import annotations
 
 import asyncio
-import warnings
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -41,6 +40,7 @@ from torch.optim.adam import adam
 
 from ..sync import run
 from ..tensors import PLAIN_TENSOR_TYPES
+from ..warn import warn
 from .batched import batched, update_many
 from .checkpoint import adam_entry, adam_load_state_dict, adam_state_dict
 from .chunks import Chunk, chunk_key
@@ -305,10 +305,9 @@ class TieredAdam(PagedOptimizer):
             ):
                 # The update's new high halves were in the weight that was never written: only
                 # the low halves were kept.
-                warnings.warn(
+                warn(
                     f"parameter {slot.index}: a step that failed after its update and before its weight was written "
                     "is completed with the weight as it was (master_weights='lossless' keeps only the master's low half)",
-                    stacklevel=2,
                 )
             high = await (read_weight(slot) if (start, stop) == (0, slot.numel) else read_weight_range(slot, start, stop))
         if layout.param_master:
@@ -339,11 +338,11 @@ class TieredAdam(PagedOptimizer):
             state.view("master_low").zero_()
             if not self._warned_lossless_load:
                 self._warned_lossless_load = True
-                warnings.warn(
+                warn(
                     f"parameter {slot.index}: the model's weight is neither the loaded master truncated (a lossless "
                     "master's checkpoint) nor rounded (an fp32 master's), so the master restarts from the weight (its "
                     "low halves lost): the weight moved since the master was saved, or the model's weights loaded are "
-                    "not the checkpoint's", RuntimeWarning, stacklevel=2)
+                    "not the checkpoint's", RuntimeWarning)
         return high
 
     @staticmethod
@@ -379,22 +378,21 @@ class TieredAdam(PagedOptimizer):
             weight = (await read_weight_range(slot, start, stop)).reshape(-1)
             if torch.equal(master.to(weight.dtype), weight) or weight.dtype == torch.bfloat16 and torch.equal(_truncated(master), weight):
                 return False  # (rounded: our own checkpoint; truncated: a lossless master's, exact too)
-            warnings.warn(
+            warn(
                 f"parameter {slot.index}: the master weight loaded from the checkpoint does not round to the parameter's "
                 "value at the first step, so it restarts from the weight (its extra bits lost): the weight moved since "
                 "the master was saved (trained by another optimizer, e.g. torch's AdamW, which keeps a 'master' entry it "
                 "never updates), or the model's weights loaded are not the checkpoint's",
-                RuntimeWarning, stacklevel=2,
+                RuntimeWarning,
             )
             return True
         if slot.param.dtype != torch.float32 and not self._warned_foreign:
             self._warned_foreign = True
-            warnings.warn(
+            warn(
                 f"parameter {slot.index} ({slot.param.dtype}) was written from outside the optimizer since its last "
                 "step (load_state_dict, an in-place change under no_grad, p.data = ...): its fp32 master is reloaded "
                 "from it, and the bits the master held beyond the parameter's precision are lost (a resume keeps them: "
                 "load the model's weights and the optimizer's state_dict from the same checkpoint, in either order)",
-                stacklevel=2,
             )
         return True
 
@@ -420,11 +418,10 @@ class TieredAdam(PagedOptimizer):
                     has_state = slot.resident is not None if not slot.paged else self._saved_pieces(slot) is not None
                     rows = (await self.read_state_rows(slot)).clone() if has_state else None  # (master: the parameter now)
                     self._master_apart(slot)
-                    warnings.warn(
+                    warn(
                         f"parameter {slot.index} is {slot.param.dtype} now, and it was its own fp32 master: the optimizer "
                         "keeps an fp32 master apart from it from now on, loaded from it as it is (the bits the cast dropped "
                         "are lost; cast the model before making the optimizer to keep a master from the start)",
-                        stacklevel=2,
                     )
                     if rows is None:
                         return
@@ -622,10 +619,9 @@ class TieredAdam(PagedOptimizer):
         kept: set[str] = set()
         mismatched: list[int] = []
         if saved is not None and saved.shape != (len(self._slots),):
-            warnings.warn(
+            warn(
                 f"namespace {namespace.name!r} holds optimizer state for {saved.shape[0]} parameters, not "
                 f"{len(self._slots)}: starting over (its state is deleted)",
-                stacklevel=2,
             )
         elif saved is not None:
             for slot in self._slots:
@@ -643,12 +639,11 @@ class TieredAdam(PagedOptimizer):
                 else:
                     slot.resident = {"packed": await self.store.read(slot.key)}
         if mismatched:
-            warnings.warn(
+            warn(
                 f"namespace {namespace.name!r}: the saved state of parameters {mismatched} is laid out for other settings "
                 "(another state_precision, master_weights or amsgrad, or parameters of another size); those start over "
                 "(their saved state is deleted). To carry state across a change of settings, take the state_dict() of the "
                 "optimizer with the old ones (before its close()) and load it into one made with the new ones",
-                stacklevel=2,
             )
         for key in namespace.keys():
             if key not in kept:

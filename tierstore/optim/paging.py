@@ -63,6 +63,7 @@ from ..tensors import PLAIN_TENSOR_TYPES
 from ..tiers import MemoryTier
 from ..tiers.memory import device_link
 from ..units import parse_bytes
+from ..warn import warn
 from ..workers import WorkerPool
 from .capture import GradientCapture, observe
 from .chunks import DEFAULT_CHUNK_BYTES
@@ -716,14 +717,13 @@ class PagedOptimizer(torch.optim.Optimizer):
             changed = self._capture.changed_since_backward(self._slots)
             if changed:
                 self._warned_zero2_changes = True
-                warnings.warn(
+                warn(
                     f"zero_stage=2: p.grad of parameters {changed[:8]}{' ...' if len(changed) > 8 else ''} changed after "
                     "backward, before step() averages the gradients across ranks: with zero_stage=2, p.grad holds this "
                     "rank's own gradient until then, so torch's clip_grad_norm_ clips by this rank's norm, not the "
                     "global one. Clip with max_grad_norm= or opt.clip_grad_norm_() (they use the global norm), or use "
                     "zero_stage=1 with DDP (a change that is the same on every rank, such as a constant scale, is fine)",
                     RuntimeWarning,
-                    stacklevel=3,
                 )
         sharding.reduce_gradients()
 
@@ -804,13 +804,12 @@ class PagedOptimizer(torch.optim.Optimizer):
         unstepped = self._runner.updated_without_step
         if unstepped:
             shown = ", ".join(map(str, unstepped[:8])) + (", ..." if len(unstepped) > 8 else "")
-            warnings.warn(
+            warn(
                 f"step_in_backward=True: parameters {shown} were updated during a backward although step() was not "
                 "called before zero_grad(): every backward that reaches a parameter updates it. A loss that should not "
                 "train these parameters (a GAN's generator loss reaching the discriminator) needs them frozen "
                 "(requires_grad_(False)) around its backward, or use step_in_backward=False",
                 RuntimeWarning,
-                stacklevel=2,
             )
 
     # -- state ---------------------------------------------------------------------------------
