@@ -303,3 +303,33 @@ def test_a_refused_offload_gives_its_namespace_back(device_mode: str) -> None:
         assert [info.name for info in run(store.store.namespaces())] == ["p1/"]
         first.detach()
         offload_parameters(m, store, namespace="p2").detach()
+
+
+def test_a_model_dropped_without_detach_lets_go_of_its_weights_in_the_store(device_mode: str) -> None:
+    """A tryout: a model and its offload_parameters dropped without detach() (a re-fit, a
+    hyper-parameter search) kept the module and its weights in the store until the store closed:
+    the store's close hook and the registry of offloaded weights held the offloader."""
+    import gc
+    import time
+    import weakref
+
+    with SyncTierStore([DeviceTier("cpu", "64KiB"), HostTier("8MiB")]) as store:
+        for _ in range(3):
+            m = model()
+            offload = offload_parameters(m, store)
+            m(torch.randn(8, 16)).square().mean().backward()
+            dropped, offloader = weakref.ref(m), weakref.ref(offload)
+            del m, offload
+            gc.collect()
+            assert dropped() is None and offloader() is None  # they went with the program's last reference
+            deadline = time.monotonic() + 10  # (its weights leave the store on the store's loop)
+            while [key for key in store.keys() if key.startswith("swap/")] and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert [key for key in store.keys() if key.startswith("swap/")] == []
+            assert not [n for n in store.namespaces() if n.live]
+        kept = model()  # a model kept still trains, its weights in the store
+        offload = offload_parameters(kept, store)
+        kept(torch.randn(8, 16)).square().mean().backward()
+        gc.collect()
+        assert [key for key in store.keys() if key.startswith("swap/")]
+        offload.detach()

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import sys
 import threading
@@ -74,7 +75,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..device import Link
-from ..errors import TierFullError
+from ..errors import EntryHeldError, TierFullError
 from ..namespaces import Namespace
 from ..store import TierStore
 from ..sync import SyncTierStore, loop_thread, open_unless_closed, run
@@ -134,7 +135,11 @@ def offloaded(param: torch.Tensor) -> tuple[ParameterOffload, str] | None:
     """``(offloader, key)`` if ``param`` lives in a store through ``offload_parameters``."""
     if not _REGISTRY:  # (asked per parameter and step by the optimizer; a lookup makes a weak reference)
         return None
-    return _REGISTRY.get(param)
+    found = _REGISTRY.get(param)
+    if found is None:
+        return None
+    offloader = found[0]()
+    return None if offloader is None else (offloader, found[1])
 
 
 @dataclass(eq=False)
@@ -294,7 +299,11 @@ class ParameterOffload:
                 warnings.warn(f"offload_parameters failed, and dropping what it had put in the store failed too: {error!r}",
                               RuntimeWarning, stacklevel=2)
             raise
-        self._close_hook = self.store.register_close_hook(self._put_back)
+        # Both hold the offloader weakly: a module and offloader the program dropped without
+        # detach() are collected, and their weights leave the store (``_drop_dropped``).
+        self._close_hook = self.store.register_close_hook(partial(_put_back_if_alive, weakref.ref(self)))
+        self._finalizer = weakref.finalize(self, _drop_dropped, self.store, self.namespace)
+        self._finalizer.atexit = False  # (at exit the store's close puts the live ones back)
 
     # -- moving the weights in and out -------------------------------------------------------------
 
@@ -327,7 +336,9 @@ class ParameterOffload:
             self.report.bytes_out += weight.param.nbytes
             weight.param.data = _placeholder(weight.param)
             weight.version = weight.param._version
-            _REGISTRY[weight.param] = (self, weight.key)
+            # (the offloader weakly: the parameter is the module's, which the offloader holds,
+            # so a strong value would keep both for the life of the process)
+            _REGISTRY[weight.param] = (weakref.ref(self), weight.key)
         _refuse_foreign_steps()
         # prepend: a pre-hook registered before ours reads the unit's weights too (weight_norm,
         # prune, spectral_norm compute the weight from them), so the weights are there before it
@@ -360,8 +371,23 @@ class ParameterOffload:
         a weight unfrozen later gets its hook when it is next held.)"""
         if weight.param.requires_grad and not weight.hooked:
             weight.hooked = True
-            self._hooks.append(weight.param.register_hook(lambda _, w=weight: self._before_accumulate(w)))
-            self._hooks.append(weight.param.register_post_accumulate_grad_hook(lambda _, w=weight: self._let_go([w], everyone=True)))
+            # (the offloader weakly: torch keeps a parameter's hooks where the cycle collector
+            # does not look, so a hook holding the offloader kept it, the module, and the
+            # weights in the store alive for ever once the program dropped them)
+            me = weakref.ref(self)
+
+            def before_accumulate(_: torch.Tensor, w: _Weight = weight) -> None:
+                live = me()
+                if live is not None:
+                    live._before_accumulate(w)
+
+            def accumulated(_: torch.Tensor, w: _Weight = weight) -> None:
+                live = me()
+                if live is not None:
+                    live._let_go([w], everyone=True)
+
+            self._hooks.append(weight.param.register_hook(before_accumulate))
+            self._hooks.append(weight.param.register_post_accumulate_grad_hook(accumulated))
 
     def _before_accumulate(self, weight: _Weight) -> None:
         """A gradient reaches a weight no unit holds (a second-order backward, such as a
@@ -432,6 +458,7 @@ class ParameterOffload:
         with self._state_lock:
             self._detached = True
         self._close_hook.remove()
+        self._finalizer.detach()
 
     # -- what autograd saves -------------------------------------------------------------------------------
 
@@ -1310,3 +1337,35 @@ def offload_parameters(
     made one unit with its children's weights: transformers' ``CLIPTextEmbeddings`` reads its
     ``position_embedding.weight.shape`` in its own forward, say."""
     return ParameterOffload(module, store, tier, device_tier, ahead, namespace, emulate_device, whole_units)
+
+
+async def _put_back_if_alive(offloader: weakref.ref[ParameterOffload]) -> None:
+    """The store's close hook: the weights back into a live offloader's module."""
+    live = offloader()
+    if live is not None:
+        await live._put_back()
+
+
+def _drop_dropped(store: TierStore, namespace: Namespace) -> None:
+    """For an offloader collected without ``detach()`` (with its module: nothing can put the
+    weights back any more): drop its namespace, its weights with it, on the store's loop. It may
+    run on any thread, the loop's too: nothing here waits."""
+    loop = store.loop
+    if loop is None or loop.is_closed() or not store.is_open:
+        return
+
+    async def drop() -> None:
+        # (its last holds may still be ending on the loop, after the kernels that read them:
+        # the drop waits for them, a minute at most)
+        deadline = loop.time() + 60
+        with contextlib.suppress(Exception):  # (a store closed meanwhile: nothing is left to drop)
+            while namespace.live:
+                try:
+                    await namespace.drop()
+                except EntryHeldError:
+                    if loop.time() > deadline:
+                        raise
+                    await asyncio.sleep(0.01)
+
+    with contextlib.suppress(RuntimeError):  # (the loop stopped meanwhile: at exit)
+        asyncio.run_coroutine_threadsafe(drop(), loop)
