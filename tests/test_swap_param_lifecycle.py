@@ -319,9 +319,11 @@ def test_a_model_dropped_without_detach_lets_go_of_its_weights_in_the_store(devi
             offload = offload_parameters(m, store)
             m(torch.randn(8, 16)).square().mean().backward()
             dropped, offloader = weakref.ref(m), weakref.ref(offload)
+            params = [weakref.ref(p) for p in m.parameters()]  # (and their gradients with them)
             del m, offload
             gc.collect()
             assert dropped() is None and offloader() is None  # they went with the program's last reference
+            assert [p for p in params if p() is not None] == []
             deadline = time.monotonic() + 10  # (its weights leave the store on the store's loop)
             while [key for key in store.keys() if key.startswith("swap/")] and time.monotonic() < deadline:
                 time.sleep(0.02)
@@ -333,3 +335,25 @@ def test_a_model_dropped_without_detach_lets_go_of_its_weights_in_the_store(devi
         gc.collect()
         assert [key for key in store.keys() if key.startswith("swap/")]
         offload.detach()
+
+
+def test_parameters_kept_past_their_dropped_model_get_their_weights_back(device_mode: str) -> None:
+    """A reviewer: parameters something else still holds (an optimizer, a list) when their
+    model and offload are dropped get their weights back, as from detach(), not placeholders."""
+    import gc
+    import time
+
+    with SyncTierStore([DeviceTier("cpu", "64KiB"), HostTier("8MiB")]) as store:
+        m = model()
+        expected = [p.detach().clone() for p in m.parameters()]
+        offload = offload_parameters(m, store)
+        kept = list(m.parameters())
+        del m, offload
+        gc.collect()
+        deadline = time.monotonic() + 10
+        while [n for n in store.namespaces() if n.live] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not [n for n in store.namespaces() if n.live]
+        for param, value in zip(kept, expected, strict=True):
+            assert torch.equal(param.detach(), value)
+        torch.optim.AdamW(kept).step()  # (a plain parameter again: torch's optimizers take it)

@@ -13,7 +13,6 @@ import asyncio
 import itertools
 import os
 import time
-import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
@@ -1075,7 +1074,9 @@ class Engine:
             return
         self._warned.add(about)
         try:
-            asyncio.get_running_loop().call_soon(warnings.warn, message, RuntimeWarning)
+            # (``warn`` names the line of the call this request serves: the callback runs in
+            # this task's context, marked by the sync facade)
+            asyncio.get_running_loop().call_soon(warn, message, RuntimeWarning)
         except RuntimeError:  # (no loop running here)
             warn(message, RuntimeWarning)
 

@@ -82,8 +82,4 @@ def _internal(filename: str) -> bool:
         return True
     if filename.startswith("<"):
         return False
-    try:
-        resolved = str(Path(filename).resolve())
-    except OSError:
-        return False
-    return resolved.startswith(_INTERNAL)
+    return os.path.realpath(filename).startswith(_INTERNAL)  # (realpath: never raises, a symlink loop included)

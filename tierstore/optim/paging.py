@@ -31,6 +31,7 @@ import gc
 import numbers
 import os
 import signal
+import sys
 import threading
 import time
 import warnings
@@ -63,7 +64,7 @@ from ..tensors import PLAIN_TENSOR_TYPES
 from ..tiers import MemoryTier
 from ..tiers.memory import device_link
 from ..units import parse_bytes
-from ..warn import warn
+from ..warn import context_of_call, warn
 from ..workers import WorkerPool
 from .capture import GradientCapture, observe
 from .chunks import DEFAULT_CHUNK_BYTES
@@ -633,7 +634,9 @@ class PagedOptimizer(torch.optim.Optimizer):
         cancel = partial(self._loop.call_soon_threadsafe, _cancel_task_of, step)
         try:
             with _sigint_to(pipeline.interrupted):
-                finishing = asyncio.run_coroutine_threadsafe(step, self._loop)
+                # (in a copy of this thread's context marked with the caller's line: the step's
+                # warnings name it, ``tierstore.warn``)
+                finishing = context_of_call(sys._getframe(1)).run(asyncio.run_coroutine_threadsafe, step, self._loop)
                 pipeline.drain_until(finishing, cancel)
         except KeyboardInterrupt:  # (raised outside drain_until: by another SIGINT handler, say)
             if finishing is not None and not finishing.done():

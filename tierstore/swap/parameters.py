@@ -62,7 +62,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -81,6 +81,7 @@ from ..store import TierStore
 from ..sync import SyncTierStore, loop_thread, open_unless_closed, run
 from ..tiers import MemoryTier
 from ..units import parse_bytes
+from ..warn import warn
 from .activations import _claim, _Saved, active_activation_offload
 from .crossing import swap_link, to_device, to_store
 from .report import SwapReport
@@ -300,9 +301,10 @@ class ParameterOffload:
                               RuntimeWarning, stacklevel=2)
             raise
         # Both hold the offloader weakly: a module and offloader the program dropped without
-        # detach() are collected, and their weights leave the store (``_drop_dropped``).
-        self._close_hook = self.store.register_close_hook(partial(_put_back_if_alive, weakref.ref(self)))
-        self._finalizer = weakref.finalize(self, _drop_dropped, self.store, self.namespace)
+        # detach() are collected, and their weights leave the store (``_release_dropped``).
+        dropped = partial(_release_dropped, self.store, self.namespace, self.link, [(weakref.ref(w.param), w.key) for w in self._weights])
+        self._close_hook = self.store.register_close_hook(partial(_put_back_if_alive, weakref.ref(self), dropped))
+        self._finalizer = weakref.finalize(self, _release_when_dropped, self.store, dropped)
         self._finalizer.atexit = False  # (at exit the store's close puts the live ones back)
 
     # -- moving the weights in and out -------------------------------------------------------------
@@ -374,17 +376,19 @@ class ParameterOffload:
             # (the offloader weakly: torch keeps a parameter's hooks where the cycle collector
             # does not look, so a hook holding the offloader kept it, the module, and the
             # weights in the store alive for ever once the program dropped them)
-            me = weakref.ref(self)
+            # Nor the weight's record, which holds the parameter: the parameter would keep
+            # itself alive through its own hooks (the hooks find the record by its place).
+            me, place = weakref.ref(self), next(i for i, w in enumerate(self._weights) if w is weight)
 
-            def before_accumulate(_: torch.Tensor, w: _Weight = weight) -> None:
+            def before_accumulate(_: torch.Tensor) -> None:
                 live = me()
                 if live is not None:
-                    live._before_accumulate(w)
+                    live._before_accumulate(live._weights[place])
 
-            def accumulated(_: torch.Tensor, w: _Weight = weight) -> None:
+            def accumulated(_: torch.Tensor) -> None:
                 live = me()
                 if live is not None:
-                    live._let_go([w], everyone=True)
+                    live._let_go([live._weights[place]], everyone=True)
 
             self._hooks.append(weight.param.register_hook(before_accumulate))
             self._hooks.append(weight.param.register_post_accumulate_grad_hook(accumulated))
@@ -1339,33 +1343,48 @@ def offload_parameters(
     return ParameterOffload(module, store, tier, device_tier, ahead, namespace, emulate_device, whole_units)
 
 
-async def _put_back_if_alive(offloader: weakref.ref[ParameterOffload]) -> None:
-    """The store's close hook: the weights back into a live offloader's module."""
+
+async def _put_back_if_alive(offloader: weakref.ref[ParameterOffload], dropped: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """The store's close hook: the weights back into a live offloader's module, or, for one
+    collected meanwhile, what its finalizer does (``_release_dropped``)."""
     live = offloader()
-    if live is not None:
-        await live._put_back()
+    await (live._put_back() if live is not None else dropped())
 
 
-def _drop_dropped(store: TierStore, namespace: Namespace) -> None:
-    """For an offloader collected without ``detach()`` (with its module: nothing can put the
-    weights back any more): drop its namespace, its weights with it, on the store's loop. It may
-    run on any thread, the loop's too: nothing here waits."""
+def _release_when_dropped(store: TierStore, dropped: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """The finalizer of an offloader collected without ``detach()``: ``_release_dropped`` on the
+    store's loop. It may run on any thread, the loop's too: nothing here waits."""
     loop = store.loop
-    if loop is None or loop.is_closed() or not store.is_open:
+    if loop is None or loop.is_closed() or not loop.is_running() or not store.is_open:
         return
-
-    async def drop() -> None:
-        # (its last holds may still be ending on the loop, after the kernels that read them:
-        # the drop waits for them, a minute at most)
-        deadline = loop.time() + 60
-        with contextlib.suppress(Exception):  # (a store closed meanwhile: nothing is left to drop)
-            while namespace.live:
-                try:
-                    await namespace.drop()
-                except EntryHeldError:
-                    if loop.time() > deadline:
-                        raise
-                    await asyncio.sleep(0.01)
-
     with contextlib.suppress(RuntimeError):  # (the loop stopped meanwhile: at exit)
-        asyncio.run_coroutine_threadsafe(drop(), loop)
+        loop.call_soon_threadsafe(lambda: loop.create_task(dropped()))
+
+
+async def _release_dropped(store: TierStore, namespace: Namespace, link: Link, weights: list[tuple[weakref.ref[torch.Tensor], str]]) -> None:
+    """For an offloader collected without ``detach()``: the weights back into those of its
+    parameters something else still holds (an optimizer, a list), as ``detach()`` puts them
+    back, then its namespace dropped, its weights with it. The last holds of a dropped model
+    may still be ending on the loop, after their kernels: the drop waits for them, a minute at
+    most (then it warns, and the store's close tries again)."""
+    with contextlib.suppress(Exception):  # (a store closed meanwhile: nothing is left to do)
+        for ref, key in weights:
+            param = ref()
+            if param is None or _REGISTRY.get(param) is None:
+                continue
+            value = (await store.read(key)).to(param.device) if link.lends else await to_device(store, key, param.device, link)
+            _REGISTRY.pop(param, None)
+            param.data = value.to(param.dtype)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 60
+    while namespace.live:
+        try:
+            await namespace.drop()
+        except EntryHeldError as error:
+            if loop.time() > deadline:
+                warn(f"a model dropped without ParameterOffload.detach() still holds its weights in the store after a "
+                     f"minute ({error}); they stay there until the store closes", RuntimeWarning)
+                return
+            await asyncio.sleep(0.01)
+        except Exception:  # noqa: BLE001 - a store closed meanwhile: nothing is left to drop
+            return
