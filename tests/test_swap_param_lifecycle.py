@@ -357,3 +357,33 @@ def test_parameters_kept_past_their_dropped_model_get_their_weights_back(device_
         for param, value in zip(kept, expected, strict=True):
             assert torch.equal(param.detach(), value)
         torch.optim.AdamW(kept).step()  # (a plain parameter again: torch's optimizers take it)
+
+
+def test_a_model_dropped_after_a_failed_backward_lets_go_too(device_mode: str) -> None:
+    """A reviewer: a trial whose backward raised kept its offload alive (its graph held itself
+    through the saved tensors), so its namespace and device-tier room were never given back."""
+    import gc
+    import time
+
+    class Failing(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("a failing trial")
+
+    with SyncTierStore([DeviceTier("cpu", "64KiB"), HostTier("8MiB")]) as store:
+        for _ in range(4):
+            m = model()
+            offload = offload_parameters(m, store)
+            loss = Failing.apply(m(torch.randn(8, 16))).square().mean()
+            with pytest.raises(RuntimeError, match="a failing trial"):
+                loss.backward()
+            del m, offload, loss
+            gc.collect()
+            deadline = time.monotonic() + 10
+            while [n for n in store.namespaces() if n.live] and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert not [n for n in store.namespaces() if n.live]

@@ -62,9 +62,11 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
         warnings.warn(message, category, stacklevel=3)
         return
     filename, lineno, module_globals = where
+    # (no module_globals=: the source line is looked up by file name; through the module's
+    # loader, ``python -c``'s __main__ raised ImportError before any filter was asked)
     warnings.warn_explicit(
         message, category, filename, lineno, module=module_globals.get("__name__", "<unknown>"),
-        registry=module_globals.setdefault("__warningregistry__", {}), module_globals=module_globals,
+        registry=module_globals.setdefault("__warningregistry__", {}),
     )
 
 

@@ -418,6 +418,11 @@ class TieredAdam(PagedOptimizer):
                     has_state = slot.resident is not None if not slot.paged else self._saved_pieces(slot) is not None
                     rows = (await self.read_state_rows(slot)).clone() if has_state else None  # (master: the parameter now)
                     self._master_apart(slot)
+                    if rows is not None:
+                        # (kept until written whole: a write that fails part-way is done again by the next step)
+                        self._master_rows_unwritten[slot.index] = unwritten = rows
+                    # (after the rows are kept: a filter that makes it an error fails this step, and the
+                    # next one writes them, where the state was left unmoved and trained on as it was)
                     warn(
                         f"parameter {slot.index} is {slot.param.dtype} now, and it was its own fp32 master: the optimizer "
                         "keeps an fp32 master apart from it from now on, loaded from it as it is (the bits the cast dropped "
@@ -425,8 +430,7 @@ class TieredAdam(PagedOptimizer):
                     )
                     if rows is None:
                         return
-                    # (kept until written whole: a write that fails part-way is done again by the next step)
-                    self._master_rows_unwritten[slot.index] = unwritten = rows
+                assert unwritten is not None
                 await self.write_state_rows(slot, unwritten)
                 self._master_rows_unwritten.pop(slot.index, None)
             finally:
@@ -615,36 +619,38 @@ class TieredAdam(PagedOptimizer):
         saved: torch.Tensor | None = None
         if self._steps_key() in self.store:
             saved = await self.store.read(self._steps_key())
-            await self.store.delete(self._steps_key())
         kept: set[str] = set()
-        mismatched: list[int] = []
+        stepped: list[ParamSlot] = []  # (with saved state)
+        # The warnings come before anything changes: one a filter makes an error refuses the
+        # constructor and leaves the namespace as it was.
         if saved is not None and saved.shape != (len(self._slots),):
             warn(
                 f"namespace {namespace.name!r} holds optimizer state for {saved.shape[0]} parameters, not "
                 f"{len(self._slots)}: starting over (its state is deleted)",
             )
         elif saved is not None:
-            for slot in self._slots:
-                step = float(saved[slot.index])
-                if step != step or not (slot.key in self.store or chunk_key(slot.key, 0) in self.store):  # NaN: never stepped
-                    continue
-                pieces = self._saved_pieces(slot)
-                if pieces is None:
-                    mismatched.append(slot.index)
-                    continue
-                keys = await self._relayout(slot, pieces)
-                self._step_counts[slot.index] = torch.tensor(step)
-                if slot.paged:
-                    kept.update(keys)
-                else:
-                    slot.resident = {"packed": await self.store.read(slot.key)}
-        if mismatched:
-            warn(
-                f"namespace {namespace.name!r}: the saved state of parameters {mismatched} is laid out for other settings "
-                "(another state_precision, master_weights or amsgrad, or parameters of another size); those start over "
-                "(their saved state is deleted). To carry state across a change of settings, take the state_dict() of the "
-                "optimizer with the old ones (before its close()) and load it into one made with the new ones",
-            )
+            stepped = [slot for slot in self._slots if float(saved[slot.index]) == float(saved[slot.index])  # (NaN: never stepped)
+                       and (slot.key in self.store or chunk_key(slot.key, 0) in self.store)]
+            mismatched = [slot.index for slot in stepped if self._saved_pieces(slot) is None]
+            if mismatched:
+                warn(
+                    f"namespace {namespace.name!r}: the saved state of parameters {mismatched} is laid out for other settings "
+                    "(another state_precision, master_weights or amsgrad, or parameters of another size); those start over "
+                    "(their saved state is deleted). To carry state across a change of settings, take the state_dict() of the "
+                    "optimizer with the old ones (before its close()) and load it into one made with the new ones",
+                )
+        if saved is not None:
+            await self.store.delete(self._steps_key())
+        for slot in stepped:
+            pieces = self._saved_pieces(slot)
+            if pieces is None:
+                continue
+            keys = await self._relayout(slot, pieces)
+            self._step_counts[slot.index] = torch.tensor(float(saved[slot.index]))  # type: ignore[index]
+            if slot.paged:
+                kept.update(keys)
+            else:
+                slot.resident = {"packed": await self.store.read(slot.key)}
         for key in namespace.keys():
             if key not in kept:
                 await self.store.delete(key)

@@ -195,13 +195,13 @@ class ActivationOffload:
         if tensor.layout is not torch.strided or tensor.is_nested or tensor.is_quantized:  # (no raw bytes to store)
             with self._lock:
                 self.report.kept += 1
-            return tensor
+            return kept(tensor)
         if tensor.nbytes < self.min_bytes or _is_parameter(tensor) or tensor.device.type not in ("cpu", "cuda"):
             with self._lock:
                 self.report.kept += 1
                 if not _is_parameter(tensor):
                     self.report.bytes_kept += tensor.nbytes
-            return tensor
+            return kept(tensor)
         link = self.link(tensor.device)
         waited = time.perf_counter()
         self._wait_for_room(tensor.nbytes)
@@ -501,3 +501,13 @@ def _forget(loop: asyncio.AbstractEventLoop, store: TierStore, key: str, stored:
 
     if not loop.is_closed():
         loop.call_soon_threadsafe(lambda: asyncio.ensure_future(drop()))
+
+
+def kept(tensor: torch.Tensor) -> torch.Tensor:
+    """What a pack hook keeps of a tensor it does not store: the tensor without its autograd
+    history (the same memory and version counter; torch gives the unpacked tensor its history
+    back). The tensor itself would be a reference cycle torch keeps where the collector does not
+    look: an output a backward formula saves (ReLU's, Tanh's) -> its grad_fn -> the saved
+    object -> the output. A graph dropped without backward (an evaluation under grad mode, a
+    skipped step) was then never freed, nor what it saved."""
+    return tensor.detach() if tensor.grad_fn is not None else tensor

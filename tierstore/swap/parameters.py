@@ -82,7 +82,7 @@ from ..sync import SyncTierStore, loop_thread, open_unless_closed, run
 from ..tiers import MemoryTier
 from ..units import parse_bytes
 from ..warn import warn
-from .activations import _claim, _Saved, active_activation_offload
+from .activations import _claim, _Saved, active_activation_offload, kept
 from .crossing import swap_link, to_device, to_store
 from .report import SwapReport
 
@@ -304,7 +304,7 @@ class ParameterOffload:
         # detach() are collected, and their weights leave the store (``_release_dropped``).
         dropped = partial(_release_dropped, self.store, self.namespace, self.link, [(weakref.ref(w.param), w.key) for w in self._weights])
         self._close_hook = self.store.register_close_hook(partial(_put_back_if_alive, weakref.ref(self), dropped))
-        self._finalizer = weakref.finalize(self, _release_when_dropped, self.store, dropped)
+        self._finalizer = weakref.finalize(self, _release_when_dropped, self.store, dropped, self._close_hook)
         self._finalizer.atexit = False  # (at exit the store's close puts the live ones back)
 
     # -- moving the weights in and out -------------------------------------------------------------
@@ -558,7 +558,7 @@ class ParameterOffload:
             return _ParamRef(weight, tuple(tensor.size()), tuple(tensor.stride()),
                              int(tensor.storage_offset() - base.storage_offset()), tensor is base, base._version)
         activations = active_activation_offload()
-        return activations._pack(tensor) if activations is not None else tensor
+        return activations._pack(tensor) if activations is not None else kept(tensor)
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, _ParamRef):
@@ -1344,29 +1344,38 @@ def offload_parameters(
 
 
 
-async def _put_back_if_alive(offloader: weakref.ref[ParameterOffload], dropped: Callable[[], Coroutine[Any, Any, None]]) -> None:
+async def _put_back_if_alive(offloader: weakref.ref[ParameterOffload], dropped: Callable[[], Coroutine[Any, Any, bool]]) -> None:
     """The store's close hook: the weights back into a live offloader's module, or, for one
     collected meanwhile, what its finalizer does (``_release_dropped``)."""
     live = offloader()
-    await (live._put_back() if live is not None else dropped())
+    if live is not None:
+        await live._put_back()
+    else:
+        await dropped()
 
 
-def _release_when_dropped(store: TierStore, dropped: Callable[[], Coroutine[Any, Any, None]]) -> None:
+def _release_when_dropped(store: TierStore, dropped: Callable[[], Coroutine[Any, Any, bool]], close_hook: Any) -> None:
     """The finalizer of an offloader collected without ``detach()``: ``_release_dropped`` on the
-    store's loop. It may run on any thread, the loop's too: nothing here waits."""
+    store's loop, then its close hook removed (a long search would pile them up). It may run on
+    any thread, the loop's too: nothing here waits."""
     loop = store.loop
     if loop is None or loop.is_closed() or not loop.is_running() or not store.is_open:
         return
+
+    async def release() -> None:
+        if await dropped():
+            close_hook.remove()
+
     with contextlib.suppress(RuntimeError):  # (the loop stopped meanwhile: at exit)
-        loop.call_soon_threadsafe(lambda: loop.create_task(dropped()))
+        loop.call_soon_threadsafe(lambda: loop.create_task(release()))
 
 
-async def _release_dropped(store: TierStore, namespace: Namespace, link: Link, weights: list[tuple[weakref.ref[torch.Tensor], str]]) -> None:
+async def _release_dropped(store: TierStore, namespace: Namespace, link: Link, weights: list[tuple[weakref.ref[torch.Tensor], str]]) -> bool:
     """For an offloader collected without ``detach()``: the weights back into those of its
     parameters something else still holds (an optimizer, a list), as ``detach()`` puts them
     back, then its namespace dropped, its weights with it. The last holds of a dropped model
     may still be ending on the loop, after their kernels: the drop waits for them, a minute at
-    most (then it warns, and the store's close tries again)."""
+    most (then it warns, and the store's close tries again). Returns whether it is dropped."""
     with contextlib.suppress(Exception):  # (a store closed meanwhile: nothing is left to do)
         for ref, key in weights:
             param = ref()
@@ -1384,7 +1393,8 @@ async def _release_dropped(store: TierStore, namespace: Namespace, link: Link, w
             if loop.time() > deadline:
                 warn(f"a model dropped without ParameterOffload.detach() still holds its weights in the store after a "
                      f"minute ({error}); they stay there until the store closes", RuntimeWarning)
-                return
+                return False
             await asyncio.sleep(0.01)
         except Exception:  # noqa: BLE001 - a store closed meanwhile: nothing is left to drop
-            return
+            return False
+    return True
