@@ -65,11 +65,11 @@ def test_a_policy_that_raises_is_reported_at_the_users_call(tmp_path: Path) -> N
         def reset(self) -> None:
             pass
 
-    with SyncTierStore([HostTier("16KiB"), DiskTier(tmp_path / "d", "8MiB")], prefetch=Raising()) as store:
-        with pytest.warns(RuntimeWarning, match="a policy bug") as record:
-            line = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
-            store.put("x", torch.zeros(16))
-            store.mark_step()  # (the warning is sent after the request that raised)
+    store = SyncTierStore([HostTier("16KiB"), DiskTier(tmp_path / "d", "8MiB")], prefetch=Raising())
+    with store, pytest.warns(RuntimeWarning, match="a policy bug") as record:
+        line = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
+        store.put("x", torch.zeros(16))
+        store.mark_step()  # (the warning is sent after the request that raised)
     warning = next(w for w in record if "a policy bug" in str(w.message))
     assert (Path(warning.filename).resolve(), warning.lineno) == (Path(__file__).resolve(), line)
 
