@@ -5,6 +5,7 @@ cast of the module while offloaded is refused instead of half applied."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -310,7 +311,6 @@ def test_a_model_dropped_without_detach_lets_go_of_its_weights_in_the_store(devi
     hyper-parameter search) kept the module and its weights in the store until the store closed:
     the store's close hook and the registry of offloaded weights held the offloader."""
     import gc
-    import time
     import weakref
 
     with SyncTierStore([DeviceTier("cpu", "64KiB"), HostTier("8MiB")]) as store:
@@ -324,9 +324,7 @@ def test_a_model_dropped_without_detach_lets_go_of_its_weights_in_the_store(devi
             gc.collect()
             assert dropped() is None and offloader() is None  # they went with the program's last reference
             assert [p for p in params if p() is not None] == []
-            deadline = time.monotonic() + 10  # (its weights leave the store on the store's loop)
-            while [key for key in store.keys() if key.startswith("swap/")] and time.monotonic() < deadline:
-                time.sleep(0.02)
+            _wait_for(lambda: not [key for key in store.keys() if key.startswith("swap/")])  # (on the store's loop)
             assert [key for key in store.keys() if key.startswith("swap/")] == []
             assert not [n for n in store.namespaces() if n.live]
         kept = model()  # a model kept still trains, its weights in the store
@@ -341,7 +339,6 @@ def test_parameters_kept_past_their_dropped_model_get_their_weights_back(device_
     """A reviewer: parameters something else still holds (an optimizer, a list) when their
     model and offload are dropped get their weights back, as from detach(), not placeholders."""
     import gc
-    import time
 
     with SyncTierStore([DeviceTier("cpu", "64KiB"), HostTier("8MiB")]) as store:
         m = model()
@@ -350,9 +347,7 @@ def test_parameters_kept_past_their_dropped_model_get_their_weights_back(device_
         kept = list(m.parameters())
         del m, offload
         gc.collect()
-        deadline = time.monotonic() + 10
-        while [n for n in store.namespaces() if n.live] and time.monotonic() < deadline:
-            time.sleep(0.02)
+        _wait_for(lambda: not [n for n in store.namespaces() if n.live])
         assert not [n for n in store.namespaces() if n.live]
         for param, value in zip(kept, expected, strict=True):
             assert torch.equal(param.detach(), value)
@@ -363,7 +358,6 @@ def test_a_model_dropped_after_a_failed_backward_lets_go_too(device_mode: str) -
     """A reviewer: a trial whose backward raised kept its offload alive (its graph held itself
     through the saved tensors), so its namespace and device-tier room were never given back."""
     import gc
-    import time
 
     class Failing(torch.autograd.Function):
         @staticmethod
@@ -383,7 +377,15 @@ def test_a_model_dropped_after_a_failed_backward_lets_go_too(device_mode: str) -
                 loss.backward()
             del m, offload, loss
             gc.collect()
-            deadline = time.monotonic() + 10
-            while [n for n in store.namespaces() if n.live] and time.monotonic() < deadline:
-                time.sleep(0.02)
+            _wait_for(lambda: not [n for n in store.namespaces() if n.live])
             assert not [n for n in store.namespaces() if n.live]
+
+
+def _wait_for(done: Callable[[], bool], seconds: float = 10) -> None:
+    """Wait until ``done()`` (a dropped offload's weights leave the store on the store's loop),
+    ``seconds`` at most; the assertion after it says whether it came."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.02)

@@ -45,19 +45,19 @@ def context_of_call(frame: FrameType | None) -> contextvars.Context:
     the call came from: ``frame``, or the first of its callers outside tierstore, torch and
     asyncio (``warn`` on the loop attributes warnings to it)."""
     context = contextvars.copy_context()
-    while frame is not None and _internal(frame.f_code.co_filename):
-        frame = frame.f_back
-    if frame is not None:
-        context.run(_caller.set, (frame.f_code.co_filename, frame.f_lineno, frame.f_globals))
+    outside = _outside(frame)
+    if outside is not None:
+        context.run(_caller.set, _where(outside))
     return context
 
 
 def warn(message: str, category: type[Warning] = UserWarning) -> None:
     """``warnings.warn(message, category)`` attributed to the user's line: the first frame outside
     tierstore, torch and asyncio, of this thread, or on the loop thread of the call it serves;
-    where there is none (the loop's own work), to the caller of ``warn``, as ``stacklevel=2``."""
+    where there is none (the loop's own work), as ``warnings.warn(..., stacklevel=2)`` in the
+    function that calls ``warn`` names its caller."""
     frame = _outside(sys._getframe(1))
-    where = (frame.f_code.co_filename, frame.f_lineno, frame.f_globals) if frame is not None else _caller.get()
+    where = _where(frame) if frame is not None else _caller.get()
     if where is None:
         warnings.warn(message, category, stacklevel=3)
         return
@@ -68,6 +68,10 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
         message, category, filename, lineno, module=module_globals.get("__name__", "<unknown>"),
         registry=module_globals.setdefault("__warningregistry__", {}),
     )
+
+
+def _where(frame: FrameType) -> tuple[str, int, dict[str, Any]]:
+    return frame.f_code.co_filename, frame.f_lineno, frame.f_globals
 
 
 def _outside(frame: FrameType | None) -> FrameType | None:

@@ -450,12 +450,7 @@ class ParameterOffload:
             param = weight.param
             if _REGISTRY.get(param) is None:
                 continue  # (put back by an earlier call that failed later)
-            if self.link.lends:
-                value = (await self.store.read(weight.key)).to(param.device)
-            else:
-                value = await to_device(self.store, weight.key, param.device, self.link)
-            _REGISTRY.pop(param, None)  # (first: a lent copy given back from now on leaves the weight alone)
-            param.data = value.to(param.dtype)
+            await _put_weight_back(self.store, weight.key, param, self.link)
             await self.store.delete(weight.key)
         if self.namespace.live:
             await self.namespace.drop()
@@ -1342,6 +1337,12 @@ def offload_parameters(
     ``position_embedding.weight.shape`` in its own forward, say."""
     return ParameterOffload(module, store, tier, device_tier, ahead, namespace, emulate_device, whole_units)
 
+async def _put_weight_back(store: TierStore, key: str, param: torch.Tensor, link: Link) -> None:
+    """The stored weight ``key`` back into ``param`` (its placeholder's device and dtype), over
+    ``link``; ``param`` is no longer offloaded from then on."""
+    value = (await store.read(key)).to(param.device) if link.lends else await to_device(store, key, param.device, link)
+    _REGISTRY.pop(param, None)  # (first: a lent copy given back from now on leaves the weight alone)
+    param.data = value.to(param.dtype)
 
 
 async def _put_back_if_alive(offloader: weakref.ref[ParameterOffload], dropped: Callable[[], Coroutine[Any, Any, bool]]) -> None:
@@ -1379,11 +1380,8 @@ async def _release_dropped(store: TierStore, namespace: Namespace, link: Link, w
     with contextlib.suppress(Exception):  # (a store closed meanwhile: nothing is left to do)
         for ref, key in weights:
             param = ref()
-            if param is None or _REGISTRY.get(param) is None:
-                continue
-            value = (await store.read(key)).to(param.device) if link.lends else await to_device(store, key, param.device, link)
-            _REGISTRY.pop(param, None)
-            param.data = value.to(param.dtype)
+            if param is not None and _REGISTRY.get(param) is not None:
+                await _put_weight_back(store, key, param, link)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 60
     while namespace.live:
