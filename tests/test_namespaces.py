@@ -279,6 +279,45 @@ def test_a_named_namespace_of_other_shapes_warns_and_starts_over(tmp_path: Path)
     store.close()
 
 
+@pytest.mark.parametrize(("saved_on", "reopened_on"), [("plain", "plain"), ("emulated", "emulated"), ("emulated", "plain"), ("plain", "emulated")])
+@pytest.mark.parametrize("saved_amsgrad", [True, False])
+def test_state_saved_with_the_other_amsgrad_starts_over(tmp_path: Path, saved_on: str, reopened_on: str, saved_amsgrad: bool) -> None:
+    """A plain fp32 entry of three rows is the master and two moments, or (amsgrad, the
+    parameter its own master) three moments. Reopened with amsgrad toggled, such state was taken
+    in the other meaning without a word: exp_avg became the old exp_avg_sq. The setting is now
+    saved beside the step counts, and state of the other setting starts over, with the warning
+    every other change of layout gets; the next step is then the first step of torch's AdamW."""
+    from tierstore.device import emulate_device
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16)
+    batches = [torch.randn(4, 16) for _ in range(3)]
+    with emulate_device(saved_on == "emulated"):
+        store = sync_store(tmp_path / "store")
+        opt = TieredAdamW(model.parameters(), lr=1e-2, amsgrad=saved_amsgrad, store=store, namespace="gen", min_offload_numel=1)
+        for x in batches[:2]:
+            model.zero_grad()
+            model(x).square().sum().backward()
+            opt.step()
+        opt.close()
+        store.close()
+    reference = copy.deepcopy(model)
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, amsgrad=not saved_amsgrad, fused=True)
+    with emulate_device(reopened_on == "emulated"):
+        store = sync_store(tmp_path / "store")
+        with pytest.warns(UserWarning, match="is laid out for other settings"):
+            opt = TieredAdamW(model.parameters(), lr=1e-2, amsgrad=not saved_amsgrad, store=store, namespace="gen", min_offload_numel=1)
+        assert opt.state_dict()["state"] == {}
+        for m, o in ((model, opt), (reference, torch_opt)):
+            m.zero_grad()
+            m(batches[2]).square().sum().backward()
+            o.step()
+        for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+        opt.close()
+        store.close()
+
+
 @pytest.mark.device_modes
 @pytest.mark.parametrize("in_backward", [False, True], ids=["after_backward", "in_backward"])
 def test_optimizers_stepping_from_two_threads_on_one_store_match_torch(tmp_path: Path, in_backward: bool) -> None:

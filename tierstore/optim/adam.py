@@ -599,6 +599,11 @@ class TieredAdam(PagedOptimizer):
     def _steps_key(self) -> str:
         return self.namespace.key("steps") if self.namespace is not None else ""
 
+    def _amsgrad_key(self) -> str:
+        # (saved beside the step counts: a plain fp32 entry of three rows is either the master
+        # and two moments or, with amsgrad, three moments; the shape alone cannot tell)
+        return self.namespace.key("amsgrad") if self.namespace is not None else ""
+
     async def _save_for_restart(self) -> None:
         steps = torch.full((len(self._slots),), float("nan"), dtype=torch.float64)
         for index, count in self._step_counts.items():
@@ -606,6 +611,8 @@ class TieredAdam(PagedOptimizer):
         for slot in self._slots:
             if not slot.paged and slot.resident is not None and slot.index in self._step_counts:
                 await self.store.put(slot.key, slot.resident["packed"])
+        amsgrad = torch.tensor([bool(self.param_groups[slot.group]["amsgrad"]) for slot in self._slots], dtype=torch.uint8)
+        await self.store.put(self._amsgrad_key(), amsgrad)
         await self.store.put(self._steps_key(), steps)
 
     async def _adopt(self) -> None:
@@ -619,8 +626,14 @@ class TieredAdam(PagedOptimizer):
         saved: torch.Tensor | None = None
         if self._steps_key() in self.store:
             saved = await self.store.read(self._steps_key())
+        saved_amsgrad: torch.Tensor | None = None  # (None: saved by a version that did not record it)
+        if self._amsgrad_key() in self.store:
+            saved_amsgrad = await self.store.read(self._amsgrad_key())
+            if saved_amsgrad.shape != (len(self._slots),):
+                saved_amsgrad = None
         kept: set[str] = set()
         stepped: list[ParamSlot] = []  # (with saved state)
+        other_amsgrad: set[int] = set()
         # The warnings come before anything changes: one a filter makes an error refuses the
         # constructor and leaves the namespace as it was.
         if saved is not None and saved.shape != (len(self._slots),):
@@ -631,7 +644,9 @@ class TieredAdam(PagedOptimizer):
         elif saved is not None:
             stepped = [slot for slot in self._slots if float(saved[slot.index]) == float(saved[slot.index])  # (NaN: never stepped)
                        and (slot.key in self.store or chunk_key(slot.key, 0) in self.store)]
-            mismatched = [slot.index for slot in stepped if self._saved_pieces(slot) is None]
+            other_amsgrad = {slot.index for slot in stepped if saved_amsgrad is not None
+                             and bool(saved_amsgrad[slot.index]) != bool(self.param_groups[slot.group]["amsgrad"])}
+            mismatched = [slot.index for slot in stepped if slot.index in other_amsgrad or self._saved_pieces(slot) is None]
             if mismatched:
                 warn(
                     f"namespace {namespace.name!r}: the saved state of parameters {mismatched} is laid out for other settings "
@@ -642,7 +657,7 @@ class TieredAdam(PagedOptimizer):
         if saved is not None:
             await self.store.delete(self._steps_key())
         for slot in stepped:
-            pieces = self._saved_pieces(slot)
+            pieces = None if slot.index in other_amsgrad else self._saved_pieces(slot)
             if pieces is None:
                 continue
             keys = await self._relayout(slot, pieces)
