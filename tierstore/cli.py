@@ -54,6 +54,13 @@ def _gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _repair(args: argparse.Namespace) -> int:
+    from .disk.repair import repair_folder
+
+    print(repair_folder(args.root, dry_run=args.dry_run).summary())
+    return 0
+
+
 def _bench(argv: list[str]) -> int:
     from .bench.tiers import main as bench_main
 
@@ -166,6 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
     gc.add_argument("--name", action="append", help="remove this namespace (named ones are only removed when named; repeatable)")
     gc.set_defaults(run=_gc)
+
+    repair = commands.add_parser("repair", help="drop the entries of a damaged disk tier folder whose values are lost, so the rest opens")
+    repair.add_argument("root", help="the DiskTier folder (not open elsewhere)")
+    repair.add_argument("--dry-run", action="store_true", help="say what would be dropped and restored, change nothing")
+    repair.set_defaults(run=_repair)
 
     sim = commands.add_parser("simulate", help="replay a trace against capacities and policies (no tensors)")
     sim.add_argument("trace", help="a .npz store trace, a key,size CSV, a libCacheSim oracleGeneral file, or e.g. optimizer:keys=64,steps=20,size=4MiB")

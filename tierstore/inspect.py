@@ -184,11 +184,12 @@ def _health(root: Path, segments: tuple[int, ...], records: list[DiskRecord]) ->
 
 def _corrupt_records(corrupt: list[DamagedRecord]) -> str:
     """The problem line of catalog records that do not parse or fail their own checksum (their
-    values cannot be found: a store refuses to open until they are dealt with)."""
+    values cannot be found: a store refuses to open until they are dealt with, e.g. by
+    ``tierstore repair``)."""
     shown = ", ".join(f"{bad.key!r}" if bad.key is not None else f"one at address {bad.digest.hex()}" for bad in corrupt[:10])
     more = f" and {len(corrupt) - 10} more" if len(corrupt) > 10 else ""
     count = "1 catalog record is" if len(corrupt) == 1 else f"{len(corrupt)} catalog records are"
-    return f"{count} damaged ({corrupt[0].reason}; a store refuses to open the folder): {shown}{more}"
+    return f"{count} damaged ({corrupt[0].reason}; a store refuses to open the folder, `tierstore repair` drops them): {shown}{more}"
 
 
 def _verify(root: Path, chunk_size: int, records: list[DiskRecord], progress: bool) -> list[str]:

@@ -352,6 +352,10 @@ class CatalogLayout:
         return layout
 
 
+class RecordDamagedError(CatalogError):
+    """One catalog record does not parse or fails its own checksum (``tierstore repair`` can drop it)."""
+
+
 @dataclass(frozen=True)
 class DamagedRecord:
     """A catalog record that does not parse or fails its own checksum: its address, the key
@@ -614,7 +618,7 @@ class Catalog:
                     except ValueError as exc:
                         bad = DamagedRecord(digest, _key_in(raw, digest), str(exc))
                         if damaged is None:
-                            raise CatalogError(f"catalog record {bad.name} in {self.path} is corrupt: {exc}") from None
+                            raise RecordDamagedError(f"catalog record {bad.name} in {self.path} is corrupt: {exc}") from None
                         damaged.append(bad)
                         continue
                     yield digest, record
@@ -689,14 +693,24 @@ class Catalog:
         self._unsealed = to_seal
         return extents, found
 
+    def remove_addresses(self, addresses: Iterable[bytes]) -> None:
+        """Delete the records at ``addresses`` (damaged ones too, whose key may be unreadable),
+        in one transaction (``tierstore.disk.repair``; on a catalog opened for writing)."""
+        try:
+            with self._txn_lock, self._env.begin(write=True, db=self._entries) as txn:
+                for address in addresses:
+                    txn.delete(address)
+        except _DAMAGE as exc:
+            raise self._damaged(exc) from None
+
     def _parse(self, digest: bytes, raw: bytes | memoryview) -> DiskRecord:
         try:
             record = DiskRecord.from_bytes(raw, with_data=False)
         except ValueError as exc:
             name = DamagedRecord(digest, _key_in(raw, digest), str(exc)).name
-            raise CatalogError(f"catalog record {name} in {self.path} is corrupt: {exc}") from None
+            raise RecordDamagedError(f"catalog record {name} in {self.path} is corrupt: {exc}") from None
         if key_digest(record.key) != digest:
-            raise CatalogError(f"catalog record for {record.key!r} is filed under the wrong address")
+            raise RecordDamagedError(f"catalog record for {record.key!r} is filed under the wrong address")
         return record
 
     def get(self, key: str) -> DiskRecord | None:

@@ -41,7 +41,7 @@ _SEGMENT_GLOB = "segment-*.bin"
 
 
 class TruncatedSegment(CatalogError):
-    """A segment file is shorter than the catalog says (the tier names the entries in it)."""
+    """A segment file is missing or shorter than the catalog says (the tier names the entries in it)."""
 
     def __init__(self, segment: int, message: str) -> None:
         super().__init__(message)
@@ -317,7 +317,7 @@ class SegmentFiles:
                 try:
                     actual = path.stat().st_size
                 except FileNotFoundError:
-                    raise CatalogError(f"data file {path} is missing; the catalog says it holds {size} bytes") from None
+                    raise TruncatedSegment(segment, f"data file {path} is missing; the catalog says it holds {size} bytes") from None
                 if actual < size:
                     raise TruncatedSegment(segment, f"data file {path} is truncated: {actual} of {size} bytes")
                 self._fds.append(self._open_fd(path, create=False))

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..device import link_for
-from ..disk.catalog import Catalog, CatalogLayout, DiskRecord, InlineScan, inline_bytes
+from ..disk.catalog import Catalog, CatalogLayout, DiskRecord, InlineScan, RecordDamagedError, inline_bytes
 from ..disk.compact import compact, plan_compaction
 from ..disk.extents import Extent, ExtentAllocator
 from ..disk.files import (
@@ -307,11 +307,15 @@ class DiskTier(Tier):
         )
         chunk_size = self.chunk_size
         # Values in extents come back as records; inline ones as (key, meta, version) only.
-        records, inline = self._catalog.scan()
+        try:
+            records, inline = self._catalog.scan()
+        except RecordDamagedError as exc:
+            raise RecordDamagedError(f"{exc}; nothing was changed. {_repair_hint(self.root)}") from None
         for record in records.values():
             expected_chunks = max(1, -(-record.meta.nbytes // chunk_size))
             if len(record.checksums) != expected_chunks:
-                raise CatalogError(f"catalog record for {record.key!r} has {len(record.checksums)} checksums, expected {expected_chunks}")
+                raise RecordDamagedError(f"catalog record for {record.key!r} has {len(record.checksums)} checksums, expected "
+                                         f"{expected_chunks}; nothing was changed. {_repair_hint(self.root)}")
         try:
             self._allocator = ExtentAllocator.rebuild(layout.segments, (r.extent for r in records.values() if r.extent is not None), ALIGNMENT)
         except ValueError as exc:
@@ -323,7 +327,8 @@ class DiskTier(Tier):
             shown = ", ".join(repr(k) for k in inside[:10]) + (" ..." if len(inside) > 10 else "")
             raise CatalogError(
                 f"{exc}; {len(inside)} entries live in it ({shown}); nothing was changed, the other "
-                f"{len(records) + len(inline) - len(inside)} entries are intact on disk"
+                f"{len(records) + len(inline) - len(inside)} entries are intact on disk. If the file cannot be put back, "
+                f"{_repair_hint(self.root)}"
             ) from None
         self._catalog.upgrade()  # (sound: its records read, its files are there)
         # Segment files the catalog stopped naming just before a crash.
@@ -939,3 +944,7 @@ def _payload(key: str, meta: TensorMeta, src: torch.Tensor | bytes) -> bytes:
         raise ValueError(f"inline record of {key!r} needs a contiguous byte buffer of {nbytes} bytes")
     # (a contiguous CPU buffer of at least nbytes: read its memory at once, no views)
     return ctypes.string_at(src.data_ptr(), nbytes) if nbytes else b""
+
+
+def _repair_hint(root: Path) -> str:
+    return f"`tierstore repair {root}` drops the entries whose values are lost (--dry-run lists them) and the rest opens again"

@@ -1,0 +1,140 @@
+"""``tierstore repair``: a folder a store refuses (a damaged record, a short or missing data file)
+opens again with every intact entry as it was, and only the lost ones dropped."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import lmdb
+import pytest
+import torch
+
+from tierstore import DiskTier, TierStore
+from tierstore.cli import main as cli_main
+from tierstore.disk.repair import repair_folder
+from tierstore.errors import CatalogError, StoreLockedError
+from tierstore.inspect import describe_folder
+
+MiB = 1 << 20
+
+
+def disk(root: Path) -> DiskTier:
+    return DiskTier(root, "64MiB", chunk_size="256KiB")
+
+
+async def fill(root: Path) -> dict[str, torch.Tensor]:
+    """Eight 1 MiB values in the data file (in order) and four small ones inline in the catalog."""
+    values = {f"big{i}": torch.full((256 * 1024,), float(i)) for i in range(8)}
+    values |= {f"small{i}": torch.arange(10.0) + i for i in range(4)}
+    async with TierStore([disk(root)]) as store:
+        for key, value in values.items():
+            await store.put(key, value)
+    return values
+
+
+async def refused(root: Path) -> str:
+    with pytest.raises(CatalogError) as caught:
+        async with TierStore([disk(root)]):
+            pass
+    return str(caught.value)
+
+
+async def reads_back(root: Path, values: dict[str, torch.Tensor]) -> None:
+    """The store opens, holds exactly ``values``, and takes and keeps a new value."""
+    async with TierStore([disk(root)]) as store:
+        assert sorted(store.keys()) == sorted(values)
+        for key, value in values.items():
+            assert torch.equal(await store.get(key), value), key
+        await store.put("after", torch.full((512 * 1024,), 7.0))
+    async with TierStore([disk(root)]) as store:
+        assert torch.equal(await store.get("after"), torch.full((512 * 1024,), 7.0))
+        for key, value in values.items():
+            assert torch.equal(await store.get(key), value), key
+
+
+def damage_record(root: Path, key: str) -> None:
+    """Flip one bit of the seal of ``key``'s catalog record."""
+    env = lmdb.open(str(root / "catalog"), max_dbs=2, map_size=1 << 31)
+    try:
+        entries = env.open_db(b"entries", create=False)
+        with env.begin(write=True, db=entries) as txn:
+            for address, raw in txn.cursor():
+                if key.encode() in bytes(raw):
+                    changed = bytearray(raw)
+                    changed[-1] ^= 1
+                    txn.put(bytes(address), bytes(changed))
+                    return
+    finally:
+        env.close()
+    raise AssertionError(f"no record of {key!r}")
+
+
+def files_state(root: Path) -> dict[str, bytes]:
+    """Every file's bytes but the locks' (LMDB's reader table changes on any open)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.name not in ("lock", "lock.mdb")}
+
+
+@pytest.mark.parametrize("victim", ["big3", "small1"])
+async def test_a_damaged_record_is_dropped_and_every_other_entry_opens(tmp_path: Path, victim: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before, one damaged record refused the whole folder, and nothing could drop it: every
+    other entry was out of reach."""
+    root = tmp_path / "d"
+    values = await fill(root)
+    damage_record(root, victim)
+    assert "tierstore repair" in await refused(root)
+    before = files_state(root)
+    assert cli_main(["repair", str(root), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "would drop 1 entry" in out and repr(victim) not in out and victim in out and "damaged" in out
+    assert files_state(root) == before  # (a dry run changes nothing)
+    await refused(root)
+    assert cli_main(["repair", str(root)]) == 0
+    assert "dropped 1 entry" in capsys.readouterr().out
+    del values[victim]
+    await reads_back(root, values)
+    assert describe_folder(root)["healthy"]
+    assert not repair_folder(root).changed  # (a second repair finds nothing)
+
+
+async def test_a_truncated_data_file_drops_only_the_values_past_its_end(tmp_path: Path) -> None:
+    root = tmp_path / "d"
+    values = await fill(root)
+    segment = root / "data" / "segment-000000.bin"
+    os.truncate(segment, 5 * MiB + 12345)  # big0..big4 whole, big5 cut, big6 and big7 gone
+    message = await refused(root)
+    assert "truncated" in message and "tierstore repair" in message
+    report = repair_folder(root)
+    assert sorted(name for name, _ in report.dropped) == ["big5", "big6", "big7"]
+    assert report.restored_files == ["segment-000000.bin"] and report.kept == 9
+    for key in ("big5", "big6", "big7"):
+        del values[key]
+    await reads_back(root, values)
+
+
+async def test_a_missing_data_file_keeps_the_values_inline_in_the_catalog(tmp_path: Path) -> None:
+    root = tmp_path / "d"
+    values = await fill(root)
+    (root / "data" / "segment-000000.bin").unlink()
+    assert "tierstore repair" in await refused(root)
+    report = repair_folder(root)
+    assert sorted(name for name, _ in report.dropped) == [f"big{i}" for i in range(8)]
+    await reads_back(root, {key: value for key, value in values.items() if key.startswith("small")})
+
+
+async def test_repair_refuses_a_folder_a_store_has_open(tmp_path: Path) -> None:
+    root = tmp_path / "d"
+    values = await fill(root)
+    async with TierStore([disk(root)]) as store:
+        with pytest.raises(StoreLockedError):
+            repair_folder(root)
+        assert torch.equal(await store.get("big2"), values["big2"])
+    assert not repair_folder(root).changed
+
+
+def test_repair_refuses_a_folder_that_is_no_store(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "notes.txt").write_text("mine")
+    assert cli_main(["repair", str(tmp_path / "x")]) == 1
+    assert "not a tierstore disk folder" in capsys.readouterr().err
+    assert (tmp_path / "x" / "notes.txt").read_text() == "mine" and sorted(os.listdir(tmp_path / "x")) == ["notes.txt"]

@@ -1,0 +1,174 @@
+"""``tierstore repair ROOT``: make a damaged disk tier folder open again, dropping only what is lost.
+
+A store refuses to open a folder with a damaged catalog record, or with a data file missing or
+shorter than the extents the catalog places in it: opening would hand out wrong bytes or lose
+track of space. That refusal protects the data, but it leaves the intact entries out of reach
+too. ``repair_folder`` removes exactly the records whose values cannot be had (a record that
+does not parse or fails its own checksum; an entry whose extent lies in a missing data file or
+past a truncated one's end; a record whose checksums do not match its size) and brings the data
+files back to the length the catalog's layout gives them, so every other entry opens and reads
+as before. Values whose bytes fail their checksums are not found here (their records are sound;
+a read raises ``ChecksumError`` naming the key, and ``store.delete(key)`` removes one).
+
+It takes the folder's lock, as a store does, so it never runs beside a store using the folder.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import CatalogError
+from ..keys import key_digest
+from ..namespaces import INDEX_KEY
+from .catalog import Catalog, DamagedRecord, DiskRecord
+from .extents import ExtentAllocator
+from .files import segment_name
+from .lock import FolderLock
+
+@dataclass
+class RepairReport:
+    """What ``repair_folder`` found and did (or, on a dry run, would do)."""
+
+    root: Path
+    #: The records removed: by key where it is readable, else ``"<address hex>"``, with why.
+    dropped: list[tuple[str, str]] = field(default_factory=list)
+    #: Data files created again or extended back to their layout's length (with zeros).
+    restored_files: list[str] = field(default_factory=list)
+    #: Entries left, all sound as far as their records and files go.
+    kept: int = 0
+    dry_run: bool = False
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.dropped or self.restored_files)
+
+    def summary(self) -> str:
+        """A short report for a person."""
+        verb = "would drop" if self.dry_run else "dropped"
+        lines = [f"{self.root}: {'nothing to repair' if not self.changed else ('dry run' if self.dry_run else 'repaired')}"]
+        if self.dropped:
+            lines.append(f"  {verb} {len(self.dropped)} entr{'y' if len(self.dropped) == 1 else 'ies'} whose values are lost:")
+            lines.extend(f"    {name}: {why}" for name, why in self.dropped[:20])
+            if len(self.dropped) > 20:
+                lines.append(f"    ... and {len(self.dropped) - 20} more")
+        for name in self.restored_files:
+            lines.append(f"  {'would restore' if self.dry_run else 'restored'} data file {name} to its length (zeros where bytes were lost)")
+        lines.append(f"  {self.kept:,} entr{'y' if self.kept == 1 else 'ies'} kept")
+        return "\n".join(lines)
+
+
+def repair_folder(root: str | os.PathLike[str], dry_run: bool = False) -> RepairReport:
+    """Drop the catalog records of ``root`` whose values are lost and restore its data files'
+    lengths, so that a store opens the folder with every other entry intact.
+
+    Raises
+    ------
+    CatalogError
+        If ``root`` is no disk tier folder, or its catalog as a whole cannot be read (its format
+        record, its databases), or its extents overlap (which value owns the bytes cannot be
+        told): nothing is changed then.
+    StoreLockedError
+        If a store has the folder open.
+    """
+    root = Path(root)
+    if not (root / "catalog").is_dir():
+        raise CatalogError(f"{root} is not a tierstore disk folder (no catalog/ inside)")
+    lock = FolderLock.acquire(root / "lock")
+    try:
+        catalog = Catalog(root / "catalog", durable=True)
+        layout = catalog.open_readonly() if dry_run else catalog.open(None)
+        try:
+            report = RepairReport(root, dry_run=dry_run)
+            damaged: list[DamagedRecord] = []
+            records = [record for _, record in catalog.records(damaged=damaged)]
+            lost: list[tuple[bytes, str, str]] = [
+                (bad.digest, bad.key if bad.key is not None else f"<address {bad.digest.hex()}>", _damage(bad))
+                for bad in damaged
+            ]
+            lengths = _file_lengths(root, layout.segments)
+            sound: list[DiskRecord] = []
+            for record in records:
+                why = _why_lost(record, lengths, layout.chunk_size)
+                if why is None:
+                    sound.append(record)
+                else:
+                    lost.append((key_digest(record.key), record.key, why))
+            try:
+                ExtentAllocator.rebuild(layout.segments, (r.extent for r in sound if r.extent is not None), layout.alignment)
+            except ValueError as exc:
+                raise CatalogError(f"the catalog in {root} is inconsistent ({exc}); repair cannot tell which value owns those bytes, "
+                                   "nothing was changed") from None
+            report.dropped = [(name, why) for _, name, why in lost]
+            report.restored_files = [segment_name(s) for s, size in enumerate(layout.segments) if (lengths[s] or 0) < size or lengths[s] is None]
+            report.kept = len(sound)
+            if not dry_run:
+                if lost:
+                    catalog.remove_addresses(address for address, _, _ in lost)
+                _restore_files(root, layout.segments, lengths)
+            return report
+        finally:
+            catalog.close()
+    finally:
+        lock.release()
+
+
+def _damage(bad: DamagedRecord) -> str:
+    why = f"its catalog record is damaged ({bad.reason})"
+    if bad.key == INDEX_KEY:
+        why += "; the namespaces' claims are lost with it: their keys stay, claimed by no one (claim(..., overwrite=True) takes them over)"
+    return why
+
+
+def _file_lengths(root: Path, segments: tuple[int, ...]) -> list[int | None]:
+    """Each segment file's length, None where it is missing."""
+    lengths: list[int | None] = []
+    for segment in range(len(segments)):
+        try:
+            lengths.append((root / "data" / segment_name(segment)).stat().st_size)
+        except FileNotFoundError:
+            lengths.append(None)
+    return lengths
+
+
+def _why_lost(record: DiskRecord, lengths: list[int | None], chunk_size: int) -> str | None:
+    """Why ``record``'s value cannot be read whole from the folder; None if it can."""
+    extent = record.extent
+    if extent is None:
+        return None  # (inline in the catalog: its record parsed, so its bytes are there)
+    if len(record.checksums) != max(1, -(-record.meta.nbytes // chunk_size)):
+        return f"its record has {len(record.checksums)} checksums for {record.meta.nbytes} bytes"
+    if not 0 <= extent.segment < len(lengths):
+        return f"it lies in segment {extent.segment}, which the catalog's layout lacks"
+    length = lengths[extent.segment]
+    if length is None:
+        return f"its data file {segment_name(extent.segment)} is missing"
+    if extent.end > length:
+        return f"its data file {segment_name(extent.segment)} ends at byte {length}, before the value's end at {extent.end}"
+    return None
+
+
+def _restore_files(root: Path, segments: tuple[int, ...], lengths: list[int | None]) -> None:
+    """Create missing data files and extend short ones to their layout's length (a hole: no
+    blocks are written), then make that durable."""
+    data = root / "data"
+    data.mkdir(mode=0o700, exist_ok=True)
+    changed = False
+    for segment, size in enumerate(segments):
+        length = lengths[segment]
+        if length is not None and length >= size:
+            continue
+        fd = os.open(data / segment_name(segment), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        changed = True
+    if changed:
+        fd = os.open(data, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
