@@ -213,3 +213,60 @@ def test_a_forward_called_from_deeper_code_after_ctrl_c_still_recovers(device_mo
         params.detach()
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("then", ["close the store", "drop the model"])
+def test_ctrl_c_in_a_forward_then_closing_or_dropping_lets_go_of_the_model(device_mode: str, then: str) -> None:
+    """Torch's stack of saved-tensor hooks is the thread's own, so neither the store's close
+    (on its loop) nor a dropped offloader could pop what the aborted forward pushed: the hooks
+    held the offloader, and with it the model, for good, and every later saved tensor of the
+    thread went through them. They now hold it weakly, and the first saved tensor after it is
+    closed or collected takes them off the stack."""
+    import gc
+    import weakref
+
+    model = Encoder()
+    interrupt = Interrupt(KeyboardInterrupt("injected"))
+    model.layers[1].linear1.register_forward_hook(interrupt)
+    store = SyncTierStore([DeviceTier("cpu", "160KiB"), HostTier("64MiB")]).open()
+    params = offload_parameters(model, store)
+    interrupt.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        model(torch.randn(4, 8, 64))
+    interrupt.error = KeyboardInterrupt()  # (the raised one's traceback holds the aborted forward's frames, as a notebook's %debug does)
+    assert not _no_saved_tensor_hooks()  # (what the aborted forward left)
+    if then == "close the store":
+        store.close()
+    model_ref, params_ref = weakref.ref(model), weakref.ref(params)
+    del model, params
+    gc.collect()
+    assert model_ref() is None and params_ref() is None
+    a = torch.randn(1000, requires_grad=True)
+    (a.sin() * a).sum().backward()  # (saves tensors: the first one takes the hooks off)
+    torch.testing.assert_close(a.grad, a.detach().cos() * a.detach() + a.detach().sin(), rtol=0, atol=0)
+    assert _no_saved_tensor_hooks()
+    if then == "drop the model":
+        store.close()
+
+
+def test_backward_of_a_graph_whose_offloader_was_dropped_still_runs(device_mode: str) -> None:
+    """The graph, not the hooks, keeps the offloader alive for backward: the loss kept, the
+    model and its offloader dropped, backward still finds the weights it saved."""
+    import gc
+
+    model = Encoder()
+    twin = copy.deepcopy(model)
+    store = SyncTierStore([DeviceTier("cpu", "160KiB"), HostTier("64MiB")]).open()
+    try:
+        offload_parameters(model, store)
+        x = torch.randn(4, 8, 64)
+        params = list(model.parameters())
+        loss = model(x).square().mean()
+        del model
+        gc.collect()
+        loss.backward()
+        twin(x).square().mean().backward()
+        for ours, theirs in zip(params, twin.parameters(), strict=True):
+            assert torch.equal(ours.grad, theirs.grad)
+    finally:
+        store.close()

@@ -177,6 +177,8 @@ class _Weight:
 class _ParamRef:
     """What backward keeps instead of a saved parameter (or a strided view of one)."""
 
+    #: Its offloader: the graph keeps it (the hooks on torch's stack hold it weakly).
+    owner: ParameterOffload
     weight: _Weight
     size: tuple[int, ...]
     stride: tuple[int, ...]
@@ -262,6 +264,7 @@ class ParameterOffload:
         self._saving: list[_Saving] = []
         #: Hooks wrapped to run as Python under torch.compile (``_as_python``), by name, once made.
         self._compile_safe: dict[str, tuple[Callable[..., Any], ...]] = {}
+        self._weak_hooks = _WeakSavedHooks(self)
         self._releasing: list[Any] = []  # holds being let go on the loop
         self._hooks: list[Any] = []
         self._order: list[int] = []  # units in the order they were held this step
@@ -483,7 +486,7 @@ class ParameterOffload:
             if entry.hooks is not None and _top_saved_tensor_hooks() == entry.pushed:
                 entry.hooks.__exit__(None, None, None)
         if not any(entry.thread == me for entry in self._saving):  # (pushed, but interrupted before it was noted)
-            _pop_saved_tensor_hooks_while(lambda top: _offload_of(top[0]) is self)
+            _pop_saved_tensor_hooks_while(lambda top: _hooks_of(top[0]) is self._weak_hooks)
         return bool(stale)
 
     def _recover(self, me: int, here: CallSite) -> None:
@@ -517,7 +520,7 @@ class ParameterOffload:
     def _saved_tensor_hooks(self) -> tuple[Callable[..., Any], ...]:
         """The pack and unpack hooks (``_as_python``: traced, the pack went on into the
         activations' own hook and the store, which dynamo cannot trace)."""
-        return self._as_python("saved", self._pack, self._unpack)
+        return self._as_python("saved", self._weak_hooks.pack, self._weak_hooks.unpack)
 
     def _root_hooks(self) -> tuple[Callable[..., Any], ...]:
         """``_enter_saving`` and ``_exit_saving`` (``_as_python``: traced, what they decide was
@@ -550,7 +553,7 @@ class ParameterOffload:
         base = tensor if id(tensor) in self._weight_of else tensor._base
         weight = self._weight_of.get(id(base)) if base is not None else None
         if weight is not None and weight.param is base and offloaded(base) is not None:
-            return _ParamRef(weight, tuple(tensor.size()), tuple(tensor.stride()),
+            return _ParamRef(self, weight, tuple(tensor.size()), tuple(tensor.stride()),
                              int(tensor.storage_offset() - base.storage_offset()), tensor is base, base._version)
         activations = active_activation_offload()
         return activations._pack(tensor) if activations is not None else kept(tensor)
@@ -1259,7 +1262,7 @@ def pop_abandoned_hooks(kept: tuple[Any, Any]) -> None:
     """Pop the saved-tensor hooks a parameter offload pushed for a forward that ended without
     its forward hook (a ``KeyboardInterrupt``) while they sit above ``kept`` (another ``with``
     block's, about to be popped by its own exit, which pops whatever is on top)."""
-    _pop_saved_tensor_hooks_while(lambda top: top != kept and isinstance(_offload_of(top[0]), ParameterOffload))
+    _pop_saved_tensor_hooks_while(lambda top: top != kept and isinstance(_hooks_of(top[0]), _WeakSavedHooks))
 
 
 def _pop_saved_tensor_hooks_while(popping: Callable[[tuple[Any, Any]], bool]) -> None:
@@ -1270,9 +1273,41 @@ def _pop_saved_tensor_hooks_while(popping: Callable[[tuple[Any, Any]], bool]) ->
         top = _top_saved_tensor_hooks()
 
 
-def _offload_of(pack: Any) -> Any:
+def _hooks_of(pack: Any) -> Any:
     """The object whose bound method ``pack`` is, through a ``torch.compiler.disable`` wrapper."""
     return getattr(getattr(pack, "__wrapped__", pack), "__self__", None)
+
+
+class _WeakSavedHooks:
+    """The saved-tensor hooks a parameter offload pushes for each forward, holding it weakly.
+
+    A forward that never ended (Ctrl-C: torch runs no ``always_call`` hook for a
+    ``KeyboardInterrupt``) leaves them on its thread's stack, which only that thread can pop.
+    Held strongly, they kept the offloader, and its module, alive for good, and a store closed
+    meanwhile sent every later saved tensor of that thread through them. Now an offloader
+    dropped, detached or closed is let go, and its hooks, at their next call, pass the tensor
+    on as torch would and take themselves off the stack. What backward needs of the offloader,
+    a saved ``_ParamRef`` holds."""
+
+    def __init__(self, offload: ParameterOffload) -> None:
+        self._offload = weakref.ref(offload)
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        offload = self._offload()
+        if offload is not None and not offload._detached:
+            return offload._pack(tensor)
+        top = _top_saved_tensor_hooks()
+        if top is not None and _hooks_of(top[0]) is self:  # (it is: torch calls the top's)
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+        activations = active_activation_offload()
+        return activations._pack(tensor) if activations is not None else kept(tensor)
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, _ParamRef):
+            return packed.owner._unpack(packed)
+        if isinstance(packed, _Saved):
+            return packed.owner._unpack(packed)
+        return packed
 
 
 def _in_backward() -> bool:
