@@ -27,6 +27,7 @@ from .extents import ExtentAllocator
 from .files import segment_name
 from .lock import FolderLock
 
+
 @dataclass
 class RepairReport:
     """What ``repair_folder`` found and did (or, on a dry run, would do)."""

@@ -18,7 +18,14 @@ import numpy as np
 import torch
 
 from ..device import link_for
-from ..disk.catalog import Catalog, CatalogLayout, DiskRecord, InlineScan, RecordDamagedError, inline_bytes
+from ..disk.catalog import (
+    Catalog,
+    CatalogLayout,
+    DiskRecord,
+    InlineScan,
+    RecordDamagedError,
+    inline_bytes,
+)
 from ..disk.compact import compact, plan_compaction
 from ..disk.extents import Extent, ExtentAllocator
 from ..disk.files import (
