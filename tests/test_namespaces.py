@@ -319,6 +319,58 @@ def test_state_saved_with_the_other_amsgrad_starts_over(tmp_path: Path, saved_on
 
 
 @pytest.mark.device_modes
+@pytest.mark.parametrize("how", ["param_groups changed before close", "saved by an older tierstore"])
+@pytest.mark.parametrize("saved_amsgrad", [True, False])
+def test_amsgrad_toggled_another_way_still_starts_over(tmp_path: Path, device_mode: str, how: str, saved_amsgrad: bool) -> None:
+    """(From review.) The flag saved was the group's setting at close(), not the one the state
+    was laid out with, so toggling it in param_groups before close() saved the other meaning; and
+    a namespace an older tierstore closed (no flag: simulated by deleting it) was still taken in
+    the other meaning. Both now start over with the warning; an older namespace's three rows are
+    taken only as this optimizer would write them."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16)
+    store = sync_store(tmp_path / "store")
+    opt = TieredAdamW(model.parameters(), lr=1e-2, amsgrad=saved_amsgrad, store=store, namespace="gen", min_offload_numel=1)
+    for _ in range(2):
+        model.zero_grad()
+        model(torch.randn(4, 16)).square().sum().backward()
+        opt.step()
+    if how == "param_groups changed before close":
+        opt.param_groups[0]["amsgrad"] = not saved_amsgrad
+    opt.close()
+    if how == "saved by an older tierstore":
+        store.delete("gen/amsgrad")
+    store.close()
+    store = sync_store(tmp_path / "store")
+    with pytest.warns(UserWarning, match="is laid out for other settings"):
+        opt = TieredAdamW(model.parameters(), lr=1e-2, amsgrad=not saved_amsgrad, store=store, namespace="gen", min_offload_numel=1)
+    assert opt.state_dict()["state"] == {}
+    opt.close()
+    store.close()
+
+
+def test_a_namespace_saved_by_an_older_tierstore_with_the_same_settings_continues(tmp_path: Path) -> None:
+    """Without the flag, state in the layout this optimizer writes is still taken."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16)
+    store = sync_store(tmp_path / "store")
+    opt = TieredAdamW(model.parameters(), lr=1e-2, amsgrad=True, store=store, namespace="gen", min_offload_numel=1)
+    model(torch.randn(4, 16)).square().sum().backward()
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict()["state"])
+    opt.close()
+    store.delete("gen/amsgrad")
+    store.close()
+    store = sync_store(tmp_path / "store")
+    opt = TieredAdamW(model.parameters(), lr=1e-2, amsgrad=True, store=store, namespace="gen", min_offload_numel=1)
+    for index, state in opt.state_dict()["state"].items():
+        for name, value in state.items():
+            assert torch.equal(value, saved[index][name]), name
+    opt.close()
+    store.close()
+
+
+@pytest.mark.device_modes
 @pytest.mark.parametrize("in_backward", [False, True], ids=["after_backward", "in_backward"])
 def test_optimizers_stepping_from_two_threads_on_one_store_match_torch(tmp_path: Path, in_backward: bool) -> None:
     """Two optimizers sharing a store whose host tier holds a fraction of their state, stepped at

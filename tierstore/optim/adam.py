@@ -600,8 +600,9 @@ class TieredAdam(PagedOptimizer):
         return self.namespace.key("steps") if self.namespace is not None else ""
 
     def _amsgrad_key(self) -> str:
-        # (saved beside the step counts: a plain fp32 entry of three rows is either the master
-        # and two moments or, with amsgrad, three moments; the shape alone cannot tell)
+        """Where ``close()`` saves each parameter's ``amsgrad`` as its state was laid out, beside
+        the step counts: a plain fp32 entry of three rows is either the master and two moments
+        or, with amsgrad, three moments; its shape alone cannot tell."""
         return self.namespace.key("amsgrad") if self.namespace is not None else ""
 
     async def _save_for_restart(self) -> None:
@@ -611,7 +612,9 @@ class TieredAdam(PagedOptimizer):
         for slot in self._slots:
             if not slot.paged and slot.resident is not None and slot.index in self._step_counts:
                 await self.store.put(slot.key, slot.resident["packed"])
-        amsgrad = torch.tensor([bool(self.param_groups[slot.group]["amsgrad"]) for slot in self._slots], dtype=torch.uint8)
+        # (as laid out: a change in param_groups after the state was made has not reached it)
+        laid_out = [self._laid_out_as.get(slot.group, _layout_settings(self.param_groups[slot.group]))[2] for slot in self._slots]
+        amsgrad = torch.tensor(laid_out, dtype=torch.uint8)
         await self.store.put(self._amsgrad_key(), amsgrad)
         await self.store.put(self._steps_key(), steps)
 
@@ -646,7 +649,8 @@ class TieredAdam(PagedOptimizer):
                        and (slot.key in self.store or chunk_key(slot.key, 0) in self.store)]
             other_amsgrad = {slot.index for slot in stepped if saved_amsgrad is not None
                              and bool(saved_amsgrad[slot.index]) != bool(self.param_groups[slot.group]["amsgrad"])}
-            mismatched = [slot.index for slot in stepped if slot.index in other_amsgrad or self._saved_pieces(slot) is None]
+            unrecorded = saved_amsgrad is None
+            mismatched = [slot.index for slot in stepped if slot.index in other_amsgrad or self._saved_pieces(slot, unrecorded) is None]
             if mismatched:
                 warn(
                     f"namespace {namespace.name!r}: the saved state of parameters {mismatched} is laid out for other settings "
@@ -657,7 +661,7 @@ class TieredAdam(PagedOptimizer):
         if saved is not None:
             await self.store.delete(self._steps_key())
         for slot in stepped:
-            pieces = None if slot.index in other_amsgrad else self._saved_pieces(slot)
+            pieces = None if slot.index in other_amsgrad else self._saved_pieces(slot, saved_amsgrad is None)
             if pieces is None:
                 continue
             keys = await self._relayout(slot, pieces)
@@ -670,20 +674,24 @@ class TieredAdam(PagedOptimizer):
             if key not in kept:
                 await self.store.delete(key)
 
-    def _saved_pieces(self, slot: ParamSlot) -> list[tuple[str, int, int]] | None:
+    def _saved_pieces(self, slot: ParamSlot, amsgrad_unrecorded: bool = False) -> list[tuple[str, int, int]] | None:
         """The entries holding a saved state of ``slot`` in whichever layout saved it (one
         entry, or chunks of any size: ``chunk_bytes`` may have changed since; with or without
         the master: saved where the parameter was the master, or where it was not), as ``(key,
-        start, stop)`` in element order; None unless they cover the parameter exactly."""
+        start, stop)`` in element order; None unless they cover the parameter exactly.
+        ``amsgrad_unrecorded``: saved by a tierstore that did not record ``amsgrad`` (before
+        ``_amsgrad_key``), so a plain entry of three rows is taken only in the layout this
+        optimizer writes (the master and two moments, or amsgrad's three moments), never
+        read in the other meaning."""
         layout = self._layout(slot)
         saved = [layout] if layout is None or layout.lossless else [layout, replace(layout, param_master=not layout.param_master)]
         for candidate in saved:
-            if slot.key in self.store and self._saved_numel(slot, slot.key, candidate) == slot.numel:
+            if slot.key in self.store and self._saved_numel(slot, slot.key, candidate, amsgrad_unrecorded) == slot.numel:
                 return [(slot.key, 0, slot.numel)]
             pieces: list[tuple[str, int, int]] = []
             start = 0
             while (key := chunk_key(slot.key, len(pieces))) in self.store:
-                numel = self._saved_numel(slot, key, candidate)
+                numel = self._saved_numel(slot, key, candidate, amsgrad_unrecorded)
                 if numel is None:
                     break
                 pieces.append((key, start, start + numel))
@@ -693,7 +701,7 @@ class TieredAdam(PagedOptimizer):
                     return pieces
         return None
 
-    def _saved_numel(self, slot: ParamSlot, key: str, layout: StateLayout | None) -> int | None:
+    def _saved_numel(self, slot: ParamSlot, key: str, layout: StateLayout | None, amsgrad_unrecorded: bool = False) -> int | None:
         """Elements of ``slot``'s state the entry ``key`` holds, if it is in ``layout`` (None:
         the plain fp32 one)."""
         info = self.store.info(key)
@@ -702,6 +710,8 @@ class TieredAdam(PagedOptimizer):
             # with or without the master row: a state saved on the plain CPU, where the
             # parameter is the master, or under a device link, where it is not
             rows = (self._rows(slot), self._rows(slot) - 1)
+            if amsgrad_unrecorded:  # (three rows: taken only as this optimizer would write them)
+                rows = tuple(r for r in rows if r != 3 or r == self._stored_rows(slot))
             ok = dtype == torch.float32 and len(shape) == 2 and shape[0] in rows and shape[1] >= 1
             return shape[1] if ok else None
         numel = layout.numel_of(shape[0]) if dtype == torch.uint8 and len(shape) == 1 else None
