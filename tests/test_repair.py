@@ -4,6 +4,8 @@ opens again with every intact entry as it was, and only the lost ones dropped.""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import lmdb
@@ -138,3 +140,57 @@ def test_repair_refuses_a_folder_that_is_no_store(tmp_path: Path, capsys: pytest
     assert cli_main(["repair", str(tmp_path / "x")]) == 1
     assert "not a tierstore disk folder" in capsys.readouterr().err
     assert (tmp_path / "x" / "notes.txt").read_text() == "mine" and sorted(os.listdir(tmp_path / "x")) == ["notes.txt"]
+
+
+@pytest.mark.parametrize("how", ["past its segment", "misaligned"])
+async def test_a_record_whose_extent_is_impossible_is_dropped_alone(tmp_path: Path, how: str) -> None:
+    """(From review.) A sound record whose extent lies outside its segment or off the block
+    alignment loses only its own value; repair refused the whole folder, as if extents overlapped."""
+    from dataclasses import replace
+
+    from tierstore.disk.catalog import DiskRecord
+    from tierstore.disk.extents import Extent
+
+    root = tmp_path / "d"
+    values = await fill(root)
+    env = lmdb.open(str(root / "catalog"), max_dbs=2, map_size=1 << 31)
+    try:
+        with env.begin(write=True, db=env.open_db(b"entries", create=False)) as txn:
+            for address, raw in list(txn.cursor()):
+                record = DiskRecord.from_bytes(bytes(raw))
+                if record.key == "big7":
+                    e = record.extent
+                    bad = Extent(e.segment, e.offset + (64 << 20), e.length) if how == "past its segment" else Extent(e.segment, e.offset + 512, e.length)
+                    txn.put(bytes(address), replace(record, extent=bad).to_bytes())
+    finally:
+        env.close()
+    assert "tierstore repair" in await refused(root)
+    report = repair_folder(root)
+    assert [name for name, _ in report.dropped] == ["big7"] and report.restored_files == []
+    del values["big7"]
+    await reads_back(root, values)
+
+
+async def test_repair_of_a_folder_whose_catalog_is_lost_changes_nothing(tmp_path: Path) -> None:
+    """(From review.) Opening the catalog for writing made an empty one before refusing."""
+    root = tmp_path / "d"
+    await fill(root)
+    for name in ("data.mdb", "lock.mdb"):
+        (root / "catalog" / name).unlink()
+    before = files_state(root)
+    for dry_run in (True, False):
+        with pytest.raises(CatalogError, match="holds no tierstore catalog"):
+            repair_folder(root, dry_run=dry_run)
+    assert files_state(root) == before and sorted(os.listdir(root / "catalog")) == []
+
+
+async def test_a_dry_run_reads_a_folder_in_use_and_changes_nothing(tmp_path: Path) -> None:
+    root = tmp_path / "d"
+    values = await fill(root)
+    async with TierStore([disk(root)]) as store:  # (in another process: LMDB opens a folder once per process)
+        lock_before = (root / "lock").read_bytes()
+        shown = subprocess.run([sys.executable, "-m", "tierstore", "repair", str(root), "--dry-run"],
+                               capture_output=True, text=True, timeout=120)
+        assert shown.returncode == 0 and "nothing to repair" in shown.stdout and f"{len(values)} entries kept" in shown.stdout, shown
+        assert (root / "lock").read_bytes() == lock_before
+        assert torch.equal(await store.get("big1"), values["big1"])

@@ -696,12 +696,17 @@ class Catalog:
     def remove_addresses(self, addresses: Iterable[bytes]) -> None:
         """Delete the records at ``addresses`` (damaged ones too, whose key may be unreadable),
         in one transaction (``tierstore.disk.repair``; on a catalog opened for writing)."""
-        try:
-            with self._txn_lock, self._env.begin(write=True, db=self._entries) as txn:
-                for address in addresses:
-                    txn.delete(address)
-        except _DAMAGE as exc:
-            raise self._damaged(exc) from None
+        addresses = list(addresses)
+        while True:
+            try:
+                with self._txn_lock, self._env.begin(write=True, db=self._entries) as txn:
+                    for address in addresses:
+                        txn.delete(address)
+                return
+            except lmdb.MapFullError:  # (a delete writes new pages too: a catalog opened at its size has no room)
+                self._env.set_mapsize(self._env.info()["map_size"] * 2)
+            except _DAMAGE as exc:
+                raise self._damaged(exc) from None
 
     def _parse(self, digest: bytes, raw: bytes | memoryview) -> DiskRecord:
         try:

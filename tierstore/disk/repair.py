@@ -22,7 +22,7 @@ from pathlib import Path
 from ..errors import CatalogError
 from ..keys import key_digest
 from ..namespaces import INDEX_KEY
-from .catalog import Catalog, DamagedRecord, DiskRecord
+from .catalog import Catalog, CatalogLayout, DamagedRecord, DiskRecord
 from .extents import ExtentAllocator
 from .files import segment_name
 from .lock import FolderLock
@@ -71,13 +71,17 @@ def repair_folder(root: str | os.PathLike[str], dry_run: bool = False) -> Repair
         record, its databases), or its extents overlap (which value owns the bytes cannot be
         told): nothing is changed then.
     StoreLockedError
-        If a store has the folder open.
+        If a store has the folder open (a dry run reads it read-only, as ``tierstore info``
+        does, and takes no lock).
     """
     root = Path(root)
     if not (root / "catalog").is_dir():
         raise CatalogError(f"{root} is not a tierstore disk folder (no catalog/ inside)")
-    lock = FolderLock.acquire(root / "lock")
+    lock = None if dry_run else FolderLock.acquire(root / "lock")
     try:
+        if not (root / "catalog" / "data.mdb").exists():  # (an open for writing would make an empty one)
+            raise CatalogError(f"{root / 'catalog'} holds no tierstore catalog: it was lost, and with it what the folder held; "
+                               "nothing was changed")
         catalog = Catalog(root / "catalog", durable=True)
         layout = catalog.open_readonly() if dry_run else catalog.open(None)
         try:
@@ -85,13 +89,13 @@ def repair_folder(root: str | os.PathLike[str], dry_run: bool = False) -> Repair
             damaged: list[DamagedRecord] = []
             records = [record for _, record in catalog.records(damaged=damaged)]
             lost: list[tuple[bytes, str, str]] = [
-                (bad.digest, bad.key if bad.key is not None else f"<address {bad.digest.hex()}>", _damage(bad))
+                (bad.digest, bad.key if bad.key is not None else f"<address {bad.digest.hex()}>", f"its catalog record is damaged ({bad.reason})")
                 for bad in damaged
             ]
             lengths = _file_lengths(root, layout.segments)
             sound: list[DiskRecord] = []
             for record in records:
-                why = _why_lost(record, lengths, layout.chunk_size)
+                why = _why_lost(record, lengths, layout)
                 if why is None:
                     sound.append(record)
                 else:
@@ -101,8 +105,8 @@ def repair_folder(root: str | os.PathLike[str], dry_run: bool = False) -> Repair
             except ValueError as exc:
                 raise CatalogError(f"the catalog in {root} is inconsistent ({exc}); repair cannot tell which value owns those bytes, "
                                    "nothing was changed") from None
-            report.dropped = [(name, why) for _, name, why in lost]
-            report.restored_files = [segment_name(s) for s, size in enumerate(layout.segments) if (lengths[s] or 0) < size or lengths[s] is None]
+            report.dropped = [(name, why + (_INDEX_LOST if name == INDEX_KEY else "")) for _, name, why in lost]
+            report.restored_files = [segment_name(s) for s, size in enumerate(layout.segments) if (lengths[s] or 0) < size]
             report.kept = len(sound)
             if not dry_run:
                 if lost:
@@ -112,14 +116,16 @@ def repair_folder(root: str | os.PathLike[str], dry_run: bool = False) -> Repair
         finally:
             catalog.close()
     finally:
-        lock.release()
+        if lock is not None:
+            lock.release()
 
 
-def _damage(bad: DamagedRecord) -> str:
-    why = f"its catalog record is damaged ({bad.reason})"
-    if bad.key == INDEX_KEY:
-        why += "; the namespaces' claims are lost with it: their keys stay, claimed by no one (claim(..., overwrite=True) takes them over)"
-    return why
+#: What losing the namespace index means (said where it is dropped).
+_INDEX_LOST = (
+    "; the namespaces' claims are lost with it: their keys stay and read as before, but belong to no namespace, so "
+    "claiming one (an optimizer's namespace=) is refused with NamespaceClaimedError, and claim(..., overwrite=True) "
+    "deletes its keys: copy out what you need with store.get() first"
+)
 
 
 def _file_lengths(root: Path, segments: tuple[int, ...]) -> list[int | None]:
@@ -133,15 +139,20 @@ def _file_lengths(root: Path, segments: tuple[int, ...]) -> list[int | None]:
     return lengths
 
 
-def _why_lost(record: DiskRecord, lengths: list[int | None], chunk_size: int) -> str | None:
+def _why_lost(record: DiskRecord, lengths: list[int | None], layout: CatalogLayout) -> str | None:
     """Why ``record``'s value cannot be read whole from the folder; None if it can."""
     extent = record.extent
     if extent is None:
         return None  # (inline in the catalog: its record parsed, so its bytes are there)
-    if len(record.checksums) != max(1, -(-record.meta.nbytes // chunk_size)):
+    if len(record.checksums) != max(1, -(-record.meta.nbytes // layout.chunk_size)):
         return f"its record has {len(record.checksums)} checksums for {record.meta.nbytes} bytes"
-    if not 0 <= extent.segment < len(lengths):
+    segments = layout.segments
+    if not 0 <= extent.segment < len(segments):
         return f"it lies in segment {extent.segment}, which the catalog's layout lacks"
+    if extent.offset < 0 or extent.length <= 0 or extent.end > segments[extent.segment]:
+        return f"its extent {extent} lies outside its segment of {segments[extent.segment]} bytes"
+    if extent.offset % layout.alignment or extent.length % layout.alignment:
+        return f"its extent {extent} is not aligned to the {layout.alignment}-byte blocks extents are made of"
     length = lengths[extent.segment]
     if length is None:
         return f"its data file {segment_name(extent.segment)} is missing"

@@ -326,7 +326,7 @@ class DiskTier(Tier):
         try:
             self._allocator = ExtentAllocator.rebuild(layout.segments, (r.extent for r in records.values() if r.extent is not None), ALIGNMENT)
         except ValueError as exc:
-            raise CatalogError(f"the catalog in {self.root} is inconsistent: {exc}") from None
+            raise CatalogError(f"the catalog in {self.root} is inconsistent: {exc}; nothing was changed. {_repair_hint(self.root)}") from None
         try:
             self._files.open(list(layout.segments))
         except TruncatedSegment as exc:
