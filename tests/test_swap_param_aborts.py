@@ -270,3 +270,35 @@ def test_backward_of_a_graph_whose_offloader_was_dropped_still_runs(device_mode:
             assert torch.equal(ours.grad, theirs.grad)
     finally:
         store.close()
+
+
+def test_hooks_left_by_an_aborted_forward_hand_later_tensors_to_the_hooks_below(device_mode: str) -> None:
+    """(From review.) Once their offloader was closed, the abandoned hooks kept the next saved
+    tensor themselves: a ``saved_tensors_hooks`` block the user entered before the aborted
+    forward never saw it. They now pass it to the hooks below, as torch would have."""
+    seen: list[tuple[int, ...]] = []
+
+    def pack(t: torch.Tensor) -> object:
+        seen.append(tuple(t.shape))
+        return ("mine", t)
+
+    def unpack(packed: object) -> torch.Tensor:
+        assert isinstance(packed, tuple) and packed[0] == "mine"
+        return packed[1]
+
+    model = Encoder()
+    interrupt = Interrupt(KeyboardInterrupt("injected"))
+    model.layers[1].linear1.register_forward_hook(interrupt)
+    store = SyncTierStore([DeviceTier("cpu", "160KiB"), HostTier("64MiB")]).open()
+    offload_parameters(model, store)
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        interrupt.armed = True
+        with pytest.raises(KeyboardInterrupt):
+            model(torch.randn(4, 8, 64))
+        store.close()
+        a = torch.randn(7, requires_grad=True)
+        seen.clear()
+        (a.sin() * a).sum().backward()  # (sin saves a; mul saves sin(a) and a)
+        assert seen == [(7,)] * 3
+    torch.testing.assert_close(a.grad, a.detach().cos() * a.detach() + a.detach().sin(), rtol=0, atol=0)
+    assert _no_saved_tensor_hooks()

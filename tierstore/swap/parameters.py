@@ -1299,15 +1299,28 @@ class _WeakSavedHooks:
         top = _top_saved_tensor_hooks()
         if top is not None and _hooks_of(top[0]) is self:  # (it is: torch calls the top's)
             torch._C._autograd._pop_saved_tensors_default_hooks()
-        activations = active_activation_offload()
-        return activations._pack(tensor) if activations is not None else kept(tensor)
+            below = _top_saved_tensor_hooks()
+            if below is not None:  # (a with block entered before the aborted forward: what torch calls now)
+                return _PackedBelow(below[0](tensor), below[1])
+        return kept(tensor)
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, _ParamRef):
             return packed.owner._unpack(packed)
         if isinstance(packed, _Saved):
             return packed.owner._unpack(packed)
+        if isinstance(packed, _PackedBelow):
+            return packed.unpack(packed.packed)
         return packed
+
+
+@dataclass(eq=False, slots=True)
+class _PackedBelow:
+    """What the saved-tensor hooks below an abandoned pair packed (``_WeakSavedHooks.pack``),
+    with the unpack hook that reads it back."""
+
+    packed: Any
+    unpack: Callable[[Any], torch.Tensor]
 
 
 def _in_backward() -> bool:
