@@ -32,7 +32,7 @@ import asyncio
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Any, overload
 
 import torch
@@ -57,7 +57,15 @@ from .pipeline import (
     read_weight,
     read_weight_range,
 )
-from .precision import AdamHyper, PackedState, StateLayout, can_be_master, validate
+from .precision import (
+    MASTER_WEIGHTS,
+    PRECISIONS,
+    AdamHyper,
+    PackedState,
+    StateLayout,
+    can_be_master,
+    validate,
+)
 from .resident import Piece
 
 
@@ -599,11 +607,18 @@ class TieredAdam(PagedOptimizer):
     def _steps_key(self) -> str:
         return self.namespace.key("steps") if self.namespace is not None else ""
 
-    def _amsgrad_key(self) -> str:
-        """Where ``close()`` saves each parameter's ``amsgrad`` as its state was laid out, beside
-        the step counts: a plain fp32 entry of three rows is either the master and two moments
-        or, with amsgrad, three moments; its shape alone cannot tell."""
-        return self.namespace.key("amsgrad") if self.namespace is not None else ""
+    def _settings_key(self) -> str:
+        """Where ``close()`` saves, beside the step counts, each parameter's ``state_precision``,
+        ``master_weights`` and ``amsgrad`` as its state was laid out: an entry's shape alone
+        cannot tell them apart (a plain fp32 entry of three rows is the master and two moments
+        or amsgrad's three moments; 4 elements of bf16 moments and of 8-bit ones with their
+        scales both take 16 bytes)."""
+        return self.namespace.key("settings") if self.namespace is not None else ""
+
+    def _settings_code(self, settings: tuple[Any, ...]) -> tuple[int, int, int]:
+        """``_layout_settings`` as the numbers ``_settings_key`` holds."""
+        precision, master_weights, amsgrad = settings
+        return PRECISIONS.index(precision), MASTER_WEIGHTS.index(master_weights), int(bool(amsgrad))
 
     async def _save_for_restart(self) -> None:
         steps = torch.full((len(self._slots),), float("nan"), dtype=torch.float64)
@@ -613,9 +628,9 @@ class TieredAdam(PagedOptimizer):
             if not slot.paged and slot.resident is not None and slot.index in self._step_counts:
                 await self.store.put(slot.key, slot.resident["packed"])
         # (as laid out: a change in param_groups after the state was made has not reached it)
-        laid_out = [self._laid_out_as.get(slot.group, _layout_settings(self.param_groups[slot.group]))[2] for slot in self._slots]
-        amsgrad = torch.tensor(laid_out, dtype=torch.uint8)
-        await self.store.put(self._amsgrad_key(), amsgrad)
+        laid_out = [self._settings_code(self._laid_out_as.get(slot.group, _layout_settings(self.param_groups[slot.group])))
+                    for slot in self._slots]
+        await self.store.put(self._settings_key(), torch.tensor(laid_out, dtype=torch.uint8).reshape(len(self._slots), 3))
         await self.store.put(self._steps_key(), steps)
 
     async def _adopt(self) -> None:
@@ -629,28 +644,40 @@ class TieredAdam(PagedOptimizer):
         saved: torch.Tensor | None = None
         if self._steps_key() in self.store:
             saved = await self.store.read(self._steps_key())
-        saved_amsgrad: torch.Tensor | None = None  # (None: saved by a version that did not record it)
-        if self._amsgrad_key() in self.store:
-            saved_amsgrad = await self.store.read(self._amsgrad_key())
-            if saved_amsgrad.shape != (len(self._slots),):
-                saved_amsgrad = None
+        saved_settings: torch.Tensor | None = None  # (None: saved by a version that did not record them)
+        if self._settings_key() in self.store:
+            saved_settings = await self.store.read(self._settings_key())
+            if saved_settings.shape != (len(self._slots), 3):
+                saved_settings = None
+        unrecorded = saved_settings is None
         kept: set[str] = set()
         stepped: list[ParamSlot] = []  # (with saved state)
-        other_amsgrad: set[int] = set()
+        other_settings: set[int] = set()
         # The warnings come before anything changes: one a filter makes an error refuses the
         # constructor and leaves the namespace as it was.
-        if saved is not None and saved.shape != (len(self._slots),):
+        if saved is None and any(True for _ in namespace.keys()):
+            warn(
+                f"namespace {namespace.name!r} holds optimizer state but no step counts: the run that wrote it did not "
+                "close() its optimizer (a crash, or a kill), so the state may be part-way through a step; starting over "
+                "(its state is deleted)",
+            )
+        elif saved is not None and saved.shape != (len(self._slots),):
             warn(
                 f"namespace {namespace.name!r} holds optimizer state for {saved.shape[0]} parameters, not "
                 f"{len(self._slots)}: starting over (its state is deleted)",
             )
         elif saved is not None:
-            stepped = [slot for slot in self._slots if float(saved[slot.index]) == float(saved[slot.index])  # (NaN: never stepped)
-                       and (slot.key in self.store or chunk_key(slot.key, 0) in self.store)]
-            other_amsgrad = {slot.index for slot in stepped if saved_amsgrad is not None
-                             and bool(saved_amsgrad[slot.index]) != bool(self.param_groups[slot.group]["amsgrad"])}
-            unrecorded = saved_amsgrad is None
-            mismatched = [slot.index for slot in stepped if slot.index in other_amsgrad or self._saved_pieces(slot, unrecorded) is None]
+            counted = [slot for slot in self._slots if float(saved[slot.index]) == float(saved[slot.index])]  # (NaN: never stepped)
+            stepped = [slot for slot in counted if slot.key in self.store or chunk_key(slot.key, 0) in self.store]
+            missing = [slot.index for slot in counted if all(slot is not other for other in stepped)]
+            if missing:
+                warn(
+                    f"namespace {namespace.name!r}: the saved state of parameters {missing} is not in the store (lost, e.g. "
+                    "dropped by `tierstore repair`, or deleted); those start over",
+                )
+            other_settings = {slot.index for slot in stepped if saved_settings is not None
+                              and tuple(saved_settings[slot.index].tolist()) != self._settings_code(_layout_settings(self.param_groups[slot.group]))}
+            mismatched = [slot.index for slot in stepped if slot.index in other_settings or self._saved_pieces(slot, unrecorded) is None]
             if mismatched:
                 warn(
                     f"namespace {namespace.name!r}: the saved state of parameters {mismatched} is laid out for other settings "
@@ -661,7 +688,7 @@ class TieredAdam(PagedOptimizer):
         if saved is not None:
             await self.store.delete(self._steps_key())
         for slot in stepped:
-            pieces = None if slot.index in other_amsgrad else self._saved_pieces(slot, saved_amsgrad is None)
+            pieces = None if slot.index in other_settings else self._saved_pieces(slot, unrecorded)
             if pieces is None:
                 continue
             keys = await self._relayout(slot, pieces)
@@ -674,24 +701,25 @@ class TieredAdam(PagedOptimizer):
             if key not in kept:
                 await self.store.delete(key)
 
-    def _saved_pieces(self, slot: ParamSlot, amsgrad_unrecorded: bool = False) -> list[tuple[str, int, int]] | None:
+    def _saved_pieces(self, slot: ParamSlot, unrecorded: bool = False) -> list[tuple[str, int, int]] | None:
         """The entries holding a saved state of ``slot`` in whichever layout saved it (one
         entry, or chunks of any size: ``chunk_bytes`` may have changed since; with or without
         the master: saved where the parameter was the master, or where it was not), as ``(key,
         start, stop)`` in element order; None unless they cover the parameter exactly.
-        ``amsgrad_unrecorded``: saved by a tierstore that did not record ``amsgrad`` (before
-        ``_amsgrad_key``), so a plain entry of three rows is taken only in the layout this
-        optimizer writes (the master and two moments, or amsgrad's three moments), never
-        read in the other meaning."""
+        ``unrecorded``: saved by a tierstore that did not record the settings (before
+        ``_settings_key``), so an entry another layout would have of the same shape is not
+        taken: a plain entry of three rows only in the layout this optimizer writes (the master
+        and two moments, or amsgrad's three moments), a packed one only if no other settings
+        pack that many elements into as many bytes."""
         layout = self._layout(slot)
         saved = [layout] if layout is None or layout.lossless else [layout, replace(layout, param_master=not layout.param_master)]
         for candidate in saved:
-            if slot.key in self.store and self._saved_numel(slot, slot.key, candidate, amsgrad_unrecorded) == slot.numel:
+            if slot.key in self.store and self._saved_numel(slot, slot.key, candidate, unrecorded) == slot.numel:
                 return [(slot.key, 0, slot.numel)]
             pieces: list[tuple[str, int, int]] = []
             start = 0
             while (key := chunk_key(slot.key, len(pieces))) in self.store:
-                numel = self._saved_numel(slot, key, candidate, amsgrad_unrecorded)
+                numel = self._saved_numel(slot, key, candidate, unrecorded)
                 if numel is None:
                     break
                 pieces.append((key, start, start + numel))
@@ -701,7 +729,7 @@ class TieredAdam(PagedOptimizer):
                     return pieces
         return None
 
-    def _saved_numel(self, slot: ParamSlot, key: str, layout: StateLayout | None, amsgrad_unrecorded: bool = False) -> int | None:
+    def _saved_numel(self, slot: ParamSlot, key: str, layout: StateLayout | None, unrecorded: bool = False) -> int | None:
         """Elements of ``slot``'s state the entry ``key`` holds, if it is in ``layout`` (None:
         the plain fp32 one)."""
         info = self.store.info(key)
@@ -710,11 +738,13 @@ class TieredAdam(PagedOptimizer):
             # with or without the master row: a state saved on the plain CPU, where the
             # parameter is the master, or under a device link, where it is not
             rows = (self._rows(slot), self._rows(slot) - 1)
-            if amsgrad_unrecorded:  # (three rows: taken only as this optimizer would write them)
+            if unrecorded:  # (three rows: taken only as this optimizer would write them)
                 rows = tuple(r for r in rows if r != 3 or r == self._stored_rows(slot))
             ok = dtype == torch.float32 and len(shape) == 2 and shape[0] in rows and shape[1] >= 1
             return shape[1] if ok else None
         numel = layout.numel_of(shape[0]) if dtype == torch.uint8 and len(shape) == 1 else None
+        if numel and unrecorded and any(other.nbytes(numel) == shape[0] for other in _packed_layouts() if other != layout):
+            return None
         return numel if numel else None
 
     async def _relayout(self, slot: ParamSlot, pieces: list[tuple[str, int, int]]) -> list[str]:
@@ -999,6 +1029,14 @@ def _layout_settings(group: dict[str, Any]) -> tuple[Any, ...]:
 def _truncated(master: torch.Tensor) -> torch.Tensor:
     """The bf16 weight a lossless master keeps beside fp32 ``master``: its high halves."""
     return master.reshape(-1).view(torch.int32).bitwise_and(-65536).view(torch.float32).bfloat16()
+
+
+@cache
+def _packed_layouts() -> tuple[StateLayout, ...]:
+    """Every packed layout there is (``_saved_numel``: which of them a saved size fits)."""
+    return tuple(StateLayout(precision, lossless, amsgrad, param_master)
+                 for precision in PRECISIONS for lossless in (False, True) if precision != "fp32" or lossless
+                 for amsgrad in (False, True) for param_master in (False, True) if not (lossless and param_master))
 
 
 @lru_cache(maxsize=64)
