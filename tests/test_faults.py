@@ -109,7 +109,7 @@ async def test_a_truncated_data_file_is_refused_on_open_and_nothing_is_lost(tmp_
     segment = tmp_path / "d" / "data" / "segment-000000.bin"
     size = segment.stat().st_size
     os.truncate(segment, size // 3)
-    with pytest.raises(CatalogError, match=r"truncated.*entries live in it"):
+    with pytest.raises(CatalogError, match=r"truncated.*of the 8 entries in it lie past its end"):
         async with TierStore([disk(tmp_path / "d")]):
             pass
     assert describe_folder(tmp_path / "d")["entries"] == 8  # the catalog kept every record

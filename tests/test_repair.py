@@ -15,7 +15,7 @@ import torch
 from tierstore import DiskTier, TierStore
 from tierstore.cli import main as cli_main
 from tierstore.disk.repair import repair_folder
-from tierstore.errors import CatalogError, StoreLockedError
+from tierstore.errors import CatalogError, ChecksumError, StoreLockedError
 from tierstore.inspect import describe_folder
 
 MiB = 1 << 20
@@ -106,6 +106,7 @@ async def test_a_truncated_data_file_drops_only_the_values_past_its_end(tmp_path
     os.truncate(segment, 5 * MiB + 12345)  # big0..big4 whole, big5 cut, big6 and big7 gone
     message = await refused(root)
     assert "truncated" in message and "tierstore repair" in message
+    assert "3 of the 8 entries in it lie past its end ('big5', 'big6', 'big7')" in message  # (it said "8 entries live in it")
     report = repair_folder(root)
     assert sorted(name for name, _ in report.dropped) == ["big5", "big6", "big7"]
     assert report.restored_files == ["segment-000000.bin"] and report.kept == 9
@@ -194,3 +195,67 @@ async def test_a_dry_run_reads_a_folder_in_use_and_changes_nothing(tmp_path: Pat
         assert shown.returncode == 0 and "nothing to repair" in shown.stdout and f"{len(values)} entries kept" in shown.stdout, shown
         assert (root / "lock").read_bytes() == lock_before
         assert torch.equal(await store.get("big1"), values["big1"])
+
+
+def extent_of(root: Path, key: str) -> tuple[int, int]:
+    from tierstore.disk.catalog import DiskRecord
+
+    env = lmdb.open(str(root / "catalog"), max_dbs=2, readonly=True, lock=False)
+    try:
+        with env.begin(db=env.open_db(b"entries", create=False)) as txn:
+            for _, raw in txn.cursor():
+                record = DiskRecord.from_bytes(bytes(raw))
+                if record.key == key:
+                    assert record.extent is not None
+                    return record.extent.segment, record.extent.offset
+    finally:
+        env.close()
+    raise AssertionError(key)
+
+
+async def test_verify_drops_a_value_whose_bytes_fail_their_checksums(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """(Tryout.) A value whose bytes are damaged raised ``ChecksumError`` at every read (an
+    optimizer's ``step()`` failed at every retry) and ``repair`` said "nothing to repair":
+    only a ``store.delete`` by hand got out. The error now says what to do, and ``--verify``
+    drops every such value."""
+    root = tmp_path / "d"
+    values = await fill(root)
+    segment, offset = extent_of(root, "big2")
+    with open(root / "data" / f"segment-{segment:06d}.bin", "r+b") as f:
+        f.seek(offset + 1000)
+        byte = f.read(1)
+        f.seek(offset + 1000)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    async with TierStore([disk(root)]) as store:
+        with pytest.raises(ChecksumError, match="tierstore repair .* --verify"):
+            await store.get("big2")
+    assert not repair_folder(root).changed  # (the records are sound: without --verify nothing is read)
+    assert cli_main(["repair", str(root), "--verify", "--dry-run"]) == 0
+    assert "big2: its bytes fail their checksums" in capsys.readouterr().out
+    report = repair_folder(root, verify=True)
+    assert report.dropped == [("big2", "its bytes fail their checksums")] and report.kept == len(values) - 1
+    del values["big2"]
+    await reads_back(root, values)
+
+
+async def test_info_counts_a_damaged_record_whose_key_cannot_be_read(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """(Tryout.) ``tierstore info`` said "UNHEALTHY (0 entries damaged)" beside the damaged records."""
+    root = tmp_path / "d"
+    values = await fill(root)
+    env = lmdb.open(str(root / "catalog"), max_dbs=2, map_size=1 << 31)
+    try:
+        with env.begin(write=True, db=env.open_db(b"entries", create=False)) as txn:
+            for address, raw in list(txn.cursor()):
+                at = bytes(raw).find(b"big4")
+                if at >= 0:
+                    changed = bytearray(raw)
+                    changed[at + 3] ^= 0x01  # (the key itself: its bytes no longer hash to the address)
+                    txn.put(bytes(address), bytes(changed))
+    finally:
+        env.close()
+    assert cli_main(["info", str(root)]) == 1
+    assert "UNHEALTHY (0 entries damaged, and 1 damaged record whose key cannot be read)" in capsys.readouterr().out
+    report = repair_folder(root)
+    assert len(report.dropped) == 1 and report.dropped[0][0].startswith("<address ")
+    del values["big4"]
+    await reads_back(root, values)

@@ -57,7 +57,7 @@ def _gc(args: argparse.Namespace) -> int:
 def _repair(args: argparse.Namespace) -> int:
     from .disk.repair import repair_folder
 
-    print(repair_folder(args.root, dry_run=args.dry_run).summary())
+    print(repair_folder(args.root, dry_run=args.dry_run, verify=args.verify, progress=args.verify).summary())
     return 0
 
 
@@ -177,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     repair = commands.add_parser("repair", help="drop the entries of a damaged disk tier folder whose values are lost, so the rest opens")
     repair.add_argument("root", help="the DiskTier folder (not open elsewhere)")
     repair.add_argument("--dry-run", action="store_true", help="say what would be dropped and restored, change nothing")
+    repair.add_argument("--verify", action="store_true", help="also read every value and drop those whose bytes fail their checksums")
     repair.set_defaults(run=_repair)
 
     sim = commands.add_parser("simulate", help="replay a trace against capacities and policies (no tensors)")

@@ -27,7 +27,8 @@ def describe_folder(root: str | Path, verify: bool = False, progress: bool = Fal
     Reads the catalog read-only, so it works while another process has the folder open. The
     folder is ``healthy`` when every data file the catalog names is there and long enough for
     the extents in it; otherwise ``problems`` says what is wrong and ``damaged_keys`` names the
-    entries whose bytes are not all there. The values' bytes are not read (a store verifies
+    entries whose bytes are not all there (``damaged_unnamed``: damaged records whose key cannot
+    be read). The values' bytes are not read (a store verifies
     each value's checksums as it reads it) unless ``verify``: then every value is read and
     checked, and one that fails is damaged too (``progress``: a progress bar of the bytes read).
     """
@@ -51,7 +52,7 @@ def describe_folder(root: str | Path, verify: bool = False, progress: bool = Fal
         damaged = sorted({*damaged, *(bad.key for bad in corrupt if bad.key is not None)})
     if verify:
         unreadable = set(damaged)
-        failed = _verify(root, layout.chunk_size, [r for r in records if r.key not in unreadable], progress)
+        failed = failing_values(root, layout.chunk_size, [r for r in records if r.key not in unreadable], progress)
         if failed:
             shown = ", ".join(repr(k) for k in failed[:10]) + (f" and {len(failed) - 10} more" if len(failed) > 10 else "")
             problems.append(f"{_entries(len(failed))} fail{'s' if len(failed) == 1 else ''} their checksums (their bytes on "
@@ -79,6 +80,7 @@ def describe_folder(root: str | Path, verify: bool = False, progress: bool = Fal
         "verified": verify,
         "problems": problems,
         "damaged_keys": damaged,
+        "damaged_unnamed": sum(bad.key is None for bad in corrupt),
         "dtypes": dict(Counter(str(r.meta.dtype).removeprefix("torch.") for r in records)),
         "namespaces": namespaces,
         "keys": [
@@ -109,7 +111,9 @@ def format_description(info: dict[str, Any], limit: int | None = 40) -> str:
         f"  file system free: {format_bytes(info['filesystem_free'])}",
     ]
     if not info["healthy"]:
-        lines.append(f"  UNHEALTHY ({_entries(len(info['damaged_keys']))} damaged):")
+        unnamed = info.get("damaged_unnamed", 0)
+        also = f", and {unnamed} damaged record{'' if unnamed == 1 else 's'} whose key cannot be read" if unnamed else ""
+        lines.append(f"  UNHEALTHY ({_entries(len(info['damaged_keys']))} damaged{also}):")
         lines.extend(f"    {problem}" for problem in info["problems"])
     elif info.get("verified"):
         lines.append("  healthy: every data file is whole, and every value was read and passes its checksums")
@@ -192,7 +196,7 @@ def _corrupt_records(corrupt: list[DamagedRecord]) -> str:
     return f"{count} damaged ({corrupt[0].reason}; a store refuses to open the folder, `tierstore repair` drops them): {shown}{more}"
 
 
-def _verify(root: Path, chunk_size: int, records: list[DiskRecord], progress: bool) -> list[str]:
+def failing_values(root: Path, chunk_size: int, records: list[DiskRecord], progress: bool) -> list[str]:
     """The keys of ``records`` whose bytes fail their checksums (or cannot be read whole): each
     value read back chunk by chunk, its extent from its data file, an inline one from the
     catalog. The folder may be in use: a value that fails is looked up again, and counts only

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CatalogError
-from ..keys import key_digest
+from ..keys import is_reserved, key_digest
 from ..namespaces import INDEX_KEY
 from .catalog import Catalog, CatalogLayout, DamagedRecord, DiskRecord
 from .extents import ExtentAllocator
@@ -37,9 +37,11 @@ class RepairReport:
     dropped: list[tuple[str, str]] = field(default_factory=list)
     #: Data files created again or extended back to their layout's length (with zeros).
     restored_files: list[str] = field(default_factory=list)
-    #: Entries left, all sound as far as their records and files go.
+    #: Entries left (as ``tierstore info`` counts them: the store's own records not), all sound as
+    #: far as their records and files go, and (``verified``) their bytes.
     kept: int = 0
     dry_run: bool = False
+    verified: bool = False
 
     @property
     def changed(self) -> bool:
@@ -56,13 +58,16 @@ class RepairReport:
                 lines.append(f"    ... and {len(self.dropped) - 20} more")
         for name in self.restored_files:
             lines.append(f"  {'would restore' if self.dry_run else 'restored'} data file {name} to its length (zeros where bytes were lost)")
-        lines.append(f"  {self.kept:,} entr{'y' if self.kept == 1 else 'ies'} kept")
+        checked = "their bytes read and checked" if self.verified else "values not read: --verify reads and checks them"
+        lines.append(f"  {self.kept:,} entr{'y' if self.kept == 1 else 'ies'} kept ({checked})")
         return "\n".join(lines)
 
 
-def repair_folder(root: str | os.PathLike[str], dry_run: bool = False) -> RepairReport:
+def repair_folder(root: str | os.PathLike[str], dry_run: bool = False, verify: bool = False, progress: bool = False) -> RepairReport:
     """Drop the catalog records of ``root`` whose values are lost and restore its data files'
-    lengths, so that a store opens the folder with every other entry intact.
+    lengths, so that a store opens the folder with every other entry intact. ``verify``: also
+    read every value and drop those whose bytes fail their checksums (``progress``: a
+    progress bar of the bytes read).
 
     Raises
     ------
@@ -74,6 +79,8 @@ def repair_folder(root: str | os.PathLike[str], dry_run: bool = False) -> Repair
         If a store has the folder open (a dry run reads it read-only, as ``tierstore info``
         does, and takes no lock).
     """
+    from ..inspect import failing_values  # (inspect reads folders through this package)
+
     root = Path(root)
     if not (root / "catalog").is_dir():
         raise CatalogError(f"{root} is not a tierstore disk folder (no catalog/ inside)")
@@ -83,38 +90,47 @@ def repair_folder(root: str | os.PathLike[str], dry_run: bool = False) -> Repair
             raise CatalogError(f"{root / 'catalog'} holds no tierstore catalog: it was lost, and with it what the folder held; "
                                "nothing was changed")
         catalog = Catalog(root / "catalog", durable=True)
-        layout = catalog.open_readonly() if dry_run else catalog.open(None)
+        layout = catalog.open_readonly()
         try:
-            report = RepairReport(root, dry_run=dry_run)
             damaged: list[DamagedRecord] = []
             records = [record for _, record in catalog.records(damaged=damaged)]
-            lost: list[tuple[bytes, str, str]] = [
-                (bad.digest, bad.key if bad.key is not None else f"<address {bad.digest.hex()}>", f"its catalog record is damaged ({bad.reason})")
-                for bad in damaged
-            ]
-            lengths = _file_lengths(root, layout.segments)
-            sound: list[DiskRecord] = []
-            for record in records:
-                why = _why_lost(record, lengths, layout)
-                if why is None:
-                    sound.append(record)
-                else:
-                    lost.append((key_digest(record.key), record.key, why))
-            try:
-                ExtentAllocator.rebuild(layout.segments, (r.extent for r in sound if r.extent is not None), layout.alignment)
-            except ValueError as exc:
-                raise CatalogError(f"the catalog in {root} is inconsistent ({exc}); repair cannot tell which value owns those bytes, "
-                                   "nothing was changed") from None
-            report.dropped = [(name, why + (_INDEX_LOST if name == INDEX_KEY else "")) for _, name, why in lost]
-            report.restored_files = [segment_name(s) for s, size in enumerate(layout.segments) if (lengths[s] or 0) < size]
-            report.kept = len(sound)
-            if not dry_run:
-                if lost:
-                    catalog.remove_addresses(address for address, _, _ in lost)
-                _restore_files(root, layout.segments, lengths)
-            return report
         finally:
             catalog.close()
+        lost: list[tuple[bytes, str, str]] = [
+            (bad.digest, bad.key if bad.key is not None else f"<address {bad.digest.hex()}>", f"its catalog record is damaged ({bad.reason})")
+            for bad in damaged
+        ]
+        lengths = _file_lengths(root, layout.segments)
+        sound: list[DiskRecord] = []
+        for record in records:
+            why = _why_lost(record, lengths, layout)
+            if why is None:
+                sound.append(record)
+            else:
+                lost.append((key_digest(record.key), record.key, why))
+        try:
+            ExtentAllocator.rebuild(layout.segments, (r.extent for r in sound if r.extent is not None), layout.alignment)
+        except ValueError as exc:
+            raise CatalogError(f"the catalog in {root} is inconsistent ({exc}); repair cannot tell which value owns those bytes, "
+                               "nothing was changed") from None
+        if verify:
+            failed = set(failing_values(root, layout.chunk_size, sound, progress))
+            lost += [(key_digest(r.key), r.key, "its bytes fail their checksums") for r in sound if r.key in failed]
+            sound = [r for r in sound if r.key not in failed]
+        report = RepairReport(root, dry_run=dry_run, verified=verify)
+        report.dropped = sorted((name, why + (_INDEX_LOST if name == INDEX_KEY else "")) for _, name, why in lost)
+        report.restored_files = [segment_name(s) for s, size in enumerate(layout.segments) if (lengths[s] or 0) < size]
+        report.kept = sum(not is_reserved(r.key) for r in sound)
+        if not dry_run:
+            if lost:
+                catalog = Catalog(root / "catalog", durable=True)
+                catalog.open(None)
+                try:
+                    catalog.remove_addresses(address for address, _, _ in lost)
+                finally:
+                    catalog.close()
+            _restore_files(root, layout.segments, lengths)
+        return report
     finally:
         if lock is not None:
             lock.release()

@@ -330,12 +330,14 @@ class DiskTier(Tier):
         try:
             self._files.open(list(layout.segments))
         except TruncatedSegment as exc:
-            inside = sorted(key for key, r in records.items() if r.extent is not None and r.extent.segment == exc.segment)
-            shown = ", ".join(repr(k) for k in inside[:10]) + (" ..." if len(inside) > 10 else "")
+            path = self._files.path(exc.segment)
+            length = path.stat().st_size if path.exists() else 0
+            inside = [r for r in records.values() if r.extent is not None and r.extent.segment == exc.segment]
+            past = sorted(r.key for r in inside if r.extent is not None and r.extent.end > length)
+            shown = ", ".join(repr(k) for k in past[:10]) + (" ..." if len(past) > 10 else "")
             raise CatalogError(
-                f"{exc}; {len(inside)} entries live in it ({shown}); nothing was changed, the other "
-                f"{len(records) + len(inline) - len(inside)} entries are intact on disk. If the file cannot be put back, "
-                f"{_repair_hint(self.root)}"
+                f"{exc}; {len(past)} of the {len(inside)} entries in it lie past its end ({shown}); nothing was changed. "
+                f"If the file cannot be put back, {_repair_hint(self.root)}"
             ) from None
         self._catalog.upgrade()  # (sound: its records read, its files are there)
         # Segment files the catalog stopped naming just before a crash.
@@ -709,7 +711,7 @@ class DiskTier(Tier):
             if got != record.checksums[index]:
                 raise ChecksumError(
                     f"{record.key!r}: bytes {start}..{start + length} read from {files.path(extent.segment).name} "
-                    f"at offset {extent.offset + start} fail their checksum; the data on disk is corrupt"
+                    f"at offset {extent.offset + start} fail their checksum; the data on disk is corrupt. {_damaged_value_hint(files)}"
                 )
 
     def _bounce(self, nbytes: int) -> torch.Tensor:
@@ -747,7 +749,7 @@ class DiskTier(Tier):
         if got != record.checksums[index]:
             raise ChecksumError(
                 f"{record.key!r}: bytes {start}..{start + length} read from {files.path(extent.segment).name} "
-                f"at offset {extent.offset + start} fail their checksum; the data on disk is corrupt"
+                f"at offset {extent.offset + start} fail their checksum; the data on disk is corrupt. {_damaged_value_hint(files)}"
             )
 
     # -- small values, inline in the catalog -----------------------------------------------------
@@ -778,7 +780,8 @@ class DiskTier(Tier):
             raise InlineSuperseded(key)
         _, checksum, data = found
         if checksum_bytes(data) != checksum:  # type: ignore[arg-type]  # (any buffer: a bytearray from the catalog)
-            raise ChecksumError(f"{key!r}: the {len(data)} bytes kept inline in the catalog of {self.root} fail their checksum; the catalog is corrupt")
+            raise ChecksumError(f"{key!r}: the {len(data)} bytes kept inline in the catalog of {self.root} fail their checksum; the catalog "
+                                f"is corrupt. {_damaged_value_hint(self.root)}")
         return data
 
     def read_inline(self, key: str, version: int, dst: torch.Tensor) -> None:
@@ -955,3 +958,9 @@ def _payload(key: str, meta: TensorMeta, src: torch.Tensor | bytes) -> bytes:
 
 def _repair_hint(root: Path) -> str:
     return f"`tierstore repair {root}` drops the entries whose values are lost (--dry-run lists them) and the rest opens again"
+
+
+def _damaged_value_hint(where: SegmentFiles | Path) -> str:
+    root = where if isinstance(where, Path) else where.folder.parent
+    return (f"The value is lost: delete its key (store.delete), or close the store and run `tierstore repair {root} --verify`, "
+            "which drops every value that fails its checksums")
