@@ -259,3 +259,46 @@ async def test_info_counts_a_damaged_record_whose_key_cannot_be_read(tmp_path: P
     assert len(report.dropped) == 1 and report.dropped[0][0].startswith("<address ")
     del values["big4"]
     await reads_back(root, values)
+
+
+def test_after_a_lost_namespace_index_adopt_lets_the_optimizer_continue(tmp_path: Path) -> None:
+    """(From review.) Repair's advice for a dropped namespace index was ``overwrite=True``,
+    which deletes the keys: the saved optimizer state could never be resumed. ``adopt=True``
+    makes them the namespace's again, and the optimizer continues from them exactly."""
+    from tierstore import HostTier, SyncTierStore
+    from tierstore.namespaces import INDEX_KEY
+    from tierstore.optim import TieredAdamW
+
+    root = tmp_path / "d"
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 32)
+    reference = torch.nn.Linear(32, 32)
+    reference.load_state_dict(model.state_dict())
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
+    batches = [torch.randn(4, 32) for _ in range(4)]
+
+    def step(m: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+        opt.zero_grad()
+        m(x).square().mean().backward()
+        opt.step()
+
+    with SyncTierStore([HostTier("1MiB"), DiskTier(root, "64MiB")]) as store:
+        opt = TieredAdamW(model.parameters(), lr=1e-2, store=store, namespace="run1")
+        for x in batches[:2]:
+            step(model, opt, x)
+        opt.close()
+    damage_record(root, INDEX_KEY)
+    report = repair_folder(root)
+    assert [name for name, _ in report.dropped] == [INDEX_KEY] and "adopt=True" in report.dropped[0][1]
+    with SyncTierStore([HostTier("1MiB"), DiskTier(root, "64MiB")]) as store:
+        store.claim("run1", owner="TieredAdamW", adopt=True).release()
+        opt = TieredAdamW(model.parameters(), lr=1e-2, store=store, namespace="run1")
+        assert {int(s["step"]) for s in opt.state_dict()["state"].values()} == {2}
+        for x in batches[:2]:
+            step(reference, torch_opt, x)
+        for x in batches[2:]:
+            step(model, opt, x)
+            step(reference, torch_opt, x)
+        for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+            assert torch.equal(ours, theirs)
+        opt.close()

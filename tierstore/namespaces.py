@@ -10,7 +10,8 @@ claims one owns every key under it; nothing deletes keys it does not own (DESIGN
 - The record outlives the process: after a restart the same owner claiming the same name
   adopts it (its keys are its own, e.g. optimizer state to continue from). Another owner, a
   namespace overlapping a recorded one, or keys under the name that no record covers (put there
-  by hand) are refused unless ``overwrite=True``, which deletes what is in the way.
+  by hand) are refused unless ``overwrite=True``, which deletes what is in the way (or, for the
+  keys no namespace owns, ``adopt=True``, which keeps them as the claimed namespace's).
 - ``await store.claim_unique("optim/", owner=...)`` picks ``optim/0/``, ``optim/1/`` ...: the
   first with no live claim, no record and no keys. Adapters use it when not given a name, so
   two of them on one store never share keys. Such namespaces are marked *auto*.
@@ -208,16 +209,17 @@ class NamespaceRegistry:
 
     # -- claims -----------------------------------------------------------------------------------
 
-    async def claim(self, name: str, *, owner: str = "user", overwrite: bool = False) -> Namespace:
+    async def claim(self, name: str, *, owner: str = "user", overwrite: bool = False, adopt: bool = False) -> Namespace:
         """Claim ``name`` for ``owner`` (see the module docstring)."""
         require_flag("overwrite", overwrite)
+        require_flag("adopt", adopt)
         name = namespace_name(name)
         owner = _owner(owner)
         async with self._lock:
             records = await self._read_index()
             self._check_live(name)
             in_the_way = [n for n, r in records.items() if _overlaps(n, name) and not (n == name and r.owner == owner)]
-            stray = self._stray_keys(name, records)
+            stray = [] if adopt else self._stray_keys(name, records)
             if (in_the_way or stray) and not overwrite:
                 raise NamespaceClaimedError(self._refusal(name, owner, records, in_the_way, stray))
             for other in in_the_way:  # overwrite: take over what an earlier run left there
@@ -345,7 +347,8 @@ class NamespaceRegistry:
     def _refusal(self, name: str, owner: str, records: dict[str, _Record], in_the_way: list[str], stray: list[str]) -> str:
         parts = [f"{other!r} is {self._describe(other, records)}" for other in in_the_way]
         if stray:
-            parts.append(f"{len(stray)} key(s) under it belong to no namespace (e.g. {stray[0]!r})")
+            parts.append(f"{len(stray)} key(s) under it belong to no namespace (e.g. {stray[0]!r}: their record was lost, "
+                         "or they were imported; store.claim(..., adopt=True) keeps them as the namespace's)")
         return f"cannot claim {name!r} for {owner!r}: " + "; ".join(parts) + "; pass overwrite=True to delete them and take it over"
 
     async def _read_index(self) -> dict[str, _Record]:

@@ -1212,13 +1212,15 @@ class TierStore:
 
     # -- namespaces (tierstore/namespaces.py)
 
-    async def claim(self, name: str, *, owner: str = "user", overwrite: bool = False) -> Namespace:
+    async def claim(self, name: str, *, owner: str = "user", overwrite: bool = False, adopt: bool = False) -> Namespace:
         """Claim the key namespace ``name`` (a prefix; a trailing ``"/"`` is added) for ``owner``.
 
         Recorded in the store; the same owner claiming it after a restart adopts its keys. Raises
         ``NamespaceClaimedError`` if it overlaps a live claim, or (unless ``overwrite=True``,
-        which deletes what is in the way) another owner's record or keys no namespace owns."""
-        return await self._namespaces.claim(name, owner=owner, overwrite=overwrite)
+        which deletes what is in the way) another owner's record or keys no namespace owns.
+        ``adopt=True`` makes those keys the namespace's instead (keys whose namespace record was
+        lost: an index dropped by ``tierstore repair``, keys imported from a zarr snapshot)."""
+        return await self._namespaces.claim(name, owner=owner, overwrite=overwrite, adopt=adopt)
 
     async def claim_unique(self, base: str, *, owner: str = "user") -> Namespace:
         """Claim the first free namespace ``{base}{n}/`` (a default, marked auto) for ``owner``."""

@@ -562,8 +562,8 @@ class SyncTierStore:
     def __len__(self) -> int:
         return _on_loop(self.store.__len__)
 
-    def claim(self, name: str, *, owner: str = "user", overwrite: bool = False) -> SyncNamespace:
-        return SyncNamespace(run(self.store.claim(name, owner=owner, overwrite=overwrite)))
+    def claim(self, name: str, *, owner: str = "user", overwrite: bool = False, adopt: bool = False) -> SyncNamespace:
+        return SyncNamespace(run(self.store.claim(name, owner=owner, overwrite=overwrite, adopt=adopt)))
 
     def claim_unique(self, base: str, *, owner: str = "user") -> SyncNamespace:
         return SyncNamespace(run(self.store.claim_unique(base, owner=owner)))

@@ -139,8 +139,9 @@ def repair_folder(root: str | os.PathLike[str], dry_run: bool = False, verify: b
 #: What losing the namespace index means (said where it is dropped).
 _INDEX_LOST = (
     "; the namespaces' claims are lost with it: their keys stay and read as before, but belong to no namespace, so "
-    "claiming one (an optimizer's namespace=) is refused with NamespaceClaimedError, and claim(..., overwrite=True) "
-    "deletes its keys: copy out what you need with store.get() first"
+    "claiming one (an optimizer's namespace=) is refused with NamespaceClaimedError (overwrite=True deletes them). "
+    "store.claim(name, owner=..., adopt=True) makes them the namespace's again (owner: the class name of an optimizer "
+    "or offload that claims it), then release() it"
 )
 
 

@@ -681,7 +681,8 @@ class TieredAdam(PagedOptimizer):
             if mismatched:
                 warn(
                     f"namespace {namespace.name!r}: the saved state of parameters {mismatched} is laid out for other settings "
-                    "(another state_precision, master_weights or amsgrad, or parameters of another size); those start over "
+                    "(another state_precision, master_weights or amsgrad, or parameters of another size) or incomplete (a chunk "
+                    "of it missing); those start over "
                     "(their saved state is deleted). To carry state across a change of settings, take the state_dict() of the "
                     "optimizer with the old ones (before its close()) and load it into one made with the new ones",
                 )
