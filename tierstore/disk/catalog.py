@@ -572,7 +572,10 @@ class Catalog:
                 raw = txn.get(_META_KEY)
         except lmdb.Error as exc:
             self.close()
-            raise CatalogError(f"the catalog in {self.path} cannot be opened: {exc}") from None
+            raise CatalogError(
+                f"the catalog in {self.path} cannot be opened: {exc} (LMDB's own header or pages are damaged, or the file is "
+                "no LMDB database; `tierstore repair` mends records, not this: restore the folder from a copy)"
+            ) from None
         except CatalogError:
             self.close()
             raise
