@@ -452,6 +452,62 @@ def test_state_lost_from_the_store_or_never_closed_warns_and_starts_over(tmp_pat
 
 
 @pytest.mark.device_modes
+@pytest.mark.parametrize("state_precision", ["fp32", "bf16", "8bit"])
+def test_a_resume_with_the_same_settings_is_silent_for_a_zero_element_parameter(tmp_path: Path, device_mode: str, state_precision: str) -> None:
+    """(From review.) A parameter of no elements was taken for state of other settings on every
+    resume: a warning, and its step count lost."""
+    import warnings
+
+    w, empty = torch.nn.Parameter(torch.randn(64)), torch.nn.Parameter(torch.zeros(0))
+
+    def step(opt: TieredAdamW) -> None:
+        opt.zero_grad()
+        (w.square().sum() + empty.sum()).backward()
+        opt.step()
+
+    store = sync_store(tmp_path / "store")
+    opt = TieredAdamW([w, empty], lr=1e-2, state_precision=state_precision, store=store, namespace="n", min_offload_numel=1)
+    step(opt)
+    opt.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = TieredAdamW([w, empty], lr=1e-2, state_precision=state_precision, store=store, namespace="n", min_offload_numel=1)
+    assert {index: int(state["step"]) for index, state in opt.state_dict()["state"].items()} == {0: 1, 1: 1}
+    opt.close()
+    store.close()
+
+
+@pytest.mark.parametrize(("state_precision", "master_weights"), [("bf16", "fp32"), ("bf16", "lossless"), ("8bit", "fp32"), ("fp32", "lossless")])
+def test_a_namespace_saved_by_an_older_tierstore_keeps_bf16_state_of_the_same_settings(
+    tmp_path: Path, state_precision: str, master_weights: str
+) -> None:
+    """(From review.) Without the settings record, every bf16 or lossless state collided in
+    size with one of another amsgrad, so a resume with unchanged settings threw it away."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 32).to(torch.bfloat16)
+    settings = {"state_precision": state_precision, "master_weights": master_weights}
+    store = sync_store(tmp_path / "store")
+    opt = TieredAdamW(model.parameters(), lr=1e-2, store=store, namespace="gen", min_offload_numel=1, **settings)
+    model(torch.randn(4, 32, dtype=torch.bfloat16)).float().square().sum().backward()
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict()["state"])
+    opt.close()
+    store.delete("gen/settings")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = TieredAdamW(model.parameters(), lr=1e-2, store=store, namespace="gen", min_offload_numel=1, **settings)
+    state = opt.state_dict()["state"]
+    assert sorted(state) == sorted(saved)
+    for index in saved:
+        for name, value in saved[index].items():
+            assert torch.equal(state[index][name], value), (index, name)
+    opt.close()
+    store.close()
+
+
+@pytest.mark.device_modes
 @pytest.mark.parametrize("in_backward", [False, True], ids=["after_backward", "in_backward"])
 def test_optimizers_stepping_from_two_threads_on_one_store_match_torch(tmp_path: Path, in_backward: bool) -> None:
     """Two optimizers sharing a store whose host tier holds a fraction of their state, stepped at

@@ -302,3 +302,49 @@ def test_after_a_lost_namespace_index_adopt_lets_the_optimizer_continue(tmp_path
         for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
             assert torch.equal(ours, theirs)
         opt.close()
+
+
+def test_a_resume_that_fails_part_way_keeps_the_saved_state_for_the_next_try(tmp_path: Path) -> None:
+    """(From review.) The step counts were deleted before the saved state was rebuilt: a value
+    failing its checksums while a new ``chunk_bytes`` re-chunked it failed the constructor and
+    left state without counts, so the next try, after ``repair --verify`` as the error advised,
+    took it for a crashed run and deleted the intact state of every other parameter too."""
+    import warnings
+
+    from tierstore import HostTier, SyncTierStore
+    from tierstore.optim import TieredAdamW
+
+    root = tmp_path / "d"
+    torch.manual_seed(0)
+    a, b = torch.nn.Parameter(torch.randn(65536)), torch.nn.Parameter(torch.randn(65536))
+
+    def store() -> SyncTierStore:
+        return SyncTierStore([HostTier("4MiB"), DiskTier(root, "64MiB", chunk_size="64KiB")]).open()
+
+    def step(opt: TieredAdamW) -> None:
+        opt.zero_grad()
+        (a.square().sum() + b.square().sum()).backward()
+        opt.step()
+
+    with store() as st:
+        opt = TieredAdamW([a, b], lr=1e-2, store=st, namespace="n", min_offload_numel=1, chunk_bytes=None)
+        step(opt)
+        step(opt)
+        opt.close()
+    segment, offset = extent_of(root, "n/0")
+    with open(root / "data" / f"segment-{segment:06d}.bin", "r+b") as f:
+        f.seek(offset + 1000)
+        byte = f.read(1)
+        f.seek(offset + 1000)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with store() as st:
+        with pytest.raises(ChecksumError):
+            TieredAdamW([a, b], lr=1e-2, store=st, namespace="n", min_offload_numel=1, chunk_bytes="64KiB")
+        assert {"n/0", "n/1", "n/steps"} <= set(st.keys())
+    assert [name for name, _ in repair_folder(root, verify=True).dropped] == ["n/0"]
+    with store() as st, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = TieredAdamW([a, b], lr=1e-2, store=st, namespace="n", min_offload_numel=1, chunk_bytes="64KiB")
+        assert [str(w.message) for w in caught if "is not in the store" in str(w.message)] and len(caught) == 1
+        assert {index: int(state["step"]) for index, state in opt.state_dict()["state"].items()} == {1: 2}
+        opt.close()

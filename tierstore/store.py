@@ -1219,7 +1219,8 @@ class TierStore:
         ``NamespaceClaimedError`` if it overlaps a live claim, or (unless ``overwrite=True``,
         which deletes what is in the way) another owner's record or keys no namespace owns.
         ``adopt=True`` makes those keys the namespace's instead (keys whose namespace record was
-        lost: an index dropped by ``tierstore repair``, keys imported from a zarr snapshot)."""
+        lost: an index dropped by ``tierstore repair``, keys imported from a zarr snapshot); with
+        ``overwrite=True`` too, only the other namespaces in the way are deleted."""
         return await self._namespaces.claim(name, owner=owner, overwrite=overwrite, adopt=adopt)
 
     async def claim_unique(self, base: str, *, owner: str = "user") -> Namespace:

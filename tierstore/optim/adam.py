@@ -658,8 +658,8 @@ class TieredAdam(PagedOptimizer):
         if saved is None and any(True for _ in namespace.keys()):
             warn(
                 f"namespace {namespace.name!r} holds optimizer state but no step counts: the run that wrote it did not "
-                "close() its optimizer (a crash, or a kill), so the state may be part-way through a step; starting over "
-                "(its state is deleted)",
+                "close() its optimizer (a crash, a kill, a close that failed), or the counts were lost, so the state may be "
+                "part-way through a step; starting over (its state is deleted)",
             )
         elif saved is not None and saved.shape != (len(self._slots),):
             warn(
@@ -686,8 +686,6 @@ class TieredAdam(PagedOptimizer):
                     "(their saved state is deleted). To carry state across a change of settings, take the state_dict() of the "
                     "optimizer with the old ones (before its close()) and load it into one made with the new ones",
                 )
-        if saved is not None:
-            await self.store.delete(self._steps_key())
         for slot in stepped:
             pieces = None if slot.index in other_settings else self._saved_pieces(slot, unrecorded)
             if pieces is None:
@@ -698,6 +696,10 @@ class TieredAdam(PagedOptimizer):
                 kept.update(keys)
             else:
                 slot.resident = {"packed": await self.store.read(slot.key)}
+        # The step counts go once every state is rebuilt: a failure before (a value failing its
+        # checksums, Ctrl-C) leaves them, and the saved state, for the next try.
+        if saved is not None:
+            await self.store.delete(self._steps_key())
         for key in namespace.keys():
             if key not in kept:
                 await self.store.delete(key)
@@ -710,8 +712,9 @@ class TieredAdam(PagedOptimizer):
         ``unrecorded``: saved by a tierstore that did not record the settings (before
         ``_settings_key``), so an entry another layout would have of the same shape is not
         taken: a plain entry of three rows only in the layout this optimizer writes (the master
-        and two moments, or amsgrad's three moments), a packed one only if no other settings
-        pack that many elements into as many bytes."""
+        and two moments, or amsgrad's three moments), a packed one only if no other
+        ``state_precision`` or ``master_weights`` the parameter could have had packs that many
+        elements into as many bytes (amsgrad taken as unchanged)."""
         layout = self._layout(slot)
         saved = [layout] if layout is None or layout.lossless else [layout, replace(layout, param_master=not layout.param_master)]
         for candidate in saved:
@@ -741,12 +744,17 @@ class TieredAdam(PagedOptimizer):
             rows = (self._rows(slot), self._rows(slot) - 1)
             if unrecorded:  # (three rows: taken only as this optimizer would write them)
                 rows = tuple(r for r in rows if r != 3 or r == self._stored_rows(slot))
-            ok = dtype == torch.float32 and len(shape) == 2 and shape[0] in rows and shape[1] >= 1
+            ok = dtype == torch.float32 and len(shape) == 2 and shape[0] in rows and (shape[1] >= 1 or slot.numel == 0)
             return shape[1] if ok else None
         numel = layout.numel_of(shape[0]) if dtype == torch.uint8 and len(shape) == 1 else None
-        if numel and unrecorded and any(other.nbytes(numel) == shape[0] for other in _packed_layouts() if other != layout):
+        if numel is None or (numel == 0 and slot.numel != 0):
             return None
-        return numel if numel else None
+        # (without the record: amsgrad taken as unchanged, or every bf16 or lossless state would
+        # collide with another amsgrad's, at every size; the other settings collide at a size or two)
+        if unrecorded and any(other.nbytes(numel) == shape[0] for other in _packed_layouts()
+                              if other != layout and other.amsgrad == layout.amsgrad and _could_have(slot, other)):
+            return None
+        return numel
 
     async def _relayout(self, slot: ParamSlot, pieces: list[tuple[str, int, int]]) -> list[str]:
         """Rewrite the saved state in ``pieces`` into this optimizer's layout of ``slot`` (its
@@ -1030,6 +1038,14 @@ def _layout_settings(group: dict[str, Any]) -> tuple[Any, ...]:
 def _truncated(master: torch.Tensor) -> torch.Tensor:
     """The bf16 weight a lossless master keeps beside fp32 ``master``: its high halves."""
     return master.reshape(-1).view(torch.int32).bitwise_and(-65536).view(torch.float32).bfloat16()
+
+
+def _could_have(slot: ParamSlot, layout: StateLayout) -> bool:
+    """Whether ``slot``'s parameter, of its dtype now, could have had its state in ``layout``
+    (a lossless master is for bf16 parameters; a parameter is its own master in fp32 only): the
+    layouts a saved size is told apart from where the settings were not recorded."""
+    dtype = slot.param.dtype
+    return (not layout.lossless or dtype == torch.bfloat16) and (not layout.param_master or dtype == torch.float32)
 
 
 @cache
