@@ -995,13 +995,19 @@ class Engine:
         copy.users -= 1
         if copy.users == 0 and copy.retired:
             self._free(copy)
-        elif (copy.in_policy and (release := self._releases[copy.tier]) is not None
-              and copy.users <= (id(copy) in self.early_writes)):  # (free to go again: as ``evictable`` asks)
-            try:
-                release(entry.key)
-            except Exception as exc:  # (advice only: nothing was left half done)
-                self.warn_once((copy.tier, "on_release"), f"the eviction policy {policy_name(self.policies[copy.tier])} of tier "
-                               f"{self.names[copy.tier]!r} raised {exc!r} in on_release; ignored (warned once per tier)")
+        elif copy.in_policy and copy.users <= (id(copy) in self.early_writes):  # (free to go again: as ``evictable`` asks)
+            if (release := self._releases[copy.tier]) is not None:
+                try:
+                    release(entry.key)
+                except Exception as exc:  # (advice only: nothing was left half done)
+                    self.warn_once((copy.tier, "on_release"), f"the eviction policy {policy_name(self.policies[copy.tier])} of tier "
+                                   f"{self.names[copy.tier]!r} raised {exc!r} in on_release; ignored (warned once per tier)")
+            # A victim now: a request for room that found none waits for room to change, and
+            # the room it waits on may come only after it is served (a scratch buffer of the
+            # same update, held until the update ends): it looks for a victim again.
+            changed = self._room_changed[copy.tier]
+            if changed is not None and not changed.done():
+                changed.set_result(None)
         entry.wake()
 
     def _copy_finder(self, t: int) -> Callable[[str], Copy | None]:
