@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import lmdb
@@ -55,21 +56,29 @@ async def reads_back(root: Path, values: dict[str, torch.Tensor]) -> None:
             assert torch.equal(await store.get(key), value), key
 
 
-def damage_record(root: Path, key: str) -> None:
-    """Flip one bit of the seal of ``key``'s catalog record."""
+def rewrite_record(root: Path, key: str, change: Callable[[bytes], bytes]) -> None:
+    """Replace the catalog record naming ``key`` with ``change(record)``, behind the store's back."""
     env = lmdb.open(str(root / "catalog"), max_dbs=2, map_size=1 << 31)
     try:
-        entries = env.open_db(b"entries", create=False)
-        with env.begin(write=True, db=entries) as txn:
-            for address, raw in txn.cursor():
+        with env.begin(write=True, db=env.open_db(b"entries", create=False)) as txn:
+            for address, raw in list(txn.cursor()):
                 if key.encode() in bytes(raw):
-                    changed = bytearray(raw)
-                    changed[-1] ^= 1
-                    txn.put(bytes(address), bytes(changed))
+                    txn.put(bytes(address), change(bytes(raw)))
                     return
     finally:
         env.close()
     raise AssertionError(f"no record of {key!r}")
+
+
+def flipped(raw: bytes, at: int) -> bytes:
+    changed = bytearray(raw)
+    changed[at] ^= 1
+    return bytes(changed)
+
+
+def damage_record(root: Path, key: str) -> None:
+    """Flip one bit of the seal of ``key``'s catalog record."""
+    rewrite_record(root, key, lambda raw: flipped(raw, -1))
 
 
 def files_state(root: Path) -> dict[str, bytes]:
@@ -152,19 +161,16 @@ async def test_a_record_whose_extent_is_impossible_is_dropped_alone(tmp_path: Pa
     from tierstore.disk.catalog import DiskRecord
     from tierstore.disk.extents import Extent
 
+    def moved(raw: bytes) -> bytes:
+        record = DiskRecord.from_bytes(raw)
+        e = record.extent
+        assert e is not None
+        bad = Extent(e.segment, e.offset + (64 << 20), e.length) if how == "past its segment" else Extent(e.segment, e.offset + 512, e.length)
+        return replace(record, extent=bad).to_bytes()
+
     root = tmp_path / "d"
     values = await fill(root)
-    env = lmdb.open(str(root / "catalog"), max_dbs=2, map_size=1 << 31)
-    try:
-        with env.begin(write=True, db=env.open_db(b"entries", create=False)) as txn:
-            for address, raw in list(txn.cursor()):
-                record = DiskRecord.from_bytes(bytes(raw))
-                if record.key == "big7":
-                    e = record.extent
-                    bad = Extent(e.segment, e.offset + (64 << 20), e.length) if how == "past its segment" else Extent(e.segment, e.offset + 512, e.length)
-                    txn.put(bytes(address), replace(record, extent=bad).to_bytes())
-    finally:
-        env.close()
+    rewrite_record(root, "big7", moved)
     assert "tierstore repair" in await refused(root)
     report = repair_folder(root)
     assert [name for name, _ in report.dropped] == ["big7"] and report.restored_files == []
@@ -197,6 +203,16 @@ async def test_a_dry_run_reads_a_folder_in_use_and_changes_nothing(tmp_path: Pat
         assert torch.equal(await store.get("big1"), values["big1"])
 
 
+def damage_value(root: Path, key: str) -> None:
+    """Flip one byte of ``key``'s value in its data file (its record stays sound)."""
+    segment, offset = extent_of(root, key)
+    with open(root / "data" / f"segment-{segment:06d}.bin", "r+b") as f:
+        f.seek(offset + 1000)
+        byte = f.read(1)
+        f.seek(offset + 1000)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
 def extent_of(root: Path, key: str) -> tuple[int, int]:
     from tierstore.disk.catalog import DiskRecord
 
@@ -220,12 +236,7 @@ async def test_verify_drops_a_value_whose_bytes_fail_their_checksums(tmp_path: P
     drops every such value."""
     root = tmp_path / "d"
     values = await fill(root)
-    segment, offset = extent_of(root, "big2")
-    with open(root / "data" / f"segment-{segment:06d}.bin", "r+b") as f:
-        f.seek(offset + 1000)
-        byte = f.read(1)
-        f.seek(offset + 1000)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    damage_value(root, "big2")
     async with TierStore([disk(root)]) as store:
         with pytest.raises(ChecksumError, match="tierstore repair .* --verify"):
             await store.get("big2")
@@ -242,17 +253,7 @@ async def test_info_counts_a_damaged_record_whose_key_cannot_be_read(tmp_path: P
     """(Tryout.) ``tierstore info`` said "UNHEALTHY (0 entries damaged)" beside the damaged records."""
     root = tmp_path / "d"
     values = await fill(root)
-    env = lmdb.open(str(root / "catalog"), max_dbs=2, map_size=1 << 31)
-    try:
-        with env.begin(write=True, db=env.open_db(b"entries", create=False)) as txn:
-            for address, raw in list(txn.cursor()):
-                at = bytes(raw).find(b"big4")
-                if at >= 0:
-                    changed = bytearray(raw)
-                    changed[at + 3] ^= 0x01  # (the key itself: its bytes no longer hash to the address)
-                    txn.put(bytes(address), bytes(changed))
-    finally:
-        env.close()
+    rewrite_record(root, "big4", lambda raw: flipped(raw, raw.find(b"big4") + 3))  # (the key itself: it no longer hashes to its address)
     assert cli_main(["info", str(root)]) == 1
     assert "UNHEALTHY (0 entries damaged, and 1 damaged record whose key cannot be read)" in capsys.readouterr().out
     report = repair_folder(root)
@@ -331,12 +332,7 @@ def test_a_resume_that_fails_part_way_keeps_the_saved_state_for_the_next_try(tmp
         step(opt)
         step(opt)
         opt.close()
-    segment, offset = extent_of(root, "n/0")
-    with open(root / "data" / f"segment-{segment:06d}.bin", "r+b") as f:
-        f.seek(offset + 1000)
-        byte = f.read(1)
-        f.seek(offset + 1000)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    damage_value(root, "n/0")
     with store() as st:
         with pytest.raises(ChecksumError):
             TieredAdamW([a, b], lr=1e-2, store=st, namespace="n", min_offload_numel=1, chunk_bytes="64KiB")
