@@ -741,7 +741,7 @@ class TieredAdam(PagedOptimizer):
         if layout is None:
             # with or without the master row: a state saved on the plain CPU, where the
             # parameter is the master, or under a device link, where it is not
-            rows = (self._rows(slot), self._rows(slot) - 1)
+            rows: tuple[int, ...] = (self._rows(slot), self._rows(slot) - 1)
             if unrecorded:  # (three rows: taken only as this optimizer would write them)
                 rows = tuple(r for r in rows if r != 3 or r == self._stored_rows(slot))
             ok = dtype == torch.float32 and len(shape) == 2 and shape[0] in rows and (shape[1] >= 1 or slot.numel == 0)
