@@ -669,7 +669,8 @@ class TieredAdam(PagedOptimizer):
         elif saved is not None:
             counted = [slot for slot in self._slots if float(saved[slot.index]) == float(saved[slot.index])]  # (NaN: never stepped)
             stepped = [slot for slot in counted if slot.key in self.store or chunk_key(slot.key, 0) in self.store]
-            missing = [slot.index for slot in counted if all(slot is not other for other in stepped)]
+            found = {slot.index for slot in stepped}
+            missing = [slot.index for slot in counted if slot.index not in found]
             if missing:
                 warn(
                     f"namespace {namespace.name!r}: the saved state of parameters {missing} is not in the store (lost, e.g. "

@@ -185,7 +185,7 @@ class _ParamRef:
     offset: int
     whole: bool
     #: ``param._version`` when it was saved: torch refuses a backward after an in-place change
-    #: of a saved tensor, and so does ``_unpack``.
+    #: of a saved tensor, and so does ``_unpack_param``.
     version: int = 0
 
 
@@ -558,27 +558,24 @@ class ParameterOffload:
         activations = active_activation_offload()
         return activations._pack(tensor) if activations is not None else kept(tensor)
 
-    def _unpack(self, packed: Any) -> torch.Tensor:
-        if isinstance(packed, _ParamRef):
-            weight = packed.weight
-            if weight.param._version != packed.version:  # (what torch checks of a tensor it saves itself)
-                raise RuntimeError(
-                    f"one of the variables needed for gradient computation has been modified by an inplace operation: "
-                    f"parameter {weight.key.rsplit('/', 1)[-1]!r} (stored as {weight.key!r}) is at version "
-                    f"{weight.param._version}; expected version {packed.version} instead (it was changed in place after "
-                    f"a forward saved it for backward, as torch refuses too)"
-                )
-            if weight.hold is None:  # used in backward outside its units' own backward
-                self._hold_weights([weight], weight.units[0])
-            data = weight.param.data
-            value = data if packed.whole else data.as_strided(packed.size, packed.stride, data.storage_offset() + packed.offset)
-            # A backward that records a graph (create_graph=True: a gradient penalty) saves what it
-            # computes with for the next backward, past the hold: it gets its own copy, as the
-            # store reuses the buffer once the weight is let go.
-            return value.clone() if torch.is_grad_enabled() else value
-        if isinstance(packed, _Saved):
-            return packed.owner._unpack(packed)
-        return packed
+    def _unpack_param(self, packed: _ParamRef) -> torch.Tensor:
+        """The saved parameter (or view of one) ``packed`` stands for (``_WeakSavedHooks.unpack``)."""
+        weight = packed.weight
+        if weight.param._version != packed.version:  # (what torch checks of a tensor it saves itself)
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"parameter {weight.key.rsplit('/', 1)[-1]!r} (stored as {weight.key!r}) is at version "
+                f"{weight.param._version}; expected version {packed.version} instead (it was changed in place after "
+                f"a forward saved it for backward, as torch refuses too)"
+            )
+        if weight.hold is None:  # used in backward outside its units' own backward
+            self._hold_weights([weight], weight.units[0])
+        data = weight.param.data
+        value = data if packed.whole else data.as_strided(packed.size, packed.stride, data.storage_offset() + packed.offset)
+        # A backward that records a graph (create_graph=True: a gradient penalty) saves what it
+        # computes with for the next backward, past the hold: it gets its own copy, as the
+        # store reuses the buffer once the weight is let go.
+        return value.clone() if torch.is_grad_enabled() else value
 
     # -- around each unit --------------------------------------------------------------------------------
 
@@ -1306,7 +1303,7 @@ class _WeakSavedHooks:
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, _ParamRef):
-            return packed.owner._unpack(packed)
+            return packed.owner._unpack_param(packed)
         if isinstance(packed, _Saved):
             return packed.owner._unpack(packed)
         if isinstance(packed, _PackedBelow):
