@@ -12,7 +12,7 @@ import numpy as np
 
 from .disk.catalog import Catalog, DamagedRecord, DiskRecord
 from .disk.extents import ExtentAllocator
-from .disk.files import checksum, segment_name
+from .disk.files import checksum, file_lengths, segment_name
 from .errors import CatalogError, ChecksumError
 from .keys import is_reserved
 from .namespaces import INDEX_KEY
@@ -152,23 +152,18 @@ def _health(root: Path, segments: tuple[int, ...], records: list[DiskRecord]) ->
     """What is wrong with the data files the catalog names, and the keys whose bytes are not all
     there (the checks the tier's open makes, reported instead of refused)."""
     problems: list[str] = []
-    lengths: dict[int, int | None] = {}
-    for segment, expected in enumerate(segments):
-        name = segment_name(segment)
-        try:
-            lengths[segment] = actual = (root / "data" / name).stat().st_size
-        except FileNotFoundError:
-            lengths[segment] = None
-            problems.append(f"data file {name} is missing (the catalog says it holds {expected} bytes)")
-            continue
-        if actual < expected:
-            problems.append(f"data file {name} is truncated: {actual} of {expected} bytes")
+    lengths = file_lengths(root, len(segments))
+    for segment, (expected, actual) in enumerate(zip(segments, lengths, strict=True)):
+        if actual is None:
+            problems.append(f"data file {segment_name(segment)} is missing (the catalog says it holds {expected} bytes)")
+        elif actual < expected:
+            problems.append(f"data file {segment_name(segment)} is truncated: {actual} of {expected} bytes")
     damaged: dict[str, list[str]] = {}
     for record in records:
         extent = record.extent
         if extent is None:  # a small value inline in the catalog
             continue
-        if extent.segment not in lengths:
+        if not 0 <= extent.segment < len(lengths):
             damaged.setdefault(f"segment {extent.segment}, which the catalog's layout lacks", []).append(record.key)
             continue
         length = lengths[extent.segment]
@@ -180,7 +175,7 @@ def _health(root: Path, segments: tuple[int, ...], records: list[DiskRecord]) ->
         shown = ", ".join(repr(k) for k in keys[:10]) + (f" and {len(keys) - 10} more" if len(keys) > 10 else "")
         problems.append(f"{len(keys)} entries lie in {where}: {shown}")
     try:
-        ExtentAllocator.rebuild(segments, (r.extent for r in records if r.extent is not None and r.extent.segment in lengths), ALIGNMENT)
+        ExtentAllocator.rebuild(segments, (r.extent for r in records if r.extent is not None and 0 <= r.extent.segment < len(lengths)), ALIGNMENT)
     except ValueError as exc:
         problems.append(f"the catalog's extents are inconsistent: {exc}")
     return problems, sorted(key for keys in damaged.values() for key in keys)

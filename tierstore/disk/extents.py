@@ -7,7 +7,7 @@ the catalog references, so a crash can never leak space.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 
@@ -22,6 +22,19 @@ class Extent:
     @property
     def end(self) -> int:
         return self.offset + self.length
+
+
+def misplaced(extent: Extent, segment_sizes: Sequence[int], alignment: int = 1) -> str | None:
+    """What is wrong with ``extent`` alone in segments of ``segment_sizes``: a segment that does
+    not exist, a range outside its segment, or one not aligned to ``alignment`` bytes; None if
+    nothing (overlaps with other extents are ``ExtentAllocator.rebuild``'s to find)."""
+    if not 0 <= extent.segment < len(segment_sizes):
+        return f"{extent} names segment {extent.segment}, which does not exist"
+    if extent.offset < 0 or extent.length <= 0 or extent.end > segment_sizes[extent.segment]:
+        return f"{extent} lies outside its segment of {segment_sizes[extent.segment]} bytes"
+    if extent.offset % alignment or extent.length % alignment:
+        return f"{extent} is not aligned to the {alignment}-byte blocks extents are made of"
+    return None
 
 
 class ExtentAllocator:
@@ -126,12 +139,9 @@ class ExtentAllocator:
         allocator.segment_sizes = list(segment_sizes)
         by_segment: dict[int, list[Extent]] = {}
         for extent in used:
-            if not 0 <= extent.segment < len(allocator.segment_sizes):
-                raise ValueError(f"{extent} names segment {extent.segment}, which does not exist")
-            if extent.offset < 0 or extent.length <= 0 or extent.end > allocator.segment_sizes[extent.segment]:
-                raise ValueError(f"{extent} lies outside its segment of {allocator.segment_sizes[extent.segment]} bytes")
-            if extent.offset % alignment or extent.length % alignment:
-                raise ValueError(f"{extent} is not aligned to the {alignment}-byte blocks extents are made of")
+            problem = misplaced(extent, allocator.segment_sizes, alignment)
+            if problem is not None:
+                raise ValueError(problem)
             by_segment.setdefault(extent.segment, []).append(extent)
         for segment, size in enumerate(allocator.segment_sizes):
             cursor = 0

@@ -200,6 +200,18 @@ def segment_name(segment: int) -> str:
     return f"segment-{segment:06d}.bin"
 
 
+def file_lengths(root: Path, segments: int) -> list[int | None]:
+    """The length of each of the first ``segments`` data files of the disk tier at ``root``,
+    None where one is missing."""
+    lengths: list[int | None] = []
+    for segment in range(segments):
+        try:
+            lengths.append((root / "data" / segment_name(segment)).stat().st_size)
+        except FileNotFoundError:
+            lengths.append(None)
+    return lengths
+
+
 def segment_number(path: Path) -> int | None:
     """The number of a segment file from its name, or None if it is not one."""
     stem = path.name.removeprefix("segment-").removesuffix(".bin")

@@ -23,8 +23,8 @@ from ..errors import CatalogError
 from ..keys import is_reserved, key_digest
 from ..namespaces import INDEX_KEY
 from .catalog import Catalog, CatalogLayout, DamagedRecord, DiskRecord
-from .extents import ExtentAllocator
-from .files import segment_name
+from .extents import ExtentAllocator, misplaced
+from .files import file_lengths, segment_name
 from .lock import FolderLock
 
 
@@ -100,7 +100,7 @@ def repair_folder(root: str | os.PathLike[str], dry_run: bool = False, verify: b
             (bad.digest, bad.key if bad.key is not None else f"<address {bad.digest.hex()}>", f"its catalog record is damaged ({bad.reason})")
             for bad in damaged
         ]
-        lengths = _file_lengths(root, layout.segments)
+        lengths = file_lengths(root, len(layout.segments))
         sound: list[DiskRecord] = []
         for record in records:
             why = _why_lost(record, lengths, layout)
@@ -145,17 +145,6 @@ _INDEX_LOST = (
 )
 
 
-def _file_lengths(root: Path, segments: tuple[int, ...]) -> list[int | None]:
-    """Each segment file's length, None where it is missing."""
-    lengths: list[int | None] = []
-    for segment in range(len(segments)):
-        try:
-            lengths.append((root / "data" / segment_name(segment)).stat().st_size)
-        except FileNotFoundError:
-            lengths.append(None)
-    return lengths
-
-
 def _why_lost(record: DiskRecord, lengths: list[int | None], layout: CatalogLayout) -> str | None:
     """Why ``record``'s value cannot be read whole from the folder; None if it can."""
     extent = record.extent
@@ -163,13 +152,9 @@ def _why_lost(record: DiskRecord, lengths: list[int | None], layout: CatalogLayo
         return None  # (inline in the catalog: its record parsed, so its bytes are there)
     if len(record.checksums) != max(1, -(-record.meta.nbytes // layout.chunk_size)):
         return f"its record has {len(record.checksums)} checksums for {record.meta.nbytes} bytes"
-    segments = layout.segments
-    if not 0 <= extent.segment < len(segments):
-        return f"it lies in segment {extent.segment}, which the catalog's layout lacks"
-    if extent.offset < 0 or extent.length <= 0 or extent.end > segments[extent.segment]:
-        return f"its extent {extent} lies outside its segment of {segments[extent.segment]} bytes"
-    if extent.offset % layout.alignment or extent.length % layout.alignment:
-        return f"its extent {extent} is not aligned to the {layout.alignment}-byte blocks extents are made of"
+    problem = misplaced(extent, layout.segments, layout.alignment)
+    if problem is not None:
+        return f"its extent {problem}"
     length = lengths[extent.segment]
     if length is None:
         return f"its data file {segment_name(extent.segment)} is missing"
