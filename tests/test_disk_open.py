@@ -18,6 +18,7 @@ from typing import Any
 import lmdb
 import pytest
 import torch
+from catalog_records import flip_in_record
 
 from tierstore import DiskTier, TierStore
 from tierstore.cli import main as cli_main
@@ -588,23 +589,6 @@ def _entries_root_page(data: bytes) -> int:
 # -- one damaged catalog record --------------------------------------------------------------------------------
 
 
-def _flip_in_record(root: Path, key: str, byte: int, bit: int) -> None:
-    """Flip one bit of ``key``'s catalog record (LMDB pages carry no checksum of their own)."""
-    env = lmdb.open(str(root / "catalog"), max_dbs=2, map_size=1 << 31)
-    try:
-        entries = env.open_db(b"entries", create=False)
-        with env.begin(write=True, db=entries) as txn:
-            for address, raw in txn.cursor():
-                if key.encode() in raw:
-                    changed = bytearray(raw)
-                    changed[byte] ^= 1 << bit
-                    txn.put(address, bytes(changed), db=entries)
-                    return
-    finally:
-        env.close()
-    raise AssertionError(f"no record of {key!r}")
-
-
 @pytest.mark.parametrize("value, byte, bit, words", [
     (torch.arange(100.0), 8, 1, "version 0"),  # (version 2 -> 0: the key silently vanished)
     (torch.arange(3 * 700001.0), 16 + 7 + 8 + 6 + 4, 0, "not aligned to the 4096-byte blocks"),  # (head, "float32", shape, key, segment: the offset 0 -> 1: a bare EINVAL on read)
@@ -622,7 +606,7 @@ async def test_a_damaged_record_is_a_catalog_error_on_open_not_a_silent_change(
         await store.put("other", torch.ones(10))
         await store.put("victim", value)
     as_format_3(root)
-    _flip_in_record(root, "victim", byte, bit)
+    flip_in_record(root, "victim", byte, bit)
     with pytest.raises(CatalogError, match=words):
         async with TierStore([disk(root)]):
             pass
@@ -649,7 +633,7 @@ async def test_any_flipped_bit_of_a_record_but_its_values_is_a_catalog_error_nam
         await store.put("victim", value)
     for bit in range(8):
         shutil.copytree(root, tmp_path / f"bit{bit}")
-        _flip_in_record(tmp_path / f"bit{bit}", "victim", byte, bit)
+        flip_in_record(tmp_path / f"bit{bit}", "victim", byte, bit)
         with pytest.raises(CatalogError, match="catalog record of 'victim' [(][0-9a-f]+[)] in .* fails its own checksum"):
             async with TierStore([disk(tmp_path / f"bit{bit}")]):
                 pass
@@ -663,7 +647,7 @@ async def test_info_leaves_a_damaged_records_extent_out_of_the_free_space(tmp_pa
     async with TierStore([disk(root)]) as store:
         await store.put("other", torch.ones(10))
         await store.put("victim", torch.arange(3 * 700001.0))
-    _flip_in_record(root, "victim", 16 + 7 + 8 + 6 + 4 + 8 + 7, 6)  # (the length's top byte)
+    flip_in_record(root, "victim", 16 + 7 + 8 + 6 + 4 + 8 + 7, 6)  # (the length's top byte)
     assert cli_main(["info", str(root), "--json"]) != 0
     info = json.loads(capsys.readouterr().out)
     assert 0 <= info["free_in_segments"] <= info["reserved_bytes"], info

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from failing_backward import FailingBackward
 from torch import nn
 
 from tierstore import DeviceTier, DiskTier, HostTier, SyncTierStore, TierStore
@@ -359,21 +360,12 @@ def test_a_model_dropped_after_a_failed_backward_lets_go_too(device_mode: str) -
     through the saved tensors), so its namespace and device-tier room were never given back."""
     import gc
 
-    class Failing(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
-            raise RuntimeError("a failing trial")
-
     with SyncTierStore([DeviceTier("cpu", "64KiB"), HostTier("8MiB")]) as store:
         for _ in range(4):
             m = model()
             offload = offload_parameters(m, store)
-            loss = Failing.apply(m(torch.randn(8, 16))).square().mean()
-            with pytest.raises(RuntimeError, match="a failing trial"):
+            loss = FailingBackward.apply(m(torch.randn(8, 16))).square().mean()
+            with pytest.raises(ValueError, match="backward failed"):
                 loss.backward()
             del m, offload, loss
             gc.collect()

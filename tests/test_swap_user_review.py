@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from failing_backward import FailingBackward
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -284,16 +285,6 @@ def test_a_torch_optimizer_on_offloaded_parameters_is_refused_clearly(tmp_path: 
     sync.close()
 
 
-class _FailingBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        raise ValueError("backward failed")
-
-
 def test_close_after_a_failed_backward_waits_for_what_was_fetched_ahead() -> None:
     """Values fetched ahead of a backward that then raised held their keys: close() right after
     raised EntryHeldError and left the namespace claimed, its keys behind."""
@@ -305,7 +296,7 @@ def test_close_after_a_failed_backward_waits_for_what_was_fetched_ahead() -> Non
                 h = x
                 for _ in range(4):
                     h = (h * 1.0001).tanh()
-                h = _FailingBackward.apply(h)
+                h = FailingBackward.apply(h)
                 for _ in range(4):
                     h = (h * 1.0001).tanh()
                 loss = h.sum()
