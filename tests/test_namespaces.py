@@ -486,11 +486,11 @@ def test_a_namespace_saved_by_an_older_tierstore_keeps_bf16_state_of_the_same_se
     import warnings
 
     torch.manual_seed(0)
-    model = torch.nn.Linear(32, 32).to(torch.bfloat16)
+    model = torch.nn.Linear(24, 24).to(torch.bfloat16)  # (a 16 KiB host tier, grads copied under the emulated device too)
     settings = {"state_precision": state_precision, "master_weights": master_weights}
     store = sync_store(tmp_path / "store")
     opt = TieredAdamW(model.parameters(), lr=1e-2, store=store, namespace="gen", min_offload_numel=1, **settings)
-    model(torch.randn(4, 32, dtype=torch.bfloat16)).float().square().sum().backward()
+    model(torch.randn(4, 24, dtype=torch.bfloat16)).float().square().sum().backward()
     opt.step()
     saved = copy.deepcopy(opt.state_dict()["state"])
     opt.close()
