@@ -38,6 +38,7 @@ from ..errors import TierFullError
 from ..store import TierStore
 from ..tensors import PLAIN_TENSOR_TYPES
 from ..tiers import MemoryTier
+from ..tiers.base import RoomTally
 from ..workers import CallerPool, Priority, WorkerPool
 from .chunks import Chunk, plan_chunks
 from .clipping import inverse_scale
@@ -105,6 +106,8 @@ class UpdatePipeline:
         self._open_bytes = 0
         #: Of ``_open_bytes``, what must come up to the state tier (not there when added).
         self._open_incoming = 0
+        #: The room the open bucket's values take together (None: none yet, or no memory tier).
+        self._open_room: RoomTally | None = None
         self._after: Any = None
         self._running: list[tuple[list[ParamSlot], asyncio.Task[None]]] = []
         self._prefetched = False
@@ -219,17 +222,24 @@ class UpdatePipeline:
 
     def _grad_bytes(self, slot: ParamSlot, tier: MemoryTier | None, numel: int | None = None) -> int:
         nbytes = (slot.numel if numel is None else numel) * slot.param.element_size()
-        return 0 if slot.link.lends else tier.value_size(nbytes) if tier is not None else nbytes
+        return 0 if slot.link.lends else tier.room_for([nbytes]) if tier is not None else nbytes
+
+    def _held_values(self, slot: ParamSlot) -> list[int]:
+        """The sizes of the values an update of ``slot`` (not chunked) holds on the state tier:
+        its state if paged and, unless the link lends it, its gradient."""
+        held = [] if slot.link.lends else [slot.numel * slot.param.element_size()]
+        return [*held, self._owner._state_bytes(slot)] if slot.paged else held
 
     def need(self, slot: ParamSlot) -> int:
         """Bytes an update of ``slot`` (of its largest chunk, if chunked) holds on the state
-        tier: state and, unless the link lends it, its gradient."""
+        tier: state and, unless the link lends it, its gradient (``MemoryTier.room_for``: small
+        values take slabs)."""
         tier = self._store.tier(self._tier)
         if not isinstance(tier, MemoryTier):
             return 0
         if slot.chunks is not None:
             return max(self.chunk_need(slot, chunk) for chunk in slot.chunks)
-        return self._grad_bytes(slot, tier) + (tier.value_size(self._owner._state_bytes(slot)) if slot.paged else 0)
+        return tier.room_for(self._held_values(slot))
 
     def chunk_need(self, slot: ParamSlot, chunk: Chunk) -> int:
         """Bytes the update of one chunk holds on the state tier."""
@@ -237,7 +247,7 @@ class UpdatePipeline:
         if not isinstance(tier, MemoryTier):
             return 0
         state = self._owner._state_bytes(slot) * chunk.numel // max(slot.numel, 1)
-        return tier.value_size(state) + self._grad_bytes(slot, tier, chunk.numel)
+        return tier.room_for([state, *([] if slot.link.lends else [chunk.numel * slot.param.element_size()])])
 
     # -- math off the loop ---------------------------------------------------------------------------
 
@@ -406,8 +416,14 @@ class UpdatePipeline:
             return
         need = self.need(slot)
         incoming = need - self._resident_state(slot)
-        if self._open and self._bucket_full(need, incoming):
+        tier = self._store.tier(self._tier)
+        held = self._held_values(slot) if isinstance(tier, MemoryTier) else []
+        if self._open and self._bucket_full(need, incoming, held):
             self.launch(coef)
+        if self._open_room is None and isinstance(tier, MemoryTier):
+            self._open_room = RoomTally(tier)
+        for nbytes in held:
+            self._open_room.add(nbytes)  # type: ignore[union-attr]
         self._open.append(slot)
         self._open_bytes += need
         self._open_incoming += incoming
@@ -420,13 +436,17 @@ class UpdatePipeline:
         tier = self._store.tier(self._tier)
         return tier.value_size(self._owner._state_bytes(slot)) if isinstance(tier, MemoryTier) else 0
 
-    def _bucket_full(self, need: int, incoming: int) -> bool:
+    def _bucket_full(self, need: int, incoming: int, held: list[int]) -> bool:
         """Whether the open bucket must launch before a slot needing ``need`` bytes (``incoming``
-        of them to come up) joins it. ``bucket_bytes`` bounds what a bucket holds, resident or
-        not (a bucket grown to its share of the room hung a step where two optimizers share one
-        store: each counts the room as its own); it also launches once it holds what the step
-        writes back early, so that those writes start after the first math call."""
-        if self._open_bytes + need > self.bucket_bytes:
+        of them to come up; ``held``: the sizes of its values) joins it. ``bucket_bytes`` bounds
+        what a bucket holds, resident or not (a bucket grown to its share of the room hung a
+        step where two optimizers share one store: each counts the room as its own), counted
+        with the slabs its small values take (counted by their bytes, a bucket of small values
+        of distinct sizes took more than the tier on a small one and hung); it also launches
+        once it holds what the step writes back early, so that those writes start after the
+        first math call."""
+        tally = self._open_room
+        if tally is not None and tally.room + sum(tally.cost(nbytes) for nbytes in held) > self.bucket_bytes:
             return True
         if self._open_incoming + incoming > self.bucket_bytes:
             return True
@@ -435,7 +455,7 @@ class UpdatePipeline:
 
     def launch(self, coef: torch.Tensor | None) -> None:
         if self._open:
-            bucket, self._open, self._open_bytes, self._open_incoming = self._open, [], 0, 0
+            bucket, self._open, self._open_bytes, self._open_incoming, self._open_room = self._open, [], 0, 0, None
             self._running.append((bucket, asyncio.ensure_future(self._update(bucket, coef, self.scale, self._after))))
 
     async def launched_done(self) -> None:
@@ -449,7 +469,7 @@ class UpdatePipeline:
         others have finished: one bucket's failure does not stop the rest). ``drop_open``: forget
         the bucket not launched yet (the step is abandoned)."""
         if drop_open:
-            self._open, self._open_bytes, self._open_incoming = [], 0, 0
+            self._open, self._open_bytes, self._open_incoming, self._open_room = [], 0, 0, None
         running, self._running = self._running, []
         results = await asyncio.gather(*(task for _, task in running), return_exceptions=True)
         self._prefetched = False

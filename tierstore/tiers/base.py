@@ -8,6 +8,7 @@ extents in files. Tiers only allocate, free and account; the store decides what 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from typing import ClassVar
 
 import torch
@@ -114,6 +115,23 @@ class MemoryTier(Tier):
         """
         slot = self._slot_size(nbytes)
         return slot if slot is not None else self._buffer_size(nbytes)
+
+    def room_for(self, sizes: Iterable[int]) -> int:
+        """Bytes of capacity values of ``sizes`` bytes take together, held at once, where
+        nothing else holds room: each its buffer, and the values packed into slabs (below a
+        page) the slabs of their size classes, so a handful of small values of distinct sizes
+        takes a slab each (whole pages: on a small tier, more than their bytes by far). The
+        figure to plan what must be held at once with (``value_size`` sums to less).
+
+        Parameters
+        ----------
+        sizes:
+            The values' sizes in bytes.
+        """
+        tally = RoomTally(self)
+        for nbytes in sizes:
+            tally.add(nbytes)
+        return tally.room
 
     def allocation_size(self, nbytes: int) -> int:
         """Bytes of free room (``free``) that ``allocate(nbytes)`` needs now.
@@ -260,3 +278,30 @@ class MemoryTier(Tier):
     async def aclose(self) -> None:
         self.clear_pool()
         await super().aclose()
+
+
+class RoomTally:
+    """``MemoryTier.room_for`` of a growing set of values, a value at a time."""
+
+    __slots__ = ("_tier", "_classes", "room")
+
+    def __init__(self, tier: MemoryTier) -> None:
+        self._tier = tier
+        self._classes: dict[int, int] = {}
+        #: ``room_for`` the values added so far.
+        self.room = 0
+
+    def cost(self, nbytes: int) -> int:
+        """What adding a value of ``nbytes`` would add to ``room``."""
+        slot = self._tier._slot_size(nbytes)
+        if slot is None:
+            return self._tier._buffer_size(nbytes)
+        count = self._classes.get(slot, 0)
+        slabs = self._tier._slabs
+        return slabs.slabs_for(slot, count + 1) - slabs.slabs_for(slot, count)
+
+    def add(self, nbytes: int) -> None:
+        self.room += self.cost(nbytes)
+        slot = self._tier._slot_size(nbytes)
+        if slot is not None:
+            self._classes[slot] = self._classes.get(slot, 0) + 1

@@ -148,6 +148,11 @@ class SlabPacker:
             return 0
         return slab_size(slot, self._max_pages)
 
+    def slabs_for(self, slot: int, count: int) -> int:
+        """Bytes of the slabs ``count`` values of the ``slot``-byte class fill, from none."""
+        size = slab_size(slot, self._max_pages)
+        return -(-count // (size // slot)) * size
+
     def take_index(self, slot: int) -> tuple[Slab, int]:
         """A free ``slot``-byte slot as (slab, index), from a slab with values first, then an
         empty slab, then a new slab (the caller has checked that its ``room_needed`` fits)."""
