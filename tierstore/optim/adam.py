@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import cache, lru_cache
 from typing import Any, overload
 
@@ -162,6 +162,9 @@ class TieredAdam(PagedOptimizer):
         self._master_rows_unwritten: dict[int, torch.Tensor] = {}
         #: A chunked parameter's step count before this step's update, and after it.
         self._chunk_steps: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        #: Saved state of parameters past the constructor's, kept for ``add_param_group`` until
+        #: the first ``step()`` (``_adopt``).
+        self._saved_for_later: _SavedForLater | None = None
         defaults = {
             "lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "amsgrad": amsgrad,
             "maximize": maximize, "foreach": foreach, "capturable": False, "differentiable": False,
@@ -628,31 +631,41 @@ class TieredAdam(PagedOptimizer):
             if not slot.paged and slot.resident is not None and slot.index in self._step_counts:
                 await self.store.put(slot.key, slot.resident["packed"])
         # (as laid out: a change in param_groups after the state was made has not reached it)
-        laid_out = [self._settings_code(self._laid_out_as.get(slot.group, _layout_settings(self.param_groups[slot.group])))
-                    for slot in self._slots]
-        await self.store.put(self._settings_key(), torch.tensor(laid_out, dtype=torch.uint8).reshape(len(self._slots), 3))
+        laid_out = torch.tensor([self._settings_code(self._laid_out_as.get(slot.group, _layout_settings(self.param_groups[slot.group])))
+                                 for slot in self._slots], dtype=torch.uint8).reshape(len(self._slots), 3)
+        later = self._saved_for_later
+        if later is not None:  # (never stepped: the state no group has taken yet is kept, as saved)
+            steps = torch.cat([steps, later.steps[len(self._slots):]])
+            if later.settings is None:  # (saved before the record: the next run reads them all as such)
+                if self._settings_key() in self.store:
+                    await self.store.delete(self._settings_key())
+                await self.store.put(self._steps_key(), steps)
+                return
+            laid_out = torch.cat([laid_out, later.settings[len(self._slots):]])
+        await self.store.put(self._settings_key(), laid_out)
         await self.store.put(self._steps_key(), steps)
 
     async def _adopt(self) -> None:
         """Continue from the state ``close()`` left in our namespace: every parameter whose step
         count was saved and whose state has the right shape. Anything else there is deleted. The
         step counts are consumed, so state updated by a run that then never closed is not taken
-        for a consistent one later."""
+        for a consistent one later. State saved for more parameters than the constructor was
+        given waits for ``add_param_group`` (a run that added groups as it went, rebuilt the
+        same way) until the first ``step()``, which deletes what no group took, with a warning."""
         namespace = self.namespace
         if namespace is None:
             return
         saved: torch.Tensor | None = None
         if self._steps_key() in self.store:
             saved = await self.store.read(self._steps_key())
+            if saved.dim() != 1:
+                saved = saved.reshape(-1)  # (a count that matches nothing: the warning below)
+        count = saved.shape[0] if saved is not None else 0
         saved_settings: torch.Tensor | None = None  # (None: saved by a version that did not record them)
         if self._settings_key() in self.store:
             saved_settings = await self.store.read(self._settings_key())
-            if saved_settings.shape != (len(self._slots), 3):
+            if saved_settings.shape != (count, 3):
                 saved_settings = None
-        unrecorded = saved_settings is None
-        kept: set[str] = set()
-        stepped: list[ParamSlot] = []  # (with saved state)
-        other_settings: set[int] = set()
         # The warnings come before anything changes: one a filter makes an error refuses the
         # constructor and leaves the namespace as it was.
         if saved is None and any(True for _ in namespace.keys()):
@@ -661,49 +674,122 @@ class TieredAdam(PagedOptimizer):
                 "close() its optimizer (a crash, a kill, a close that failed), or the counts were lost, so the state may be "
                 "part-way through a step; starting over (its state is deleted)",
             )
-        elif saved is not None and saved.shape != (len(self._slots),):
+        elif saved is not None and count < len(self._slots):
             warn(
-                f"namespace {namespace.name!r} holds optimizer state for {saved.shape[0]} parameters, not "
+                f"namespace {namespace.name!r} holds optimizer state for {count} parameter{'' if count == 1 else 's'}, not "
                 f"{len(self._slots)}: starting over (its state is deleted)",
             )
+        later = None
+        if saved is not None and count >= len(self._slots):
+            later = _SavedForLater(saved, saved_settings, count)
+        kept = await self._adopt_saved(self._slots, later) if later is not None else set()
+        if later is not None and count > len(self._slots):
+            self._saved_for_later = later
+            kept.update(self._saved_keys(range(len(self._slots), count)))
+            kept.update((self._steps_key(), self._settings_key()))
         elif saved is not None:
-            counted = [slot for slot in self._slots if float(saved[slot.index]) == float(saved[slot.index])]  # (NaN: never stepped)
-            stepped = [slot for slot in counted if slot.key in self.store or chunk_key(slot.key, 0) in self.store]
-            found = {slot.index for slot in stepped}
-            missing = [slot.index for slot in counted if slot.index not in found]
-            if missing:
-                warn(
-                    f"namespace {namespace.name!r}: the saved state of parameters {missing} is not in the store (lost, e.g. "
-                    "dropped by `tierstore repair`, or deleted); those start over",
-                )
-            other_settings = {slot.index for slot in stepped if saved_settings is not None
-                              and tuple(saved_settings[slot.index].tolist()) != self._settings_code(_layout_settings(self.param_groups[slot.group]))}
-            mismatched = [slot.index for slot in stepped if slot.index in other_settings or self._saved_pieces(slot, unrecorded) is None]
-            if mismatched:
-                warn(
-                    f"namespace {namespace.name!r}: the saved state of parameters {mismatched} is laid out for other settings "
-                    "(another state_precision, master_weights or amsgrad, or parameters of another size) or incomplete (a chunk "
-                    "of it missing); those start over "
-                    "(their saved state is deleted). To carry state across a change of settings, take the state_dict() of the "
-                    "optimizer with the old ones (before its close()) and load it into one made with the new ones",
-                )
+            # The step counts go once every state is rebuilt: a failure before (a value failing
+            # its checksums, Ctrl-C) leaves them, and the saved state, for the next try.
+            await self.store.delete(self._steps_key())
+        for key in namespace.keys():
+            if key not in kept:
+                await self.store.delete(key)
+
+    async def _adopt_added(self, added: list[ParamSlot]) -> None:
+        later = self._saved_for_later
+        if later is None:
+            return
+        saved_keys = self._saved_keys(slot.index for slot in added if slot.index < later.count)
+        try:
+            kept = await self._adopt_saved([slot for slot in added if slot.index < later.count], later)
+        except BaseException:  # (the group is refused: its slots go; the saved state stays for a retry)
+            for slot in added:
+                self._step_counts.pop(slot.index, None)
+            raise
+        for key in saved_keys - kept:
+            await self.store.delete(key)
+        if len(self._slots) >= later.count:  # (every saved parameter has its group again)
+            self._saved_for_later = None
+            for key in (self._steps_key(), self._settings_key()):
+                if key in self.store:
+                    await self.store.delete(key)
+
+    def _settle_saved_state(self) -> None:
+        later = self._saved_for_later
+        if later is None:
+            return
+        namespace = self.namespace
+        assert namespace is not None
+        left = list(range(len(self._slots), later.count))
+        warn(
+            f"namespace {namespace.name!r} holds optimizer state for {later.count} parameters; {len(self._slots)} were "
+            f"given (to the constructor and add_param_group) before the first step(), so the state of parameters {left[:8]}"
+            f"{'...' if len(left) > 8 else ''} is deleted (an earlier run's groups rebuilt in another order or not at all)",
+        )
+        self._saved_for_later = None
+
+        async def forget() -> None:
+            for key in {*self._saved_keys(left), self._steps_key(), self._settings_key()}:
+                if key in self.store:
+                    await self.store.delete(key)
+
+        run(forget())
+
+    def _saved_keys(self, indices: Iterable[int]) -> set[str]:
+        """The keys in the store holding the saved state of the parameters ``indices`` of our
+        namespace (one entry, or its chunks)."""
+        assert self.namespace is not None
+        keys = set()
+        for index in indices:
+            key = self.namespace.key(str(index))
+            if key in self.store:
+                keys.add(key)
+            chunk = 0
+            while chunk_key(key, chunk) in self.store:
+                keys.add(chunk_key(key, chunk))
+                chunk += 1
+        return keys
+
+    async def _adopt_saved(self, slots: list[ParamSlot], later: _SavedForLater) -> set[str]:
+        """Rebuild the saved state of ``slots`` (indices below ``later.count``) in this
+        optimizer's layout, warning first of any that starts over; return the keys now
+        holding it."""
+        namespace = self.namespace
+        assert namespace is not None
+        saved, saved_settings = later.steps, later.settings
+        unrecorded = saved_settings is None
+        counted = [slot for slot in slots if float(saved[slot.index]) == float(saved[slot.index])]  # (NaN: never stepped)
+        stepped = [slot for slot in counted if slot.key in self.store or chunk_key(slot.key, 0) in self.store]
+        found = {slot.index for slot in stepped}
+        missing = [slot.index for slot in counted if slot.index not in found]
+        if missing:
+            warn(
+                f"namespace {namespace.name!r}: the saved state of parameters {missing} is not in the store (lost, e.g. "
+                "dropped by `tierstore repair`, or deleted); those start over",
+            )
+        other_settings = {slot.index for slot in stepped if saved_settings is not None
+                          and tuple(saved_settings[slot.index].tolist()) != self._settings_code(_layout_settings(self.param_groups[slot.group]))}
+        mismatched = [slot.index for slot in stepped if slot.index in other_settings or self._saved_pieces(slot, unrecorded) is None]
+        if mismatched:
+            warn(
+                f"namespace {namespace.name!r}: the saved state of parameters {mismatched} is laid out for other settings "
+                "(another state_precision, master_weights or amsgrad, or parameters of another size) or incomplete (a chunk "
+                "of it missing); those start over "
+                "(their saved state is deleted). To carry state across a change of settings, take the state_dict() of the "
+                "optimizer with the old ones (before its close()) and load it into one made with the new ones",
+            )
+        kept: set[str] = set()
         for slot in stepped:
             pieces = None if slot.index in other_settings else self._saved_pieces(slot, unrecorded)
             if pieces is None:
                 continue
             keys = await self._relayout(slot, pieces)
-            self._step_counts[slot.index] = torch.tensor(float(saved[slot.index]))  # type: ignore[index]
+            self._step_counts[slot.index] = torch.tensor(float(saved[slot.index]))
             if slot.paged:
                 kept.update(keys)
             else:
                 slot.resident = {"packed": await self.store.read(slot.key)}
-        # The step counts go once every state is rebuilt: a failure before (a value failing its
-        # checksums, Ctrl-C) leaves them, and the saved state, for the next try.
-        if saved is not None:
-            await self.store.delete(self._steps_key())
-        for key in namespace.keys():
-            if key not in kept:
-                await self.store.delete(key)
+        return kept
 
     def _saved_pieces(self, slot: ParamSlot, unrecorded: bool = False) -> list[tuple[str, int, int]] | None:
         """The entries holding a saved state of ``slot`` in whichever layout saved it (one
@@ -1000,6 +1086,7 @@ class TieredAdam(PagedOptimizer):
         self._hooked_load(state_dict, self._load)
 
     def _load(self, state_dict: dict[str, Any]) -> None:
+        self._settle_saved_state()  # (the loaded state is the state from now on)
         adam_load_state_dict(self, state_dict)
         self._laid_out_as = dict(enumerate(map(_layout_settings, self.param_groups)))  # (as loaded)
 
@@ -1062,6 +1149,17 @@ def _state_layout(precision: str, lossless: bool, amsgrad: bool, param_master: b
     """The (immutable) layout of these settings, made once: the loop asks for a slot's layout
     several times per chunk it updates."""
     return StateLayout(precision, lossless, amsgrad, param_master)
+
+
+@dataclass(frozen=True)
+class _SavedForLater:
+    """What ``_adopt`` read of an earlier run's namespace: its step counts (NaN: never
+    stepped), its settings record (None: saved before there was one), for ``count``
+    parameters."""
+
+    steps: torch.Tensor
+    settings: torch.Tensor | None
+    count: int
 
 
 class _MasterRows(Sequence[torch.Tensor]):

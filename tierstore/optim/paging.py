@@ -427,6 +427,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             if self._constructed:  # (during construction, the constructor plans every group)
                 self._plan_added(self._slots[first:])
                 planned = True
+                run(self._adopt_added(self._slots[first:]))
         except BaseException as exc:  # noqa: BLE001 - raised below, once every rank has said how it went
             error = exc
         if self._constructed and self._sharding is not None and self._sharding.any_rank(error is not None) and error is None:
@@ -508,6 +509,13 @@ class PagedOptimizer(torch.optim.Optimizer):
         if self.namespace is not None:
             await self.namespace.clear()
 
+    async def _adopt_added(self, added: list[ParamSlot]) -> None:
+        """Take up the saved state of parameters of a group added after construction (an
+        earlier run's, kept by ``_adopt``). Subclasses that can adopt state override it."""
+
+    def _settle_saved_state(self) -> None:
+        """At the first ``step()``: forget saved state no group took up (``_adopt_added``)."""
+
     async def _save_for_restart(self) -> None:
         """Put what lives outside the store (step counts, small states) into the namespace,
         so a later optimizer claiming it continues from it (``close()`` calls this for a
@@ -580,6 +588,7 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     def _step(self, closure: Callable[[], Any] | None) -> Any:
         self._require_open("step")
+        self._settle_saved_state()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -1043,6 +1052,7 @@ def _hook(optimizer: weakref.ref[PagedOptimizer], slot: ParamSlot, param: torch.
         if live.step_in_backward:  # (its update may start now)
             _refuse_resized(slot)
             if not live._checked_in_backward:  # (the step's first gradient)
+                live._settle_saved_state()
                 live._refuse_changed_layouts()
                 live._refuse_unplanned_unfreezing()
                 live._checked_in_backward = True

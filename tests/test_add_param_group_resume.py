@@ -1,0 +1,140 @@
+"""A run that added parameter groups as it went, resumed from its named namespace and rebuilt
+the same way (the constructor with the first group, ``add_param_group`` for the others). The
+constructor saw fewer parameters than were saved and started every one of them over, its
+state deleted; now the saved state waits for the groups added before the first ``step()``."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierstore import DiskTier, HostTier, SyncTierStore
+from tierstore.optim import TieredAdamW
+
+pytestmark = pytest.mark.device_modes
+
+
+def sync_store(folder: Path) -> SyncTierStore:
+    """A host tier smaller than the state: it pages to disk and back."""
+    return SyncTierStore([HostTier("16KiB"), DiskTier(folder, "64MiB", chunk_size="64KiB")]).open()
+
+
+def models(seed: int = 0) -> tuple[torch.nn.Module, torch.nn.Module]:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(8, 32), torch.nn.Linear(32, 4)
+
+
+def train(head: torch.nn.Module, body: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+    for step in steps:
+        data = torch.Generator().manual_seed(step)
+        opt.zero_grad()
+        body(torch.tanh(head(torch.randn(8, 8, generator=data)))).pow(2).mean().backward()
+        opt.step()
+
+
+def make(params: list[torch.nn.Parameter], store: SyncTierStore) -> TieredAdamW:
+    return TieredAdamW(params, lr=1e-2, store=store, namespace="run", min_offload_numel=1)
+
+
+def first_run(folder: Path) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module, torch.nn.Module, torch.optim.Optimizer]:
+    """Two steps with the first group, a second group added, two more; closed. Returns the
+    models, and torch's twins trained alongside with its optimizer (the reference)."""
+    head, body = models()
+    twins = copy.deepcopy(head), copy.deepcopy(body)
+    reference = torch.optim.AdamW(twins[0].parameters(), lr=1e-2, fused=True)
+    store = sync_store(folder)
+    opt = make(list(head.parameters()), store)
+    body.requires_grad_(False)
+    twins[1].requires_grad_(False)
+    train(head, body, opt, range(2))
+    train(*twins, reference, range(2))
+    body.requires_grad_(True)
+    twins[1].requires_grad_(True)
+    opt.add_param_group({"params": list(body.parameters()), "lr": 3e-3})
+    reference.add_param_group({"params": list(twins[1].parameters()), "lr": 3e-3})
+    train(head, body, opt, range(2, 4))
+    train(*twins, reference, range(2, 4))
+    opt.close()
+    store.close()
+    return head, body, *twins, reference
+
+
+def assert_same(models: tuple[torch.nn.Module, ...], twins: tuple[torch.nn.Module, ...]) -> None:
+    for model, twin in zip(models, twins, strict=True):
+        for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_group_added_again_continues_from_its_saved_state(tmp_path: Path, device_mode: str) -> None:
+    head, body, twin_head, twin_body, reference = first_run(tmp_path / "store")
+    store = sync_store(tmp_path / "store")
+    opt = make(list(head.parameters()), store)  # (no warning: the rest waits for its group)
+    opt.add_param_group({"params": list(body.parameters()), "lr": 3e-3})
+    train(head, body, opt, range(4, 7))
+    train(twin_head, twin_body, reference, range(4, 7))
+    assert_same((head, body), (twin_head, twin_body))
+    opt.close()
+    store.close()
+
+
+def test_a_run_closed_before_adding_the_group_keeps_its_state_for_the_next(tmp_path: Path, device_mode: str) -> None:
+    head, body, twin_head, twin_body, reference = first_run(tmp_path / "store")
+    store = sync_store(tmp_path / "store")
+    make(list(head.parameters()), store).close()  # (an evaluation: never stepped)
+    opt = make(list(head.parameters()), store)
+    opt.add_param_group({"params": list(body.parameters()), "lr": 3e-3})
+    train(head, body, opt, range(4, 6))
+    train(twin_head, twin_body, reference, range(4, 6))
+    assert_same((head, body), (twin_head, twin_body))
+    opt.close()
+    store.close()
+
+
+def test_state_no_group_took_up_by_the_first_step_is_deleted_with_a_warning(tmp_path: Path, device_mode: str) -> None:
+    head, body, twin_head, twin_body, reference = first_run(tmp_path / "store")
+    store = sync_store(tmp_path / "store")
+    opt = make(list(head.parameters()), store)
+    keys_before = len(list(opt.namespace.keys()))
+    body.requires_grad_(False)
+    twin_body.requires_grad_(False)
+    reference.param_groups.pop()  # (torch's twin: the head alone, its state as saved)
+    with pytest.warns(UserWarning, match=r"holds optimizer state for 4 parameters; 2 were given .* parameters \[2, 3\] is deleted"):
+        train(head, body, opt, range(4, 5))
+    train(twin_head, twin_body, reference, range(4, 5))
+    assert_same((head,), (twin_head,))  # (the head's state was taken up)
+    assert len(list(opt.namespace.keys())) < keys_before
+    opt.close()
+    store.close()
+    store = sync_store(tmp_path / "store")  # the next run finds the head's state alone, and no warning
+    opt = make(list(head.parameters()), store)
+    train(head, body, opt, range(5, 6))
+    train(twin_head, twin_body, reference, range(5, 6))
+    assert_same((head,), (twin_head,))
+    opt.close()
+    store.close()
+
+
+def test_a_group_of_other_shapes_added_again_starts_over_with_a_warning(tmp_path: Path, device_mode: str) -> None:
+    head, body, *_ = first_run(tmp_path / "store")
+    store = sync_store(tmp_path / "store")
+    opt = make(list(head.parameters()), store)
+    other = torch.nn.Linear(32, 8)  # (as many parameters, other sizes)
+    with pytest.warns(UserWarning, match=r"parameters \[2, 3\] is laid out for other settings"):
+        opt.add_param_group({"params": list(other.parameters())})
+    opt.close()
+    store.close()
+
+
+def test_more_parameters_than_were_saved_still_start_over_at_construction(tmp_path: Path, device_mode: str) -> None:
+    head, body = models()
+    store = sync_store(tmp_path / "store")
+    opt = make(list(head.parameters()), store)
+    train(head, body, opt, range(1))
+    opt.close()
+    with pytest.warns(UserWarning, match="holds optimizer state for 2 parameters, not 4"):
+        opt = make([*head.parameters(), *body.parameters()], store)
+    opt.close()
+    store.close()
