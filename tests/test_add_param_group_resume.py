@@ -68,6 +68,12 @@ def assert_same(models: tuple[torch.nn.Module, ...], twins: tuple[torch.nn.Modul
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def assert_fresh(opt: torch.optim.Optimizer, param: torch.nn.Parameter) -> None:
+    """``param`` has no state carried from an earlier run."""
+    state = opt.state[param]
+    assert not state or (float(state["step"]) == 0 and not state["exp_avg"].any()), state
+
+
 def test_a_group_added_again_continues_from_its_saved_state(tmp_path: Path, device_mode: str) -> None:
     head, body, twin_head, twin_body, reference = first_run(tmp_path / "store")
     store = sync_store(tmp_path / "store")
@@ -136,5 +142,87 @@ def test_more_parameters_than_were_saved_still_start_over_at_construction(tmp_pa
     opt.close()
     with pytest.warns(UserWarning, match="holds optimizer state for 2 parameters, not 4"):
         opt = make([*head.parameters(), *body.parameters()], store)
+    opt.close()
+    store.close()
+
+
+def test_the_constructors_parameters_are_not_a_prefix_of_another_model(tmp_path: Path, device_mode: str) -> None:
+    """A reviewer: a run of [a, b] resumed with [b] alone took a's state for b (same size), with
+    no word until the first step. The saved groups are recorded; [b] is not the saved run's
+    first group, so it starts over, with the warning, at construction."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Parameter(torch.randn(64)), torch.nn.Parameter(torch.randn(64))
+    store = sync_store(tmp_path / "store")
+    opt = make([a, b], store)
+    for _ in range(2):
+        a.grad, b.grad = torch.full_like(a, 5.0), torch.full_like(b, 1e-3)
+        opt.step()
+    opt.close()
+    with pytest.warns(UserWarning, match=r"holds optimizer state for 2 parameters, not 1: .* its groups held \[2\] parameters, these \[1\]"):
+        opt = make([b], store)
+    assert_fresh(opt, b)
+    opt.close()
+    store.close()
+
+
+def test_a_group_added_with_other_parameters_than_the_saved_one_starts_over(tmp_path: Path, device_mode: str) -> None:
+    head, body, *_ = first_run(tmp_path / "store")
+    store = sync_store(tmp_path / "store")
+    opt = make(list(head.parameters()), store)
+    with pytest.warns(UserWarning, match=r"param group 1 has 1 parameter; the saved run's group 1 had 2: .* \[2, 3\] starts over"):
+        opt.add_param_group({"params": [body.weight]})
+    assert_fresh(opt, body.weight)
+    opt.close()
+    store.close()
+
+
+def test_a_resume_whose_chunks_changed_takes_the_added_groups_state(tmp_path: Path, device_mode: str) -> None:
+    """A reviewer: with another host capacity the added group's state is re-chunked; its old
+    keys, deleted by the relayout, were deleted again (KeyNotFoundError), the group refused with
+    its step counts kept, and close() then failed and lost every count."""
+    torch.manual_seed(0)
+    head, body = torch.nn.Linear(8, 64), torch.nn.Linear(64, 512)  # (the body's state: 400 KiB, chunked)
+    twins = copy.deepcopy(head), copy.deepcopy(body)
+    reference = torch.optim.AdamW([*twins[0].parameters(), *twins[1].parameters()], lr=1e-2, fused=True)
+
+    def optimizer(chunks: str) -> TieredAdamW:
+        opt = TieredAdamW(head.parameters(), lr=1e-2, offload="disk", disk_root=tmp_path / "d", namespace="run",
+                          host_capacity="4MiB", chunk_bytes=chunks, min_offload_numel=1)
+        opt.add_param_group({"params": list(body.parameters())})
+        return opt
+
+    for chunks, steps in (("64KiB", range(2)), ("256KiB", range(2, 4)), ("64KiB", range(4, 5))):
+        opt = optimizer(chunks)
+        train(head, body, opt, steps)
+        opt.close()
+    train(*twins, reference, range(5))
+    assert_same((head, body), twins)
+
+
+def test_a_failed_load_keeps_the_saved_state_and_a_load_drops_it(tmp_path: Path, device_mode: str) -> None:
+    """A reviewer: load_state_dict deleted the saved state of the groups still to come before
+    torch refused the dict; and load_optimizer (DCP) kept it, so a group added after loading
+    an older checkpoint took the state of a later run."""
+    from tierstore.optim.dcp import load_optimizer, save_optimizer
+
+    head, body, twin_head, twin_body, reference = first_run(tmp_path / "store")
+    store = sync_store(tmp_path / "store")
+    opt = make(list(head.parameters()), store)
+    with pytest.raises(ValueError, match="different number of parameter groups"):
+        opt.load_state_dict(reference.state_dict())
+    opt.add_param_group({"params": list(body.parameters()), "lr": 3e-3})
+    train(head, body, opt, range(4, 5))
+    train(twin_head, twin_body, reference, range(4, 5))
+    assert_same((head, body), (twin_head, twin_body))
+    alone = TieredAdamW(head.parameters(), lr=1e-2, offload="host")  # (a checkpoint of the head alone)
+    save_optimizer(alone, tmp_path / "ckpt")
+    alone.close()
+    opt.close()
+    store.close()
+    store = sync_store(tmp_path / "store")
+    opt = make(list(head.parameters()), store)
+    load_optimizer(opt, tmp_path / "ckpt")
+    opt.add_param_group({"params": list(body.parameters()), "lr": 3e-3})
+    assert_fresh(opt, body.weight)  # (the loaded checkpoint had no group for it: it starts over)
     opt.close()
     store.close()

@@ -623,6 +623,15 @@ class TieredAdam(PagedOptimizer):
         precision, master_weights, amsgrad = settings
         return PRECISIONS.index(precision), MASTER_WEIGHTS.index(master_weights), int(bool(amsgrad))
 
+    def _groups_key(self) -> str:
+        """Where ``close()`` saves how many parameters each param group has, so that a run
+        rebuilt the same way (the constructor, then ``add_param_group``) is told from another
+        model (``_adopt``)."""
+        return self.namespace.key("groups") if self.namespace is not None else ""
+
+    def _group_sizes(self) -> list[int]:
+        return [sum(1 for slot in self._slots if slot.group == index) for index in range(len(self.param_groups))]
+
     async def _save_for_restart(self) -> None:
         steps = torch.full((len(self._slots),), float("nan"), dtype=torch.float64)
         for index, count in self._step_counts.items():
@@ -633,25 +642,23 @@ class TieredAdam(PagedOptimizer):
         # (as laid out: a change in param_groups after the state was made has not reached it)
         laid_out = torch.tensor([self._settings_code(self._laid_out_as.get(slot.group, _layout_settings(self.param_groups[slot.group])))
                                  for slot in self._slots], dtype=torch.uint8).reshape(len(self._slots), 3)
+        groups = torch.tensor(self._group_sizes(), dtype=torch.int64)
         later = self._saved_for_later
         if later is not None:  # (never stepped: the state no group has taken yet is kept, as saved)
             steps = torch.cat([steps, later.steps[len(self._slots):]])
-            if later.settings is None:  # (saved before the record: the next run reads them all as such)
-                if self._settings_key() in self.store:
-                    await self.store.delete(self._settings_key())
-                await self.store.put(self._steps_key(), steps)
-                return
             laid_out = torch.cat([laid_out, later.settings[len(self._slots):]])
+            groups = torch.cat([groups, later.groups[len(self.param_groups):]])
         await self.store.put(self._settings_key(), laid_out)
+        await self.store.put(self._groups_key(), groups)
         await self.store.put(self._steps_key(), steps)
 
     async def _adopt(self) -> None:
         """Continue from the state ``close()`` left in our namespace: every parameter whose step
         count was saved and whose state has the right shape. Anything else there is deleted. The
         step counts are consumed, so state updated by a run that then never closed is not taken
-        for a consistent one later. State saved for more parameters than the constructor was
-        given waits for ``add_param_group`` (a run that added groups as it went, rebuilt the
-        same way) until the first ``step()``, which deletes what no group took, with a warning."""
+        for a consistent one later. Where the constructor's groups are the first of the saved
+        run's (a run that added groups as it went, rebuilt the same way), the state of the
+        others waits for ``add_param_group`` until the first ``step()``."""
         namespace = self.namespace
         if namespace is None:
             return
@@ -666,6 +673,14 @@ class TieredAdam(PagedOptimizer):
             saved_settings = await self.store.read(self._settings_key())
             if saved_settings.shape != (count, 3):
                 saved_settings = None
+        saved_groups: torch.Tensor | None = None  # (None: saved by a version that did not record them)
+        if self._groups_key() in self.store:
+            saved_groups = await self.store.read(self._groups_key())
+            if saved_groups.dim() != 1 or int(saved_groups.sum()) != count:
+                saved_groups = None
+        sizes = self._group_sizes()
+        waits = (saved is not None and count > len(self._slots) and saved_settings is not None and saved_groups is not None
+                 and saved_groups.tolist()[: len(sizes)] == sizes)
         # The warnings come before anything changes: one a filter makes an error refuses the
         # constructor and leaves the namespace as it was.
         if saved is None and any(True for _ in namespace.keys()):
@@ -674,19 +689,18 @@ class TieredAdam(PagedOptimizer):
                 "close() its optimizer (a crash, a kill, a close that failed), or the counts were lost, so the state may be "
                 "part-way through a step; starting over (its state is deleted)",
             )
-        elif saved is not None and count < len(self._slots):
+        elif saved is not None and count != len(self._slots) and not waits:
             warn(
                 f"namespace {namespace.name!r} holds optimizer state for {count} parameter{'' if count == 1 else 's'}, not "
-                f"{len(self._slots)}: starting over (its state is deleted)",
+                f"{len(self._slots)}: starting over (its state is deleted)"
+                + (f"; its groups held {saved_groups.tolist()} parameters, these {sizes}" if saved_groups is not None else ""),
             )
-        later = None
-        if saved is not None and count >= len(self._slots):
-            later = _SavedForLater(saved, saved_settings, count)
+        later = _SavedForLater(saved, saved_settings, saved_groups, count) if saved is not None and (waits or count == len(self._slots)) else None
         kept = await self._adopt_saved(self._slots, later) if later is not None else set()
-        if later is not None and count > len(self._slots):
+        if waits:
             self._saved_for_later = later
             kept.update(self._saved_keys(range(len(self._slots), count)))
-            kept.update((self._steps_key(), self._settings_key()))
+            kept.update((self._steps_key(), self._settings_key(), self._groups_key()))
         elif saved is not None:
             # The step counts go once every state is rebuilt: a failure before (a value failing
             # its checksums, Ctrl-C) leaves them, and the saved state, for the next try.
@@ -697,22 +711,32 @@ class TieredAdam(PagedOptimizer):
 
     async def _adopt_added(self, added: list[ParamSlot]) -> None:
         later = self._saved_for_later
-        if later is None:
+        if later is None or not added or added[0].index >= later.count:
             return
-        saved_keys = self._saved_keys(slot.index for slot in added if slot.index < later.count)
-        try:
-            kept = await self._adopt_saved([slot for slot in added if slot.index < later.count], later)
-        except BaseException:  # (the group is refused: its slots go; the saved state stays for a retry)
-            for slot in added:
-                self._step_counts.pop(slot.index, None)
-            raise
-        for key in saved_keys - kept:
-            await self.store.delete(key)
-        if len(self._slots) >= later.count:  # (every saved parameter has its group again)
+        group = added[0].group
+        assert later.groups is not None
+        expected = int(later.groups[group]) if group < later.groups.shape[0] else 0
+        if len(added) != expected:
+            left = list(range(added[0].index, later.count))
+            warn(
+                f"namespace {self.namespace.name!r}: param group {group} has {len(added)} parameter{'' if len(added) == 1 else 's'}"  # type: ignore[union-attr]
+                f"; the saved run's group {group} had {expected}: the saved state of parameters {_listed(left)} starts over "
+                "(it is deleted). Add the groups in the order and with the parameters the saved run had",
+            )
             self._saved_for_later = None
-            for key in (self._steps_key(), self._settings_key()):
-                if key in self.store:
-                    await self.store.delete(key)
+            await self._forget_saved(left)
+            return
+        saved_keys = self._saved_keys(slot.index for slot in added)
+        kept = await self._adopt_saved(added, later)
+        for key in saved_keys - kept:
+            if key in self.store:  # (a re-chunked state's old keys go in its relayout)
+                await self.store.delete(key)
+
+    def _forget_slots(self, removed: list[ParamSlot]) -> None:
+        for slot in removed:
+            self._step_counts.pop(slot.index, None)
+            self._pieces_made.pop(slot.index, None)
+            self._chunk_steps.pop(slot.index, None)
 
     def _settle_saved_state(self) -> None:
         later = self._saved_for_later
@@ -721,19 +745,24 @@ class TieredAdam(PagedOptimizer):
         namespace = self.namespace
         assert namespace is not None
         left = list(range(len(self._slots), later.count))
-        warn(
-            f"namespace {namespace.name!r} holds optimizer state for {later.count} parameters; {len(self._slots)} were "
-            f"given (to the constructor and add_param_group) before the first step(), so the state of parameters {left[:8]}"
-            f"{'...' if len(left) > 8 else ''} is deleted (an earlier run's groups rebuilt in another order or not at all)",
-        )
-        self._saved_for_later = None
+        if left:
+            warn(
+                f"namespace {namespace.name!r} holds optimizer state for {later.count} parameters; {len(self._slots)} "
+                f"{'was' if len(self._slots) == 1 else 'were'} given (to the constructor and add_param_group) before the first "
+                f"step(), so the state of parameters {_listed(left)} is deleted (the saved run's later groups not added again)",
+            )
+        self._drop_saved_for_later()
 
-        async def forget() -> None:
-            for key in {*self._saved_keys(left), self._steps_key(), self._settings_key()}:
-                if key in self.store:
-                    await self.store.delete(key)
+    def _drop_saved_for_later(self) -> None:
+        """Forget the saved state no group took (``_adopt``), and the saved step counts."""
+        later, self._saved_for_later = self._saved_for_later, None
+        if later is not None:
+            run(self._forget_saved(range(len(self._slots), later.count)))
 
-        run(forget())
+    async def _forget_saved(self, indices: Iterable[int]) -> None:
+        for key in {*self._saved_keys(indices), self._steps_key(), self._settings_key(), self._groups_key()}:
+            if key in self.store:
+                await self.store.delete(key)
 
     def _saved_keys(self, indices: Iterable[int]) -> set[str]:
         """The keys in the store holding the saved state of the parameters ``indices`` of our
@@ -1086,8 +1115,8 @@ class TieredAdam(PagedOptimizer):
         self._hooked_load(state_dict, self._load)
 
     def _load(self, state_dict: dict[str, Any]) -> None:
-        self._settle_saved_state()  # (the loaded state is the state from now on)
         adam_load_state_dict(self, state_dict)
+        self._drop_saved_for_later()  # (the loaded state is the state from now on; groups added later start over)
         self._laid_out_as = dict(enumerate(map(_layout_settings, self.param_groups)))  # (as loaded)
 
     def _entry_of(self, slot: ParamSlot) -> dict[str, torch.Tensor]:
@@ -1159,7 +1188,14 @@ class _SavedForLater:
 
     steps: torch.Tensor
     settings: torch.Tensor | None
+    #: Parameters per param group (None: saved before there was a record).
+    groups: torch.Tensor | None
     count: int
+
+
+def _listed(indices: list[int]) -> str:
+    """Parameter indices for a message: the first eight."""
+    return f"{indices[:8]}".rstrip("]") + (", ...]" if len(indices) > 8 else "]")
 
 
 class _MasterRows(Sequence[torch.Tensor]):

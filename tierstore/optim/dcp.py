@@ -570,6 +570,7 @@ def load_optimizer(
             optimizer._step_counts.pop(slot.index, None)
             run(optimizer.delete_state(slot))
     _set_groups(optimizer, loaded_groups or [])
+    optimizer._drop_saved_for_later()  # (the loaded state is the state from now on; groups added later start over)
     optimizer._run_load_post_hooks()
 
 

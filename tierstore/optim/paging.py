@@ -439,6 +439,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         if planned:
             assert self._pipeline is not None
             self._pipeline.replan(without=self._slots[first:])
+        self._forget_slots(self._slots[first:])
         for slot in self._slots[first:]:
             if slot.hook is not None:
                 slot.hook.remove()
@@ -515,6 +516,10 @@ class PagedOptimizer(torch.optim.Optimizer):
 
     def _settle_saved_state(self) -> None:
         """At the first ``step()``: forget saved state no group took up (``_adopt_added``)."""
+
+    def _forget_slots(self, removed: list[ParamSlot]) -> None:
+        """The slots of a group ``add_param_group`` refused go: forget what is kept of them
+        outside the store (subclasses keeping such things override)."""
 
     async def _save_for_restart(self) -> None:
         """Put what lives outside the store (step counts, small states) into the namespace,

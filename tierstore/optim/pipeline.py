@@ -368,12 +368,24 @@ class UpdatePipeline:
         pages below)."""
         return None if self._flat else max(self.bucket_bytes, self._room // max(self.inflight, 1))
 
-    def state_held(self, slot: ParamSlot) -> int:
-        """State-tier bytes of all of ``slot``'s state (every chunk of it) held at once."""
+    def state_held(self, slot: ParamSlot, tally: RoomTally | None = None) -> tuple[int, int]:
+        """State-tier bytes of all of ``slot``'s state (every chunk of it) held at once: the
+        room it takes beside what ``tally`` counts (then added to it; None: alone), and its
+        values' bytes."""
         tier = self._store.tier(self._tier)
         if not slot.paged or not isinstance(tier, MemoryTier):
-            return 0
-        return sum(tier.value_size(nbytes) for _, nbytes in self.state_keys(slot))
+            return 0, 0
+        sizes = [nbytes for _, nbytes in self.state_keys(slot)]
+        tally = tally if tally is not None else RoomTally(tier)
+        room = tally.cost(*sizes)
+        for nbytes in sizes:
+            tally.add(nbytes)
+        return room, sum(tier.value_size(nbytes) for nbytes in sizes)
+
+    def held_tally(self) -> RoomTally | None:
+        """A ``RoomTally`` of the state tier (None: not a memory tier)."""
+        tier = self._store.tier(self._tier)
+        return RoomTally(tier) if isinstance(tier, MemoryTier) else None
 
     def early_pending(self) -> int:
         """State-tier bytes this step still writes back early (counted once a step)."""
@@ -434,7 +446,7 @@ class UpdatePipeline:
         if not slot.paged or self._flat or not self._on_tier(slot.key):
             return 0
         tier = self._store.tier(self._tier)
-        return tier.value_size(self._owner._state_bytes(slot)) if isinstance(tier, MemoryTier) else 0
+        return tier.room_for([self._owner._state_bytes(slot)]) if isinstance(tier, MemoryTier) else 0
 
     def _bucket_full(self, need: int, incoming: int, held: list[int]) -> bool:
         """Whether the open bucket must launch before a slot needing ``need`` bytes (``incoming``
@@ -446,7 +458,7 @@ class UpdatePipeline:
         once it holds what the step writes back early, so that those writes start after the
         first math call."""
         tally = self._open_room
-        if tally is not None and tally.room + sum(tally.cost(nbytes) for nbytes in held) > self.bucket_bytes:
+        if tally is not None and tally.room + tally.cost(*held) > self.bucket_bytes:
             return True
         if self._open_incoming + incoming > self.bucket_bytes:
             return True

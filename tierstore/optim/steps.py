@@ -295,16 +295,18 @@ class StepRunner:
             return None, order
         if len(chosen) < len(order):
             share, pending = pipeline.share(), pipeline.early_pending()
-            size = count = 0
+            size = written = count = 0
+            tally = pipeline.held_tally()  # (small states take slabs: counted as held together)
             for slot in chosen:
-                need = pipeline.state_held(slot)
+                need, nbytes = pipeline.state_held(slot, tally)
                 # (the first too: a chunked parameter's whole state can be the whole tier, and
                 # held at once it left the runs in the other places no room: TierFullError)
                 if share is not None and size + need > share:
                     break
                 size += need
+                written += nbytes
                 count += 1
-                if share is not None and 0 < pending <= size:  # the early write-backs are all in
+                if share is not None and 0 < pending <= written:  # the early write-backs are all in
                     break
             chosen, pieces = chosen[:count], pieces[:count]
             if not chosen:  # (the first slot's state is over the share: the pipeline takes all)

@@ -291,14 +291,20 @@ class RoomTally:
         #: ``room_for`` the values added so far.
         self.room = 0
 
-    def cost(self, nbytes: int) -> int:
-        """What adding a value of ``nbytes`` would add to ``room``."""
-        slot = self._tier._slot_size(nbytes)
-        if slot is None:
-            return self._tier._buffer_size(nbytes)
-        count = self._classes.get(slot, 0)
+    def cost(self, *sizes: int) -> int:
+        """What adding values of ``sizes`` bytes would add to ``room``."""
+        total = 0
+        added: dict[int, int] = {}
         slabs = self._tier._slabs
-        return slabs.slabs_for(slot, count + 1) - slabs.slabs_for(slot, count)
+        for nbytes in sizes:
+            slot = self._tier._slot_size(nbytes)
+            if slot is None:
+                total += self._tier._buffer_size(nbytes)
+                continue
+            count = self._classes.get(slot, 0) + added.get(slot, 0)
+            total += slabs.slabs_for(slot, count + 1) - slabs.slabs_for(slot, count)
+            added[slot] = added.get(slot, 0) + 1
+        return total
 
     def add(self, nbytes: int) -> None:
         self.room += self.cost(nbytes)
