@@ -226,3 +226,4 @@ def test_a_failed_load_keeps_the_saved_state_and_a_load_drops_it(tmp_path: Path,
     assert_fresh(opt, body.weight)  # (the loaded checkpoint had no group for it: it starts over)
     opt.close()
     store.close()
+

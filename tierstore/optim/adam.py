@@ -877,7 +877,7 @@ class TieredAdam(PagedOptimizer):
         chunks, or one entry) and return its keys. One saved piece and one new piece are in
         memory at a time; new pieces whose keys the old layout still uses are staged first."""
         targets = [(c.key, c.start, c.stop) for c in slot.chunks] if slot.paged and slot.chunks is not None else [(slot.key, 0, slot.numel)]
-        if [p[1:] for p in pieces] == [t[1:] for t in targets] and all(
+        if pieces == targets and all(
             self._has(key, slot, stop - start) for key, start, stop in pieces
         ):
             return [key for key, _, _ in targets]

@@ -194,8 +194,8 @@ class UpdatePipeline:
         self._room = max(room, 0)
         if largest > room:
             worst = slots[needs.index(largest)]
-            what = (f"one chunk of the state and gradient of parameter {worst.index} ({worst.numel:,} elements in chunks of at "
-                    f"least 64 KiB: {largest:,} bytes)" if worst.chunks is not None else
+            what = (f"one chunk of the state and gradient of parameter {worst.index} ({worst.numel:,} elements in {len(worst.chunks)} "
+                    f"chunks; the largest takes {largest:,} bytes)" if worst.chunks is not None else
                     f"the state and gradient of parameter {worst.index} ({worst.numel:,} elements: {largest:,} bytes)")
             raise OptimizerCapacityError(
                 f"the {self._tier!r} tier ({tier.capacity:,} bytes) cannot hold {what} beside another gradient"
