@@ -227,3 +227,77 @@ def test_a_failed_load_keeps_the_saved_state_and_a_load_drops_it(tmp_path: Path,
     opt.close()
     store.close()
 
+
+
+def test_an_empty_group_is_a_group_too(tmp_path: Path, device_mode: str) -> None:
+    """A reviewer: a group added with no parameters skipped the check of its size, and the
+    next group took the skipped group's saved state, without a word."""
+    torch.manual_seed(0)
+    a, b, c = (torch.nn.Parameter(torch.randn(4)) for _ in range(3))
+    store = sync_store(tmp_path / "store")
+    opt = make([a], store)
+    opt.add_param_group({"params": [b]})
+    opt.add_param_group({"params": [c]})
+    a.grad, b.grad, c.grad = torch.full_like(a, 1.0), torch.full_like(b, 2.0), torch.full_like(c, 200.0)
+    opt.step()
+    opt.close()
+    opt = make([a], store)
+    with pytest.warns(UserWarning, match=r"param group 1 has 0 parameters; the saved run's group 1 had 1"):
+        opt.add_param_group({"params": []})
+    opt.add_param_group({"params": [c]})
+    assert_fresh(opt, c)
+    opt.close()
+    store.close()
+
+
+KILLED_IN_LOAD = """
+import os, sys, torch
+from tierstore import DiskTier, HostTier, SyncTierStore
+from tierstore.optim import TieredAdamW
+a, b = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4))
+store = SyncTierStore([HostTier("16KiB"), DiskTier(sys.argv[1], "64MiB", chunk_size="64KiB")]).open()
+opt = TieredAdamW([a], lr=1e-2, store=store, namespace="run", min_offload_numel=1)
+loaded = {"state": {0: {"step": torch.tensor(1.0), "exp_avg": torch.full((4,), 7.0), "exp_avg_sq": torch.ones(4)}},
+          "param_groups": [{**opt.state_dict()["param_groups"][0], "params": [0]}]}
+import tierstore.optim.adam as adam
+written = adam.adam_load_state_dict
+
+
+def killed(*args):  # (killed once the state is written, before the load returns)
+    written(*args)
+    store.flush()
+    os._exit(9)
+
+
+adam.adam_load_state_dict = killed
+opt.load_state_dict(loaded)
+"""
+
+
+def test_a_run_killed_in_a_load_is_not_taken_for_a_closed_one(tmp_path: Path, device_mode: str) -> None:
+    """A reviewer: with state waiting for groups, the saved step counts stayed in the store
+    while load_state_dict wrote the loaded state; killed there, the next run adopted the
+    loaded moments under the old counts, without a word."""
+    import os
+    import subprocess
+    import sys
+
+    torch.manual_seed(0)
+    a, b = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4))
+    store = sync_store(tmp_path / "store")
+    opt = make([a], store)
+    opt.add_param_group({"params": [b]})
+    for _ in range(3):
+        a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
+        opt.step()
+    opt.close()
+    store.close()
+    env = {**os.environ, "TIERSTORE_EMULATE_DEVICE": "1" if device_mode == "emulated" else "0"}
+    done = subprocess.run([sys.executable, "-c", KILLED_IN_LOAD, str(tmp_path / "store")], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 9, done.stderr[-2000:]
+    store = sync_store(tmp_path / "store")
+    with pytest.warns(UserWarning, match="no step counts"):
+        opt = make([a], store)
+    assert_fresh(opt, a)
+    opt.close()
+    store.close()

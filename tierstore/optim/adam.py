@@ -679,7 +679,10 @@ class TieredAdam(PagedOptimizer):
             if saved_groups.dim() != 1 or int(saved_groups.sum()) != count:
                 saved_groups = None
         sizes = self._group_sizes()
+        # (not sharded: which rank owns an added parameter depends on the flags at the time, so
+        # a rank's own counts cannot tell its parameters from another rank's)
         waits = (saved is not None and count > len(self._slots) and saved_settings is not None and saved_groups is not None
+                 and self._sharding is None
                  and saved_groups.tolist()[: len(sizes)] == sizes)
         # The warnings come before anything changes: one a filter makes an error refuses the
         # constructor and leaves the namespace as it was.
@@ -709,15 +712,15 @@ class TieredAdam(PagedOptimizer):
             if key not in kept:
                 await self.store.delete(key)
 
-    async def _adopt_added(self, added: list[ParamSlot]) -> None:
+    async def _adopt_added(self, group: int, added: list[ParamSlot]) -> None:
         later = self._saved_for_later
-        if later is None or not added or added[0].index >= later.count:
+        first = len(self._slots) - len(added)
+        if later is None or first >= later.count:
             return
-        group = added[0].group
         assert later.groups is not None
         expected = int(later.groups[group]) if group < later.groups.shape[0] else 0
-        if len(added) != expected:
-            left = list(range(added[0].index, later.count))
+        if len(added) != expected:  # (an empty group too: the groups after it would take others' state)
+            left = list(range(first, later.count))
             warn(
                 f"namespace {self.namespace.name!r}: param group {group} has {len(added)} parameter{'' if len(added) == 1 else 's'}"  # type: ignore[union-attr]
                 f"; the saved run's group {group} had {expected}: the saved state of parameters {_listed(left)} starts over "
@@ -752,6 +755,19 @@ class TieredAdam(PagedOptimizer):
                 f"step(), so the state of parameters {_listed(left)} is deleted (the saved run's later groups not added again)",
             )
         self._drop_saved_for_later()
+
+    def _unmark_saved(self) -> None:
+        """Before a load writes the state: the saved step counts go, so a run killed part-way is
+        not taken for one that closed (the state waiting for groups stays, for a load that fails
+        its checks; ``close()`` writes the counts again)."""
+        if self._saved_for_later is not None:
+
+            async def unmark() -> None:
+                for key in (self._steps_key(), self._settings_key(), self._groups_key()):
+                    if key in self.store:
+                        await self.store.delete(key)
+
+            run(unmark())
 
     def _drop_saved_for_later(self) -> None:
         """Forget the saved state no group took (``_adopt``), and the saved step counts."""
@@ -1115,6 +1131,7 @@ class TieredAdam(PagedOptimizer):
         self._hooked_load(state_dict, self._load)
 
     def _load(self, state_dict: dict[str, Any]) -> None:
+        self._unmark_saved()
         adam_load_state_dict(self, state_dict)
         self._drop_saved_for_later()  # (the loaded state is the state from now on; groups added later start over)
         self._laid_out_as = dict(enumerate(map(_layout_settings, self.param_groups)))  # (as loaded)

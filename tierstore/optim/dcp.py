@@ -553,6 +553,7 @@ def load_optimizer(
     count = _pass_count(len(groups), load_kwargs.get("process_group"))
     loaded: set[int] = set()
     loaded_groups: list[dict[str, Any]] | None = None
+    optimizer._unmark_saved()  # (state saved for groups still to come: its counts go before any is written)
     # (no step count is cleared up front: each parameter's is replaced as its state is written,
     # so a load that fails part-way leaves every parameter with its loaded or its old state)
     for index in range(count):

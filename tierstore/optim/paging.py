@@ -427,7 +427,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             if self._constructed:  # (during construction, the constructor plans every group)
                 self._plan_added(self._slots[first:])
                 planned = True
-                run(self._adopt_added(self._slots[first:]))
+                run(self._adopt_added(len(self.param_groups) - 1, self._slots[first:]))
         except BaseException as exc:  # noqa: BLE001 - raised below, once every rank has said how it went
             error = exc
         if self._constructed and self._sharding is not None and self._sharding.any_rank(error is not None) and error is None:
@@ -510,7 +510,7 @@ class PagedOptimizer(torch.optim.Optimizer):
         if self.namespace is not None:
             await self.namespace.clear()
 
-    async def _adopt_added(self, added: list[ParamSlot]) -> None:
+    async def _adopt_added(self, group: int, added: list[ParamSlot]) -> None:
         """Take up the saved state of parameters of a group added after construction (an
         earlier run's, kept by ``_adopt``). Subclasses that can adopt state override it."""
 
