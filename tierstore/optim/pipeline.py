@@ -222,7 +222,7 @@ class UpdatePipeline:
 
     def _grad_bytes(self, slot: ParamSlot, tier: MemoryTier | None, numel: int | None = None) -> int:
         nbytes = (slot.numel if numel is None else numel) * slot.param.element_size()
-        return 0 if slot.link.lends else tier.room_for([nbytes]) if tier is not None else nbytes
+        return 0 if slot.link.lends else tier.value_size(nbytes) if tier is not None else nbytes
 
     def _held_values(self, slot: ParamSlot) -> list[int]:
         """The sizes of the values an update of ``slot`` (not chunked) holds on the state tier:
