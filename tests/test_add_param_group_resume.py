@@ -74,26 +74,18 @@ def assert_fresh(opt: torch.optim.Optimizer, param: torch.nn.Parameter) -> None:
     assert not state or (float(state["step"]) == 0 and not state["exp_avg"].any()), state
 
 
-def test_a_group_added_again_continues_from_its_saved_state(tmp_path: Path, device_mode: str) -> None:
+@pytest.mark.parametrize("closed_first", [False, True])
+def test_a_group_added_again_continues_from_its_saved_state(tmp_path: Path, device_mode: str, closed_first: bool) -> None:
+    """``closed_first``: a run in between closed before adding the group (an evaluation, never
+    stepped); it keeps the group's state for the next."""
     head, body, twin_head, twin_body, reference = first_run(tmp_path / "store")
     store = sync_store(tmp_path / "store")
+    if closed_first:
+        make(list(head.parameters()), store).close()
     opt = make(list(head.parameters()), store)  # (no warning: the rest waits for its group)
     opt.add_param_group({"params": list(body.parameters()), "lr": 3e-3})
     train(head, body, opt, range(4, 7))
     train(twin_head, twin_body, reference, range(4, 7))
-    assert_same((head, body), (twin_head, twin_body))
-    opt.close()
-    store.close()
-
-
-def test_a_run_closed_before_adding_the_group_keeps_its_state_for_the_next(tmp_path: Path, device_mode: str) -> None:
-    head, body, twin_head, twin_body, reference = first_run(tmp_path / "store")
-    store = sync_store(tmp_path / "store")
-    make(list(head.parameters()), store).close()  # (an evaluation: never stepped)
-    opt = make(list(head.parameters()), store)
-    opt.add_param_group({"params": list(body.parameters()), "lr": 3e-3})
-    train(head, body, opt, range(4, 6))
-    train(twin_head, twin_body, reference, range(4, 6))
     assert_same((head, body), (twin_head, twin_body))
     opt.close()
     store.close()
@@ -119,17 +111,6 @@ def test_state_no_group_took_up_by_the_first_step_is_deleted_with_a_warning(tmp_
     train(head, body, opt, range(5, 6))
     train(twin_head, twin_body, reference, range(5, 6))
     assert_same((head,), (twin_head,))
-    opt.close()
-    store.close()
-
-
-def test_a_group_of_other_shapes_added_again_starts_over_with_a_warning(tmp_path: Path, device_mode: str) -> None:
-    head, body, *_ = first_run(tmp_path / "store")
-    store = sync_store(tmp_path / "store")
-    opt = make(list(head.parameters()), store)
-    other = torch.nn.Linear(32, 8)  # (as many parameters, other sizes)
-    with pytest.warns(UserWarning, match=r"parameters \[2, 3\] is laid out for other settings"):
-        opt.add_param_group({"params": list(other.parameters())})
     opt.close()
     store.close()
 
@@ -165,13 +146,18 @@ def test_the_constructors_parameters_are_not_a_prefix_of_another_model(tmp_path:
     store.close()
 
 
-def test_a_group_added_with_other_parameters_than_the_saved_one_starts_over(tmp_path: Path, device_mode: str) -> None:
+@pytest.mark.parametrize("other", ["sizes", "count"])
+def test_a_group_added_with_other_parameters_than_the_saved_one_starts_over(tmp_path: Path, device_mode: str, other: str) -> None:
     head, body, *_ = first_run(tmp_path / "store")
     store = sync_store(tmp_path / "store")
     opt = make(list(head.parameters()), store)
-    with pytest.warns(UserWarning, match=r"param group 1 has 1 parameter; the saved run's group 1 had 2: .* \[2, 3\] starts over"):
-        opt.add_param_group({"params": [body.weight]})
-    assert_fresh(opt, body.weight)
+    if other == "sizes":  # (as many parameters, of other sizes)
+        added, match = list(torch.nn.Linear(32, 8).parameters()), r"parameters \[2, 3\] is laid out for other settings"
+    else:
+        added, match = [body.weight], r"param group 1 has 1 parameter; the saved run's group 1 had 2: .* \[2, 3\] starts over"
+    with pytest.warns(UserWarning, match=match):
+        opt.add_param_group({"params": added})
+    assert_fresh(opt, added[0])
     opt.close()
     store.close()
 

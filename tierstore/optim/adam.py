@@ -645,6 +645,7 @@ class TieredAdam(PagedOptimizer):
         groups = torch.tensor(self._group_sizes(), dtype=torch.int64)
         later = self._saved_for_later
         if later is not None:  # (never stepped: the state no group has taken yet is kept, as saved)
+            assert later.settings is not None and later.groups is not None  # (``_adopt`` waits only with both)
             steps = torch.cat([steps, later.steps[len(self._slots):]])
             laid_out = torch.cat([laid_out, later.settings[len(self._slots):]])
             groups = torch.cat([groups, later.groups[len(self.param_groups):]])
