@@ -154,7 +154,7 @@ def test_a_group_added_with_other_parameters_than_the_saved_one_starts_over(tmp_
     if other == "sizes":  # (as many parameters, of other sizes)
         added, match = list(torch.nn.Linear(32, 8).parameters()), r"parameters \[2, 3\] is laid out for other settings"
     else:
-        added, match = [body.weight], r"param group 1 has 1 parameter; the saved run's group 1 had 2: .* \[2, 3\] starts over"
+        added, match = [body.weight], r"param group 1 has 1 parameter; the saved run's group 1 had 2: .* \[2, 3\] \(of its groups 1 to 1\) starts over"
     with pytest.warns(UserWarning, match=match):
         opt.add_param_group({"params": added})
     assert_fresh(opt, added[0])

@@ -724,7 +724,8 @@ class TieredAdam(PagedOptimizer):
             left = list(range(first, later.count))
             warn(
                 f"namespace {self.namespace.name!r}: param group {group} has {len(added)} parameter{'' if len(added) == 1 else 's'}"  # type: ignore[union-attr]
-                f"; the saved run's group {group} had {expected}: the saved state of parameters {_listed(left)} starts over "
+                f"; the saved run's group {group} had {expected}: the saved state of parameters {_listed(left)} (of its groups "
+                f"{group} to {later.groups.shape[0] - 1}) starts over "
                 "(it is deleted). Add the groups in the order and with the parameters the saved run had",
             )
             self._saved_for_later = None
