@@ -430,7 +430,7 @@ class UpdatePipeline:
         incoming = need - self._resident_state(slot)
         tier = self._store.tier(self._tier)
         held = self._held_values(slot) if isinstance(tier, MemoryTier) else []
-        if self._open and self._bucket_full(need, incoming, held):
+        if self._open and self._bucket_full(incoming, held):
             self.launch(coef)
         if self._open_room is None and isinstance(tier, MemoryTier):
             self._open_room = RoomTally(tier)
@@ -448,9 +448,9 @@ class UpdatePipeline:
         tier = self._store.tier(self._tier)
         return tier.room_for([self._owner._state_bytes(slot)]) if isinstance(tier, MemoryTier) else 0
 
-    def _bucket_full(self, need: int, incoming: int, held: list[int]) -> bool:
-        """Whether the open bucket must launch before a slot needing ``need`` bytes (``incoming``
-        of them to come up; ``held``: the sizes of its values) joins it. ``bucket_bytes`` bounds
+    def _bucket_full(self, incoming: int, held: list[int]) -> bool:
+        """Whether the open bucket must launch before a slot whose update holds values of
+        ``held`` bytes (``incoming`` bytes of room to come up) joins it. ``bucket_bytes`` bounds
         what a bucket holds, resident or not (a bucket grown to its share of the room hung a
         step where two optimizers share one store: each counts the room as its own), counted
         with the slabs its small values take (counted by their bytes, a bucket of small values
