@@ -72,3 +72,17 @@ def test_a_group_refused_by_the_memory_plan_leaves_the_buckets_as_they_were(tmp_
         opt.add_param_group({"params": many})
     assert (opt.bucket_bytes, opt.inflight) == buckets and len(opt.param_groups) == 1
     opt.close()
+
+
+def test_a_chunk_too_large_for_the_tier_suggests_smaller_chunks(tmp_path: Path, device_mode: str) -> None:
+    """A tryout: on a 64 KiB tier the chunks chosen for the tier (never below 64 KiB) did not
+    fit, and the error asked for more capacity only; chunk_bytes="16KiB" trains there."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(120, 100)  # (12,000 elements)
+    options = {"offload": "disk", "host_capacity": "64KiB", "min_offload_numel": 1}
+    with pytest.raises(OptimizerCapacityError, match=r"or page it in smaller chunks \(chunk_bytes= below the 64.0 KiB used\)"):
+        TieredAdamW(model.parameters(), disk_root=tmp_path / "a", **options)
+    opt = TieredAdamW(model.parameters(), disk_root=tmp_path / "b", chunk_bytes="16KiB", **options)
+    model(torch.randn(2, 120)).sum().backward()
+    opt.step()
+    opt.close()

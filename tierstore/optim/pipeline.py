@@ -39,6 +39,7 @@ from ..store import TierStore
 from ..tensors import PLAIN_TENSOR_TYPES
 from ..tiers import MemoryTier
 from ..tiers.base import RoomTally
+from ..units import format_bytes
 from ..workers import CallerPool, Priority, WorkerPool
 from .chunks import Chunk, plan_chunks
 from .clipping import inverse_scale
@@ -202,7 +203,7 @@ class UpdatePipeline:
                 + (f" and an offloaded weight held whole ({held:,} bytes)" if held else "")
                 + f"; give it more capacity (at least {-(-(largest + max(grads) + held) * 10 // 9):,} bytes for this parameter,"
                 + " where the rest of the state pages to a disk tier below)"
-                + _chunk_advice(worst, self._owner._chunkable(worst), chunk_bytes)
+                + _chunk_advice(worst, self._owner._chunkable(worst), chunk_bytes, self.chunk_bytes)
             )
         if self._flat and all(slot.link.lends for slot in slots):
             # Nothing pages below the state tier and nothing crosses a link: no transfers to
@@ -1017,9 +1018,12 @@ async def _enter_all(
     return values
 
 
-def _chunk_advice(slot: ParamSlot, chunkable: bool, chunk_bytes: int) -> str:
-    """What else lets ``slot`` fit a tier too small for its whole state (paging it in chunks)."""
-    if slot.chunks is not None or chunkable and chunk_bytes:
+def _chunk_advice(slot: ParamSlot, chunkable: bool, chunk_bytes: int, planned: int = 0) -> str:
+    """What else lets ``slot`` fit a tier too small for its whole state (paging it in chunks;
+    ``planned``: the chunks' size where it is paged in chunks already)."""
+    if slot.chunks is not None:  # (chosen for the tier, chunks are never below 64 KiB; a user's may be)
+        return f", or page it in smaller chunks (chunk_bytes= below the {format_bytes(planned)} used)" if planned > 4096 else ""
+    if chunkable and chunk_bytes:
         return ""
     param = slot.param
     if isinstance(param, LocalShard):  # (FSDP2's sharded parameters)
