@@ -601,7 +601,11 @@ class TieredAdam(PagedOptimizer):
 
     async def delete_state(self, slot: ParamSlot) -> None:
         """Forget a parameter's paged state (every chunk of it)."""
-        for key in [slot.key, *(chunk.key for chunk in slot.chunks or [])]:
+        await self._delete_present([slot.key, *(chunk.key for chunk in slot.chunks or [])])
+
+    async def _delete_present(self, keys: Iterable[str]) -> None:
+        """Delete those of ``keys`` that are in the store."""
+        for key in keys:
             if key in self.store:
                 await self.store.delete(key)
 
@@ -628,6 +632,11 @@ class TieredAdam(PagedOptimizer):
         rebuilt the same way (the constructor, then ``add_param_group``) is told from another
         model (``_adopt``)."""
         return self.namespace.key("groups") if self.namespace is not None else ""
+
+    def _marker_keys(self) -> tuple[str, str, str]:
+        """The records ``close()`` leaves beside the state: while they are there, the state is
+        taken for one a run closed."""
+        return self._steps_key(), self._settings_key(), self._groups_key()
 
     def _group_sizes(self) -> list[int]:
         return [sum(1 for slot in self._slots if slot.group == index) for index in range(len(self.param_groups))]
@@ -704,7 +713,7 @@ class TieredAdam(PagedOptimizer):
         if waits:
             self._saved_for_later = later
             kept.update(self._saved_keys(range(len(self._slots), count)))
-            kept.update((self._steps_key(), self._settings_key(), self._groups_key()))
+            kept.update(self._marker_keys())
         elif saved is not None:
             # The step counts go once every state is rebuilt: a failure before (a value failing
             # its checksums, Ctrl-C) leaves them, and the saved state, for the next try.
@@ -733,9 +742,7 @@ class TieredAdam(PagedOptimizer):
             return
         saved_keys = self._saved_keys(slot.index for slot in added)
         kept = await self._adopt_saved(added, later)
-        for key in saved_keys - kept:
-            if key in self.store:  # (a re-chunked state's old keys go in its relayout)
-                await self.store.delete(key)
+        await self._delete_present(saved_keys - kept)  # (a re-chunked state's old keys went in its relayout)
 
     def _forget_slots(self, removed: list[ParamSlot]) -> None:
         for slot in removed:
@@ -763,13 +770,7 @@ class TieredAdam(PagedOptimizer):
         not taken for one that closed (the state waiting for groups stays, for a load that fails
         its checks; ``close()`` writes the counts again)."""
         if self._saved_for_later is not None:
-
-            async def unmark() -> None:
-                for key in (self._steps_key(), self._settings_key(), self._groups_key()):
-                    if key in self.store:
-                        await self.store.delete(key)
-
-            run(unmark())
+            run(self._delete_present(self._marker_keys()))
 
     def _drop_saved_for_later(self) -> None:
         """Forget the saved state no group took (``_adopt``), and the saved step counts."""
@@ -778,9 +779,7 @@ class TieredAdam(PagedOptimizer):
             run(self._forget_saved(range(len(self._slots), later.count)))
 
     async def _forget_saved(self, indices: Iterable[int]) -> None:
-        for key in {*self._saved_keys(indices), self._steps_key(), self._settings_key(), self._groups_key()}:
-            if key in self.store:
-                await self.store.delete(key)
+        await self._delete_present({*self._saved_keys(indices), *self._marker_keys()})
 
     def _saved_keys(self, indices: Iterable[int]) -> set[str]:
         """The keys in the store holding the saved state of the parameters ``indices`` of our

@@ -225,11 +225,15 @@ class UpdatePipeline:
         nbytes = (slot.numel if numel is None else numel) * slot.param.element_size()
         return 0 if slot.link.lends else tier.value_size(nbytes) if tier is not None else nbytes
 
-    def _held_values(self, slot: ParamSlot) -> list[int]:
-        """The sizes of the values an update of ``slot`` (not chunked) holds on the state tier:
-        its state if paged and, unless the link lends it, its gradient."""
-        held = [] if slot.link.lends else [slot.numel * slot.param.element_size()]
-        return [*held, self._owner._state_bytes(slot)] if slot.paged else held
+    def _held_values(self, slot: ParamSlot, chunk: Chunk | None = None) -> list[int]:
+        """The sizes of the values an update of ``slot`` (of its ``chunk``) holds on the state
+        tier: its state if paged and, unless the link lends it, its gradient."""
+        numel = slot.numel if chunk is None else chunk.numel
+        held = [] if slot.link.lends else [numel * slot.param.element_size()]
+        if not slot.paged:
+            return held
+        state = self._owner._state_bytes(slot)
+        return [*held, state if chunk is None else state * chunk.numel // max(slot.numel, 1)]
 
     def need(self, slot: ParamSlot) -> int:
         """Bytes an update of ``slot`` (of its largest chunk, if chunked) holds on the state
@@ -247,8 +251,7 @@ class UpdatePipeline:
         tier = self._store.tier(self._tier)
         if not isinstance(tier, MemoryTier):
             return 0
-        state = self._owner._state_bytes(slot) * chunk.numel // max(slot.numel, 1)
-        return tier.room_for([state, *([] if slot.link.lends else [chunk.numel * slot.param.element_size()])])
+        return tier.room_for(self._held_values(slot, chunk))
 
     # -- math off the loop ---------------------------------------------------------------------------
 
