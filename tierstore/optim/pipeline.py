@@ -617,6 +617,11 @@ class UpdatePipeline:
         slot.written = True
         slot.note_written()
 
+    async def update_remaining_chunks(self, slot: ParamSlot, coef: torch.Tensor | None, after: Any) -> None:
+        """Update the chunks of ``slot`` not updated yet in this step (those done are skipped,
+        as in a retry), then close its update."""
+        await self._update_chunked(slot, self._start_runs(slot, coef, self.scale, after))
+
     def close_finished_chunks(self, slots: Sequence[ParamSlot]) -> None:
         """Close the update of each slot paged in chunks whose every chunk's state was updated,
         though its update was not closed (the step was interrupted in between: a Ctrl-C cancels
@@ -624,7 +629,8 @@ class UpdatePipeline:
         its chunks took the step; left as it was, its next update would count this step again.
         (Whether each chunk's weight copy was recorded does not decide it: on a device a Ctrl-C
         can cancel the wait for a copy that still lands.) A slot only some of whose chunks ran
-        stays as it is (the README's known gap)."""
+        (the abandoned step finishes those first, ``update_remaining_chunks``; one an error
+        left cut) stays as it is."""
         for slot in slots:
             if slot.updated or not slot.chunks:
                 continue

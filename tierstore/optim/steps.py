@@ -12,6 +12,7 @@ parameter, so the order changes no number.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import weakref
 from functools import partial
@@ -197,7 +198,7 @@ class StepRunner:
                     try:
                         await self._run(pipeline, observed, scaling)
                     except asyncio.CancelledError:  # Ctrl-C in step(): abandoned, once what it launched has ended
-                        await self._abandon()
+                        await self._abandon(observed)
                         raise
                 finally:
                     self._shared.stepping = None
@@ -383,15 +384,31 @@ class StepRunner:
             if other is not self and other._in_backward:
                 await other._pipeline.launched_done()
 
-    async def _abandon(self) -> None:
+    async def _abandon(self, observed: list[Observed]) -> None:
         """After a cancelled step: wait for the updates it launched (their holds and the jobs
-        they hand the training thread, which ``drain_until`` still runs), then forget the step as
-        ``end`` does; their errors are dropped (the step was interrupted, not failed)."""
+        they hand the training thread, which ``drain_until`` still runs), finish those of
+        parameters paged in chunks that it cut part-way, then forget the step as ``end`` does;
+        their errors are dropped (the step was interrupted, not failed)."""
         resident, self._resident_task = self._resident_task, None
         if resident is not None and not resident.done():
             await asyncio.gather(resident, return_exceptions=True)
+        with contextlib.suppress(asyncio.CancelledError):  # (cancelled again: those stay cut, the step is forgotten)
+            await self._finish_cut_chunks(observed)
         cleanup = asyncio.ensure_future(self.end())
         await asyncio.gather(cleanup, return_exceptions=True)
+
+    async def _finish_cut_chunks(self, observed: list[Observed]) -> None:
+        """Once the updates launched have ended: update the chunks not updated yet of each
+        parameter paged in chunks whose update the interrupt cut part-way (some chunks took it,
+        others not), from the same gradient, as the retry of a failed step would. Left so, the
+        chunks would disagree on the step count, which moves once per parameter: the next update
+        would count this step again in the chunks that took it. Errors leave it cut."""
+        pipeline = self._pipeline
+        await pipeline.finish(drop_open=True)
+        for slot in self._slots:
+            if slot.chunks and not slot.updated and slot.chunks_updated:
+                with contextlib.suppress(Exception):
+                    await pipeline.update_remaining_chunks(slot, self.coef, observed[slot.index][3])
 
     async def end(self) -> list[tuple[list[ParamSlot], BaseException]]:
         """Forget this step's gradients (and their host copies) and progress, once the updates
