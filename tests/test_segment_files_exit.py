@@ -1,21 +1,54 @@
-"""Trailing segment files removed while the interpreter's exit closes them.
+"""The data files of a disk tier left open at interpreter exit.
 
-A store left open at exit has its data files closed by their finalizer, on the main thread,
-while a trim of empty trailing segments may be running on an I/O thread. That trim raised
-``IndexError: pop from empty list`` (printed at exit as a task exception never retrieved) when
-the files were closed between its checks; it must stop quietly and leave the files it did not
-get to as strays, which the next open deletes.
+Their descriptors were closed by their finalizer at exit, on the main thread, while jobs of the
+store could still run on its daemon I/O threads: a trim of empty trailing segments raised
+``IndexError: pop from empty list`` (printed at exit as a task exception never retrieved), and
+a pending write could land in whatever file a later open got the same descriptor number. At
+exit they are now left to the process's end; a ``SegmentFiles`` collected before still closes
+its descriptors, and a removal of trailing files stops at files already closed.
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from tierstore.disk.files import FileIO, SegmentFiles
 
+SCRIPT = r"""
+import gc, sys
+from pathlib import Path
+from tierstore.disk.files import FileIO, SegmentFiles
+
+class Logged(FileIO):
+    def close(self, fd):
+        print("closed", flush=True)
+        super().close(fd)
+
+files = SegmentFiles(Path(sys.argv[1]), direct=False, staging_buffers=0, staging_size=0, pinned=False, io=Logged())
+files.create(0, 4096)
+if sys.argv[2] == "dropped":
+    del files
+    gc.collect()
+print("exiting", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["left open", "dropped"])
+def test_descriptors_are_closed_when_collected_not_at_exit(tmp_path: Path, how: str) -> None:
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), how], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.split()
+    assert lines[-1] == "exiting", done.stdout
+    # (left open: the exit closed them under jobs that may still run; dropped: closed then)
+    assert lines.count("closed") == (1 if how == "dropped" else 0), done.stdout
+
 
 class _ClosingMidway(FileIO):
-    """Closes every file of ``files`` (as the exit finalizer does) the first time one is closed."""
+    """Closes every file of ``files`` the first time one is closed."""
 
     def __init__(self) -> None:
         self.files: SegmentFiles | None = None
@@ -28,7 +61,7 @@ class _ClosingMidway(FileIO):
             self.files.close()
 
 
-def test_remove_tail_stops_when_the_files_close_meanwhile(tmp_path: Path) -> None:
+def test_remove_tail_stops_at_files_closed_meanwhile(tmp_path: Path) -> None:
     io = _ClosingMidway()
     files = SegmentFiles(tmp_path, direct=False, staging_buffers=0, staging_size=0, pinned=False, io=io)
     for segment in range(3):

@@ -13,7 +13,6 @@ import ctypes.util
 import errno
 import os
 import queue
-import threading
 import weakref
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -301,12 +300,12 @@ class SegmentFiles:
         self._direct_setting = direct
         self.direct = False
         self._fds: list[int] = []
-        #: Held while the descriptors are closed or trailing ones removed: the exit finalizer
-        #: closes them on the main thread while a trim may run on an I/O thread.
-        self._fds_lock = threading.RLock()
         # Descriptors of a SegmentFiles dropped without close() are closed when it is collected
-        # (no job can use them then: every job holds a reference to this object).
-        weakref.finalize(self, _close_all, self._fds, self.io, self._fds_lock)
+        # (no job can use them then: every job holds a reference to this object). Not at
+        # interpreter exit, where a store left open may still have jobs running on its daemon
+        # I/O threads: closed under them, a number reused by a later open would take a pending
+        # write into another file, and a trim raised IndexError. The process's end closes them.
+        weakref.finalize(self, _close_all, self._fds, self.io).atexit = False
         #: False once the file system has said it cannot punch holes (space is then reused
         #: inside the files but not given back until trailing segments go).
         self.can_punch = True
@@ -364,7 +363,7 @@ class SegmentFiles:
         self._fds.append(fd)
 
     def close(self) -> None:
-        _close_all(self._fds, self.io, self._fds_lock)
+        _close_all(self._fds, self.io)
         while not self._staging.empty():
             self._staging.get()
 
@@ -398,15 +397,13 @@ class SegmentFiles:
 
     def remove_tail(self, count: int) -> None:
         """Close and delete the last ``count`` segment files (the catalog no longer names them).
-        Files already closed (a store left open at interpreter exit, its files closed by their
-        finalizer while a trim ran) are left: the next open deletes them as strays."""
-        with self._fds_lock:
-            for _ in range(count):
-                if not self._fds:  # (closed meanwhile: the rest stay as strays)
-                    break
-                segment = len(self._fds) - 1
-                self.io.close(self._fds.pop())
-                self.io.unlink(self.path(segment))
+        Files already closed are left: the next open deletes them as strays."""
+        for _ in range(count):
+            if not self._fds:  # (closed meanwhile: the rest stay as strays)
+                break
+            segment = len(self._fds) - 1
+            self.io.close(self._fds.pop())
+            self.io.unlink(self.path(segment))
         if count:
             self.io.fsync_dir(self.folder)
 
@@ -557,10 +554,9 @@ def _pread_all(fd: int, data: memoryview, offset: int) -> None:
         done += got
 
 
-def _close_all(fds: list[int], io: FileIO, lock: threading.RLock) -> None:
-    with lock:
-        while fds:
-            io.close(fds.pop())
+def _close_all(fds: list[int], io: FileIO) -> None:
+    while fds:
+        io.close(fds.pop())
 
 
 def _fsync_dir(folder: Path) -> None:
