@@ -26,7 +26,11 @@ import pytest
 
 SCRIPT = r"""
 import _thread, json, signal, sys, torch
-signal.signal(signal.SIGINT, signal.default_int_handler)
+
+def own_handler(signum, frame):  # (a program's own handler: not replaced in step(), it raises inside the math)
+    raise KeyboardInterrupt
+
+signal.signal(signal.SIGINT, own_handler if sys.argv[4] == "own handler" else signal.default_int_handler)
 from tierstore.device import emulate_device
 from tierstore.optim import TieredAdamW
 from tierstore.optim import pipeline as pipeline_module
@@ -41,6 +45,8 @@ def compute_chunks(self, slot, chunks, *rest):
         if armed[0] == len(slot.chunks) or sys.argv[3] == "first":  # (that math ended: Ctrl-C now)
             armed.clear()
             _thread.interrupt_main()
+            for _ in range(1000):  # (under the program's own handler, KeyboardInterrupt is raised here)
+                pass
     return result
 
 pipeline_module.UpdatePipeline._compute_chunks = compute_chunks
@@ -78,8 +84,8 @@ with emulate_device(sys.argv[2] == "emulated"):
 """
 
 
-def _interrupted(tmp_path: Path, mode: str, where: str) -> dict[str, object]:
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "d"), mode, where], capture_output=True, text=True, timeout=300)
+def _interrupted(tmp_path: Path, mode: str, where: str, handler: str = "default handler") -> dict[str, object]:
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "d"), mode, where, handler], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["outcome"] == "interrupted", result
@@ -98,5 +104,81 @@ def test_ctrl_c_after_every_chunk_took_the_step_counts_it(tmp_path: Path, mode: 
 def test_ctrl_c_part_way_through_a_parameter_finishes_its_update(tmp_path: Path, mode: str) -> None:
     result = _interrupted(tmp_path, mode, "first")
     assert result["moved"] == 1.0, result  # every chunk, not only those before the interrupt
+    assert result["count"] == 3.0, result
+    assert result["same"], result
+
+
+@pytest.mark.parametrize("mode", ["plain", "emulated"])
+def test_ctrl_c_inside_the_math_under_a_programs_own_handler_applies_no_chunk_twice(tmp_path: Path, mode: str) -> None:
+    """A program's own SIGINT handler that raises is left in place in ``step()``: the
+    KeyboardInterrupt then leaves the math of a run of chunks that had updated them in place,
+    and they were not recorded: the step's finish updated them a second time (a review)."""
+    result = _interrupted(tmp_path, mode, "first", "own handler")
+    assert result["moved"] == 1.0, result
+    assert result["count"] == 3.0, result
+    assert result["same"], result
+
+
+IN_BACKWARD = r"""
+import json, signal, sys, threading, time, torch
+signal.signal(signal.SIGINT, signal.default_int_handler)
+from tierstore.optim import TieredAdamW
+from tierstore.optim import pipeline as pipeline_module
+
+original, original_drain = pipeline_module.UpdatePipeline._compute_chunks, pipeline_module.UpdatePipeline.drain_until
+in_step, armed = threading.Event(), []
+
+def compute_chunks(self, slot, chunks, *rest):
+    result = original(self, slot, chunks, *rest)
+    if armed and slot.chunks and threading.current_thread() is not threading.main_thread():
+        armed.clear()  # (this run's math ran on the optimizer's worker, in backward)
+        in_step.wait(10)
+        time.sleep(0.3)  # (the step waits for this run now)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # a real Ctrl-C, before this job returns
+        time.sleep(0.5)
+    return result
+
+def drain_until(self, *args, **kwargs):
+    in_step.set()
+    return original_drain(self, *args, **kwargs)
+
+pipeline_module.UpdatePipeline._compute_chunks = compute_chunks
+pipeline_module.UpdatePipeline.drain_until = drain_until
+torch.manual_seed(0)
+weight = torch.nn.Parameter(torch.randn(256, 1024))
+twin = torch.nn.Parameter(weight.detach().clone())
+opt = TieredAdamW([weight], lr=1e-2, offload="disk", disk_root=sys.argv[1], host_capacity="512KiB", chunk_bytes="64KiB", step_in_backward=True)
+reference = torch.optim.AdamW([twin], lr=1e-2, fused=True)
+
+def backward():
+    for p, o in ((weight, opt), (twin, reference)):
+        o.zero_grad()
+        (p * torch.arange(p.numel()).reshape(p.shape).sin()).square().mean().backward()
+
+for _ in range(2):
+    backward(); opt.step(); reference.step()
+in_step.clear(); armed.append(0)
+backward()
+try:
+    opt.step()
+    outcome = "finished"
+except KeyboardInterrupt:
+    outcome = "interrupted"
+reference.step()
+count = float(opt.state_dict()["state"][0]["step"])
+print(json.dumps({"outcome": outcome, "count": count, "same": torch.equal(weight.detach(), twin.detach())}))
+opt.close()
+"""
+
+
+def test_ctrl_c_while_a_run_started_in_backward_computes_applies_no_chunk_twice(tmp_path: Path) -> None:
+    """With ``step_in_backward=True`` a run's math runs on the optimizer's worker thread; a
+    Ctrl-C while it runs ended the run's wait cancelled once the job returned, its chunks
+    unrecorded, and the step's finish updated them a second time (a review: 3 runs in 4)."""
+    done = subprocess.run([sys.executable, "-c", IN_BACKWARD, str(tmp_path / "d")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if result["outcome"] != "interrupted":
+        pytest.skip(f"the interrupt landed after the step ended ({result})")
     assert result["count"] == 3.0, result
     assert result["same"], result

@@ -687,10 +687,15 @@ class UpdatePipeline:
                         stack, [self._grad_chunk(slot, chunk) if do else nullcontext(None) for chunk, do in zip(chunks, todo, strict=True)],
                         at_once=self._flat or slot.link.lends,
                     )
-                job = partial(self._compute_chunks, slot, chunks, states, grads, coef, scale)
-                outgoing, error, started, computed, ended = await self.math(job)
+                took: list[Chunk] = []  # (appended on the math thread, chunk by chunk)
+                job = partial(self._compute_chunks, slot, chunks, states, grads, coef, scale, took)
+                try:
+                    outgoing, error, started, computed, ended = await self.math(job)
+                finally:
+                    # (also when the wait ends cancelled, or an interrupt cut the job: the chunks
+                    # it updated took the step in place, and a retry must not apply it again)
+                    slot.chunks_updated.update(chunk.index for chunk in took)
                 done = chunks[: len(outgoing)]
-                slot.chunks_updated.update(chunk.index for chunk in done)
                 applied = sum(chunk.numel for chunk, do in zip(done, todo, strict=False) if do)
                 if applied:
                     self._report().host_update += computed - started
@@ -740,12 +745,13 @@ class UpdatePipeline:
 
     def _compute_chunks(
         self, slot: ParamSlot, chunks: list[Chunk], states: list[Any], grads: list[torch.Tensor | None], coef: torch.Tensor | None,
-        scale: torch.Tensor | None,
+        scale: torch.Tensor | None, took: list[Chunk],
     ) -> tuple[list[torch.Tensor | None], BaseException | None, float, float, float]:
         """The math of a run of chunks, one by one (a chunk whose gradient is None was updated
-        by an earlier attempt), then each new weight: written into the parameter where the link
-        lends, else returned to be sent. Stops at the first error, returned with the weights of
-        the chunks done before it (whose updates are applied)."""
+        by an earlier attempt), each appended to ``took`` once its update is applied; then each
+        new weight: written into the parameter where the link lends, else returned to be sent.
+        Stops at the first error, returned with the weights of the chunks done before it (whose
+        updates are applied)."""
         started = time.perf_counter()
         masters: list[torch.Tensor] = []
         error: BaseException | None = None
@@ -755,6 +761,7 @@ class UpdatePipeline:
             except Exception as exc:  # noqa: BLE001 - the loop records the chunks done, then raises it
                 error = exc
                 break
+            took.append(chunk)
         computed = time.perf_counter()
         outgoing: list[torch.Tensor | None] = []
         lent_here = slot.link.lends and offloaded(slot.param) is None
