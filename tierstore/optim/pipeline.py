@@ -111,6 +111,9 @@ class UpdatePipeline:
         self._open_room: RoomTally | None = None
         self._after: Any = None
         self._running: list[tuple[list[ParamSlot], asyncio.Task[None]]] = []
+        #: The runs of chunks started (``_start_runs``), waited for by ``finish`` too: the task
+        #: waiting for a parameter's runs, cancelled before it started, never saw them.
+        self._runs: list[asyncio.Future[None]] = []
         self._prefetched = False
         #: Nothing pages below the state tier: holds never wait for a transfer (but creation).
         self._flat = False
@@ -488,6 +491,8 @@ class UpdatePipeline:
             self._open, self._open_bytes, self._open_incoming, self._open_room = [], 0, 0, None
         running, self._running = self._running, []
         results = await asyncio.gather(*(task for _, task in running), return_exceptions=True)
+        runs, self._runs = self._runs, []
+        await asyncio.gather(*runs, return_exceptions=True)  # (their errors are their waiting tasks')
         self._prefetched = False
         self._early_bytes = None
         return [(bucket, result) for (bucket, _), result in zip(running, results, strict=True) if isinstance(result, BaseException)]
@@ -588,7 +593,9 @@ class UpdatePipeline:
         needs = self._chunk_needs(slot, chunks)
         runs = self._chunk_runs(chunks[::-1] if self.reverse else chunks, needs)
         sizes = [sum(needs[chunk.index] for chunk in run) for run in runs]
-        return [asyncio.ensure_future(self._update_run(slot, runs, sizes, i, coef, scale, after)) for i in range(len(runs))]
+        tasks = [asyncio.ensure_future(self._update_run(slot, runs, sizes, i, coef, scale, after)) for i in range(len(runs))]
+        self._runs = [task for task in self._runs if not task.done()] + tasks
+        return tasks
 
     def _chunk_needs(self, slot: ParamSlot, chunks: list[Chunk]) -> dict[int, int]:
         """``chunk_need`` of each of ``chunks`` by index, asked once per element count (the
