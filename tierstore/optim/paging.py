@@ -257,6 +257,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             )
         gradient_accumulation_steps = _count("gradient_accumulation_steps", gradient_accumulation_steps)
         max_inflight = _count("max_inflight", max_inflight)
+        min_offload_numel = _count("min_offload_numel", min_offload_numel, least=0)
         if chunk_bytes is not None and parse_bytes(chunk_bytes) <= 0:
             raise ValueError(f"chunk_bytes must be a positive size (None: never chunk), not {chunk_bytes!r}")
         if bucket_bytes is not None and parse_bytes(bucket_bytes) <= 0:  # (0 silently meant the default)
@@ -1064,12 +1065,12 @@ def _hook(optimizer: weakref.ref[PagedOptimizer], slot: ParamSlot, param: torch.
         live._capture.hook(slot, slot.param)  # (for a DTensor, the view of its local shard)
 
 
-def _count(name: str, value: Any) -> int:
-    """``value`` as a count of at least 1 (a whole float from a config file too), or a clear error."""
+def _count(name: str, value: Any, least: int = 1) -> int:
+    """``value`` as a count of at least ``least`` (a whole float from a config file too), or a clear error."""
     whole = (isinstance(value, numbers.Integral) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
     if not whole:
         raise TypeError(f"{name} must be a whole number, not {value!r}")
     count = int(value)
-    if count < 1:
-        raise ValueError(f"{name} must be at least 1, not {value}")
+    if count < least:
+        raise ValueError(f"{name} must be at least {least}, not {value}")
     return count

@@ -235,15 +235,26 @@ class DiskTier(Tier):
         if self.is_open:
             return
         self._check_folder()
-        if not self.overcommit:
-            self._check_capacity()
+        made = None  # (the first folder this open created: removed again if the capacity is refused)
         if not self.root.exists():
             if not self.create:
                 raise FileNotFoundError(f"disk tier folder {self.root} does not exist (create=False)")
+            made = self.root
+            while not made.parent.exists():
+                made = made.parent
             try:
                 self.root.mkdir(mode=0o700, parents=True)
             except (NotADirectoryError, FileExistsError) as exc:
                 raise NotAStoreFolderError(f"cannot create the disk tier folder {self.root}: {exc.strerror}") from None
+            except OSError as exc:  # (a folder that cannot be made there: not a question of capacity)
+                raise type(exc)(exc.errno, f"cannot create the disk tier folder {self.root}: {exc.strerror}") from None
+        if not self.overcommit:
+            try:
+                self._check_capacity()
+            except CapacityError:
+                if made is not None:
+                    shutil.rmtree(made, ignore_errors=True)
+                raise
         self._lock = FolderLock.acquire(self.root / "lock")
         self._pid = os.getpid()
         try:
