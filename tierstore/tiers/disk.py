@@ -252,8 +252,7 @@ class DiskTier(Tier):
             try:
                 self._check_capacity()
             except CapacityError:
-                if made is not None:
-                    shutil.rmtree(made, ignore_errors=True)
+                _remove_empty(self.root, made)
                 raise
         self._lock = FolderLock.acquire(self.root / "lock")
         self._pid = os.getpid()
@@ -975,3 +974,18 @@ def _damaged_value_hint(where: SegmentFiles | Path) -> str:
     root = where if isinstance(where, Path) else where.folder.parent
     return (f"The value is lost: delete its key (store.delete), or close the store and run `tierstore repair {root} --verify`, "
             "which drops every value that fails its checksums")
+
+
+def _remove_empty(path: Path, up_to: Path | None) -> None:
+    """Remove the empty folders from ``path`` up to ``up_to`` (None: none), deepest first; a
+    folder that is not empty (another store's, opened there meanwhile) stays, with those above."""
+    if up_to is None:
+        return
+    while True:
+        try:
+            path.rmdir()
+        except OSError:
+            return
+        if path == up_to:
+            return
+        path = path.parent
