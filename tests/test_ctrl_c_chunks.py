@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = r"""
-import _thread, json, signal, sys, time, torch
+import _thread, json, signal, sys, threading, time, torch
 
 def own_handler(signum, frame):  # (a program's own handler: not replaced in step(), it raises inside the math)
     raise KeyboardInterrupt
@@ -40,6 +40,14 @@ armed = []
 
 def compute_chunks(self, slot, chunks, *rest):
     result = original(self, slot, chunks, *rest)
+    if sys.argv[3] == "worker":  # (a run started in backward, its math on the optimizer's worker)
+        if armed and slot.chunks and threading.current_thread() is not threading.main_thread():
+            armed.clear()
+            in_step.wait(10)
+            time.sleep(0.3)  # (the step waits for this run now)
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # a real Ctrl-C, before this job returns
+            time.sleep(0.5)
+        return result
     if armed and slot.chunks:
         armed[0] += len(chunks)
         if armed[0] == len(slot.chunks) or sys.argv[3] == "first":  # (that math ended: Ctrl-C now)
@@ -60,12 +68,20 @@ def add(self, slot, *rest, **kwargs):
     return original_add(self, slot, *rest, **kwargs)
 
 pipeline_module.UpdatePipeline.add = add
+original_drain, in_step = pipeline_module.UpdatePipeline.drain_until, threading.Event()
+
+def drain_until(self, *args, **kwargs):
+    in_step.set()
+    return original_drain(self, *args, **kwargs)
+
+pipeline_module.UpdatePipeline.drain_until = drain_until
 
 with emulate_device(sys.argv[2] == "emulated"):
     torch.manual_seed(0)
     weight = torch.nn.Parameter(torch.randn(256, 1024))
     twin = torch.nn.Parameter(weight.detach().clone())
-    opt = TieredAdamW([weight], lr=1e-2, offload="disk", disk_root=sys.argv[1], host_capacity="512KiB", chunk_bytes="64KiB")
+    opt = TieredAdamW([weight], lr=1e-2, offload="disk", disk_root=sys.argv[1], host_capacity="512KiB", chunk_bytes="64KiB",
+                      step_in_backward=sys.argv[3] == "worker")
     reference = torch.optim.AdamW([twin], lr=1e-2, fused=True)
 
     def backward():
@@ -75,9 +91,10 @@ with emulate_device(sys.argv[2] == "emulated"):
 
     for _ in range(2):
         backward(); opt.step(); reference.step()
-    backward()
     before = weight.detach().clone()
+    in_step.clear()
     armed.append(0)
+    backward()
     try:
         opt.step()
         outcome = "finished"
@@ -141,63 +158,13 @@ def test_ctrl_c_inside_the_math_under_a_programs_own_handler_applies_no_chunk_tw
     assert result["same"], result
 
 
-IN_BACKWARD = r"""
-import json, signal, sys, threading, time, torch
-signal.signal(signal.SIGINT, signal.default_int_handler)
-from tierstore.optim import TieredAdamW
-from tierstore.optim import pipeline as pipeline_module
-
-original, original_drain = pipeline_module.UpdatePipeline._compute_chunks, pipeline_module.UpdatePipeline.drain_until
-in_step, armed = threading.Event(), []
-
-def compute_chunks(self, slot, chunks, *rest):
-    result = original(self, slot, chunks, *rest)
-    if armed and slot.chunks and threading.current_thread() is not threading.main_thread():
-        armed.clear()  # (this run's math ran on the optimizer's worker, in backward)
-        in_step.wait(10)
-        time.sleep(0.3)  # (the step waits for this run now)
-        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # a real Ctrl-C, before this job returns
-        time.sleep(0.5)
-    return result
-
-def drain_until(self, *args, **kwargs):
-    in_step.set()
-    return original_drain(self, *args, **kwargs)
-
-pipeline_module.UpdatePipeline._compute_chunks = compute_chunks
-pipeline_module.UpdatePipeline.drain_until = drain_until
-torch.manual_seed(0)
-weight = torch.nn.Parameter(torch.randn(256, 1024))
-twin = torch.nn.Parameter(weight.detach().clone())
-opt = TieredAdamW([weight], lr=1e-2, offload="disk", disk_root=sys.argv[1], host_capacity="512KiB", chunk_bytes="64KiB", step_in_backward=True)
-reference = torch.optim.AdamW([twin], lr=1e-2, fused=True)
-
-def backward():
-    for p, o in ((weight, opt), (twin, reference)):
-        o.zero_grad()
-        (p * torch.arange(p.numel()).reshape(p.shape).sin()).square().mean().backward()
-
-for _ in range(2):
-    backward(); opt.step(); reference.step()
-in_step.clear(); armed.append(0)
-backward()
-try:
-    opt.step()
-    outcome = "finished"
-except KeyboardInterrupt:
-    outcome = "interrupted"
-reference.step()
-count = float(opt.state_dict()["state"][0]["step"])
-print(json.dumps({"outcome": outcome, "count": count, "same": torch.equal(weight.detach(), twin.detach())}))
-opt.close()
-"""
-
 
 def test_ctrl_c_while_a_run_started_in_backward_computes_applies_no_chunk_twice(tmp_path: Path) -> None:
     """With ``step_in_backward=True`` a run's math runs on the optimizer's worker thread; a
     Ctrl-C while it runs ended the run's wait cancelled once the job returned, its chunks
     unrecorded, and the step's finish updated them a second time (a review: 3 runs in 4)."""
-    done = subprocess.run([sys.executable, "-c", IN_BACKWARD, str(tmp_path / "d")], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "d"), "plain", "worker", "default handler"],
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     if result["outcome"] != "interrupted":
