@@ -39,7 +39,11 @@ original = pipeline_module.UpdatePipeline._compute_chunks
 armed = []
 
 def compute_chunks(self, slot, chunks, *rest):
+    if sys.argv[3] == "unbegun":  # (a larger parameter: each run of chunks takes a while)
+        time.sleep(0.05)
     result = original(self, slot, chunks, *rest)
+    if sys.argv[3] in ("unbegun", "mid-chunk"):
+        return result
     if sys.argv[3] == "worker":  # (a run started in backward, its math on the optimizer's worker)
         if armed and slot.chunks and threading.current_thread() is not threading.main_thread():
             armed.clear()
@@ -68,6 +72,20 @@ def add(self, slot, *rest, **kwargs):
     return original_add(self, slot, *rest, **kwargs)
 
 pipeline_module.UpdatePipeline.add = add
+from tierstore.optim import adam as adam_module
+original_adam = adam_module.adam
+
+def adam(*args, **kwargs):
+    original_adam(*args, **kwargs)  # (a chunk's update applied in place)
+    if sys.argv[3] == "mid-chunk" and armed and threading.current_thread() is threading.main_thread():
+        armed[0] += 1
+        if armed[0] == 2:  # (a Ctrl-C during the second chunk's kernel: Python's handlers run at the next line)
+            armed.clear()
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            for _ in range(1000):
+                pass
+
+adam_module.adam = adam
 original_drain, in_step = pipeline_module.UpdatePipeline.drain_until, threading.Event()
 
 def drain_until(self, *args, **kwargs):
@@ -81,7 +99,7 @@ with emulate_device(sys.argv[2] == "emulated"):
     weight = torch.nn.Parameter(torch.randn(256, 1024))
     twin = torch.nn.Parameter(weight.detach().clone())
     opt = TieredAdamW([weight], lr=1e-2, offload="disk", disk_root=sys.argv[1], host_capacity="512KiB", chunk_bytes="64KiB",
-                      step_in_backward=sys.argv[3] == "worker")
+                      step_in_backward=sys.argv[3] in ("worker", "unbegun"))
     reference = torch.optim.AdamW([twin], lr=1e-2, fused=True)
 
     def backward():
@@ -95,18 +113,26 @@ with emulate_device(sys.argv[2] == "emulated"):
     in_step.clear()
     armed.append(0)
     backward()
+    if sys.argv[3] == "unbegun":  # (the loop busy a moment as the Ctrl-C lands: the step's task is cancelled before it begins)
+        from tierstore.sync import loop_thread
+        loop_thread().call_soon_threadsafe(time.sleep, 0.2)
+        threading.Thread(target=lambda: (in_step.wait(5), signal.pthread_kill(threading.main_thread().ident, signal.SIGINT))).start()
     try:
         opt.step()
         outcome = "finished"
     except KeyboardInterrupt:
         outcome = "interrupted"
+    left = weight.detach().clone()
+    time.sleep(0.5)
+    changed_after = float((weight.detach() != left).float().mean())  # (by work still running after step() left)
     moved = float((weight.detach() != before).float().mean())
     if moved == 1.0:
         reference.step()  # (the step the interrupted one applied)
     count = float(opt.state_dict()["state"][0]["step"])
     for _ in range(2):
         backward(); opt.step(); reference.step()
-    print(json.dumps({"outcome": outcome, "moved": moved, "count": count, "same": torch.equal(weight.detach(), twin.detach())}))
+    print(json.dumps({"outcome": outcome, "moved": moved, "count": count, "same": torch.equal(weight.detach(), twin.detach()),
+                      "changed_after": changed_after}))
     opt.close()
 """
 
@@ -170,4 +196,27 @@ def test_ctrl_c_while_a_run_started_in_backward_computes_applies_no_chunk_twice(
     if result["outcome"] != "interrupted":
         pytest.skip(f"the interrupt landed after the step ended ({result})")
     assert result["count"] == 3.0, result
+    assert result["same"], result
+
+
+@pytest.mark.parametrize("mode", ["plain", "emulated"])
+def test_ctrl_c_in_a_chunks_kernel_under_a_programs_own_handler_applies_it_once(tmp_path: Path, mode: str) -> None:
+    """Raised by a program's own handler right after a chunk's kernel changed its state in
+    place, KeyboardInterrupt left the chunk unrecorded, and the step's finish applied its update
+    again (a review). Such a handler now runs once the step's work has ended."""
+    result = _interrupted(tmp_path, mode, "mid-chunk", "own handler")
+    assert result["moved"] == 1.0, result
+    assert result["count"] == 3.0, result
+    assert result["same"], result
+
+
+@pytest.mark.parametrize("mode", ["plain", "emulated"])
+def test_ctrl_c_before_the_step_began_ends_what_backward_launched(tmp_path: Path, mode: str) -> None:
+    """With ``step_in_backward=True``, a Ctrl-C that cancelled the step's task before it began
+    skipped the abandon: the runs of chunks launched in backward kept updating the parameter
+    after ``KeyboardInterrupt`` left (a review)."""
+    result = _interrupted(tmp_path, mode, "unbegun")
+    assert result["changed_after"] == 0.0, result
+    assert result["moved"] in (0.0, 1.0), result
+    assert result["count"] == (3.0 if result["moved"] == 1.0 else 2.0), result
     assert result["same"], result

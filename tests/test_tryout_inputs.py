@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -40,3 +41,19 @@ async def test_a_refused_capacity_leaves_no_folder_behind(tmp_path: Path) -> Non
     await store.put("x", torch.arange(4.0))
     assert torch.equal(await store.get("x"), torch.arange(4.0))
     await store.aclose()
+
+
+async def test_a_folder_made_part_way_is_removed_again(tmp_path: Path) -> None:
+    root = tmp_path / "p1" / "p2" / ("x" * 300)  # (p1 and p2 are made, then the name is too long)
+    with pytest.raises(OSError, match="cannot create the disk tier folder"):
+        await TierStore([DiskTier(root, "1MiB")]).open()
+    assert not (tmp_path / "p1").exists()
+
+
+def test_an_infinite_min_offload_numel_pages_nothing() -> None:
+    params = [torch.nn.Parameter(torch.randn(8192))]
+    opt = TieredAdamW(params, offload="host", min_offload_numel=math.inf)  # (taken before the count check came)
+    params[0].grad = torch.ones(8192)
+    opt.step()
+    assert opt.memory_plan().paged_state_bytes == 0
+    opt.close()

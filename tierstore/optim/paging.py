@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import math
 import numbers
 import os
 import signal
@@ -257,7 +258,8 @@ class PagedOptimizer(torch.optim.Optimizer):
             )
         gradient_accumulation_steps = _count("gradient_accumulation_steps", gradient_accumulation_steps)
         max_inflight = _count("max_inflight", max_inflight)
-        min_offload_numel = _count("min_offload_numel", min_offload_numel, least=0)
+        if min_offload_numel != math.inf:  # (inf: page nothing)
+            min_offload_numel = _count("min_offload_numel", min_offload_numel, least=0)
         if chunk_bytes is not None and parse_bytes(chunk_bytes) <= 0:
             raise ValueError(f"chunk_bytes must be a positive size (None: never chunk), not {chunk_bytes!r}")
         if bucket_bytes is not None and parse_bytes(bucket_bytes) <= 0:  # (0 silently meant the default)
@@ -644,7 +646,9 @@ class PagedOptimizer(torch.optim.Optimizer):
         otherwise the task would wait for this thread forever, holding the store's room."""
         pipeline = self._pipeline
         assert pipeline is not None
-        step = self._runner.finish(observe(self._slots), scaling)
+        observed = observe(self._slots)
+        self._runner.begun = False
+        step = self._runner.finish(observed, scaling)
         finishing = None
         cancel = partial(self._loop.call_soon_threadsafe, _cancel_task_of, step)
         try:
@@ -654,15 +658,31 @@ class PagedOptimizer(torch.optim.Optimizer):
                 finishing = context_of_call(sys._getframe(1)).run(asyncio.run_coroutine_threadsafe, step, self._loop)
                 pipeline.drain_until(finishing, cancel)
         except KeyboardInterrupt:  # (raised outside drain_until: by another SIGINT handler, say)
-            if finishing is not None and not finishing.done():
+            if finishing is None:
+                step.close()  # (never scheduled)
+            elif not finishing.done():
                 cancel()
                 pipeline.drain_until(finishing)
+            if not self._runner.begun:
+                self._abandon_unbegun(observed)
             raise
         finally:
             pressed = pipeline.take_interrupts()
+        if not self._runner.begun:  # (cancelled before it began: what backward launched ends here)
+            self._abandon_unbegun(observed)
         if pressed:  # after the step's last job: the step is done, and Ctrl-C stands
             raise KeyboardInterrupt
         finishing.result()
+
+    def _abandon_unbegun(self, observed: list[Any]) -> None:
+        """Abandon a step whose task Ctrl-C cancelled before it began, as it would have: the
+        updates launched in backward end (a chunked parameter's cut ones finished), then the
+        step is forgotten."""
+        pipeline = self._pipeline
+        assert pipeline is not None
+        abandoning = asyncio.run_coroutine_threadsafe(self._runner.abandon(observed), self._loop)
+        pipeline.drain_until(abandoning)
+        pipeline.take_interrupts()
 
     def _has_state(self, slot: ParamSlot) -> bool:
         """Whether ``slot``'s parameter may have state in the store (a subclass that knows says
@@ -994,16 +1014,31 @@ class PagedOptimizer(torch.optim.Optimizer):
 @contextlib.contextmanager
 def _sigint_to(handler: Callable[[], None]) -> Iterator[None]:
     """Within, Ctrl-C calls ``handler`` instead of raising KeyboardInterrupt wherever the main
-    thread happens to be (between taking a job and running it, a job would be lost). Only on
-    the main thread under Python's default SIGINT handler; anything else is left alone."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+    thread happens to be (between taking a job and running it, a job would be lost; raised
+    in the math, after a kernel changed state in place, its record would be). On the main
+    thread only. A program's own SIGINT handler is called once on the way out instead, after
+    the step's work ended (raising inside the math, it cut an update the step could neither
+    redo nor count; one that only sets a flag sees no difference); ``SIG_IGN`` and
+    ``SIG_DFL`` are left alone."""
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(previous):
         yield
         return
-    previous = signal.signal(signal.SIGINT, lambda *_: handler())
+    if previous is signal.default_int_handler:
+        signal.signal(signal.SIGINT, lambda *_: handler())
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        return
+    caught: list[tuple[int, Any]] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: caught.append((signum, frame)))
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+        if caught:
+            previous(*caught[0])
 
 
 def _release_dropped(

@@ -109,6 +109,12 @@ class StepRunner:
         self.updated_without_step: list[int] = []
         self._shared = _store_steps(store)
         self._shared.runners.add(self)
+        #: Whether the last step's ``finish`` began (``PagedOptimizer._finish_step`` abandons a
+        #: step whose task Ctrl-C cancelled before that).
+        self.begun = True
+        #: The holds of the resident update started this step (closed by ``_abandon`` if its
+        #: task was cancelled before it began).
+        self._resident_held: Held | None = None
 
     @property
     def capture(self) -> GradientCapture:
@@ -185,6 +191,7 @@ class StepRunner:
             return await self._pipeline.math(partial(_norm, grad, norm_type, inverse))
 
     async def finish(self, observed: list[Observed], scaling: Scaling | None) -> None:
+        self.begun = True  # (a task cancelled before its first line never gets here: ``abandon`` then)
         self.capture.take_pending()  # (the hooks' gradients not taken yet, before anything else)
         pipeline = self._pipeline
         pipeline.in_step = True
@@ -316,6 +323,7 @@ class StepRunner:
         held = await resident.hold(chosen, pieces)
         if held is None:  # (taken meanwhile: these go through the pipeline, written back when evicted)
             return None, order
+        self._resident_held = held
         taken = set(chosen)
         rest = [slot for slot in order if slot not in taken]
         return asyncio.ensure_future(self._update_resident(pipeline, held, coef, early, whole=not rest)), rest
@@ -384,14 +392,23 @@ class StepRunner:
             if other is not self and other._in_backward:
                 await other._pipeline.launched_done()
 
+    async def abandon(self, observed: list[Observed]) -> None:
+        """Abandon a step whose ``finish`` was cancelled before it began (``_abandon``, under the
+        store's step lock as ``finish`` takes it)."""
+        async with self._shared.lock:
+            await self._abandon(observed)
+
     async def _abandon(self, observed: list[Observed]) -> None:
         """After a cancelled step: wait for the updates it launched (their holds and the jobs
         they hand the training thread, which ``drain_until`` still runs), finish those of
         parameters paged in chunks that it cut part-way, then forget the step as ``end`` does;
         their errors are dropped (the step was interrupted, not failed)."""
         resident, self._resident_task = self._resident_task, None
+        held, self._resident_held = self._resident_held, None
         if resident is not None and not resident.done():
             await asyncio.gather(resident, return_exceptions=True)
+        if held is not None:  # (its task cancelled before it began never closed them; else a no-op)
+            await held.stack.aclose()
         with contextlib.suppress(asyncio.CancelledError):  # (cancelled again: those stay cut, the step is forgotten)
             await self._finish_cut_chunks(observed)
         cleanup = asyncio.ensure_future(self.end())
@@ -421,6 +438,7 @@ class StepRunner:
         finally:
             self.release_backward()
         self._pipeline.close_finished_chunks(self._slots)
+        self._resident_held = None
         self.updated_without_step = [] if self._step_called else sorted(s.index for s in self._slots if s.updated)
         self._step_called = False
         for slot in self._slots:

@@ -247,6 +247,7 @@ class DiskTier(Tier):
             except (NotADirectoryError, FileExistsError) as exc:
                 raise NotAStoreFolderError(f"cannot create the disk tier folder {self.root}: {exc.strerror}") from None
             except OSError as exc:  # (a folder that cannot be made there: not a question of capacity)
+                _remove_empty(self.root, made)  # (those made before the one that failed)
                 raise type(exc)(exc.errno, f"cannot create the disk tier folder {self.root}: {exc.strerror}") from None
         if not self.overcommit:
             try:
@@ -984,8 +985,9 @@ def _remove_empty(path: Path, up_to: Path | None) -> None:
     while True:
         try:
             path.rmdir()
-        except OSError:
-            return
+        except OSError as exc:
+            if exc.errno not in (errno.ENOENT, errno.ENAMETOOLONG):  # (those were not made: the first that failed)
+                return
         if path == up_to:
             return
         path = path.parent
