@@ -122,6 +122,7 @@ with emulate_device(sys.argv[2] == "emulated"):
         outcome = "finished"
     except KeyboardInterrupt:
         outcome = "interrupted"
+    armed.clear()  # (not fired in this step: not in the next ones either)
     left = weight.detach().clone()
     time.sleep(0.5)
     changed_after = float((weight.detach() != left).float().mean())  # (by work still running after step() left)
