@@ -659,7 +659,8 @@ class PagedOptimizer(torch.optim.Optimizer):
                 pipeline.drain_until(finishing, cancel)
         except KeyboardInterrupt:  # (raised outside drain_until: by another SIGINT handler, say)
             if finishing is None:
-                step.close()  # (never scheduled)
+                with contextlib.suppress(ValueError, RuntimeError):  # (never scheduled; or running: let it be)
+                    step.close()
             elif not finishing.done():
                 cancel()
                 pipeline.drain_until(finishing)
