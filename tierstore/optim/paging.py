@@ -652,25 +652,26 @@ class PagedOptimizer(torch.optim.Optimizer):
         finishing = None
         cancel = partial(self._loop.call_soon_threadsafe, _cancel_task_of, step)
         try:
-            with _sigint_to(pipeline.interrupted):
-                # (in a copy of this thread's context marked with the caller's line: the step's
-                # warnings name it, ``tierstore.warn``)
-                finishing = context_of_call(sys._getframe(1)).run(asyncio.run_coroutine_threadsafe, step, self._loop)
-                pipeline.drain_until(finishing, cancel)
-        except KeyboardInterrupt:  # (raised outside drain_until: by another SIGINT handler, say)
-            if finishing is None:
-                with contextlib.suppress(ValueError, RuntimeError):  # (never scheduled; or running: let it be)
-                    step.close()
-            elif not finishing.done():
-                cancel()
-                pipeline.drain_until(finishing)
-            if not self._runner.begun:
-                self._abandon_unbegun(observed)
-            raise
+            with _sigint_to(pipeline.interrupted):  # (the cleanups below too: a second Ctrl-C must not cut them)
+                try:
+                    # (in a copy of this thread's context marked with the caller's line: the step's
+                    # warnings name it, ``tierstore.warn``)
+                    finishing = context_of_call(sys._getframe(1)).run(asyncio.run_coroutine_threadsafe, step, self._loop)
+                    pipeline.drain_until(finishing, cancel)
+                except KeyboardInterrupt:  # (Ctrl-C stands, or a job raised it)
+                    if finishing is None:
+                        with contextlib.suppress(ValueError, RuntimeError):  # (never scheduled; or running: let it be)
+                            step.close()
+                    elif not finishing.done():
+                        cancel()
+                        pipeline.drain_until(finishing)
+                    if not self._runner.begun:
+                        self._abandon_unbegun(observed)
+                    raise
+                if not self._runner.begun:  # (cancelled before it began: what backward launched ends here)
+                    self._abandon_unbegun(observed)
         finally:
             pressed = pipeline.take_interrupts()
-        if not self._runner.begun:  # (cancelled before it began: what backward launched ends here)
-            self._abandon_unbegun(observed)
         if pressed:  # after the step's last job: the step is done, and Ctrl-C stands
             raise KeyboardInterrupt
         finishing.result()
@@ -683,7 +684,6 @@ class PagedOptimizer(torch.optim.Optimizer):
         assert pipeline is not None
         abandoning = asyncio.run_coroutine_threadsafe(self._runner.abandon(observed), self._loop)
         pipeline.drain_until(abandoning)
-        pipeline.take_interrupts()
 
     def _has_state(self, slot: ParamSlot) -> bool:
         """Whether ``slot``'s parameter may have state in the store (a subclass that knows says
