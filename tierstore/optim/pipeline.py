@@ -593,7 +593,7 @@ class UpdatePipeline:
         needs = self._chunk_needs(slot, chunks)
         runs = self._chunk_runs(chunks[::-1] if self.reverse else chunks, needs)
         sizes = [sum(needs[chunk.index] for chunk in run) for run in runs]
-        tasks = [asyncio.ensure_future(self._update_run(slot, runs, sizes, i, coef, scale, after)) for i in range(len(runs))]
+        tasks: list[asyncio.Future[None]] = [asyncio.ensure_future(self._update_run(slot, runs, sizes, i, coef, scale, after)) for i in range(len(runs))]
         self._runs = [task for task in self._runs if not task.done()] + tasks
         return tasks
 
