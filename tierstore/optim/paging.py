@@ -1025,15 +1025,11 @@ def _sigint_to(handler: Callable[[], None]) -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread() or not callable(previous):
         yield
         return
+    caught: list[tuple[int, Any]] = []
     if previous is signal.default_int_handler:
         signal.signal(signal.SIGINT, lambda *_: handler())
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGINT, previous)
-        return
-    caught: list[tuple[int, Any]] = []
-    signal.signal(signal.SIGINT, lambda signum, frame: caught.append((signum, frame)))
+    else:
+        signal.signal(signal.SIGINT, lambda signum, frame: caught.append((signum, frame)))
     try:
         yield
     finally:

@@ -235,7 +235,7 @@ class DiskTier(Tier):
         if self.is_open:
             return
         self._check_folder()
-        made = None  # (the first folder this open created: removed again if the capacity is refused)
+        made = None  # (the first folder this open created: removed again, if empty, when the open fails here)
         if not self.root.exists():
             if not self.create:
                 raise FileNotFoundError(f"disk tier folder {self.root} does not exist (create=False)")
