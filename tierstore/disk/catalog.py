@@ -104,6 +104,14 @@ class DiskRecord:
     data: bytes | None = None
     inline: bool = False
 
+    def miscounted_checksums(self, chunk_size: int) -> str | None:
+        """What is wrong with the number of checksums of a value in an extent, whose data
+        file has one per ``chunk_size`` bytes (at least one); None if it is right."""
+        expected = max(1, -(-self.meta.nbytes // chunk_size))
+        if len(self.checksums) == expected:
+            return None
+        return f"has {len(self.checksums)} checksums for {self.meta.nbytes} bytes, expected {expected}"
+
     def to_bytes(self) -> bytes:
         """The sealed binary record (format version 4): a fixed header, the dtype name, the
         shape, the key, then an extent and its checksums, or the checksum and bytes of an inline

@@ -150,8 +150,9 @@ def _why_lost(record: DiskRecord, lengths: list[int | None], layout: CatalogLayo
     extent = record.extent
     if extent is None:
         return None  # (inline in the catalog: its record parsed, so its bytes are there)
-    if len(record.checksums) != max(1, -(-record.meta.nbytes // layout.chunk_size)):
-        return f"its record has {len(record.checksums)} checksums for {record.meta.nbytes} bytes"
+    miscounted = record.miscounted_checksums(layout.chunk_size)
+    if miscounted is not None:
+        return f"its record {miscounted}"
     problem = misplaced(extent, layout.segments, layout.alignment)
     if problem is not None:
         return f"its extent {problem}"

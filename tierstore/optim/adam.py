@@ -41,7 +41,8 @@ from torch.optim.adam import adam
 from ..sync import run
 from ..tensors import PLAIN_TENSOR_TYPES
 from ..warn import warn
-from .batched import batched, update_many
+from .batched import batch_scratch_bytes, batched, update_many
+from .batched import takes as batched_layout
 from .checkpoint import adam_entry, adam_load_state_dict, adam_state_dict
 from .chunks import Chunk, chunk_key
 from .clipping import inverse_scale
@@ -64,6 +65,7 @@ from .precision import (
     PackedState,
     StateLayout,
     can_be_master,
+    update_scratch_bytes,
     validate,
 )
 from .resident import Piece
@@ -234,6 +236,22 @@ class TieredAdam(PagedOptimizer):
             return None
         lossless = group["master_weights"] == "lossless"
         return _state_layout(group["state_precision"], lossless, bool(group["amsgrad"]), not lossless and self._param_is_master(slot))
+
+    def _update_scratch_bytes(self) -> int:
+        """The most any one update takes beside its state, on one thread: a compressed entry's
+        decoded tiles (``update_scratch_bytes``; an entry is a chunk of a chunked parameter) or
+        a batch of small entries' (``batch_scratch_bytes``). Plain fp32 state is updated where
+        it lies."""
+        most = 0
+        for slot in self._slots:
+            layout = self._layout(slot) if self._in_plan(slot) else None
+            if layout is None:
+                continue
+            entry = max(chunk.numel for chunk in slot.chunks) if slot.chunks else slot.numel
+            most = max(most, update_scratch_bytes(layout, entry, slot.numel))
+            if batched_layout(layout, entry, slot.numel):
+                most = max(most, batch_scratch_bytes(layout))
+        return most
 
     def _rows(self, slot: ParamSlot) -> int:
         """Rows of the decoded state: master and moments."""

@@ -27,6 +27,7 @@ from .precision import (
     BLOCK,
     TILE,
     PackedState,
+    StateLayout,
     _nearest_codes,
     _scratch_rows,
     _use_compiled,
@@ -47,12 +48,25 @@ def batched(state: PackedState) -> bool:
     fewer of bf16 moments, of 8-bit moments on the eager codec (a parameter below
     ``COMPILE_MIN_NUMEL`` elements, or the compiled codec off), or of fp32 moments beside a
     lossless master."""
-    layout = state.layout
-    if not 0 < state.numel <= TILE:
+    return takes(state.layout, state.numel, state.param_numel)
+
+
+def takes(layout: StateLayout, numel: int, param_numel: int) -> bool:
+    """``batched`` for an entry of ``layout`` and ``numel`` elements, of a parameter of
+    ``param_numel``."""
+    if not 0 < numel <= TILE:
         return False
     if layout.precision == "8bit":
-        return not _use_compiled(None, state.param_numel)
+        return not _use_compiled(None, param_numel)
     return layout.precision == "bf16" or layout.lossless
+
+
+def batch_scratch_bytes(layout: StateLayout) -> int:
+    """At most the bytes one thread's ``update_many`` of entries of ``layout`` takes beside the
+    entries: a batch's decoded moments (``_scratch_rows``, kept by the thread) and its passing
+    copies (concatenated fields, a lossless master's words, 8-bit codes and padding), each at
+    most an fp32 row of a batch."""
+    return (len(layout.moments) + 3) * BATCH_ELEMENTS * 4
 
 
 def update_many(states: Sequence[PackedState], grads: Sequence[torch.Tensor], steps: Sequence[torch.Tensor], adam: AdamMany) -> None:

@@ -552,6 +552,11 @@ class PagedOptimizer(torch.optim.Optimizer):
     def _state_bytes(self, slot: ParamSlot) -> int:
         """Bytes of optimizer state for ``slot`` (for default capacities and reports)."""
 
+    def _update_scratch_bytes(self) -> int:
+        """At most the bytes one thread's update takes beside the state it updates (buffers
+        of its own, kept or passing; none here: a subclass whose update makes them says)."""
+        return 0
+
     @abstractmethod
     def _state(self, slot: ParamSlot) -> AbstractAsyncContextManager[Any]:
         """An async context (on the loop) giving the slot's state, writable, created if absent."""
@@ -900,6 +905,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             inflight=pipeline.inflight, chunk_bytes=pipeline.chunk_bytes, offloaded=offloaded,
             used_by_others=run(self._used_by_others()), planned=self._in_plan,
             state_entries=lambda slot: [nbytes for _, nbytes in pipeline.state_keys(slot)],
+            update_scratch=pipeline.math_threads * self._update_scratch_bytes(),
         )
         return self._plan
 

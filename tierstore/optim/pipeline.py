@@ -258,6 +258,12 @@ class UpdatePipeline:
 
     # -- math off the loop ---------------------------------------------------------------------------
 
+    @property
+    def math_threads(self) -> int:
+        """The threads that run the updates' math (``math``): the training thread and the
+        worker's."""
+        return 1 + self._compute.threads
+
     async def math(self, fn: Callable[[], Any]) -> Any:
         """Run torch math off the loop: on the training thread when it waits in step()."""
         if self.in_step:

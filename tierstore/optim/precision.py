@@ -458,7 +458,7 @@ TILE = 1 << 16
 #: are ~10 torch calls, which cost more than its rows leaving the L2 cache (bf16 alone, AMD EPYC
 #: Zen 3, two threads: 2.6-3.2 ns a parameter on 64K-element tiles, 1.2-1.4 on 256K, 0.8-1.3 on
 #: 1M; each call on the training thread also lets go of the GIL while the loop is busy). 256K:
-#: most of the gain, for a per-thread scratch of at most 4 MiB (not in ``memory_plan()``).
+#: most of the gain, for a per-thread scratch of at most 4 MiB (in ``memory_plan()``'s working set).
 UPDATE_TILE = 1 << 18
 #: Elements per tile where the compiled 8-bit codec runs: a compiled call has a fixed cost
 #: (its guards) of about a 64K-element tile's math, so its tiles are larger (measured with
@@ -486,6 +486,16 @@ def _scratch_rows(rows: int, size: int) -> torch.Tensor:
     if held is None or held.numel() < rows * size:
         held = _SCRATCH.flat = torch.empty(rows * size)
     return held[: rows * size].view(rows, size)
+
+
+def update_scratch_bytes(layout: StateLayout, numel: int, param_numel: int) -> int:
+    """At most the bytes one thread's ``PackedState.update`` of an entry of ``numel`` elements
+    (of a parameter of ``param_numel``) takes beside the entry: a tile of every decoded fp32 row
+    (``_scratch_rows``, which the thread keeps, as large as the largest asked for) and, with a
+    lossless master, the weight's new high halves (``numel`` bf16, until the update ends)."""
+    tile = COMPILED_TILE if layout.precision == "8bit" and _use_compiled(None, param_numel) else UPDATE_TILE
+    rows = layout.rows if layout.precision != "fp32" else int(layout.lossless)  # (fp32 moments are updated where they lie)
+    return rows * min(numel, tile) * 4 + (numel * 2 if layout.lossless else 0)
 
 
 def can_be_master(param: torch.Tensor) -> bool:

@@ -140,7 +140,8 @@ class MemoryPlan:
     ``process_bytes``: the process's bound with state paged: the model's weights and gradients
     (host memory where the device is the CPU), every memory tier's capacity, state kept
     resident, and the bounded working set (``working_bytes``: the disk tier's staging buffers,
-    one chunk of bounce buffer per disk I/O thread). ``chunk_bytes``: the state of the largest
+    one chunk of bounce buffer per disk I/O thread, and the update's own buffers on each thread
+    that runs it: compressed state's decoded tiles). ``chunk_bytes``: the state of the largest
     chunk of a chunked parameter (chunks are whole blocks of 1,024 elements: at least one block,
     otherwise at most the cap the pipeline set from ``chunk_bytes=``; the cap when none is
     chunked). ``problems``: why it cannot fit (empty: it fits).
@@ -191,12 +192,13 @@ def plan_memory(
     store: TierStore, slots: Sequence[ParamSlot], state_bytes: Callable[[ParamSlot], int], *, state_tier: str,
     unit_need: Callable[[ParamSlot], int], inflight: int, chunk_bytes: int, offloaded: Callable[[Any], Any],
     used_by_others: dict[str, int] | None = None, planned: Callable[[ParamSlot], bool] = _trainable,
-    state_entries: Callable[[ParamSlot], list[int]] | None = None,
+    state_entries: Callable[[ParamSlot], list[int]] | None = None, update_scratch: int = 0,
 ) -> MemoryPlan:
     """The ``MemoryPlan`` of an optimizer's ``slots`` in ``store`` (see ``MemoryPlan``);
     ``used_by_others``: bytes of the bottom tier held by values that are not the optimizer's;
     ``planned``: whether a slot's state counts (not a frozen parameter's without state);
-    ``state_entries``: the bytes of each store entry of a slot's state (default: one entry)."""
+    ``state_entries``: the bytes of each store entry of a slot's state (default: one entry);
+    ``update_scratch``: the update's own buffers, on all the threads that run it."""
     from ..tiers import DiskTier, MemoryTier
 
     tiers = store.tiers
@@ -245,7 +247,7 @@ def plan_memory(
                 + (f", {format_bytes(others[name])} of it other values (it evicts nothing: {_distinct_bytes(room, 0)[0]} is left)"
                    if name in others else "")
             )
-    working = sum(tier.io_threads * tier.chunk_size for tier in tiers if isinstance(tier, DiskTier))
+    working = sum(tier.io_threads * tier.chunk_size for tier in tiers if isinstance(tier, DiskTier)) + update_scratch
     model = sum(slot.numel * slot.param.element_size() for slot in slots if offloaded(slot.param) is None)
     model += sum(slot.numel * slot.param.element_size() for slot in slots if slot.param.requires_grad)
     memory = sum(tier.capacity for tier in tiers if isinstance(tier, MemoryTier))

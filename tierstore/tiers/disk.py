@@ -330,10 +330,9 @@ class DiskTier(Tier):
         except RecordDamagedError as exc:
             raise RecordDamagedError(f"{exc}; nothing was changed. {_repair_hint(self.root)}") from None
         for record in records.values():
-            expected_chunks = max(1, -(-record.meta.nbytes // chunk_size))
-            if len(record.checksums) != expected_chunks:
-                raise RecordDamagedError(f"catalog record for {record.key!r} has {len(record.checksums)} checksums, expected "
-                                         f"{expected_chunks}; nothing was changed. {_repair_hint(self.root)}")
+            problem = record.miscounted_checksums(chunk_size)
+            if problem is not None:
+                raise RecordDamagedError(f"catalog record for {record.key!r} {problem}; nothing was changed. {_repair_hint(self.root)}")
         try:
             self._allocator = ExtentAllocator.rebuild(layout.segments, (r.extent for r in records.values() if r.extent is not None), ALIGNMENT)
         except ValueError as exc:
