@@ -41,7 +41,7 @@ from torch.optim.adam import adam
 from ..sync import run
 from ..tensors import PLAIN_TENSOR_TYPES
 from ..warn import warn
-from .batched import batch_scratch_bytes, batched, update_many
+from .batched import KEPT_MAPS_BYTES, batch_bytes, batched, update_many
 from .batched import takes as batched_layout
 from .checkpoint import adam_entry, adam_load_state_dict, adam_state_dict
 from .chunks import Chunk, chunk_key
@@ -59,13 +59,16 @@ from .pipeline import (
     read_weight_range,
 )
 from .precision import (
+    CODEC_TABLES_BYTES,
     MASTER_WEIGHTS,
     PRECISIONS,
     AdamHyper,
     PackedState,
     StateLayout,
     can_be_master,
-    update_scratch_bytes,
+    plain_update_bytes,
+    release_scratch,
+    update_bytes,
     validate,
 )
 from .resident import Piece
@@ -237,21 +240,36 @@ class TieredAdam(PagedOptimizer):
         lossless = group["master_weights"] == "lossless"
         return _state_layout(group["state_precision"], lossless, bool(group["amsgrad"]), not lossless and self._param_is_master(slot))
 
-    def _update_scratch_bytes(self) -> int:
-        """The most any one update takes beside its state, on one thread: a compressed entry's
-        decoded tiles (``update_scratch_bytes``; an entry is a chunk of a chunked parameter) or
-        a batch of small entries' (``batch_scratch_bytes``). Plain fp32 state is updated where
-        it lies."""
-        most = 0
+    def _release_thread_buffers(self) -> None:
+        release_scratch()
+
+    def _update_buffer_bytes(self, threads: int) -> int:
+        """The most the updates take beside their state on ``threads`` threads at once: per
+        thread the largest scratch an update keeps plus the largest it makes and drops
+        (``update_bytes`` of a compressed entry, an entry being a chunk of a chunked parameter;
+        ``batch_bytes`` of small entries updated together; ``plain_update_bytes`` of plain fp32
+        state), and what the threads share: the 8-bit codec's tables, 8-bit batches' block maps."""
+        kept = passing = shared = 0
         for slot in self._slots:
-            layout = self._layout(slot) if self._in_plan(slot) else None
-            if layout is None:
+            if not self._in_plan(slot):
                 continue
+            group = self.param_groups[slot.group]
+            fused, grad_fp32 = uses_fused(group), slot.param.dtype == torch.float32
             entry = max(chunk.numel for chunk in slot.chunks) if slot.chunks else slot.numel
-            most = max(most, update_scratch_bytes(layout, entry, slot.numel))
+            layout = self._layout(slot)
+            if layout is None:
+                passing = max(passing, plain_update_bytes(entry, fused=fused, grad_fp32=grad_fp32))
+                continue
+            sizes = [update_bytes(layout, entry, slot.numel, fused=fused, grad_fp32=grad_fp32)]
+            if layout.precision == "8bit":
+                shared = max(shared, CODEC_TABLES_BYTES)
             if batched_layout(layout, entry, slot.numel):
-                most = max(most, batch_scratch_bytes(layout))
-        return most
+                sizes.append(batch_bytes(layout, fused=fused, grad_fp32=grad_fp32))
+                if layout.precision == "8bit":
+                    shared = CODEC_TABLES_BYTES + KEPT_MAPS_BYTES
+            kept = max(kept, *(k for k, _ in sizes))
+            passing = max(passing, *(p for _, p in sizes))
+        return threads * (kept + passing) + shared
 
     def _rows(self, slot: ParamSlot) -> int:
         """Rows of the decoded state: master and moments."""

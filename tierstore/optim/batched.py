@@ -61,12 +61,17 @@ def takes(layout: StateLayout, numel: int, param_numel: int) -> bool:
     return layout.precision == "bf16" or layout.lossless
 
 
-def batch_scratch_bytes(layout: StateLayout) -> int:
+def batch_bytes(layout: StateLayout, *, fused: bool, grad_fp32: bool) -> tuple[int, int]:
     """At most the bytes one thread's ``update_many`` of entries of ``layout`` takes beside the
-    entries: a batch's decoded moments (``_scratch_rows``, kept by the thread) and its passing
-    copies (concatenated fields, a lossless master's words, 8-bit codes and padding), each at
-    most an fp32 row of a batch."""
-    return (len(layout.moments) + 3) * BATCH_ELEMENTS * 4
+    entries: ``(kept, passing)``. Kept: a batch's decoded moments (``_scratch_rows``). Passing:
+    a batch's concatenated fields, 8-bit codes, padding and quotients, a lossless master's
+    words and halves, gradients cast to fp32 (``grad_fp32`` False) and a non-fused AdamW's
+    temporaries (``fused`` False), each at most an fp32 row of a batch (a batch counts its
+    8-bit entries padded to whole blocks). 8-bit batches also keep their block maps, shared by
+    the threads (``KEPT_MAPS_BYTES``)."""
+    moments = len(layout.moments)
+    passing = 6 + 2 * layout.lossless + (not grad_fp32) + (0 if fused else 2)
+    return moments * BATCH_ELEMENTS * 4, passing * BATCH_ELEMENTS * 4
 
 
 def update_many(states: Sequence[PackedState], grads: Sequence[torch.Tensor], steps: Sequence[torch.Tensor], adam: AdamMany) -> None:
@@ -90,11 +95,15 @@ def update_many(states: Sequence[PackedState], grads: Sequence[torch.Tensor], st
     for members in by_layout.values():
         size = BATCH_ELEMENTS  # (the first entry of a layout starts a batch)
         for i in members:
-            if size + states[i].numel > BATCH_ELEMENTS:
+            # (8-bit entries count padded to whole blocks, as their encode pads them: a batch
+            # of one-element entries would otherwise pad to 256 times its elements)
+            numel = states[i].numel
+            span = -(-numel // BLOCK) * BLOCK if states[i].layout.precision == "8bit" else numel
+            if size + span > BATCH_ELEMENTS:
                 batches.append([])
                 size = 0
             batches[-1].append(i)
-            size += states[i].numel
+            size += span
     for batch in batches:
         _update_batch([states[j] for j in batch], [grads[j] for j in batch], [steps[j] for j in batch], adam)
 
@@ -112,6 +121,8 @@ class _Blocks(NamedTuple):
 #: Batches' block maps kept (a step's buckets repeat from step to step; each map is at most
 #: 12 bytes an element of a batch, 1.5 MiB).
 _KEPT_MAPS = 8
+#: Bytes of the block maps kept, at most (``_blocks``: 12 B an element of a batch each).
+KEPT_MAPS_BYTES = _KEPT_MAPS * 12 * BATCH_ELEMENTS
 
 
 @lru_cache(maxsize=_KEPT_MAPS)

@@ -552,9 +552,15 @@ class PagedOptimizer(torch.optim.Optimizer):
     def _state_bytes(self, slot: ParamSlot) -> int:
         """Bytes of optimizer state for ``slot`` (for default capacities and reports)."""
 
-    def _update_scratch_bytes(self) -> int:
-        """At most the bytes one thread's update takes beside the state it updates (buffers
-        of its own, kept or passing; none here: a subclass whose update makes them says)."""
+    def _release_thread_buffers(self) -> None:
+        """After a step, on the thread that called it: let go of what its updates on this
+        thread kept (the thread is the caller's: ``memory_plan()`` counts one such thread, not
+        every thread that ever stepped)."""
+
+    def _update_buffer_bytes(self, threads: int) -> int:
+        """At most the bytes the updates take beside the state they update, running on
+        ``threads`` threads at once (buffers of their own, kept or passing; none here: a
+        subclass whose update makes them says)."""
         return 0
 
     @abstractmethod
@@ -677,6 +683,7 @@ class PagedOptimizer(torch.optim.Optimizer):
                     self._abandon_unbegun(observed)
         finally:
             pressed = pipeline.take_interrupts()
+            self._release_thread_buffers()
         if pressed:  # after the step's last job: the step is done, and Ctrl-C stands
             raise KeyboardInterrupt
         finishing.result()
@@ -905,7 +912,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             inflight=pipeline.inflight, chunk_bytes=pipeline.chunk_bytes, offloaded=offloaded,
             used_by_others=run(self._used_by_others()), planned=self._in_plan,
             state_entries=lambda slot: [nbytes for _, nbytes in pipeline.state_keys(slot)],
-            update_scratch=pipeline.math_threads * self._update_scratch_bytes(),
+            update_scratch=self._update_buffer_bytes(pipeline.math_threads),
         )
         return self._plan
 

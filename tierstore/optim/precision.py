@@ -488,14 +488,44 @@ def _scratch_rows(rows: int, size: int) -> torch.Tensor:
     return held[: rows * size].view(rows, size)
 
 
-def update_scratch_bytes(layout: StateLayout, numel: int, param_numel: int) -> int:
+#: fp32 rows of a tile an update makes and drops beside its scratch, at most (``update_bytes``):
+#: the eager codec's passes (absolute values, block maxima, quotients, code indices of 8 B),
+#: a gradient made fp32, and a non-fused AdamW's own temporaries (per ``grad_fp32``/``fused``).
+_CODEC_ROWS = 4
+
+
+def update_bytes(layout: StateLayout, numel: int, param_numel: int, *, fused: bool, grad_fp32: bool) -> tuple[int, int]:
     """At most the bytes one thread's ``PackedState.update`` of an entry of ``numel`` elements
-    (of a parameter of ``param_numel``) takes beside the entry: a tile of every decoded fp32 row
-    (``_scratch_rows``, which the thread keeps, as large as the largest asked for) and, with a
-    lossless master, the weight's new high halves (``numel`` bf16, until the update ends)."""
-    tile = COMPILED_TILE if layout.precision == "8bit" and _use_compiled(None, param_numel) else UPDATE_TILE
+    (of a parameter of ``param_numel``) takes beside the entry: ``(kept, passing)``. Kept: the
+    thread's fp32 scratch (``_scratch_rows``, a tile of every decoded row, as large as the
+    largest asked for; 1M-element tiles for an 8-bit parameter the compiled codec takes, or
+    took before it failed). Passing, made and dropped by the update: each tile's temporaries
+    (``_CODEC_ROWS`` rows; a gradient cast to fp32 with ``grad_fp32`` False; a non-fused
+    AdamW's, ``fused`` False) and, with a lossless master, the weight's new high halves
+    (``numel`` bf16)."""
+    tile = COMPILED_TILE if layout.precision == "8bit" and param_numel >= COMPILE_MIN_NUMEL else UPDATE_TILE
+    width = min(numel, tile)
     rows = layout.rows if layout.precision != "fp32" else int(layout.lossless)  # (fp32 moments are updated where they lie)
-    return rows * min(numel, tile) * 4 + (numel * 2 if layout.lossless else 0)
+    passing = (_CODEC_ROWS + (not grad_fp32) + (0 if fused else 2)) * width * 4
+    return rows * width * 4, passing + (numel * 2 if layout.lossless else 0)
+
+
+#: Bytes of the 8-bit codec's tables, at most, built once and shared by the threads (its code
+#: maps, codebooks and search tables, both signs: 1.6 MiB).
+CODEC_TABLES_BYTES = 2 << 20
+
+
+def plain_update_bytes(numel: int, *, fused: bool, grad_fp32: bool) -> int:
+    """At most the bytes torch's AdamW makes and drops updating plain fp32 state of ``numel``
+    elements in one call: the gradient cast to fp32 (``grad_fp32`` False) and, unless
+    ``fused``, the foreach or for-loop kernel's temporaries (two rows: measured 1 and 1.5)."""
+    return ((not grad_fp32) + (0 if fused else 2)) * numel * 4
+
+
+def release_scratch() -> None:
+    """Let go of this thread's scratch (``_scratch_rows``): a thread that ran updates in a
+    step keeps none after it, so only the threads ``memory_plan()`` counts hold one."""
+    _SCRATCH.flat = None
 
 
 def can_be_master(param: torch.Tensor) -> bool:
@@ -750,7 +780,6 @@ class PackedState:
             raise RuntimeError("internal error: a lossless master needs the model's bf16 weight")
         compiled = layout.precision == "8bit" and _use_compiled(None, self.param_numel)
         tile = COMPILED_TILE if compiled else UPDATE_TILE
-        width = min(self.numel, tile)  # (elements of a scratch row: allocated as the tiles need)
         high = torch.empty(self.numel, dtype=torch.bfloat16) if layout.lossless else None
         # The count as a number: the fused tiles need no tensor of it (each torch call on the
         # training thread lets go of the GIL, and getting it back may wait for the loop).
@@ -762,7 +791,7 @@ class PackedState:
             if scalars is not None and not _FUSED.failed and stop > start and (stop - start) % BLOCK == 0 and self._fused_tile(start, stop, flat, scalars, high):
                 counted = before + 1  # (as torch's Adam counts)
                 continue
-            rows = self._decode_tile(start, stop, width, compiled)
+            rows = self._decode_tile(start, stop, compiled)
             counted = step.clone()  # (not counted yet: each tile from the same count)
             adam(rows, flat[start:stop], counted)
             self._encode_tile(start, stop, rows, high, compiled)
@@ -797,16 +826,16 @@ class PackedState:
             return True
         return _FUSED.call("adam8_lossless", *map(_own_storage, (*halves, *moments, grad[start:stop])), scalars, *books) is not False
 
-    def _decode_tile(self, start: int, stop: int, width: int, compiled: bool) -> list[torch.Tensor]:
+    def _decode_tile(self, start: int, stop: int, compiled: bool) -> list[torch.Tensor]:
         """Elements ``start:stop`` as fp32 rows: views of the buffer where a field is fp32 (an
-        fp32 master, fp32 moments), decoded into this thread's scratch rows (of ``width``
-        elements) otherwise; the compiled 8-bit kernels return their moments, so then only a
+        fp32 master, fp32 moments), decoded into this thread's scratch rows (the tile's
+        elements each) otherwise; the compiled 8-bit kernels return their moments, so then only a
         lossless master takes a scratch row."""
         size = stop - start
         moments = self.layout.moments
         pair = compiled and self.layout.precision == "8bit" and size % BLOCK == 0 and len(moments) == 2
         needed = int(self.layout.lossless) if pair or self.layout.precision == "fp32" else self.layout.rows
-        scratch = _scratch_rows(needed, width) if needed else None
+        scratch = _scratch_rows(needed, size) if needed else None
         rows = [self.master()[start:stop] if not self.layout.lossless else scratch[0, :size]]  # type: ignore[index]
         if self.layout.lossless:
             words = rows[0].view(torch.int16).view(-1, 2)
@@ -820,7 +849,7 @@ class PackedState:
                                      dynamic_map(True), dynamic_map(False))
             if decoded is not False:
                 return [rows[0], *decoded]
-            scratch = _scratch_rows(self.layout.rows, width)  # (a lossless master's row stays where it was decoded)
+            scratch = _scratch_rows(self.layout.rows, size)  # (a lossless master's row stays where it was decoded)
         assert scratch is not None
         rows += [scratch[i, :size] for i in range(1, 1 + len(moments))]
         if self.layout.precision == "bf16":
