@@ -12,7 +12,8 @@ Orders that alternate between two phases (an optimizer updating in one order, th
 so the state updated last is updated first) are learned too: when a phase resembles the one
 two phases back, or the one just before reversed, more than the one just before, the schedule
 followed next is the phase before it, and the one after that
-this phase (``period`` is 2).
+this phase (``period`` is 2). A phase whose first access is where the one schedule known ends
+(the first reversal) is followed reversed from that access on, not learned a phase later.
 
 ``next_use(key)`` says when a key is needed next (an absolute access count, ``inf`` if not in
 the schedule or the phase after it), so ``MIN(schedule)`` evicts exactly what the schedule needs
@@ -96,7 +97,33 @@ class ScheduleLearned:
                 if offset:
                     self._misaligned += 1
                 return
+        if self._pos == 0 and self.period == 1 and self._reverse_if_starts(key):
+            return
         self._misaligned += 1  # not in the schedule nearby: stay put
+
+    def _reverse_if_starts(self, key: str) -> bool:
+        """At a phase's first access, not where the one schedule known starts: if it is where
+        that schedule ends, follow it reversed from here, and expect the schedule as it was
+        next (an order reversed each phase, seen once: known at the phase's first access, not
+        a phase later)."""
+        length = len(self._schedule)
+        if not any(self._schedule[length - 1 - offset][0] == key for offset in range(min(self.window, length))):
+            return False
+        forward = self._schedule
+        self._schedule = forward[::-1]
+        self._after = forward
+        self._positions, self._after_positions = _positions(self._schedule), self._positions
+        self.period = 2
+        self._misaligned += 1
+        self._place_after(key)
+        return True
+
+    def _place_after(self, key: str) -> None:
+        """Place the position after ``key`` in the reversed schedule (within the window)."""
+        for index in range(min(self.window, len(self._schedule))):
+            if self._schedule[index][0] == key:
+                self._pos = index + 1
+                return
 
     def on_step(self) -> None:
         if not self._recording:

@@ -79,6 +79,55 @@ def test_disk_bound_step_moves_at_most_a_tenth_beyond_the_need(
 
 
 
+def _measured_step(opt: TieredAdamW) -> tuple[int, int, int]:
+    """One step: the bytes the report says it moved, those the kernel saw, and its need."""
+    before = block_io()
+    opt.step()
+    after = block_io()
+    report = opt.time_report()
+    return report.disk_read_bytes + report.disk_write_bytes, after[0] - before[0] + after[1] - before[1], report.disk_need_bytes
+
+
+@pytest.mark.parametrize("state_precision", ["fp32", "8bit"])
+def test_the_first_steps_and_those_after_a_load_move_at_most_a_tenth_beyond_the_need(
+    tmp_path: Path, counters: None, device_mode: str, state_precision: str
+) -> None:
+    """Two defects a tryout found on every start and resume (a 2 MiB host tier, 68 MiB of state):
+    - the second step (the first in the reversed order) read 2-4x the state: the learned
+      schedule knew one order only, so it prefetched in the wrong one and its evictions threw
+      out what came next. It now takes a phase that starts where the schedule ends as that
+      schedule reversed, at its first access;
+    - the step after ``load_state_dict()`` reported the load's writes as its own (134 MiB
+      written where the kernel saw 68 MiB in the step) and half its need (the state did not
+      exist when the window began), "3.06x of the need"."""
+    opt = _optimizer(tmp_path / "disk", state_precision)
+    try:
+        opt.step()  # (the state is created)
+        moved = needed = 0
+        for _ in range(2):
+            step_moved, _, need = _measured_step(opt)
+            moved, needed = moved + step_moved, needed + need
+        # (the steady state's tenth is test_disk_bound_step_moves_at_most_a_tenth_beyond_the_need's)
+        assert moved <= 1.2 * needed, f"{moved:,} bytes moved for {needed:,} needed ({moved / needed:.2f}x)"
+        saved, steady_need = opt.state_dict(), needed / 2
+    finally:
+        opt.close()
+    resumed = _optimizer(tmp_path / "resumed", state_precision)
+    try:
+        resumed.load_state_dict(saved)
+        moved = needed = 0
+        for _ in range(3):
+            step_moved, kernel, need = _measured_step(resumed)
+            assert abs(kernel - step_moved) <= SLACK + step_moved // 20, f"reported {step_moved:,} bytes, the kernel saw {kernel:,}"
+            assert need >= 0.9 * steady_need  # (as before the load: the state read and written, not only written)
+            moved, needed = moved + step_moved, needed + need
+        # (not yet a tenth: a store opened anew has no schedule, and its first steps read some
+        # states twice, 1.1-1.5x; the issue's note says so)
+        assert moved <= 1.5 * needed, f"{moved:,} bytes moved for {needed:,} needed ({moved / needed:.2f}x)"
+    finally:
+        resumed.close()
+
+
 def test_bytes_reported_are_the_kernels_for_entries_not_a_multiple_of_a_block(tmp_path: Path, counters: None, device_mode: str) -> None:
     """An 8-bit entry of 5,003 parameters is 10,166 bytes; the disk moves 12,288 (whole 4 KiB
     blocks). The report counted the entry's bytes: 1.21x fewer than the kernel saw, and the SSD

@@ -591,6 +591,37 @@ def test_schedule_learns_follows_and_notices_changes() -> None:
     assert math.isinf(policy.next_use("zzz"))
 
 
+def test_schedule_follows_a_phase_reversed_from_its_first_access() -> None:
+    """An order reversed each phase (the optimizer's update order), seen once: a phase that
+    starts where the schedule ends is followed reversed from its first access. Before, the
+    reversal was learned a phase later, and the phase in between prefetched the wrong way (an
+    optimizer's second step after every start or resume read 2-4x its paged state)."""
+    policy = ScheduleLearned(ahead=3, max_keys=10, window=2)
+    order = list("abcdefgh")
+    for key in order:
+        policy.on_access(key, 1, "host", False)
+    policy.on_step()
+    policy.on_access("h", 1, "host", False)
+    assert list(policy.suggest()) == [("g", "host"), ("f", "host"), ("e", "host")]
+    assert policy.next_use("g") < policy.next_use("b") < policy.next_use("a")
+    for key in reversed(order[:-1]):
+        policy.on_access(key, 1, "host", True)
+    policy.on_step()
+    assert policy.period == 2
+    policy.on_access("a", 1, "host", False)  # and forward again
+    assert list(policy.suggest()) == [("b", "host"), ("c", "host"), ("d", "host")]
+
+
+def test_schedule_does_not_reverse_for_a_phase_starting_elsewhere() -> None:
+    policy = ScheduleLearned(ahead=3, max_keys=10, window=2)
+    for key in "abcdefgh":
+        policy.on_access(key, 1, "host", False)
+    policy.on_step()
+    policy.on_access("d", 1, "host", False)  # (neither end: not a reversal)
+    assert policy.period == 1
+    assert list(policy.suggest()) == [("a", "host"), ("b", "host"), ("c", "host")]
+
+
 # -- the live store with each policy ---------------------------------------------------------------
 
 

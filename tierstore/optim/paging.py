@@ -983,7 +983,8 @@ class PagedOptimizer(torch.optim.Optimizer):
         dict to use instead)."""
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        state_dict = make()
+        with self._window.not_counted(lambda: self.store.counters.links):  # (a checkpoint's reads are not the next step's)
+            state_dict = make()
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
             if result is not None:
@@ -998,7 +999,8 @@ class PagedOptimizer(torch.optim.Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        load(state_dict)
+        with self._window.not_counted(lambda: self.store.counters.links):  # (its writes are not the next step's)
+            load(state_dict)
         self._run_load_post_hooks()
 
     def _run_load_post_hooks(self) -> None:

@@ -586,6 +586,23 @@ class StepWindow:
         self._measure = measure
         self._residency = measure()
 
+    @contextmanager
+    def not_counted(self, links: Callable[[], dict[str, Any]]) -> Iterator[None]:
+        """Leave what crosses the store's links (``links()``: its link counters) inside the
+        block out of the step's disk figures, and measure the paged state's residency anew
+        after it: a checkpoint's save or load between steps is not the step's work, and a load
+        changes where the state lies."""
+        before = {name: (s.nbytes, s.seconds) for name, s in links().items()}
+        try:
+            yield
+        finally:
+            for name, stats in links().items():
+                was_bytes, was_seconds = before.get(name, (0, 0.0))
+                base_bytes, base_seconds = self._links.get(name, (0, 0.0))
+                self._links[name] = (base_bytes + stats.nbytes - was_bytes, base_seconds + stats.seconds - was_seconds)
+            if self._measure is not None:
+                self._residency = self._measure()
+
     def on_transfer(self, link: str, nbytes: int, start: float, end: float) -> None:
         """A store's transfer between tiers (``TierStore.on_transfer``)."""
         self.timeline.add(f"{nbytes:,} B", link, start, end, bytes=nbytes)
