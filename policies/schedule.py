@@ -13,7 +13,8 @@ so the state updated last is updated first) are learned too: when a phase resemb
 two phases back, or the one just before reversed, more than the one just before, the schedule
 followed next is the phase before it, and the one after that
 this phase (``period`` is 2). A phase whose first access is where the one schedule known ends
-(the first reversal) is followed reversed from that access on, not learned a phase later.
+(the first reversal) is followed reversed from there on, not learned a phase later, unless its
+next access says otherwise.
 
 ``next_use(key)`` says when a key is needed next (an absolute access count, ``inf`` if not in
 the schedule or the phase after it), so ``MIN(schedule)`` evicts exactly what the schedule needs
@@ -65,6 +66,9 @@ class ScheduleLearned:
         self._recent: list[list[tuple[str, int, str]]] = []
         self.period = 1
         self._pos = 0  # index in the schedule of the next expected access
+        #: What the schedule was before a reversal taken at a phase's first access, until the
+        #: next access confirms it (``_reverse_from``); else None.
+        self._tentative: tuple | None = None
         self._clock = 0  # demand accesses seen so far
         self._misaligned = 0
         self.changes = 0
@@ -87,8 +91,38 @@ class ScheduleLearned:
             self._schedule, self._after = self._after, self._schedule
             self._positions, self._after_positions = self._after_positions, self._positions
             self._pos, length = 0, len(self._schedule)
+        if self._follow(key):
+            self._tentative = None  # (a reversal taken at the phase's first access holds)
+            return
+        if self._tentative is not None:
+            if self._forward_after_all(key):
+                return
+        elif self._pos == 0 and self.period == 1 and self._reverse_from(key):
+            return
+        self._misaligned += 1  # not in the schedule nearby: stay put
+
+    def _forward_after_all(self, key: str) -> bool:
+        """After a reversal taken at a phase's first access, an access not found ahead in the
+        schedule reversed: if it comes soon after that first access in the schedule as it was
+        (a phase rotated to start near the end, say), go back to that schedule, past ``key``."""
+        assert self._tentative is not None
+        forward = self._tentative[0]
+        length = len(forward)
+        start = length - self._pos + 1  # (after the first access, in the schedule as it was)
+        for offset in range(min(self.window, length)):
+            index = (start + offset) % length
+            if forward[index][0] == key:
+                self._schedule, self._after, self._positions, self._after_positions, self.period = self._tentative
+                self._tentative, self._pos = None, index + 1
+                self._misaligned += 1
+                return True
+        return False
+
+    def _follow(self, key: str) -> bool:
+        """Move the position past ``key`` if it is within ``window`` ahead in the schedule."""
         # ``_pos`` runs up to ``length`` (the phase done: what comes next is ``_after``), and
         # only wraps round when a phase goes on past its end (no ``on_step`` between phases).
+        length = len(self._schedule)
         start = self._pos % length
         for offset in range(min(self.window, length)):
             index = (start + offset) % length
@@ -96,34 +130,27 @@ class ScheduleLearned:
                 self._pos = index + 1
                 if offset:
                     self._misaligned += 1
-                return
-        if self._pos == 0 and self.period == 1 and self._reverse_if_starts(key):
-            return
-        self._misaligned += 1  # not in the schedule nearby: stay put
+                return True
+        return False
 
-    def _reverse_if_starts(self, key: str) -> bool:
+    def _reverse_from(self, key: str) -> bool:
         """At a phase's first access, not where the one schedule known starts: if it is where
-        that schedule ends, follow it reversed from here, and expect the schedule as it was
-        next (an order reversed each phase, seen once: known at the phase's first access, not
-        a phase later)."""
+        that schedule ends, follow the schedule reversed from here and expect it as it was next
+        (an order reversed each phase, seen once: known at the phase's first access, not a
+        phase later). Tentatively: until an access is found ahead in the schedule reversed; one
+        found after it in the schedule as it was restores that (``_forward_after_all``)."""
         length = len(self._schedule)
-        if not any(self._schedule[length - 1 - offset][0] == key for offset in range(min(self.window, length))):
-            return False
-        forward = self._schedule
-        self._schedule = forward[::-1]
-        self._after = forward
-        self._positions, self._after_positions = _positions(self._schedule), self._positions
-        self.period = 2
-        self._misaligned += 1
-        self._place_after(key)
-        return True
-
-    def _place_after(self, key: str) -> None:
-        """Place the position after ``key`` in the reversed schedule (within the window)."""
-        for index in range(min(self.window, len(self._schedule))):
-            if self._schedule[index][0] == key:
-                self._pos = index + 1
-                return
+        for offset in range(min(self.window, length)):
+            if self._schedule[length - 1 - offset][0] == key:
+                self._tentative = (self._schedule, self._after, self._positions, self._after_positions, self.period)
+                forward = self._schedule
+                self._schedule, self._after = forward[::-1], forward
+                self._positions, self._after_positions = _positions(self._schedule), self._positions
+                self.period = 2
+                self._pos = offset + 1
+                self._misaligned += 1
+                return True
+        return False
 
     def on_step(self) -> None:
         if not self._recording:
@@ -149,6 +176,7 @@ class ScheduleLearned:
         self._after_positions = self._positions if self._after is self._schedule else _positions(self._after)
         self._pos = 0
         self._misaligned = 0
+        self._tentative = None
         self.phases += 1
 
     def suggest(self) -> Iterable[tuple[str, str | None]]:

@@ -380,7 +380,8 @@ def save_optimizer(
     state = {key: optimizer_state_dict(optimizer, model)}
     if "storage_writer" not in save_kwargs:
         save_kwargs["storage_writer"] = StreamingFileSystemWriter(checkpoint_id, buffer_bytes)
-    return dcp.save(state, checkpoint_id=checkpoint_id, planner=StreamingSavePlanner(), **save_kwargs)
+    with optimizer._checkpoint_io():  # (its reads from the tiers are not the next step's)
+        return dcp.save(state, checkpoint_id=checkpoint_id, planner=StreamingSavePlanner(), **save_kwargs)
 
 
 # -- loading -------------------------------------------------------------------------------------
@@ -533,8 +534,6 @@ def load_optimizer(
     load_kwargs:
         Passed to ``dcp.load`` (``storage_reader=``, ``process_group=`` ...; not ``planner=``).
     """
-    import torch.distributed.checkpoint as dcp
-
     if "planner" in load_kwargs:
         raise TypeError("load_optimizer brings its own planner (StreamingLoadPlanner)")
     if buffer_bytes <= 0:
@@ -547,6 +546,18 @@ def load_optimizer(
             f"registered on the optimizer ({names}), which take and may replace the whole state dict, cannot run; "
             "nothing was loaded. Remove them, or load through dcp.load + set_optimizer_state_dict (the whole state in memory)"
         )
+    with optimizer._checkpoint_io():  # (its writes into the tiers are not the next step's)
+        _stream_in(optimizer, checkpoint_id, model, key, buffer_bytes, load_kwargs)
+    optimizer._run_load_post_hooks()
+
+
+def _stream_in(
+    optimizer: TieredAdam, checkpoint_id: str | os.PathLike[str], model: torch.nn.Module | None, key: str, buffer_bytes: int,
+    load_kwargs: dict[str, Any],
+) -> None:
+    """``load_optimizer`` after its checks, up to its post-hooks."""
+    import torch.distributed.checkpoint as dcp
+
     placeholders = optimizer_state_dict(optimizer, model)
     state = {fqn: entry for fqn, entry in placeholders["state"].items() if entry}
     groups = _passes(state, buffer_bytes)
@@ -572,7 +583,6 @@ def load_optimizer(
             run(optimizer.delete_state(slot))
     _set_groups(optimizer, loaded_groups or [])
     optimizer._drop_saved_for_later()  # (the loaded state is the state from now on; groups added later start over)
-    optimizer._run_load_post_hooks()
 
 
 def _set_groups(optimizer: TieredAdam, saved: list[dict[str, Any]]) -> None:

@@ -39,7 +39,7 @@ import warnings
 import weakref
 from abc import abstractmethod
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractAsyncContextManager
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -977,13 +977,19 @@ class PagedOptimizer(torch.optim.Optimizer):
         if failures:  # updates started in backward, never stepped, that failed: closed, then said
             raise self._runner.abandoned_error(failures)
 
+    def _checkpoint_io(self) -> AbstractContextManager[None]:
+        """A block whose disk I/O is a checkpoint's (a save's reads, a load's writes): left out
+        of the step figures of ``time_report()``, and the paged state's residency measured anew
+        after it (``StepWindow.not_counted``)."""
+        return self._window.not_counted(lambda: self.store.counters.links)
+
     def _hooked_state_dict(self, make: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """``make()`` between the hooks of ``register_state_dict_pre_hook`` and
         ``..._post_hook``, as torch's ``state_dict`` runs them (a post-hook may return the
         dict to use instead)."""
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        with self._window.not_counted(lambda: self.store.counters.links):  # (a checkpoint's reads are not the next step's)
+        with self._checkpoint_io():
             state_dict = make()
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
@@ -999,7 +1005,7 @@ class PagedOptimizer(torch.optim.Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        with self._window.not_counted(lambda: self.store.counters.links):  # (its writes are not the next step's)
+        with self._checkpoint_io():
             load(state_dict)
         self._run_load_post_hooks()
 

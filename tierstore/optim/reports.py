@@ -8,6 +8,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+import contextlib
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -579,6 +580,8 @@ class StepWindow:
         self._links: dict[str, tuple[int, float]] = {}
         self._measure: Callable[[], Residency | None] | None = None
         self._residency: Residency | None = None
+        #: Windows closed so far (``not_counted`` leaves a block alone that a close ran inside).
+        self._closes = 0
 
     def watch(self, measure: Callable[[], Residency | None]) -> None:
         """Count each step's ``disk_need_bytes`` from ``measure()`` (the paged state's
@@ -593,15 +596,18 @@ class StepWindow:
         after it: a checkpoint's save or load between steps is not the step's work, and a load
         changes where the state lies."""
         before = {name: (s.nbytes, s.seconds) for name, s in links().items()}
+        closes = self._closes
         try:
             yield
         finally:
-            for name, stats in links().items():
-                was_bytes, was_seconds = before.get(name, (0, 0.0))
-                base_bytes, base_seconds = self._links.get(name, (0, 0.0))
-                self._links[name] = (base_bytes + stats.nbytes - was_bytes, base_seconds + stats.seconds - was_seconds)
-            if self._measure is not None:
-                self._residency = self._measure()
+            if self._closes == closes:  # (else a step ended meanwhile, on another thread: it counted the block's bytes)
+                for name, stats in links().items():
+                    was_bytes, was_seconds = before.get(name, (0, 0.0))
+                    base_bytes, base_seconds = self._links.get(name, (0, 0.0))
+                    self._links[name] = (base_bytes + stats.nbytes - was_bytes, base_seconds + stats.seconds - was_seconds)
+                if self._measure is not None:
+                    with contextlib.suppress(Exception):  # (the store closed meanwhile, say: the block's own error stands)
+                        self._residency = self._measure()
 
     def on_transfer(self, link: str, nbytes: int, start: float, end: float) -> None:
         """A store's transfer between tiers (``TierStore.on_transfer``)."""
@@ -631,6 +637,7 @@ class StepWindow:
         self.last_events = self.timeline.events()
         self.timeline.clear()
         self._start = now
+        self._closes += 1
 
     def write(self, path: str | Path) -> None:
         """Write the last step as a Chrome trace."""
