@@ -8,8 +8,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-import contextlib
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -606,7 +605,7 @@ class StepWindow:
                     base_bytes, base_seconds = self._links.get(name, (0, 0.0))
                     self._links[name] = (base_bytes + stats.nbytes - was_bytes, base_seconds + stats.seconds - was_seconds)
                 if self._measure is not None:
-                    with contextlib.suppress(Exception):  # (the store closed meanwhile, say: the block's own error stands)
+                    with suppress(Exception):  # (the store closed meanwhile, say: the block's own error stands)
                         self._residency = self._measure()
 
     def on_transfer(self, link: str, nbytes: int, start: float, end: float) -> None:
