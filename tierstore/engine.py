@@ -88,6 +88,9 @@ class Engine:
         self._warned: set[object] = set()
         #: The policy that never suggests anything is not asked on every access.
         self._no_prefetch = type(self.prefetch_policy) is NoPrefetch
+        #: Blocks open now whose accesses the prefetch policy is not told of
+        #: (``TierStore._unobserved``: a checkpoint's, not the training's pattern).
+        self.unobserved = 0
         if hasattr(self.prefetch_policy, "set_capacities"):
             self.prefetch_policy.set_capacities({tier.name: tier.capacity for tier in self._tiers})
         self.trace: TraceRecorder | None = None
@@ -1309,7 +1312,7 @@ class Engine:
                 valid = entry.valid_tiers() if entry is not None else []
                 before = valid[0] if valid else None
             self.trace.record(op, key, nbytes, t, hit, before)
-        if op in ("get", "hold", "put", "pop") and t is not None and self.issuer is not None and not self._no_prefetch:
+        if op in ("get", "hold", "put", "pop") and t is not None and self.issuer is not None and not self._no_prefetch and not self.unobserved:
             try:
                 self.prefetch_policy.on_access(key, nbytes, self.names[t], bool(hit))
                 suggestions = read_suggestions(self.prefetch_policy)

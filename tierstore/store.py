@@ -9,8 +9,8 @@ import operator
 import traceback
 import warnings
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -1194,6 +1194,16 @@ class TierStore:
         ``EntryHeldError`` inside the caller's own."""
         await self._require_open()
         await self._engine.flush_all()
+
+    @contextmanager
+    def _unobserved(self) -> Iterator[None]:
+        """For the package's own callers (an optimizer's checkpoint): the accesses made inside
+        the block are not told to the prefetch policy, whose schedule is the training's."""
+        self._engine.unobserved += 1
+        try:
+            yield
+        finally:
+            self._engine.unobserved -= 1
 
     def mark_step(self) -> None:
         """Mark the end of a repeated phase (a training step) for the prefetch policy and trace."""

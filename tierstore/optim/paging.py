@@ -39,7 +39,7 @@ import warnings
 import weakref
 from abc import abstractmethod
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractAsyncContextManager, AbstractContextManager
+from contextlib import AbstractAsyncContextManager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -977,11 +977,15 @@ class PagedOptimizer(torch.optim.Optimizer):
         if failures:  # updates started in backward, never stepped, that failed: closed, then said
             raise self._runner.abandoned_error(failures)
 
-    def _checkpoint_io(self) -> AbstractContextManager[None]:
+    @contextlib.contextmanager
+    def _checkpoint_io(self) -> Iterator[None]:
         """A block whose disk I/O is a checkpoint's (a save's reads, a load's writes): left out
         of the step figures of ``time_report()``, and the paged state's residency measured anew
-        after it (``StepWindow.not_counted``)."""
-        return self._window.not_counted(lambda: self.store.counters.links)
+        after it (``StepWindow.not_counted``); its accesses are not the store's learned
+        schedule's to follow (a load's writes, recorded with the first step's accesses, were
+        taken for a step's order: the third step after a load read 1.7x its need)."""
+        with self._window.not_counted(lambda: self.store.counters.links), self.store._unobserved():
+            yield
 
     def _hooked_state_dict(self, make: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """``make()`` between the hooks of ``register_state_dict_pre_hook`` and
