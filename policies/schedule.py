@@ -84,13 +84,12 @@ class ScheduleLearned:
         self._recording.append((key, nbytes, tier))
         if not self._schedule:
             return
-        length = len(self._schedule)
-        if self._pos >= length and self._after is not self._schedule:
+        if self._pos >= len(self._schedule) and self._after is not self._schedule:
             # The phase followed is done and no ``on_step`` came: the next one is ``_after``
             # (alternating: then the one just followed again).
             self._schedule, self._after = self._after, self._schedule
             self._positions, self._after_positions = self._after_positions, self._positions
-            self._pos, length = 0, len(self._schedule)
+            self._pos = 0
         if self._follow(key):
             self._tentative = None  # (a reversal taken at the phase's first access holds)
             return
@@ -107,31 +106,36 @@ class ScheduleLearned:
         (a phase rotated to start near the end, say), go back to that schedule, past ``key``."""
         assert self._tentative is not None
         forward = self._tentative[0]
-        length = len(forward)
-        start = length - self._pos + 1  # (after the first access, in the schedule as it was)
-        for offset in range(min(self.window, length)):
-            index = (start + offset) % length
-            if forward[index][0] == key:
-                self._schedule, self._after, self._positions, self._after_positions, self.period = self._tentative
-                self._tentative, self._pos = None, index + 1
-                self._misaligned += 1
-                return True
-        return False
+        found = self._ahead(forward, len(forward) - self._pos + 1, key)  # (after the first access, in the schedule as it was)
+        if found is None:
+            return False
+        self._schedule, self._after, self._positions, self._after_positions, self.period = self._tentative
+        self._tentative, self._pos = None, found[0] + 1
+        self._misaligned += 1
+        return True
 
     def _follow(self, key: str) -> bool:
         """Move the position past ``key`` if it is within ``window`` ahead in the schedule."""
         # ``_pos`` runs up to ``length`` (the phase done: what comes next is ``_after``), and
         # only wraps round when a phase goes on past its end (no ``on_step`` between phases).
-        length = len(self._schedule)
-        start = self._pos % length
+        found = self._ahead(self._schedule, self._pos, key)
+        if found is None:
+            return False
+        index, offset = found
+        self._pos = index + 1
+        if offset:
+            self._misaligned += 1
+        return True
+
+    def _ahead(self, schedule: list[tuple[str, int, str]], start: int, key: str) -> tuple[int, int] | None:
+        """``(index, offset)`` of ``key`` within ``window`` accesses of ``schedule`` from
+        ``start`` on (wrapping round), or None."""
+        length = len(schedule)
         for offset in range(min(self.window, length)):
             index = (start + offset) % length
-            if self._schedule[index][0] == key:
-                self._pos = index + 1
-                if offset:
-                    self._misaligned += 1
-                return True
-        return False
+            if schedule[index][0] == key:
+                return index, offset
+        return None
 
     def _reverse_from(self, key: str) -> bool:
         """At a phase's first access, not where the one schedule known starts: if it is where

@@ -249,7 +249,8 @@ class TieredAdam(PagedOptimizer):
         (``update_bytes`` of a compressed entry, an entry being a chunk of a chunked parameter;
         ``batch_bytes`` of small entries updated together; ``plain_update_bytes`` of plain fp32
         state), and what the threads share: the 8-bit codec's tables, 8-bit batches' block maps."""
-        kept = passing = shared = 0
+        kept = passing = 0
+        tables = maps = False
         for slot in self._slots:
             if not self._in_plan(slot):
                 continue
@@ -261,15 +262,14 @@ class TieredAdam(PagedOptimizer):
                 passing = max(passing, plain_update_bytes(entry, fused=fused, grad_fp32=grad_fp32))
                 continue
             sizes = [update_bytes(layout, entry, slot.numel, fused=fused, grad_fp32=grad_fp32)]
-            if layout.precision == "8bit":
-                shared = max(shared, CODEC_TABLES_BYTES)
-            if batched_layout(layout, entry, slot.numel):
+            together = batched_layout(layout, entry, slot.numel)
+            if together:
                 sizes.append(batch_bytes(layout, fused=fused, grad_fp32=grad_fp32))
-                if layout.precision == "8bit":
-                    shared = CODEC_TABLES_BYTES + KEPT_MAPS_BYTES
+            eight_bit = layout.precision == "8bit"
+            tables, maps = tables or eight_bit, maps or (eight_bit and together)
             kept = max(kept, *(k for k, _ in sizes))
             passing = max(passing, *(p for _, p in sizes))
-        return threads * (kept + passing) + shared
+        return threads * (kept + passing) + tables * CODEC_TABLES_BYTES + maps * KEPT_MAPS_BYTES
 
     def _rows(self, slot: ParamSlot) -> int:
         """Rows of the decoded state: master and moments."""

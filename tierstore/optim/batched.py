@@ -32,6 +32,7 @@ from .precision import (
     _scratch_rows,
     _use_compiled,
     dynamic_map,
+    plain_update_bytes,
 )
 
 #: The elements of one batch: its fp32 rows (one per moment) are twice ``TILE`` (half a MiB
@@ -69,9 +70,8 @@ def batch_bytes(layout: StateLayout, *, fused: bool, grad_fp32: bool) -> tuple[i
     temporaries (``fused`` False), each at most an fp32 row of a batch (a batch counts its
     8-bit entries padded to whole blocks). 8-bit batches also keep their block maps, shared by
     the threads (``KEPT_MAPS_BYTES``)."""
-    moments = len(layout.moments)
-    passing = 6 + 2 * layout.lossless + (not grad_fp32) + (0 if fused else 2)
-    return moments * BATCH_ELEMENTS * 4, passing * BATCH_ELEMENTS * 4
+    passing = (6 + 2 * layout.lossless) * BATCH_ELEMENTS * 4 + plain_update_bytes(BATCH_ELEMENTS, fused=fused, grad_fp32=grad_fp32)
+    return len(layout.moments) * BATCH_ELEMENTS * 4, passing
 
 
 def update_many(states: Sequence[PackedState], grads: Sequence[torch.Tensor], steps: Sequence[torch.Tensor], adam: AdamMany) -> None:

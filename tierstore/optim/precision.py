@@ -506,7 +506,7 @@ def update_bytes(layout: StateLayout, numel: int, param_numel: int, *, fused: bo
     tile = COMPILED_TILE if layout.precision == "8bit" and param_numel >= COMPILE_MIN_NUMEL else UPDATE_TILE
     width = min(numel, tile)
     rows = layout.rows if layout.precision != "fp32" else int(layout.lossless)  # (fp32 moments are updated where they lie)
-    passing = (_CODEC_ROWS + (not grad_fp32) + (0 if fused else 2)) * width * 4
+    passing = _CODEC_ROWS * width * 4 + plain_update_bytes(width, fused=fused, grad_fp32=grad_fp32)
     return rows * width * 4, passing + (numel * 2 if layout.lossless else 0)
 
 
