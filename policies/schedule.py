@@ -13,8 +13,9 @@ so the state updated last is updated first) are learned too: when a phase resemb
 two phases back, or the one just before reversed, more than the one just before, the schedule
 followed next is the phase before it, and the one after that
 this phase (``period`` is 2). A phase whose first access is where the one schedule known ends
-(the first reversal) is followed reversed from there on, not learned a phase later, unless its
-next access says otherwise.
+(the first reversal) is followed reversed from there on, not learned a phase later, unless the
+accesses after it say otherwise: a phase rotated to start near the end runs forward from there,
+and the two are told apart by the accesses each would not have expected (``_Undecided``).
 
 ``next_use(key)`` says when a key is needed next (an absolute access count, ``inf`` if not in
 the schedule or the phase after it), so ``MIN(schedule)`` evicts exactly what the schedule needs
@@ -27,8 +28,15 @@ import bisect
 import itertools
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from tierstore.units import parse_bytes
+
+#: A reversal taken at a phase's first access is kept, or dropped for the schedule as it was,
+#: once one way missed this many accesses more than the other (``ScheduleLearned._judge``)...
+DECIDED_BY = 2
+#: ...or after this many accesses, the way that missed fewer.
+JUDGED_OVER = 8
 
 
 class ScheduleLearned:
@@ -66,9 +74,9 @@ class ScheduleLearned:
         self._recent: list[list[tuple[str, int, str]]] = []
         self.period = 1
         self._pos = 0  # index in the schedule of the next expected access
-        #: What the schedule was before a reversal taken at a phase's first access, until the
-        #: next access confirms it (``_reverse_from``); else None.
-        self._tentative: tuple | None = None
+        #: A reversal taken at a phase's first access, until the accesses after it confirm it or
+        #: say the phase runs forward (``_reverse_from``); else None.
+        self._undecided: _Undecided | None = None
         self._clock = 0  # demand accesses seen so far
         self._misaligned = 0
         self.changes = 0
@@ -90,29 +98,42 @@ class ScheduleLearned:
             self._schedule, self._after = self._after, self._schedule
             self._positions, self._after_positions = self._after_positions, self._positions
             self._pos = 0
-        if self._follow(key):
-            self._tentative = None  # (a reversal taken at the phase's first access holds)
+        if self._undecided is not None:
+            self._judge(key)
             return
-        if self._tentative is not None:
-            if self._forward_after_all(key):
-                return
-        elif self._pos == 0 and self.period == 1 and self._reverse_from(key):
+        if self._follow(key):
+            return
+        if self._pos == 0 and self.period == 1 and self._reverse_from(key):
             return
         self._misaligned += 1  # not in the schedule nearby: stay put
 
-    def _forward_after_all(self, key: str) -> bool:
-        """After a reversal taken at a phase's first access, an access not found ahead in the
-        schedule reversed: if it comes soon after that first access in the schedule as it was
-        (a phase rotated to start near the end, say), go back to that schedule, past ``key``."""
-        assert self._tentative is not None
-        forward = self._tentative[0]
-        found = self._ahead(forward, len(forward) - self._pos + 1, key)  # (after the first access, in the schedule as it was)
+    def _judge(self, key: str) -> None:
+        """After a reversal taken at a phase's first access: follow ``key`` both ways (the
+        schedule reversed, and as it was), and keep the reversal or go back to the schedule as
+        it was once one way missed ``DECIDED_BY`` accesses more than the other, or after
+        ``JUDGED_OVER`` accesses, the one that missed fewer (the reversal on a tie). Keys a
+        little out of order (a tensor's chunks finishing in another order) miss once or so
+        either way; a phase run the other way misses at almost every access."""
+        undecided = self._undecided
+        assert undecided is not None
+        if not self._follow(key):
+            undecided.reversed_misses += 1
+        found = self._ahead(undecided.forward[0], undecided.pos, key)
         if found is None:
-            return False
-        self._schedule, self._after, self._positions, self._after_positions, self.period = self._tentative
-        self._tentative, self._pos = None, found[0] + 1
-        self._misaligned += 1
-        return True
+            undecided.forward_misses += 1
+        else:
+            undecided.pos = found[0] + 1
+        undecided.seen += 1
+        lead = undecided.forward_misses - undecided.reversed_misses
+        if abs(lead) < DECIDED_BY and undecided.seen < JUDGED_OVER:
+            return
+        self._undecided = None
+        if lead >= 0:
+            self._misaligned += 1 + undecided.reversed_misses  # (the reversal: a change of order)
+            return
+        self._schedule, self._after, self._positions, self._after_positions, self.period = undecided.forward
+        self._pos = undecided.pos
+        self._misaligned += 1 + undecided.forward_misses  # (the first access was not where expected)
 
     def _follow(self, key: str) -> bool:
         """Move the position past ``key`` if it is within ``window`` ahead in the schedule."""
@@ -141,18 +162,16 @@ class ScheduleLearned:
         """At a phase's first access, not where the one schedule known starts: if it is where
         that schedule ends, follow the schedule reversed from here and expect it as it was next
         (an order reversed each phase, seen once: known at the phase's first access, not a
-        phase later). Tentatively: until an access is found ahead in the schedule reversed; one
-        found after it in the schedule as it was restores that (``_forward_after_all``)."""
+        phase later). Undecided until the accesses after it tell (``_judge``)."""
         length = len(self._schedule)
         for offset in range(min(self.window, length)):
             if self._schedule[length - 1 - offset][0] == key:
-                self._tentative = (self._schedule, self._after, self._positions, self._after_positions, self.period)
                 forward = self._schedule
+                self._undecided = _Undecided((forward, self._after, self._positions, self._after_positions, self.period), length - offset)
                 self._schedule, self._after = forward[::-1], forward
                 self._positions, self._after_positions = _positions(self._schedule), self._positions
                 self.period = 2
                 self._pos = offset + 1
-                self._misaligned += 1
                 return True
         return False
 
@@ -160,7 +179,7 @@ class ScheduleLearned:
         if not self._recording:
             return
         recorded = [key for key, _, _ in self._recording]
-        if self._schedule and (recorded != self.schedule or self._misaligned):
+        if self._schedule and (recorded != self.schedule or self._misaligned or self._undecided is not None):
             self.changes += 1
         recording, self._recording = self._recording, []
         recent = self._recent
@@ -180,7 +199,7 @@ class ScheduleLearned:
         self._after_positions = self._positions if self._after is self._schedule else _positions(self._after)
         self._pos = 0
         self._misaligned = 0
-        self._tentative = None
+        self._undecided = None
         self.phases += 1
 
     def suggest(self) -> Iterable[tuple[str, str | None]]:
@@ -217,6 +236,19 @@ class ScheduleLearned:
         else:  # in this phase only, behind: two phases on
             distance = rest + len(self._after) + positions[0]  # type: ignore[index]
         return self._clock + distance
+
+
+@dataclass
+class _Undecided:
+    """A reversal taken at a phase's first access, not yet confirmed: the schedule as it was
+    (with what came after it, the positions and the period), the position following it, and how
+    many accesses since missed each way."""
+
+    forward: tuple[list[tuple[str, int, str]], list[tuple[str, int, str]], dict[str, list[int]], dict[str, list[int]], int]
+    pos: int
+    forward_misses: int = 0
+    reversed_misses: int = 0
+    seen: int = 0
 
 
 def _positions(schedule: list[tuple[str, int, str]]) -> dict[str, list[int]]:

@@ -629,6 +629,30 @@ def test_schedule_follows_a_rotated_phase_forward() -> None:
     assert right >= 190 and policy.period == 1
 
 
+def test_schedule_keeps_a_reversal_whose_first_keys_came_a_little_out_of_order() -> None:
+    """A phase learned ending ``... c0 c1 c3 c2`` (one tensor's chunks finished out of order), then
+    reversed as ``c3 c2 c1 c0 ...``: the reversal taken at ``c3`` was dropped at ``c2`` (right
+    after ``c3`` in the order as it was), and the whole phase was followed forward, the wrong
+    way (CI: an optimizer's second step after a resume read 1.2-1.5x its need). It is judged by
+    the accesses that tell the two apart."""
+    tensors = [[f"t{t}/c{c}" for c in range(4)] for t in range(16)]
+    learned = [key for chunks in tensors for key in chunks]
+    learned[-4:] = ["t15/c0", "t15/c1", "t15/c3", "t15/c2"]
+    policy = ScheduleLearned(ahead=4, max_keys=4)
+    for key in learned:
+        policy.on_access(key, 1, "host", False)
+    policy.on_step()
+    right = 0
+    phase = [key for chunks in reversed(tensors) for key in reversed(chunks)]
+    for i, key in enumerate(phase):
+        if i and key in [k for k, _ in policy.suggest()][:2]:
+            right += 1
+        policy.on_access(key, 1, "host", False)
+    assert right >= len(phase) - 4
+    policy.on_step()
+    assert policy.period == 2
+
+
 def test_schedule_does_not_reverse_for_a_phase_starting_elsewhere() -> None:
     policy = ScheduleLearned(ahead=3, max_keys=10, window=2)
     for key in "abcdefgh":
