@@ -101,9 +101,10 @@ class ScheduleLearned:
         if self._undecided is not None:
             self._judge(key)
             return
-        if self._follow(key):
-            return
+        # (the reversal first: a schedule no longer than ``window`` finds any key ahead, wrapping)
         if self._pos == 0 and self.period == 1 and self._reverse_from(key):
+            return
+        if self._follow(key):
             return
         self._misaligned += 1  # not in the schedule nearby: stay put
 
@@ -162,10 +163,13 @@ class ScheduleLearned:
         """At a phase's first access, not where the one schedule known starts: if it is where
         that schedule ends, follow the schedule reversed from here and expect it as it was next
         (an order reversed each phase, seen once: known at the phase's first access, not a
-        phase later). Undecided until the accesses after it tell (``_judge``)."""
+        phase later); not if it is as near where the schedule starts. Undecided until the
+        accesses after it tell (``_judge``)."""
         length = len(self._schedule)
         for offset in range(min(self.window, length)):
             if self._schedule[length - 1 - offset][0] == key:
+                if self._positions[key][0] <= offset:  # (nearer where the schedule starts)
+                    return False
                 forward = self._schedule
                 self._undecided = _Undecided((forward, self._after, self._positions, self._after_positions, self.period), length - offset)
                 self._schedule, self._after = forward[::-1], forward

@@ -653,6 +653,27 @@ def test_schedule_keeps_a_reversal_whose_first_keys_came_a_little_out_of_order()
     assert policy.period == 2
 
 
+def test_schedule_no_longer_than_its_window_takes_a_reversal() -> None:
+    """A schedule of 24 keys (an 8-bit optimizer's 8 tensors in 3 chunks) under the default
+    window of 32: any key was found ahead by wrapping round, so the reversed phase's first key
+    was followed as a jump to the schedule's end and the reversal was never taken; every
+    suggestion after it was wrong (the second step after a resume read 1.5-1.7x its need)."""
+    learned = ["header"] + [f"t{t}/c{c}" for t in range(8) for c in range(3)]
+    policy = ScheduleLearned(ahead=2, max_keys=2)
+    for key in learned:
+        policy.on_access(key, 1, "host", False)
+    policy.on_step()
+    right = 0
+    phase = learned[:0:-1]
+    for i, key in enumerate(phase):
+        if i and [k for k, _ in policy.suggest()][:1] == [key]:
+            right += 1
+        policy.on_access(key, 1, "host", False)
+    assert right == len(phase) - 1
+    policy.on_step()
+    assert policy.period == 2
+
+
 def test_schedule_does_not_reverse_for_a_phase_starting_elsewhere() -> None:
     policy = ScheduleLearned(ahead=3, max_keys=10, window=2)
     for key in "abcdefgh":
