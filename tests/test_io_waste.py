@@ -123,9 +123,10 @@ def test_the_first_steps_and_those_after_a_load_move_at_most_a_tenth_beyond_the_
             assert abs(kernel - step_moved) <= SLACK + step_moved // 20, f"reported {step_moved:,} bytes, the kernel saw {kernel:,}"
             assert need >= 0.9 * steady_need  # (as before the load: the state read and written, not only written)
             moved, needed = moved + step_moved, needed + need
-        # (not yet a tenth: a store opened anew has no schedule, and its first steps read some
-        # states twice, 1.1-1.7x; the issue's note says so)
-        assert moved <= 2 * needed, f"{moved:,} bytes moved for {needed:,} needed ({moved / needed:.2f}x)"
+        # (the load leaves the last parameters' state on the host tier: the first step went
+        # from the first parameter, pushed that state out before its update and read it back,
+        # 1.1-1.7x over these steps; a step now starts at the end of its order the tier holds)
+        assert moved <= 1.1 * needed, f"{moved:,} bytes moved for {needed:,} needed ({moved / needed:.2f}x)"
         save_optimizer(resumed, tmp_path / "checkpoint")
     finally:
         resumed.close()

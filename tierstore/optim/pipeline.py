@@ -94,7 +94,7 @@ class UpdatePipeline:
         #: from now on unscale their host copies). The loop's to set.
         self.scale: torch.Tensor | None = None
         #: This step updates a chunked parameter's chunks last to first (the step's update order
-        #: is reversed: ``StepRunner.reversed_order``). The loop's to set.
+        #: is reversed: ``StepRunner.reverse_for``). The loop's to set.
         self.reverse = False
         self.bucket_bytes = 64 << 20
         self.inflight = 1
@@ -426,6 +426,22 @@ class UpdatePipeline:
             return [(slot.key, self._owner._state_bytes(slot))]
         per = self._owner._state_bytes(slot) / max(slot.numel, 1)
         return [(chunk.key, int(chunk.numel * per)) for chunk in slot.chunks]
+
+    def resident_lead(self, order: list[ParamSlot]) -> int:
+        """Bytes of paged state on the state tier in the first half of ``order`` (its slots'
+        state keys in update order, halved by bytes) less those in its second half: positive
+        when updating in ``order`` starts with what the tier holds, negative when updating it
+        reversed does, 0 when the halves tell nothing (or nothing pages below the tier)."""
+        if self._flat:
+            return 0
+        keys = [pair for slot in order if slot.paged for pair in self.state_keys(slot)]
+        half = sum(nbytes for _, nbytes in keys) / 2
+        lead = seen = 0
+        for key, nbytes in keys:
+            if self._on_tier(key):
+                lead += nbytes if seen + nbytes / 2 <= half else -nbytes
+            seen += nbytes
+        return lead
 
     def add(self, slot: ParamSlot, coef: torch.Tensor | None, after: Any = None) -> None:
         """Add ``slot`` to the open bucket, first launching it if ``slot`` would overfill it.

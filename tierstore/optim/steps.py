@@ -92,8 +92,15 @@ class StepRunner:
         self._capture: GradientCapture
         self._arrivals = itertools.count()
         #: The order gradients arrived in last step: this step's updates and prefetches follow it
-        #: (reversed every other step: ``reversed_order``).
+        #: (or its reverse: ``reverse_for``).
         self.last_order: list[ParamSlot] = []
+        #: Whether this step updates in reversed arrival order, once decided (``reverse_for``).
+        self._reverse: bool | None = None
+        #: The steps reverse when ``steps + _flipped`` is odd.
+        self._flipped = 0
+        #: Whether the next step takes its way by the state resident (``reverse_for``): the first
+        #: step, and the first after a checkpoint's I/O (set by the optimizer between steps).
+        self.by_residency = True
         #: This step's clipping coefficient (kept across a failed attempt: the norm was of all gradients).
         self.coef: torch.Tensor | None = None
         self.steps = 0
@@ -140,7 +147,8 @@ class StepRunner:
     async def arrived(self, slot: ParamSlot, capture: Capture) -> None:
         """A hook's capture is on the host: prefetch, norm ahead, update in backward."""
         slot.arrival = next(self._arrivals)
-        await self._pipeline.prefetch_first(self.coming_order(), self.reversed_order)
+        reverse = self.reverse_for(self.last_order)
+        await self._pipeline.prefetch_first(self.last_order[::-1] if reverse else self.last_order, reverse)
         if self.max_grad_norm is not None and slot.capture is capture:
             capture.norm = await self.norm(slot, capture, 2.0)
         if self._in_backward and slot.capture is capture and self.may_update_in_backward():
@@ -174,16 +182,27 @@ class StepRunner:
         if owner is not None and owner() is self:
             self._shared.in_backward_owner = None
 
-    @property
-    def reversed_order(self) -> bool:
-        """Whether this step updates in reversed arrival order (every other completed step,
-        after backward only: updates in backward run as gradients arrive)."""
-        return not self._in_backward and self.steps % 2 == 1
-
-    def coming_order(self) -> list[ParamSlot]:
-        """The order this step is expected to update in: last step's arrivals, reversed on
-        the steps that reverse."""
-        return self.last_order[::-1] if self.reversed_order else self.last_order
+    def reverse_for(self, order: list[ParamSlot]) -> bool:
+        """Whether this step updates in reversed arrival order (``order``: the arrival order
+        expected), decided once a step (after backward only: updates in backward run as
+        gradients arrive). Every other step: the state tier then holds the state updated last,
+        which the next step updates first, and the store's learned schedule follows the
+        alternation. On the first step, and the first after a checkpoint (a load writes the
+        state in parameter order, a save reads it so), the way that starts with the state the
+        tier holds, the alternation going on from there: from the first parameter, the state
+        left by a load was pushed out before its update and read back."""
+        if self._reverse is not None:
+            return self._reverse
+        if not order:  # (the first step's first arrival: nothing to tell by yet)
+            return not self._in_backward and self.steps % 2 == 1
+        reverse = self._reverse = not self._in_backward and (self.steps + self._flipped) % 2 == 1
+        if self.by_residency and not self._in_backward:
+            self.by_residency = False
+            lead = self._pipeline.resident_lead(order) if self._pages else 0
+            if lead and (lead < 0) != reverse:
+                self._flipped ^= 1
+                reverse = self._reverse = not reverse
+        return reverse
 
     async def norm(self, slot: ParamSlot, capture: Capture, norm_type: float, inverse: torch.Tensor | None = None) -> torch.Tensor:
         """The norm of the captured gradient (unscaled by ``inverse`` first, if given)."""
@@ -254,10 +273,12 @@ class StepRunner:
             coef = self.coef = clip_coefficient(self.max_grad_norm, total)
         if not failures or self.max_grad_norm is None:
             pipeline.launch(None)  # the open bucket of updates in backward
-            pipeline.reverse = self.reversed_order
             # (index breaks ties: gradients set without a hook firing share one arrival, and a
             # stable sort reversed would keep their order, not alternate it)
-            order = sorted(ready, key=lambda s: (s.arrival, s.index), reverse=pipeline.reverse)
+            order = sorted(ready, key=lambda s: (s.arrival, s.index))
+            pipeline.reverse = self.reverse_for(order)
+            if pipeline.reverse:
+                order.reverse()
             resident = None
             if self.resident is not None and not self._in_backward and pipeline.scale is None:
                 resident, order = await self._start_resident(pipeline, order, coef)
@@ -439,6 +460,7 @@ class StepRunner:
             self.release_backward()
         self._pipeline.close_finished_chunks(self._slots)
         self._resident_held = None
+        self._reverse = None
         self.updated_without_step = [] if self._step_called else sorted(s.index for s in self._slots if s.updated)
         self._step_called = False
         for slot in self._slots:
