@@ -35,8 +35,11 @@ from tierstore.units import parse_bytes
 #: A reversal taken at a phase's first access is kept, or dropped for the schedule as it was,
 #: once one way missed this many accesses more than the other (``ScheduleLearned._judge``)...
 DECIDED_BY = 2
-#: ...or after this many accesses, the way that missed fewer.
+#: ...or after this many accesses, the way that missed fewer. An access counts as a miss
+#: either way when its key is not within ``NEAR`` keys ahead (keys a little out of order, one
+#: tensor's chunks finishing in another order, are not).
 JUDGED_OVER = 8
+NEAR = 1
 
 
 class ScheduleLearned:
@@ -117,13 +120,16 @@ class ScheduleLearned:
         either way; a phase run the other way misses at almost every access."""
         undecided = self._undecided
         assert undecided is not None
-        if not self._follow(key):
+        located = self._locate(self._schedule, self._pos, key)
+        if located is None or not located[1]:
             undecided.reversed_misses += 1
-        found = self._ahead(undecided.forward[0], undecided.pos, key)
-        if found is None:
+        if located is not None:
+            self._pos = located[0]
+        located = self._locate(undecided.forward[0], undecided.pos, key)
+        if located is None or not located[1]:
             undecided.forward_misses += 1
-        else:
-            undecided.pos = found[0] + 1
+        if located is not None:
+            undecided.pos = located[0]
         undecided.seen += 1
         lead = undecided.forward_misses - undecided.reversed_misses
         if abs(lead) < DECIDED_BY and undecided.seen < JUDGED_OVER:
@@ -137,17 +143,30 @@ class ScheduleLearned:
         self._misaligned += 1 + undecided.forward_misses  # (the first access was not where expected)
 
     def _follow(self, key: str) -> bool:
-        """Move the position past ``key`` if it is within ``window`` ahead in the schedule."""
+        """Move the position past ``key`` if it is within ``window`` ahead in the schedule (or
+        leave it, ``key`` just behind it)."""
         # ``_pos`` runs up to ``length`` (the phase done: what comes next is ``_after``), and
         # only wraps round when a phase goes on past its end (no ``on_step`` between phases).
-        found = self._ahead(self._schedule, self._pos, key)
-        if found is None:
+        located = self._locate(self._schedule, self._pos, key)
+        if located is None:
             return False
-        index, offset = found
-        self._pos = index + 1
-        if offset:
+        self._pos, near = located
+        if not near:
             self._misaligned += 1
         return True
+
+    def _locate(self, schedule: list[tuple[str, int, str]], pos: int, key: str) -> tuple[int, bool] | None:
+        """Where following ``schedule`` from ``pos`` goes on ``key``, and whether ``key`` was
+        where expected (at most ``NEAR`` keys ahead); None if it is not nearby. A key one or two
+        behind (a little out of order: two neighbours swapped) leaves the position where it is:
+        in a schedule no longer than ``window`` it is found ahead too, wrapping round, and
+        going there went back to a key just used."""
+        found = self._ahead(schedule, pos, key)
+        if found is not None and found[1] <= NEAR:
+            return found[0] + 1, True
+        if any(0 <= pos - back < len(schedule) and schedule[pos - back][0] == key for back in (1, 2)):
+            return pos, False
+        return None if found is None else (found[0] + 1, False)
 
     def _ahead(self, schedule: list[tuple[str, int, str]], start: int, key: str) -> tuple[int, int] | None:
         """``(index, offset)`` of ``key`` within ``window`` accesses of ``schedule`` from

@@ -674,6 +674,38 @@ def test_schedule_no_longer_than_its_window_takes_a_reversal() -> None:
     assert policy.period == 2
 
 
+def test_schedule_no_longer_than_its_window_follows_a_rotated_phase_forward() -> None:
+    """24 keys rotated to start at the 21st: the reversal taken at the first key was judged by
+    "not found ahead", and in a schedule no longer than the window every key is found ahead
+    either way (wrapping round), so the judge tied and kept the reversal: 18 of 23 right."""
+    keys = [f"k{i}" for i in range(24)]
+    policy = ScheduleLearned(ahead=4, max_keys=4)
+    for key in keys:
+        policy.on_access(key, 1, "host", False)
+    policy.on_step()
+    right = 0
+    for i, key in enumerate(keys[20:] + keys[:20]):
+        if i and [k for k, _ in policy.suggest()][:1] == [key]:
+            right += 1
+        policy.on_access(key, 1, "host", False)
+    assert right >= 21 and policy.period == 1
+
+
+def test_schedule_stays_put_on_two_neighbours_swapped() -> None:
+    """16 keys, k4 then k3: k3 was found ahead by wrapping round the whole schedule, so the
+    position went back to it and the next suggestion was k4, the key just used (and MIN took
+    it for the one needed next)."""
+    keys = [f"k{i}" for i in range(16)]
+    policy = ScheduleLearned(ahead=3, max_keys=3)
+    for key in keys:
+        policy.on_access(key, 1, "host", False)
+    policy.on_step()
+    for key in ["k0", "k1", "k2", "k4", "k3"]:
+        policy.on_access(key, 1, "host", False)
+    assert [k for k, _ in policy.suggest()] == ["k5", "k6", "k7"]
+    assert policy.next_use("k5") < policy.next_use("k4")
+
+
 def test_schedule_does_not_reverse_for_a_phase_starting_elsewhere() -> None:
     policy = ScheduleLearned(ahead=3, max_keys=10, window=2)
     for key in "abcdefgh":
