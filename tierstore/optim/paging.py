@@ -985,9 +985,11 @@ class PagedOptimizer(torch.optim.Optimizer):
         schedule's to follow (a load's writes, recorded with the first step's accesses, were
         taken for a step's order: the third step after a load read 1.7x its need); the next step
         starts where the state it left resident is (``StepRunner.reverse_for``)."""
-        with self._window.not_counted(lambda: self.store.counters.links), self.store._unobserved():
-            yield
-        self._runner.by_residency = True  # (the state it left resident may not be the step's first)
+        try:
+            with self._window.not_counted(lambda: self.store.counters.links), self.store._unobserved():
+                yield
+        finally:
+            self._runner.by_residency = True  # (the state it left resident, if only part, may not be the step's first)
 
     def _hooked_state_dict(self, make: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """``make()`` between the hooks of ``register_state_dict_pre_hook`` and

@@ -193,9 +193,10 @@ class StepRunner:
         left by a load was pushed out before its update and read back."""
         if self._reverse is not None:
             return self._reverse
+        reverse = not self._in_backward and (self.steps + self._flipped) % 2 == 1
         if not order:  # (the first step's first arrival: nothing to tell by yet)
-            return not self._in_backward and self.steps % 2 == 1
-        reverse = self._reverse = not self._in_backward and (self.steps + self._flipped) % 2 == 1
+            return reverse
+        self._reverse = reverse
         if self.by_residency and not self._in_backward:
             self.by_residency = False
             lead = self._pipeline.resident_lead(order) if self._pages else 0
@@ -452,6 +453,7 @@ class StepRunner:
         """Forget this step's gradients (and their host copies) and progress, once the updates
         already launched (in backward) have ended; return those that failed, with their errors
         (never reported otherwise: ``step()`` did not see them)."""
+        self._reverse = None  # (the next step decides anew, even if this one fails here)
         try:
             self.capture.take_pending()
             await self._captures_settled()  # (an arrival may still add to a bucket)
@@ -460,7 +462,6 @@ class StepRunner:
             self.release_backward()
         self._pipeline.close_finished_chunks(self._slots)
         self._resident_held = None
-        self._reverse = None
         self.updated_without_step = [] if self._step_called else sorted(s.index for s in self._slots if s.updated)
         self._step_called = False
         for slot in self._slots:
