@@ -24,10 +24,18 @@ class MIN:
 
     def __init__(self, oracle: Callable[[str], float] | Any) -> None:
         self.oracle: Callable[[str], float] = oracle.next_use if hasattr(oracle, "next_use") else oracle
+        #: An oracle object with a ``revision`` (``ScheduleLearned``): when it moves, every key's
+        #: next use is asked anew before a victim is chosen (asked only at insertion and hits,
+        #: the uses foreseen before a reversal, or before any order was learned, chose victims
+        #: needed next: a resumed optimizer's second step read 2-3x its need).
+        self._revised = oracle if hasattr(oracle, "revision") else None
         self.reset()
 
     def reset(self) -> None:
+        self._revision = getattr(self._revised, "revision", None)
         self._next: dict[str, float] = {}
+        #: Each key's last insertion or hit, in the order of ``_seq``.
+        self._last: dict[str, int] = {}
         self._heap: list[tuple[float, int, str]] = []
         self._seq = itertools.count()
         #: Rows of keys ``victim`` found not evictable (in use), out of the heap until the store
@@ -43,10 +51,11 @@ class MIN:
         when = float(self.oracle(key))
         self._parked.pop(key, None)
         self._next[key] = when
-        heapq.heappush(self._heap, (-when, next(self._seq), key))
+        seq = self._last[key] = next(self._seq)  # (ties go least recently used first)
+        heapq.heappush(self._heap, (-when, seq, key))
         if len(self._heap) > 4 * len(self._next) + 64:  # drop stale heap rows now and then
             parked = self._parked
-            self._heap = [(-w, next(self._seq), k) for k, w in self._next.items() if k not in parked]
+            self._heap = [(-w, self._last[k], k) for k, w in self._next.items() if k not in parked]
             heapq.heapify(self._heap)
 
     def on_insert(self, key: str, nbytes: int) -> None:
@@ -58,6 +67,7 @@ class MIN:
 
     def on_remove(self, key: str) -> None:
         self._next.pop(key, None)
+        self._last.pop(key, None)
         self._parked.pop(key, None)
 
     def on_release(self, key: str) -> None:
@@ -74,7 +84,21 @@ class MIN:
             heapq.heappop(self._heap)
         return None
 
+    def _ask_again(self) -> None:
+        """Every key's next use from the oracle, if its predictions changed since last asked."""
+        revised = self._revised
+        if revised is None or revised.revision == self._revision:
+            return
+        self._revision = revised.revision
+        self._parked.clear()  # (those in use are found again by the next victim())
+        self._parked_rows.clear()
+        for key in self._next:
+            self._next[key] = float(self.oracle(key))
+        self._heap = [(-when, self._last[key], key) for key, when in self._next.items()]
+        heapq.heapify(self._heap)
+
     def victim(self, evictable: Callable[[str], bool] | None = None) -> str | None:
+        self._ask_again()
         # Park only where the store says each key refused is in use, a use whose end it tells
         # (``on_release``); refused for another reason (no room below it), a key stays.
         park = evictable is not None and getattr(evictable, "releases", False)
@@ -86,6 +110,7 @@ class MIN:
             chosen = self._take(evictable, park=False)
         if chosen is not None:
             del self._next[chosen]
+            del self._last[chosen]
             self._parked.pop(chosen, None)  # (a second row of it, left by a hit at the same next use)
         return chosen
 
@@ -122,6 +147,7 @@ class MIN:
     def furthest_next_use(self) -> float:
         """When the victim-to-be is next needed (``-inf`` if nothing is tracked): a prefetch of a
         key needed later than this would evict something more urgent, so it should wait."""
+        self._ask_again()
         top = self._top()
         rows, parked = self._parked_rows, self._parked
         while rows and parked.get(rows[0][2]) is not rows[0]:

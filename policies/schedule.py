@@ -83,6 +83,9 @@ class ScheduleLearned:
         self._clock = 0  # demand accesses seen so far
         self._misaligned = 0
         self.changes = 0
+        #: Bumped when the predictions change as a whole (a new order learned, a reversal taken
+        #: or undone): ``MIN`` asks every key's next use anew then, not only at its next hit.
+        self.revision = 0
         self.phases = 0
 
     @property
@@ -91,6 +94,8 @@ class ScheduleLearned:
         return [key for key, _, _ in self._schedule]
 
     def on_access(self, key: str, nbytes: int, tier: str, hit: bool) -> None:
+        if self._unsure():
+            self.revision += 1  # (the phase's first access: the way it runs is known from here)
         self._clock += 1
         self._recording.append((key, nbytes, tier))
         if not self._schedule:
@@ -140,6 +145,7 @@ class ScheduleLearned:
             return
         self._schedule, self._after, self._positions, self._after_positions, self.period = undecided.forward
         self._pos = undecided.pos
+        self.revision += 1
         self._misaligned += 1 + undecided.forward_misses  # (the first access was not where expected)
 
     def _follow(self, key: str) -> bool:
@@ -195,6 +201,7 @@ class ScheduleLearned:
                 self._positions, self._after_positions = _positions(self._schedule), self._positions
                 self.period = 2
                 self._pos = offset + 1
+                self.revision += 1
                 return True
         return False
 
@@ -204,6 +211,9 @@ class ScheduleLearned:
         recorded = [key for key, _, _ in self._recording]
         if self._schedule and (recorded != self.schedule or self._misaligned or self._undecided is not None):
             self.changes += 1
+            self.revision += 1
+        elif not self._schedule:
+            self.revision += 1  # (the first schedule: every next use was inf)
         recording, self._recording = self._recording, []
         recent = self._recent
         # Alternating: this phase is nearer the one two back, or the one before it reversed (an
@@ -225,8 +235,13 @@ class ScheduleLearned:
         self._undecided = None
         self.phases += 1
 
+    def _unsure(self) -> bool:
+        """One phase known and the next not begun: it may run the same way or the other (an
+        optimizer's steps alternate), so nothing is foretold until its first access."""
+        return not self._recording and self.period == 1 and len(self._recent) < 2 and bool(self._schedule)
+
     def suggest(self) -> Iterable[tuple[str, str | None]]:
-        if not self._schedule:
+        if not self._schedule or self._unsure():
             return []
         length = len(self._schedule)
         budget = self._budget((self._schedule[self._pos] if self._pos < length else self._after[0])[2])
@@ -246,6 +261,8 @@ class ScheduleLearned:
         return out
 
     def next_use(self, key: str) -> float:
+        if self._unsure():
+            return math.inf  # (``MIN`` then evicts the least recently used first)
         positions = self._positions.get(key)
         after = self._after_positions.get(key)
         if not positions and not after:

@@ -220,6 +220,52 @@ def test_a_checkpoint_taken_on_another_thread_during_a_step_leaves_the_figures_w
         opt.close()
 
 
+def test_an_embedding_model_resumed_moves_near_its_need(tmp_path: Path, counters: None, device_mode: str) -> None:
+    """A tryout's embedding + head (two large tensors paged in chunks, a 4 MiB host tier,
+    gradients set directly): its first steps, and those after a load, moved 1.35-3.1x their
+    need (1.35-1.63x over four). ``MIN`` kept the next uses the learned schedule foresaw before it learned that the
+    steps alternate (asked only at a key's insertion and hits), and the schedule, one step
+    known, foretold the next one running the same way: both pushed out the state the reversed
+    step needed first."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(3000, 96), torch.nn.LayerNorm(96), torch.nn.Linear(96, 3000))
+    generator = torch.Generator().manual_seed(1)
+
+    def make(root: Path) -> TieredAdamW:
+        opt = TieredAdamW(model.parameters(), lr=1e-3, offload="disk", disk_root=root, host_capacity="4MiB")
+        if not opt.store.tier("disk").direct_io:  # type: ignore[attr-defined]
+            opt.close()
+            pytest.skip(f"the disk tier cannot use O_DIRECT under {root} (tmpfs?): the kernel's counters would not see its I/O")
+        return opt
+
+    def steps(opt: TieredAdamW, count: int) -> tuple[int, int]:
+        moved = needed = 0
+        for _ in range(count):
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=generator) * 1e-2
+            step_moved, _, need = _measured_step(opt)
+            moved, needed = moved + step_moved, needed + need
+        return moved, needed
+
+    opt = make(tmp_path / "disk")
+    try:
+        steps(opt, 1)  # (the state is created)
+        moved, needed = steps(opt, 4)
+        assert moved <= 1.25 * needed, f"first steps: {moved:,} bytes moved for {needed:,} needed ({moved / needed:.2f}x)"
+        saved = opt.state_dict()
+    finally:
+        opt.close()
+    resumed = make(tmp_path / "resumed")
+    try:
+        resumed.load_state_dict(saved)
+        # (not the first: with no order learned yet it moves 1.35x, at times 2.35x; the note says so)
+        steps(resumed, 1)
+        moved, needed = steps(resumed, 3)
+        assert moved <= 1.25 * needed, f"after a load: {moved:,} bytes moved for {needed:,} needed ({moved / needed:.2f}x)"
+    finally:
+        resumed.close()
+
+
 def test_bytes_reported_are_the_kernels_for_entries_not_a_multiple_of_a_block(tmp_path: Path, counters: None, device_mode: str) -> None:
     """An 8-bit entry of 5,003 parameters is 10,166 bytes; the disk moves 12,288 (whole 4 KiB
     blocks). The report counted the entry's bytes: 1.21x fewer than the kernel saw, and the SSD

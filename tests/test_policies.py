@@ -706,6 +706,43 @@ def test_schedule_stays_put_on_two_neighbours_swapped() -> None:
     assert policy.next_use("k5") < policy.next_use("k4")
 
 
+def test_min_asks_every_next_use_again_when_the_schedule_reverses() -> None:
+    """``MIN(schedule)`` asked a key's next use only at its insertion and hits: after two phases
+    a..h, a third taken reversed at its first access (h) still had a's use as the soonest and
+    h's as the latest, so it evicted what the reversed phase needed next."""
+    schedule = ScheduleLearned(window=4)
+    policy = MIN(schedule)
+    keys = list("abcdefgh")
+    for key in keys:
+        schedule.on_access(key, 1, "host", False)
+        policy.on_insert(key, 1)
+    schedule.on_step()
+    for key in keys:
+        schedule.on_access(key, 1, "host", True)
+        policy.on_hit(key)
+    schedule.on_step()
+    schedule.on_access("h", 1, "host", True)  # (the reversal, taken)
+    policy.on_hit("h")
+    assert schedule.period == 2
+    assert policy.victim(lambda key: key != "h") == "a"
+
+
+def test_schedule_foretells_nothing_between_its_first_two_phases() -> None:
+    """One phase known, the next not begun: it may run either way (an optimizer's steps
+    alternate). Read ahead along the one known, and ``MIN``'s next uses from it, pushed out
+    what a reversed step needed first (a resumed optimizer's second step read 2-3x its need).
+    The next phase's first access tells."""
+    schedule = ScheduleLearned(ahead=2, max_keys=2)
+    for key in "abcd":
+        schedule.on_access(key, 1, "host", False)
+    schedule.on_step()
+    assert list(schedule.suggest()) == [] and math.isinf(schedule.next_use("a"))
+    revision = schedule.revision
+    schedule.on_access("d", 1, "host", False)
+    assert [k for k, _ in schedule.suggest()] == ["c", "b"] and schedule.revision > revision
+    assert schedule.next_use("c") < schedule.next_use("a")
+
+
 def test_schedule_does_not_reverse_for_a_phase_starting_elsewhere() -> None:
     policy = ScheduleLearned(ahead=3, max_keys=10, window=2)
     for key in "abcdefgh":
