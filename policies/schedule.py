@@ -211,9 +211,10 @@ class ScheduleLearned:
         recorded = [key for key, _, _ in self._recording]
         if self._schedule and (recorded != self.schedule or self._misaligned or self._undecided is not None):
             self.changes += 1
-            self.revision += 1
-        elif not self._schedule:
-            self.revision += 1  # (the first schedule: every next use was inf)
+        # (a new order, not a few keys out of order: those are not worth asking every next use
+        # again, with thousands of keys)
+        revised = len(recorded) != len(self._schedule) or self._misaligned * 8 > len(recorded)
+        period = self.period
         recording, self._recording = self._recording, []
         recent = self._recent
         # Alternating: this phase is nearer the one two back, or the one before it reversed (an
@@ -230,6 +231,8 @@ class ScheduleLearned:
         self._recent = [recording, *recent[:1]]
         self._positions = _positions(self._schedule)
         self._after_positions = self._positions if self._after is self._schedule else _positions(self._after)
+        if revised or self.period != period:
+            self.revision += 1
         self._pos = 0
         self._misaligned = 0
         self._undecided = None
