@@ -28,7 +28,8 @@ class MIN:
         #: next use is asked anew before a victim is chosen (asked only at insertion and hits,
         #: the uses foreseen before a reversal, or before any order was learned, chose victims
         #: needed next: a resumed optimizer's second step read 2-3x its need).
-        self._revised = oracle if hasattr(oracle, "revision") else None
+        owner = oracle if hasattr(oracle, "next_use") else getattr(oracle, "__self__", None)  # (``MIN(schedule.next_use)`` too)
+        self._revised = owner if hasattr(owner, "revision") else None
         self.reset()
 
     def reset(self) -> None:
@@ -73,14 +74,19 @@ class MIN:
     def on_release(self, key: str) -> None:
         """The store: ``key``'s copy, in use when ``victim`` passed it over, may go again."""
         row = self._parked.pop(key, None)
-        if row is not None and self._next.get(key) == -row[0]:
+        if row is not None and self._current(row):
             heapq.heappush(self._heap, row)
+
+    def _current(self, row: tuple[float, int, str]) -> bool:
+        """Whether ``row`` is its key's latest (a hit leaves the row before it in the heap:
+        with the same next use it would still pass, and rank the key by its older use)."""
+        return self._last.get(row[2]) == row[1] and self._next.get(row[2]) == -row[0]
 
     def _top(self) -> tuple[float, str] | None:
         while self._heap:
-            negative, _, key = self._heap[0]
-            if self._next.get(key) == -negative:
-                return -negative, key
+            row = self._heap[0]
+            if self._current(row):
+                return -row[0], row[2]
             heapq.heappop(self._heap)
         return None
 
@@ -89,12 +95,12 @@ class MIN:
         revised = self._revised
         if revised is None or revised.revision == self._revision:
             return
+        asked = {key: float(self.oracle(key)) for key in self._next}  # (all or nothing, should it raise)
         self._revision = revised.revision
+        self._next = asked
         self._parked.clear()  # (those in use are found again by the next victim())
         self._parked_rows.clear()
-        for key in self._next:
-            self._next[key] = float(self.oracle(key))
-        self._heap = [(-when, self._last[key], key) for key, when in self._next.items()]
+        self._heap = [(-when, self._last[key], key) for key, when in asked.items()]
         heapq.heapify(self._heap)
 
     def victim(self, evictable: Callable[[str], bool] | None = None) -> str | None:

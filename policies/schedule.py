@@ -83,9 +83,10 @@ class ScheduleLearned:
         self._clock = 0  # demand accesses seen so far
         self._misaligned = 0
         self.changes = 0
-        #: Bumped when the predictions change as a whole (a new order learned, a reversal taken
+        #: Moved when the predictions change as a whole (a new order learned, a reversal taken
         #: or undone): ``MIN`` asks every key's next use anew then, not only at its next hit.
-        self.revision = 0
+        #: (Never back: a ``MIN`` that saw it before a reset must see it move.)
+        self.revision = getattr(self, "revision", -1) + 1
         self.phases = 0
 
     @property

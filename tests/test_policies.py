@@ -727,6 +727,38 @@ def test_min_asks_every_next_use_again_when_the_schedule_reverses() -> None:
     assert policy.victim(lambda key: key != "h") == "a"
 
 
+def test_min_takes_the_least_recently_used_among_equal_next_uses() -> None:
+    """A hit with the same next use left the row before it valid, so the key ranked by its
+    older use: a, b, c inserted, a hit, all needed at 5, and a went (a review)."""
+    policy = MIN(lambda key: 5.0)
+    for key in "abc":
+        policy.on_insert(key, 1)
+    policy.on_hit("a")
+    assert [policy.victim(), policy.victim(), policy.victim()] == ["b", "c", "a"]
+
+
+def test_min_asks_again_through_a_bound_next_use_and_after_a_reset() -> None:
+    """``MIN(schedule.next_use)`` (the README's zarr example) never asked again; and a
+    schedule reset to revision 0 could climb back to the one ``MIN`` saw, the change unseen."""
+    for make in (lambda s: MIN(s.next_use), MIN):
+        schedule = ScheduleLearned(window=4)
+        schedule.on_access("x", 1, "host", False)
+        schedule.on_step()
+        before = schedule.revision
+        schedule.reset()
+        assert schedule.revision > before
+        policy = make(schedule)
+        keys = list("abcdefgh")
+        for phase in range(2):
+            for key in keys:
+                schedule.on_access(key, 1, "host", True)
+                policy.on_hit(key) if phase else policy.on_insert(key, 1)
+            schedule.on_step()
+        schedule.on_access("h", 1, "host", True)  # (the reversal, taken)
+        policy.on_hit("h")
+        assert policy.victim(lambda key: key != "h") == "a"
+
+
 def test_schedule_foretells_nothing_between_its_first_two_phases() -> None:
     """One phase known, the next not begun: it may run either way (an optimizer's steps
     alternate). Read ahead along the one known, and ``MIN``'s next uses from it, pushed out
