@@ -394,6 +394,9 @@ class _Replay:
             result.requests += 1
             result.requested_bytes += size
             hit = top.resident.get(key) == size
+            # (first, as the store tells its prefetch policy: a ``MIN(schedule)`` asks the
+            # schedule at the hit or insertion, which must have seen this access by then)
+            self.prefetcher.on_access(key, size, top.name, hit)
             if hit:
                 top.policy.on_hit(key)
                 result.hits_by_tier[top.name] += 1
@@ -418,7 +421,6 @@ class _Replay:
                 self.clock = end
                 self._drop(top, key)
                 self._admit(0, key, size)
-            self.prefetcher.on_access(key, size, top.name, hit)
             self._prefetch()
         result.compute_seconds = _compute_time(trace, self.think)
         result.prefetch_stats = {tier.name: stats.to_json() for tier, stats in zip(tiers, self.stats, strict=True) if stats.issued}
