@@ -19,7 +19,9 @@ and the two are told apart by the accesses each would not have expected (``_Unde
 
 ``next_use(key)`` says when a key is needed next (an absolute access count, ``inf`` if not in
 the schedule or the phase after it), so ``MIN(schedule)`` evicts exactly what the schedule needs
-last.
+last. Between the first two phases, before the second's first access, nothing is foretold (no
+suggestions, every next use ``inf``): the second may run either way. ``revision`` moves when
+the predictions change as a whole, and ``MIN`` then asks every key's next use again.
 """
 
 from __future__ import annotations
