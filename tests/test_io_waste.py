@@ -81,6 +81,16 @@ def test_disk_bound_step_moves_at_most_a_tenth_beyond_the_need(
 
 
 
+def _paged_to_disk(model: torch.nn.Module, root: Path, host: str) -> TieredAdamW:
+    """``TieredAdamW(offload="disk")`` for ``model`` with a ``host`` tier; the test is skipped
+    where the disk tier cannot use O_DIRECT (the kernel's counters would not see its I/O)."""
+    opt = TieredAdamW(model.parameters(), lr=1e-3, offload="disk", disk_root=root, host_capacity=host)
+    if not opt.store.tier("disk").direct_io:  # type: ignore[attr-defined]
+        opt.close()
+        pytest.skip(f"the disk tier cannot use O_DIRECT under {root} (tmpfs?): the kernel's counters would not see its I/O")
+    return opt
+
+
 def _measured_step(opt: TieredAdamW) -> tuple[int, int, int]:
     """One step: the bytes the report says it moved, those the kernel saw, and its need."""
     before = block_io()
@@ -150,11 +160,7 @@ def test_steps_after_a_load_with_backward_move_at_most_a_quarter_beyond_the_need
     batch = torch.randn(8, 256)
 
     def make(root: Path) -> TieredAdamW:
-        opt = TieredAdamW(model.parameters(), lr=1e-3, offload="disk", disk_root=root, host_capacity="2MiB")  # (a quarter of the state)
-        if not opt.store.tier("disk").direct_io:  # type: ignore[attr-defined]
-            opt.close()
-            pytest.skip(f"the disk tier cannot use O_DIRECT under {root} (tmpfs?): the kernel's counters would not see its I/O")
-        return opt
+        return _paged_to_disk(model, root, "2MiB")  # (a quarter of the state)
 
     def step(opt: TieredAdamW) -> tuple[int, int, int]:
         model(batch).square().mean().backward()
@@ -232,11 +238,7 @@ def test_an_embedding_model_resumed_moves_near_its_need(tmp_path: Path, counters
     generator = torch.Generator().manual_seed(1)
 
     def make(root: Path) -> TieredAdamW:
-        opt = TieredAdamW(model.parameters(), lr=1e-3, offload="disk", disk_root=root, host_capacity="4MiB")
-        if not opt.store.tier("disk").direct_io:  # type: ignore[attr-defined]
-            opt.close()
-            pytest.skip(f"the disk tier cannot use O_DIRECT under {root} (tmpfs?): the kernel's counters would not see its I/O")
-        return opt
+        return _paged_to_disk(model, root, "4MiB")
 
     def steps(opt: TieredAdamW, count: int) -> tuple[int, int]:
         moved = needed = 0
