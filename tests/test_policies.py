@@ -612,6 +612,17 @@ def test_schedule_follows_a_phase_reversed_from_its_first_access() -> None:
     assert list(policy.suggest()) == [("b", "host"), ("c", "host"), ("d", "host")]
 
 
+def _suggested_next(policy: ScheduleLearned, phase: list[str], among: int = 1) -> int:
+    """Access ``phase``'s keys in order; return how many (after the first) were among the
+    policy's first ``among`` suggestions just before their access."""
+    right = 0
+    for i, key in enumerate(phase):
+        if i and key in [k for k, _ in policy.suggest()][:among]:
+            right += 1
+        policy.on_access(key, 1, "host", False)
+    return right
+
+
 def test_schedule_follows_a_rotated_phase_forward() -> None:
     """A phase that starts near the end of the schedule but runs forward (each phase rotated a
     few keys): the reversal taken at its first access is dropped at the second (a review: taken
@@ -621,11 +632,7 @@ def test_schedule_follows_a_rotated_phase_forward() -> None:
     for key in keys:
         policy.on_access(key, 1, "host", False)
     policy.on_step()
-    right = 0
-    for i, key in enumerate(keys[195:] + keys[:195]):
-        if i and [k for k, _ in policy.suggest()][:1] == [key]:
-            right += 1
-        policy.on_access(key, 1, "host", False)
+    right = _suggested_next(policy, keys[195:] + keys[:195])
     assert right >= 190 and policy.period == 1
 
 
@@ -642,12 +649,8 @@ def test_schedule_keeps_a_reversal_whose_first_keys_came_a_little_out_of_order()
     for key in learned:
         policy.on_access(key, 1, "host", False)
     policy.on_step()
-    right = 0
     phase = [key for chunks in reversed(tensors) for key in reversed(chunks)]
-    for i, key in enumerate(phase):
-        if i and key in [k for k, _ in policy.suggest()][:2]:
-            right += 1
-        policy.on_access(key, 1, "host", False)
+    right = _suggested_next(policy, phase, among=2)
     assert right >= len(phase) - 4
     policy.on_step()
     assert policy.period == 2
@@ -663,12 +666,8 @@ def test_schedule_no_longer_than_its_window_takes_a_reversal() -> None:
     for key in learned:
         policy.on_access(key, 1, "host", False)
     policy.on_step()
-    right = 0
     phase = learned[:0:-1]
-    for i, key in enumerate(phase):
-        if i and [k for k, _ in policy.suggest()][:1] == [key]:
-            right += 1
-        policy.on_access(key, 1, "host", False)
+    right = _suggested_next(policy, phase)
     assert right == len(phase) - 1
     policy.on_step()
     assert policy.period == 2
@@ -683,11 +682,7 @@ def test_schedule_no_longer_than_its_window_follows_a_rotated_phase_forward() ->
     for key in keys:
         policy.on_access(key, 1, "host", False)
     policy.on_step()
-    right = 0
-    for i, key in enumerate(keys[20:] + keys[:20]):
-        if i and [k for k, _ in policy.suggest()][:1] == [key]:
-            right += 1
-        policy.on_access(key, 1, "host", False)
+    right = _suggested_next(policy, keys[20:] + keys[:20])
     assert right >= 21 and policy.period == 1
 
 
