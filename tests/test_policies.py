@@ -598,9 +598,7 @@ def test_schedule_follows_a_phase_reversed_from_its_first_access() -> None:
     optimizer's second step after every start or resume read 2-4x its paged state)."""
     policy = ScheduleLearned(ahead=3, max_keys=10, window=2)
     order = list("abcdefgh")
-    for key in order:
-        policy.on_access(key, 1, "host", False)
-    policy.on_step()
+    _learn(policy, order)
     policy.on_access("h", 1, "host", False)
     assert list(policy.suggest()) == [("g", "host"), ("f", "host"), ("e", "host")]
     assert policy.next_use("g") < policy.next_use("b") < policy.next_use("a")
@@ -610,6 +608,13 @@ def test_schedule_follows_a_phase_reversed_from_its_first_access() -> None:
     assert policy.period == 2
     policy.on_access("a", 1, "host", False)  # and forward again
     assert list(policy.suggest()) == [("b", "host"), ("c", "host"), ("d", "host")]
+
+
+def _learn(policy: ScheduleLearned, keys: list[str]) -> None:
+    """One phase of ``keys``, accessed in order, then its end."""
+    for key in keys:
+        policy.on_access(key, 1, "host", False)
+    policy.on_step()
 
 
 def _suggested_next(policy: ScheduleLearned, phase: list[str], among: int = 1) -> int:
@@ -629,9 +634,7 @@ def test_schedule_follows_a_rotated_phase_forward() -> None:
     for good, the next key was the first suggestion 0 times in 199, was 195)."""
     policy = ScheduleLearned(ahead=8, max_keys=8)
     keys = [f"k{i}" for i in range(200)]
-    for key in keys:
-        policy.on_access(key, 1, "host", False)
-    policy.on_step()
+    _learn(policy, keys)
     right = _suggested_next(policy, keys[195:] + keys[:195])
     assert right >= 190 and policy.period == 1
 
@@ -646,9 +649,7 @@ def test_schedule_keeps_a_reversal_whose_first_keys_came_a_little_out_of_order()
     learned = [key for chunks in tensors for key in chunks]
     learned[-4:] = ["t15/c0", "t15/c1", "t15/c3", "t15/c2"]
     policy = ScheduleLearned(ahead=4, max_keys=4)
-    for key in learned:
-        policy.on_access(key, 1, "host", False)
-    policy.on_step()
+    _learn(policy, learned)
     phase = [key for chunks in reversed(tensors) for key in reversed(chunks)]
     right = _suggested_next(policy, phase, among=2)
     assert right >= len(phase) - 4
@@ -663,9 +664,7 @@ def test_schedule_no_longer_than_its_window_takes_a_reversal() -> None:
     suggestion after it was wrong (the second step after a resume read 1.5-1.7x its need)."""
     learned = ["header"] + [f"t{t}/c{c}" for t in range(8) for c in range(3)]
     policy = ScheduleLearned(ahead=2, max_keys=2)
-    for key in learned:
-        policy.on_access(key, 1, "host", False)
-    policy.on_step()
+    _learn(policy, learned)
     phase = learned[:0:-1]
     right = _suggested_next(policy, phase)
     assert right == len(phase) - 1
@@ -679,9 +678,7 @@ def test_schedule_no_longer_than_its_window_follows_a_rotated_phase_forward() ->
     either way (wrapping round), so the judge tied and kept the reversal: 18 of 23 right."""
     keys = [f"k{i}" for i in range(24)]
     policy = ScheduleLearned(ahead=4, max_keys=4)
-    for key in keys:
-        policy.on_access(key, 1, "host", False)
-    policy.on_step()
+    _learn(policy, keys)
     right = _suggested_next(policy, keys[20:] + keys[:20])
     assert right >= 21 and policy.period == 1
 
@@ -692,9 +689,7 @@ def test_schedule_stays_put_on_two_neighbours_swapped() -> None:
     it for the one needed next)."""
     keys = [f"k{i}" for i in range(16)]
     policy = ScheduleLearned(ahead=3, max_keys=3)
-    for key in keys:
-        policy.on_access(key, 1, "host", False)
-    policy.on_step()
+    _learn(policy, keys)
     for key in ["k0", "k1", "k2", "k4", "k3"]:
         policy.on_access(key, 1, "host", False)
     assert [k for k, _ in policy.suggest()] == ["k5", "k6", "k7"]
