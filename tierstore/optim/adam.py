@@ -165,8 +165,9 @@ class TieredAdam(PagedOptimizer):
         self._master_moves: dict[int, asyncio.Lock] = {}
         #: Per slot index: its state with the master apart, moved but not yet written whole.
         self._master_rows_unwritten: dict[int, torch.Tensor] = {}
-        #: A chunked parameter's step count before this step's update, and after it.
-        self._chunk_steps: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        #: A chunked parameter's step count before this step's update (a tensor, and as a
+        #: number), and after it (a number where its chunks' 8-bit kernels took no tensor).
+        self._chunk_steps: dict[int, tuple[torch.Tensor, float, torch.Tensor | float | None]] = {}
         #: Saved state of parameters past the constructor's, kept for ``add_param_group`` until
         #: the first ``step()`` (``_adopt``).
         self._saved_for_later: _SavedForLater | None = None
@@ -1030,13 +1031,16 @@ class TieredAdam(PagedOptimizer):
             laid.append(copy)
         return laid
 
-    def _adam_packed(self, group: dict[str, Any], state: PackedState, grad: torch.Tensor, step: torch.Tensor, grad_scale: torch.Tensor | None) -> None:
+    def _adam_packed(
+        self, group: dict[str, Any], state: PackedState, grad: torch.Tensor, step: torch.Tensor | float, grad_scale: torch.Tensor | None
+    ) -> torch.Tensor | float:
         """Torch's Adam on ``state``, decoded and encoded back tile by tile (``PackedState.update``;
-        8-bit moments: one compiled kernel a tile, given the group's settings as ``AdamHyper``)."""
+        8-bit moments: one compiled kernel a tile, given the group's settings as ``AdamHyper``);
+        the count after it (``step`` counted up, if a tensor)."""
         beta1, beta2 = group["betas"]
         hyper = AdamHyper(group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
                           bool(group.get("decoupled_weight_decay", self.decoupled_weight_decay)), bool(group["maximize"]), grad_scale)
-        state.update(grad, step, lambda rows, tile, count: self._adam(group, [rows], [tile], [count], grad_scale), hyper)
+        return state.update(grad, step, lambda rows, tile, count: self._adam(group, [rows], [tile], [count], grad_scale), hyper)
 
     def _adam(
         self, group: dict[str, Any], states: list[list[torch.Tensor]], grads: list[torch.Tensor], steps: list[torch.Tensor],
@@ -1132,21 +1136,26 @@ class TieredAdam(PagedOptimizer):
         (a step resumed after a failure keeps the count its first chunks started from)."""
         if not slot.chunks_updated or slot.index not in self._chunk_steps:
             before = self._step_counts.get(slot.index)
-            self._chunk_steps[slot.index] = (before.clone() if before is not None else torch.tensor(0.0), None)
+            before = before.clone() if before is not None else torch.tensor(0.0)
+            self._chunk_steps[slot.index] = (before, float(before), None)
 
     def _apply_chunk(self, slot: ParamSlot, chunk: Chunk, state: Any, grad: torch.Tensor, grad_scale: torch.Tensor | None) -> torch.Tensor:
-        before, _ = self._chunk_steps[slot.index]
-        step = before.clone()  # torch's Adam counts it up: each chunk from the same count
+        before, count, _ = self._chunk_steps[slot.index]
         group = self.param_groups[slot.group]
-        if isinstance(state, PackedState):
-            self._adam_packed(group, state, grad, step, grad_scale)
+        after: torch.Tensor | float
+        if isinstance(state, PackedState):  # (from the count as a number: its fused kernels make no tensor of it)
+            after = self._adam_packed(group, state, grad, count, grad_scale)
         else:
-            self._adam(group, [list(state)], [grad], [step], grad_scale, [_placed(slot, chunk.start)])
-        self._chunk_steps[slot.index] = (before, step)
+            after = before.clone()  # torch's Adam counts it up: each chunk from the same count
+            self._adam(group, [list(state)], [grad], [after], grad_scale, [_placed(slot, chunk.start)])
+        self._chunk_steps[slot.index] = (before, count, after)
         return self._master(slot, state)
 
     def _end_chunks(self, slot: ParamSlot) -> None:
-        before, after = self._chunk_steps.pop(slot.index, (None, None))
+        before, _, after = self._chunk_steps.pop(slot.index, (None, 0.0, None))
+        if isinstance(after, float):
+            assert before is not None
+            after = torch.full_like(before, after)
         if after is not None:
             self._step_counts[slot.index] = after
 

@@ -155,11 +155,34 @@ def adam8(
     if not all(_takes(*want) for want in wanted):
         return False
     low, high, high_out = halves if halves is not None else (None, None, None)
-    grad32, grad16 = (grad, None) if grad.dtype == torch.float32 else (None, grad)
-    threads = max(1, min(threads or torch.get_num_threads(), numel // PER_THREAD))
-    built.function(threads, numel, _pointer(master), _pointer(low), _pointer(high), _pointer(high_out), *map(_pointer, moments),
-                   _pointer(grad32), _pointer(grad16), scalars.data_ptr(), *_tables())
+    adam8_at(built, numel, _pointer(master), (_pointer(low), _pointer(high), _pointer(high_out)) if halves is not None else None,
+             tuple(t.data_ptr() for t in moments), grad.data_ptr(), grad.dtype == torch.bfloat16, scalars.data_ptr(), threads)
     return True
+
+
+def adam8_at(
+    built: Kernel,
+    numel: int,
+    master: int | None,
+    halves: tuple[int | None, int | None, int | None] | None,
+    moments: tuple[int, int, int, int],
+    grad: int,
+    grad_bf16: bool,
+    scalars: int,
+    threads: int | None = None,
+) -> None:
+    """``adam8`` on the addresses of its operands (``numel`` elements, whole blocks), for a
+    caller that knows their dtypes, sizes and layout already (``PackedState``, whose fields lie
+    at known offsets of one buffer): no tensor is made or looked at. Each torch call on the
+    training thread lets go of the GIL, and getting it back waits for whichever thread holds it
+    (the store's loop, an I/O worker) for up to the interpreter's switch interval: a chunk's
+    views of its fields cost more than its kernel while the loop was busy (measured: about
+    0.7 ms a chunk of the disk-bound 8-bit step, its kernel 0.9 ms). ``scalars``: ten fp32
+    (``AdamHyper.scalar_values``)."""
+    low, high, high_out = halves if halves is not None else (None, None, None)
+    grad32, grad16 = (None, grad) if grad_bf16 else (grad, None)
+    threads = max(1, min(threads or torch.get_num_threads(), numel // PER_THREAD))
+    built.function(threads, numel, master, low, high, high_out, *moments, grad32, grad16, scalars, *_tables())
 
 
 #: ``adam8.c``'s search tables: magnitudes from 2**(LOW_EXPONENT - 127) to 1, by sign.

@@ -43,6 +43,7 @@ truncation, not round-to-nearest), so master = weight bits << 16 | low bits, bit
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import sys
@@ -249,6 +250,10 @@ class AdamHyper(NamedTuple):
         """The kernel's scalars for count ``step`` (after counting this update), computed in
         float64 and rounded to fp32 as torch's fused AdamW does: one tensor, so new values
         (a scheduled lr, the bias corrections of every step) are new data, not a recompile."""
+        return torch.tensor(self.scalar_values(step), dtype=torch.float32)
+
+    def scalar_values(self, step: float) -> tuple[float, ...]:
+        """``scalars`` as float64 numbers, not rounded yet."""
         lr = float(self.lr)
         bias1 = 1 - self.beta1**step
         bias2_sqrt = math.sqrt(1 - self.beta2**step)
@@ -257,8 +262,30 @@ class AdamHyper(NamedTuple):
             gmul = -gmul
         decay = 1 - lr * self.weight_decay if self.decoupled else 1.0
         l2 = 0.0 if self.decoupled else self.weight_decay
-        return torch.tensor([lr / bias1, decay, l2, self.beta1, 1 - self.beta1, self.beta2, 1 - self.beta2, bias2_sqrt, self.eps, gmul],
-                            dtype=torch.float32)
+        return (lr / bias1, decay, l2, self.beta1, 1 - self.beta1, self.beta2, 1 - self.beta2, bias2_sqrt, self.eps, gmul)
+
+
+class _KernelScalars:
+    """``AdamHyper.scalars`` of one update, made once, as the fused kernel that runs takes them:
+    a tensor (the compiled kernel) or an fp32 array's address (the C kernel, with no torch call:
+    see ``native.adam8_at``). The C cast rounds each value to fp32 as ``torch.tensor`` does."""
+
+    __slots__ = ("_values", "_tensor", "_array")
+
+    def __init__(self, values: tuple[float, ...]) -> None:
+        self._values = values
+        self._tensor: torch.Tensor | None = None
+        self._array: ctypes.Array[ctypes.c_float] | None = None
+
+    def tensor(self) -> torch.Tensor:
+        if self._tensor is None:
+            self._tensor = torch.tensor(self._values, dtype=torch.float32)
+        return self._tensor
+
+    def address(self) -> int:
+        if self._array is None:
+            self._array = (ctypes.c_float * len(self._values))(*self._values)
+        return ctypes.addressof(self._array)
 
 
 def _adam_math(master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
@@ -690,6 +717,9 @@ class PackedState:
         self.high = high
         self._master = master
         self._fields = layout.fields(numel)
+        #: Whether the buffer (and the master, if the parameter's) can be addressed by offsets
+        #: (``_c_tile``).
+        self._contiguous = buffer.is_cpu and buffer.is_contiguous() and (master is None or master.is_cpu)
 
     def view(self, name: str) -> torch.Tensor:
         """The field ``name`` as a tensor of its dtype (a view of the buffer)."""
@@ -750,8 +780,8 @@ class PackedState:
 
     # -- the update, tile by tile ------------------------------------------------------------------
 
-    def update(self, grad: torch.Tensor, step: torch.Tensor, adam: Callable[[list[torch.Tensor], torch.Tensor, torch.Tensor], None],
-               hyper: AdamHyper | None = None) -> None:
+    def update(self, grad: torch.Tensor, step: torch.Tensor | float, adam: Callable[[list[torch.Tensor], torch.Tensor, torch.Tensor], None],
+               hyper: AdamHyper | None = None) -> torch.Tensor | float:
         """One optimizer step on this entry: ``adam(rows, grad, step)`` (fp32 rows: master, then
         the moments; updated in place, ``step`` counted up) runs on tiles of ``UPDATE_TILE`` elements,
         each decoded into a per-thread fp32 scratch and encoded back right after, so no
@@ -764,6 +794,11 @@ class PackedState:
         them again (the error is one of the math itself, not of the store: those are raised
         before the update starts).
 
+        ``step`` may instead be the count as a number (a chunk's update, whose caller keeps the
+        count): then it is not changed, and the count after this update is returned, a number
+        where every tile took the fused kernel (no torch call for it), else a new tensor. With a
+        tensor ``step``, that tensor is returned, counted up.
+
         With ``hyper`` (the AdamW that ``adam`` runs, its settings), 8-bit moments without
         amsgrad and the compiled codec, a tile of whole blocks is instead one compiled kernel
         that decodes, updates and encodes in one pass over memory, in place (``_adam8_fp32``):
@@ -772,7 +807,9 @@ class PackedState:
         all of a parameter of at least ``COMPILE_MIN_NUMEL`` elements (``param_numel``) but a
         partial last block, which is its own tile (chunks are whole blocks, so only a
         parameter's last chunk holds it)."""
-        flat = grad.reshape(-1)
+        # (Each torch call on the training thread lets go of the GIL, and getting it back may
+        # wait for the loop: none is made that the chunk's math does not need.)
+        flat = grad if grad.dim() == 1 else grad.reshape(-1)
         if flat.numel() != self.numel:
             raise ValueError(f"a gradient of {flat.numel()} elements for a state of {self.numel}")
         layout = self.layout
@@ -781,30 +818,74 @@ class PackedState:
         compiled = layout.precision == "8bit" and _use_compiled(None, self.param_numel)
         tile = COMPILED_TILE if compiled else UPDATE_TILE
         high = torch.empty(self.numel, dtype=torch.bfloat16) if layout.lossless else None
-        # The count as a number: the fused tiles need no tensor of it (each torch call on the
-        # training thread lets go of the GIL, and getting it back may wait for the loop).
-        before = float(step)
+        before = float(step)  # (the fused tiles need no tensor of the count)
         counted: torch.Tensor | float | None = None
         fused = hyper is not None and compiled and len(layout.moments) == 2
-        scalars = hyper.scalars(before + 1) if fused and hyper is not None else None
+        scalars = _KernelScalars(hyper.scalar_values(before + 1)) if fused and hyper is not None else None
         for start, stop in _tiles(self.numel, tile, split_partial=compiled):
             if scalars is not None and not _FUSED.failed and stop > start and (stop - start) % BLOCK == 0 and self._fused_tile(start, stop, flat, scalars, high):
                 counted = before + 1  # (as torch's Adam counts)
                 continue
             rows = self._decode_tile(start, stop, compiled)
-            counted = step.clone()  # (not counted yet: each tile from the same count)
+            # (not counted yet: each tile from the same count)
+            counted = step.clone() if isinstance(step, torch.Tensor) else torch.tensor(before)
             adam(rows, flat[start:stop], counted)
             self._encode_tile(start, stop, rows, high, compiled)
+        if high is not None:
+            self.high = high
+        if not isinstance(step, torch.Tensor):
+            return before if counted is None else counted
         if isinstance(counted, torch.Tensor):
             step.copy_(counted)
         elif counted is not None:
             step.fill_(counted)
-        if high is not None:
-            self.high = high
+        return step
 
-    def _fused_tile(self, start: int, stop: int, grad: torch.Tensor, scalars: torch.Tensor, high: torch.Tensor | None) -> bool:
+    def _fused_tile(self, start: int, stop: int, grad: torch.Tensor, scalars: _KernelScalars, high: torch.Tensor | None) -> bool:
         """The 8-bit update of elements ``start:stop`` (whole blocks) as one compiled kernel,
         written in place; False if the compiled kernels are unavailable (nothing written)."""
+        built = native.kernel()
+        if built is not None and self._addressable(grad, high):
+            self._c_tile(built, start, stop, grad, scalars, high)
+            return True
+        return self._fused_tile_of_views(start, stop, grad, scalars.tensor(), high)
+
+    def _addressable(self, grad: torch.Tensor, high: torch.Tensor | None) -> bool:
+        """Whether the C kernel can take this entry's operands by address (``_c_tile``): every
+        one flat, contiguous and in CPU memory, of the dtypes it takes (else the views go to
+        ``native.adam8``, which says no, and to the compiled kernel)."""
+        if not self._contiguous or not grad.is_cpu or not grad.is_contiguous() or grad.dtype not in (torch.float32, torch.bfloat16):
+            return False
+        if self.layout.lossless:
+            weight = self.high
+            return (weight is not None and high is not None and weight.is_cpu and weight.is_contiguous() and weight.dtype == torch.bfloat16
+                    and high.is_contiguous())
+        return True
+
+    def _c_tile(self, built: native.Kernel, start: int, stop: int, grad: torch.Tensor, scalars: _KernelScalars,
+                high: torch.Tensor | None) -> None:
+        """``_fused_tile`` by the C kernel given the addresses of the tile's fields, computed
+        from the buffer's (``native.adam8_at``; the same memory ``_fused_tile_of_views`` would
+        view, with no torch call)."""
+        base, fields, first = self.buffer.data_ptr(), self._fields, start // BLOCK
+
+        def at(name: str, index: int) -> int:
+            field = fields[name]
+            return base + field.offset + index * field.dtype.itemsize
+
+        moments = (at("exp_avg/codes", start), at("exp_avg/scale", first), at("exp_avg_sq/codes", start), at("exp_avg_sq/scale", first))
+        grad_at = grad.data_ptr() + start * grad.element_size()
+        if high is None:
+            master = self._master.data_ptr() + start * 4 if self._master is not None else at("master", start)
+            native.adam8_at(built, stop - start, master, None, moments, grad_at, grad.dtype == torch.bfloat16, scalars.address())
+            return
+        assert self.high is not None
+        halves = (at("master_low", start), self.high.data_ptr() + start * 2, high.data_ptr() + start * 2)
+        native.adam8_at(built, stop - start, None, halves, moments, grad_at, grad.dtype == torch.bfloat16, scalars.address())
+
+    def _fused_tile_of_views(self, start: int, stop: int, grad: torch.Tensor, scalars: torch.Tensor, high: torch.Tensor | None) -> bool:
+        """``_fused_tile`` on views of the fields: the C kernel where it takes them, else the
+        compiled one."""
         # Written in place: the fields of this tile are disjoint pieces of one buffer, each
         # passed as a tensor of its own storage (DLPack: the same memory), so the compiler sees
         # unrelated inputs. As views of one storage, the dtype views' offsets into it became
