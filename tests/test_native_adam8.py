@@ -6,6 +6,7 @@ it is on or off."""
 from __future__ import annotations
 
 import shutil
+import warnings
 from typing import Any
 
 import numpy as np
@@ -259,3 +260,17 @@ def test_training_gives_the_same_weights_with_it_on_or_off(device_mode: str, mon
         pytest.skip("the inductor kernel does not compile here: off is the unfused update")
     for on, off in zip(*weights, strict=True):
         assert torch.equal(on, off)
+
+
+def test_a_lossless_weight_shorter_than_its_entry_is_refused_not_read_past_its_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C kernel given a chunk's addresses read the bf16 weight for as many elements as the
+    entry has, without the size check its views had: a weight half as long was read past its
+    end, into NaN weights (a review). It now goes to the views, which refuse it."""
+    monkeypatch.setenv("TIERSTORE_COMPILE_CODEC", "1")
+    monkeypatch.setattr(codec._FUSED, "failed", codec._FUSED.failed)  # (a refused tile turns the compiled kernel off: restored after)
+    layout = codec.StateLayout("8bit", True, False)
+    numel = codec.COMPILE_MIN_NUMEL  # (the fused kernels' smallest parameter)
+    state = codec.PackedState(layout, layout.empty(numel), numel, torch.zeros(numel // 2, dtype=torch.bfloat16), param_numel=numel)
+    with warnings.catch_warnings(), pytest.raises(RuntimeError, match="size"):
+        warnings.simplefilter("ignore")  # (the compiled kernel's, refusing it too)
+        state.update(torch.randn(numel), torch.tensor(0.0), lambda *args: None, HYPER)

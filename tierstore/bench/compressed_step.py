@@ -97,7 +97,7 @@ def _adam_many(rows: list[list[torch.Tensor]], grads: list[torch.Tensor], steps:
 HYPER = precision.AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.1, True)
 
 
-def _update_call(setting: tuple[str, torch.dtype, str, str], numel: int, fused: bool = True) -> Callable[[], None]:
+def _update_call(setting: tuple[str, torch.dtype, str, str], numel: int, fused: bool = True) -> Callable[[], object]:
     """One update of an entry of ``numel`` elements in ``setting``'s stored form (``fused``:
     given ``_adam``'s settings, as ``TieredAdamW`` runs it: one compiled kernel a tile for
     8-bit moments where the codec is compiled)."""
@@ -116,7 +116,7 @@ def _update_call(setting: tuple[str, torch.dtype, str, str], numel: int, fused: 
     return lambda: state.update(grad, step, _adam, hyper)
 
 
-def _time(call: Callable[[], None], reps: int) -> float:
+def _time(call: Callable[[], object], reps: int) -> float:
     call()
     call()  # compiles (first call) and warms: outside the timed ones
     times = []

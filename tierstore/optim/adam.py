@@ -1153,11 +1153,11 @@ class TieredAdam(PagedOptimizer):
 
     def _end_chunks(self, slot: ParamSlot) -> None:
         before, _, after = self._chunk_steps.pop(slot.index, (None, 0.0, None))
-        if isinstance(after, float):
-            assert before is not None
-            after = torch.full_like(before, after)
-        if after is not None:
-            self._step_counts[slot.index] = after
+        if before is None or after is None:
+            return
+        # (counted as a number, or in a tensor of another dtype: the count keeps its own)
+        same = isinstance(after, torch.Tensor) and after.dtype == before.dtype
+        self._step_counts[slot.index] = after if isinstance(after, torch.Tensor) and same else torch.full_like(before, float(after))
 
     # -- checkpoints (tierstore.optim.checkpoint) -------------------------------------------------------
 

@@ -155,8 +155,9 @@ def adam8(
     if not all(_takes(*want) for want in wanted):
         return False
     low, high, high_out = halves if halves is not None else (None, None, None)
-    adam8_at(built, numel, _pointer(master), (_pointer(low), _pointer(high), _pointer(high_out)) if halves is not None else None,
-             tuple(t.data_ptr() for t in moments), grad.data_ptr(), grad.dtype == torch.bfloat16, scalars.data_ptr(), threads)
+    m_at, m_scales_at, v_at, v_scales_at = (t.data_ptr() for t in moments)
+    _call(built, numel, _pointer(master), (_pointer(low), _pointer(high), _pointer(high_out)) if halves is not None else None,
+          (m_at, m_scales_at, v_at, v_scales_at), grad.data_ptr(), grad.dtype == torch.bfloat16, scalars.data_ptr(), threads)
     return True
 
 
@@ -179,6 +180,13 @@ def adam8_at(
     views of its fields cost more than its kernel while the loop was busy (measured: about
     0.7 ms a chunk of the disk-bound 8-bit step, its kernel 0.9 ms). ``scalars``: ten fp32
     (``AdamHyper.scalar_values``)."""
+    _call(built, numel, master, halves, moments, grad, grad_bf16, scalars, threads)
+
+
+def _call(
+    built: Kernel, numel: int, master: int | None, halves: tuple[int | None, int | None, int | None] | None,
+    moments: tuple[int, int, int, int], grad: int, grad_bf16: bool, scalars: int, threads: int | None,
+) -> None:
     low, high, high_out = halves if halves is not None else (None, None, None)
     grad32, grad16 = (None, grad) if grad_bf16 else (grad, None)
     threads = max(1, min(threads or torch.get_num_threads(), numel // PER_THREAD))

@@ -250,10 +250,10 @@ class AdamHyper(NamedTuple):
         """The kernel's scalars for count ``step`` (after counting this update), computed in
         float64 and rounded to fp32 as torch's fused AdamW does: one tensor, so new values
         (a scheduled lr, the bias corrections of every step) are new data, not a recompile."""
-        return torch.tensor(self.scalar_values(step), dtype=torch.float32)
+        return _KernelScalars(self.scalar_values(step)).tensor()
 
-    def scalar_values(self, step: float) -> tuple[float, ...]:
-        """``scalars`` as float64 numbers, not rounded yet."""
+    def scalar_values(self, step: float) -> tuple[Any, ...]:
+        """``scalars`` before rounding: Python floats (0-d tensors where the group's betas are)."""
         lr = float(self.lr)
         bias1 = 1 - self.beta1**step
         bias2_sqrt = math.sqrt(1 - self.beta2**step)
@@ -272,7 +272,7 @@ class _KernelScalars:
 
     __slots__ = ("_values", "_tensor", "_array")
 
-    def __init__(self, values: tuple[float, ...]) -> None:
+    def __init__(self, values: tuple[Any, ...]) -> None:
         self._values = values
         self._tensor: torch.Tensor | None = None
         self._array: ctypes.Array[ctypes.c_float] | None = None
@@ -833,8 +833,9 @@ class PackedState:
             self._encode_tile(start, stop, rows, high, compiled)
         if high is not None:
             self.high = high
+        assert counted is not None  # (``_tiles`` gives at least one tile)
         if not isinstance(step, torch.Tensor):
-            return before if counted is None else counted
+            return counted
         if isinstance(counted, torch.Tensor):
             step.copy_(counted)
         elif counted is not None:
@@ -852,14 +853,15 @@ class PackedState:
 
     def _addressable(self, grad: torch.Tensor, high: torch.Tensor | None) -> bool:
         """Whether the C kernel can take this entry's operands by address (``_c_tile``): every
-        one flat, contiguous and in CPU memory, of the dtypes it takes (else the views go to
-        ``native.adam8``, which says no, and to the compiled kernel)."""
+        one contiguous, in CPU memory, of the dtype and size it takes (else they go as views to
+        ``native.adam8``, which checks them again, or to the compiled kernel). The gradient's
+        size was checked by ``update``."""
         if not self._contiguous or not grad.is_cpu or not grad.is_contiguous() or grad.dtype not in (torch.float32, torch.bfloat16):
             return False
         if self.layout.lossless:
             weight = self.high
             return (weight is not None and high is not None and weight.is_cpu and weight.is_contiguous() and weight.dtype == torch.bfloat16
-                    and high.is_contiguous())
+                    and weight.numel() == self.numel and high.is_contiguous() and high.numel() == self.numel)
         return True
 
     def _c_tile(self, built: native.Kernel, start: int, stop: int, grad: torch.Tensor, scalars: _KernelScalars,
