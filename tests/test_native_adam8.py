@@ -274,3 +274,44 @@ def test_a_lossless_weight_shorter_than_its_entry_is_refused_not_read_past_its_e
     with warnings.catch_warnings(), pytest.raises(RuntimeError, match="size"):
         warnings.simplefilter("ignore")  # (the compiled kernel's, refusing it too)
         state.update(torch.randn(numel), torch.tensor(0.0), lambda *args: None, HYPER)
+
+
+TWO_FIRST_STEPS = r"""
+import threading, torch
+from tierstore.optim import TieredAdamW
+N = 1 << 20
+
+def make():
+    p = torch.nn.Parameter(torch.zeros(N))
+    p.grad = torch.zeros(N)
+    p.grad[: N // 2] = torch.randn(N // 2, generator=torch.Generator().manual_seed(0))
+    return p, TieredAdamW([p], lr=1e-3, state_precision="8bit", offload="host")
+
+pairs = [make() for _ in range(2)]
+barrier = threading.Barrier(2)
+threads = [threading.Thread(target=lambda opt=opt: (barrier.wait(), opt.step())) for _, opt in pairs]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+for p, opt in pairs:
+    state = opt.state_dict()["state"][0]
+    print(int((state["exp_avg"][N // 2 :] != 0).sum()), int((state["exp_avg_sq"][N // 2 :] != 0).sum()))
+    opt.close()
+"""
+
+
+def test_two_optimizers_first_steps_at_once_keep_the_moments_of_zero_gradients_zero() -> None:
+    """The C kernel's code books were passed by addresses taken once a process from tensors
+    that two threads making them at once could each make: the caches kept one thread's, and
+    the addresses of the other's were freed memory, read by every call after. Two 8-bit
+    optimizers taking their first steps at once in a fresh process then coded moments from
+    garbage (a tryout: 5 runs in 6): half of each gradient is zero, so half of each moment must
+    stay 0."""
+    import subprocess
+    import sys
+
+    for _ in range(3):  # (each in a fresh process: the code books are made once a process)
+        done = subprocess.run([sys.executable, "-c", TWO_FIRST_STEPS], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.split() == ["0"] * 4, done.stdout

@@ -198,14 +198,30 @@ LOW_EXPONENT = 104
 _LOWEST_HIGH, _ONE_HIGH = LOW_EXPONENT << 7, 0x3F80
 
 
-@functools.cache
+#: The code-book tensors whose addresses ``_tables`` gives, and those addresses.
+_table_tensors: tuple[torch.Tensor, ...] = ()
+_table_addresses: tuple[int, ...] | None = None
+
+
 def _tables() -> tuple[int, ...]:
     """The addresses ``tierstore_adam8`` takes, of each code book (signed, then unsigned): its
-    values, its midpoints (+inf last) and ``search_tables``' two (kept alive by the caches)."""
-    from tierstore.optim.precision import _search_table, dynamic_map
+    values, its midpoints (+inf last) and ``search_tables``' two. The tensors are kept here,
+    beside their addresses: the caches that make them keep one of the tensors that threads
+    making them at once made, and the addresses taken from another thread's were of freed
+    memory, read by every kernel call after (the moments came out wrong: a tryout, two
+    optimizers' first steps at once)."""
+    global _table_tensors, _table_addresses
+    addresses = _table_addresses
+    if addresses is None:
+        from tierstore.optim.precision import _search_table, dynamic_map
 
-    return tuple(t.data_ptr() for signed in (True, False)
-                 for t in (dynamic_map(signed), _search_table(signed)[1], *search_tables(signed)))
+        with _lock:
+            if _table_addresses is None:
+                _table_tensors = tuple(t for signed in (True, False)
+                                       for t in (dynamic_map(signed), _search_table(signed)[1], *search_tables(signed)))
+                _table_addresses = tuple(t.data_ptr() for t in _table_tensors)
+            addresses = _table_addresses
+    return addresses
 
 
 @functools.cache
