@@ -1155,9 +1155,10 @@ class TieredAdam(PagedOptimizer):
         before, _, after = self._chunk_steps.pop(slot.index, (None, 0.0, None))
         if before is None or after is None:
             return
-        # (counted as a number, or in a tensor of another dtype: the count keeps its own)
-        same = isinstance(after, torch.Tensor) and after.dtype == before.dtype
-        self._step_counts[slot.index] = after if isinstance(after, torch.Tensor) and same else torch.full_like(before, float(after))
+        if isinstance(after, torch.Tensor) and after.dtype == before.dtype:
+            self._step_counts[slot.index] = after
+        else:  # (counted as a number, or in a tensor of another dtype: the count keeps its own)
+            self._step_counts[slot.index] = torch.full_like(before, float(after))
 
     # -- checkpoints (tierstore.optim.checkpoint) -------------------------------------------------------
 

@@ -838,7 +838,7 @@ class PackedState:
             return counted
         if isinstance(counted, torch.Tensor):
             step.copy_(counted)
-        elif counted is not None:
+        else:
             step.fill_(counted)
         return step
 
@@ -876,14 +876,15 @@ class PackedState:
             return base + field.offset + index * field.dtype.itemsize
 
         moments = (at("exp_avg/codes", start), at("exp_avg/scale", first), at("exp_avg_sq/codes", start), at("exp_avg_sq/scale", first))
-        grad_at = grad.data_ptr() + start * grad.element_size()
+        master: int | None = None
+        halves: tuple[int, int, int] | None = None
         if high is None:
             master = self._master.data_ptr() + start * 4 if self._master is not None else at("master", start)
-            native.adam8_at(built, stop - start, master, None, moments, grad_at, grad.dtype == torch.bfloat16, scalars.address())
-            return
-        assert self.high is not None
-        halves = (at("master_low", start), self.high.data_ptr() + start * 2, high.data_ptr() + start * 2)
-        native.adam8_at(built, stop - start, None, halves, moments, grad_at, grad.dtype == torch.bfloat16, scalars.address())
+        else:
+            assert self.high is not None
+            halves = (at("master_low", start), self.high.data_ptr() + start * 2, high.data_ptr() + start * 2)
+        native.adam8_at(built, stop - start, master, halves, moments, grad.data_ptr() + start * grad.element_size(),
+                        grad.dtype == torch.bfloat16, scalars.address())
 
     def _fused_tile_of_views(self, start: int, stop: int, grad: torch.Tensor, scalars: torch.Tensor, high: torch.Tensor | None) -> bool:
         """``_fused_tile`` on views of the fields: the C kernel where it takes them, else the
