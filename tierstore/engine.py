@@ -127,6 +127,12 @@ class Engine:
         #: Early write-backs in flight (``tierstore.eviction.write_early``), by the id of the memory
         #: copy each writes (alive meanwhile: each holds a use of its copy).
         self.early_writes: dict[int, asyncio.Task[None]] = {}
+        #: How many requests wait for each load in flight (``_ensure``'s futures), to hand each
+        #: a use of the loaded copy.
+        self._load_waiters: dict[asyncio.Future[Copy | None], int] = {}
+        #: Loads ended whose waiters have not all run: how many are left, and the future that
+        #: ends when they have (``expect_room``).
+        self._handed: dict[asyncio.Future[Copy | None], list[Any]] = {}
         self._prefetched: set[tuple[str, int]] = set()
         self.issuer: PrefetchIssuer | None = None
         self.counters = StoreCounters()
@@ -346,17 +352,21 @@ class Engine:
         self.use(entry, copy)
         return copy
 
-    async def _ensure(self, entry: Entry, t: int, priority: Priority) -> None:
-        """Return once ``entry`` has a valid copy on tier ``t`` (one load at a time per tier)."""
+    async def _ensure(self, entry: Entry, t: int, priority: Priority, using: bool = True) -> None:
+        """Return once ``entry`` has a valid copy on tier ``t`` (one load at a time per tier).
+        ``using``: the caller takes a use of it then (a prefetch does not)."""
         rereads = 0
         while entry.valid(t) is None:
             if self.entries.get(entry.key) is not entry or not entry.visible:
                 raise KeyNotFoundError(f"{entry.key!r} was deleted")
             pending = entry.loading.get(t)
             if pending is not None:
-                await asyncio.shield(pending)
+                if using:
+                    await self._wait_for_load(entry, pending)
+                else:
+                    await asyncio.shield(pending)
                 continue
-            done = asyncio.get_running_loop().create_future()
+            done: asyncio.Future[Copy | None] = asyncio.get_running_loop().create_future()
             entry.start_loading(t, done)
             superseded = False
             try:
@@ -365,12 +375,44 @@ class Engine:
                 superseded = True
             finally:
                 entry.end_loading(t, done)
-                done.set_result(None)
+                # Those waiting for this load get a use of the copy each, theirs until they run:
+                # a copy no one used yet is a victim, and a request for room served before
+                # they run would evict it (MIN does: a prefetch's copy, the next use of which
+                # it placed after the request's) and they would read it again.
+                waiting = self._load_waiters.pop(done, 0)
+                loaded = entry.valid(t) if waiting else None
+                if loaded is not None:
+                    loaded.users += waiting
+                    handed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                    self._handed[done] = [waiting, handed]
+                    self.expect_room(t, handed)  # (a request for room meanwhile waits for them to run)
+                done.set_result(loaded)
             if superseded:
                 rereads += 1
                 if rereads > _MAX_REREADS:
                     raise CorruptionError(f"{entry.key!r}: the catalog keeps holding another version than the store's record of it")
                 await self._superseded(entry)
+
+    async def _wait_for_load(self, entry: Entry, pending: asyncio.Future[Copy | None]) -> None:
+        """Wait for another request's load of ``entry`` (``_ensure``); the use of the loaded copy
+        it takes on this waiter's behalf ends here, once the waiter runs, cancelled or not."""
+        self._load_waiters[pending] = self._load_waiters.get(pending, 0) + 1
+        try:
+            await asyncio.shield(pending)
+        finally:
+            if not pending.done():  # (cancelled first: not counted when the load ends)
+                left = self._load_waiters[pending] - 1
+                if left:
+                    self._load_waiters[pending] = left
+                else:
+                    del self._load_waiters[pending]
+            elif (loaded := pending.result()) is not None:
+                handed = self._handed[pending]
+                handed[0] -= 1
+                self.unuse(entry, loaded)  # (``acquire`` takes its own at once: nothing runs in between)
+                if not handed[0]:
+                    del self._handed[pending]
+                    handed[1].set_result(None)
 
     async def _load(self, entry: Entry, t: int, priority: Priority) -> None:
         """Copy the current value of ``entry`` onto memory tier ``t`` from its fastest copy."""
@@ -1161,7 +1203,7 @@ class Engine:
         return bool(furthest() < next_use(entry.key))
 
     async def promote(self, entry: Entry, t: int, priority: Priority) -> None:
-        await self._ensure(entry, t, priority)
+        await self._ensure(entry, t, priority, using=False)
 
     def prefetched(self, entry: Entry, t: int) -> None:
         self._prefetched.add((entry.key, t))

@@ -23,7 +23,7 @@ from .disk.extents import Extent
 from .tensors import TensorMeta, from_bytes, storage_nbytes
 from .tiers.slabs import Slab
 
-_NO_LOADS: Mapping[int, asyncio.Future[None]] = MappingProxyType({})
+_NO_LOADS: Mapping[int, asyncio.Future[Any]] = MappingProxyType({})
 _NO_TOKENS: frozenset[int] = frozenset()
 #: Interned metadata: a million keys of a few shapes keep a few ``TensorMeta`` objects.
 _METAS: dict[TensorMeta, TensorMeta] = {}
@@ -289,7 +289,7 @@ class _Rare:
         self.pending_writes = 0
         self.writer: Copy | None = None
         self.writer_token = 0
-        self.loading: dict[int, asyncio.Future[None]] | None = None
+        self.loading: dict[int, asyncio.Future[Any]] | None = None
         self.disk_lock: asyncio.Lock | None = None
         self.hold_tokens: set[int] | None = None
         self.waiters: list[asyncio.Future[None]] | None = None
@@ -475,17 +475,17 @@ class Entry:
         self._copies = None if not others else others[0] if len(others) == 1 else tuple(others)
 
     @property
-    def loading(self) -> Mapping[int, asyncio.Future[None]]:
+    def loading(self) -> Mapping[int, asyncio.Future[Any]]:
         """Promotions in flight, by target tier: later requesters wait for them (read-only;
         ``start_loading`` / ``end_loading`` change it)."""
         return self._loading if self._loading is not None else _NO_LOADS
 
-    def start_loading(self, tier: int, done: asyncio.Future[None]) -> None:
+    def start_loading(self, tier: int, done: asyncio.Future[Any]) -> None:
         if self._loading is None:
             self._loading = {}
         self._loading[tier] = done
 
-    def end_loading(self, tier: int, done: asyncio.Future[None]) -> None:
+    def end_loading(self, tier: int, done: asyncio.Future[Any]) -> None:
         loading = self._loading
         if loading is not None and loading.get(tier) is done:
             del loading[tier]

@@ -1,0 +1,88 @@
+"""A value loaded while a hold waits for that load is the hold's: a request for room served
+before the hold's task ran evicted the copy just loaded, and the hold read it again (with
+``step_in_backward=True`` a few chunks of optimizer state were read twice a step: a write hold
+of a chunk waited for the prefetch reading it, MIN evicted the prefetched copy first)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from tierstore import DiskTier, HostTier, TierStore
+
+VALUE = 64 << 10  # (bytes: large enough to take buffers of their own, not slab slots)
+
+
+class EvictsAFirst:
+    """An eviction policy that gives up ``"a"`` before anything else it may evict."""
+
+    name = "a-first"
+
+    #: Called with each key inserted (the test asks for room there: at once, before anything
+    #: waiting for the insert runs).
+    inserted: Callable[[str], None] = staticmethod(lambda key: None)
+
+    def __init__(self) -> None:
+        self.keys: list[str] = []
+
+    def on_insert(self, key: str, nbytes: int) -> None:
+        self.keys.append(key)
+        EvictsAFirst.inserted(key)
+
+    def on_hit(self, key: str) -> None:
+        pass
+
+    def on_remove(self, key: str) -> None:
+        if key in self.keys:
+            self.keys.remove(key)
+
+    def victim(self, evictable=None):  # type: ignore[no-untyped-def]
+        for key in sorted(self.keys, key=lambda k: k != "a"):
+            if evictable is None or evictable(key):
+                self.keys.remove(key)
+                return key
+        return None
+
+    def reset(self) -> None:
+        self.keys.clear()
+
+
+def _reads(store: TierStore) -> int:
+    link = store.counters.links.get("disk->host")
+    return link.transfers if link is not None else 0
+
+
+async def test_a_value_loaded_for_a_waiting_hold_is_not_evicted_before_the_hold_takes_it(tmp_path: Path) -> None:
+    numel = VALUE // 4
+    async with TierStore([HostTier(2 * VALUE), DiskTier(tmp_path / "d", "16MiB")], eviction=EvictsAFirst) as store:
+        for name, fill in (("a", 1.0), ("b", 2.0), ("x", 3.0), ("y", 4.0)):
+            await store.put(name, torch.full((numel,), fill))  # (the host keeps two: "a" and "b" go to the disk)
+        assert "host" not in store.where("a") and "host" not in store.where("b")
+        async with store.hold("y", "host"):  # (the host's other copy cannot go)
+            before = _reads(store)
+            seen: list[float] = []
+
+            async def hold(key: str) -> None:
+                async with store.hold(key, "host") as value:
+                    seen.append(float(value[0]))
+
+            others: list[asyncio.Task[None]] = []
+
+            def ask_for_room(key: str) -> None:  # as "a" lands on the host: a hold of "b" needs its room
+                if key == "a" and not others:
+                    others.append(asyncio.ensure_future(hold("b")))
+
+            EvictsAFirst.inserted = staticmethod(ask_for_room)
+            try:
+                await store.prefetch(["a"], "host")  # "a" starts loading (in place of "x")
+                for _ in range(3):
+                    await asyncio.sleep(0)
+                await asyncio.wait_for(hold("a"), timeout=60)  # waits for the prefetch's load
+                await asyncio.wait_for(others[0], timeout=60)
+            finally:
+                EvictsAFirst.inserted = staticmethod(lambda key: None)
+            assert sorted(seen) == [1.0, 2.0]
+            assert _reads(store) - before == 2, f"{_reads(store) - before} reads from the disk for two values"
