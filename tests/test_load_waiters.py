@@ -86,3 +86,33 @@ async def test_a_value_loaded_for_a_waiting_hold_is_not_evicted_before_the_hold_
                 EvictsAFirst.inserted = staticmethod(lambda key: None)
             assert sorted(seen) == [1.0, 2.0]
             assert _reads(store) - before == 2, f"{_reads(store) - before} reads from the disk for two values"
+
+
+async def test_a_write_hold_waiting_for_a_load_goes_before_a_hold_that_asked_after_it(tmp_path: Path) -> None:
+    """Each request waiting for the load gets a use of the copy until it runs: the write hold
+    that asked first saw the later hold's use as a user of the copy, let it go first and
+    waited for it to end (a review: first come, first served is kept)."""
+    numel = VALUE // 4
+    async with TierStore([HostTier(4 * VALUE), DiskTier(tmp_path / "d", "16MiB")]) as store:
+        for index, name in enumerate("abcdef"):
+            await store.put(name, torch.full((numel,), float(index + 1)))
+        assert "host" not in store.where("a")
+        order: list[str] = []
+
+        async def writer() -> None:
+            async with store.hold("a", "host", write=True) as value:
+                order.append("write")
+                value.fill_(7.0)
+                await asyncio.sleep(0.05)
+
+        async def reader() -> None:
+            async with store.hold("a", "host") as value:
+                order.append(f"read {float(value[0])}")
+
+        await store.prefetch(["a"], "host")  # "a" starts loading
+        for _ in range(3):
+            await asyncio.sleep(0)
+        first = asyncio.ensure_future(writer())
+        await asyncio.sleep(0)
+        await asyncio.wait_for(asyncio.gather(first, reader()), timeout=60)
+        assert order == ["write", "read 7.0"]

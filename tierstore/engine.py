@@ -133,6 +133,8 @@ class Engine:
         #: Loads ended whose waiters have not all run: how many are left, and the future that
         #: ends when they have (``expect_room``).
         self._handed: dict[asyncio.Future[Copy | None], list[Any]] = {}
+        #: The uses so handed out and not yet given back, by the id of the copy (alive meanwhile).
+        self._handed_uses: dict[int, int] = {}
         self._prefetched: set[tuple[str, int]] = set()
         self.issuer: PrefetchIssuer | None = None
         self.counters = StoreCounters()
@@ -383,6 +385,7 @@ class Engine:
                 loaded = entry.valid(t) if waiting else None
                 if loaded is not None:
                     loaded.users += waiting
+                    self._handed_uses[id(loaded)] = self._handed_uses.get(id(loaded), 0) + waiting
                     handed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
                     self._handed[done] = [waiting, handed]
                     self.expect_room(t, handed)  # (a request for room meanwhile waits for them to run)
@@ -409,10 +412,18 @@ class Engine:
             elif (loaded := pending.result()) is not None:
                 handed = self._handed[pending]
                 handed[0] -= 1
+                if (uses := self._handed_uses.pop(id(loaded)) - 1) > 0:
+                    self._handed_uses[id(loaded)] = uses
                 self.unuse(entry, loaded)  # (``acquire`` takes its own at once: nothing runs in between)
                 if not handed[0]:
                     del self._handed[pending]
                     handed[1].set_result(None)
+
+    def users_besides_waiters(self, copy: Copy) -> int:
+        """The uses of ``copy`` other than those handed to requests that waited for its load and
+        have not run since (each gives its own back as it runs): a write hold that asked first
+        goes first, as it would had the copy been there."""
+        return copy.users - self._handed_uses.get(id(copy), 0)
 
     async def _load(self, entry: Entry, t: int, priority: Priority) -> None:
         """Copy the current value of ``entry`` onto memory tier ``t`` from its fastest copy."""

@@ -1130,7 +1130,7 @@ class TierStore:
 
         def free_to_write() -> bool:
             copy = entry.copy_on(t)
-            return entry.writer is None and entry.pending_writes == 0 and (copy is None or copy.users == 0)
+            return entry.writer is None and entry.pending_writes == 0 and (copy is None or self._engine.users_besides_waiters(copy) == 0)
 
         if write and entry.has_woken:
             await asyncio.sleep(0)  # (those woken by the hold that just ended go first)
@@ -1141,7 +1141,7 @@ class TierStore:
                 self._engine.use(entry, copy)
             else:
                 copy = await self._engine.acquire(entry, t, Priority.DEMAND)
-            if entry.writer is None and (not write or (copy.users == 1 and entry.pending_writes == 0)):
+            if entry.writer is None and (not write or (self._engine.users_besides_waiters(copy) == 1 and entry.pending_writes == 0)):
                 break
             self._engine.unuse(entry, copy)
             if write and any(holds.inside(token) for token in entry.hold_tokens):
