@@ -116,3 +116,61 @@ async def test_a_write_hold_waiting_for_a_load_goes_before_a_hold_that_asked_aft
         await asyncio.sleep(0)
         await asyncio.wait_for(asyncio.gather(first, reader()), timeout=60)
         assert order == ["write", "read 7.0"]
+
+
+async def test_a_get_waiting_for_a_load_a_write_hold_started_returns_no_half_written_value(tmp_path: Path) -> None:
+    """The get checked for a write hold before it waited for the load, not after: a write hold
+    that started the load (or waited for it ahead of the get) was open when the get ran on, and
+    the get copied its buffer half-written (a tryout: [0.0, 7.0])."""
+    numel = VALUE // 4
+    async with TierStore([HostTier(4 * VALUE), DiskTier(tmp_path / "d", "16MiB")]) as store:
+        for index, name in enumerate("abcdef"):
+            await store.put(name, torch.full((numel,), float(index)))
+        assert "host" not in store.where("a")
+
+        async def writer() -> None:
+            async with store.hold("a", "host", write=True) as value:
+                value[: numel // 2].fill_(7.0)
+                await asyncio.sleep(0.05)  # (open: every other reader waits)
+                value[numel // 2 :].fill_(7.0)
+
+        for prefetched in (False, True):
+            if prefetched:
+                await store.put("a", torch.zeros(numel))
+                for name in "bcde":  # (the host holds four: "a" goes back down)
+                    await store.put(name, torch.full((numel,), 5.0))
+                assert "host" not in store.where("a")
+                await store.prefetch(["a"], "host")
+                for _ in range(3):
+                    await asyncio.sleep(0)
+            writing = asyncio.ensure_future(writer())
+            await asyncio.sleep(0)
+            got = await asyncio.wait_for(store.get("a", "host"), timeout=60)
+            await asyncio.wait_for(writing, timeout=60)
+            assert got.unique().tolist() == [7.0], (prefetched, got.unique().tolist())
+
+
+async def test_requests_waiting_for_a_load_when_the_store_closes_are_told_it_closed(tmp_path: Path) -> None:
+    """They were told the key was deleted (KeyNotFoundError), which no one did."""
+    from tierstore import KeyNotFoundError, StoreClosedError
+
+    numel = VALUE // 4
+    store = TierStore([HostTier(3 * VALUE), DiskTier(tmp_path / "d", "16MiB")])
+    await store.open()
+    for index, name in enumerate("abcdef"):
+        await store.put(name, torch.full((numel,), float(index)))
+    await store.prefetch(["a"], "host")
+    await asyncio.sleep(0)
+
+    async def hold() -> None:
+        async with store.hold("a", "host"):
+            pass
+
+    waiting = [asyncio.ensure_future(hold()), asyncio.ensure_future(store.get("a", "host")), asyncio.ensure_future(hold())]
+    await asyncio.sleep(0)
+    await asyncio.wait_for(store.aclose(), timeout=60)
+    outcomes = await asyncio.wait_for(asyncio.gather(*waiting, return_exceptions=True), timeout=60)
+    assert not any(isinstance(outcome, KeyNotFoundError) for outcome in outcomes), outcomes
+    assert all(outcome is None or isinstance(outcome, StoreClosedError) for outcome in outcomes), outcomes
+    async with TierStore([HostTier(3 * VALUE), DiskTier(tmp_path / "d", "16MiB")]) as again:
+        assert "a" in again

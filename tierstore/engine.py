@@ -360,6 +360,7 @@ class Engine:
         rereads = 0
         while entry.valid(t) is None:
             if self.entries.get(entry.key) is not entry or not entry.visible:
+                self.require_open()  # (a close forgets the entries: no one deleted it)
                 raise KeyNotFoundError(f"{entry.key!r} was deleted")
             pending = entry.loading.get(t)
             if pending is not None:

@@ -790,10 +790,18 @@ class TierStore:
                     if meta.nbytes:
                         ctypes.memmove(out.data_ptr(), copy.address, meta.nbytes)
                     return out
-            try:
-                copy = await self._engine.acquire(entry, t, Priority.DEMAND)
-            except TierFullError:
-                return await self._engine.read_uncached(entry, device, out, target=t)
+            while True:
+                try:
+                    copy = await self._engine.acquire(entry, t, Priority.DEMAND)
+                except TierFullError:
+                    return await self._engine.read_uncached(entry, device, out, target=t)
+                if entry.writer is None:
+                    break
+                # A write hold opened while this waited for the load (it waited for the same
+                # load, ahead of this, or started it): its buffer is changing, wait for its end.
+                self._engine.unuse(entry, copy)
+                await self._engine.no_writer(entry, "get")
+                entry = self._engine.visible_entry(key)
             read = self._engine.reading(copy)
             try:
                 return await self._engine.clone(entry, copy, t, out)
