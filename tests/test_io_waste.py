@@ -314,3 +314,28 @@ async def test_flushed_and_read_values_count_whole_blocks_as_the_kernel_does(tmp
         for i in range(4):
             await store.put(f"e{i}", torch.zeros(10_166, dtype=torch.uint8), tier="disk")
         assert store.stats()["links"]["caller->disk"]["nbytes"] == 4 * 12_288
+
+
+def test_a_frozen_layer_adds_no_write_backs_to_a_state_that_fits(tmp_path: Path, counters: None, device_mode: str) -> None:
+    """The step's early write-backs counted the state of every paged parameter not on the host
+    tier, a frozen one's too (it has none, and none is made): with the trainable state fitting
+    the host tier, each step wrote 64-196 KiB back for a need of 0 (a tryout)."""
+    torch.manual_seed(1)
+    layers = [torch.nn.Linear(128, 128) for _ in range(3)] + [torch.nn.Linear(128, 16)]
+    layers[2].requires_grad_(False)
+    model = torch.nn.Sequential(*layers)
+    # (the trainable state fits; under the emulated device, beside the gradients that cross the link)
+    opt = _paged_to_disk(model, tmp_path / "disk", "512KiB" if emulation()[0] else "256KiB")
+    try:
+        moved = kernel = needed = 0
+        for index in range(6):
+            model(torch.randn(8, 128)).square().mean().backward()
+            step_moved, step_kernel, need = _measured_step(opt)
+            opt.zero_grad()
+            if index >= 1:
+                moved, kernel, needed = moved + step_moved, kernel + step_kernel, needed + need
+        assert needed == 0
+        assert moved == 0, f"{moved:,} bytes moved for none needed"
+        assert kernel <= 5 * SLACK, f"the kernel saw {kernel:,} bytes for none needed"
+    finally:
+        opt.close()
