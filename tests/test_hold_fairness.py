@@ -33,3 +33,41 @@ async def test_a_reader_gets_through_a_task_taking_write_holds_back_to_back() ->
             await task
         assert before < 100, f"the reader waited {before} write holds"
         assert torch.equal(value, torch.full((1000,), float(value[0]))) and value[0] > 1
+
+
+async def test_write_holds_asked_one_after_another_are_served_in_that_order(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Three write holds of one key asked in the order W0, W1, W2 were served W0, W2, W1: a
+    task woken for nothing (a use of the key ended) waited again behind those that came after
+    it, and one woken by the hold that ended let the others woken with it go first (a tryout).
+    The value on the host, on the disk (the later ones wait for the first one's load), or being
+    prefetched."""
+    from tierstore import DiskTier
+
+    numel = 16 << 10
+    for setup in ("on the host", "on the disk", "prefetched"):
+        async with TierStore([HostTier(4 * 4 * numel), DiskTier(tmp_path / setup.replace(" ", "_"), "16MiB")]) as store:
+            for index, name in enumerate("abcdef"):
+                await store.put(name, torch.full((numel,), 0.0 if name == "a" else float(index)))
+            if setup == "on the host":
+                await store.get("a", "host")
+                assert "host" in store.where("a")
+            else:
+                assert "host" not in store.where("a")
+            if setup == "prefetched":
+                await store.prefetch(["a"], "host")
+                for _ in range(3):
+                    await asyncio.sleep(0)
+            served: list[tuple[int, float]] = []
+
+            async def writer(index: int, served: list[tuple[int, float]] = served) -> None:
+                async with store.hold("a", "host", write=True) as held:
+                    served.append((index, float(held[0])))
+                    held.add_(1)
+                    await asyncio.sleep(0.005)
+
+            tasks = []
+            for index in range(4):
+                tasks.append(asyncio.ensure_future(writer(index)))
+                await asyncio.sleep(0)
+            await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
+            assert served == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0)], (setup, served)

@@ -135,6 +135,7 @@ class Engine:
         self._handed: dict[asyncio.Future[Copy | None], list[Any]] = {}
         #: The uses so handed out and not yet given back, by the id of the copy (alive meanwhile).
         self._handed_uses: dict[int, int] = {}
+        self._wait_tickets = itertools.count()
         self._prefetched: set[tuple[str, int]] = set()
         self.issuer: PrefetchIssuer | None = None
         self.counters = StoreCounters()
@@ -1144,10 +1145,12 @@ class Engine:
             warn(message, RuntimeWarning)
 
     async def wait_until(self, entry: Entry, ready: Callable[[], bool]) -> None:
-        """Return once ``ready()`` holds; re-checked whenever a use or hold of ``entry`` ends."""
+        """Return once ``ready()`` holds; re-checked whenever a use or hold of ``entry`` ends
+        (those waiting are woken in the order they began to wait)."""
+        ticket = next(self._wait_tickets)
         while not ready():
             waiter = asyncio.get_running_loop().create_future()
-            entry.add_waiter(waiter)
+            entry.add_waiter(waiter, ticket)
             try:
                 await waiter
             finally:

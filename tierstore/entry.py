@@ -13,6 +13,7 @@ metadata is shared between keys (``shared_meta``).
 from __future__ import annotations
 
 import asyncio
+import bisect
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -292,7 +293,7 @@ class _Rare:
         self.loading: dict[int, asyncio.Future[Any]] | None = None
         self.disk_lock: asyncio.Lock | None = None
         self.hold_tokens: set[int] | None = None
-        self.waiters: list[asyncio.Future[None]] | None = None
+        self.waiters: list[tuple[int, asyncio.Future[None]]] | None = None
         #: Waiters woken whose tasks have not run since (``Entry.has_woken``).
         self.woken: list[asyncio.Future[None]] | None = None
 
@@ -553,11 +554,13 @@ class Entry:
             if not tokens:
                 self._hold_tokens = None
 
-    def add_waiter(self, waiter: asyncio.Future[None]) -> None:
-        """Wake ``waiter`` when a hold or a use of this entry ends (see ``Engine.wait_until``)."""
+    def add_waiter(self, waiter: asyncio.Future[None], ticket: int) -> None:
+        """Wake ``waiter`` when a hold or a use of this entry ends (see ``Engine.wait_until``),
+        in the order of ``ticket``: a task woken for nothing that waits again keeps its place
+        ahead of those that came after it."""
         if self._waiters is None:
             self._waiters = []
-        self._waiters.append(waiter)
+        bisect.insort(self._waiters, (ticket, waiter), key=_ticket)
 
     @property
     def visible(self) -> bool:
@@ -585,7 +588,7 @@ class Entry:
         if waiters is None:
             return
         self._waiters = None
-        woken = [waiter for waiter in waiters if not waiter.done()]
+        woken = [waiter for _, waiter in waiters if not waiter.done()]
         for waiter in woken:
             waiter.set_result(None)
         if woken:
@@ -633,3 +636,7 @@ def _inline_on_disk(d: int) -> _InlineOnDisk:
 
 def _tier_of(copy: Copy) -> int:
     return copy.tier
+
+
+def _ticket(waiter: tuple[int, asyncio.Future[None]]) -> int:
+    return waiter[0]

@@ -1071,13 +1071,14 @@ class TierStore:
         if write and self._engine.frozen:
             await self._engine.until_thawed()
         entry = self._engine.visible_entry(key)
-        if entry.writer is not None:
+        woken = entry.writer is not None
+        if woken:
             await self._engine.no_writer(entry, "hold")
             entry = self._engine.visible_entry(key)
         hit = entry.valid(t) is not None
         self._engine.count_access(t, hit, entry)
         self._engine.observe("hold", key, entry.meta.nbytes, t, hit=hit)
-        copy = await self._take_hold(entry, t, write, hit)
+        copy = await self._take_hold(entry, t, write, hit, woken)
         engine = self._engine
         while write and (engine.closing or engine.winding_down or engine.frozen):
             # (a change made once the close has sealed would not be written by its flush; one
@@ -1131,16 +1132,17 @@ class TierStore:
                 self._engine.observe("update", entry.key, entry.meta.nbytes, t, hit=None)
         self._engine.unuse(entry, copy)
 
-    async def _take_hold(self, entry: Entry, t: int, write: bool, hit: bool) -> Copy:
+    async def _take_hold(self, entry: Entry, t: int, write: bool, hit: bool, woken: bool = False) -> Copy:
         """A copy of ``entry`` on tier ``t`` with a use and a hold taken; for a write hold, once
         no one else uses that copy, no put of the key is in flight and no other write hold is
-        open."""
+        open. ``woken``: the request waited for a write hold to end (it does not let those
+        woken with it go first: they asked after it)."""
 
         def free_to_write() -> bool:
             copy = entry.copy_on(t)
             return entry.writer is None and entry.pending_writes == 0 and (copy is None or self._engine.users_besides_waiters(copy) == 0)
 
-        if write and entry.has_woken:
+        if write and not woken and entry.has_woken:
             await asyncio.sleep(0)  # (those woken by the hold that just ended go first)
 
         while True:
