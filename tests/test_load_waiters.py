@@ -174,3 +174,36 @@ async def test_requests_waiting_for_a_load_when_the_store_closes_are_told_it_clo
     assert all(outcome is None or isinstance(outcome, StoreClosedError) for outcome in outcomes), outcomes
     async with TierStore([HostTier(3 * VALUE), DiskTier(tmp_path / "d", "16MiB")]) as again:
         assert "a" in again
+
+
+async def test_a_get_waiting_for_a_write_hold_as_the_store_closes_is_told_it_closed(tmp_path: Path) -> None:
+    """It was told the key was not in the store (KeyNotFoundError): the close forgets every
+    entry (a review). The value on the host, or on the disk (the write hold loads it)."""
+    from tierstore import StoreClosedError
+
+    numel = VALUE // 4
+    for on_disk in (False, True):
+        store = TierStore([HostTier(4 * VALUE), DiskTier(tmp_path / f"d{on_disk}", "16MiB")])
+        await store.open()
+        for index, name in enumerate("abcdef"):
+            await store.put(name, torch.full((numel,), float(index)))
+        if not on_disk:
+            await store.get("a", "host")
+        assert ("host" in store.where("a")) != on_disk
+        release = asyncio.Event()
+
+        async def writer(release: asyncio.Event = release, store: TierStore = store) -> None:
+            async with store.hold("a", "host", write=True) as value:
+                value.fill_(7.0)
+                await release.wait()
+
+        writing = asyncio.ensure_future(writer())
+        await asyncio.sleep(0)
+        getting = asyncio.ensure_future(store.get("a", "host"))
+        await asyncio.sleep(0.05)
+        closing = asyncio.ensure_future(store.aclose(flush=False))
+        await asyncio.sleep(0.05)
+        release.set()
+        outcomes = await asyncio.wait_for(asyncio.gather(writing, getting, closing, return_exceptions=True), timeout=60)
+        assert outcomes[0] is None and outcomes[2] is None, outcomes
+        assert isinstance(outcomes[1], StoreClosedError), (on_disk, outcomes[1])

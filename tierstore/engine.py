@@ -361,8 +361,7 @@ class Engine:
         rereads = 0
         while entry.valid(t) is None:
             if self.entries.get(entry.key) is not entry or not entry.visible:
-                self.require_open()  # (a close forgets the entries: no one deleted it)
-                raise KeyNotFoundError(f"{entry.key!r} was deleted")
+                raise self._deleted(entry)
             pending = entry.loading.get(t)
             if pending is not None:
                 if using:
@@ -502,7 +501,7 @@ class Engine:
             except InlineSuperseded:
                 await self._superseded(entry)
                 if self.entries.get(entry.key) is not entry or not entry.visible:
-                    raise KeyNotFoundError(f"{entry.key!r} was deleted") from None
+                    raise self._deleted(entry) from None
         raise CorruptionError(f"{entry.key!r}: the catalog keeps holding another version than the store's record of it")
 
     async def _read_uncached(self, entry: Entry, device: torch.device, out: torch.Tensor | None, target: int | None) -> torch.Tensor:
@@ -512,7 +511,7 @@ class Engine:
         source = entry.valid(tiers[0]) if tiers else None
         if source is None:
             if self.entries.get(entry.key) is not entry or not entry.visible:  # (a delete or pop while the get waited)
-                raise KeyNotFoundError(f"{entry.key!r} was deleted")
+                raise self._deleted(entry)
             raise CorruptionError(f"{entry.key!r} has no valid copy on any tier")
         meta = entry.meta
         if source.inline is not None and out is None and device.type == "cpu" and self._crossing(None, target) is None:
@@ -1265,8 +1264,20 @@ class Engine:
         key = check_key(key)
         entry = self.entries.get(key)
         if entry is None or not entry.visible:
+            self._closed_meanwhile()
             raise KeyNotFoundError(f"no key {key!r} in the store")
         return entry
+
+    def _deleted(self, entry: Entry) -> KeyNotFoundError:
+        """The error for a request whose key went while it waited: ``StoreClosedError`` is
+        raised instead if the store closed meanwhile (a close forgets every entry: no one
+        deleted it)."""
+        self._closed_meanwhile()
+        return KeyNotFoundError(f"{entry.key!r} was deleted")
+
+    def _closed_meanwhile(self) -> None:
+        if not self.is_open:
+            self.require_open()
 
     def require_open(self) -> None:
         if not self.is_open:

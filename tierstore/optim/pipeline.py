@@ -321,16 +321,17 @@ class UpdatePipeline:
         """Once a step, before its first update: the bytes of state to write back early, which
         is what the step's reads need beyond the room free on the state tier (none when updating
         in backward: the order does not alternate, so the states updated first are not the
-        ones evicted). Only the state of parameters with a gradient counts: a frozen one's
-        state is neither read nor made (counted, the step wrote back state that fitted, every
-        step)."""
+        ones evicted). Only the state of trainable parameters counts: a frozen one's state is
+        neither read nor made (counted, the step wrote back state that fitted, every step).
+        (Not "has a gradient": this runs as the first gradient arrives, while backward makes
+        the others.)"""
         if self._early_bytes is not None:
             return
         self._early_bytes = 0
         tier = self._store.tier(self._tier)
         if not self._writes_early or self._in_backward or not isinstance(tier, MemoryTier):
             return
-        missing = sum(tier.value_size(nbytes) for slot in self._slots if slot.paged and slot.param.grad is not None
+        missing = sum(tier.value_size(nbytes) for slot in self._slots if slot.paged and slot.param.requires_grad
                       for key, nbytes in self.state_keys(slot) if not self._on_tier(key))
         self._early_bytes = max(0, missing - tier.free)
 
