@@ -130,11 +130,10 @@ class Engine:
         #: How many requests wait for each load in flight (``_ensure``'s futures), to hand each
         #: a use of the loaded copy.
         self._load_waiters: dict[asyncio.Future[Copy | None], int] = {}
-        #: Loads ended whose waiters have not all run: how many are left, and the future that
-        #: ends when they have (``expect_room``).
-        self._handed: dict[asyncio.Future[Copy | None], list[Any]] = {}
-        #: The uses so handed out and not yet given back, by the id of the copy (alive meanwhile).
-        self._handed_uses: dict[int, int] = {}
+        #: Loaded copies whose waiters have not all run, by the copy's id (alive meanwhile: each
+        #: waiter holds a use): the uses handed out and not given back yet, and the future that
+        #: ends when they are (``expect_room``).
+        self._handed: dict[int, list[Any]] = {}
         self._wait_tickets = itertools.count()
         self._prefetched: set[tuple[str, int]] = set()
         self.issuer: PrefetchIssuer | None = None
@@ -386,10 +385,11 @@ class Engine:
                 loaded = entry.valid(t) if waiting else None
                 if loaded is not None:
                     loaded.users += waiting
-                    self._handed_uses[id(loaded)] = self._handed_uses.get(id(loaded), 0) + waiting
-                    handed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-                    self._handed[done] = [waiting, handed]
-                    self.expect_room(t, handed)  # (a request for room meanwhile waits for them to run)
+                    handed = self._handed.get(id(loaded))
+                    if handed is None:
+                        handed = self._handed[id(loaded)] = [0, asyncio.get_running_loop().create_future()]
+                        self.expect_room(t, handed[1])  # (a request for room meanwhile waits for them to run)
+                    handed[0] += waiting
                 done.set_result(loaded)
             if superseded:
                 rereads += 1
@@ -411,20 +411,20 @@ class Engine:
                 else:
                     del self._load_waiters[pending]
             elif (loaded := pending.result()) is not None:
-                handed = self._handed[pending]
+                handed = self._handed[id(loaded)]
                 handed[0] -= 1
-                if (uses := self._handed_uses.pop(id(loaded)) - 1) > 0:
-                    self._handed_uses[id(loaded)] = uses
+                if not handed[0]:
+                    del self._handed[id(loaded)]
                 self.unuse(entry, loaded)  # (``acquire`` takes its own at once: nothing runs in between)
                 if not handed[0]:
-                    del self._handed[pending]
                     handed[1].set_result(None)
 
     def users_besides_waiters(self, copy: Copy) -> int:
         """The uses of ``copy`` other than those handed to requests that waited for its load and
         have not run since (each gives its own back as it runs): a write hold that asked first
         goes first, as it would had the copy been there."""
-        return copy.users - self._handed_uses.get(id(copy), 0)
+        handed = self._handed.get(id(copy))
+        return copy.users - (handed[0] if handed is not None else 0)
 
     async def _load(self, entry: Entry, t: int, priority: Priority) -> None:
         """Copy the current value of ``entry`` onto memory tier ``t`` from its fastest copy."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 from collections.abc import Iterable, Mapping
+from operator import itemgetter
 from types import MappingProxyType
 from typing import Any
 
@@ -560,7 +561,7 @@ class Entry:
         ahead of those that came after it."""
         if self._waiters is None:
             self._waiters = []
-        bisect.insort(self._waiters, (ticket, waiter), key=_ticket)
+        bisect.insort(self._waiters, (ticket, waiter), key=itemgetter(0))
 
     @property
     def visible(self) -> bool:
@@ -636,7 +637,3 @@ def _inline_on_disk(d: int) -> _InlineOnDisk:
 
 def _tier_of(copy: Copy) -> int:
     return copy.tier
-
-
-def _ticket(waiter: tuple[int, asyncio.Future[None]]) -> int:
-    return waiter[0]
