@@ -1030,40 +1030,24 @@ async def _enter_all(
     if one fails, the ones entered are still exited with the stack. ``at_once``: there is
     nothing to overlap (all in memory): enter them one after the other, without a task each.
     ``ready``: per manager, whether it has nothing to wait for (its value on the state tier):
-    those are entered one after the other too, while the others run as tasks."""
+    if all are, they are entered one after the other too."""
     if at_once or len(managers) == 1 or ready is not None and all(ready):
         return [await stack.enter_async_context(manager) for manager in managers]
 
     async def enter(manager: AbstractAsyncContextManager[Any]) -> Any:
         return await stack.enter_async_context(manager)
 
-    ready = ready or [False] * len(managers)
-    later = [i for i, now in enumerate(ready) if not now]
-    # (the tasks first: their reads are asked for before the others are entered)
-    pending = asyncio.gather(*(enter(managers[i]) for i in later), return_exceptions=True)
-    values: list[Any] = [None] * len(managers)
-    error: BaseException | None = None
-    try:
-        for i, now in enumerate(ready):
-            if now:
-                values[i] = await stack.enter_async_context(managers[i])
-    except BaseException as exc:  # noqa: BLE001 - raised once the tasks have ended (what they entered is the stack's)
-        error = exc
-        if not isinstance(exc, Exception):
-            pending.cancel()
-    try:
-        outcomes = await pending
-    except asyncio.CancelledError:
-        if error is None:
-            raise
-        outcomes = []
-    if error is not None:
-        raise error
-    for i, outcome in zip(later, outcomes, strict=True):
+    # Some wait for a read: each is entered as a task, ready or not, so the store sees their
+    # requests in the order given (tasks run to their first wait in the order they were made)
+    # and the schedule it learns does not depend on which states happened to be resident.
+    # (The ready ones entered first, a run's order swapped from step to step, and ``MIN`` took
+    # the state updated next to last for the one updated last, written back early to go next,
+    # and wrote it too.)
+    outcomes = await asyncio.gather(*(enter(manager) for manager in managers), return_exceptions=True)
+    for outcome in outcomes:
         if isinstance(outcome, BaseException):
             raise outcome
-        values[i] = outcome
-    return values
+    return outcomes
 
 
 def _chunk_advice(slot: ParamSlot, chunkable: bool, chunk_bytes: int, planned: int = 0) -> str:
