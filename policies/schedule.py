@@ -83,6 +83,14 @@ class ScheduleLearned:
         #: say the phase runs forward (``_reverse_from``); else None.
         self._undecided: _Undecided | None = None
         self._clock = 0  # demand accesses seen so far
+        #: The access count at which the phase followed began, as ``next_use`` counts (each
+        #: phase after it begins the schedule's length later). Moved to where the accesses are
+        #: (``_clock - _pos``) only when the predictions change as a whole (``revision``).
+        #: Counted from each access instead, a key a little out of order (which leaves the
+        #: position where it is while the count moves on) made every next use asked after it
+        #: one later than those asked before it, and ``MIN`` compares next uses asked at
+        #: different times.
+        self._origin = 0
         self._misaligned = 0
         self.changes = 0
         #: Moved when the predictions change as a whole (a new order learned, a reversal taken
@@ -97,6 +105,12 @@ class ScheduleLearned:
         return [key for key, _, _ in self._schedule]
 
     def on_access(self, key: str, nbytes: int, tier: str, hit: bool) -> None:
+        revision = self.revision
+        self._follow_access(key, nbytes, tier)
+        if self.revision != revision:
+            self._origin = self._clock - self._pos
+
+    def _follow_access(self, key: str, nbytes: int, tier: str) -> None:
         if self._unsure():
             self.revision += 1  # (the phase's first access: the way it runs is known from here)
         self._clock += 1
@@ -106,6 +120,7 @@ class ScheduleLearned:
         if self._pos >= len(self._schedule) and self._after is not self._schedule:
             # The phase followed is done and no ``on_step`` came: the next one is ``_after``
             # (alternating: then the one just followed again).
+            self._origin += len(self._schedule)
             self._schedule, self._after = self._after, self._schedule
             self._positions, self._after_positions = self._after_positions, self._positions
             self._pos = 0
@@ -159,6 +174,8 @@ class ScheduleLearned:
         located = self._locate(self._schedule, self._pos, key)
         if located is None:
             return False
+        if located[0] < self._pos:  # (back: wrapped round, a phase gone on past its end, or a key far behind)
+            self._origin = self._clock - located[0]
         self._pos, near = located
         if not near:
             self._misaligned += 1
@@ -218,6 +235,7 @@ class ScheduleLearned:
         # again, with thousands of keys)
         revised = len(recorded) != len(self._schedule) or self._misaligned * 8 > len(recorded)
         period = self.period
+        followed = len(self._schedule)
         recording, self._recording = self._recording, []
         recent = self._recent
         # Alternating: this phase is nearer the one two back, or the one before it reversed (an
@@ -234,9 +252,12 @@ class ScheduleLearned:
         self._recent = [recording, *recent[:1]]
         self._positions = _positions(self._schedule)
         self._after_positions = self._positions if self._after is self._schedule else _positions(self._after)
+        self._pos = 0
         if revised or self.period != period:
             self.revision += 1
-        self._pos = 0
+            self._origin = self._clock
+        else:
+            self._origin += followed
         self._misaligned = 0
         self._undecided = None
         self.phases += 1
@@ -273,15 +294,15 @@ class ScheduleLearned:
         after = self._after_positions.get(key)
         if not positions and not after:
             return math.inf
-        rest = len(self._schedule) - self._pos  # accesses left in this phase
+        length = len(self._schedule)
         i = bisect.bisect_left(positions, self._pos) if positions else 0
         if positions and i < len(positions):
-            distance = positions[i] - self._pos
+            at = positions[i]
         elif after:
-            distance = rest + after[0]
+            at = length + after[0]
         else:  # in this phase only, behind: two phases on
-            distance = rest + len(self._after) + positions[0]  # type: ignore[index]
-        return self._clock + distance
+            at = length + len(self._after) + positions[0]  # type: ignore[index]
+        return self._origin + at
 
 
 @dataclass

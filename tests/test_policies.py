@@ -696,6 +696,29 @@ def test_schedule_stays_put_on_two_neighbours_swapped() -> None:
     assert policy.next_use("k5") < policy.next_use("k4")
 
 
+def test_schedule_next_uses_asked_at_different_times_compare() -> None:
+    """A key found a little ahead of the position moved the position past it while the access
+    count moved by one, and ``next_use`` counted from the access count: every next use asked
+    then came one sooner than those asked before, though nothing about those keys had changed
+    (until the key skipped came, just behind). ``MIN`` compares next uses asked at different
+    times (each key's at its insertion or last hit): it took k5, needed before k6, as the
+    victim (a tie, and the least recently inserted goes first)."""
+    keys = [f"k{i}" for i in range(12)]
+    schedule = ScheduleLearned()
+    _learn(schedule, keys)
+    _learn(schedule, keys)
+    policy = MIN(schedule)
+    before = {key: schedule.next_use(key) for key in keys[3:]}
+    policy.on_insert("k5", 1)
+    for key in ["k0", "k2"]:  # (k1 comes a moment later, just behind)
+        schedule.on_access(key, 1, "host", False)
+    assert {key: schedule.next_use(key) for key in keys[3:]} == before
+    policy.on_insert("k6", 1)
+    assert policy.victim() == "k6"
+    schedule.on_access("k1", 1, "host", False)
+    assert {key: schedule.next_use(key) for key in keys[3:]} == before
+
+
 def test_min_asks_every_next_use_again_when_the_schedule_reverses() -> None:
     """``MIN(schedule)`` asked a key's next use only at its insertion and hits: after two phases
     a..h, a third taken reversed at its first access (h) still had a's use as the soonest and
