@@ -531,7 +531,8 @@ class UpdatePipeline:
                 self._write_early([(slot.key, self._owner._state_bytes(slot)) for slot in todo if slot.paged])
                 return
             ready = None if self._flat else [not slot.paged or self._store._on_tier(slot.key, self._tier, idle=True) for slot in slots]
-            states = await _enter_all(stack, [self._owner._state(slot) for slot in slots], at_once=self._flat, ready=ready)
+            states = await _enter_all(stack, [self._owner._state(slot) for slot in slots], at_once=self._flat, ready=ready,
+                                      local=[not slot.paged for slot in slots])
             lent = all(slot.capture is not None and slot.capture.lent is not None for slot in todo)  # (nothing to wait for)
             grads = await _enter_all(stack, [self.grad_for_update(slot) for slot in todo], at_once=self._flat or lent)
             done: list[ParamSlot] = []  # (appended on the math thread, read here once it returned)
@@ -1025,29 +1026,39 @@ def _write_into(param: torch.Tensor, weight: torch.Tensor) -> None:
 
 async def _enter_all(
     stack: AsyncExitStack, managers: list[AbstractAsyncContextManager[Any]], *, at_once: bool = False, ready: list[bool] | None = None,
+    local: list[bool] | None = None,
 ) -> list[Any]:
     """Enter several async context managers at once (their transfers overlap) into ``stack``;
     if one fails, the ones entered are still exited with the stack. ``at_once``: there is
     nothing to overlap (all in memory): enter them one after the other, without a task each.
     ``ready``: per manager, whether it has nothing to wait for (its value on the state tier):
-    if all are, they are entered one after the other too."""
+    if all are, they are entered one after the other too. ``local``: per manager, whether it
+    asks nothing of the store (a state kept outside it): entered first, without a task."""
     if at_once or len(managers) == 1 or ready is not None and all(ready):
         return [await stack.enter_async_context(manager) for manager in managers]
 
     async def enter(manager: AbstractAsyncContextManager[Any]) -> Any:
         return await stack.enter_async_context(manager)
 
-    # Some wait for a read: each is entered as a task, ready or not, so the store sees their
-    # requests in the order given (tasks run to their first wait in the order they were made)
-    # and the schedule it learns does not depend on which states happened to be resident.
-    # (The ready ones entered first, a run's order swapped from step to step, and ``MIN`` took
-    # the state updated next to last for the one updated last, written back early to go next,
-    # and wrote it too.)
-    outcomes = await asyncio.gather(*(enter(manager) for manager in managers), return_exceptions=True)
-    for outcome in outcomes:
+    values: list[Any] = [None] * len(managers)
+    stored = [i for i in range(len(managers)) if not (local and local[i])]
+    for i in range(len(managers)):
+        if local and local[i]:
+            values[i] = await stack.enter_async_context(managers[i])
+    # The rest each as a task, resident or not: the store sees their requests in the order
+    # given, as tasks run to their first wait in the order they were made (where nothing waits
+    # before its hold is asked for: a close, a write hold on the key, a state being made).
+    # Those resident were entered first before, so a run's order in the learned schedule
+    # changed with what happened to be resident, and after a load ``MIN`` evicted the state
+    # updated next to last instead of the one written back early to go (and wrote it too).
+    # The cost: a resident one is not held before the others' reads make room, so a policy
+    # that ranks it last (LRU; ``MIN`` before it has learned the order) may evict it first.
+    outcomes = await asyncio.gather(*(enter(managers[i]) for i in stored), return_exceptions=True)
+    for i, outcome in zip(stored, outcomes, strict=True):
         if isinstance(outcome, BaseException):
             raise outcome
-    return outcomes
+        values[i] = outcome
+    return values
 
 
 def _chunk_advice(slot: ParamSlot, chunkable: bool, chunk_bytes: int, planned: int = 0) -> str:
