@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from policies import MIN, ScheduleLearned
 
+from policies import MIN, ScheduleLearned
 from tierstore import DiskTier, HostTier, TierStore
 from tierstore.optim import TieredAdamW
 from tierstore.sync import run
