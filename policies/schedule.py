@@ -17,9 +17,9 @@ this phase (``period`` is 2). A phase whose first access is where the one schedu
 accesses after it say otherwise: a phase rotated to start near the end runs forward from there,
 and the two are told apart by the accesses each would not have expected (``_Undecided``).
 
-``next_use(key)`` says when a key is needed next (an absolute access count, ``inf`` if not in
-the schedule or the phase after it), so ``MIN(schedule)`` evicts exactly what the schedule needs
-last. Between the first two phases, before the second's first access, nothing is foretold (no
+``next_use(key)`` says when a key is needed next (an access count from where the phase began,
+so those asked at different times compare; ``inf`` if not in the schedule or the phase after
+it), so ``MIN(schedule)`` evicts exactly what the schedule needs last. Between the first two phases, before the second's first access, nothing is foretold (no
 suggestions, every next use ``inf``): the second may run either way. ``revision`` moves when
 the predictions change as a whole, and ``MIN`` then asks every key's next use again.
 """
