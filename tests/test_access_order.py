@@ -43,7 +43,7 @@ def _chunk_indices(keys: list[str]) -> list[int]:
     return [int(match.group(1)) for key in keys if (match := re.search(r"/c(\d+)$", key))]
 
 
-def test_a_run_whose_later_state_is_resident_asks_in_update_order(tmp_path: Path, device_mode: str) -> None:
+def test_a_run_with_one_state_resident_asks_in_update_order(tmp_path: Path, device_mode: str) -> None:
     """A run of chunks some of whose states were on the host tier, the others on disk, asked
     for the resident ones first (entered at once, the others as tasks): the schedule learned the
     run's order swapped, and after a load ``MIN`` evicted the state updated next to last instead
@@ -61,7 +61,8 @@ def test_a_run_whose_later_state_is_resident_asks_in_update_order(tmp_path: Path
         chunks = sorted((key for key in store.keys() if re.search(r"/c\d+$", key)), key=lambda k: _chunk_indices([k])[0])
         assert len(chunks) >= 4, chunks
         # Every chunk's state pushed to the disk by a value of the user's, then the second
-        # chunk's (the later one of the first run) brought back alone.
+        # chunk's brought back alone: the run holding the first two has one state on the host
+        # and one on disk (the runs after it, as their reads and evictions leave them).
         schedule.paused = True
         filler = torch.zeros(int(store.tier("host").capacity * 0.85) // 4)
         run(store.put("filler", filler, "host"))
