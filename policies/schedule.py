@@ -84,8 +84,9 @@ class ScheduleLearned:
         self._undecided: _Undecided | None = None
         self._clock = 0  # demand accesses seen so far
         #: The access count at which the phase followed began, as ``next_use`` counts (each
-        #: phase after it begins the schedule's length later). Moved to where the accesses are
-        #: (``_clock - _pos``) only when the predictions change as a whole (``revision``).
+        #: phase after it begins the schedule's length later, as does a wrap round it). Moved
+        #: to where the accesses are (``_clock - _pos``) only when the predictions change as a
+        #: whole (``revision``).
         #: Counted from each access instead, a key a little out of order (which leaves the
         #: position where it is while the count moves on) made every next use asked after it
         #: one later than those asked before it, and ``MIN`` compares next uses asked at
@@ -174,8 +175,8 @@ class ScheduleLearned:
         located = self._locate(self._schedule, self._pos, key)
         if located is None:
             return False
-        if located[0] < self._pos:  # (back: wrapped round, a phase gone on past its end, or a key far behind)
-            self._origin = self._clock - located[0]
+        if located[0] < self._pos:  # (wrapped round: the same keys one phase on)
+            self._origin += len(self._schedule)
         self._pos, near = located
         if not near:
             self._misaligned += 1

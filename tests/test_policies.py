@@ -719,6 +719,25 @@ def test_schedule_next_uses_asked_at_different_times_compare() -> None:
     assert {key: schedule.next_use(key) for key in keys[3:]} == before
 
 
+def test_schedule_next_uses_compare_across_a_phase_gone_on_past_its_end() -> None:
+    """With no ``on_step`` between two phases, the position wraps round the schedule; counted
+    from where the next phase's first access was found (a little out of order: k1 first), every
+    next use moved one sooner, and ``MIN`` took k5, needed first, for the victim (a review)."""
+    keys = [f"k{i}" for i in range(40)]
+    schedule = ScheduleLearned()
+    _learn(schedule, keys)
+    _learn(schedule, keys)
+    for key in keys:  # (a third phase, followed; no step mark after it)
+        schedule.on_access(key, 1, "host", False)
+    policy = MIN(schedule)
+    before = {key: schedule.next_use(key) for key in keys[3:]}
+    policy.on_insert("k5", 1)
+    schedule.on_access("k1", 1, "host", False)
+    assert {key: schedule.next_use(key) for key in keys[3:]} == before
+    policy.on_insert("k6", 1)
+    assert policy.victim() == "k6"
+
+
 def test_min_asks_every_next_use_again_when_the_schedule_reverses() -> None:
     """``MIN(schedule)`` asked a key's next use only at its insertion and hits: after two phases
     a..h, a third taken reversed at its first access (h) still had a's use as the soonest and
