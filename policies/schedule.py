@@ -19,8 +19,9 @@ and the two are told apart by the accesses each would not have expected (``_Unde
 
 ``next_use(key)`` says when a key is needed next (an access count from where the phase began,
 so those asked at different times compare; ``inf`` if not in the schedule or the phase after
-it), so ``MIN(schedule)`` evicts exactly what the schedule needs last. Between the first two phases, before the second's first access, nothing is foretold (no
-suggestions, every next use ``inf``): the second may run either way. ``revision`` moves when
+it), so ``MIN(schedule)`` evicts exactly what the schedule needs last. Between the first two
+phases, before the second's first access, nothing is foretold (no suggestions, every next use
+``inf``): the second may run either way. ``revision`` moves when
 the predictions change as a whole, and ``MIN`` then asks every key's next use again.
 """
 
@@ -86,11 +87,10 @@ class ScheduleLearned:
         #: The access count at which the phase followed began, as ``next_use`` counts (each
         #: phase after it begins the schedule's length later, as does a wrap round it). Moved
         #: to where the accesses are (``_clock - _pos``) only when the predictions change as a
-        #: whole (``revision``).
-        #: Counted from each access instead, a key a little out of order (which leaves the
-        #: position where it is while the count moves on) made every next use asked after it
-        #: one later than those asked before it, and ``MIN`` compares next uses asked at
-        #: different times.
+        #: whole (``revision``). Counted from each access instead, a key a little out of order
+        #: (which leaves the position where it is while the count moves on) made every next
+        #: use asked after it one later than those asked before it, and ``MIN`` compares next
+        #: uses asked at different times.
         self._origin = 0
         self._misaligned = 0
         self.changes = 0

@@ -1276,6 +1276,8 @@ class Engine:
         return KeyNotFoundError(f"{entry.key!r} was deleted")
 
     def _closed_meanwhile(self) -> None:
+        """``require_open``'s refusal of a closed store alone (not its check for a fork: a request
+        in a forked child was refused as it began)."""
         if not self.is_open:
             self.require_open()
 

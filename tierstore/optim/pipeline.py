@@ -1041,10 +1041,11 @@ async def _enter_all(
         return await stack.enter_async_context(manager)
 
     values: list[Any] = [None] * len(managers)
-    stored = [i for i in range(len(managers)) if not (local and local[i])]
-    for i in range(len(managers)):
-        if local and local[i]:
+    local = local or [False] * len(managers)
+    for i, here in enumerate(local):
+        if here:
             values[i] = await stack.enter_async_context(managers[i])
+    stored = [i for i, here in enumerate(local) if not here]
     # The rest each as a task, resident or not: the store sees their requests in the order
     # given, as tasks run to their first wait in the order they were made (where nothing waits
     # before its hold is asked for: a close, a write hold on the key, a state being made).
