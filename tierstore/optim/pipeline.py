@@ -530,8 +530,7 @@ class UpdatePipeline:
             if await self._update_resident(slots, todo, coef, scale):
                 self._write_early([(slot.key, self._owner._state_bytes(slot)) for slot in todo if slot.paged])
                 return
-            ready = None if self._flat else [not slot.paged or self._store._on_tier(slot.key, self._tier, idle=True) for slot in slots]
-            states = await _enter_all(stack, [self._owner._state(slot) for slot in slots], at_once=self._flat, ready=ready,
+            states = await _enter_all(stack, [self._owner._state(slot) for slot in slots], at_once=self._flat,
                                       local=[not slot.paged for slot in slots])
             lent = all(slot.capture is not None and slot.capture.lent is not None for slot in todo)  # (nothing to wait for)
             grads = await _enter_all(stack, [self.grad_for_update(slot) for slot in todo], at_once=self._flat or lent)
@@ -708,9 +707,7 @@ class UpdatePipeline:
                 await self._store.prefetch(ahead, self._tier)  # (returns at once: the reads go on in the background)
             todo = [chunk.index not in slot.chunks_updated for chunk in chunks]
             async with AsyncExitStack() as stack:
-                # States all on the state tier already: no reads to overlap, so no task each.
-                ready = None if self._flat else [self._store._on_tier(chunk.key, self._tier, idle=True) for chunk in chunks]
-                states = await _enter_all(stack, [self._owner._chunk_state(slot, chunk) for chunk in chunks], at_once=self._flat, ready=ready)
+                states = await _enter_all(stack, [self._owner._chunk_state(slot, chunk) for chunk in chunks], at_once=self._flat)
                 capture = slot.capture
                 if capture is not None and capture.lent is not None:  # views of the model's gradient: nothing to enter
                     flat = capture.lent if capture.lent.dim() == 1 else capture.lent.reshape(-1)
@@ -1025,16 +1022,14 @@ def _write_into(param: torch.Tensor, weight: torch.Tensor) -> None:
 
 
 async def _enter_all(
-    stack: AsyncExitStack, managers: list[AbstractAsyncContextManager[Any]], *, at_once: bool = False, ready: list[bool] | None = None,
-    local: list[bool] | None = None,
+    stack: AsyncExitStack, managers: list[AbstractAsyncContextManager[Any]], *, at_once: bool = False, local: list[bool] | None = None,
 ) -> list[Any]:
     """Enter several async context managers at once (their transfers overlap) into ``stack``;
     if one fails, the ones entered are still exited with the stack. ``at_once``: there is
     nothing to overlap (all in memory): enter them one after the other, without a task each.
-    ``ready``: per manager, whether it has nothing to wait for (its value on the state tier):
-    if all are, they are entered one after the other too. ``local``: per manager, whether it
-    asks nothing of the store (a state kept outside it): entered first, without a task."""
-    if at_once or len(managers) == 1 or ready is not None and all(ready):
+    ``local``: per manager, whether it asks nothing of the store (a state kept outside it):
+    entered first, without a task."""
+    if at_once:
         return [await stack.enter_async_context(manager) for manager in managers]
 
     async def enter(manager: AbstractAsyncContextManager[Any]) -> Any:
@@ -1046,14 +1041,16 @@ async def _enter_all(
         if here:
             values[i] = await stack.enter_async_context(managers[i])
     stored = [i for i, here in enumerate(local) if not here]
-    # The rest each as a task, resident or not: the store sees their requests in the order
-    # given, as tasks run to their first wait in the order they were made (where nothing waits
+    # The rest each as a task, resident or not, one alone too: the store sees their requests in
+    # the order given, and those of the updates in flight in the order the updates took their
+    # places, as tasks run to their first wait in the order they were made (where nothing waits
     # before its hold is asked for: a close, a write hold on the key, a state being made).
-    # Those resident were entered first before, so a run's order in the learned schedule
-    # changed with what happened to be resident, and after a load ``MIN`` evicted the state
-    # updated next to last instead of the one written back early to go (and wrote it too).
-    # The cost: a resident one is not held before the others' reads make room, so a policy
-    # that ranks it last (LRU; ``MIN`` before it has learned the order) may evict it first.
+    # Those resident (or alone) were entered at once before, ahead of the tasks made before
+    # them, so a run's order in the learned schedule changed with what happened to be
+    # resident, and after a load ``MIN`` evicted the state updated next to last instead of the
+    # one written back early to go (and wrote it too). The cost: a task a state, and a resident
+    # one is not held before the others' reads make room, so a policy that ranks it last (LRU;
+    # ``MIN`` before it has learned the order) may evict it first.
     outcomes = await asyncio.gather(*(enter(managers[i]) for i in stored), return_exceptions=True)
     for i, outcome in zip(stored, outcomes, strict=True):
         if isinstance(outcome, BaseException):
