@@ -92,6 +92,9 @@ class ScheduleLearned:
         #: use asked after it one later than those asked before it, and ``MIN`` compares next
         #: uses asked at different times.
         self._origin = 0
+        #: The access count at which the phase followed began (its first access is the next one
+        #: after it), to tell a phase gone on past its end from a key out of order (``_wraps``).
+        self._began = 0
         self._misaligned = 0
         self.changes = 0
         #: Moved when the predictions change as a whole (a new order learned, a reversal taken
@@ -122,6 +125,7 @@ class ScheduleLearned:
             # The phase followed is done and no ``on_step`` came: the next one is ``_after``
             # (alternating: then the one just followed again).
             self._origin += len(self._schedule)
+            self._began = self._clock - 1
             self._schedule, self._after = self._after, self._schedule
             self._positions, self._after_positions = self._after_positions, self._positions
             self._pos = 0
@@ -175,12 +179,26 @@ class ScheduleLearned:
         located = self._locate(self._schedule, self._pos, key)
         if located is None:
             return False
-        if located[0] < self._pos:  # (wrapped round: the same keys one phase on)
-            self._origin += len(self._schedule)
+        if located[0] < self._pos:  # (found by wrapping round)
+            if not self._wraps():  # a key from earlier in the phase, late: stay put
+                self._misaligned += 1
+                return True
+            self._origin += len(self._schedule)  # (the same keys one phase on)
+            self._began = self._clock - located[0]
         self._pos, near = located
         if not near:
             self._misaligned += 1
         return True
+
+    def _wraps(self) -> bool:
+        """Whether a key found behind the position, wrapping round, begins the schedule again:
+        only once the phase has come to its end (the position there, but for the last keys,
+        which a phase may skip; or as many accesses as the schedule has). Otherwise it is a key
+        of this phase come late (a tensor entered after those behind it: its hold waited), and
+        taken for the next phase begun it moved every next use asked after it one phase later:
+        ``MIN`` then evicted what was needed soonest."""
+        length = len(self._schedule)
+        return self._pos >= length - 1 - NEAR or self._clock - self._began > length
 
     def _locate(self, schedule: list[tuple[str, int, str]], pos: int, key: str) -> tuple[int, bool] | None:
         """Where following ``schedule`` from ``pos`` goes on ``key``, and whether ``key`` was
@@ -259,6 +277,7 @@ class ScheduleLearned:
             self._origin = self._clock
         else:
             self._origin += followed
+        self._began = self._clock
         self._misaligned = 0
         self._undecided = None
         self.phases += 1
