@@ -150,6 +150,14 @@ class MIN:
             heapq.heappush(self._heap, row)
         return chosen
 
+    def ranked(self, count: int) -> list[str]:
+        """The ``count`` tracked keys ``victim()`` would take first, in that order (furthest
+        next use first; in use or not), without taking them: an optimizer writes back early the
+        states it is about to evict, not those it keeps."""
+        self._ask_again()
+        rows = [(-when, self._last[key], key) for key, when in self._next.items()]
+        return [key for _, _, key in heapq.nsmallest(count, rows)]
+
     def furthest_next_use(self) -> float:
         """When the victim-to-be is next needed (``-inf`` if nothing is tracked): a prefetch of a
         key needed later than this would evict something more urgent, so it should wait."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,6 +33,11 @@ class LRU:
         if key is not None:
             del self._order[key]
         return key
+
+    def ranked(self, count: int) -> list[str]:
+        """The ``count`` keys ``victim()`` would take first, in that order (least recently
+        used first), without taking them."""
+        return list(itertools.islice(self._order, count))
 
     def reset(self) -> None:
         self._order.clear()

@@ -379,3 +379,38 @@ def test_with_backward_the_state_is_written_back_before_its_room_is_needed(tmp_p
                 late += key not in written
     assert early + late > 20  # (the state pages: a quarter of it fits)
     assert early >= 0.8 * (early + late), f"{early} evictions of copies written back early, {late} not"
+
+
+def test_steps_that_leave_a_large_parameter_out_move_near_their_need(tmp_path: Path, counters: None, device_mode: str) -> None:
+    """An embedding with a gradient every other step beside a small MLP, a quarter of the state
+    on the host (a tryout): the steps without the embedding's gradient moved 1.3-2.8x their
+    need (1.26-1.45x over fifteen of them; now 0.84-0.93x, at times up to 1.2x). The step counted the bytes to write back early at the first gradient, from every
+    trainable parameter's state, the embedding's included, and wrote back the MLP states it had
+    just updated; they stayed, and the evictions wrote the embedding's chunks besides.
+
+    Emulated, the gradients' room on the host leaves the MLP's state resident: those steps need
+    nothing, and what they move is the next step's reads begun early (counted in the step that
+    starts them), so there the steps are counted in pairs."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(20000, 128), torch.nn.Linear(128, 512), torch.nn.Linear(512, 128),
+                                torch.nn.Linear(128, 512), torch.nn.Linear(512, 128))
+    embedding = model[0].weight
+    state = sum(p.numel() for p in model.parameters()) * 8
+    generator = torch.Generator().manual_seed(1)
+    opt = _paged_to_disk(model, tmp_path / "disk", str(state // 4))
+    emulated = device_mode == "emulated"
+    try:
+        moved = needed = 0
+        for step in range(34):  # (a step alone swings with the timing of reads begun early: 0.5-1.25x)
+            for p in model.parameters():
+                p.grad = None if p is embedding and step % 2 else torch.randn(p.shape, generator=generator) * 1e-2
+            step_moved, _, need = _measured_step(opt)
+            if step >= 4 and (step % 2 or emulated):
+                moved, needed = moved + step_moved, needed + need
+        assert needed > 0
+        # (emulated, in pairs: the embedding's steps move up to 1.2x, see the README; plain, one
+        # run in ten reached 1.2x, the timing of the reads begun early)
+        bound = 1.25 if emulated else 1.2
+        assert moved <= bound * needed + 5 * SLACK, f"{moved:,} bytes moved for {needed:,} needed ({moved / needed:.2f}x)"
+    finally:
+        opt.close()

@@ -6,6 +6,7 @@ import functools
 import math
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -973,3 +974,17 @@ def test_min_parks_nothing_where_a_refusal_is_not_a_use_and_forgets_a_victims_pa
     blocked.clear()
     assert policy.victim(evictable) == "k"
     assert len(policy) == 1 and policy.furthest_next_use() == 1.0
+
+
+@pytest.mark.parametrize("make", [lambda: LRU(), lambda: MIN({f"k{i}": (7 * i) % 10 for i in range(10)}.get)], ids=["lru", "min"])
+def test_ranked_names_the_next_victims_in_order_and_changes_nothing(make: Any) -> None:
+    """``ranked(count)`` (an optimizer writes back early what it names) lists the keys
+    ``victim()`` takes next, in that order, and leaves the policy as it was."""
+    policy = make()
+    for i in range(10):
+        policy.on_insert(f"k{i}", 1)
+    policy.on_hit("k3")
+    first = policy.ranked(4)
+    assert policy.ranked(4) == first and len(first) == 4
+    assert policy.ranked(100) == policy.ranked(100)[:10] and len(policy.ranked(100)) == 10
+    assert [policy.victim() for _ in range(4)] == first

@@ -51,7 +51,9 @@ class EvictionPolicy(Protocol):
     when the key is needed next, so prefetch and eviction can agree; ``on_release(key)`` is
     called when a use of ``key``'s copy ends (a hold, a transfer), so a policy that set aside
     a key ``victim`` passed over can take it back then instead of scanning it on every call
-    (``MIN`` does).
+    (``MIN`` does); ``ranked(count)`` returns the ``count`` tracked keys ``victim`` would take
+    first, in that order, changing nothing (``MIN`` and ``LRU`` have it), so an optimizer writes
+    back ahead of time the states the policy is about to evict rather than guess them.
     """
 
     def on_insert(self, key: str, nbytes: int) -> None: ...

@@ -319,6 +319,19 @@ class TierStore:
         copy = entry.valid(self._engine.index_of(tier)) if entry is not None else None
         return copy is not None and (not idle or copy.users == 0 and entry.writer is None)  # type: ignore[union-attr]
 
+    def _ranked_victims(self, tier: TierRef, count: int) -> list[str] | None:
+        """For the package's own callers: the ``count`` keys ``tier``'s eviction policy would
+        evict first, in that order (its optional ``ranked``); None where it cannot tell (no
+        ``ranked``, or it raised: the caller guesses as it did before)."""
+        policy = self._engine.policies[self._engine.index_of(tier)]
+        ranked = getattr(policy, "ranked", None)
+        if ranked is None:
+            return None
+        try:
+            return [key for key in ranked(count) if isinstance(key, str)]
+        except Exception:  # noqa: BLE001 - a hint only: the eviction itself reports a policy that fails
+            return None
+
     def _bytes_on_tier(self, key: str, tier: TierRef) -> int:
         """For the package's own callers: bytes ``key``'s copy on ``tier`` takes of its room,
         whether it holds the current value or an older one not yet written over (0: none)."""

@@ -277,6 +277,7 @@ class StepRunner:
             # (index breaks ties: gradients set without a hook firing share one arrival, and a
             # stable sort reversed would keep their order, not alternate it)
             order = sorted(ready, key=lambda s: (s.arrival, s.index))
+            pipeline.recount_early_writes(order)
             pipeline.reverse = self.reverse_for(order)
             if pipeline.reverse:
                 order.reverse()
