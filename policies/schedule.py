@@ -95,6 +95,8 @@ class ScheduleLearned:
         #: The access count at which the phase followed began (its first access is the next one
         #: after it), to tell a phase gone on past its end from a key out of order (``_wraps``).
         self._began = 0
+        #: The keys accessed since then: one of them again begins the schedule again.
+        self._phase_seen: set[str] = set()
         self._misaligned = 0
         self.changes = 0
         #: Moved when the predictions change as a whole (a new order learned, a reversal taken
@@ -126,16 +128,21 @@ class ScheduleLearned:
             # (alternating: then the one just followed again).
             self._origin += len(self._schedule)
             self._began = self._clock - 1
+            self._phase_seen = set()
             self._schedule, self._after = self._after, self._schedule
             self._positions, self._after_positions = self._after_positions, self._positions
             self._pos = 0
         if self._undecided is not None:
             self._judge(key)
+            self._phase_seen.add(key)
             return
         # (the reversal first: a schedule no longer than ``window`` finds any key ahead, wrapping)
         if self._pos == 0 and self.period == 1 and self._reverse_from(key):
+            self._phase_seen.add(key)
             return
-        if self._follow(key):
+        followed = self._follow(key)
+        self._phase_seen.add(key)
+        if followed:
             return
         self._misaligned += 1  # not in the schedule nearby: stay put
 
@@ -180,25 +187,27 @@ class ScheduleLearned:
         if located is None:
             return False
         if located[0] < self._pos:  # (found by wrapping round)
-            if not self._wraps():  # a key from earlier in the phase, late: stay put
+            if not self._wraps(key):  # a key from earlier in the phase, late: stay put
                 self._misaligned += 1
                 return True
             self._origin += len(self._schedule)  # (the same keys one phase on)
             self._began = self._clock - located[0]
+            self._phase_seen = set()
         self._pos, near = located
         if not near:
             self._misaligned += 1
         return True
 
-    def _wraps(self) -> bool:
-        """Whether a key found behind the position, wrapping round, begins the schedule again:
-        only once the phase has come to its end (the position there, but for the last keys,
-        which a phase may skip; or as many accesses as the schedule has). Otherwise it is a key
-        of this phase come late (a tensor entered after those behind it: its hold waited), and
-        taken for the next phase begun it moved every next use asked after it one phase later:
+    def _wraps(self, key: str) -> bool:
+        """Whether ``key``, found behind the position by wrapping round, begins the schedule
+        again: a key this phase has accessed already (the next phase has begun, however many
+        of the last keys this one skipped), or the position at the schedule's end, or more
+        accesses since the phase began than the schedule has. Otherwise it is a key of this
+        phase come late (a tensor entered after those behind it: its hold waited), and taken
+        for the next phase begun it moved every next use asked after it one phase later:
         ``MIN`` then evicted what was needed soonest."""
         length = len(self._schedule)
-        return self._pos >= length - 1 - NEAR or self._clock - self._began > length
+        return key in self._phase_seen or self._pos >= length or self._clock - self._began > length
 
     def _locate(self, schedule: list[tuple[str, int, str]], pos: int, key: str) -> tuple[int, bool] | None:
         """Where following ``schedule`` from ``pos`` goes on ``key``, and whether ``key`` was
@@ -278,6 +287,7 @@ class ScheduleLearned:
         else:
             self._origin += followed
         self._began = self._clock
+        self._phase_seen = set()
         self._misaligned = 0
         self._undecided = None
         self.phases += 1

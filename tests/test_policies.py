@@ -764,6 +764,26 @@ def test_schedule_next_uses_stay_put_when_a_key_from_earlier_in_the_phase_comes_
         assert schedule.next_use(key) == before["k6"] + 12 + int(key[1:]) - 6  # (in the next phase)
 
 
+def test_schedule_wraps_round_when_a_phase_skips_its_last_keys_and_the_next_begins() -> None:
+    """A phase that skips the schedule's last keys (three here) and runs on into the next with
+    no ``on_step``: the next phase's first key, found behind the position, is one this phase
+    accessed already, so it begins the schedule again. Taken for a key out of order (the
+    position not yet at the end, a review), the skipped keys were foretold next and the ones
+    the next phase needs first last: ``MIN`` took k1, needed second, for the victim."""
+    keys = [f"k{i}" for i in range(12)]
+    schedule = ScheduleLearned()
+    _learn(schedule, keys)
+    _learn(schedule, keys)
+    for key in keys[:9]:  # (k9, k10, k11 skipped; no step mark)
+        schedule.on_access(key, 1, "host", False)
+    schedule.on_access("k0", 1, "host", False)
+    policy = MIN(schedule)
+    policy.on_insert("k1", 1)
+    policy.on_insert("k10", 1)
+    assert schedule.next_use("k10") > schedule.next_use("k1")
+    assert policy.victim() == "k10"
+
+
 def test_min_asks_every_next_use_again_when_the_schedule_reverses() -> None:
     """``MIN(schedule)`` asked a key's next use only at its insertion and hits: after two phases
     a..h, a third taken reversed at its first access (h) still had a's use as the soonest and
