@@ -1191,7 +1191,10 @@ class TieredAdam(PagedOptimizer):
 
 class TieredAdamW(TieredAdam):
     """``torch.optim.AdamW`` (decoupled weight decay, default 1e-2) with state paged through a
-    store. Same arguments as ``TieredAdam``."""
+    store. Same arguments as ``TieredAdam``. Its update is torch's fused CPU kernel unless
+    ``fused=False``: compare it bit for bit with ``torch.optim.AdamW(..., fused=True)`` (torch's
+    own default on the CPU is its for-loop kernel, whose results differ in the last bits), or
+    pass ``fused=False`` to both."""
 
     decoupled_weight_decay = True
 
