@@ -784,6 +784,29 @@ def test_schedule_wraps_round_when_a_phase_skips_its_last_keys_and_the_next_begi
     assert policy.victim() == "k10"
 
 
+def test_schedule_learns_a_phase_of_a_few_keys_alternating_with_one_that_has_them_all() -> None:
+    """An embedding updated every other step beside an MLP: the MLP's steps access a part of
+    the keys of the steps that update both. Counting only the accesses a schedule would miss,
+    the short phase was as near the long one before it as the short one two back, so the
+    period stayed 1: in each long phase the schedule followed was the short one, the
+    embedding's chunks had no next use (``inf``), and ``MIN`` evicted them in any order, the
+    ones needed next too (a tryout: those steps read and wrote all the embedding's state,
+    2.5x their need with 70% of it on the host)."""
+    mlp, chunks = ["w1", "w2"], [f"c{i}" for i in range(6)]
+    schedule = ScheduleLearned()
+    for phase in range(6):
+        _learn(schedule, mlp + chunks if phase % 2 == 0 else mlp)
+    assert schedule.period == 2
+    for key in mlp:  # (a long phase begins)
+        schedule.on_access(key, 1, "host", True)
+    uses = [schedule.next_use(key) for key in chunks]
+    assert all(use < math.inf for use in uses) and uses == sorted(uses)
+    policy = MIN(schedule)
+    policy.on_insert("c1", 1)
+    policy.on_insert("c4", 1)
+    assert policy.victim() == "c4"
+
+
 def test_min_asks_every_next_use_again_when_the_schedule_reverses() -> None:
     """``MIN(schedule)`` asked a key's next use only at its insertion and hits: after two phases
     a..h, a third taken reversed at its first access (h) still had a's use as the soonest and
