@@ -78,6 +78,8 @@ class ScheduleLearned:
         self._after_positions: dict[str, list[int]] = {}
         #: The last two phases recorded, latest first.
         self._recent: list[list[tuple[str, int, str]]] = []
+        #: The key sets of the last four phases recorded, latest first (``_alternates``).
+        self._recent_sets: list[frozenset[str]] = []
         self.period = 1
         self._pos = 0  # index in the schedule of the next expected access
         #: A reversal taken at a phase's first access, until the accesses after it confirm it or
@@ -187,7 +189,7 @@ class ScheduleLearned:
         if located is None:
             return False
         if located[0] < self._pos:  # (found by wrapping round)
-            if not self._wraps(key):  # a key from earlier in the phase, late: stay put
+            if not self._wraps(key, located[0] - 1):  # a key from earlier in the phase, late: stay put
                 self._misaligned += 1
                 return True
             self._origin += len(self._schedule)  # (the same keys one phase on)
@@ -198,16 +200,17 @@ class ScheduleLearned:
             self._misaligned += 1
         return True
 
-    def _wraps(self, key: str) -> bool:
-        """Whether ``key``, found behind the position by wrapping round, begins the schedule
-        again: a key this phase has accessed already (the next phase has begun, however many
-        of the last keys this one skipped), or the position at the schedule's end, or more
-        accesses since the phase began than the schedule has. Otherwise it is a key of this
-        phase come late (a tensor entered after those behind it: its hold waited), and taken
-        for the next phase begun it moved every next use asked after it one phase later:
-        ``MIN`` then evicted what was needed soonest."""
+    def _wraps(self, key: str, index: int) -> bool:
+        """Whether ``key``, found behind the position by wrapping round (at ``index`` of the
+        schedule), begins the schedule again: a key this phase has accessed already, found at
+        the schedule's start (the next phase has begun, however many of the last keys this one
+        skipped; found further on, it is a key the phase accesses twice), or the position at the
+        schedule's end, or more accesses since the phase began than the schedule has. Otherwise
+        it is a key of this phase come late (a tensor entered after those behind it: its hold
+        waited), and taken for the next phase begun it moved every next use asked after it one
+        phase later: ``MIN`` then evicted what was needed soonest."""
         length = len(self._schedule)
-        return key in self._phase_seen or self._pos >= length or self._clock - self._began > length
+        return (key in self._phase_seen and index <= NEAR) or self._pos >= length or self._clock - self._began > length
 
     def _locate(self, schedule: list[tuple[str, int, str]], pos: int, key: str) -> tuple[int, bool] | None:
         """Where following ``schedule`` from ``pos`` goes on ``key``, and whether ``key`` was
@@ -268,12 +271,18 @@ class ScheduleLearned:
         recent = self._recent
         # Alternating: this phase is nearer the one two back, or the one before it reversed (an
         # order reversed each phase), than the one before it.
+        keys = frozenset(recorded)
+        sets = [keys, *self._recent_sets[:3]]
+        self._recent_sets = sets
         if recent:
-            same = _differences(recent[0], recording, self.window)
-            two_back = len(recent) == 2 and _differences(recent[1], recording, self.window) < same
+            # (the keys a phase lacks count only where the key sets alternate over two periods:
+            # a step that gains a few keys now and then is not an alternation)
+            differ = _differences if _alternates(sets) else _misses
+            same = differ(recent[0], recording, self.window)
+            two_back = len(recent) == 2 and differ(recent[1], recording, self.window) < same
             # (a reversal after two equal phases is a change of order, not an alternation yet)
             changing = len(recent) == 1 or _misses(recent[1], recent[0], self.window) > 0
-            reversed_ = changing and _differences(recent[0][::-1], recording, self.window) < same
+            reversed_ = changing and differ(recent[0][::-1], recording, self.window) < same
             self.period = 2 if two_back or reversed_ else 1
         self._schedule = recent[0] if self.period == 2 else recording
         self._after = recording
@@ -353,6 +362,12 @@ def _positions(schedule: list[tuple[str, int, str]]) -> dict[str, list[int]]:
     for index, (key, _, _) in enumerate(schedule):
         positions.setdefault(key, []).append(index)
     return positions
+
+
+def _alternates(sets: list[frozenset[str]]) -> bool:
+    """Whether the key sets of the last four phases (latest first) alternate: this phase's
+    the one two back's, the one before it the one three back's, and the two unlike."""
+    return len(sets) == 4 and sets[0] == sets[2] and sets[1] == sets[3] and sets[0] != sets[1]
 
 
 def _differences(predicted: list[tuple[str, int, str]], actual: list[tuple[str, int, str]], window: int) -> int:

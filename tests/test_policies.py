@@ -807,6 +807,32 @@ def test_schedule_learns_a_phase_of_a_few_keys_alternating_with_one_that_has_the
     assert policy.victim() == "c4"
 
 
+def test_schedule_stays_put_on_a_key_the_phase_accesses_twice() -> None:
+    """A key accessed a second time in a phase, found behind the position by wrapping round,
+    was taken for the next phase begun (as the phase had accessed it already: a review), and
+    every next use asked after it moved a phase later."""
+    keys = [f"k{i}" for i in range(24)]
+    schedule = ScheduleLearned()
+    for _ in range(3):
+        _learn(schedule, keys)
+    for key in keys[:16]:
+        schedule.on_access(key, 1, "host", False)
+    before = schedule.next_use("k20")
+    schedule.on_access("k12", 1, "host", False)
+    assert schedule.next_use("k20") == before
+
+
+def test_schedule_keeps_period_one_for_a_step_that_gains_a_few_keys_now_and_then() -> None:
+    """Phases that gain a few keys every fourth step (an optimizer's keys after accumulation)
+    are not an alternation: counting the keys a phase lacks made the step after such a phase
+    look like the one two back, and the period went to 2 (a review)."""
+    base, extra = [f"k{i}" for i in range(10)], ["o1", "o2", "o3"]
+    schedule = ScheduleLearned()
+    for phase in range(12):
+        _learn(schedule, base + extra if phase % 4 == 3 else base)
+        assert schedule.period == 1, phase
+
+
 def test_min_asks_every_next_use_again_when_the_schedule_reverses() -> None:
     """``MIN(schedule)`` asked a key's next use only at its insertion and hits: after two phases
     a..h, a third taken reversed at its first access (h) still had a's use as the soonest and

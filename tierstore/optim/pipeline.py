@@ -400,16 +400,16 @@ class UpdatePipeline:
         with a third of its state on the host (a fifth of its evictions found no write begun).
         A victim straddling the bytes still to write is written (a whole copy must go for that
         room); one straddling the room's limit is not (the room may come before it)."""
-        early = self._early_bytes or 0
-        reach = min(early, self._room * 3 // 4)
+        early, lead = self._early_bytes or 0, self._room * 3 // 4
+        passed = 0  # (victims' bytes gone down so far)
         for key in ranked:
-            if reach <= 0 or (self._early_bytes or 0) <= 0:
+            if passed >= early or (self._early_bytes or 0) <= 0:
                 break
             if key in self._written_early:
                 continue  # (counted off when its write started)
             size = self._store._bytes_on_tier(key, self._tier)
-            reach -= size
-            if reach < 0 and early > self._room * 3 // 4:
+            passed += size
+            if passed > lead:
                 break
             if size and key in self._updated_keys and self._store.write_back([key], self._tier):
                 self._written_early.add(key)
