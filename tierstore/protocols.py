@@ -52,9 +52,9 @@ class EvictionPolicy(Protocol):
     called when a use of ``key``'s copy ends (a hold, a transfer), so a policy that set aside
     a key ``victim`` passed over can take it back then instead of scanning it on every call
     (``MIN`` does); ``ranked(count)`` returns the ``count`` tracked keys ``victim`` would take
-    first, in that order, changing nothing (``MIN`` and ``policies.LRU`` have it; the store's own LRU,
-    the default, does not), so an optimizer writes
-    back ahead of time the states the policy is about to evict rather than guess them.
+    first, in that order, changing nothing (``MIN`` and ``policies.LRU`` have it; the store's
+    own LRU, the default, does not), so an optimizer writes back ahead of time the states the
+    policy is about to evict rather than guess them.
     """
 
     def on_insert(self, key: str, nbytes: int) -> None: ...

@@ -20,12 +20,12 @@ path. Where the eviction policy can say what it will evict (its optional ``ranke
 the optimizer's default), the states written are those among its next victims, as many bytes of
 victims as the step still needs (up to three quarters of the room ahead), that this step has
 updated (a victim not updated yet is left to its eviction: written now, it would be written
-again); otherwise those just updated. The order does not
-always tell: a step that runs one way every time a parameter is updated (one updated every
-other step), or that updates its resident states first, kept some of those it wrote back and
-wrote them again the next step (a tryout: 1.1-1.3x the I/O needed). Each slot records how far its
-update got (state updated, weight written): a step that failed part-way is completed by running
-the pipeline again, and no update is applied twice.
+again); otherwise those just updated. The order does not always tell: a step that runs one
+way every time a parameter is updated (one updated every other step), or that updates its
+resident states first, kept some of those it wrote back and wrote them again the next step (a
+tryout: 1.1-1.3x the I/O needed). Each slot records how far its update got (state updated,
+weight written): a step that failed part-way is completed by running the pipeline again, and
+no update is applied twice.
 """
 
 from __future__ import annotations
