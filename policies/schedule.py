@@ -129,8 +129,7 @@ class ScheduleLearned:
             # The phase followed is done and no ``on_step`` came: the next one is ``_after``
             # (alternating: then the one just followed again).
             self._origin += len(self._schedule)
-            self._began = self._clock - 1
-            self._phase_seen = set()
+            self._phase_began(self._clock - 1)
             self._schedule, self._after = self._after, self._schedule
             self._positions, self._after_positions = self._after_positions, self._positions
             self._pos = 0
@@ -193,12 +192,16 @@ class ScheduleLearned:
                 self._misaligned += 1
                 return True
             self._origin += len(self._schedule)  # (the same keys one phase on)
-            self._began = self._clock - located[0]
-            self._phase_seen = set()
+            self._phase_began(self._clock - located[0])
         self._pos, near = located
         if not near:
             self._misaligned += 1
         return True
+
+    def _phase_began(self, clock: int) -> None:
+        """A phase is followed from the access count ``clock`` on (its first access the next)."""
+        self._began = clock
+        self._phase_seen = set()
 
     def _wraps(self, key: str, index: int) -> bool:
         """Whether ``key``, found behind the position by wrapping round (at ``index`` of the
@@ -295,8 +298,7 @@ class ScheduleLearned:
             self._origin = self._clock
         else:
             self._origin += followed
-        self._began = self._clock
-        self._phase_seen = set()
+        self._phase_began(self._clock)
         self._misaligned = 0
         self._undecided = None
         self.phases += 1

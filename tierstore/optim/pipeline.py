@@ -332,23 +332,22 @@ class UpdatePipeline:
         if keys:
             await self._store.prefetch(keys, self._tier)
 
-    def _count_early_writes(self) -> None:
+    def _count_early_writes(self, updated: list[ParamSlot] | None = None) -> None:
         """Once a step, before its first update: the bytes of state to write back early, which
         is what the step's reads need beyond the room free on the state tier (none when updating
         in backward: the order does not alternate, so the states updated first are not the
-        ones evicted). Only the state of trainable parameters counts: a frozen one's state is
-        neither read nor made (counted, the step wrote back state that fitted, every step).
-        (Not "has a gradient": this runs as the first gradient arrives, while backward makes
-        the others.)"""
+        ones evicted), from the states of ``updated``, or where not known yet, of the trainable
+        parameters: a frozen one's state is neither read nor made (counted, the step wrote back
+        state that fitted, every step). (Not "has a gradient": this runs as the first gradient
+        arrives, while backward makes the others; ``recount_early_writes`` counts again.)"""
         if self._early_bytes is not None:
             return
         self._early_bytes = 0
         tier = self._store.tier(self._tier)
         if not self._writes_early or self._in_backward or not isinstance(tier, MemoryTier):
             return
-        missing = sum(tier.value_size(nbytes) for slot in self._slots if slot.paged and slot.param.requires_grad
-                      for key, nbytes in self.state_keys(slot) if not self._on_tier(key))
-        self._early_bytes = max(0, missing - tier.free)
+        slots = updated if updated is not None else [slot for slot in self._slots if slot.param.requires_grad]
+        self._early_bytes = self._early_need(tier, slots)
 
     def recount_early_writes(self, updated: list[ParamSlot]) -> None:
         """``step()``, once it knows the parameters it updates (``updated``), before any update:
@@ -358,14 +357,19 @@ class UpdatePipeline:
         large one's reads too, and wrote back states it then kept (the early write-backs of an
         embedding's every other step, beside a small MLP: 1.5-2x the I/O needed)."""
         if self._early_bytes is None:  # (no gradient arrived through a hook: ``p.grad`` set directly)
-            self._count_early_writes()
-        if not self._early_bytes or self._early_bytes <= 0 or self._updated_keys:
+            self._count_early_writes(updated)
+            return
+        if self._early_bytes <= 0 or self._updated_keys:
             return  # (none to write, or the updates have begun: the count stands)
         tier = self._store.tier(self._tier)
         assert isinstance(tier, MemoryTier)
-        missing = sum(tier.value_size(nbytes) for slot in updated if slot.paged
+        self._early_bytes = self._early_need(tier, updated)
+
+    def _early_need(self, tier: MemoryTier, slots: list[ParamSlot]) -> int:
+        """What reading the states of ``slots`` not on ``tier`` needs beyond its free room."""
+        missing = sum(tier.value_size(nbytes) for slot in slots if slot.paged
                       for key, nbytes in self.state_keys(slot) if not self._on_tier(key))
-        self._early_bytes = max(0, missing - tier.free)
+        return max(0, missing - tier.free)
 
     def _write_early(self, keys: list[tuple[str, int]]) -> None:
         """The states just updated (``keys``, in update order) may now be written back early:
