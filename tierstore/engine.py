@@ -108,6 +108,10 @@ class Engine:
         #: them have run (``_release_after``), and futures each ending as one lands: room that
         #: comes back without an eviction (``tierstore.eviction`` counts it and waits for it).
         self.releasing = [0] * len(self._tiers)
+        #: Bytes per tier of that room on its way (``freeing`` + ``releasing``) that requests
+        #: for room already count on, each for its own value: another request counts only the
+        #: rest, and evicts for itself (``tierstore.eviction``).
+        self.claimed = [0] * len(self._tiers)
         self.releases: list[set[asyncio.Future[None]]] = [set() for _ in self._tiers]
         #: Per tier, futures each ending as a read out of a copy there lets go of it, with the
         #: copy (``reading``): a request for room waits for those of unheld copies, a bounded

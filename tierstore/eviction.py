@@ -21,6 +21,10 @@ close's outcome instead, and fails with ``StoreClosedError``, allocating nothing
 closed, or makes room again if the close failed. A demotion's write into the memory tier below
 (which the close waits for) does not wait: it fails, changing nothing.
 
+Room on its way is counted on once: a request waiting for it (or for its own demotions) claims
+what its value still needs (``Engine.claimed``), and the others count only the rest, choosing
+victims of their own for what it does not cover; requests for room then evict side by side.
+
 An early write-back (``write_early``) writes a memory copy to the disk tier below ahead of its
 eviction and keeps it: the eviction that later chooses it drops it without a write on the
 requester's path. While the write runs the copy stays a candidate; a demotion that chooses it
@@ -31,7 +35,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .entry import Copy, Entry
 from .errors import PolicyError, StoreClosedError, TierFullError, UnknownTierError
@@ -92,7 +96,8 @@ async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, prio
         while tier.free < (size := tier.allocation_size(nbytes)):
             if engine.winding_down:
                 break  # (no victims chosen for a store that closes: ``make_room`` waits or refuses)
-            deficit = size - tier.free - engine.freeing[t] - engine.releasing[t]  # (room on its way back)
+            coming = max(engine.freeing[t] + engine.releasing[t] - engine.claimed[t], 0)  # (room on its way back, not counted on)
+            deficit = size - tier.free - coming
             batch: list[tuple[Entry, Copy]] = []
             started: list[asyncio.Task[None]] = []
             handled = 0
@@ -116,13 +121,13 @@ async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, prio
                     started.append(task)
                     mine.append(task)
                     if one_at_a_time:
-                        await asyncio.wait([task])
+                        await _counting_on_room(engine, t, size - tier.free, [task])
             finally:
                 for entry, copy in batch[handled:]:  # cancelled before their turn: they stay
                     engine.unuse(entry, copy)
                     engine.policy_insert(entry, copy)
             if started:  # the whole batch goes before room is asked again (as the replay)
-                await asyncio.wait(started)
+                await _counting_on_room(engine, t, size - tier.free, started)
             for task in mine:
                 _raise_failed(tier, task, wait_for_close)
             if batch:
@@ -150,12 +155,29 @@ async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, prio
             # refuses): room on its way may come only after it, or never (a kernel that never
             # ends, a hold kept open across the close).
             read_waits += bool(reads)
-            await asyncio.wait([engine.room_may_change(t, pending), engine.closing_signal()], return_when=asyncio.FIRST_COMPLETED)
+            await _counting_on_room(engine, t, size - tier.free if deficit <= 0 else 0,
+                                    [engine.room_may_change(t, pending), engine.closing_signal()], asyncio.FIRST_COMPLETED)
     finally:
         if any(not task.done() for task in mine):
             await asyncio.wait(mine)  # (they run on even if the request is cancelled)
     for task in mine:
         _raise_failed(tier, task, wait_for_close)
+
+
+async def _counting_on_room(engine: Engine, t: int, nbytes: int, awaitables: list[asyncio.Future[Any]],
+                            return_when: str = asyncio.ALL_COMPLETED) -> None:
+    """Wait for ``awaitables`` counting on ``nbytes`` of the room on its way to tier ``t``
+    (``Engine.claimed``: the part of its value's room it does not have yet). Counted by every
+    request, one eviction's room kept a hundred requests for small values waiting on it:
+    evictions went one after another, each that ended waking them all (an optimizer's step of
+    3,000 small states: 2-13 s where 1-2.6 s now)."""
+    nbytes = max(nbytes, 0)
+    engine.claimed[t] += nbytes
+    try:
+        await asyncio.wait(awaitables, return_when=return_when)
+    finally:
+        engine.claimed[t] -= nbytes
+
 
 def _next_victim(engine: Engine, t: int) -> tuple[Entry, Copy] | None:
     """The copy the tier's policy chooses among those no one uses or holds."""

@@ -1,0 +1,71 @@
+"""Requests for room on a tier count on the room already on its way one at a time: each
+counts only what no other request counts on, and evicts for the rest itself. Every request
+counted all of it before, so while one eviction wrote its victim back, every other request
+waited for that one value's room: evictions went one after another, and each that ended woke
+every waiting request (a hundred small optimizer states waiting at once: steps of 2 s took
+10-15 s, the loop busy waking them)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from tierstore import DiskTier, HostTier, TierStore
+from tierstore.disk.files import FileIO
+
+PATIENCE = 30.0
+VALUE = 64 << 10
+
+
+class GatedWrites(FileIO):
+    """Disk writes that, once ``armed``, each wait for ``let_go()``, counting those waiting."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.waiting = 0
+        self._lock = threading.Lock()
+        self._gate = threading.Event()
+
+    def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
+        if self.armed:
+            with self._lock:
+                self.waiting += 1
+            self._gate.wait(PATIENCE)
+        return super().pwrite(fd, data, offset)
+
+    def let_go(self) -> None:
+        self._gate.set()
+
+
+def value(i: int) -> torch.Tensor:
+    return torch.full((VALUE // 4,), float(i))
+
+
+async def test_requests_for_room_evict_side_by_side_while_a_write_back_waits(tmp_path: Path) -> None:
+    io = GatedWrites()
+    store = TierStore([HostTier(8 * VALUE), DiskTier(tmp_path / "d", "64MiB", io=io)])
+    await store.open()
+    try:
+        for i in range(8):  # (the host tier full of values on no other tier: each eviction writes one back)
+            await store.put(f"old{i}", value(i), "host", durable=False)
+        io.armed = True
+        puts = [asyncio.ensure_future(store.put(f"new{i}", value(100 + i), "host", durable=False)) for i in range(4)]
+        began = time.monotonic()
+        while io.waiting < 2 and time.monotonic() - began < 2.0:  # (one at a time before: one write, never two)
+            await asyncio.sleep(0.01)
+        side_by_side = io.waiting
+        io.let_go()
+        await asyncio.wait_for(asyncio.gather(*puts), PATIENCE)
+        io.armed = False
+        assert side_by_side >= 2, f"{side_by_side} eviction's write-back under way for 4 requests for room"
+        for i in range(8):
+            assert torch.equal(await store.get(f"old{i}"), value(i))
+        for i in range(4):
+            assert torch.equal(await store.get(f"new{i}"), value(100 + i))
+    finally:
+        io.let_go()
+        await store.aclose()
