@@ -17,6 +17,9 @@ def read_suggestions(policy: Any) -> list[tuple[Any, str | None]]:
     pairs (``TypeError`` naming what else came)."""
     suggestions = []
     for item in itertools.islice(policy.suggest(), MAX_SUGGESTIONS):
+        if item.__class__ is tuple and len(item) == 2 and item[0].__class__ is str and (item[1] is None or item[1].__class__ is str):
+            suggestions.append(item)  # (the common form, checked without the ABC's isinstance: a call per access, dozens of items)
+            continue
         if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], Hashable)
                 and (item[1] is None or isinstance(item[1], str))):
             raise TypeError(f"suggest() gave {item!r}, not a (key, tier name or None) pair")
