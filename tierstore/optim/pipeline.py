@@ -637,7 +637,7 @@ class UpdatePipeline:
         pieces = resident.pieces(slots)
         # (in the bucket's order, as its own holds below take them: no new order between holders,
         # the buckets of a step hold disjoint keys, and none of these is held by anyone now)
-        held = await resident.hold(slots, pieces, in_order=True) if pieces is not None else None
+        held = await resident.hold(slots, pieces) if pieces is not None else None
         if held is None:
             return False
         failures = await resident.update(held, coef, whole=False, bucket=True)
