@@ -69,3 +69,26 @@ async def test_requests_for_room_evict_side_by_side_while_a_write_back_waits(tmp
     finally:
         io.let_go()
         await store.aclose()
+
+
+async def test_small_values_that_share_a_new_slab_evict_for_one_slab(tmp_path: Path) -> None:
+    """21 values of 192 B need one new 4 KiB slab between them: each request counting only the
+    room no other counted on evicted a slab's worth for itself, 61 values where 5 do (a review)."""
+    store = TierStore([HostTier("64KiB"), DiskTier(tmp_path / "d", "64MiB")])
+    await store.open()
+    try:
+        i = 0
+        while not store.counters.tier("host").evictions:  # (filled with 1 KiB values only there)
+            await store.put(f"old{i}", torch.full((256,), float(i)), "host", durable=False)
+            i += 1
+        before = store.counters.tier("host").evictions
+        await asyncio.wait_for(asyncio.gather(*(store.put(f"new{j}", torch.full((48,), float(j)), "host", durable=False)
+                                                for j in range(21))), PATIENCE)
+        evicted = store.counters.tier("host").evictions - before
+        assert evicted <= 8, f"{evicted} values of 1 KiB evicted for 21 of 192 B"
+        for j in range(21):
+            assert torch.equal(await store.get(f"new{j}"), torch.full((48,), float(j)))
+        for k in range(i):
+            assert torch.equal(await store.get(f"old{k}"), torch.full((256,), float(k)))
+    finally:
+        await store.aclose()

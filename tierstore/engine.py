@@ -108,9 +108,9 @@ class Engine:
         #: them have run (``_release_after``), and futures each ending as one lands: room that
         #: comes back without an eviction (``tierstore.eviction`` counts it and waits for it).
         self.releasing = [0] * len(self._tiers)
-        #: Bytes per tier of that room on its way (``freeing`` + ``releasing``) that requests
-        #: for room already count on, each for its own value: another request counts only the
-        #: rest, and evicts for itself (``tierstore.eviction``).
+        #: Bytes per tier that requests for room waiting there count on coming back, each what
+        #: its value still needs (it may be more than ``freeing`` + ``releasing``): another
+        #: request counts on only the rest of that room, and evicts for itself (``tierstore.eviction``).
         self.claimed = [0] * len(self._tiers)
         self.releases: list[set[asyncio.Future[None]]] = [set() for _ in self._tiers]
         #: Per tier, futures each ending as a read out of a copy there lets go of it, with the
