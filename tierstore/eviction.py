@@ -36,7 +36,7 @@ waits for the write, then finds the value on the disk.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .entry import Copy, Entry
@@ -171,7 +171,7 @@ async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, prio
         _raise_failed(tier, task, wait_for_close)
 
 
-async def _counting_on_room(engine: Engine, t: int, nbytes: int, awaitables: list[asyncio.Future[Any]],
+async def _counting_on_room(engine: Engine, t: int, nbytes: int, awaitables: Sequence[asyncio.Future[Any]],
                             return_when: str = asyncio.ALL_COMPLETED) -> None:
     """Wait for ``awaitables`` counting on ``nbytes`` of the room on its way to tier ``t``
     (``Engine.claimed``: the part of its value's room it does not have yet). Counted by every
