@@ -101,15 +101,11 @@ class PrefetchIssuer:
     def follow(self, suggestions: Iterable[tuple[str, str | None]], default_tier: int) -> None:
         """Queue a policy's suggestions (skipping what is there or on its way)."""
         store = self._store
-        indices: dict[str, int] = {}  # (tier names looked up once a call: dozens of suggestions an access)
         for key, tier in suggestions:
-            if tier is None:
-                t = default_tier
-            elif (t := indices.get(tier, -1)) < 0:
-                try:
-                    t = indices[tier] = store.tier_index(tier)
-                except UnknownTierError:
-                    continue  # a policy's suggestion for a tier this store lacks
+            try:
+                t = store.tier_index(tier) if tier is not None else default_tier
+            except UnknownTierError:
+                continue  # a policy's suggestion for a tier this store lacks
             entry = store.lookup(key)
             if entry is None or entry.valid(t) is not None or t in entry.loading:
                 continue
