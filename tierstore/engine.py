@@ -245,9 +245,8 @@ class Engine:
             # request may wait for it without a deadlock.
             self.sealed = True
             self._outcome = asyncio.get_running_loop().create_future()
-            for changed in self._room_changed:  # requests waiting for room wait for the outcome (``tierstore.eviction``)
-                if changed is not None and not changed.done():
-                    changed.set_result(None)
+            for t in range(len(self._tiers)):  # requests waiting for room wait for the outcome (``tierstore.eviction``)
+                self._room_may_have_changed(t)
             await self._cancel_background()  # (prefetches started before the seal)
             while self.writes or any(self.demotions):
                 # Shielded: a cancelled close (``wait_for(aclose(), t)``) must not cancel a write
@@ -323,15 +322,18 @@ class Engine:
             if awaitable in watched:
                 continue
             if awaitable.done():
-                if not changed.done():
-                    changed.set_result(None)
+                self._room_may_have_changed(t)
                 continue
             watched.add(awaitable)
-            awaitable.add_done_callback(partial(self._room_may_have_changed, t, awaitable))
+            awaitable.add_done_callback(partial(self._watched_ended, t, awaitable))
         return changed
 
-    def _room_may_have_changed(self, t: int, awaitable: Any, _: Any) -> None:
+    def _watched_ended(self, t: int, awaitable: Any, _: Any) -> None:
         self._room_watched[t].discard(awaitable)
+        self._room_may_have_changed(t)
+
+    def _room_may_have_changed(self, t: int) -> None:
+        """End the future the requests for room on tier ``t`` wait on (``room_may_change``)."""
         changed = self._room_changed[t]
         if changed is not None and not changed.done():
             changed.set_result(None)
@@ -1062,9 +1064,7 @@ class Engine:
             # A victim now: a request for room that found none waits for room to change, and
             # the room it waits on may come only after it is served (a scratch buffer of the
             # same update, held until the update ends): it looks for a victim again.
-            changed = self._room_changed[copy.tier]
-            if changed is not None and not changed.done():
-                changed.set_result(None)
+            self._room_may_have_changed(copy.tier)
         entry.wake()
 
     def _copy_finder(self, t: int) -> Callable[[str], Copy | None]:
