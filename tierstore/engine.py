@@ -44,6 +44,7 @@ from .prefetching import PrefetchIssuer
 from .process import this_process
 from .protocols import EvictionPolicy, PrefetchPolicy, policy_name
 from .recency import CopyLRU
+from .room_queue import RoomQueue
 from .stats import StoreCounters
 from .suggestions import read_suggestions
 from .tensors import TensorMeta, aligned_empty, as_bytes, from_bytes
@@ -122,10 +123,10 @@ class Engine:
         self.reads: list[dict[asyncio.Future[None], Copy]] = [{} for _ in self._tiers]
         #: Buffers allocated on a tier and being filled (they become evictable copies when done).
         self.incoming: list[set[asyncio.Future[None]]] = [set() for _ in self._tiers]
-        #: Per tier, the future every request for room there waits on (``room_may_change``),
-        #: and the awaitables watched for it, each with one callback that ends the future of
-        #: the moment it ends.
-        self._room_changed: list[asyncio.Future[None] | None] = [None] * len(self._tiers)
+        #: Per tier, the requests for room there that found nothing to evict (``wait_for_room``),
+        #: and the awaitables watched for them, each with one callback that wakes the first
+        #: request as it ends.
+        self._room_queues = [RoomQueue() for _ in self._tiers]
         self._room_watched: list[set[Any]] = [set() for _ in self._tiers]
         self.background: set[asyncio.Task[Any]] = set()
         #: Writes that must finish even if their caller is cancelled (disk puts, write-backs);
@@ -245,8 +246,8 @@ class Engine:
             # request may wait for it without a deadlock.
             self.sealed = True
             self._outcome = asyncio.get_running_loop().create_future()
-            for t in range(len(self._tiers)):  # requests waiting for room wait for the outcome (``tierstore.eviction``)
-                self._room_may_have_changed(t)
+            for queue in self._room_queues:  # requests waiting for room wait for the outcome (``tierstore.eviction``)
+                queue.wake_all()
             await self._cancel_background()  # (prefetches started before the seal)
             while self.writes or any(self.demotions):
                 # Shielded: a cancelled close (``wait_for(aclose(), t)``) must not cancel a write
@@ -276,7 +277,7 @@ class Engine:
                 self.cpu.shutdown()
                 self.entries.clear()
                 # (a reopen may run on another loop: nothing of this one's waits carries over)
-                self._room_changed = [None] * len(self._tiers)
+                self._room_queues = [RoomQueue() for _ in self._tiers]
                 self._room_watched = [set() for _ in self._tiers]
                 # The policies forget every copy too: the default one links them (and so their
                 # buffers) through itself, which would keep a closed store's memory alive.
@@ -303,40 +304,53 @@ class Engine:
         flush would not see (a request then waits for the outcome, ``settled``, or is refused)."""
         return self.sealed or not self.is_open
 
-    def room_may_change(self, t: int, pending: Iterable[Any]) -> asyncio.Future[None]:
-        """A future that ends when any of ``pending`` (demotions, fills, releases and reads of
-        tier ``t``: each ends with room or a victim) ends. One is shared by every request for
-        room on the tier, and each awaitable gets one callback, once: each request waiting on
-        all of them itself (``asyncio.wait``) added and removed a callback on each, every time
-        any ended, and thousands of small entries in flight made that most of an optimizer's step.
-        It ends too when a close seals (the request then waits for the close's outcome): a future
-        of its own for that, waited on beside it, held a callback of every waiting request, and
-        each removed its own from among them all at every wake (4,000 puts at once: 7 s of 30)."""
-        changed = self._room_changed[t]
-        if changed is None or changed.done():
-            changed = self._room_changed[t] = asyncio.get_running_loop().create_future()
-            if self.sealed:
-                changed.set_result(None)
+    def wait_for_room(self, t: int, size: int, pending: Iterable[Any], *, again: bool = False) -> asyncio.Future[None]:
+        """A future that ends when a request for ``size`` bytes of room on tier ``t`` that
+        found nothing to evict is woken (``tierstore.room_queue``: one at a time, in the order
+        they came; ``again``: it waited before and keeps its turn): by a copy becoming a victim,
+        or as any of ``pending`` ends (demotions, fills, releases and reads of the tier: each
+        ends with room or a victim; each gets one callback, once, however many requests wait on
+        it: each request adding and removing its own on every one was most of an optimizer's
+        step with thousands of small entries in flight). Ended at once where one has ended
+        already or a close has sealed (the request then waits for the close's outcome). A
+        request that stops waiting before it is woken, or once woken before it has looked,
+        says so (``leave_room_queue``)."""
         watched = self._room_watched[t]
+        now = self.sealed
         for awaitable in pending:
             if awaitable in watched:
                 continue
             if awaitable.done():
-                self._room_may_have_changed(t)
+                now = True
                 continue
             watched.add(awaitable)
             awaitable.add_done_callback(partial(self._watched_ended, t, awaitable))
-        return changed
+        if now:
+            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+        return self._room_queues[t].join(size, again=again)
+
+    def leave_room_queue(self, t: int, waiter: asyncio.Future[None], size: int) -> None:
+        """The request of ``waiter`` (``wait_for_room``) stops waiting: a wake it had goes on."""
+        self._room_queues[t].leave(waiter, size, self._free_room(t))
+
+    def room_looked(self, t: int, look_on: bool) -> None:
+        """A request woken from the queue of tier ``t`` has looked for victims: ``look_on``
+        when it found some or did not look (``RoomQueue.pass_on``)."""
+        self._room_queues[t].pass_on(look_on, self._free_room(t))
+
+    def _free_room(self, t: int) -> int:
+        tier = self._tiers[t]
+        return tier.free if isinstance(tier, MemoryTier) else 0
 
     def _watched_ended(self, t: int, awaitable: Any, _: Any) -> None:
         self._room_watched[t].discard(awaitable)
         self._room_may_have_changed(t)
 
     def _room_may_have_changed(self, t: int) -> None:
-        """End the future the requests for room on tier ``t`` wait on (``room_may_change``)."""
-        changed = self._room_changed[t]
-        if changed is not None and not changed.done():
-            changed.set_result(None)
+        """Wake the request for room on tier ``t`` that has waited longest (``wait_for_room``)."""
+        self._room_queues[t].wake_first()
 
     async def settled(self) -> None:
         """Return once no sealed close is under way (at once when none is): the store is then

@@ -94,6 +94,8 @@ async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, prio
     one_at_a_time = t + 1 < len(engine.tiers) and isinstance(engine.tiers[t + 1], MemoryTier)
     mine: list[asyncio.Task[None]] = []
     read_waits = 0  # (reads waited for: readers that start again at once, a loop of gets, would keep it waiting for ever)
+    woken = False  # (from the tier's queue: the wake goes on once this request has looked, ``tierstore.room_queue``)
+    queued = False  # (it waited in the queue before: it keeps its turn at the front)
     try:
         while tier.free < (size := tier.allocation_size(nbytes)):
             if engine.winding_down:
@@ -109,6 +111,7 @@ async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, prio
             started: list[asyncio.Task[None]] = []
             handled = 0
             try:
+                looked = deficit > 0
                 while deficit > 0:  # (a policy that raises part-way: those chosen go back below)
                     victim = _next_victim(engine, t)
                     if victim is None:
@@ -116,6 +119,9 @@ async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, prio
                     engine.use(*victim)
                     deficit -= victim[1].nbytes
                     batch.append(victim)
+                if woken:
+                    woken = False
+                    engine.room_looked(t, bool(batch) or not looked)
                 for entry, copy in batch:
                     if engine.winding_down:
                         break  # (sealed meanwhile: the rest stay, no demotion starts after the close's drain)
@@ -162,8 +168,17 @@ async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, prio
             # refuses): room on its way may come only after it, or never (a kernel that never
             # ends, a hold kept open across the close).
             read_waits += bool(reads)
-            await _counting_on_room(engine, t, size - tier.free if deficit <= 0 else 0, [engine.room_may_change(t, pending)])
+            waiter = engine.wait_for_room(t, size, pending, again=queued)
+            queued = True
+            try:
+                await _counting_on_room(engine, t, size - tier.free if deficit <= 0 else 0, [waiter])
+            except BaseException:
+                engine.leave_room_queue(t, waiter, size)
+                raise
+            woken = True
     finally:
+        if woken:  # (it leaves before it looked again: room made, a close, an error)
+            engine.room_looked(t, True)
         if any(not task.done() for task in mine):
             await asyncio.wait(mine)  # (they run on even if the request is cancelled)
     for task in mine:
