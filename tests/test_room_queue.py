@@ -1,11 +1,14 @@
 """Requests for room that found nothing to evict are woken one at a time, in the order they
 came (``tierstore.room_queue``). Woken all at once at every change, each looked for a victim
 and one found it: 1,000 puts in flight into a tier of 256 of them asked the eviction policy for
-a victim 19,700 times, 2,000 puts 128,000 times (4 s; 11 s for 4,000)."""
+a victim 19,700 times, 2,000 puts 128,000 times (4 s; 11 s for 4,000). A review of the first
+version found three ways a request was left waiting that the herd had woken (the last three
+tests)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from pathlib import Path
 
@@ -90,3 +93,120 @@ async def test_a_request_that_cannot_get_room_still_fails_at_once_among_waiting_
         assert torch.equal(await store.get("new"), torch.ones(16 << 10))
     finally:
         await store.aclose()
+
+
+class PinningLRU(LRU):
+    """LRU that never names a key under "pin/" as a victim (those stay on the tier)."""
+
+    def victim(self, evictable=None):  # type: ignore[no-untyped-def]
+        key = next((k for k in self._order if not k.startswith("pin/") and (evictable is None or evictable(k))), None)
+        if key is not None:
+            del self._order[key]
+        return key
+
+
+class GatedDisk(DiskTier):
+    """A disk tier whose writes wait while ``gate`` is clear (a slow disk, made controllable)."""
+
+    gate: asyncio.Event | None = None
+
+    async def write(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if self.gate is not None:
+            await self.gate.wait()
+        return await super().write(*args, **kwargs)
+
+    async def write_committed(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if self.gate is not None:
+            await self.gate.wait()
+        return await super().write_committed(*args, **kwargs)
+
+
+async def test_a_request_that_fails_as_full_wakes_those_that_would_fail_too(tmp_path: Path) -> None:
+    """Two puts wait on a fill, every other value held; the fill is aborted. The first, woken,
+    found nothing to wait for and failed as full; the second was never woken."""
+    store = TierStore([HostTier("1MiB"), DiskTier(tmp_path / "d", "64MiB", durable=False)])
+    await store.open()
+    try:
+        for i in range(15):
+            await store.put(f"held{i}", torch.zeros(16 << 10), "host")  # 64 KiB each
+        async with contextlib.AsyncExitStack() as stack:
+            for i in range(15):
+                await stack.enter_async_context(store.hold(f"held{i}", "host"))
+            with contextlib.suppress(RuntimeError):
+                async with store.fill("f", (4 << 10,), torch.float32, "host"):  # room on its way
+                    puts = [asyncio.ensure_future(store.put(f"p{i}", torch.ones(32 << 10), "host")) for i in range(2)]
+                    await asyncio.sleep(0.2)
+                    assert not any(put.done() for put in puts)
+                    raise RuntimeError("the fill is abandoned")
+            done, pending = await asyncio.wait(puts, timeout=PATIENCE / 4)
+            for put in pending:
+                put.cancel()
+            assert not pending, f"{len(pending)} of 2 puts left waiting"
+            assert all(isinstance(put.exception(), TierFullError) for put in done)
+    finally:
+        await asyncio.wait_for(store.aclose(), PATIENCE)
+
+
+async def test_a_small_value_is_woken_when_a_slot_of_its_size_frees(tmp_path: Path) -> None:
+    """A put of 256 B queued needing a new slab; a delete frees a slot of its size (it needs no
+    room now). The request woken at the next change found no victim and passed the wake to one
+    whose value fitted by the size it had when queued: not this one, left waiting for ever."""
+    store = TierStore([HostTier("1MiB"), DiskTier(tmp_path / "d", "64MiB", durable=False)], eviction=PinningLRU)
+    await store.open()
+    try:
+        for i in range(16):  # (256 B each: one full slab)
+            await store.put(f"pin/s{i}", torch.full((64,), float(i)), "host")
+        for i in range(15):
+            await store.put(f"pin/big{i}", torch.zeros(16 << 10), "host")
+        await store.put("pin/rest", torch.zeros(14 << 10), "host")
+        async with store.fill("pin/f", (1024,), torch.float32, "host"):  # room on its way
+            big = asyncio.ensure_future(store.put("big", torch.ones(16 << 10), "host"))
+            await asyncio.sleep(0.05)
+            small = asyncio.ensure_future(store.put("small", torch.ones(64), "host"))
+            await asyncio.sleep(0.1)
+            assert not big.done() and not small.done()
+            await store.delete("pin/s0")
+        done, pending = await asyncio.wait([small], timeout=PATIENCE / 4)
+        for put in (big, small):
+            put.cancel()
+        await asyncio.gather(big, small, return_exceptions=True)
+        assert not pending, "the small put was left waiting with a slot free for it"
+        assert torch.equal(await store.get("small"), torch.ones(64))
+    finally:
+        await asyncio.wait_for(store.aclose(), PATIENCE)
+
+
+async def test_requests_counting_on_room_under_way_do_not_keep_others_waiting(tmp_path: Path) -> None:
+    """Two small puts count on a write-back under way (they need new slabs: they count all of
+    it) and a large one waits for a victim. Queued together, the two woke each other without
+    end (188,000 times in 3 s, the loop busy) and the large put was never woken when a hold
+    ended and gave it its victim; where the write-back could end only after it, never."""
+    disk = GatedDisk(tmp_path / "d", "256MiB", durable=False)
+    store = TierStore([HostTier("12MiB"), disk])
+    await store.open()
+    try:
+        await store.put("E", torch.zeros(1 << 20), "disk")
+        await store.put("D", torch.zeros(2 << 20), "host")  # (only on the host: its eviction writes it back)
+        await store.get("E", "host")  # (clean on the host: dropped at once when evicted)
+        disk.gate = asyncio.Event()
+        async with store.hold("E", "host"):
+            x = asyncio.ensure_future(store.put("X", torch.ones(2 << 20), "host"))  # evicts D: a write that waits
+            await asyncio.sleep(0.05)
+            a = asyncio.ensure_future(store.put("a", torch.ones(64), "host"))
+            b = asyncio.ensure_future(store.put("b", torch.ones(128), "host"))
+            await asyncio.sleep(0.05)
+            c = asyncio.ensure_future(store.put("C", torch.ones(1 << 20), "host"))  # E held: nothing to evict
+            await asyncio.sleep(0.05)
+            assert not any(put.done() for put in (x, a, b, c))
+            c.add_done_callback(lambda _: disk.gate.set())  # (the write-back ends only once C is stored)
+        puts = [x, a, b, c]
+        done, pending = await asyncio.wait(puts, timeout=PATIENCE / 4)
+        for put in pending:
+            put.cancel()
+        await asyncio.gather(*puts, return_exceptions=True)
+        assert not pending, f"{len(pending)} of 4 puts left waiting"
+        assert torch.equal(await store.get("C"), torch.ones(1 << 20))
+    finally:
+        if disk.gate is not None:
+            disk.gate.set()
+        await asyncio.wait_for(store.aclose(), PATIENCE)

@@ -304,17 +304,21 @@ class Engine:
         flush would not see (a request then waits for the outcome, ``settled``, or is refused)."""
         return self.sealed or not self.is_open
 
-    def wait_for_room(self, t: int, size: int, pending: Iterable[Any], *, again: bool = False) -> asyncio.Future[None]:
-        """A future that ends when a request for ``size`` bytes of room on tier ``t`` that
-        found nothing to evict is woken (``tierstore.room_queue``: one at a time, in the order
-        they came; ``again``: it waited before and keeps its turn): by a copy becoming a victim,
-        or as any of ``pending`` ends (demotions, fills, releases and reads of the tier: each
-        ends with room or a victim; each gets one callback, once, however many requests wait on
-        it: each request adding and removing its own on every one was most of an optimizer's
-        step with thousands of small entries in flight). Ended at once where one has ended
-        already or a close has sealed (the request then waits for the close's outcome). A
-        request that stops waiting before it is woken, or once woken before it has looked,
-        says so (``leave_room_queue``)."""
+    def wait_for_room(
+        self, t: int, nbytes: int, pending: Iterable[Any], *, looked: bool, first: bool = False
+    ) -> tuple[asyncio.Future[None], bool]:
+        """A future a request for room on tier ``t`` (for a value of ``nbytes``) waits on, and
+        whether it is the tier's queue's (``tierstore.room_queue``): a request that ``looked``
+        for victims and found none is queued (``first``: at the front), to be woken one at a
+        time; one whose shortfall the room on its way covers waits for the next change. A
+        change: a copy becoming a victim, or any of ``pending`` ending (demotions, fills,
+        releases and reads of the tier: each ends with room or a victim; each gets one callback,
+        once, however many requests wait on it: each request adding and removing its own on
+        every one was most of an optimizer's step with thousands of small entries in flight).
+        Ended at once where one has ended already or a close has sealed (the request then waits
+        for the close's outcome). A queued request that stops waiting says so
+        (``leave_room_queue``); one woken from the queue says when it has looked
+        (``room_looked``)."""
         watched = self._room_watched[t]
         now = self.sealed
         for awaitable in pending:
@@ -325,32 +329,39 @@ class Engine:
                 continue
             watched.add(awaitable)
             awaitable.add_done_callback(partial(self._watched_ended, t, awaitable))
+        queue = self._room_queues[t]
         if now:
             done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             done.set_result(None)
-            return done
-        return self._room_queues[t].join(size, again=again)
+            return done, False
+        if not looked:
+            return queue.covered(), False
+        return queue.join(nbytes, first=first), True
 
-    def leave_room_queue(self, t: int, waiter: asyncio.Future[None], size: int) -> None:
-        """The request of ``waiter`` (``wait_for_room``) stops waiting: a wake it had goes on."""
-        self._room_queues[t].leave(waiter, size, self._free_room(t))
+    def leave_room_queue(self, t: int, waiter: asyncio.Future[None], nbytes: int) -> None:
+        """The queued request of ``waiter`` (``wait_for_room``) stops waiting before it has
+        looked again: a wake it had goes on."""
+        self._room_queues[t].leave(waiter, nbytes)
 
-    def room_looked(self, t: int, look_on: bool) -> None:
-        """A request woken from the queue of tier ``t`` has looked for victims: ``look_on``
-        when it found some or did not look (``RoomQueue.pass_on``)."""
-        self._room_queues[t].pass_on(look_on, self._free_room(t))
-
-    def _free_room(self, t: int) -> int:
+    def room_looked(self, t: int, wake_next: bool) -> None:
+        """A request woken from tier ``t``'s queue has looked for victims (``RoomQueue.pass_on``)."""
         tier = self._tiers[t]
-        return tier.free if isinstance(tier, MemoryTier) else 0
+        assert isinstance(tier, MemoryTier)
+        self._room_queues[t].pass_on(wake_next, lambda nbytes: tier.free >= tier.allocation_size(nbytes))
+
+    def room_unreachable(self, t: int) -> None:
+        """A request for room on tier ``t`` fails as full: every waiting one looks again (each
+        may fail too, with nothing left to wait for)."""
+        self._room_queues[t].wake_all()
 
     def _watched_ended(self, t: int, awaitable: Any, _: Any) -> None:
         self._room_watched[t].discard(awaitable)
         self._room_may_have_changed(t)
 
     def _room_may_have_changed(self, t: int) -> None:
-        """Wake the request for room on tier ``t`` that has waited longest (``wait_for_room``)."""
-        self._room_queues[t].wake_first()
+        """Room on tier ``t`` may have changed: wake the requests waiting for it, as
+        ``RoomQueue.changed`` does (``wait_for_room``)."""
+        self._room_queues[t].changed()
 
     async def settled(self) -> None:
         """Return once no sealed close is under way (at once when none is): the store is then

@@ -21,7 +21,9 @@ close's outcome instead, and fails with ``StoreClosedError``, allocating nothing
 closed, or makes room again if the close failed. A demotion's write into the memory tier below
 (which the close waits for) does not wait: it fails, changing nothing.
 
-Room on its way is counted on once: a request waiting for it (or for its own demotions) claims
+A request that finds no victim waits in the tier's queue and is woken one at a time
+(``tierstore.room_queue``); one whose shortfall the room on its way covers waits for the next
+change. Room on its way is counted on once: a request waiting for it (or for its own demotions) claims
 what its value still needs (``Engine.claimed``), and the others count only the rest, choosing
 victims of their own for what it does not cover; requests for room then evict side by side.
 Not a small value that needs a new slab (one slab serves all the requests of its size), nor
@@ -95,7 +97,7 @@ async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, prio
     mine: list[asyncio.Task[None]] = []
     read_waits = 0  # (reads waited for: readers that start again at once, a loop of gets, would keep it waiting for ever)
     woken = False  # (from the tier's queue: the wake goes on once this request has looked, ``tierstore.room_queue``)
-    queued = False  # (it waited in the queue before: it keeps its turn at the front)
+    queued = False  # (it waited in the queue before: it keeps its place at the front)
     try:
         while tier.free < (size := tier.allocation_size(nbytes)):
             if engine.winding_down:
@@ -121,7 +123,7 @@ async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, prio
                     batch.append(victim)
                 if woken:
                     woken = False
-                    engine.room_looked(t, bool(batch) or not looked)
+                    engine.room_looked(t, bool(batch) or not looked)  # (one that did not look then waits for room on its way)
                 for entry, copy in batch:
                     if engine.winding_down:
                         break  # (sealed meanwhile: the rest stay, no demotion starts after the close's drain)
@@ -158,6 +160,7 @@ async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, prio
                 need = tier.allocation_size(nbytes)
                 takes = ("" if need <= nbytes else f" (it takes a new slab of {format_bytes(need)}: values this small share slabs)"
                          if tier.value_size(nbytes) < need else f" (it takes {format_bytes(need)} with its alignment)")
+                engine.room_unreachable(t)
                 raise TierFullError(
                     f"tier {tier.name!r} cannot make room for {format_bytes(nbytes)}{takes}: {format_bytes(tier.free)} free, "
                     f"{format_bytes(held)} held or in transfer"
@@ -168,14 +171,15 @@ async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, prio
             # refuses): room on its way may come only after it, or never (a kernel that never
             # ends, a hold kept open across the close).
             read_waits += bool(reads)
-            waiter = engine.wait_for_room(t, size, pending, again=queued)
-            queued = True
+            waiter, from_queue = engine.wait_for_room(t, nbytes, pending, looked=looked, first=queued)
+            queued = queued or from_queue
             try:
                 await _counting_on_room(engine, t, size - tier.free if deficit <= 0 else 0, [waiter])
             except BaseException:
-                engine.leave_room_queue(t, waiter, size)
+                if from_queue:
+                    engine.leave_room_queue(t, waiter, nbytes)
                 raise
-            woken = True
+            woken = from_queue
     finally:
         if woken:  # (it leaves before it looked again: room made, a close, an error)
             engine.room_looked(t, True)
@@ -357,6 +361,7 @@ async def _demote(engine: Engine, entry: Entry, t: int, copy: Copy, priority: Pr
         version = copy.version
         if _needs_write_back(engine, entry, t, copy):
             if t + 1 >= len(engine.tiers):
+                engine.room_unreachable(t)
                 raise TierFullError(f"tier {engine.names[t]!r} is the last tier; nothing can be evicted from it")
             await engine.write_back(entry, copy, priority)
         _drop(engine, entry, t, copy, version)
