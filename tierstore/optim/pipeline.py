@@ -23,7 +23,8 @@ updated (a victim not updated yet is left to its eviction: written now, it would
 again); otherwise those just updated. The order does not always tell: a step that runs one
 way every time a parameter is updated (one updated every other step), or that updates its
 resident states first, kept some of those it wrote back and wrote them again the next step (a
-tryout: 1.1-1.3x the I/O needed). Each slot records how far its update got (state updated,
+tryout: 1.1-1.3x the I/O needed); where those found written for nothing are more than a third
+of late, they stop until they would pay (``tierstore.optim.early_writes``). Each slot records how far its update got (state updated,
 weight written): a step that failed part-way is completed by running the pipeline again, and
 no update is applied twice.
 """
@@ -51,6 +52,7 @@ from ..workers import CallerPool, Priority, WorkerPool
 from .chunks import Chunk, plan_chunks
 from .clipping import inverse_scale
 from .distributed import LocalShard
+from .early_writes import EarlyWriteJudge
 from .reports import Timeline, TimeReport, count_grad_transfer
 from .resident import ResidentStep
 from .slots import Capture, ParamSlot
@@ -142,6 +144,8 @@ class UpdatePipeline:
         #: and those it has started writing back early (counted off ``_early_bytes``).
         self._updated_keys: set[str] = set()
         self._written_early: set[str] = set()
+        #: Whether the early write-backs pay (else they are only picked: ``_write_back_early``).
+        self._early_judge = EarlyWriteJudge()
         #: The optimizer's resident step: a bucket whose states are all resident takes it
         #: (``_update_resident``). Set by the optimizer.
         self.resident: ResidentStep | None = None
@@ -356,6 +360,8 @@ class UpdatePipeline:
         a step that updated a few small parameters while a large one had no gradient counted the
         large one's reads too, and wrote back states it then kept (the early write-backs of an
         embedding's every other step, beside a small MLP: 1.5-2x the I/O needed)."""
+        if not self._updated_keys and self._writes_early:  # (once a step, before its updates)
+            self._early_judge.judge((key for slot in updated if slot.paged for key, _ in self.state_keys(slot)), self._on_tier)
         if self._early_bytes is None:  # (no gradient arrived through a hook: ``p.grad`` set directly)
             self._count_early_writes(updated)
             return
@@ -389,7 +395,7 @@ class UpdatePipeline:
         for key, nbytes in keys:
             if self._early_bytes <= 0:
                 break
-            if self._store.write_back([key], self._tier):
+            if self._write_back_early(key):
                 self._written_early.add(key)
                 self._early_bytes -= tier.value_size(nbytes)
 
@@ -415,9 +421,18 @@ class UpdatePipeline:
             passed += size
             if passed > lead:
                 break
-            if size and key in self._updated_keys and self._store.write_back([key], self._tier):
+            if size and key in self._updated_keys and self._write_back_early(key):
                 self._written_early.add(key)
                 self._early_bytes = (self._early_bytes or 0) - size
+
+    def _write_back_early(self, key: str) -> bool:
+        """Write ``key``'s state back early (``TierStore.write_back``, keeping its copy), or,
+        while early write-backs do not pay, only pick it (``tierstore.optim.early_writes``);
+        whether it counts as written."""
+        if self._early_judge.paying and not self._store.write_back([key], self._tier):
+            return False
+        self._early_judge.picked(key)
+        return True
 
     def _pick_early(self, keys: list[tuple[str, int]]) -> list[tuple[str, int]]:
         """Of ``keys`` (in update order), those the step writes back early, counted off now
