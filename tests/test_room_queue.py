@@ -45,13 +45,16 @@ async def test_puts_in_flight_ask_for_a_victim_a_few_times_per_eviction(tmp_path
         await store.aclose()
 
 
+@pytest.mark.parametrize("below", ["disk", "memory"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-async def test_puts_of_many_sizes_in_flight_some_cancelled_all_end_with_nothing_lost(tmp_path: Path, seed: int) -> None:
+async def test_puts_of_many_sizes_in_flight_some_cancelled_all_end_with_nothing_lost(tmp_path: Path, seed: int, below: str) -> None:
     """Small requests behind large ones, cancellations at any moment (a wake a cancelled
-    request had goes on), gets and deletes meanwhile: every put ends, and every key holds what
-    its last put that ended wrote."""
+    request had goes on), over the disk or a slower memory tier (requests there count on the
+    room on its way, and wait in the other line): every put ends, and every key holds what it
+    was given."""
     rng = random.Random(seed)
-    store = TierStore([HostTier("1MiB"), DiskTier(tmp_path / "d", "256MiB", durable=False)])
+    slower = [HostTier("64MiB", name="slow")] if below == "memory" else []
+    store = TierStore([HostTier("1MiB"), *slower, DiskTier(tmp_path / "d", "256MiB", durable=False)])
     await store.open()
     try:
         sizes = [rng.choice([256, 4 << 10, 16 << 10, 64 << 10, 256 << 10]) for _ in range(300)]

@@ -305,20 +305,19 @@ class Engine:
         return self.sealed or not self.is_open
 
     def wait_for_room(
-        self, t: int, nbytes: int, pending: Iterable[Any], *, looked: bool, first: bool = False
+        self, t: int, nbytes: int, pending: Iterable[Any], *, line: int, first: bool = False
     ) -> tuple[asyncio.Future[None], bool]:
         """A future a request for room on tier ``t`` (for a value of ``nbytes``) waits on, and
-        whether it is the tier's queue's (``tierstore.room_queue``): a request that ``looked``
-        for victims and found none is queued (``first``: at the front), to be woken one at a
-        time; one whose shortfall the room on its way covers waits for the next change. A
-        change: a copy becoming a victim, or any of ``pending`` ending (demotions, fills,
-        releases and reads of the tier: each ends with room or a victim; each gets one callback,
-        once, however many requests wait on it: each request adding and removing its own on
-        every one was most of an optimizer's step with thousands of small entries in flight).
-        Ended at once where one has ended already or a close has sealed (the request then waits
-        for the close's outcome). A queued request that stops waiting says so
-        (``leave_room_queue``); one woken from the queue says when it has looked
-        (``room_looked``)."""
+        whether it is a place in ``line`` of the tier's queue (``tierstore.room_queue``: a
+        request that looked for victims and found none, or one whose shortfall the room on its
+        way covers; ``first``: at the front), woken at a change: a copy becoming a victim, or
+        any of ``pending`` ending (demotions, fills, releases and reads of the tier: each ends
+        with room or a victim; each gets one callback, once, however many requests wait on it:
+        each request adding and removing its own on every one was most of an optimizer's step
+        with thousands of small entries in flight). Ended at once, and no place, where one has
+        ended already or a close has sealed (the request then waits for the close's outcome).
+        A request in the queue that stops waiting says so (``leave_room_queue``); one woken
+        from it says when it has looked (``room_looked``)."""
         watched = self._room_watched[t]
         now = self.sealed
         for awaitable in pending:
@@ -329,25 +328,23 @@ class Engine:
                 continue
             watched.add(awaitable)
             awaitable.add_done_callback(partial(self._watched_ended, t, awaitable))
-        queue = self._room_queues[t]
         if now:
             done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             done.set_result(None)
             return done, False
-        if not looked:
-            return queue.covered(), False
-        return queue.join(nbytes, first=first), True
+        return self._room_queues[t].join(line, nbytes, first=first), True
 
-    def leave_room_queue(self, t: int, waiter: asyncio.Future[None], nbytes: int) -> None:
-        """The queued request of ``waiter`` (``wait_for_room``) stops waiting before it has
-        looked again: a wake it had goes on."""
-        self._room_queues[t].leave(waiter, nbytes)
+    def leave_room_queue(self, t: int, line: int, waiter: asyncio.Future[None], nbytes: int) -> None:
+        """The request of ``waiter`` (``wait_for_room``) stops waiting before it has looked
+        again: a wake it had goes on."""
+        self._room_queues[t].leave(line, waiter, nbytes)
 
-    def room_looked(self, t: int, wake_next: bool) -> None:
-        """A request woken from tier ``t``'s queue has looked for victims (``RoomQueue.pass_on``)."""
+    def room_looked(self, t: int, line: int, wake_next: bool) -> None:
+        """A request woken from ``line`` of tier ``t``'s queue has looked for victims, or
+        leaves (``RoomQueue.pass_on``)."""
         tier = self._tiers[t]
         assert isinstance(tier, MemoryTier)
-        self._room_queues[t].pass_on(wake_next, lambda nbytes: tier.free >= tier.allocation_size(nbytes))
+        self._room_queues[t].pass_on(line, wake_next, lambda nbytes: tier.free >= tier.allocation_size(nbytes))
 
     def room_unreachable(self, t: int) -> None:
         """A request for room on tier ``t`` fails as full: every waiting one looks again (each

@@ -21,9 +21,9 @@ close's outcome instead, and fails with ``StoreClosedError``, allocating nothing
 closed, or makes room again if the close failed. A demotion's write into the memory tier below
 (which the close waits for) does not wait: it fails, changing nothing.
 
-A request that finds no victim waits in the tier's queue and is woken one at a time
-(``tierstore.room_queue``); one whose shortfall the room on its way covers waits for the next
-change. Room on its way is counted on once: a request waiting for it (or for its own demotions) claims
+A request that finds no victim, and one whose shortfall the room on its way covers, wait in
+the tier's queue and are woken a few at a time (``tierstore.room_queue``). Room on its way is
+counted on once: a request waiting for it (or for its own demotions) claims
 what its value still needs (``Engine.claimed``), and the others count only the rest, choosing
 victims of their own for what it does not cover; requests for room then evict side by side.
 Not a small value that needs a new slab (one slab serves all the requests of its size), nor
@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 from .entry import Copy, Entry
 from .errors import PolicyError, StoreClosedError, TierFullError, UnknownTierError
 from .protocols import policy_name
+from .room_queue import COVERED, LOOKED
 from .tiers.base import MemoryTier, Tier
 from .units import format_bytes
 from .workers import Priority
@@ -96,8 +97,8 @@ async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, prio
     one_at_a_time = t + 1 < len(engine.tiers) and isinstance(engine.tiers[t + 1], MemoryTier)
     mine: list[asyncio.Task[None]] = []
     read_waits = 0  # (reads waited for: readers that start again at once, a loop of gets, would keep it waiting for ever)
-    woken = False  # (from the tier's queue: the wake goes on once this request has looked, ``tierstore.room_queue``)
-    queued = False  # (it waited in the queue before: it keeps its place at the front)
+    woken: int | None = None  # (the line of the tier's queue it was woken from: the wake goes on once it has looked)
+    lined: set[int] = set()  # (the lines it waited in before: it keeps its place at their front)
     try:
         while tier.free < (size := tier.allocation_size(nbytes)):
             if engine.winding_down:
@@ -121,9 +122,10 @@ async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, prio
                     engine.use(*victim)
                     deficit -= victim[1].nbytes
                     batch.append(victim)
-                if woken:
-                    woken = False
-                    engine.room_looked(t, bool(batch) or not looked)  # (one that did not look then waits for room on its way)
+                if woken is not None:
+                    # (one that moves to the other line lets the next of its line look in its place)
+                    engine.room_looked(t, woken, bool(batch) or looked != (woken == LOOKED))
+                    woken = None
                 for entry, copy in batch:
                     if engine.winding_down:
                         break  # (sealed meanwhile: the rest stay, no demotion starts after the close's drain)
@@ -171,18 +173,20 @@ async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, prio
             # refuses): room on its way may come only after it, or never (a kernel that never
             # ends, a hold kept open across the close).
             read_waits += bool(reads)
-            waiter, from_queue = engine.wait_for_room(t, nbytes, pending, looked=looked, first=queued)
-            queued = queued or from_queue
+            line = LOOKED if looked else COVERED
+            waiter, placed = engine.wait_for_room(t, nbytes, pending, line=line, first=line in lined)
+            if placed:
+                lined.add(line)
             try:
                 await _counting_on_room(engine, t, size - tier.free if deficit <= 0 else 0, [waiter])
             except BaseException:
-                if from_queue:
-                    engine.leave_room_queue(t, waiter, nbytes)
+                if placed:
+                    engine.leave_room_queue(t, line, waiter, nbytes)
                 raise
-            woken = from_queue
+            woken = line if placed else None
     finally:
-        if woken:  # (it leaves before it looked again: room made, a close, an error)
-            engine.room_looked(t, True)
+        for line in lined:  # (it leaves, with its room, a close or an error: the next of each line it was in looks)
+            engine.room_looked(t, line, True)
         if any(not task.done() for task in mine):
             await asyncio.wait(mine)  # (they run on even if the request is cancelled)
     for task in mine:
