@@ -213,3 +213,33 @@ async def test_requests_counting_on_room_under_way_do_not_keep_others_waiting(tm
         if disk.gate is not None:
             disk.gate.set()
         await asyncio.wait_for(store.aclose(), PATIENCE)
+
+
+class CountingHostTier(HostTier):
+    """A host tier that counts the calls of ``allocation_size`` (the room a value needs now)."""
+
+    calls = 0
+
+    def allocation_size(self, nbytes: int) -> int:
+        CountingHostTier.calls += 1
+        return super().allocation_size(nbytes)
+
+
+@pytest.mark.parametrize("base", [300, 16 << 10])
+async def test_puts_of_distinct_sizes_in_flight_are_not_each_asked_at_every_wake(tmp_path: Path, base: int) -> None:
+    """A woken request that found nothing passes its wake to one whose value fits the free
+    room: it asked that of every size waiting (2,000 puts of distinct sizes: 2.9 million
+    checks; 26 s for 4,000, where one size took 1.7 s). The first of each slab class, and the
+    smallest value with a buffer of its own, are asked now."""
+    store = TierStore([CountingHostTier("256KiB" if base < 4096 else "4MiB"), DiskTier(tmp_path / "d", "1GiB", durable=False)])
+    await store.open()
+    try:
+        puts = 2000
+        values = [torch.full((base + i,), i % 251, dtype=torch.uint8) for i in range(puts)]
+        CountingHostTier.calls = 0
+        await asyncio.wait_for(asyncio.gather(*(store.put(f"k{i}", value) for i, value in enumerate(values))), PATIENCE)
+        assert CountingHostTier.calls <= 100 * puts, f"{CountingHostTier.calls:,} checks of the room a value needs for {puts:,} puts"
+        for i in range(0, puts, 97):
+            assert torch.equal(await store.get(f"k{i}"), values[i])
+    finally:
+        await store.aclose()

@@ -47,7 +47,7 @@ from .recency import CopyLRU
 from .room_queue import RoomQueue
 from .stats import StoreCounters
 from .suggestions import read_suggestions
-from .tensors import TensorMeta, aligned_empty, as_bytes, from_bytes
+from .tensors import ALIGNMENT, TensorMeta, aligned_empty, as_bytes, from_bytes
 from .tiers.base import MemoryTier, Tier
 from .tiers.disk import DiskTier, InlineSuperseded
 from .tracing import TraceRecorder
@@ -332,12 +332,15 @@ class Engine:
             done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             done.set_result(None)
             return done, False
-        return self._room_queues[t].join(line, nbytes, first=first), True
+        tier = self._tiers[t]
+        assert isinstance(tier, MemoryTier)
+        slot = tier.value_size(nbytes)
+        return self._room_queues[t].join(line, nbytes, slot if slot < ALIGNMENT else None, first=first), True
 
-    def leave_room_queue(self, t: int, line: int, waiter: asyncio.Future[None], nbytes: int) -> None:
+    def leave_room_queue(self, t: int, line: int, waiter: asyncio.Future[None]) -> None:
         """The request of ``waiter`` (``wait_for_room``) stops waiting before it has looked
         again: a wake it had goes on."""
-        self._room_queues[t].leave(line, waiter, nbytes)
+        self._room_queues[t].leave(line, waiter)
 
     def room_looked(self, t: int, line: int, wake_next: bool) -> None:
         """A request woken from ``line`` of tier ``t``'s queue has looked for victims, or

@@ -181,7 +181,7 @@ async def _evict_for(engine: Engine, tier: MemoryTier, t: int, nbytes: int, prio
                 await _counting_on_room(engine, t, size - tier.free if deficit <= 0 else 0, [waiter])
             except BaseException:
                 if placed:
-                    engine.leave_room_queue(t, line, waiter, nbytes)
+                    engine.leave_room_queue(t, line, waiter)
                 raise
             woken = line if placed else None
     finally:

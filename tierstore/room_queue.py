@@ -23,7 +23,9 @@ and above a slower memory tier, where they count on the room on its way, went th
 from __future__ import annotations
 
 import asyncio
-from collections import Counter, deque
+import heapq
+import itertools
+from collections import deque
 from collections.abc import Callable
 
 #: The two lines: requests that looked for victims, and those whose shortfall the room on its way
@@ -31,71 +33,113 @@ from collections.abc import Callable
 LOOKED, COVERED = 0, 1
 
 
+class _Waiter:
+    """A request in a line: its future (ended to wake it), the bytes of its value, the slot size
+    of its slab class (values below a page share slabs; None for one with a buffer of its own),
+    and its place (lower comes first)."""
+
+    __slots__ = ("future", "nbytes", "slot", "place")
+
+    def __init__(self, future: asyncio.Future[None], nbytes: int, slot: int | None, place: int) -> None:
+        self.future, self.nbytes, self.slot, self.place = future, nbytes, slot, place
+
+    def __lt__(self, other: _Waiter) -> bool:  # (in the heap of those with buffers: smallest first)
+        return (self.nbytes, self.place) < (other.nbytes, other.place)
+
+
 class _Line:
-    """Requests in the order they came, each woken alone."""
+    """Requests in the order they came, each woken alone; also found by what they need, so that
+    the one the free room serves is found without going through them all (each waiting size
+    checked at every wake made thousands of puts of distinct sizes take time with the square
+    of their number). A request woken or gone stays in the structures it was not taken from
+    until reached or swept (its future is done: skipped)."""
 
     def __init__(self) -> None:
-        #: Each request's future (ended to wake it) and the bytes of its value; one that left
-        #: before it was woken stays until reached or swept (its future is done: skipped).
-        self._waiting: deque[tuple[asyncio.Future[None], int]] = deque()
-        #: How many requests in the line, not woken yet, wait to store a value of each size.
-        self._sizes: Counter[int] = Counter()
-        self._left = 0  # (entries of requests that left unwoken, still in ``_waiting``)
+        self._waiting: deque[_Waiter] = deque()
+        #: Of those with values packed in slabs, by slot size, in their order (a free slot of
+        #: a class serves its first).
+        self._packed: dict[int, deque[_Waiter]] = {}
+        #: Of those with buffers of their own, the smallest first (if it does not fit, none does).
+        self._buffers: list[_Waiter] = []
+        self._places = itertools.count(1)
+        self._live = 0
+        self._stale = 0  # (entries of requests woken or gone, left in the structures)
 
-    def join(self, nbytes: int, first: bool) -> asyncio.Future[None]:
-        waiter = asyncio.get_running_loop().create_future()
+    def join(self, nbytes: int, slot: int | None, first: bool) -> asyncio.Future[None]:
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiter = _Waiter(future, nbytes, slot, -next(self._places) if first else next(self._places))
         if first:
-            self._waiting.appendleft((waiter, nbytes))
+            self._waiting.appendleft(waiter)
         else:
-            self._waiting.append((waiter, nbytes))
-        self._sizes[nbytes] += 1
-        return waiter
+            self._waiting.append(waiter)
+        if slot is not None:
+            line = self._packed.setdefault(slot, deque())
+            line.appendleft(waiter) if first else line.append(waiter)
+        else:
+            heapq.heappush(self._buffers, waiter)
+        self._live += 1
+        return future
 
-    def leave(self, waiter: asyncio.Future[None], nbytes: int) -> bool:
-        """Take the request of ``waiter`` out; whether it had been woken (its wake goes on)."""
-        if waiter.done():
-            return not waiter.cancelled()
-        waiter.cancel()
-        self._forget(nbytes)
-        self._left += 1
-        if self._left > len(self._waiting) // 2:
-            self._waiting = deque(entry for entry in self._waiting if not entry[0].done())
-            self._left = 0
+    def leave(self, future: asyncio.Future[None]) -> bool:
+        """Take the request of ``future`` out; whether it had been woken (its wake goes on)."""
+        if future.done():
+            return not future.cancelled()
+        future.cancel()
+        self._gone()
         return False
 
     def wake_first(self) -> None:
         waiting = self._waiting
         while waiting:
-            waiter, nbytes = waiting.popleft()
-            if not waiter.done():
-                self._forget(nbytes)
-                waiter.set_result(None)
+            waiter = waiting.popleft()
+            if not waiter.future.done():
+                self._wake(waiter)
+                self._stale -= 1  # (taken from the order here: left in one structure only)
                 return
-            self._left -= 1
+            self._stale -= 1
 
     def wake_fitting(self, fits: Callable[[int], bool]) -> None:
-        """Wake the first whose value fits now (each size is checked once, not each request)."""
-        fitting = {nbytes for nbytes in self._sizes if fits(nbytes)}
-        if not fitting:
-            return
-        for index, (waiter, nbytes) in enumerate(self._waiting):
-            if not waiter.done() and nbytes in fitting:
-                del self._waiting[index]
-                self._forget(nbytes)
-                waiter.set_result(None)
-                return
+        """Wake the request that came first among those whose value fits now (``fits(nbytes)``):
+        the first of each slab class, and the smallest of those with buffers, are asked."""
+        found: _Waiter | None = None
+        for slot, line in list(self._packed.items()):
+            while line and line[0].future.done():
+                line.popleft()
+                self._stale -= 1
+            if not line:
+                del self._packed[slot]
+            elif fits(line[0].nbytes) and (found is None or line[0].place < found.place):
+                found = line[0]
+        heap = self._buffers
+        while heap and heap[0].future.done():
+            heapq.heappop(heap)
+            self._stale -= 1
+        if heap and fits(heap[0].nbytes) and (found is None or heap[0].place < found.place):
+            found = heap[0]
+        if found is not None:
+            self._wake(found)
 
     def wake_all(self) -> None:
-        while self._waiting:
-            self.wake_first()
-        self._left = 0
+        for waiter in self._waiting:
+            if not waiter.future.done():
+                waiter.future.set_result(None)
+        self.__init__()  # type: ignore[misc]  # (every one woken: nothing left to find)
 
-    def _forget(self, nbytes: int) -> None:
-        left = self._sizes[nbytes] - 1
-        if left:
-            self._sizes[nbytes] = left
-        else:
-            del self._sizes[nbytes]
+    def _wake(self, waiter: _Waiter) -> None:
+        waiter.future.set_result(None)
+        self._gone()
+
+    def _gone(self) -> None:
+        """A request is woken or gone: its entries stay (two: in the order, and by need) until
+        reached, or until they outnumber the requests waiting, when all are swept."""
+        self._live -= 1
+        self._stale += 2
+        if self._stale > 2 * self._live + 64:
+            self._waiting = deque(w for w in self._waiting if not w.future.done())
+            self._packed = {slot: kept for slot, line in self._packed.items() if (kept := deque(w for w in line if not w.future.done()))}
+            self._buffers = [w for w in self._buffers if not w.future.done()]
+            heapq.heapify(self._buffers)
+            self._stale = 0
 
 
 class RoomQueue:
@@ -104,16 +148,17 @@ class RoomQueue:
     def __init__(self) -> None:
         self._lines = (_Line(), _Line())
 
-    def join(self, line: int, nbytes: int, *, first: bool = False) -> asyncio.Future[None]:
-        """Line a request up (``LOOKED`` or ``COVERED``) for a value of ``nbytes``: a future
-        that ends when it is woken. ``first``: at the front (it waited in this line before and
-        was woken to find nothing: it keeps its place ahead of those that came after it)."""
-        return self._lines[line].join(nbytes, first)
+    def join(self, line: int, nbytes: int, slot: int | None, *, first: bool = False) -> asyncio.Future[None]:
+        """Line a request up (``LOOKED`` or ``COVERED``) for a value of ``nbytes`` (``slot``:
+        its slab class's slot size, for a value packed in slabs; else None): a future that ends
+        when it is woken. ``first``: at the front (it waited in this line before and was woken
+        to find nothing: it keeps its place ahead of those that came after it)."""
+        return self._lines[line].join(nbytes, slot, first)
 
-    def leave(self, line: int, waiter: asyncio.Future[None], nbytes: int) -> None:
+    def leave(self, line: int, waiter: asyncio.Future[None]) -> None:
         """The request of ``waiter`` stops waiting before it has looked again (cancelled): a
         wake it had goes on to the next in its line."""
-        if self._lines[line].leave(waiter, nbytes):
+        if self._lines[line].leave(waiter):
             self._lines[line].wake_first()
 
     def changed(self) -> None:
