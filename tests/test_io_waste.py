@@ -452,9 +452,9 @@ def test_a_changing_part_of_the_parameters_each_step_moves_its_need(tmp_path: Pa
     next steps updated again: 1.34x the need (1.49x emulated). A schedule that foresaw few of
     the last two steps' keys now foretells nothing (no prefetches; ``MIN`` evicts the least
     recently used). Every parameter, then the first quarter, in turns: states written back
-    early were updated again before their eviction, and written again (1.2-1.3x). Early
-    write-backs found written for nothing more than a third of the time now stop until they
-    would pay (``tierstore.optim.early_writes``)."""
+    early were updated again before their eviction, and written again (1.2-1.3x; 1.36x with
+    the schedule's fix alone). Early write-backs found written for nothing more than a third of
+    the time now stop until they would pay (``tierstore.optim.early_writes``)."""
     import random
 
     torch.manual_seed(0)
@@ -476,6 +476,9 @@ def test_a_changing_part_of_the_parameters_each_step_moves_its_need(tmp_path: Pa
             if step >= 8:
                 moved, needed = moved + step_moved, needed + need
         assert needed > 0
-        assert moved <= 1.1 * needed + 8 * SLACK, f"{moved:,} bytes moved for {needed:,} needed ({moved / needed:.2f}x)"
+        # (the alternation: 1.03-1.09x on a quiet machine, 1.11-1.16x with three other processes
+        # on its two cores; 1.36x with the early write-backs going on)
+        bound = 1.1 if pattern == "random quarter" else 1.2
+        assert moved <= bound * needed + 8 * SLACK, f"{moved:,} bytes moved for {needed:,} needed ({moved / needed:.2f}x)"
     finally:
         opt.close()

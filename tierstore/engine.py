@@ -272,6 +272,7 @@ class Engine:
                 await self.trace.aclose()
         finally:
             try:
+                self._free_memory_copies()
                 await _close_each(self._tiers)
             finally:
                 self.cpu.shutdown()
@@ -285,6 +286,16 @@ class Engine:
                     if policy is not None:
                         policy.reset()
                 self._settle(closed=True)  # (once the tiers are closed: the waiters find them so)
+
+    def _free_memory_copies(self) -> None:
+        """At the close: give every memory copy no one uses back to its tier (a kernel that may
+        still use one gives it back when done). Dropped with the entries instead, a store opened
+        again found its memory tiers full of the bytes of the values it had held: every put there
+        failed as full ("values deleted or replaced that a read still uses")."""
+        for entry in self.entries.values():
+            for copy in entry.all_copies():
+                if copy.in_memory and not copy.users and not copy.retired:
+                    self._free(copy)
 
     def _settle(self, closed: bool) -> None:
         """End the seal with the close's outcome (``settled`` returns to whoever waits)."""
