@@ -43,10 +43,11 @@ DECIDED_BY = 2
 #: tensor's chunks finishing in another order, are not).
 JUDGED_OVER = 8
 NEAR = 1
-#: A phase is foreseen when at least this share of its keys was in the schedule followed; from
-#: the ``UNFORESEEN`` th phase in a row that was not, nothing is foretold (``_unforeseen``).
-FORESEEN = 0.5
-UNFORESEEN = 2
+#: A phase is foreseen when at least this share of its keys was in the schedule it followed.
+#: After this many phases in a row that were not, nothing is foretold until one is
+#: (``_predicting_off``).
+FORESEEN_SHARE = 0.5
+UNFORESEEN_PHASES = 2
 
 
 class ScheduleLearned:
@@ -104,7 +105,7 @@ class ScheduleLearned:
         #: The keys accessed since then: one of them again begins the schedule again.
         self._phase_seen: set[str] = set()
         self._misaligned = 0
-        #: Phases in a row that the schedule followed did not foresee (``FORESEEN``).
+        #: Phases in a row that the schedule they followed did not foresee (``FORESEEN_SHARE``).
         self._unforeseen_phases = 0
         self.changes = 0
         #: Moved when the predictions change as a whole (a new order learned, a reversal taken
@@ -281,11 +282,11 @@ class ScheduleLearned:
         # Alternating: this phase is nearer the one two back, or the one before it reversed (an
         # order reversed each phase), than the one before it.
         keys = frozenset(recorded)
-        was_foreseeing = not self._unforeseen()
+        was_off = self._predicting_off()
         if self._schedule:
             expected = self._positions
             foreseen = sum(key in expected for key in keys)
-            self._unforeseen_phases = 0 if foreseen >= FORESEEN * len(keys) else self._unforeseen_phases + 1
+            self._unforeseen_phases = 0 if foreseen >= FORESEEN_SHARE * len(keys) else self._unforeseen_phases + 1
         sets = [keys, *self._recent_sets[:3]]
         self._recent_sets = sets
         if recent:
@@ -304,7 +305,7 @@ class ScheduleLearned:
         self._positions = _positions(self._schedule)
         self._after_positions = self._positions if self._after is self._schedule else _positions(self._after)
         self._pos = 0
-        if revised or self.period != period or was_foreseeing == self._unforeseen():
+        if revised or self.period != period or was_off != self._predicting_off():
             self.revision += 1
             self._origin = self._clock
         else:
@@ -314,13 +315,14 @@ class ScheduleLearned:
         self._undecided = None
         self.phases += 1
 
-    def _unforeseen(self) -> bool:
-        """The last ``UNFORESEEN`` phases each had keys the schedule followed mostly did not
-        (a random part of the keys each step: the experts of a mixture, an embedding's rows):
-        nothing is foretold, as prefetches of keys the phase then does not read, and early
-        write-backs of keys it updates again, would move more than the phase needs. Judged at
-        each phase's end, against the schedule it would have followed."""
-        return self._unforeseen_phases >= UNFORESEEN
+    def _predicting_off(self) -> bool:
+        """The last ``UNFORESEEN_PHASES`` phases each had keys the schedule they followed
+        mostly did not (a random part of the keys each step: the experts of a mixture, an
+        embedding's rows): nothing is foretold (no suggestions; every next use ``inf``, so
+        ``MIN`` evicts the least recently used), as prefetches of keys the phase then does not
+        read, and victims ranked by a wrong next use, would move more than the phase needs.
+        Judged at each phase's end; a phase foreseen turns it back on."""
+        return self._unforeseen_phases >= UNFORESEEN_PHASES
 
     def _unsure(self) -> bool:
         """One phase known and the next not begun: it may run the same way or the other (an
@@ -328,7 +330,7 @@ class ScheduleLearned:
         return not self._recording and self.period == 1 and len(self._recent) < 2 and bool(self._schedule)
 
     def suggest(self) -> Iterable[tuple[str, str | None]]:
-        if not self._schedule or self._unsure() or self._unforeseen():
+        if not self._schedule or self._unsure() or self._predicting_off():
             return []
         length = len(self._schedule)
         budget = self._budget((self._schedule[self._pos] if self._pos < length else self._after[0])[2])
@@ -348,7 +350,7 @@ class ScheduleLearned:
         return out
 
     def next_use(self, key: str) -> float:
-        if self._unsure() or self._unforeseen():
+        if self._unsure() or self._predicting_off():
             return math.inf  # (``MIN`` then evicts the least recently used first)
         positions = self._positions.get(key)
         after = self._after_positions.get(key)

@@ -3,22 +3,30 @@
 An early write-back (``tierstore.optim.pipeline``) bets that the state it writes is evicted
 before its next update: the eviction then drops a clean copy, with no write on the critical
 path. A state updated again while its copy is still on the state tier was written for nothing,
-and is written again. Each state written early is judged at the first step that begins with it
-evicted (the bet paid) or updates it with its copy still on the tier (it did not); one neither
-updated nor evicted waits. Where more than ``WASTED`` of those judged lately (each step's count
-halved) were written for nothing, the early write-backs stop: the step picks them as before but
-writes none (its evictions write what they drop), and the picks are judged in the same way, so
-they start again once they would pay. A random part of the parameters updated each step (the
-experts of a mixture) wrote a fifth to a third more than the step needed.
+and is written again. Each state written early is judged at the first ``step()`` that updates
+it (as the step's updates begin, after backward) or finds it evicted; one neither updated nor
+evicted waits. The test leans one way: a state evicted and read back before that judgment is
+taken for one never evicted (a write that paid counted as wasted), never the other way; so
+stopping early, which costs time (the evictions then write on the critical path), never costs
+bytes. Where more than ``STOP_ABOVE`` of those judged lately (each step's count weighed by
+``KEPT``) were written for nothing, the early write-backs stop: the step picks them as before
+but writes none, and the picks are judged in the same way; they start again below
+``START_BELOW`` (between the two the decision stands: an embedding updated every other step
+made a judge of two steps' memory stop and start again every step, 10% slower). A random
+part of the parameters updated each step (the experts of a mixture) wrote a fifth to a third
+more than the step needed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-#: The share of recent early write-backs found written for nothing above which they stop.
-WASTED = 1 / 3
-#: Judged write-backs (halved each step) below which they go on regardless: too few to tell.
+#: The share of recent early write-backs found written for nothing above which they stop, and
+#: the share below which they start again.
+STOP_ABOVE, START_BELOW = 1 / 3, 1 / 6
+#: What each step keeps of the counts of the steps before it (a memory of about five steps).
+KEPT = 0.8
+#: Judged write-backs (so weighed) below which they go on regardless: too few to tell.
 JUDGED = 4.0
 
 
@@ -29,21 +37,23 @@ class EarlyWriteJudge:
         self._waiting: dict[str, None] = {}
         self._wasted = 0.0
         self._judged = 0.0
+        self._stopped = False
 
     @property
     def paying(self) -> bool:
         """Whether early write-backs are written (else only picked, and judged)."""
-        return self._judged < JUDGED or self._wasted <= WASTED * self._judged
+        return not self._stopped
 
     def picked(self, key: str) -> None:
         """``key``'s state was written back early (or picked to be, while they do not pay)."""
         self._waiting[key] = None
 
     def judge(self, updated: Iterable[str], on_tier: Callable[[str], bool]) -> None:
-        """As a step begins: judge the states it updates (``updated``: their keys) and those
-        evicted (``on_tier`` false) since they were picked."""
-        self._wasted /= 2
-        self._judged /= 2
+        """Once a ``step()``, before its updates: judge the states it updates (``updated``:
+        their keys) and those evicted (``on_tier`` false) since they were picked, and decide
+        whether this step's early write-backs are written."""
+        self._wasted *= KEPT
+        self._judged *= KEPT
         keys = set(updated)
         for key in list(self._waiting):
             resident = on_tier(key)
@@ -53,3 +63,9 @@ class EarlyWriteJudge:
                 continue
             del self._waiting[key]
             self._judged += 1
+        if self._judged < JUDGED:
+            self._stopped = False
+        elif self._wasted > STOP_ABOVE * self._judged:
+            self._stopped = True
+        elif self._wasted < START_BELOW * self._judged:
+            self._stopped = False

@@ -23,8 +23,9 @@ updated (a victim not updated yet is left to its eviction: written now, it would
 again); otherwise those just updated. The order does not always tell: a step that runs one
 way every time a parameter is updated (one updated every other step), or that updates its
 resident states first, kept some of those it wrote back and wrote them again the next step (a
-tryout: 1.1-1.3x the I/O needed); where those found written for nothing are more than a third
-of late, they stop until they would pay (``tierstore.optim.early_writes``). Each slot records how far its update got (state updated,
+tryout: 1.1-1.3x the I/O needed); where more than a third of those judged lately were written
+for nothing, they stop, only picked, until fewer are (``tierstore.optim.early_writes``; the
+picks are then in ``_written_early`` unwritten). Each slot records how far its update got (state updated,
 weight written): a step that failed part-way is completed by running the pipeline again, and
 no update is applied twice.
 """
