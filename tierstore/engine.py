@@ -123,9 +123,8 @@ class Engine:
         self.reads: list[dict[asyncio.Future[None], Copy]] = [{} for _ in self._tiers]
         #: Buffers allocated on a tier and being filled (they become evictable copies when done).
         self.incoming: list[set[asyncio.Future[None]]] = [set() for _ in self._tiers]
-        #: Per tier, the requests for room there that found nothing to evict (``wait_for_room``),
-        #: and the awaitables watched for them, each with one callback that wakes the first
-        #: request as it ends.
+        #: Per tier, the requests waiting for room there (``wait_for_room``), and the awaitables
+        #: watched for them, each with one callback that wakes the first of each line as it ends.
         self._room_queues = [RoomQueue() for _ in self._tiers]
         self._room_watched: list[set[Any]] = [set() for _ in self._tiers]
         self.background: set[asyncio.Task[Any]] = set()

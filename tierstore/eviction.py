@@ -365,7 +365,6 @@ async def _demote(engine: Engine, entry: Entry, t: int, copy: Copy, priority: Pr
         version = copy.version
         if _needs_write_back(engine, entry, t, copy):
             if t + 1 >= len(engine.tiers):
-                engine.room_unreachable(t)
                 raise TierFullError(f"tier {engine.names[t]!r} is the last tier; nothing can be evicted from it")
             await engine.write_back(entry, copy, priority)
         _drop(engine, entry, t, copy, version)
