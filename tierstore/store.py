@@ -332,6 +332,13 @@ class TierStore:
         except Exception:  # noqa: BLE001 - a hint only: the eviction itself reports a policy that fails
             return None
 
+    def _copy_on_tier(self, key: str, tier: TierRef) -> object | None:
+        """For the package's own callers: what stands for ``key``'s current copy on ``tier``
+        (the same object while that copy stays; another once it was dropped and read back), or
+        None where the tier has no current copy."""
+        entry = self._user_entry(key)
+        return entry.valid(self._engine.index_of(tier)) if entry is not None else None
+
     def _bytes_on_tier(self, key: str, tier: TierRef) -> int:
         """For the package's own callers: bytes ``key``'s copy on ``tier`` takes of its room,
         whether it holds the current value or an older one not yet written over (0: none)."""

@@ -362,7 +362,8 @@ class UpdatePipeline:
         large one's reads too, and wrote back states it then kept (the early write-backs of an
         embedding's every other step, beside a small MLP: 1.5-2x the I/O needed)."""
         if not self._updated_keys and self._writes_early:  # (once a step, before its updates)
-            self._early_judge.judge((key for slot in updated if slot.paged for key, _ in self.state_keys(slot)), self._on_tier)
+            self._early_judge.judge((key for slot in updated if slot.paged for key, _ in self.state_keys(slot)),
+                                    lambda key: self._store._copy_on_tier(key, self._tier))
         if self._early_bytes is None:  # (no gradient arrived through a hook: ``p.grad`` set directly)
             self._count_early_writes(updated)
             return
@@ -432,7 +433,7 @@ class UpdatePipeline:
         whether it counts as written."""
         if self._early_judge.paying and not self._store.write_back([key], self._tier):
             return False
-        self._early_judge.picked(key)
+        self._early_judge.picked(key, self._store._copy_on_tier(key, self._tier))
         return True
 
     def _pick_early(self, keys: list[tuple[str, int]]) -> list[tuple[str, int]]:
