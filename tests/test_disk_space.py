@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierstore import DiskTier, TierStore
+from tierstore import DiskTier, TierFullError, TierStore
 from tierstore.disk.catalog import DiskRecord
 from tierstore.disk.compact import plan_compaction
 from tierstore.disk.extents import Extent, ExtentAllocator
@@ -241,3 +241,19 @@ async def test_a_value_beyond_the_capacity_is_told_so_not_the_segment_size(tmp_p
         assert "segment_size" not in str(raised.value)
         await store.put("fits", torch.ones(VALUE_NUMEL))  # (still usable)
         assert torch.equal(await store.get("fits"), torch.ones(VALUE_NUMEL))
+
+
+async def test_a_full_disk_tier_says_the_bytes_where_the_rounded_sizes_read_the_same(tmp_path: Path) -> None:
+    """A tryout: "tier 'disk' is full: 1.0 MiB wanted, 1024.0 KiB free" read as if the value
+    fitted (40 B short: a small value kept inline in the catalog). Such figures are exact now."""
+    store = TierStore([DiskTier(tmp_path / "d", "8MiB")])
+    await store.open()
+    try:
+        for i in range(7):
+            await store.put(f"a{i}", torch.zeros(1 << 18))
+        await store.put("small", torch.zeros(10))
+        with pytest.raises(TierFullError, match=r"1,048,576 B wanted, 1,048,536 B free"):
+            await store.put("c", torch.zeros(1 << 18))
+        assert torch.equal(await store.get("a3"), torch.zeros(1 << 18))
+    finally:
+        await store.aclose()

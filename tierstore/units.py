@@ -68,6 +68,14 @@ def format_bytes(nbytes: float) -> str:
     raise AssertionError("unreachable")
 
 
+def distinct_sizes(a: int, b: int) -> tuple[str, str]:
+    """``a`` and ``b`` as sizes (``format_bytes``), in exact bytes where the rounded forms read
+    as the same size ("needs 6.0 MiB but holds 6.0 MiB", "1.0 MiB wanted, 1024.0 KiB free":
+    each hid a shortfall of a few bytes)."""
+    first, second = format_bytes(a), format_bytes(b)
+    return (f"{a:,} B", f"{b:,} B") if parse_bytes(first) == parse_bytes(second) else (first, second)
+
+
 def round_up(value: int, multiple: int) -> int:
     """Round ``value`` up to a multiple of ``multiple``."""
     return -(-value // multiple) * multiple

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..units import format_bytes
+from ..units import distinct_sizes, format_bytes
 from ..wear import DEFAULT_CAPACITY, DriveWear, drive_wear
 
 if TYPE_CHECKING:
@@ -241,10 +241,10 @@ def plan_memory(
     for name in names:
         room = capacity[name] - others.get(name, 0)
         if need[name] > room:
-            wanted, held = _distinct_bytes(need[name], capacity[name])
+            wanted, held = distinct_sizes(need[name], capacity[name])
             problems.append(
                 f"the {name!r} tier needs {wanted} but holds {held}"
-                + (f", {format_bytes(others[name])} of it other values (it evicts nothing: {_distinct_bytes(room, 0)[0]} is left)"
+                + (f", {format_bytes(others[name])} of it other values (it evicts nothing: {distinct_sizes(room, 0)[0]} is left)"
                    if name in others else "")
             )
     working = sum(tier.io_threads * tier.chunk_size for tier in tiers if isinstance(tier, DiskTier)) + update_scratch
@@ -494,13 +494,6 @@ async def memory_report(
         state_contents=contents, swapped_parameters=sum(1 for slot in slots if offloaded(slot.param) is not None),
         frozen_parameters=frozen,
     )
-
-
-def _distinct_bytes(a: int, b: int) -> tuple[str, str]:
-    """``a`` and ``b`` as sizes, in exact bytes where the rounded forms would read the same
-    ("needs 6.0 MiB but holds 6.0 MiB" hid a shortfall of a few KiB)."""
-    first, second = format_bytes(a), format_bytes(b)
-    return (f"{a:,} B", f"{b:,} B") if first == second else (first, second)
 
 
 class Timeline:

@@ -56,7 +56,7 @@ from ..errors import (
 from ..flags import require_flag
 from ..process import this_process
 from ..tensors import ALIGNMENT, TensorMeta, aligned_empty
-from ..units import format_bytes, parse_bytes, round_up
+from ..units import distinct_sizes, format_bytes, parse_bytes, round_up
 from ..workers import Priority, WorkerPool
 from .base import Tier
 
@@ -417,10 +417,8 @@ class DiskTier(Tier):
         """Count a value of ``nbytes`` about to be kept inline against the capacity; raises
         ``TierFullError`` when it does not fit (``release_inline`` gives it back)."""
         if self.used + nbytes > self.capacity:
-            raise TierFullError(
-                f"tier {self.name!r} is full: {format_bytes(nbytes)} wanted, {format_bytes(self.capacity - self.used)} free "
-                f"of {format_bytes(self.capacity)}"
-            )
+            wanted, free = distinct_sizes(nbytes, self.capacity - self.used)
+            raise TierFullError(f"tier {self.name!r} is full: {wanted} wanted, {free} free of {format_bytes(self.capacity)}")
         self._inline_bytes += nbytes
 
     def release_inline(self, nbytes: int) -> None:
@@ -481,8 +479,9 @@ class DiskTier(Tier):
         self._require_open()
         length = self.extent_size(nbytes)
         if self.used + length > self.capacity:  # values inline in the catalog take capacity too
+            wanted, free = distinct_sizes(length, self.capacity - self.used)
             raise TierFullError(
-                f"tier {self.name!r} is full: {format_bytes(length)} wanted, {format_bytes(self.capacity - self.used)} free "
+                f"tier {self.name!r} is full: {wanted} wanted, {free} free "
                 f"of {format_bytes(self.capacity)} ({format_bytes(self._inline_bytes)} of it values inline in the catalog)"
             )
         if length > self.segment_size:  # (checked second: a value beyond the capacity is told so)
@@ -504,8 +503,9 @@ class DiskTier(Tier):
             grown = min(self.segment_size, FIRST_SEGMENT << len(self._allocator.segment_sizes))
             size = min(remaining, max(grown, length))
             if size < length:
+                wanted, free = distinct_sizes(length, self._allocator.free_bytes)
                 raise TierFullError(
-                    f"tier {self.name!r} is full: {format_bytes(length)} wanted, {format_bytes(self._allocator.free_bytes)} free "
+                    f"tier {self.name!r} is full: {wanted} wanted, {free} free "
                     f"of {format_bytes(self.capacity)} (largest free extent {format_bytes(self._allocator.largest_free)})"
                 )
             segment = len(self._allocator.segment_sizes)
