@@ -47,7 +47,7 @@ from .recency import CopyLRU
 from .room_queue import RoomQueue
 from .stats import StoreCounters
 from .suggestions import read_suggestions
-from .tensors import ALIGNMENT, TensorMeta, aligned_empty, as_bytes, from_bytes
+from .tensors import TensorMeta, aligned_empty, as_bytes, from_bytes
 from .tiers.base import MemoryTier, Tier
 from .tiers.disk import DiskTier, InlineSuperseded
 from .tracing import TraceRecorder
@@ -344,8 +344,7 @@ class Engine:
             return done, False
         tier = self._tiers[t]
         assert isinstance(tier, MemoryTier)
-        slot = tier.value_size(nbytes)
-        return self._room_queues[t].join(line, nbytes, slot if slot < ALIGNMENT else None, first=first), True
+        return self._room_queues[t].join(line, nbytes, tier._slot_size(nbytes), first=first), True
 
     def leave_room_queue(self, t: int, line: int, waiter: asyncio.Future[None]) -> None:
         """The request of ``waiter`` (``wait_for_room``) stops waiting before it has looked

@@ -123,7 +123,10 @@ class _Line:
         for waiter in self._waiting:
             if not waiter.future.done():
                 waiter.future.set_result(None)
-        self.__init__()  # type: ignore[misc]  # (every one woken: nothing left to find)
+        self._waiting.clear()  # (every one woken: nothing left to find)
+        self._packed.clear()
+        self._buffers.clear()
+        self._live = self._stale = 0
 
     def _wake(self, waiter: _Waiter) -> None:
         waiter.future.set_result(None)

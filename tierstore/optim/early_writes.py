@@ -9,9 +9,9 @@ evicted waits. A copy evicted and read back is another copy: its write paid (jud
 the copy is the one written, a third to two thirds of the writes judged wasted had paid, their
 states read back ahead of the step). A state evicted later in the step that updates it is still
 taken for one never evicted: stopping early costs time (the evictions then write on the critical
-path), never bytes. Where more than ``STOP_ABOVE`` of those judged lately (each step's count weighed by
-``KEPT``) were written for nothing, the early write-backs stop: the step picks them as before
-but writes none, and the picks are judged in the same way; they start again below
+path), never bytes. Where more than ``STOP_ABOVE`` of those judged lately (each step's count
+weighed by ``KEPT``) were written for nothing, the early write-backs stop: the step picks them
+as before but writes none, and the picks are judged in the same way; they start again below
 ``START_BELOW`` (between the two the decision stands: an embedding updated every other step
 made a judge of two steps' memory stop and start again every step, 10% slower). A random
 part of the parameters updated each step (the experts of a mixture) wrote a fifth to a third

@@ -25,9 +25,9 @@ way every time a parameter is updated (one updated every other step), or that up
 resident states first, kept some of those it wrote back and wrote them again the next step (a
 tryout: 1.1-1.3x the I/O needed); where more than a third of those judged lately were written
 for nothing, they stop, only picked, until fewer are (``tierstore.optim.early_writes``; the
-picks are then in ``_written_early`` unwritten). Each slot records how far its update got (state updated,
-weight written): a step that failed part-way is completed by running the pipeline again, and
-no update is applied twice.
+picks are then in ``_written_early`` unwritten). Each slot records how far its update got
+(state updated, weight written): a step that failed part-way is completed by running the
+pipeline again, and no update is applied twice.
 """
 
 from __future__ import annotations
