@@ -157,6 +157,12 @@ class WorkerPool:
     def running(self) -> bool:
         return bool(self._workers)
 
+    @property
+    def backlog(self) -> int:
+        """Jobs queued that no thread has taken yet (approximate: the threads take them as
+        this is read)."""
+        return self._queue.qsize()
+
     async def run(self, fn: Callable[[], T], priority: Priority = Priority.DEMAND) -> T:
         """Run ``fn`` on a worker thread and return its result."""
         (result,) = await self.run_all([fn], priority)

@@ -615,6 +615,14 @@ class DiskTier(Tier):
 
     # -- data ---------------------------------------------------------------------------------
 
+    def _parallel_requests(self) -> int:
+        """How many requests a value below ``queue_depth`` chunks is cut into: ``queue_depth``
+        while the pool's threads keep up, one piece a chunk once jobs wait for a thread (the
+        other values in flight keep the threads busy; cutting this one would only add a
+        thread hop and a wake-up per piece, which on a machine of few cores costs the
+        caller's math its CPU)."""
+        return self.queue_depth if self.pool.backlog == 0 else 1
+
     def _chunks(self, nbytes: int) -> list[tuple[int, int]]:
         return [(start, min(self.chunk_size, nbytes - start)) for start in range(0, max(nbytes, 1), self.chunk_size)]
 
@@ -645,7 +653,7 @@ class DiskTier(Tier):
         in parallel (see ``split_chunks``). Returns the pieces, the number of chunks (for
         ``combine_pieces``) and the jobs."""
         chunks = self._chunks(nbytes)
-        pieces = split_chunks(chunks, self.queue_depth)
+        pieces = split_chunks(chunks, self._parallel_requests())
         writes = [partial(files.write_chunk, extent.segment, extent.offset + start, src, start, length) for _, start, length in pieces]
         return pieces, len(chunks), writes
 
@@ -714,7 +722,7 @@ class DiskTier(Tier):
         if extent is None:
             raise ValueError(f"{record.key!r} is kept inline in the catalog, not in an extent: read it with read_inline")
         chunks = self._chunks(record.meta.nbytes)
-        pieces = split_chunks(chunks, self.queue_depth)
+        pieces = split_chunks(chunks, self._parallel_requests())
         reads = [partial(files.read_chunk, extent.segment, extent.offset + start, dst, start, length) for _, start, length in pieces]
         sums = combine_pieces(pieces, await self.pool.run_all(reads, priority, limit=self.queue_depth), len(chunks))
         for index, ((start, length), got) in enumerate(zip(chunks, sums, strict=True)):
