@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import torch
 
 from tierstore import DeviceTier, HostTier, TierStore
@@ -71,3 +72,18 @@ async def test_write_holds_asked_one_after_another_are_served_in_that_order(tmp_
                 await asyncio.sleep(0)
             await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
             assert served == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0)], (setup, served)
+
+
+async def test_a_hold_too_large_for_its_tier_says_which_key_and_hold(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A hold refused as too large named neither the key nor the hold ("2.0 MiB is more than
+    tier 'host' holds (1.0 MiB)"), where a step holds many keys; the value stays readable."""
+    from tierstore import DiskTier, TierFullError
+
+    async with TierStore([HostTier("1MiB"), DiskTier(tmp_path / "d", "64MiB")]) as store:
+        await store.put("big", torch.ones(512 * 1024), "disk")
+        for write in (False, True):
+            kind = "write hold" if write else "hold"
+            with pytest.raises(TierFullError, match=rf"^no {kind} of 'big' on tier 'host': 2\.0 MiB is more than tier 'host' holds \(1\.0 MiB\)$"):
+                async with store.hold("big", "host", write=write):
+                    pass
+        assert torch.equal(await store.get("big"), torch.ones(512 * 1024))

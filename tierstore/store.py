@@ -1170,7 +1170,10 @@ class TierStore:
             if copy is not None:  # (what acquire does for a value on the tier already, without its coroutines)
                 self._engine.use(entry, copy)
             else:
-                copy = await self._engine.acquire(entry, t, Priority.DEMAND)
+                try:
+                    copy = await self._engine.acquire(entry, t, Priority.DEMAND)
+                except TierFullError as exc:  # (what was refused, not only why)
+                    raise TierFullError(f"no {'write ' if write else ''}hold of {entry.key!r} on tier {self._engine.names[t]!r}: {exc}") from None
             if entry.writer is None and (not write or (self._engine.users_besides_waiters(copy) == 1 and entry.pending_writes == 0)):
                 break
             self._engine.unuse(entry, copy)
