@@ -107,6 +107,9 @@ class ScheduleLearned:
         self._misaligned = 0
         #: Phases in a row that the schedule they followed did not foresee (``FORESEEN_SHARE``).
         self._unforeseen_phases = 0
+        #: What the caller said the phase underway will access, and will not (``expect``).
+        self._used: frozenset[str] | None = None
+        self._unused: frozenset[str] = frozenset()
         self.changes = 0
         #: Moved when the predictions change as a whole (a new order learned, a reversal taken
         #: or undone): ``MIN`` asks every key's next use anew then, not only at its next hit.
@@ -266,7 +269,23 @@ class ScheduleLearned:
                 return True
         return False
 
+    def expect(self, used: Iterable[str], unused: Iterable[str] = ()) -> None:
+        """What the phase beginning now will access, where the caller knows it (an optimizer
+        knows which states its step updates: those of the parameters with a gradient): the
+        keys of ``used`` it will, those of ``unused`` it will not; of other keys nothing is
+        said. Until the phase ends (``on_step``), a key of ``unused`` is not suggested and its
+        next use is ``inf`` (``MIN`` evicts it first), and a key of ``used`` the phase has not
+        accessed yet is foretold a use in it: where the schedule has it, else at the phase's
+        end (before any use in the next), also where nothing else is foretold (the keys of the
+        phases change: ``_predicting_off``). A part of the parameters with a gradient each step
+        (the experts of a mixture beside its trunk) is then told apart from the rest."""
+        self._used, self._unused = frozenset(used), frozenset(unused)
+        same = not self._unused and not self._unsure() and not self._predicting_off() and self._used <= self._positions.keys()
+        if not same:
+            self.revision += 1  # (``MIN`` asks every next use anew; where it would get the same answers, not)
+
     def on_step(self) -> None:
+        self._used, self._unused = None, frozenset()
         if not self._recording:
             return
         recorded = [key for key, _, _ in self._recording]
@@ -340,7 +359,7 @@ class ScheduleLearned:
         rest = (self._schedule[i] for i in range(self._pos, length))
         coming = itertools.islice(itertools.chain(rest, self._after), length)
         for key, nbytes, tier in coming:
-            if key in seen:
+            if key in seen or key in self._unused and key in self._positions:  # (see _expected_use)
                 continue
             if nbytes > budget or len(out) >= self.max_keys:
                 break
@@ -350,6 +369,20 @@ class ScheduleLearned:
         return out
 
     def next_use(self, key: str) -> float:
+        if self._used is not None and (key in self._unused or key in self._used and key not in self._phase_seen):
+            return self._expected_use(key)
+        return self._foretold(key)
+
+    def _expected_use(self, key: str) -> float:
+        """The next use of a key the caller said the phase will access, or will not (``expect``)."""
+        end = self._origin + len(self._schedule)
+        foretold = self._foretold(key)
+        if key in self._unused:  # (one the schedule followed lacks is foretold as before: the phases alternate)
+            return math.inf if key in self._positions else foretold
+        return foretold if foretold < end else end - 0.5
+
+    def _foretold(self, key: str) -> float:
+        """The next use the schedule foretells (``next_use`` without ``expect``)."""
         if self._unsure() or self._predicting_off():
             return math.inf  # (``MIN`` then evicts the least recently used first)
         positions = self._positions.get(key)

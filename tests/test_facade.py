@@ -109,6 +109,7 @@ CALLS: dict[str, Callable[[Any], Any]] = {
     "where": lambda s: s.where("k"),
     "stats": lambda s: s.stats(),
     "mark_step": lambda s: s.mark_step(),
+    "expect": lambda s: s.expect(["k"]),
     "export_zarr": lambda s: s.export_zarr("unused.zarr"),
     "import_zarr": lambda s: s.import_zarr("unused.zarr"),
     "claim": lambda s: s.claim("ns"),

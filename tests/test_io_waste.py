@@ -444,7 +444,7 @@ def test_many_small_states_mostly_resident_move_their_need(tmp_path: Path, count
         opt.close()
 
 
-@pytest.mark.parametrize("pattern", ["random quarter", "all, then a quarter"])
+@pytest.mark.parametrize("pattern", ["random quarter", "all, then a quarter", "a trunk and some experts", "random half", "all every third step"])
 def test_a_changing_part_of_the_parameters_each_step_moves_its_need(tmp_path: Path, counters: None, device_mode: str, pattern: str) -> None:
     """A random quarter of the parameters has a gradient each step (the experts of a mixture):
     the learned schedule foresaw the keys of the step before, so the store prefetched states the
@@ -454,7 +454,11 @@ def test_a_changing_part_of_the_parameters_each_step_moves_its_need(tmp_path: Pa
     recently used). Every parameter, then the first quarter, in turns: states written back
     early were updated again before their eviction, and written again (1.2-1.3x; 1.36x with
     the schedule's fix alone). Early write-backs found written for nothing more than a third of
-    the time now stop until they would pay (``tierstore.optim.early_writes``)."""
+    the time now stop until they would pay (``tierstore.optim.early_writes``). A trunk every
+    step and 8-16 of 48 experts (a tryout's mixture: the trunk kept the phases foreseen, so the
+    schedule foretold the experts of the step before), a random half, and all every third step
+    else a random quarter moved 1.18-1.46x: the step now tells the store which states it
+    updates and which it does not (``TierStore.expect``), and the schedule foretells those."""
     import random
 
     torch.manual_seed(0)
@@ -466,8 +470,14 @@ def test_a_changing_part_of_the_parameters_each_step_moves_its_need(tmp_path: Pa
         moved = needed = 0
         for step in range(24):
             opt.zero_grad(set_to_none=True)
-            if pattern == "random quarter":
+            if pattern == "random quarter" or pattern == "all every third step" and step % 3:
                 updated = chosen.sample(range(len(params)), 16)
+            elif pattern == "a trunk and some experts":  # (16 every step, 8-16 of the other 48)
+                updated = list(range(16)) + chosen.sample(range(16, len(params)), chosen.randint(8, 16))
+            elif pattern == "random half":
+                updated = chosen.sample(range(len(params)), 32)
+            elif pattern == "all every third step":
+                updated = list(range(len(params)))
             else:
                 updated = list(range(len(params) if step % 2 == 0 else 16))
             for index in updated:
@@ -478,7 +488,7 @@ def test_a_changing_part_of_the_parameters_each_step_moves_its_need(tmp_path: Pa
         assert needed > 0
         # (the alternation: 1.03-1.09x on a quiet machine, 1.11-1.16x with three other processes
         # on its two cores; 1.36x with the early write-backs going on)
-        bound = 1.1 if pattern == "random quarter" else 1.2
+        bound = 1.2 if pattern in ("all, then a quarter", "all every third step") else 1.1
         assert moved <= bound * needed + 8 * SLACK, f"{moved:,} bytes moved for {needed:,} needed ({moved / needed:.2f}x)"
     finally:
         opt.close()

@@ -1253,6 +1253,20 @@ class TierStore:
         if self._engine.trace is not None:
             self._engine.trace.mark_step()
 
+    def expect(self, used: Iterable[str], unused: Iterable[str] = ()) -> None:
+        """Tell the prefetch policy what the phase beginning now will access (``used``) and will
+        not (``unused``), where the caller knows it: an optimizer, which states its step
+        updates. Advice, as ``mark_step``: a policy without an ``expect`` method ignores it
+        (``ScheduleLearned`` has one; its phase ends at the next ``mark_step``)."""
+        self._engine.require_open()
+        expect = getattr(self._engine.prefetch_policy, "expect", None)
+        if expect is None:
+            return
+        try:
+            expect(used, unused)
+        except Exception as exc:  # (advice only: warned once, the step goes on)
+            self._engine.prefetch_failed(exc)
+
     def __repr__(self) -> str:
         state = "open" if self._engine.is_open else "closed"
         keys = sum(1 for key in self._engine.entries if not is_reserved(key))

@@ -544,6 +544,9 @@ class SyncTierStore:
     def mark_step(self) -> None:
         _on_loop(self.store.mark_step)
 
+    def expect(self, used: Iterable[str], unused: Iterable[str] = ()) -> None:
+        _on_loop(self.store.expect, list(used), list(unused))
+
     def stats(self) -> dict[str, Any]:
         return _on_loop(self.store.stats)
 

@@ -281,6 +281,8 @@ class StepRunner:
             pipeline.reverse = self.reverse_for(order)
             if pipeline.reverse:
                 order.reverse()
+            if not self._in_backward:
+                self._expect(order)
             resident = None
             if self.resident is not None and not self._in_backward and pipeline.scale is None:
                 resident, order = await self._start_resident(pipeline, order, coef)
@@ -309,6 +311,19 @@ class StepRunner:
         self._store.mark_step()
         self.steps += 1
         await self.end()
+
+    def _expect(self, order: list[ParamSlot]) -> None:
+        """Tell the store which paged states this step updates (``order``'s) and which it does
+        not (``TierStore.expect``): with a part of the parameters with a gradient each step,
+        the schedule learned from the steps before cannot tell, and foretold the others a use
+        (read ahead, kept in memory) and these none (evicted before their update)."""
+        updating = {slot.index for slot in order}
+        used: list[str] = []
+        unused: list[str] = []
+        for slot in self._slots:
+            if slot.paged:
+                (used if slot.index in updating else unused).extend([chunk.key for chunk in slot.chunks] if slot.chunks else [slot.key])
+        self._store.expect(used, unused)
 
     async def _start_resident(
         self, pipeline: UpdatePipeline, order: list[ParamSlot], coef: torch.Tensor | None
