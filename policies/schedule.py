@@ -107,9 +107,11 @@ class ScheduleLearned:
         self._misaligned = 0
         #: Phases in a row that the schedule they followed did not foresee (``FORESEEN_SHARE``).
         self._unforeseen_phases = 0
-        #: What the caller said the phase underway will access, and will not (``expect``).
+        #: What the caller said the phase underway will access, and will not (``expect``), and
+        #: whether that changed a next use.
         self._used: frozenset[str] | None = None
         self._unused: frozenset[str] = frozenset()
+        self._advised = False
         self.changes = 0
         #: Moved when the predictions change as a whole (a new order learned, a reversal taken
         #: or undone): ``MIN`` asks every key's next use anew then, not only at its next hit.
@@ -273,19 +275,27 @@ class ScheduleLearned:
         """What the phase beginning now will access, where the caller knows it (an optimizer
         knows which states its step updates: those of the parameters with a gradient): the
         keys of ``used`` it will, those of ``unused`` it will not; of other keys nothing is
-        said. Until the phase ends (``on_step``), a key of ``unused`` is not suggested and its
-        next use is ``inf`` (``MIN`` evicts it first), and a key of ``used`` the phase has not
-        accessed yet is foretold a use in it: where the schedule has it, else at the phase's
-        end (before any use in the next), also where nothing else is foretold (the keys of the
-        phases change: ``_predicting_off``). A part of the parameters with a gradient each step
-        (the experts of a mixture beside its trunk) is then told apart from the rest."""
+        said. Until the phase ends (``on_step``; a second ``expect`` replaces the first), a key
+        of ``unused`` is not suggested for it, and where the schedule followed expected it in
+        the phase, its next use is ``inf`` (``MIN`` evicts it first; a use the schedule
+        foretold only in a later phase, where the phases alternate, stands); a key of ``used``
+        the phase has not accessed yet is foretold a use in it: where the schedule has it, else
+        at the phase's end (before any use in the next), also where nothing else is foretold
+        (the keys of the phases change: ``_predicting_off``). A part of the parameters with a
+        gradient each step (the experts of a mixture beside its trunk) is then told apart from
+        the rest."""
         self._used, self._unused = frozenset(used), frozenset(unused)
         same = not self._unused and not self._unsure() and not self._predicting_off() and self._used <= self._positions.keys()
-        if not same:
-            self.revision += 1  # (``MIN`` asks every next use anew; where it would get the same answers, not)
+        if not same or self._advised:
+            # (``MIN`` asks every next use anew; not where it would get the answers it has)
+            self.revision += 1
+        self._advised = not same
 
     def on_step(self) -> None:
         self._used, self._unused = None, frozenset()
+        if self._advised:  # (the next uses ``MIN`` has were the advice's: asked anew)
+            self.revision += 1
+            self._advised = False
         if not self._recording:
             return
         recorded = [key for key, _, _ in self._recording]

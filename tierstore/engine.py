@@ -1425,8 +1425,13 @@ class Engine:
                 return
             self.issuer.follow(suggestions, t)
 
-    def prefetch_failed(self, exc: Exception) -> None:
-        """The prefetch policy raised (it is advice: warned once per store, requests go on)."""
+    def prefetch_failed(self, exc: Exception, method: str | None = None) -> None:
+        """The prefetch policy raised (it is advice: warned once per store and method, requests
+        go on). ``method``: the one that raised where the caller knows it (``expect``)."""
+        if method == "expect":
+            self.warn_once("prefetch expect", f"the prefetch policy {policy_name(self.prefetch_policy)} raised {exc!r} in expect: "
+                                              "the advice is dropped, requests go on (warned once per store)")
+            return
         self.warn_once("prefetch", f"the prefetch policy {policy_name(self.prefetch_policy)} raised {exc!r} in on_access, "
                                     "suggest or on_step: its suggestions are skipped, requests go on (warned once per store)")
 

@@ -79,7 +79,9 @@ class PrefetchPolicy(Protocol):
     they should be fetched. The store skips keys already there or on their way.
 
     Optional: ``set_capacities({tier name: bytes})`` is called once with the tiers' sizes, so a
-    policy can size how far it looks ahead; ``next_use(key)`` exposes the future it sees.
+    policy can size how far it looks ahead; ``next_use(key)`` exposes the future it sees;
+    ``expect(used, unused)`` is called by ``store.expect`` with what the phase beginning will
+    access and will not (``TieredAdamW`` says so each step), until the next ``on_step``.
     """
 
     def on_access(self, key: str, nbytes: int, tier: str, hit: bool) -> None: ...

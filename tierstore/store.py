@@ -1173,7 +1173,7 @@ class TierStore:
                 try:
                     copy = await self._engine.acquire(entry, t, Priority.DEMAND)
                 except TierFullError as exc:  # (what was refused, not only why)
-                    raise TierFullError(f"no {'write ' if write else ''}hold of {entry.key!r} on tier {self._engine.names[t]!r}: {exc}") from None
+                    raise TierFullError(f"no {'write ' if write else ''}hold of {entry.key!r} on tier {self._engine.names[t]!r}: {exc}") from exc
             if entry.writer is None and (not write or (self._engine.users_besides_waiters(copy) == 1 and entry.pending_writes == 0)):
                 break
             self._engine.unuse(entry, copy)
@@ -1259,13 +1259,16 @@ class TierStore:
         updates. Advice, as ``mark_step``: a policy without an ``expect`` method ignores it
         (``ScheduleLearned`` has one; its phase ends at the next ``mark_step``)."""
         self._engine.require_open()
+        for name, keys in (("used", used), ("unused", unused)):
+            if isinstance(keys, (str, bytes)):
+                raise TypeError(f"expect takes iterables of keys, not one key: {name}=[{keys!r}]")
         expect = getattr(self._engine.prefetch_policy, "expect", None)
         if expect is None:
             return
         try:
             expect(used, unused)
         except Exception as exc:  # (advice only: warned once, the step goes on)
-            self._engine.prefetch_failed(exc)
+            self._engine.prefetch_failed(exc, "expect")
 
     def __repr__(self) -> str:
         state = "open" if self._engine.is_open else "closed"

@@ -545,7 +545,7 @@ class SyncTierStore:
         _on_loop(self.store.mark_step)
 
     def expect(self, used: Iterable[str], unused: Iterable[str] = ()) -> None:
-        _on_loop(self.store.expect, list(used), list(unused))
+        _on_loop(self.store.expect, *(keys if isinstance(keys, (str, bytes)) else list(keys) for keys in (used, unused)))
 
     def stats(self) -> dict[str, Any]:
         return _on_loop(self.store.stats)

@@ -157,11 +157,10 @@ class WorkerPool:
     def running(self) -> bool:
         return bool(self._workers)
 
-    @property
-    def backlog(self) -> int:
-        """Jobs queued that no thread has taken yet (approximate: the threads take them as
-        this is read)."""
-        return self._queue.qsize()
+    def waiting(self, priority: int) -> bool:
+        """Whether a job of ``priority`` or a more urgent one waits for a thread (approximate:
+        the threads take them as this is read)."""
+        return any(job[0] <= priority for job in list(self._queue.queue))  # (list(): one call, a copy under the GIL)
 
     async def run(self, fn: Callable[[], T], priority: Priority = Priority.DEMAND) -> T:
         """Run ``fn`` on a worker thread and return its result."""

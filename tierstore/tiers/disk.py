@@ -615,13 +615,14 @@ class DiskTier(Tier):
 
     # -- data ---------------------------------------------------------------------------------
 
-    def _parallel_requests(self) -> int:
+    def _parallel_requests(self, priority: Priority) -> int:
         """How many requests a value below ``queue_depth`` chunks is cut into: ``queue_depth``
-        while the pool's threads keep up, one piece a chunk once jobs wait for a thread (the
-        other values in flight keep the threads busy; cutting this one would only add a
-        thread hop and a wake-up per piece, which on a machine of few cores costs the
-        caller's math its CPU)."""
-        return self.queue_depth if self.pool.backlog == 0 else 1
+        while no job as urgent as it waits for a thread; one piece a chunk once one does (the
+        values in flight keep the threads busy: cutting this one would only add a thread hop
+        and a wake-up per piece, which on a machine of few cores costs the caller's math its
+        CPU). A demand value behind prefetches is cut: it goes before them, onto each thread
+        that frees."""
+        return 1 if self.pool.waiting(priority) else self.queue_depth
 
     def _chunks(self, nbytes: int) -> list[tuple[int, int]]:
         return [(start, min(self.chunk_size, nbytes - start)) for start in range(0, max(nbytes, 1), self.chunk_size)]
@@ -642,18 +643,18 @@ class DiskTier(Tier):
             return checksums
         # One batch of jobs, one wake-up of the loop; the fdatasync runs on the thread that ends
         # the last job.
-        pieces, count, writes = self._write_jobs(files, extent, src, nbytes)
+        pieces, count, writes = self._write_jobs(files, extent, src, nbytes, priority)
         return combine_pieces(pieces, await self.pool.run_all(writes, priority, limit=self.queue_depth, then=then), count)
 
     def _write_jobs(
-        self, files: SegmentFiles, extent: Extent, src: torch.Tensor, nbytes: int
+        self, files: SegmentFiles, extent: Extent, src: torch.Tensor, nbytes: int, priority: Priority
     ) -> tuple[list[tuple[int, int, int]], int, list[Callable[[], int]]]:
         """The jobs writing the first ``nbytes`` of ``src`` into ``extent``, each returning its
         piece's checksum: a value of fewer chunks than the queue depth is cut into pieces moved
-        in parallel (see ``split_chunks``). Returns the pieces, the number of chunks (for
+        in parallel (see ``split_chunks``, ``_parallel_requests``). Returns the pieces, the number of chunks (for
         ``combine_pieces``) and the jobs."""
         chunks = self._chunks(nbytes)
-        pieces = split_chunks(chunks, self._parallel_requests())
+        pieces = split_chunks(chunks, self._parallel_requests(priority))
         writes = [partial(files.write_chunk, extent.segment, extent.offset + start, src, start, length) for _, start, length in pieces]
         return pieces, len(chunks), writes
 
@@ -680,7 +681,7 @@ class DiskTier(Tier):
                 await self.commit([(record.key, record)])
             return record
         then = partial(files.sync, extent.segment) if self.durable else None
-        pieces, count, writes = self._write_jobs(files, extent, src, nbytes)
+        pieces, count, writes = self._write_jobs(files, extent, src, nbytes, priority)
         outcome: list[tuple[DiskRecord | None, bool]] = []
 
         def finish(results: list[int]) -> None:
@@ -722,7 +723,7 @@ class DiskTier(Tier):
         if extent is None:
             raise ValueError(f"{record.key!r} is kept inline in the catalog, not in an extent: read it with read_inline")
         chunks = self._chunks(record.meta.nbytes)
-        pieces = split_chunks(chunks, self._parallel_requests())
+        pieces = split_chunks(chunks, self._parallel_requests(priority))
         reads = [partial(files.read_chunk, extent.segment, extent.offset + start, dst, start, length) for _, start, length in pieces]
         sums = combine_pieces(pieces, await self.pool.run_all(reads, priority, limit=self.queue_depth), len(chunks))
         for index, ((start, length), got) in enumerate(zip(chunks, sums, strict=True)):
