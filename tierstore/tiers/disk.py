@@ -651,8 +651,8 @@ class DiskTier(Tier):
     ) -> tuple[list[tuple[int, int, int]], int, list[Callable[[], int]]]:
         """The jobs writing the first ``nbytes`` of ``src`` into ``extent``, each returning its
         piece's checksum: a value of fewer chunks than the queue depth is cut into pieces moved
-        in parallel (see ``split_chunks``, ``_parallel_requests``). Returns the pieces, the number of chunks (for
-        ``combine_pieces``) and the jobs."""
+        in parallel (see ``split_chunks``, ``_parallel_requests``). Returns the pieces, the
+        number of chunks (for ``combine_pieces``) and the jobs."""
         chunks = self._chunks(nbytes)
         pieces = split_chunks(chunks, self._parallel_requests(priority))
         writes = [partial(files.write_chunk, extent.segment, extent.offset + start, src, start, length) for _, start, length in pieces]
