@@ -1425,15 +1425,13 @@ class Engine:
                 return
             self.issuer.follow(suggestions, t)
 
-    def prefetch_failed(self, exc: Exception, method: str | None = None) -> None:
-        """The prefetch policy raised (it is advice: warned once per store and method, requests
-        go on). ``method``: the one that raised where the caller knows it (``expect``)."""
-        if method == "expect":
-            self.warn_once("prefetch expect", f"the prefetch policy {policy_name(self.prefetch_policy)} raised {exc!r} in expect: "
-                                              "the advice is dropped, requests go on (warned once per store)")
-            return
-        self.warn_once("prefetch", f"the prefetch policy {policy_name(self.prefetch_policy)} raised {exc!r} in on_access, "
-                                    "suggest or on_step: its suggestions are skipped, requests go on (warned once per store)")
+    def prefetch_failed(
+        self, exc: Exception, methods: str = "on_access, suggest or on_step", lost: str = "its suggestions are skipped"
+    ) -> None:
+        """The prefetch policy raised in one of ``methods`` (it is advice: warned once per store
+        and ``methods``, requests go on); ``lost``: what is dropped."""
+        self.warn_once(("prefetch", methods), f"the prefetch policy {policy_name(self.prefetch_policy)} raised {exc!r} in {methods}: "
+                                              f"{lost}, requests go on (warned once per store)")
 
 
 async def _close_each(tiers: Sequence[Tier]) -> None:

@@ -1268,7 +1268,7 @@ class TierStore:
         try:
             expect(used, unused)
         except Exception as exc:  # (advice only: warned once, the step goes on)
-            self._engine.prefetch_failed(exc, "expect")
+            self._engine.prefetch_failed(exc, "expect", "the advice is dropped")
 
     def __repr__(self) -> str:
         state = "open" if self._engine.is_open else "closed"
