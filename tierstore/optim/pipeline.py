@@ -145,6 +145,9 @@ class UpdatePipeline:
         #: and those it has started writing back early (counted off ``_early_bytes``).
         self._updated_keys: set[str] = set()
         self._written_early: set[str] = set()
+        #: The states the step reads, missing from the state tier when counted, in update order,
+        #: with their sizes there (dropped as they arrive or are updated: ``_reads_left``).
+        self._to_read: dict[str, int] = {}
         #: Whether the early write-backs pay (else they are only picked: ``_write_back_early``).
         self._early_judge = EarlyWriteJudge()
         #: The optimizer's resident step: a bucket whose states are all resident takes it
@@ -375,9 +378,24 @@ class UpdatePipeline:
 
     def _early_need(self, tier: MemoryTier, slots: list[ParamSlot]) -> int:
         """What reading the states of ``slots`` not on ``tier`` needs beyond its free room."""
-        missing = sum(tier.value_size(nbytes) for slot in slots if slot.paged
-                      for key, nbytes in self.state_keys(slot) if not self._on_tier(key))
-        return max(0, missing - tier.free)
+        self._to_read = {key: tier.value_size(nbytes) for slot in slots if slot.paged
+                         for key, nbytes in self.state_keys(slot) if not self._on_tier(key)}
+        return max(0, sum(self._to_read.values()) - tier.free)
+
+    def _reads_left(self, enough: int) -> int:
+        """The bytes of the step's reads not done yet (``_to_read``'s states neither on the state
+        tier nor updated), counted up to ``enough``. A state read and evicted again before its
+        update is no longer counted (its room was found once: counting low costs time, never
+        bytes)."""
+        left = 0
+        for key in list(self._to_read):
+            if left >= enough:
+                break
+            if key in self._updated_keys or self._on_tier(key):
+                del self._to_read[key]
+            else:
+                left += self._to_read[key]
+        return left
 
     def _write_early(self, keys: list[tuple[str, int]]) -> None:
         """The states just updated (``keys``, in update order) may now be written back early:
@@ -390,6 +408,13 @@ class UpdatePipeline:
             return
         tier = self._store.tier(self._tier)
         assert isinstance(tier, MemoryTier)  # (early write-backs are counted on memory tiers only)
+        # The room the step's reads still need: less than counted where a read found it by
+        # evicting on demand (a prefetch late under load), and early writes beyond it were
+        # wasted, kept states written (an embedding resumed, 1.27x its need in a CI run).
+        free = tier.free
+        self._early_bytes = min(self._early_bytes, max(0, self._reads_left(self._early_bytes + free) - free))
+        if self._early_bytes <= 0:
+            return
         ranked = self._store._ranked_victims(self._tier, RANKED_VICTIMS)
         if ranked is not None:
             self._write_victims(ranked)
@@ -609,6 +634,7 @@ class UpdatePipeline:
         self._early_bytes = None
         self._updated_keys.clear()
         self._written_early.clear()
+        self._to_read = {}
         return [(bucket, result) for (bucket, _), result in zip(running, results, strict=True) if isinstance(result, BaseException)]
 
     async def _update(self, slots: list[ParamSlot], coef: torch.Tensor | None, scale: torch.Tensor | None, after: Any) -> None:
