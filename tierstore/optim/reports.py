@@ -420,7 +420,7 @@ async def state_residency(store: TierStore, slots: Sequence[ParamSlot], state_ti
     for slot in slots:
         if not slot.paged:
             continue
-        for key in _state_keys(slot):
+        for key in slot.state_keys:
             if key in store:
                 info = store.info(key)
                 state[key] = (moved(info["nbytes"]), state_tier in info["tiers"])
@@ -436,17 +436,13 @@ def disk_need(start: Residency, end: Residency, updated: Sequence[ParamSlot]) ->
     for slot in updated:
         if not slot.paged:
             continue
-        for key in _state_keys(slot):
+        for key in slot.state_keys:
             if key in start.state:
                 nbytes, resident = start.state[key]
                 need += 0 if resident else 2 * nbytes
             elif key in end.state:
                 created += end.state[key][0]
     return need + max(0, created - start.free)
-
-
-def _state_keys(slot: ParamSlot) -> list[str]:
-    return [slot.key] if slot.chunks is None else [chunk.key for chunk in slot.chunks]
 
 
 async def memory_report(

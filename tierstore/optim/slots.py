@@ -115,6 +115,11 @@ class ParamSlot:
         return f"{self.key}/grad"
 
     @property
+    def state_keys(self) -> list[str]:
+        """The store keys of its paged state, in update order: one, or one a chunk."""
+        return [self.key] if self.chunks is None else [chunk.key for chunk in self.chunks]
+
+    @property
     def numel(self) -> int:
         return self.shape.numel()
 
