@@ -444,8 +444,11 @@ def test_many_small_states_mostly_resident_move_their_need(tmp_path: Path, count
         opt.close()
 
 
-@pytest.mark.parametrize("pattern", ["random quarter", "all, then a quarter", "a trunk and some experts", "random half", "all every third step"])
-def test_a_changing_part_of_the_parameters_each_step_moves_its_need(tmp_path: Path, counters: None, device_mode: str, pattern: str) -> None:
+@pytest.mark.parametrize(("pattern", "host_part"), [("random quarter", 2), ("all, then a quarter", 2), ("a trunk and some experts", 2),
+                                                ("random half", 2), ("all every third step", 2), ("random quarter", 4)])
+def test_a_changing_part_of_the_parameters_each_step_moves_its_need(
+    tmp_path: Path, counters: None, device_mode: str, pattern: str, host_part: int
+) -> None:
     """A random quarter of the parameters has a gradient each step (the experts of a mixture):
     the learned schedule foresaw the keys of the step before, so the store prefetched states the
     step did not update, and ``MIN`` ranked as next victims, written back early, states the
@@ -464,7 +467,7 @@ def test_a_changing_part_of_the_parameters_each_step_moves_its_need(tmp_path: Pa
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(1 << 16)) for _ in range(64)]
     state = 64 * (1 << 16) * (12 if emulation()[0] else 8)  # (m and v, and a master of its own across a link)
-    opt = _paged_to_disk(torch.nn.ParameterList(params), tmp_path / "disk", str(state // 2))
+    opt = _paged_to_disk(torch.nn.ParameterList(params), tmp_path / "disk", str(state // host_part))
     generator, chosen = torch.Generator().manual_seed(1), random.Random(0)
     try:
         moved = needed = 0
@@ -489,6 +492,8 @@ def test_a_changing_part_of_the_parameters_each_step_moves_its_need(tmp_path: Pa
         # (the alternation: 1.03-1.09x on a quiet machine, 1.11-1.16x with three other processes
         # on its two cores; 1.36x with the early write-backs going on)
         bound = 1.2 if pattern in ("all, then a quarter", "all every third step") else 1.1
+        if host_part == 4 and device_mode == "plain":
+            bound = 1.06  # (1.00-1.02x; 1.07-1.11x before the fix; emulated 1.07-1.09x before and after)
         assert moved <= bound * needed + 8 * SLACK, f"{moved:,} bytes moved for {needed:,} needed ({moved / needed:.2f}x)"
     finally:
         opt.close()
