@@ -14,7 +14,9 @@ buckets run at once, so one's transfers overlap the other's math.
 Where state pages to a disk below the state tier, the states updated first in a step are those
 evicted to make room for the states read later in it (the order alternates each step, so they
 are needed last in the next one). They are written back as their updates end, as many bytes as
-the step will read (``TierStore.write_back``, keeping the copy): the eviction that makes room
+the step's reads still need beyond the free room (``TierStore.write_back``, keeping the copy;
+counted at the step's start and lowered as reads arrive: one that found its room by evicting on
+demand needs no early write any more): the eviction that makes room
 for a read then drops a clean copy, and the read is not queued behind a write on the critical
 path. Where the eviction policy can say what it will evict (its optional ``ranked``: ``MIN``,
 the optimizer's default), the states written are those among its next victims, as many bytes of
