@@ -45,6 +45,29 @@ def test_advice_replaced_or_ended_moves_the_revision() -> None:
     assert schedule.revision > advised
 
 
+def test_a_key_said_unused_is_not_read_ahead_for_the_next_phase_either() -> None:
+    """A key the phase will not access, which the schedule expects at the next phase's start
+    (phases alternating), was suggested as the phase neared its end: a guess at the next step's
+    part of the parameters, read while the step still needed the room (a mixture of experts on
+    the emulated device moved 1.19x its need, 1.08x without). It is suggested once the phase
+    ends."""
+    schedule = ScheduleLearned()
+    phase, other = [f"k{i}" for i in range(4)], ["x", *(f"k{i}" for i in range(4))]
+    for keys in (phase, other) * 3:
+        for key in keys:
+            schedule.on_access(key, 4, "host", True)
+        schedule.on_step()
+    assert schedule.period == 2
+    schedule.expect(phase, ["x"])
+    for key in phase[:2]:
+        schedule.on_access(key, 4, "host", True)
+    assert [key for key, _ in schedule.suggest()] == ["k2", "k3", "k0"]
+    for key in phase[2:]:
+        schedule.on_access(key, 4, "host", True)
+    schedule.on_step()
+    assert [key for key, _ in schedule.suggest()][:2] == ["x", "k0"]
+
+
 def test_min_evicts_a_key_said_unused_first() -> None:
     keys = [f"k{i}" for i in range(8)]
     schedule = _learned(keys)
