@@ -492,8 +492,9 @@ def test_a_changing_part_of_the_parameters_each_step_moves_its_need(
         # (the alternation: 1.03-1.09x on a quiet machine, 1.11-1.16x with three other processes
         # on its two cores; 1.36x with the early write-backs going on)
         bound = 1.2 if pattern in ("all, then a quarter", "all every third step") else 1.1
-        if host_part == 4 and device_mode == "plain":
-            bound = 1.06  # (1.00-1.02x; 1.07-1.11x before the fix; emulated 1.07-1.09x before and after)
+        if host_part == 4:  # (plain 1.00-1.04x, 1.07x on a disk slowed to 80 MB/s, 1.105-1.113x before the
+            # fix; emulated 1.05-1.09x, 1.10-1.13x before)
+            bound = 1.08 if device_mode == "plain" else 1.15
         assert moved <= bound * needed + 8 * SLACK, f"{moved:,} bytes moved for {needed:,} needed ({moved / needed:.2f}x)"
     finally:
         opt.close()

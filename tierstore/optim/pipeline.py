@@ -389,14 +389,16 @@ class UpdatePipeline:
         tier nor updated), counted up to ``enough``. A state read and evicted again before its
         update is no longer counted (its room was found once: counting low costs time, never
         bytes)."""
-        left = 0
-        for key in list(self._to_read):
+        left, done = 0, []
+        for key, size in self._to_read.items():
             if left >= enough:
                 break
             if key in self._updated_keys or self._on_tier(key):
-                del self._to_read[key]
+                done.append(key)
             else:
-                left += self._to_read[key]
+                left += size
+        for key in done:
+            del self._to_read[key]
         return left
 
     def _write_early(self, keys: list[tuple[str, int]]) -> None:
@@ -412,7 +414,10 @@ class UpdatePipeline:
         assert isinstance(tier, MemoryTier)  # (early write-backs are counted on memory tiers only)
         # The room the step's reads still need: less than counted where a read found it by
         # evicting on demand (a prefetch late under load), and early writes beyond it were
-        # wasted, kept states written (an embedding resumed, 1.27x its need in a CI run).
+        # wasted, kept states written (an embedding resumed, 1.27x its need in a CI run). The
+        # cost: where each step updates a random part of the parameters, states written early
+        # for the next step's reads (a guess: 1.11x the need) are now written by the evictions
+        # of those reads, on their path (the same bytes once; slower on a slow disk).
         free = tier.free
         self._early_bytes = min(self._early_bytes, max(0, self._reads_left(self._early_bytes + free) - free))
         if self._early_bytes <= 0:
