@@ -282,7 +282,7 @@ class StepRunner:
             if pipeline.reverse:
                 order.reverse()
             if not self._in_backward:
-                self._expect(pipeline, order)
+                self._expect(order)
             resident = None
             if self.resident is not None and not self._in_backward and pipeline.scale is None:
                 resident, order = await self._start_resident(pipeline, order, coef)
@@ -312,7 +312,7 @@ class StepRunner:
         self.steps += 1
         await self.end()
 
-    def _expect(self, pipeline: UpdatePipeline, order: list[ParamSlot]) -> None:
+    def _expect(self, order: list[ParamSlot]) -> None:
         """Tell the store which paged states this step updates (``order``'s) and which it does
         not (``TierStore.expect``): with a part of the parameters with a gradient each step,
         the schedule learned from the steps before cannot tell, and foretold the others a use
@@ -322,7 +322,7 @@ class StepRunner:
         unused: list[str] = []
         for slot in self._slots:
             if slot.paged:
-                (used if slot.index in updating else unused).extend(key for key, _ in pipeline.state_keys(slot))
+                (used if slot.index in updating else unused).extend(slot.state_keys)
         self._store.expect(used, unused)
 
     async def _start_resident(
