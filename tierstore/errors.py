@@ -66,6 +66,11 @@ class StoreLockedError(TierStoreError, OSError):
     """The store folder is open already: in another process, or in another object of this one."""
 
 
+class FolderReplacedError(TierStoreError, OSError):
+    """A disk tier's folder was deleted, moved or replaced while its store was open: the store
+    stops creating or deleting files at that path, where another store may live now."""
+
+
 class StoreForkedError(TierStoreError, RuntimeError):
     """A disk tier opened by another process was used in this one (a forked child, such as a
     DataLoader worker): the child neither holds the folder's lock nor may touch its files. Open

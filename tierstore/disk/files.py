@@ -23,7 +23,7 @@ import crc32c
 import numpy as np
 import torch
 
-from ..errors import CatalogError, DiskFullError
+from ..errors import CatalogError, DiskFullError, FolderReplacedError
 from ..tensors import ALIGNMENT, aligned_empty, is_aligned
 from ..units import round_up
 from .crc import crc32c_array
@@ -306,6 +306,11 @@ class SegmentFiles:
         # I/O threads: closed under them, a number reused by a later open would take a pending
         # write into another file, and a trim raised IndexError. The process's end closes them.
         weakref.finalize(self, _close_all, self._fds, self.io).atexit = False
+        #: The folder, held open while the files are: files are made and deleted by name, and a
+        #: folder deleted and made again while its store was open (a notebook cell run twice)
+        #: is another store's; its names must not be used (``_require_same_folder``).
+        self._folder_fd: list[int] = []
+        weakref.finalize(self, _close_plain, self._folder_fd).atexit = False
         #: False once the file system has said it cannot punch holes (space is then reused
         #: inside the files but not given back until trailing segments go).
         self.can_punch = True
@@ -326,6 +331,7 @@ class SegmentFiles:
         """Open the existing segments, checking each is there and whole."""
         self.close()
         try:
+            self._folder_fd.append(os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)))
             self.direct = self._probe_direct(sizes)
             for segment, size in enumerate(sizes):
                 path = self.path(segment)
@@ -347,6 +353,7 @@ class SegmentFiles:
         """Create (or recreate) segment file ``segment`` with ``size`` bytes reserved on disk."""
         if segment != len(self._fds):
             raise ValueError(f"segments are created in order: expected {len(self._fds)}, got {segment}")
+        self._require_same_folder(f"create data file {segment_name(segment)}")
         path = self.path(segment)
         fd = self._open_fd(path, create=True)
         try:
@@ -364,6 +371,7 @@ class SegmentFiles:
 
     def close(self) -> None:
         _close_all(self._fds, self.io)
+        _close_plain(self._folder_fd)
         while not self._staging.empty():
             self._staging.get()
 
@@ -398,6 +406,8 @@ class SegmentFiles:
     def remove_tail(self, count: int) -> None:
         """Close and delete the last ``count`` segment files (the catalog no longer names them).
         Files already closed are left: the next open deletes them as strays."""
+        if count and self._fds:
+            self._require_same_folder("delete its empty data files")
         for _ in range(count):
             if not self._fds:  # (closed meanwhile: the rest stay as strays)
                 break
@@ -410,6 +420,7 @@ class SegmentFiles:
     def remove_strays(self, count: int) -> list[Path]:
         """Delete segment files numbered ``count`` or more (left by a crash after the catalog
         stopped naming them, before they were deleted); return their paths."""
+        self._require_same_folder("delete stray data files")
         numbered = ((path, segment_number(path)) for path in self.folder.glob(_SEGMENT_GLOB))
         strays = [path for path, number in numbered if number is not None and number >= count]
         for path in strays:
@@ -417,6 +428,29 @@ class SegmentFiles:
         if strays:
             self.io.fsync_dir(self.folder)
         return strays
+
+    def _require_same_folder(self, doing: str) -> None:
+        """Raise ``FolderReplacedError`` if ``folder`` no longer names the folder opened (deleted,
+        moved or replaced since): making or deleting files by name there would change another
+        store's (a segment file created again over a new store's own: both wrote one file)."""
+        if not self._folder_fd:
+            return  # (not open: nothing was opened to compare with)
+        held = os.fstat(self._folder_fd[0])
+        try:
+            now = os.stat(self.folder)
+        except OSError:
+            now = None
+        # (the held descriptor keeps the old folder's inode: a new folder cannot reuse its number)
+        if now is not None and (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+            return
+        raise FolderReplacedError(
+            errno.ESTALE,
+            f"cannot {doing}: the disk tier folder {self.folder} was deleted, moved or replaced while its store was open "
+            "(deleted by a clean-up, or by code run again that then opened a new store there?); this store no longer "
+            "makes or deletes files at that path, which may be another store's now. Its values already on disk stay "
+            "readable until it closes; close it (what only memory holds cannot be written there: aclose(flush=False), "
+            "close(flush=False) on a SyncTierStore) and open the store again",
+        )
 
     def sync(self, segment: int) -> None:
         """Make the data written to ``segment`` durable."""
@@ -493,6 +527,7 @@ class SegmentFiles:
 
     def read_raw(self, segment: int, file_offset: int, length: int) -> bytes:
         """Bytes straight from the file through the page cache (for tools and tests)."""
+        self._require_same_folder(f"read data file {segment_name(segment)}")
         with open(self.path(segment), "rb") as handle:
             handle.seek(file_offset)
             return handle.read(length)
@@ -557,6 +592,11 @@ def _pread_all(fd: int, data: memoryview, offset: int) -> None:
 def _close_all(fds: list[int], io: FileIO) -> None:
     while fds:
         io.close(fds.pop())
+
+
+def _close_plain(fds: list[int]) -> None:
+    while fds:
+        os.close(fds.pop())
 
 
 def _fsync_dir(folder: Path) -> None:

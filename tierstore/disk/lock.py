@@ -3,7 +3,9 @@
 An exclusive ``flock`` on ``<root>/lock``, taken without waiting, and one on the folder itself:
 a lock file deleted while its store is open (a clean-up of "stale" lock files) would let a
 second store take a new one and write the same extents; the folder cannot be deleted so
-(where the file system cannot lock a folder, the file's lock alone stands). ``flock`` locks
+(where the file system cannot lock a folder, the file's lock alone stands). A folder deleted
+whole and made again is a new folder, with a new lock: its old store must no longer use its
+names (``SegmentFiles`` checks before making or deleting a file). ``flock`` locks
 belong to the open file description, which ``fork`` shares with the child: while any process keeps a copy of
 the descriptor open, the lock stays taken. So a forked child (a DataLoader worker) closes its
 copy right after the fork, without unlocking (an unlock would release the parent's lock too);
