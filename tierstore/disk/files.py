@@ -405,16 +405,19 @@ class SegmentFiles:
 
     def remove_tail(self, count: int) -> None:
         """Close and delete the last ``count`` segment files (the catalog no longer names them).
-        Files already closed are left: the next open deletes them as strays."""
-        if count and self._fds:
-            self._require_same_folder("delete its empty data files")
+        Files already closed are left: the next open deletes them as strays. In a folder
+        deleted or moved since it was opened (``same_folder``), they are closed and not deleted
+        by name (the names may be another store's now): a deleted folder's go with it, a moved
+        one's are strays for its next open."""
+        here = not (count and self._fds) or self.same_folder()
         for _ in range(count):
             if not self._fds:  # (closed meanwhile: the rest stay as strays)
                 break
             segment = len(self._fds) - 1
             self.io.close(self._fds.pop())
-            self.io.unlink(self.path(segment))
-        if count:
+            if here:
+                self.io.unlink(self.path(segment))
+        if count and here:
             self.io.fsync_dir(self.folder)
 
     def remove_strays(self, count: int) -> list[Path]:
@@ -429,27 +432,33 @@ class SegmentFiles:
             self.io.fsync_dir(self.folder)
         return strays
 
-    def _require_same_folder(self, doing: str) -> None:
-        """Raise ``FolderReplacedError`` if ``folder`` no longer names the folder opened (deleted,
-        moved or replaced since): making or deleting files by name there would change another
-        store's (a segment file created again over a new store's own: both wrote one file)."""
+    def same_folder(self) -> bool:
+        """Whether ``folder`` still names the folder opened (True when not open): not deleted,
+        moved or replaced since. Making or deleting files by name in another folder there would
+        change another store's (a segment file created again over a new store's own: both
+        wrote one file). (A check, then a call by name: a folder replaced in between is not
+        seen; the window is that of one call.)"""
         if not self._folder_fd:
-            return  # (not open: nothing was opened to compare with)
+            return True
         held = os.fstat(self._folder_fd[0])
         try:
             now = os.stat(self.folder)
         except OSError:
-            now = None
+            return False
         # (the held descriptor keeps the old folder's inode: a new folder cannot reuse its number)
-        if now is not None and (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+        return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+
+    def _require_same_folder(self, doing: str) -> None:
+        """Raise ``FolderReplacedError`` unless ``same_folder``."""
+        if self.same_folder():
             return
+        root = self.folder.parent
         raise FolderReplacedError(
-            errno.ESTALE,
-            f"cannot {doing}: the disk tier folder {self.folder} was deleted, moved or replaced while its store was open "
-            "(deleted by a clean-up, or by code run again that then opened a new store there?); this store no longer "
-            "makes or deletes files at that path, which may be another store's now. Its values already on disk stay "
-            "readable until it closes; close it (what only memory holds cannot be written there: aclose(flush=False), "
-            "close(flush=False) on a SyncTierStore) and open the store again",
+            f"cannot {doing}: the disk tier folder {root} was deleted, moved or replaced while its store was open "
+            "(by a clean-up, or by code run again that then opened a new store there?); this store makes and deletes "
+            "no files at that path any more, which may be another store's now. Its values already stored stay readable "
+            "until it closes: read out what you need (in a deleted folder they are gone once it closes), then close it "
+            "(aclose(flush=False); close(flush=False) on a SyncTierStore: what only memory holds has nowhere to go)",
         )
 
     def sync(self, segment: int) -> None:

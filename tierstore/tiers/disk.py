@@ -169,7 +169,9 @@ class DiskTier(Tier):
         queue_depth: int | None = None,
     ) -> None:
         super().__init__(capacity, name)
-        self.root = Path(root).expanduser()  # ("~/scratch" is the user's, not a folder named ~)
+        # ("~/scratch" is the user's, not a folder named ~; and a relative root stays where it
+        # was when the tier was made: files are made by name, after a chdir too)
+        self.root = Path(root).expanduser().absolute()
         self.io = io if io is not None else FileIO()
         self.durable = require_flag("durable", durable)
         if direct not in (True, False, "auto"):
