@@ -41,6 +41,15 @@ async def test_prefetch_brings_keys_up_and_gets_then_hit(tmp_path: Path) -> None
         check_consistency(store)
 
 
+async def test_a_key_named_twice_is_fetched_and_reported_once(tmp_path: Path) -> None:
+    async with TierStore(tiers(tmp_path)) as store:
+        values = await fill_disk(store, 2)
+        result = await (await store.prefetch(["k0", "k0", "k1", "k0"], "host"))
+        assert result.fetched == ["k0", "k1"] and result.already_there == []
+        assert store.stats()["links"]["disk->host"]["transfers"] == 2
+        assert torch.equal(await store.get("k0"), values["k0"])
+
+
 async def test_prefetch_more_than_fits_drops_or_evicts_but_stays_within_capacity(tmp_path: Path) -> None:
     async with TierStore(tiers(tmp_path)) as store:
         values = await fill_disk(store, 40)  # 64 KiB each: 40 do not fit in 1 MiB

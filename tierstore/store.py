@@ -1198,10 +1198,13 @@ class TierStore:
         if isinstance(keys, (str, bytes)):
             raise TypeError(f"prefetch takes an iterable of keys, not one key: prefetch([{keys!r}])")
         t = self._engine.index_of(tier)
-        entries = [self._engine.visible_entry(key) for key in keys]
+        entries = {}  # (a key named twice is fetched, and reported, once)
+        for key in keys:
+            entry = self._engine.visible_entry(key)
+            entries.setdefault(key, entry)
         if self._engine.issuer is None:
             raise StoreClosedError("the store is not open")
-        return self._engine.issuer.start(entries, t)
+        return self._engine.issuer.start(list(entries.values()), t)
 
     def write_back(self, keys: Iterable[str], tier: TierRef = None) -> int:
         """Start writing the current values of ``keys`` held on memory tier ``tier`` (default:
