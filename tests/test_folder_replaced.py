@@ -34,6 +34,12 @@ async def check(store: TierStore, items: dict[str, torch.Tensor]) -> None:
         assert torch.equal(await store.get(key), value), key
 
 
+async def check_reopened(root: Path, items: dict[str, torch.Tensor]) -> None:
+    store = await open_store(root)
+    await check(store, items)
+    await store.aclose()
+
+
 async def open_store(root: Path) -> TierStore:
     store = TierStore([DiskTier(root, 96 * MiB, durable=False)])
     await store.open()
@@ -55,9 +61,7 @@ async def test_a_store_whose_folder_was_made_again_leaves_the_new_stores_files_a
     await check(new, theirs)
     await old.aclose()
     await new.aclose()
-    again = await open_store(root)
-    await check(again, theirs)
-    await again.aclose()
+    await check_reopened(root, theirs)
 
 
 async def test_a_store_whose_folder_was_deleted_says_so(tmp_path: Path) -> None:
@@ -96,9 +100,7 @@ async def test_the_old_stores_clean_up_does_not_delete_the_new_stores_files(tmp_
         await put_all(old, values("more", 20, 50.0))
     await old.aclose()
     await new.aclose()
-    again = await open_store(root)
-    await check(again, theirs)
-    await again.aclose()
+    await check_reopened(root, theirs)
 
 
 async def test_a_moved_folder_keeps_what_its_store_wrote(tmp_path: Path) -> None:
@@ -112,9 +114,7 @@ async def test_a_moved_folder_keeps_what_its_store_wrote(tmp_path: Path) -> None
     assert not root.exists()  # (nothing made at the old path)
     await check(store, kept)
     await store.aclose(flush=False)
-    again = await open_store(moved)
-    await check(again, kept)
-    await again.aclose()
+    await check_reopened(moved, kept)
 
 
 async def test_a_relative_root_stays_where_it_was_after_a_chdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -126,6 +126,4 @@ async def test_a_relative_root_stays_where_it_was_after_a_chdir(tmp_path: Path, 
     await put_all(store, items)
     await store.aclose()
     assert not (tmp_path / "elsewhere" / "store").exists()
-    again = await open_store(tmp_path / "store")
-    await check(again, items)
-    await again.aclose()
+    await check_reopened(tmp_path / "store", items)
