@@ -1198,7 +1198,7 @@ class TierStore:
         if isinstance(keys, (str, bytes)):
             raise TypeError(f"prefetch takes an iterable of keys, not one key: prefetch([{keys!r}])")
         t = self._engine.index_of(tier)
-        entries = {}  # (a key named twice is fetched, and reported, once)
+        entries: dict[str, Entry] = {}  # (a key named twice is fetched, and reported, once)
         for key in keys:
             entry = self._engine.visible_entry(key)
             entries.setdefault(key, entry)
