@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierstore import DiskTier, TierFullError, TierStore
+from tierstore import DiskTier, HostTier, TierFullError, TierStore
 from tierstore.disk.catalog import DiskRecord
 from tierstore.disk.compact import plan_compaction
 from tierstore.disk.extents import Extent, ExtentAllocator
@@ -257,3 +257,19 @@ async def test_a_full_disk_tier_says_the_bytes_where_the_rounded_sizes_read_the_
         assert torch.equal(await store.get("a3"), torch.zeros(1 << 18))
     finally:
         await store.aclose()
+
+
+async def test_a_full_disk_tier_says_how_much_holds_old_versions_of_changed_values(tmp_path: Path) -> None:
+    """A put over a value that fills its memory tier evicts the old value to the disk first;
+    that copy stays, in no listing of the disk tier, until the new value is written back: a
+    put then refused for room named no reason the tier's listing showed."""
+    async with TierStore([HostTier("1MiB"), disk(tmp_path / "d", "4MiB")]) as store:
+        for i in range(3):
+            await store.put("one", torch.full((256 * 1024,), float(i)), "host")
+        assert store.stats()["tiers"]["disk"]["entries"] == 0
+        big = torch.zeros(3 * 256 * 1024 - 1024)
+        with pytest.raises(TierFullError, match="1.0 MiB of the tier hold the last written versions of values changed"):
+            await store.put("big", torch.zeros(3 * 256 * 1024 + 1024), "disk")
+        await store.flush()
+        await store.put("big", big, "disk")
+        assert torch.equal(await store.get("one"), torch.full((256 * 1024,), 2.0))

@@ -51,6 +51,7 @@ from .tensors import TensorMeta, aligned_empty, as_bytes, from_bytes
 from .tiers.base import MemoryTier, Tier
 from .tiers.disk import DiskTier, InlineSuperseded
 from .tracing import TraceRecorder
+from .units import format_bytes
 from .warn import warn
 from .workers import Priority, WorkerPool, wait_uncancelled
 
@@ -756,7 +757,10 @@ class Engine:
                     if disk.holds_inline(meta.nbytes):
                         written_version = await self._write_inline(entry, d, src, meta, version, source_tier, staged=staged)
                         return written_version if version is None else None
-                    extent = await disk.allocate(meta.nbytes)
+                    try:
+                        extent = await disk.allocate(meta.nbytes)
+                    except TierFullError as exc:
+                        raise self._full_of_old_versions(exc) from None
                     started = time.perf_counter()
                     written = entry
 
@@ -790,6 +794,23 @@ class Engine:
             entry.forget_idle_lock()  # (the entry a put wrote to, if it was deleted meanwhile)
             if version is None:
                 self.drop_if_unused(entry)  # (one made here for a put that gave up)
+
+    def _full_of_old_versions(self, exc: TierFullError) -> TierFullError:
+        """``exc`` (the disk tier full), saying how much of it holds the last written versions
+        of values changed in memory since: kept as the durable copy until the new value is
+        written back, they are in no listing of the tier (a put over a value that filled its
+        memory tier evicted it to the disk first: the tier looked empty and refused a put)."""
+        d = self.disk_index
+        kept = 0
+        for entry in self.entries.values():
+            copy = entry.copy_on(d) if d is not None else None
+            if copy is not None and copy.version != entry.version and copy.extent is not None:
+                kept += copy.extent.length
+        if not kept:
+            return exc
+        return TierFullError(f"{exc}; {format_bytes(kept)} of the tier hold the last written versions of values changed in "
+                             "memory since (kept as the durable copy until the new value is written back: flush() writes those "
+                             "values and frees these bytes, as deleting their keys does)")
 
     async def _write_inline(
         self, entry: Entry, d: int, src: torch.Tensor, meta: TensorMeta, version: int | None, source_tier: int | None, staged: bool
