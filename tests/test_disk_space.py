@@ -260,16 +260,17 @@ async def test_a_full_disk_tier_says_the_bytes_where_the_rounded_sizes_read_the_
 
 
 async def test_a_full_disk_tier_says_how_much_holds_old_versions_of_changed_values(tmp_path: Path) -> None:
-    """A put over a value that fills its memory tier evicts the old value to the disk first;
-    that copy stays, in no listing of the disk tier, until the new value is written back: a
-    put then refused for room named no reason the tier's listing showed."""
+    """A value changed in memory since it was last written keeps that version on the disk until
+    the new one is written back (copy-on-write): that copy is in no listing of the disk tier,
+    and a put then refused for room named no reason the listing showed."""
     async with TierStore([HostTier("1MiB"), disk(tmp_path / "d", "4MiB")]) as store:
         for i in range(3):
             await store.put("one", torch.full((256 * 1024,), float(i)), "host")
+            if i == 0:
+                await store.flush()
         assert store.stats()["tiers"]["disk"]["entries"] == 0
-        big = torch.zeros(3 * 256 * 1024 - 1024)
         with pytest.raises(TierFullError, match="1.0 MiB of the tier hold the last written versions of values changed"):
             await store.put("big", torch.zeros(3 * 256 * 1024 + 1024), "disk")
-        await store.flush()
-        await store.put("big", big, "disk")
+        await store.flush()  # (the new value written, its old version freed: 3 MiB free, in two extents)
+        await store.put("big", torch.zeros(2 * 256 * 1024), "disk")
         assert torch.equal(await store.get("one"), torch.full((256 * 1024,), 2.0))

@@ -195,6 +195,23 @@ async def test_put_get_hold_and_eviction_round_trip_bit_exact(tmp_path: Path) ->
         assert same_bytes(await store.get(key), changed)
 
 
+async def test_a_put_over_a_value_its_holders_kernels_still_read(tmp_path: Path) -> None:
+    """A put that would copy over the value filling the device tier (``tierstore.overwrite``)
+    does not while a kernel queued under a hold of it may still read it (its ``last_use`` event
+    not complete): the holder's copy gets the old bytes, the store the new ones."""
+    async with TierStore(_tiers(tmp_path, device="4MiB")) as store:
+        await store.put("x", pattern(MiB, 1).cuda(), "device")  # 4 MiB: the device tier is full
+        out = torch.empty(MiB, device="cuda")
+        async with store.hold("x", "device") as held:
+            torch.cuda._sleep(SPIN)
+            out.copy_(held)
+        await store.put("x", pattern(MiB, 2).cuda(), "device")
+        await store.put("x", pattern(MiB, 3).cuda(), "device")  # (the event has completed by now, or not)
+        torch.cuda.synchronize()
+        assert torch.equal(out.cpu(), pattern(MiB, 1))
+        assert torch.equal(await store.read("x"), pattern(MiB, 3))
+
+
 @pytest.mark.parametrize("tier", ["device", "host", "disk"])
 async def test_put_of_data_written_on_a_side_stream(tmp_path: Path, tier: str) -> None:
     """A put takes the bytes the caller's current stream wrote, on whatever stream that is."""

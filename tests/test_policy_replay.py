@@ -163,13 +163,14 @@ def _first_difference(a: list[Any], b: list[Any]) -> str:
 # -- the replay's own rules, on hand-written traces --------------------------------------------------
 
 
-def write_trace(path: Path, tiers: list[str], rows: list[tuple[str, str, int, int | None]]) -> Path:
+def write_trace(path: Path, tiers: list[str], rows: list[tuple[Any, ...]]) -> Path:
+    """Rows of (op, key, nbytes, tier), or (op, key, nbytes, tier, hit)."""
     recorder = TraceRecorder(path, tiers)
-    for op, key, nbytes, tier in rows:
+    for op, key, nbytes, tier, *hit in rows:
         if op == "evict":
-            recorder.evicted(key, nbytes, tier)  # type: ignore[arg-type]
+            recorder.evicted(key, nbytes, tier)
         else:
-            recorder.record(op, key, nbytes, tier, hit=None)
+            recorder.record(op, key, nbytes, tier, hit=hit[0] if hit else None)
     recorder.close()
     return path
 
@@ -212,6 +213,24 @@ def test_a_put_drops_the_other_copies_and_a_promotion_source_is_not_evicted(tmp_
     result = replay_store_trace(path, [10, 20], "fifo")  # FIFO would take a first, were it not in use
     assert result.evictions == [("c", 0), ("b", 1), ("a", 1)]
     assert result.hits == [False, False]
+
+
+def test_a_put_copied_over_its_value_makes_no_room(tmp_path: Path) -> None:
+    """The trace says so (``hit`` 1): the store copied the new value over the old one on a tier
+    with no room for both (``tierstore.overwrite``), evicting nothing."""
+    rows = [
+        ("put", "a", 10, 1),
+        ("put", "b", 10, 1),  # host full (20)
+        ("put", "c", 10, 0),
+        ("get", "a", 10, 0),  # c goes down to host; host evicts b
+        ("put", "a", 10, 1, True),  # copied over a's copy on the host; the device copy is dropped
+        ("get", "a", 10, 0),  # from the host
+        ("get", "c", 10, 1),
+    ]
+    path = write_trace(tmp_path / "t.npz", ["device", "host", "disk"], rows)
+    result = replay_store_trace(path, [10, 20], "fifo")
+    assert result.evictions == [("c", 0), ("b", 1)]
+    assert result.hits == [False, False, True]
 
 
 def test_a_value_larger_than_the_tier_is_read_uncached(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from . import eviction, flushing, holds
+from . import eviction, flushing, holds, overwrite
 from .copies import INLINE_COPY_BYTES, copy_bytes, cpu_copy
 from .device import READY, TO_DEVICE, TO_HOST, Link, Transfer, link_for
 from .device.caller import caller_work
@@ -581,13 +581,28 @@ class Engine:
             raise TierFullError(f"not cached on tier {self.names[t]!r}: {exc}") from exc
 
     async def put_memory(self, entry: Entry, t: int, src: torch.Tensor, meta: TensorMeta) -> None:
-        """Copy ``src`` onto memory tier ``t`` as the new value of ``entry``."""
-        await self._write_memory(entry, t, None, self._copier(src, t), Priority.DEMAND, meta=meta, source_tier=None, wait_for_close=True)
+        """Copy ``src`` onto memory tier ``t`` as the new value of ``entry`` (over the value it
+        replaces when the tier has no room for both: ``tierstore.overwrite``); the put is
+        recorded in the trace."""
+        fill = self._copier(src, t)
+        old = overwrite.overwritable(self, entry, t, meta.nbytes, read=True)
+        if old is not None:
+            old = await overwrite.after_reads(self, entry, old, t, meta.nbytes)
+        if old is not None and await overwrite.overwrite(self, entry, old, fill, meta, Priority.DEMAND):
+            return
+        try:
+            await self._write_memory(entry, t, None, fill, Priority.DEMAND, meta=meta, source_tier=None, wait_for_close=True)
+        except TierFullError as exc:
+            if (why := overwrite.why_not(self, entry, t)) is None:
+                raise
+            raise TierFullError(f"{exc}; {why}") from None
+        self.observe("put", entry.key, meta.nbytes, t, hit=None)
 
     def put_memory_now(self, entry: Entry, t: int, src: torch.Tensor, meta: TensorMeta) -> bool:
         """``put_memory`` done at once, with no await, when nothing needs one: a small CPU
-        value, a tier in the same memory (no link to cross) with room for it now. False (nothing
-        done) otherwise: the caller then goes the awaited way."""
+        value, a tier in the same memory (no link to cross) with room for it now, or a value
+        that can be copied over now (``tierstore.overwrite``); recorded in the trace. False
+        (nothing done) otherwise: the caller then goes the awaited way."""
         tier = self._tiers[t]
         nbytes = meta.nbytes
         if (
@@ -597,10 +612,18 @@ class Engine:
             or getattr(tier, "link", None) is not None
             or not isinstance(tier, MemoryTier)
             or tier.device.type != "cpu"
-            or tier.free < tier.allocation_size(nbytes)
         ):
             return False
         started = time.perf_counter()
+        if tier.free < tier.allocation_size(nbytes):
+            old = overwrite.overwritable(self, entry, t, nbytes)
+            if old is None:
+                return False
+            cpu_copy(old.view(nbytes), src[:nbytes])  # (no await: nothing sees it part-way)
+            self.count_link(None, t, nbytes, time.perf_counter() - started)
+            self.new_version(entry, keep=old, meta=meta)
+            self.overwritten(entry, old, meta)
+            return True
         self.policy_before_insert(t, entry.key, nbytes)
         packed = tier.allocate_packed(nbytes)
         copy = MemoryCopy(t, 0, slab=packed[0], index=packed[1]) if packed is not None else MemoryCopy(t, 0, buffer=tier.allocate(nbytes))
@@ -612,6 +635,7 @@ class Engine:
         copy.version = live.version
         live.set_copy(copy)
         self.policy_insert(live, copy)
+        self.observe("put", live.key, nbytes, t, hit=None)
         return True
 
     async def put_filled(self, entry: Entry, t: int, fill: Callable[[torch.Tensor, Priority], Awaitable[None]], meta: TensorMeta) -> None:
@@ -1157,6 +1181,15 @@ class Engine:
                     self._eviction_policy_failed(copy.tier, "on_insert", exc)
                     return
             copy.in_policy = True
+
+    def overwritten(self, entry: Entry, copy: Copy, meta: TensorMeta) -> None:
+        """A put's new value was copied over ``copy``, the buffer of the value it replaced
+        (``tierstore.overwrite``): to the tier's policy, a hit (as the simulator counts a put
+        of a value of the same size on the tier); a prefetch of the old value was not used.
+        Recorded in the trace as a put row with ``hit`` 1 (``replay_store_trace`` replays it so)."""
+        self._prefetched.discard((entry.key, copy.tier))
+        self.hit(entry, copy)
+        self.observe("put", entry.key, meta.nbytes, copy.tier, hit=True)
 
     def hit(self, entry: Entry, copy: Copy) -> None:
         """Tell ``copy``'s tier policy that it was read (every hit, any size, any path)."""

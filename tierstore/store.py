@@ -447,8 +447,8 @@ class TierStore:
             entry = engine.entries[key] = Entry(key, meta)
         if not through and self._put_now(entry, src, meta, first):
             # Done with no await (so no put of it was in flight meanwhile for anyone to see).
-            engine.observe("put", key, meta.nbytes, first, hit=None)
             if first == engine.disk_index:
+                engine.observe("put", key, meta.nbytes, first, hit=None)  # (a memory tier's put is recorded as it lands)
                 await self._after_staged()
             return
         targets = [first] if tier is not None else list(range(len(engine.tiers)))
@@ -498,10 +498,7 @@ class TierStore:
         finally:  # (also when that raised: no entry left behind)
             if not done and created and not entry.visible and entry.pending_writes == 0 and engine.entries.get(key) is entry:
                 del engine.entries[key]
-        if done:
-            engine.observe("put", key, meta.nbytes, first, hit=None)
-            return first
-        return None
+        return first if done else None  # (recorded in the trace as it landed)
 
     def _stage_small_now(self, key: str, tensor: torch.Tensor) -> int | None:
         """``_put_small_now`` onto the disk tier (``key`` checked, ``tensor`` a plain CPU
@@ -619,9 +616,9 @@ class TierStore:
             try:
                 if t == engine.disk_index:
                     await self._put_disk(entry, src, meta, staged=True)
-                elif not engine.put_memory_now(entry, t, src, meta):
+                    engine.observe("put", entry.key, meta.nbytes, t, hit=None)
+                elif not engine.put_memory_now(entry, t, src, meta):  # (a memory tier's put is recorded as it lands)
                     await engine.put_memory(entry, t, src, meta)
-                engine.observe("put", entry.key, meta.nbytes, t, hit=None)
                 return
             except TierFullError as exc:
                 failures.append(exc)

@@ -78,6 +78,11 @@ class Link(ABC):
         the event completed), e.g. before a buffer the caller's kernels read may be reused."""
         return Transfer.completed("marker", 0)
 
+    def passed(self, marker: Any) -> bool:
+        """Whether the work before ``marker`` has run already (CUDA: the event completed); asks,
+        never waits."""
+        return True
+
     def to_host(self, dst: torch.Tensor, src: torch.Tensor, *, after: Any = None) -> Transfer:
         """Start copying device tensor ``src`` into host tensor ``dst``: the same byte size when
         both are contiguous; else (a channels-last or transposed tensor) the same dtype and number

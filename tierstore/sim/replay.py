@@ -13,7 +13,10 @@ evictions, one by one, as the store that recorded it. The rules (``tierstore.eng
 - **put** (the row's tier is where it landed): room is made on that tier (the key's old copies
   still count and may be chosen as victims), then every other memory copy of the key is
   dropped (``on_remove``) and the new copy installed (``on_insert``); a put to the disk tier
-  drops every memory copy. The new value is valid only where it was written.
+  drops every memory copy. The new value is valid only where it was written. A put the store
+  copied over the key's value on its tier (``tierstore.overwrite``; the row's ``hit`` is 1)
+  makes no room: the key's other memory copies are dropped (``on_remove``) and that copy is a
+  hit (``on_hit``).
 - **get** / **hold** on tier ``t``: a hit when ``t`` holds the current value (``on_hit`` there).
   A miss reads the fastest other tier holding it, whose policy gets ``on_hit`` first; that copy
   is in use (not evictable) while room is made on ``t`` and the value is installed there. A
@@ -108,6 +111,7 @@ class _Row:
     key: str
     nbytes: int
     tier: int
+    hit: int = -1
 
 
 def read_store_trace(path: str | Path) -> tuple[list[str], list[_Row]]:
@@ -117,14 +121,15 @@ def read_store_trace(path: str | Path) -> tuple[list[str], list[_Row]]:
         ops = [str(op) for op in data["ops"]]
         keys = [str(key) for key in data["keys"]]
         tiers = [str(name) for name in data["tiers"]]
-        columns = zip(data["op"].tolist(), data["key"].tolist(), data["nbytes"].tolist(), data["tier"].tolist(), strict=True)
+        hits = data["hit"].tolist() if "hit" in data else [-1] * len(data["op"])
+        columns = zip(data["op"].tolist(), data["key"].tolist(), data["nbytes"].tolist(), data["tier"].tolist(), hits, strict=True)
         rows = []
-        for op_index, key, nbytes, tier in columns:
+        for op_index, key, nbytes, tier, hit in columns:
             if op_index >= len(ops):
                 raise TraceError(f"{path}: op index {op_index} is not in the trace's ops table {ops}")
             op = ops[op_index]
             if op in REQUESTS or op == "prefetch":
-                rows.append(_Row(op, keys[key], int(nbytes), int(tier)))
+                rows.append(_Row(op, keys[key], int(nbytes), int(tier), int(hit)))
             elif op != "evict":
                 raise TraceError(f"{path}: unknown op {op!r}")
     return tiers, rows
@@ -189,7 +194,7 @@ def replay_store_trace(
     for i, row in enumerate(rows):
         oracle.now = position
         following = rows[i + 1] if i + 1 < len(rows) else None
-        through = row.op == "put" and following is not None and following.op == "writeback" and following.key == row.key
+        through = row.op == "put" and row.hit != 1 and following is not None and following.op == "writeback" and following.key == row.key
         replay.apply(row, through)
         position += row.op not in _NOT_REQUESTS
     return replay.result
@@ -272,7 +277,7 @@ class _StoreModel:
     def apply(self, row: _Row, through: bool = False) -> None:
         """Apply one row; ``through``: a put whose writeback row follows (a write-through put)."""
         if row.op == "put":
-            self._put(row.key, row.nbytes, self._tier(row), through)
+            self._put(row.key, row.nbytes, self._tier(row), through, over=row.hit == 1)
         elif row.op == "delete":
             self._forget(row.key)
         elif row.op == "pop":
@@ -296,10 +301,19 @@ class _StoreModel:
             raise TraceError(f"a {row.op} of {row.key!r} names tier {row.tier}; the trace has tiers {self.names}")
         return row.tier
 
-    def _put(self, key: str, nbytes: int, t: int, through: bool = False) -> None:
+    def _put(self, key: str, nbytes: int, t: int, through: bool = False, over: bool = False) -> None:
+        """A put landed on tier ``t``; ``over``: copied over the key's value there."""
         if through:  # committed on the disk first: the old memory copies are gone before room is made
             self._drop_memory(key)
             self.valid[key] = {self.disk} if self.disk is not None else set()
+        elif over and t != self.disk and t in self.valid.get(key, ()) and key in self.resident[t]:
+            for other in range(self.memory):
+                if other != t and self._drop(other, key) and self.policies[other] is not None:
+                    self.policies[other].on_remove(key)
+            self.nbytes[key] = nbytes
+            self.valid[key] = {t}
+            self._hit(t, key)
+            return
         if t != self.disk:
             self._make_room(t, nbytes, key)
             taken = self.rooms[t].take(nbytes)

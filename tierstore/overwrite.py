@@ -1,0 +1,122 @@
+"""A put copied over the buffer of the value it replaces, when its memory tier has no room.
+
+A put allocates its new buffer beside the old value's and drops the old one once the new one is
+installed, so the old value stays readable meanwhile and survives a put that fails. On a tier
+without room for both, that made room by evicting, and the victim could be the very value being
+replaced: written to the disk (a dirty value's only copy) to make room for its own successor,
+or another value pushed out in its place. A put of a value that takes the old one's room on
+that tier, with no one holding it, instead waits for its reads and write-backs under way and
+writes over it (what the simulator counts: a hit; the trace records a put row with ``hit`` 1).
+
+While the copy runs the key is as under a write hold (``TierStore.hold(write=True)``): its
+readers, puts and holds wait. The copy is never given up part-way: a cancelled caller waits for
+it, and the put has then taken effect (as README's "Durability" allows: the new value once its
+commit has begun). A copy that fails (it fails before it writes: a closed link, a pool that
+stopped) leaves the old bytes in place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from .entry import Copy, Entry
+from .tensors import TensorMeta
+from .tiers.base import MemoryTier
+from .units import format_bytes
+from .workers import Priority, wait_uncancelled
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+def overwritable(engine: Engine, entry: Entry, t: int, nbytes: int, read: bool = False) -> Copy | None:
+    """The copy of ``entry``'s value on memory tier ``t`` that a put of ``nbytes`` may copy
+    over: the tier has no room for a new buffer of that size now, the copy takes what the new
+    value takes there, and no one else uses it (no hold, read, write-back, or other put of the
+    key in flight; with ``read``, uses that are not holds are allowed: see ``after_reads``).
+    None when the put should allocate as usual."""
+    tier = engine.tiers[t]
+    if not isinstance(tier, MemoryTier) or tier.free >= tier.allocation_size(nbytes):
+        return None
+    link = getattr(tier, "link", None)
+    if engine.winding_down or engine.closing or engine.frozen:
+        return None
+    if engine.entries.get(entry.key) is not entry or entry.writer is not None or entry.pending_writes > 1:
+        return None
+    copy = entry.valid(t)
+    if copy is None or not copy.in_memory or (copy.holds if read else copy.users) or copy.retired or copy.writing:
+        return None
+    last_use = copy.last_use
+    if last_use is not None and not (link is not None and link.passed(last_use)):
+        return None  # (a kernel may still read it)
+    return copy if copy.nbytes == tier.value_size(nbytes) else None
+
+
+def why_not(engine: Engine, entry: Entry, t: int) -> str | None:
+    """For a put refused for room on tier ``t``: what the key's own value there has to do with
+    it (None when it has none there)."""
+    copy = entry.valid(t) if engine.entries.get(entry.key) is entry else None
+    if copy is None or not copy.in_memory:
+        return None
+    held = " (held now)" if copy.holds else ""
+    return (f"{format_bytes(copy.nbytes)} of it hold the value {entry.key!r} has now{held}: a put gets room for its new value "
+            "beside the old one, unless the new one takes the old one's room exactly and no one holds it; "
+            "delete the key first, or write into its buffer under hold(key, write=True)")
+
+
+async def after_reads(engine: Engine, entry: Entry, copy: Copy, t: int, nbytes: int) -> Copy | None:
+    """``overwritable`` once the uses of ``copy`` that are not holds have ended (a get, a load
+    from it, a write-back: they end by themselves), as a write hold waits for them; a put that
+    evicted it instead would write it down the tiers (or, on a full last tier, be refused)."""
+    if copy.users:
+        await engine.wait_until(entry, lambda: copy.users == 0 or copy.holds > 0 or copy.retired)
+    return overwritable(engine, entry, t, nbytes)
+
+
+async def overwrite(
+    engine: Engine, entry: Entry, copy: Copy, fill: Callable[[torch.Tensor, Priority], Awaitable[None]], meta: TensorMeta,
+    priority: Priority,
+) -> bool:
+    """Fill ``copy`` (from ``overwritable``) with a put's new value and make it ``entry``'s
+    value, recording the put in the store's trace (a put row with ``hit`` 1). False when the
+    key was deleted while the copy ran: nothing installed, the put should go the usual way. A
+    cancelled caller gets its ``CancelledError`` once the copy has ended (the value then is the
+    new one)."""
+    engine.use(entry, copy)
+    ended = asyncio.get_running_loop().create_future()
+    engine.expect_room(copy.tier, ended)  # (a request for room meanwhile waits for the copy, not refuses)
+    copy.writing = True
+    entry.writer, entry.writer_token = copy, 0
+    started = time.perf_counter()
+    filling = engine._track(fill(copy.buffer, priority))  # type: ignore[arg-type]  # (a close waits for it)
+    cancelled = False
+    try:
+        await asyncio.shield(filling)
+    except asyncio.CancelledError:
+        cancelled = True
+        await wait_uncancelled(filling)  # (never stopped part-way)
+    except Exception:
+        pass  # (raised below: the copy failed before it wrote, the old value stands)
+    installed = False
+    try:
+        copied = not filling.cancelled() and filling.exception() is None
+        if copied and engine.entries.get(entry.key) is entry and entry.copy_on(copy.tier) is copy and not copy.retired:
+            engine.count_link(None, copy.tier, meta.nbytes, time.perf_counter() - started)
+            engine.new_version(entry, keep=copy, meta=meta)
+            engine.overwritten(entry, copy, meta)
+            installed = True
+    finally:
+        copy.writing = False
+        entry.writer, entry.writer_token = None, 0
+        engine.unuse(entry, copy)  # (wakes those that waited for the copy)
+        ended.set_result(None)
+    if cancelled or filling.cancelled():
+        raise asyncio.CancelledError()
+    if (error := filling.exception()) is not None:
+        raise error
+    return installed
