@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from kernel_link import KernelLink
 
 from tierstore import (
     DeviceTier,
@@ -218,11 +219,71 @@ async def test_a_put_racing_a_read_of_its_key_waits_for_the_read_then_copies_ove
 async def test_a_put_refused_for_room_says_when_the_keys_own_value_fills_the_tier(device_mode: str) -> None:
     async with TierStore([HostTier("1MiB")]) as store:
         await store.put("k", torch.zeros(MiB // 4))
-        with pytest.raises(TierFullError, match=r"1.0 MiB of it hold the value 'k' has now: .*delete the key first"):
-            await store.put("k", torch.zeros(MiB // 8))  # another size: room beside the old value
+        with pytest.raises(TierFullError, match=r"1.0 MiB of it hold the value 'k' has now: a value of another size .*delete the key first"):
+            await store.put("k", torch.zeros(MiB // 8))
         async with store.hold("k"):
-            with pytest.raises(TierFullError, match=r"the value 'k' has now \(held now\)"):
+            with pytest.raises(TierFullError, match=r"the value 'k' has now, held now: .*release the hold first"):
                 await store.put("k", torch.ones(MiB // 4))
+        with pytest.raises(TierFullError, match=r"a fill gets room .*delete the key first, or write into its buffer under hold"):
+            async with store.fill("k", (MiB // 4,), torch.float32) as buffer:
+                buffer.fill_(1.0)
         assert torch.equal(await store.get("k"), torch.zeros(MiB // 4))
         await store.delete("k")
         await store.put("k", torch.zeros(MiB // 8))
+    async with TierStore([HostTier("1MiB")]) as store:
+        await store.put("a", torch.zeros(MiB // 8))
+        await store.put("b", torch.zeros(MiB // 8))
+        with pytest.raises(TierFullError) as refused:
+            await store.put("a", torch.zeros(MiB // 4))  # deleting "a" would not make room
+        assert "has now" not in str(refused.value)
+
+
+async def test_a_buffer_a_kernel_may_still_read_is_not_copied_over(device_mode: str) -> None:
+    """A device buffer whose holder's kernels have not ended (its ``last_use`` marker pending,
+    as a CUDA event after a slow kernel) is not written over: the put waits for room instead."""
+    value = 64 * 1024
+    device = DeviceTier("cpu", value, emulate_device=True)  # room for one value
+    store = TierStore([device, HostTier("1MiB")])
+    await store.open()
+    link = device.link = KernelLink()
+    try:
+        await store.put("k", torch.zeros(value // 4), tier="device")
+        async with store.hold("k", "device") as held:
+            link.launching = True  # a "kernel" reading the held buffer, running past the release
+            read_by_kernel = held
+        link.launching = False
+        put = asyncio.ensure_future(store.put("k", torch.ones(value // 4), tier="device"))
+        await asyncio.sleep(0.05)
+        assert torch.equal(read_by_kernel, torch.zeros(value // 4))
+        link.finish()
+        await asyncio.wait_for(put, 30)
+        assert torch.equal(await store.get("k"), torch.ones(value // 4))
+    finally:
+        link.finish()
+        await store.aclose()
+        link.close()
+
+
+@pytest.mark.parametrize("layout", ["host", "host+disk"])
+async def test_a_put_behind_a_loop_of_reads_of_its_key_ends(tmp_path: Path, device_mode: str, layout: str) -> None:
+    """It waits for the reads under way when it comes, not for those that start meanwhile."""
+    numel = 16 * MiB
+    tiers = [HostTier("64MiB")] + ([DiskTier(tmp_path / "d", "1GiB")] if layout == "host+disk" else [])
+    async with TierStore(tiers) as store:
+        await store.put("k", torch.zeros(numel))
+        stop = asyncio.Event()
+
+        async def read_in_a_loop() -> None:
+            while not stop.is_set():
+                got = await store.get("k")
+                assert got.min() == got.max()
+
+        readers = [asyncio.ensure_future(read_in_a_loop()) for _ in range(2)]
+        await asyncio.sleep(0.01)
+        try:
+            await asyncio.wait_for(store.put("k", torch.ones(numel)), 60)
+        except TierFullError:
+            assert layout == "host"  # (no room beside it, and the reads never all end: refused)
+        finally:
+            stop.set()
+            await asyncio.gather(*readers)

@@ -593,7 +593,7 @@ class Engine:
         try:
             await self._write_memory(entry, t, None, fill, Priority.DEMAND, meta=meta, source_tier=None, wait_for_close=True)
         except TierFullError as exc:
-            if (why := overwrite.why_not(self, entry, t)) is None:
+            if (why := overwrite.why_not(self, entry, t, meta.nbytes)) is None:
                 raise
             raise TierFullError(f"{exc}; {why}") from None
         self.observe("put", entry.key, meta.nbytes, t, hit=None)
@@ -640,7 +640,12 @@ class Engine:
 
     async def put_filled(self, entry: Entry, t: int, fill: Callable[[torch.Tensor, Priority], Awaitable[None]], meta: TensorMeta) -> None:
         """A new value of ``entry`` on memory tier ``t``, written into its buffer by ``fill``."""
-        await self._write_memory(entry, t, None, fill, Priority.DEMAND, meta=meta, source_tier=None, wait_for_close=True)
+        try:
+            await self._write_memory(entry, t, None, fill, Priority.DEMAND, meta=meta, source_tier=None, wait_for_close=True)
+        except TierFullError as exc:
+            if (why := overwrite.why_not(self, entry, t, meta.nbytes, fill=True)) is None:
+                raise
+            raise TierFullError(f"{exc}; {why}") from None
 
     def _copier(self, src: torch.Tensor, target: int) -> Callable[[torch.Tensor, Priority], Awaitable[None]]:
         """A coroutine function that fills a buffer on tier ``target`` with the bytes of ``src``
@@ -1472,7 +1477,7 @@ class Engine:
             self.trace.record(op, key, nbytes, t, hit, before)
         if op in ("get", "hold", "put", "pop") and t is not None and self.issuer is not None and not self._no_prefetch and not self.unobserved:
             try:
-                self.prefetch_policy.on_access(key, nbytes, self.names[t], bool(hit))
+                self.prefetch_policy.on_access(key, nbytes, self.names[t], bool(hit) and op != "put")  # (a put never is one)
                 suggestions = read_suggestions(self.prefetch_policy)
             except Exception as exc:  # (advice only: a policy that fails costs prefetches, not the request)
                 self.prefetch_failed(exc)

@@ -5,8 +5,8 @@ installed, so the old value stays readable meanwhile and survives a put that fai
 without room for both, that made room by evicting, and the victim could be the very value being
 replaced: written to the disk (a dirty value's only copy) to make room for its own successor,
 or another value pushed out in its place. A put of a value that takes the old one's room on
-that tier, with no one holding it, instead waits for its reads and write-backs under way and
-writes over it (what the simulator counts: a hit; the trace records a put row with ``hit`` 1).
+that tier, with no one holding it, instead waits for the reads of it under way and writes
+over it (what the simulator counts: a hit; the trace records a put row with ``hit`` 1).
 
 While the copy runs the key is as under a write hold (``TierStore.hold(write=True)``): its
 readers, puts and holds wait. The copy is never given up part-way: a cancelled caller waits for
@@ -57,24 +57,35 @@ def overwritable(engine: Engine, entry: Entry, t: int, nbytes: int, read: bool =
     return copy if copy.nbytes == tier.value_size(nbytes) else None
 
 
-def why_not(engine: Engine, entry: Entry, t: int) -> str | None:
-    """For a put refused for room on tier ``t``: what the key's own value there has to do with
-    it (None when it has none there)."""
+def why_not(engine: Engine, entry: Entry, t: int, nbytes: int, fill: bool = False) -> str | None:
+    """For a put (``fill``: a fill) of ``nbytes`` refused for room on tier ``t``: what the key's
+    own value there has to do with it, when without it the new value would fit (None
+    otherwise)."""
+    tier = engine.tiers[t]
     copy = entry.valid(t) if engine.entries.get(entry.key) is entry else None
-    if copy is None or not copy.in_memory:
+    if copy is None or not copy.in_memory or not isinstance(tier, MemoryTier):
         return None
-    held = " (held now)" if copy.holds else ""
-    return (f"{format_bytes(copy.nbytes)} of it hold the value {entry.key!r} has now{held}: a put gets room for its new value "
-            "beside the old one, unless the new one takes the old one's room exactly and no one holds it; "
-            "delete the key first, or write into its buffer under hold(key, write=True)")
+    if tier.value_size(nbytes) > tier.capacity or tier.free + copy.nbytes < tier.value_size(nbytes):
+        return None  # (deleting the key would not make room: say nothing of it)
+    holding = f"{format_bytes(copy.nbytes)} of it hold the value {entry.key!r} has now"
+    if copy.holds:
+        return f"{holding}, held now: a put gets room beside a held value; release the hold first"
+    if fill:
+        return (f"{holding}: a fill gets room for its value beside the old one (its block may raise, which leaves the old "
+                "value); delete the key first" + (", or write into its buffer under hold(key, write=True)" if copy.nbytes == tier.value_size(nbytes) else ""))
+    return f"{holding}: a value of another size gets room beside the old one; delete the key first"
 
 
 async def after_reads(engine: Engine, entry: Entry, copy: Copy, t: int, nbytes: int) -> Copy | None:
-    """``overwritable`` once the uses of ``copy`` that are not holds have ended (a get, a load
-    from it, a write-back: they end by themselves), as a write hold waits for them; a put that
-    evicted it instead would write it down the tiers (or, on a full last tier, be refused)."""
-    if copy.users:
-        await engine.wait_until(entry, lambda: copy.users == 0 or copy.holds > 0 or copy.retired)
+    """``overwritable`` once the reads of ``copy`` under way have ended (gets, loads from it:
+    they end by themselves), as a put that evicted it would have waited for them; not for reads
+    that start meanwhile (a loop of gets would keep it waiting for ever), nor for other uses (a
+    write-back): then None, and the put goes the usual way."""
+    reads = [done for done, read in engine.reads[t].items() if read is copy]
+    if len(reads) < copy.users:
+        return None
+    if reads:
+        await asyncio.wait(reads)
     return overwritable(engine, entry, t, nbytes)
 
 

@@ -8,7 +8,8 @@ the bytes of saved activations left on the device at the peak (everything withou
 with save_on_cpu, which moves them all; for ours the small tensors kept in place, plus the
 device tier at its fullest and the tensors brought back ahead of backward at their most), and the time the step waited on the store. Parameters: forward, backward and a
 TieredAdamW step with the weights in the store (host, or disk under a small host tier), against
-the same with the weights resident; the device tier holds a third of the weights.
+the same with the weights resident, and the bytes written into the disk tier a step; the device
+tier holds a third of the weights.
 
 Emulated link: beside the plain runs (the CPU lends its memory, nothing crosses), the same
 offload over an emulated device (``tierstore.device``) whose link runs at ``--link`` (default
@@ -259,9 +260,12 @@ def parameters(args: argparse.Namespace) -> list[dict[str, Any]]:
         batches = synthetic_batches(config, args.batch // 2, seed=3, device=args.device)
         times: list[float] = []
         stalls: list[float] = []
+        written = 0
         for step in range(args.steps):
             tokens = next(batches)
             timeline.recording = step >= 2
+            if step == 2:
+                written = -_to_disk(sync)
             before = params.report.stall if params else 0.0
             started = time.perf_counter()
             opt.zero_grad()
@@ -277,6 +281,7 @@ def parameters(args: argparse.Namespace) -> list[dict[str, Any]]:
             if step >= 2:
                 times.append(time.perf_counter() - started)
                 stalls.append((params.report.stall if params else 0.0) - before)
+        written += _to_disk(sync)
         if link is not None:
             link.remove_listener(timeline)
         opt.close()
@@ -284,11 +289,18 @@ def parameters(args: argparse.Namespace) -> list[dict[str, Any]]:
             params.detach()
         sync.close()
         shutil.rmtree(root, ignore_errors=True)
-        results[name] = (median(times), median(stalls), timeline.summary(max(args.steps - 2, 1)) if over_link else {})
+        results[name] = (median(times), median(stalls), timeline.summary(max(args.steps - 2, 1)) if over_link else {},
+                         written / max(args.steps - 2, 1))
     resident = results["all resident"][0]
-    for name, (seconds, stall, crossings) in results.items():
-        rows.append({"what": name, "step_ms": seconds * 1e3, "vs_resident": seconds / resident, "stall_ms": stall * 1e3, **crossings})
+    for name, (seconds, stall, crossings, to_disk) in results.items():
+        rows.append({"what": name, "step_ms": seconds * 1e3, "vs_resident": seconds / resident, "stall_ms": stall * 1e3,
+                     "disk_written_mib": to_disk / MiB, **crossings})
     return rows
+
+
+def _to_disk(store: SyncTierStore) -> int:
+    """Bytes the store has written into its disk tier so far (every link into it)."""
+    return sum(link["nbytes"] for name, link in store.stats()["links"].items() if name.endswith("->disk"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -312,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(act, [("what", "variant", "s"), ("step_ms", "step ms", ".1f"), ("vs_save_on_cpu", "vs save_on_cpu", ".2f"),
                       ("device_mib", "saved MiB on device (peak)", ".1f"), ("stall_ms", "waited ms", ".1f")]))
     print("\nparameter offload (forward, backward, TieredAdamW step; device tier = a third of the weights)")
-    print(table(par, [("what", "variant", "s"), ("step_ms", "step ms", ".1f"), ("vs_resident", "vs resident", ".2f"), ("stall_ms", "waited ms", ".1f")]))
+    print(table(par, [("what", "variant", "s"), ("step_ms", "step ms", ".1f"), ("vs_resident", "vs resident", ".2f"), ("stall_ms", "waited ms", ".1f"),
+                      ("disk_written_mib", "disk written MiB/step", ".1f")]))
     crossing = [row for row in act + par if "hidden" in row]
     print(f"\nover the emulated link ({args.link}), per step: bytes each way, link busy time, share hidden behind compute")
     print(table(crossing, [("what", "variant", "s"), ("to_host_mib", "to host MiB", ".1f"), ("to_device_mib", "to device MiB", ".1f"),

@@ -81,7 +81,7 @@ class Link(ABC):
     def passed(self, marker: Any) -> bool:
         """Whether the work before ``marker`` has run already (CUDA: the event completed); asks,
         never waits."""
-        return True
+        return self.when_done(marker).done()
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor, *, after: Any = None) -> Transfer:
         """Start copying device tensor ``src`` into host tensor ``dst``: the same byte size when
