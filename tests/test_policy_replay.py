@@ -26,6 +26,7 @@ from tierstore.sim import NextUse, load_evictions, load_trace, replay_store_trac
 from tierstore.tracing import TraceRecorder
 
 KiB = 1024
+MiB = 1 << 20
 DEVICE = 64 * KiB
 HOST_ABOVE_DISK = 128 * KiB
 HOST_LAST = 4096 * KiB  # the last tier evicts nothing: it holds every key
@@ -319,3 +320,29 @@ async def test_replay_agrees_with_write_through_flush_holds_and_pop(tmp_path: Pa
     assert result.evictions == recorded, f"first differing eviction: {_first_difference(result.evictions, recorded)}"
     for tier in memory:
         assert result.misses[tier.name] == stats["tiers"][tier.name]["misses"], tier.name
+
+
+@pytest.mark.parametrize("eviction", ["fifo", "lru"])
+async def test_a_flush_right_after_a_write_back_put_is_not_taken_for_a_write_through_put(tmp_path: Path, eviction: str) -> None:
+    """A put's row followed by the key's writeback row read as a write-through put (which drops
+    the key's memory copies before making room) also when a flush wrote the put's value back:
+    the replay then evicted other keys than the store. A write-back put's row says how it
+    landed (``hit`` 0 or 1), a write-through put's does not (-1)."""
+    path = tmp_path / "t.npz"
+    async with TierStore([HostTier("1MiB"), DiskTier(tmp_path / "d", "16MiB")], eviction=eviction, trace=path) as store:
+        for key in "abcd":
+            await store.put(key, torch.zeros(MiB // 16), "host")
+        await store.put("a", torch.ones(MiB // 32), "host")  # another size: room made (a itself goes)
+        await store.flush()  # rows: put a, writeback a
+        await store.put("a", torch.ones(MiB // 16), "host")
+        await store.flush()
+        await store.put("a", torch.ones(MiB // 16), "host")  # copied over a's value
+        await store.flush()  # rows: put a, writeback a
+        await store.put("e", torch.ones(MiB // 16), "host")  # room made: a victim
+        await store.flush()  # rows: put e, writeback e
+        await store.put("b", torch.ones(MiB // 16), "host", durable=True)  # written through
+        await store.put("f", torch.ones(MiB // 16), "host")
+        await store.put("a", torch.full((MiB // 16,), 2.0), "host")
+    live = load_evictions(path)
+    assert live
+    assert replay_store_trace(path, [MiB], eviction, accounting=[HostTier("1MiB")]).evictions == live

@@ -596,7 +596,7 @@ class Engine:
             if (why := overwrite.why_not(self, entry, t, meta.nbytes)) is None:
                 raise
             raise TierFullError(f"{exc}; {why}") from None
-        self.observe("put", entry.key, meta.nbytes, t, hit=None)
+        self.observe("put", entry.key, meta.nbytes, t, hit=False)  # (room made for it: see tierstore.tracing)
 
     def put_memory_now(self, entry: Entry, t: int, src: torch.Tensor, meta: TensorMeta) -> bool:
         """``put_memory`` done at once, with no await, when nothing needs one: a small CPU
@@ -635,7 +635,7 @@ class Engine:
         copy.version = live.version
         live.set_copy(copy)
         self.policy_insert(live, copy)
-        self.observe("put", live.key, nbytes, t, hit=None)
+        self.observe("put", live.key, nbytes, t, hit=False)
         return True
 
     async def put_filled(self, entry: Entry, t: int, fill: Callable[[torch.Tensor, Priority], Awaitable[None]], meta: TensorMeta) -> None:

@@ -751,7 +751,7 @@ class TierStore:
                 raise exc
             finished.set_result(None)
             await installing
-            engine.observe("put", entry.key, meta.nbytes, t, hit=None)
+            engine.observe("put", entry.key, meta.nbytes, t, hit=False)  # (room made for it: see tierstore.tracing)
             return
         if len(failures) == 1:
             raise failures[0]

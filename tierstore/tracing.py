@@ -11,7 +11,7 @@ column        dtype      meaning
 ``nbytes``    int64      size of the value
 ``tier``      int8       tier the access asked for or landed on (index into ``tiers``), -1: none
 ``before``    int8       fastest tier holding the value before the access, -1: none
-``hit``       int8       1 hit, 0 miss, -1 not a read (a put: 1 copied over its value)
+``hit``       int8       1 hit, 0 miss, -1 not a read (a put: see below)
 ``step``      int64      number of ``mark_step`` calls before the access
 ============  =========  =====================================================================
 
@@ -24,8 +24,10 @@ An ``evict`` row is not an access: the store chose the copy of ``key`` on tier `
 (``tierstore.sim.load_evictions``, ``tierstore.sim.replay_store_trace``). A ``pop`` row is a
 read that removes the key (``hit``: whether the asked tier held it). A ``writeback`` row is not
 an access either: the current value of ``key`` was committed to tier ``tier`` (the disk) by a
-flush or a write-through put. A ``put`` row's ``hit`` is 1 when the put was copied over the key's
-value on that tier (``tierstore.overwrite``: no room was made for it), else -1. An ``update`` row is a write hold released on tier ``tier``: its
+flush or a write-through put. A ``put`` row's ``hit`` says how a put landed on a memory tier: 1
+copied over the key's value there (``tierstore.overwrite``: no room was made for it), 0 room made
+for it (a write-back put or a fill); -1 for a put written through to the disk tier first (and in
+traces from before tierstore recorded these). An ``update`` row is a write hold released on tier ``tier``: its
 copy there is the key's only current value from then on. New ops are only ever
 appended to ``OPS``, so the op indices of older traces keep their meaning (each file also
 carries its own ``ops`` table).

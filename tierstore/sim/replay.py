@@ -31,8 +31,9 @@ evictions, one by one, as the store that recorded it. The rules (``tierstore.eng
   way nothing is cached and the key is dropped everywhere.
 - **writeback** (a flush or a write-through put committed the current value to the disk): the
   disk tier holds it from then on, so evicting its memory copies writes nothing back. A put
-  followed by its writeback row is a write-through put: it commits on the disk first, so the
-  key's old memory copies are gone before room is made for the new one.
+  followed by its writeback row is a write-through put when its ``hit`` is -1 (a write-back
+  put's is 0 or 1: ``tierstore.tracing``): it commits on the disk first, so the key's old
+  memory copies are gone before room is made for the new one.
 - **update** (a write hold released on tier ``t``): the copy there is the only current value;
   the key's other memory copies are dropped (``on_remove``) and the disk's is stale.
 - **prefetch** (recorded once a prefetch brought the value up to tier ``t``): as a get's miss
@@ -194,7 +195,9 @@ def replay_store_trace(
     for i, row in enumerate(rows):
         oracle.now = position
         following = rows[i + 1] if i + 1 < len(rows) else None
-        through = row.op == "put" and row.hit != 1 and following is not None and following.op == "writeback" and following.key == row.key
+        # (a write-through put: its row's ``hit`` is -1 and its writeback row follows; a
+        # write-back put's is 0 or 1, so a flush right after it is not taken for one)
+        through = row.op == "put" and row.hit == -1 and following is not None and following.op == "writeback" and following.key == row.key
         replay.apply(row, through)
         position += row.op not in _NOT_REQUESTS
     return replay.result
