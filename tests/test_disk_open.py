@@ -20,7 +20,7 @@ import pytest
 import torch
 from catalog_records import flip_in_record
 
-from tierstore import DiskTier, TierStore
+from tierstore import DiskTier, SyncTierStore, TierStore
 from tierstore.cli import main as cli_main
 from tierstore.disk.catalog import FORMAT_VERSION
 from tierstore.disk.extents import Extent
@@ -32,7 +32,7 @@ from tierstore.errors import (
     StoreForkedError,
     StoreLockedError,
 )
-from tierstore.inspect import describe_folder
+from tierstore.inspect import describe_folder, format_description
 from tierstore.units import format_bytes
 
 MiB = 1 << 20
@@ -687,3 +687,15 @@ async def test_an_old_catalog_larger_than_half_its_map_is_sealed_and_opens(tmp_p
         assert torch.equal(await store.get("k7"), torch.full((1 << 18,), 7.0))
         assert len(store.keys()) == 160
     assert all(records_sealed(root))
+
+
+def test_info_keeps_its_columns_aligned_for_long_shapes_and_keys(tmp_path: Path) -> None:
+    """A 21-dimension shape pushed the size column out of line (found by a tryout)."""
+    with SyncTierStore([DiskTier(tmp_path / "d", "64MiB")]) as store:
+        store.put("a", torch.zeros([1] * 21))
+        store.put("bb", torch.zeros(3, 4))
+        store.put("long/" + "x" * 70, torch.zeros([1] * 40 + [3], dtype=torch.bfloat16))
+    lines = format_description(describe_folder(tmp_path / "d")).splitlines()
+    table = lines[lines.index(next(line for line in lines if line.lstrip().startswith("key "))):]
+    assert len(table) == 4 and len({len(line) for line in table}) == 1, table
+    assert len({line.index(" float32") if " float32" in line else line.index(" bfloat16") for line in table[1:]}) == 1

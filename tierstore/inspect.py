@@ -130,14 +130,17 @@ def format_description(info: dict[str, Any], limit: int | None = 40) -> str:
             lines.append(f"  {ns['name']!r:<24} {ns['owner']:<20} {kind:<6} {ns['keys']:>6} {format_bytes(ns['nbytes']):>10}")
     keys = info["keys"] if limit is None else info["keys"][:limit]
     if keys:
+        shapes = ["x".join(map(str, k["shape"])) or "scalar" for k in keys]
         width = min(60, max(len(repr(k["key"])) for k in keys))
+        dtype_width = max(14, *(len(str(k["dtype"])) for k in keys))
+        shape_width = min(60, max(20, *map(len, shapes)))  # (a long shape is cut, as a long key is: the columns stay aligned)
         lines.append("")
-        lines.append(f"  {'key':<{width}}  {'dtype':<14} {'shape':<20} {'size':>10}")
-        for k in keys:
-            shape = "x".join(map(str, k["shape"])) or "scalar"
+        lines.append(f"  {'key':<{width}}  {'dtype':<{dtype_width}} {'shape':<{shape_width}} {'size':>10}")
+        for k, shape in zip(keys, shapes, strict=True):
             name = repr(k["key"])
             name = name if len(name) <= width else name[: width - 3] + "..."
-            lines.append(f"  {name:<{width}}  {k['dtype']:<14} {shape:<20} {format_bytes(k['nbytes']):>10}")
+            shape = shape if len(shape) <= shape_width else shape[: shape_width - 3] + "..."
+            lines.append(f"  {name:<{width}}  {k['dtype']:<{dtype_width}} {shape:<{shape_width}} {format_bytes(k['nbytes']):>10}")
         hidden = len(info["keys"]) - len(keys)
         if hidden > 0:
             lines.append(f"  ... and {hidden} more (--all to list them)")
