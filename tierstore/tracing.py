@@ -10,7 +10,7 @@ column        dtype      meaning
 ``key``       int64      index into ``keys``
 ``nbytes``    int64      size of the value
 ``tier``      int8       tier the access asked for or landed on (index into ``tiers``), -1: none
-``before``    int8       fastest tier holding the value before the access, -1: none
+``before``    int8       fastest tier holding the value before a get, hold or pop; -1: none
 ``hit``       int8       1 hit, 0 miss, -1 not a read (a put: see below)
 ``step``      int64      number of ``mark_step`` calls before the access
 ============  =========  =====================================================================
