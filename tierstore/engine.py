@@ -590,12 +590,8 @@ class Engine:
             old = await overwrite.after_reads(self, entry, old, t, meta.nbytes)
         if old is not None and await overwrite.overwrite(self, entry, old, fill, meta, Priority.DEMAND):
             return
-        try:
+        with overwrite.refusal_explained(self, entry, t, meta.nbytes):
             await self._write_memory(entry, t, None, fill, Priority.DEMAND, meta=meta, source_tier=None, wait_for_close=True)
-        except TierFullError as exc:
-            if (why := overwrite.why_not(self, entry, t, meta.nbytes)) is None:
-                raise
-            raise TierFullError(f"{exc}; {why}") from None
         self.observe("put", entry.key, meta.nbytes, t, hit=False)  # (room made for it: see tierstore.tracing)
 
     def put_memory_now(self, entry: Entry, t: int, src: torch.Tensor, meta: TensorMeta) -> bool:
@@ -620,9 +616,7 @@ class Engine:
             if old is None:
                 return False
             cpu_copy(old.view(nbytes), src[:nbytes])  # (no await: nothing sees it part-way)
-            self.count_link(None, t, nbytes, time.perf_counter() - started)
-            self.new_version(entry, keep=old, meta=meta)
-            self.overwritten(entry, old, meta)
+            self.overwritten(entry, old, meta, time.perf_counter() - started)
             return True
         self.policy_before_insert(t, entry.key, nbytes)
         packed = tier.allocate_packed(nbytes)
@@ -640,12 +634,8 @@ class Engine:
 
     async def put_filled(self, entry: Entry, t: int, fill: Callable[[torch.Tensor, Priority], Awaitable[None]], meta: TensorMeta) -> None:
         """A new value of ``entry`` on memory tier ``t``, written into its buffer by ``fill``."""
-        try:
+        with overwrite.refusal_explained(self, entry, t, meta.nbytes, fill=True):
             await self._write_memory(entry, t, None, fill, Priority.DEMAND, meta=meta, source_tier=None, wait_for_close=True)
-        except TierFullError as exc:
-            if (why := overwrite.why_not(self, entry, t, meta.nbytes, fill=True)) is None:
-                raise
-            raise TierFullError(f"{exc}; {why}") from None
 
     def _copier(self, src: torch.Tensor, target: int) -> Callable[[torch.Tensor, Priority], Awaitable[None]]:
         """A coroutine function that fills a buffer on tier ``target`` with the bytes of ``src``
@@ -1187,11 +1177,14 @@ class Engine:
                     return
             copy.in_policy = True
 
-    def overwritten(self, entry: Entry, copy: Copy, meta: TensorMeta) -> None:
+    def overwritten(self, entry: Entry, copy: Copy, meta: TensorMeta, seconds: float) -> None:
         """A put's new value was copied over ``copy``, the buffer of the value it replaced
-        (``tierstore.overwrite``): to the tier's policy, a hit (as the simulator counts a put
-        of a value of the same size on the tier); a prefetch of the old value was not used.
-        Recorded in the trace as a put row with ``hit`` 1 (``replay_store_trace`` replays it so)."""
+        (``tierstore.overwrite``), in ``seconds``: it becomes ``entry``'s value. To the tier's
+        policy, a hit (as the simulator counts a put of a value of the same size on the tier);
+        a prefetch of the old value was not used. Recorded in the trace as a put row with
+        ``hit`` 1 (``replay_store_trace`` replays it so)."""
+        self.count_link(None, copy.tier, meta.nbytes, seconds)
+        self.new_version(entry, keep=copy, meta=meta)
         self._prefetched.discard((entry.key, copy.tier))
         self.hit(entry, copy)
         self.observe("put", entry.key, meta.nbytes, copy.tier, hit=True)

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
 
 from .entry import Copy, Entry
+from .errors import TierFullError
 from .tensors import TensorMeta
 from .tiers.base import MemoryTier
 from .units import format_bytes
@@ -55,6 +57,18 @@ def overwritable(engine: Engine, entry: Entry, t: int, nbytes: int, read: bool =
     if last_use is not None and not (link is not None and link.passed(last_use)):
         return None  # (a kernel may still read it)
     return copy if copy.nbytes == tier.value_size(nbytes) else None
+
+
+@contextmanager
+def refusal_explained(engine: Engine, entry: Entry, t: int, nbytes: int, fill: bool = False) -> Iterator[None]:
+    """Around a put (``fill``: a fill) of ``nbytes`` onto tier ``t``: a ``TierFullError`` it
+    raises says what the key's own value there has to do with it (``why_not``)."""
+    try:
+        yield
+    except TierFullError as exc:
+        if (why := why_not(engine, entry, t, nbytes, fill)) is None:
+            raise
+        raise TierFullError(f"{exc}; {why}") from None
 
 
 def why_not(engine: Engine, entry: Entry, t: int, nbytes: int, fill: bool = False) -> str | None:
@@ -117,9 +131,7 @@ async def overwrite(
     try:
         copied = not filling.cancelled() and filling.exception() is None
         if copied and engine.entries.get(entry.key) is entry and entry.copy_on(copy.tier) is copy and not copy.retired:
-            engine.count_link(None, copy.tier, meta.nbytes, time.perf_counter() - started)
-            engine.new_version(entry, keep=copy, meta=meta)
-            engine.overwritten(entry, copy, meta)
+            engine.overwritten(entry, copy, meta, time.perf_counter() - started)
             installed = True
     finally:
         copy.writing = False

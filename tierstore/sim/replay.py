@@ -292,9 +292,7 @@ class _StoreModel:
             self._get(row.key, row.nbytes, self._tier(row), request=False)
         elif row.op == "update":  # a write hold released: its copy is the only current one
             t = self._tier(row)
-            for other in range(self.memory):
-                if other != t and self._drop(other, row.key) and self.policies[other] is not None:
-                    self.policies[other].on_remove(row.key)
+            self._drop_memory(row.key, keep=t)
             self.valid[row.key] = {t}
         else:
             self._get(row.key, row.nbytes, self._tier(row))
@@ -310,9 +308,7 @@ class _StoreModel:
             self._drop_memory(key)
             self.valid[key] = {self.disk} if self.disk is not None else set()
         elif over and t != self.disk and t in self.valid.get(key, ()) and key in self.resident[t]:
-            for other in range(self.memory):
-                if other != t and self._drop(other, key) and self.policies[other] is not None:
-                    self.policies[other].on_remove(key)
+            self._drop_memory(key, keep=t)
             self.nbytes[key] = nbytes
             self.valid[key] = {t}
             self._hit(t, key)
@@ -395,9 +391,10 @@ class _StoreModel:
         self.rooms[t].give(taken[0])
         return True
 
-    def _drop_memory(self, key: str) -> None:
+    def _drop_memory(self, key: str, keep: int | None = None) -> None:
+        """Drop ``key``'s memory copies (but the one on tier ``keep``), telling their policies."""
         for t in range(self.memory):
-            if self._drop(t, key):
+            if t != keep and self._drop(t, key):
                 policy = self.policies[t]
                 if policy is not None:
                     policy.on_remove(key)
