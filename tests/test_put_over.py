@@ -282,8 +282,32 @@ async def test_a_put_behind_a_loop_of_reads_of_its_key_ends(tmp_path: Path, devi
         await asyncio.sleep(0.01)
         try:
             await asyncio.wait_for(store.put("k", torch.ones(numel)), 60)
-        except TierFullError:
-            assert layout == "host"  # (no room beside it, and the reads never all end: refused)
         finally:
             stop.set()
             await asyncio.gather(*readers)
+        assert torch.equal(await store.get("k"), torch.ones(numel))
+        assert moved(store, "host->disk") == 0
+
+
+@pytest.mark.parametrize("layout", ["host", "host+disk"])
+@pytest.mark.parametrize(("before", "after"), [(1, 1), (3, 3), (0, 3)])
+async def test_gets_issued_around_a_put_over_a_full_tier_wait_for_it(tmp_path: Path, device_mode: str, layout: str,
+                                                                     before: int, after: int) -> None:
+    """Gets issued after the put started reading while it waited for those before it, so the
+    copy was still in use: the put was refused on a memory-only store ("... a value of another
+    size gets room beside the old one", of a value of the same size) or wrote the old value to
+    the disk to make room beside it (a tryout)."""
+    numel = 2_000_000
+    tiers = [HostTier("8MiB")] + ([DiskTier(tmp_path / "d", "64MiB")] if layout == "host+disk" else [])
+    async with TierStore(tiers) as store:
+        await store.put("k", torch.zeros(numel))
+        for i in range(1, 4):
+            gets = [asyncio.ensure_future(store.get("k")) for _ in range(before)]
+            put = asyncio.ensure_future(store.put("k", torch.full((numel,), float(i))))
+            gets += [asyncio.ensure_future(store.get("k")) for _ in range(after)]
+            got_all = await asyncio.gather(*gets, put)
+            for got in got_all[:-1]:
+                assert got.min() == got.max() and got[0] in (i - 1.0, float(i))  # (the old value or the new, never torn)
+            assert all(got[0] == i for got in got_all[before:-1])  # (issued after it: they waited for it)
+            assert torch.equal(await store.get("k"), torch.full((numel,), float(i)))
+        assert moved(store, "host->disk") == 0

@@ -92,15 +92,28 @@ def why_not(engine: Engine, entry: Entry, t: int, nbytes: int, fill: bool = Fals
 
 async def after_reads(engine: Engine, entry: Entry, copy: Copy, t: int, nbytes: int) -> Copy | None:
     """``overwritable`` once the reads of ``copy`` under way have ended (gets, loads from it:
-    they end by themselves), as a put that evicted it would have waited for them; not for reads
-    that start meanwhile (a loop of gets would keep it waiting for ever), nor for other uses (a
-    write-back): then None, and the put goes the usual way."""
+    they end by themselves), as a put that evicted it would have waited for them. Reads that
+    would start meanwhile wait for the put instead, as for a write hold (let in, gets issued
+    around the put kept the copy in use: the put then made room the usual way, writing the old
+    value to the disk, or was refused where there is no disk; a loop of gets would have kept it
+    waiting for ever). Other uses (a write-back): None, and the put goes the usual way."""
     reads = [done for done, read in engine.reads[t].items() if read is copy]
     if len(reads) < copy.users:
         return None
-    if reads:
+    if not reads:
+        return overwritable(engine, entry, t, nbytes)
+    entry.writer, entry.writer_token = copy, 0  # (no await from its end to ``overwrite``'s, which marks it again)
+    try:
         await asyncio.wait(reads)
-    return overwritable(engine, entry, t, nbytes)
+    except BaseException:  # (cancelled: the readers that waited go on)
+        entry.writer, entry.writer_token = None, 0
+        entry.wake()
+        raise
+    entry.writer, entry.writer_token = None, 0
+    found = overwritable(engine, entry, t, nbytes)
+    if found is None:
+        entry.wake()  # (the readers that waited go on: the put goes the usual way)
+    return found
 
 
 async def overwrite(
