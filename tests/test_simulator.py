@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import warnings
 from pathlib import Path
@@ -354,6 +355,32 @@ async def test_a_store_takes_an_eviction_policy_by_name_as_the_simulator_does() 
     for eviction in ("nonsense", {"host": "nonsense"}):
         with pytest.raises(ValueError, match=r"unknown eviction policy 'nonsense'"):
             TierStore([HostTier("64KiB")], eviction=eviction)
+
+
+async def test_a_store_takes_a_prefetch_policy_by_name_or_class_and_refuses_what_is_none() -> None:
+    """``prefetch="sequential"``, ``prefetch=Sequential`` and ``prefetch=42`` were accepted: the
+    first access then warned that the policy raised, and prefetching was off (a tryout)."""
+    from policies import Sequential
+    from tierstore import HostTier, TierStore
+
+    for prefetch in ("sequential", Sequential, lambda: Sequential(2)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # (a policy that failed was only warned of)
+            async with TierStore([HostTier("1MiB"), HostTier("4MiB", name="spill")], prefetch=prefetch) as store:
+                for i in range(8):
+                    await store.put(f"k{i}", torch.zeros(16384), "spill")  # 64 KiB each, on the slower tier
+                await store.get("k0", "host")
+                for _ in range(200):  # (the prefetch runs in the background)
+                    if store.where("k1")[0] == "host":
+                        break
+                    await asyncio.sleep(0.005)
+                assert store.where("k1")[0] == "host"  # read ahead after k0
+                assert isinstance(store.prefetch_policy, Sequential)
+    with pytest.raises(ValueError, match=r"unknown prefetch policy 'sequentail'; choose from .*'schedule'"):
+        TierStore([HostTier("1MiB")], prefetch="sequentail")
+    for wrong in (42, object(), [Sequential()]):
+        with pytest.raises(TypeError, match=r"is not a prefetch policy: give an instance, a class or a name"):
+            TierStore([HostTier("1MiB")], prefetch=wrong)
 
 
 def test_replay_store_trace_says_it_takes_a_path() -> None:

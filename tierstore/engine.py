@@ -69,7 +69,7 @@ T = TypeVar("T")
 class Engine:
     """State and moves of a tiered store (see the module docstring); use ``TierStore``."""
 
-    def __init__(self, tiers: Sequence[Tier], eviction: Any, prefetch: PrefetchPolicy | None, cpu_threads: int) -> None:
+    def __init__(self, tiers: Sequence[Tier], eviction: Any, prefetch: PrefetchPolicy | Callable[[], PrefetchPolicy] | str | None, cpu_threads: int) -> None:
         from policies import LRU, NoPrefetch
 
         self._tiers: list[Tier] = _check_tiers(tiers)
@@ -83,7 +83,7 @@ class Engine:
             getattr(policy, "on_release", None) if policy is not None and policy.__class__ is not CopyLRU else None
             for policy in self.policies
         ]
-        self.prefetch_policy: PrefetchPolicy = prefetch if prefetch is not None else NoPrefetch()
+        self.prefetch_policy: PrefetchPolicy = _make_prefetch(prefetch if prefetch is not None else NoPrefetch)
         #: Per tier, the last failure of its eviction policy's hooks (``_eviction_policy_failed``).
         self.policy_failures: dict[int, str] = {}
         #: What was warned of (``warn_once``).
@@ -1515,6 +1515,29 @@ def _check_tiers(tiers: Sequence[Tier]) -> list[Tier]:
     if len({id(t) for t in tiers}) != len(tiers):
         raise ValueError("the same tier object appears twice")
     return tiers
+
+
+def _make_prefetch(spec: Any) -> PrefetchPolicy:
+    """The store's prefetch policy from ``prefetch=``: an instance, a class (or factory) called
+    with no arguments, or a name of ``policies.PREFETCH`` (``"schedule"``), as ``eviction=``
+    takes them. Anything else is refused here: accepted, it failed at the first access, and
+    prefetching was off with only a warning."""
+    from policies import PREFETCH
+
+    if isinstance(spec, str):
+        if spec not in PREFETCH:
+            raise ValueError(f"unknown prefetch policy {spec!r}; choose from {sorted(PREFETCH)}, or give a policy instance or class")
+        spec = PREFETCH[spec]
+    used = ("on_access", "suggest", "on_step")  # (what the store calls; ``reset`` is the simulator's)
+
+    def is_policy(obj: Any) -> bool:
+        return not isinstance(obj, type) and all(callable(getattr(obj, name, None)) for name in used)
+
+    policy = spec() if isinstance(spec, type) or (callable(spec) and not is_policy(spec)) else spec
+    if not is_policy(policy):
+        raise TypeError(f"prefetch={spec!r:.80} is not a prefetch policy: give an instance, a class or a name of "
+                        f"policies.PREFETCH ({sorted(PREFETCH)}); a policy has the methods {', '.join(used)}")
+    return policy  # type: ignore[no-any-return]
 
 
 def _make_policies(tiers: list[Tier], eviction: Any, finder: Callable[[int], Callable[[str], Any]]) -> list[EvictionPolicy | None]:

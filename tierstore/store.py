@@ -82,8 +82,10 @@ class TierStore:
         factory called once per tier (default ``policies.LRU``), a name of ``policies.EVICTION``
         (``"arc"``), or a mapping from tier name to a class, factory, name or instance.
     prefetch:
-        A prefetch policy instance (default ``policies.NoPrefetch()``); it watches demand
-        accesses and its suggestions are fetched in the background.
+        A prefetch policy (default ``policies.NoPrefetch()``): an instance, a class (made with
+        no arguments) or a name of ``policies.PREFETCH`` (``"schedule"``); it watches demand
+        accesses and its suggestions are fetched in the background. Pass an instance to share
+        it, as ``MIN(schedule)`` does.
     trace:
         A file to record every access to (see ``tierstore.tracing``), or None.
     cpu_threads:
@@ -106,7 +108,7 @@ class TierStore:
         tiers: Sequence[Tier],
         *,
         eviction: Any = None,
-        prefetch: PrefetchPolicy | None = None,
+        prefetch: PrefetchPolicy | Callable[[], PrefetchPolicy] | str | None = None,
         trace: str | Path | None = None,
         cpu_threads: int = 1,
         flush_on_close: bool = True,
