@@ -480,6 +480,9 @@ class DiskTier(Tier):
         """
         self._require_open()
         length = self.extent_size(nbytes)
+        if length > self.capacity:  # (not "full": no room made would ever take it)
+            wanted, capacity = distinct_sizes(length, self.capacity)
+            raise TierFullError(f"a tensor of {wanted} on disk is more than tier {self.name!r} holds ({capacity})")
         if self.used + length > self.capacity:  # values inline in the catalog take capacity too
             wanted, free = distinct_sizes(length, self.capacity - self.used)
             raise TierFullError(
