@@ -260,6 +260,8 @@ def test_reports_and_timeline(tmp_path: Path, device_mode: str) -> None:
     report = opt.time_report()
     assert report.step == STEPS and report.updates > 0 and report.host_update > 0 and report.stall > 0
     assert report.disk_read_bytes > 0 and "disk read" in str(report)
+    # the update rate with a prefix that keeps it readable ("0.000588 G params/s" before)
+    assert re.search(r"tensors, [1-9][0-9.]* [GMk]? ?params/s\)", str(report)), str(report)
     crossing = {"grads to host", "weights to device"} if device_mode == "emulated" else set()
     grads = sum(p.numel() * p.element_size() for g in opt.param_groups for p in g["params"] if p.grad is not None)
     # Emulated: every gradient crossed the link once (at its hook) and every weight came back;

@@ -373,7 +373,7 @@ class TimeReport:
             f"step {self.step} ({self.mode}): {self.step_wall * 1e3:.1f} ms wall since the last step, training loop stalled "
             f"{self.stall * 1e3:.1f} ms\n"
             f"  host updates {self.host_update * 1e3:.1f} ms ({self.updates} tensors, "
-            f"{self.update_elements / max(self.host_update, 1e-9) / 1e9:.3g} G params/s) | grads to host "
+            f"{_rate(self.update_elements / max(self.host_update, 1e-9))} params/s) | grads to host "
             f"{self.grads_to_host * 1e3:.1f} ms ({format_bytes(self.grads_to_host_bytes)}; {self.grad_retakes} taken again in "
             f"step(), {format_bytes(self.grad_retake_bytes)}) | "
             + (f"weights to device {self.weights_to_device * 1e3:.1f} ms ({format_bytes(self.weights_to_device_bytes)})"
@@ -634,3 +634,11 @@ class StepWindow:
         for name, track, start, end, args in self.last_events:
             timeline.add(name, track, start, end, **args)
         timeline.write(Path(path))
+
+
+def _rate(per_second: float) -> str:
+    """``per_second`` with the prefix that keeps it readable: "1.62 G", "588 M", "43.1 k"."""
+    for scale, prefix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if per_second >= scale:
+            return f"{per_second / scale:.3g} {prefix}"
+    return f"{per_second:.3g}"
