@@ -237,7 +237,7 @@ async def test_a_value_beyond_the_capacity_is_told_so_not_the_segment_size(tmp_p
     from tierstore.errors import TierFullError
 
     async with TierStore([DiskTier(tmp_path, "4MiB")]) as store:
-        with pytest.raises(TierFullError, match=r"a tensor of 5.0 MiB on disk is more than tier 'disk' holds \(4.0 MiB\)") as raised:
+        with pytest.raises(TierFullError, match=r"a tensor of 5.0 MiB is more than tier 'disk' holds \(4.0 MiB\)") as raised:
             await store.put("big", torch.zeros(5 * VALUE_NUMEL))
         assert "segment_size" not in str(raised.value) and "is full" not in str(raised.value)
         await store.put("fits", torch.ones(VALUE_NUMEL))  # (still usable)

@@ -16,6 +16,7 @@ from tierstore import (
     DeviceTier,
     DiskTier,
     HostTier,
+    InvalidTensorError,
     KeyNotFoundError,
     SyncTierStore,
     TierFullError,
@@ -311,3 +312,27 @@ async def test_gets_issued_around_a_put_over_a_full_tier_wait_for_it(tmp_path: P
             assert all(got[0] == i for got in got_all[before:-1])  # (issued after it: they waited for it)
             assert torch.equal(await store.get("k"), torch.full((numel,), float(i)))
         assert moved(store, "host->disk") == 0
+
+
+@pytest.mark.parametrize("new", ["int32", "longer"])
+async def test_a_get_into_out_that_waited_for_a_put_over_its_value_is_refused_if_the_value_changed_form(
+    device_mode: str, new: str
+) -> None:
+    """A put may copy over a value of another dtype or shape that takes the same room. A
+    ``get(out=)`` checked ``out`` against the value when it was asked for, then waited for the
+    put: it read the new value into ``out`` (int32 bits as floats; 1,000 bytes past its end, a
+    reviewer)."""
+    numel = 2_000_000
+    value = torch.full((numel,), 7, dtype=torch.int32) if new == "int32" else torch.full((numel + 250,), 2.5)
+    async with TierStore([HostTier("8MiB")]) as store:
+        await store.put("k", torch.full((numel,), 1.5))
+        reader = asyncio.ensure_future(store.get("k"))  # a read under way: the put waits for it
+        await asyncio.sleep(0)
+        put = asyncio.ensure_future(store.put("k", value))
+        await asyncio.sleep(0)
+        room = torch.full((numel + 1024,), -1.0)
+        with pytest.raises(InvalidTensorError, match=r"out is torch.float32 \(2000000,\); the value is"):
+            await store.get("k", out=room[:numel])  # checked when asked: float32 of numel, as the value was
+        assert torch.equal(room, torch.full((numel + 1024,), -1.0))  # nothing written into it, nor past it
+        await asyncio.gather(reader, put)
+        assert torch.equal(await store.get("k"), value)

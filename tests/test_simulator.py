@@ -370,7 +370,7 @@ async def test_a_store_takes_a_prefetch_policy_by_name_or_class_and_refuses_what
                 for i in range(8):
                     await store.put(f"k{i}", torch.zeros(16384), "spill")  # 64 KiB each, on the slower tier
                 await store.get("k0", "host")
-                for _ in range(200):  # (the prefetch runs in the background)
+                for _ in range(1000):  # (the prefetch runs in the background)
                     if store.where("k1")[0] == "host":
                         break
                     await asyncio.sleep(0.005)

@@ -31,6 +31,7 @@ from .entry import Copy, Entry, MemoryCopy, shared_meta
 from .errors import (
     CorruptionError,
     EntryHeldError,
+    InvalidTensorError,
     KeyNotFoundError,
     StoreClosedError,
     StoreForkedError,
@@ -525,6 +526,7 @@ class Engine:
         meta = entry.meta
         if out is None:
             out = torch.empty(meta.shape, dtype=meta.dtype, device=self._tiers[t].device)  # type: ignore[attr-defined]
+        _refuse_changed_out(out, meta)
         if meta.nbytes:
             await self._copy(as_bytes(out), copy.view(meta.nbytes), Priority.DEMAND, after=READY if copy.last_use is None else copy.last_use)
         return out
@@ -551,6 +553,8 @@ class Engine:
                 raise self._deleted(entry)
             raise CorruptionError(f"{entry.key!r} has no valid copy on any tier")
         meta = entry.meta
+        if out is not None:
+            _refuse_changed_out(out, meta)
         if source.inline is not None and out is None and device.type == "cpu" and self._crossing(None, target) is None:
             # No await, so no use taken: the bytes come from the catalog into a new tensor.
             return from_bytes(self.disk.read_inline_new(entry.key, source.version), meta)
@@ -819,6 +823,8 @@ class Engine:
         of values changed in memory since: kept as the durable copy until the new value is
         written back, they are in no listing of the tier (a put over a value that filled its
         memory tier evicted it to the disk first: the tier looked empty and refused a put)."""
+        if getattr(exc, "beyond_capacity", False):
+            return exc
         d = self.disk_index
         kept = 0
         for entry in self.entries.values():
@@ -1517,6 +1523,15 @@ def _check_tiers(tiers: Sequence[Tier]) -> list[Tier]:
     return tiers
 
 
+def _refuse_changed_out(out: torch.Tensor, meta: TensorMeta) -> None:
+    """A read into ``out`` (checked against the value when it was asked for) of a value that a
+    put copied over while the read waited for it, with another dtype or shape (the same room):
+    refused, as a read asked for after the put would have been, not written past ``out``."""
+    if out.dtype != meta.dtype or tuple(out.shape) != meta.shape:
+        raise InvalidTensorError(f"out is {out.dtype} {tuple(out.shape)}; the value is {meta.dtype} {meta.shape} now "
+                                 "(a put replaced it while this read waited)")
+
+
 def _make_prefetch(spec: Any) -> PrefetchPolicy:
     """The store's prefetch policy from ``prefetch=``: an instance, a class (or factory) called
     with no arguments, or a name of ``policies.PREFETCH`` (``"schedule"``), as ``eviction=``
@@ -1528,16 +1543,19 @@ def _make_prefetch(spec: Any) -> PrefetchPolicy:
         if spec not in PREFETCH:
             raise ValueError(f"unknown prefetch policy {spec!r}; choose from {sorted(PREFETCH)}, or give a policy instance or class")
         spec = PREFETCH[spec]
-    used = ("on_access", "suggest", "on_step")  # (what the store calls; ``reset`` is the simulator's)
+    # (what the store calls at each access; ``on_step``, at ``mark_step``, is warned of there if
+    # missing, and ``reset`` is the simulator's)
+    used = ("on_access", "suggest")
 
     def is_policy(obj: Any) -> bool:
         return not isinstance(obj, type) and all(callable(getattr(obj, name, None)) for name in used)
 
-    policy = spec() if isinstance(spec, type) or (callable(spec) and not is_policy(spec)) else spec
+    made = isinstance(spec, type) or callable(spec) and not any(hasattr(spec, name) for name in (*used, "on_step"))
+    policy = spec() if made else spec  # (an instance that has some of the methods is not called)
     if not is_policy(policy):
         raise TypeError(f"prefetch={spec!r:.80} is not a prefetch policy: give an instance, a class or a name of "
-                        f"policies.PREFETCH ({sorted(PREFETCH)}); a policy has the methods {', '.join(used)}")
-    return policy  # type: ignore[no-any-return]
+                        f"policies.PREFETCH ({sorted(PREFETCH)}); a policy has the methods on_access, suggest and on_step")
+    return policy
 
 
 def _make_policies(tiers: list[Tier], eviction: Any, finder: Callable[[int], Callable[[str], Any]]) -> list[EvictionPolicy | None]:

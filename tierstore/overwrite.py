@@ -88,7 +88,8 @@ def why_not(engine: Engine, entry: Entry, t: int, nbytes: int, fill: bool = Fals
         return (f"{holding}: a fill gets room for its value beside the old one (its block may raise, which leaves the old "
                 "value); delete the key first" + (", or write into its buffer under hold(key, write=True)" if copy.nbytes == tier.value_size(nbytes) else ""))
     if copy.nbytes == tier.value_size(nbytes):  # (one it could have copied over, but for a use that had not ended)
-        return f"{holding}, in use then (a read, a write-back or a kernel): a put copies over a value no one else uses"
+        return (f"{holding}: a put copies over a value of its size only when nothing else uses it (a read, a write-back, "
+                "a kernel, another put of the key) and no freeze or close is under way")
     return f"{holding}: a value of another size gets room beside the old one; delete the key first"
 
 

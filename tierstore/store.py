@@ -786,6 +786,8 @@ class TierStore:
             if entry.writer is not None:  # (checked here first: this is the hot path of a hit)
                 await self._engine.no_writer(entry, "get")
                 entry = self._engine.visible_entry(key)
+                if out is not None:  # (a put copied over it meanwhile may have changed its dtype or shape)
+                    _check_out(out, entry.meta, device)
             copy = entry.valid(t)
             hit = copy is not None
             self._engine.count_access(t, hit, entry)

@@ -481,8 +481,15 @@ class DiskTier(Tier):
         self._require_open()
         length = self.extent_size(nbytes)
         if length > self.capacity:  # (not "full": no room made would ever take it)
-            wanted, capacity = distinct_sizes(length, self.capacity)
-            raise TierFullError(f"a tensor of {wanted} on disk is more than tier {self.name!r} holds ({capacity})")
+            if nbytes > self.capacity:
+                value, capacity = distinct_sizes(nbytes, self.capacity)
+                said = f"a tensor of {value} is more than tier {self.name!r} holds ({capacity})"
+            else:
+                value, taken, capacity = (f"{n:,} bytes" for n in (nbytes, length, self.capacity))
+                said = f"a tensor of {value} takes {taken} on tier {self.name!r} (whole blocks of {ALIGNMENT:,} bytes), more than it holds ({capacity})"
+            beyond = TierFullError(said)
+            beyond.beyond_capacity = True  # type: ignore[attr-defined]  # (no flush or delete would make room: said as it is)
+            raise beyond
         if self.used + length > self.capacity:  # values inline in the catalog take capacity too
             wanted, free = distinct_sizes(length, self.capacity - self.used)
             raise TierFullError(
