@@ -638,8 +638,8 @@ class StepWindow:
 
 def _rate(per_second: float) -> str:
     """``per_second`` with the prefix that keeps it readable: "1.62 G", "588 M", "43.1 k"."""
-    for scale, prefix in ((1e9, " G"), (1e6, " M"), (1e3, " k"), (1.0, "")):
-        if per_second >= scale * 0.9995 or scale == 1.0:  # (999.7k is "1 M", not "1e+03 k")
+    for scale, prefix in ((1e9, " G"), (1e6, " M"), (1e3, " k")):
+        if per_second >= scale * 0.9995:  # (999.7k is "1 M", not "1e+03 k")
             value = per_second / scale
             return (f"{value:.3g}" if value < 999.5 else f"{value:.0f}") + prefix
-    raise AssertionError("unreachable")
+    return f"{per_second:.3g}"
