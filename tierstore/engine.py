@@ -526,7 +526,8 @@ class Engine:
         meta = entry.meta
         if out is None:
             out = torch.empty(meta.shape, dtype=meta.dtype, device=self._tiers[t].device)  # type: ignore[attr-defined]
-        _refuse_changed_out(out, meta)
+        else:
+            _refuse_changed_out(out, meta)
         if meta.nbytes:
             await self._copy(as_bytes(out), copy.view(meta.nbytes), Priority.DEMAND, after=READY if copy.last_use is None else copy.last_use)
         return out
