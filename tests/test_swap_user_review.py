@@ -213,7 +213,8 @@ def test_freeing_offloaded_activations_after_the_store_closed_is_quiet(caplog: p
         activations = offload_activations(sync, min_bytes=4096)
         with activations:
             loss = model(torch.randn(64, 256)).square().sum()
-    assert activations.report.offloaded > 0
+    # (puts the close refused keep their tensors in memory for backward: refused, not offloaded)
+    assert activations.report.offloaded + activations.report.refused > 0
     with caplog.at_level(logging.ERROR):
         del loss, activations  # the graph and the offloader go: what the graph saved is dropped
         gc.collect()

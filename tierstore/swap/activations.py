@@ -56,7 +56,8 @@ from ..store import TierStore
 from ..sync import SyncTierStore, loop_thread, open_unless_closed, run
 from ..tensors import memory_order
 from ..tiers import DeviceTier, MemoryTier
-from ..units import parse_bytes
+from ..units import format_bytes, parse_bytes
+from ..warn import warn
 from .crossing import swap_link, to_device, to_store
 from .report import SwapReport
 
@@ -83,6 +84,9 @@ class _Saved:
     #: The order of dimensions in which the tensor lay in memory (a transposed one's), stored so
     #: and given back so: backward's kernels pick their paths (and rounding) by strides.
     order: list[int] | None = None
+    #: The tensor itself, when its copy into the store failed (a tier without room, say):
+    #: backward gets it, as if it had been too small to offload.
+    fallback: torch.Tensor | None = None
 
 
 class ActivationOffload:
@@ -118,6 +122,7 @@ class ActivationOffload:
         self.ahead = parse_bytes(ahead)
         self.prefix = self.namespace.name.rstrip("/")
         self.report = SwapReport("activations")
+        self._warned_refusal = False  # (once per offloader: a full tier refuses many in a row)
         self._loop = loop_thread()
         self._generation = itertools.count()
         self._step = 0
@@ -256,13 +261,24 @@ class ActivationOffload:
         unless backward took it meanwhile, in which case the stored copy is not needed."""
         started = time.perf_counter()
         stored = False
+        refused: Exception | None = None
         try:
             await storing
             stored = True
+        except Exception as exc:  # (raised below, for those waiting for the copy)
+            refused = exc
         finally:
             with self._lock:
                 if saved.tensor is not None and saved.tensor._version != saved.version:
                     saved.changed = saved.tensor._version  # (the copy may hold the change, or part of it)
+                if refused is not None and saved.tensor is not None:
+                    # (it never left: raised at backward, the step was lost for a value still in
+                    # memory; one changed in place meanwhile is torch's error there, ``_unchanged``)
+                    saved.fallback = saved.tensor
+                    self.report.offloaded -= 1
+                    self.report.kept += 1
+                    self.report.bytes_kept += saved.nbytes
+                    self.report.refused += 1
                 saved.tensor = None
                 taken = saved.taken
                 self._in_flight -= saved.nbytes
@@ -272,6 +288,8 @@ class ActivationOffload:
         if stored and taken and self.namespace.live and saved.key in self.store:  # backward did not wait for this copy
             with contextlib.suppress(KeyNotFoundError):  # (close() dropped the namespace meanwhile)
                 await self.store.delete(saved.key)
+        if refused is not None:
+            raise refused
 
     # -- backward ------------------------------------------------------------------------------------
 
@@ -313,11 +331,24 @@ class ActivationOffload:
         value = saved.fetched.result()
         saved.finalizer.detach()
         _unchanged(saved, value)
+        if value is saved.fallback:
+            self._warn_refused(saved)
         ended = time.perf_counter()
         with self._lock:
             self.report.add_stall(started, ended)
             self.report.add_moved(saved.nbytes, ended - started, out=False)
         return value
+
+    def _warn_refused(self, saved: _Saved) -> None:
+        """Once per offloader, on backward's thread (the warning names the user's line): the
+        store refused ``saved``, which backward took from memory instead."""
+        if self._warned_refusal:
+            return
+        self._warned_refusal = True
+        refused = saved.stored.exception()
+        warn(f"offload_activations: the store refused a saved tensor of {format_bytes(saved.nbytes)} "
+             f"({type(refused).__name__}: {refused}); it stayed in memory for backward, as do any others refused "
+             "(report.refused counts them): give the store's tier more room, or a disk tier below it")
 
     def _fetch(self, saved: _Saved) -> None:
         """Start bringing ``saved`` back from the store onto its device (on the loop)."""
@@ -404,7 +435,7 @@ def _unchanged(saved: _Saved, value: torch.Tensor) -> torch.Tensor:
     ended) changed since: then torch's error."""
     if saved.changed is not None:
         raise _changed_in_place(saved, saved.changed)
-    if saved.taken and value._version != saved.version:
+    if (saved.taken or value is saved.fallback) and value._version != saved.version:
         raise _changed_in_place(saved, value._version)
     return value
 
@@ -436,15 +467,29 @@ def _is_parameter(tensor: torch.Tensor) -> bool:
     return isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)
 
 
+async def _stored(saved: _Saved) -> bool:
+    """Wait for ``saved``'s copy into the store: True once it is there, False if the store
+    refused it and backward gets the tensor itself (``fallback``); other failures raise."""
+    try:
+        await asyncio.wrap_future(saved.stored)
+    except Exception:
+        if saved.fallback is None:
+            raise
+        return False
+    return True
+
+
 async def _pop_when_stored(store: TierStore, saved: _Saved, tier: str) -> torch.Tensor:
-    await asyncio.wrap_future(saved.stored)
+    if not await _stored(saved):
+        return saved.fallback  # type: ignore[return-value]
     async with _owned(saved):
         value = await store.pop(saved.key, tier)
     return _as_saved(saved, value if value.device == saved.device else value.to(saved.device))
 
 
 async def _cross_when_stored(store: TierStore, saved: _Saved, link: Link) -> torch.Tensor:
-    await asyncio.wrap_future(saved.stored)
+    if not await _stored(saved):
+        return saved.fallback  # type: ignore[return-value]
     async with _owned(saved):
         value = await to_device(store, saved.key, saved.device, link)
         await store.delete(saved.key)

@@ -15,8 +15,12 @@ class SwapReport:
     kind: str
     offloaded: int = 0
     kept: int = 0
-    #: Bytes of the tensors kept in place (too small, or parameters).
+    #: Bytes of the tensors kept in place: too small (parameters are kept too, not counted here),
+    #: or refused by the store.
     bytes_kept: int = 0
+    #: Saved tensors whose copy into the store failed (a tier without room, say): kept in memory
+    #: for backward instead (counted in ``kept`` and ``bytes_kept`` too, no longer in ``offloaded``).
+    refused: int = 0
     #: Most bytes brought back ahead of backward and not yet used, at any one time.
     bytes_ahead_peak: int = 0
     prefetched: int = 0
@@ -66,7 +70,8 @@ class SwapReport:
             )
         return (
             f"{self.kind}: {self.offloaded} offloaded ({format_bytes(self.bytes_out)} out, "
-            f"{format_bytes(self.bytes_in)} back, {self.early} used before they left), {self.kept} kept in place, "
+            f"{format_bytes(self.bytes_in)} back, {self.early} used before they left), {self.kept} kept in place"
+            f"{f' ({self.refused} refused by the store)' if self.refused else ''}, "
             f"{self.prefetched} prefetched; "
             f"training loop waited {self.stall * 1e3:.1f} ms"
         )
