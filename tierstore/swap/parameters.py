@@ -152,6 +152,10 @@ class _Weight:
     shape: torch.Size
     #: The stored weight's dtype (the parameter's when it went in).
     dtype: torch.dtype = torch.float32
+    #: The parameter's strides when it was not contiguous (channels_last, a transposed weight):
+    #: stored in logical order, it is held, read and put back with them (``_laid_out``), as the
+    #: plain module computes with them (kernels pick their paths, and rounding, by strides).
+    stride: tuple[int, ...] | None = None
     units: list[int] = field(default_factory=list)
     #: Units computing with it now; the store hold ends when the last one lets go.
     holders: set[int] = field(default_factory=set)
@@ -182,11 +186,15 @@ class _ParamRef:
     weight: _Weight
     size: tuple[int, ...]
     stride: tuple[int, ...]
+    #: Where the view starts, in bytes past the parameter's first element.
     offset: int
     whole: bool
     #: ``param._version`` when it was saved: torch refuses a backward after an in-place change
     #: of a saved tensor, and so does ``_unpack_param``.
     version: int = 0
+    #: The view's dtype: a complex parameter's ``.real``, ``.imag`` or ``view_as_real`` is a
+    #: float view of it (sizes, strides and offset in its elements).
+    dtype: torch.dtype | None = None
 
 
 @dataclass(eq=False)
@@ -305,7 +313,7 @@ class ParameterOffload:
             raise
         # Both hold the offloader weakly: a module and offloader the program dropped without
         # detach() are collected, and their weights leave the store (``_release_dropped``).
-        dropped = partial(_release_dropped, self.store, self.namespace, self.link, [(weakref.ref(w.param), w.key) for w in self._weights])
+        dropped = partial(_release_dropped, self.store, self.namespace, self.link, [(weakref.ref(w.param), w.key, w.stride) for w in self._weights])
         self._close_hook = self.store.register_close_hook(partial(_put_back_if_alive, weakref.ref(self), dropped))
         self._finalizer = weakref.finalize(self, _release_when_dropped, self.store, dropped, self._close_hook)
         self._finalizer.atexit = False  # (at exit the store's close puts the live ones back)
@@ -326,7 +334,8 @@ class ParameterOffload:
                 if weight is None:  # the first module using a tied weight names its key
                     if offloaded(param) is not None:
                         raise ValueError(f"parameter {own!r} of {name or '<root>'} is offloaded already (by another offload_parameters)")
-                    weight = _Weight(f"{self.prefix}/{name}.{own}" if name else f"{self.prefix}/{own}", param, param.shape, param.dtype)
+                    weight = _Weight(f"{self.prefix}/{name}.{own}" if name else f"{self.prefix}/{own}", param, param.shape, param.dtype,
+                                     _layout_of(param))
                     self._weight_of[id(param)] = weight
                     self._weights.append(weight)
                 weight.units.append(len(self._units))
@@ -347,26 +356,26 @@ class ParameterOffload:
         _refuse_foreign_steps()
         # prepend: a pre-hook registered before ours reads the unit's weights too (weight_norm,
         # prune, spectral_norm compute the weight from them), so the weights are there before it
-        self._hooks.append(self.module.register_forward_hook(lambda *_: self._root_hooks()[1](), always_call=True))
+        self._hooks.append(self.module.register_forward_hook(_Hook(lambda *_: self._root_hooks()[1]()), always_call=True))
         for index, unit in enumerate(self._units):
-            self._hooks.append(unit.module.register_forward_pre_hook(lambda *_, i=index: self._unit_hooks()[0](i), prepend=True))
+            self._hooks.append(unit.module.register_forward_pre_hook(_Hook(lambda *_, i=index: self._unit_hooks()[0](i)), prepend=True))
             # always_call: a forward that raises still lets go of the unit's weights
             self._hooks.append(unit.module.register_forward_hook(
-                lambda _, args, output, i=index: self._unit_hooks()[1](i, output), always_call=True))
+                _Hook(lambda _, args, output, i=index: self._unit_hooks()[1](i, output)), always_call=True))
         # (prepended last: where the root is a unit too, the root's runs before the unit's, which
         # would otherwise hold the weights the root's then takes for an aborted forward's)
-        self._hooks.append(self.module.register_forward_pre_hook(lambda *_: self._root_hooks()[0](), prepend=True))
+        self._hooks.append(self.module.register_forward_pre_hook(_Hook(lambda *_: self._root_hooks()[0]()), prepend=True))
         # (the modules owning offloaded weights: a unit's, and within a whole unit its children)
         units = {id(sub) for sub in self.module.modules() if any(id(p) in self._weight_of for p in sub._parameters.values())}
         for sub in self.module.modules():  # where a state_dict() call starts and ends
             # (torch marks a state_dict hook with an attribute: a function, not a bound method)
             is_unit = id(sub) in units
-            self._hooks.append(sub.register_state_dict_pre_hook(lambda module, prefix, _: self._state_dict_enter(module, prefix)))
+            self._hooks.append(sub.register_state_dict_pre_hook(_Hook(lambda module, prefix, _: self._state_dict_enter(module, prefix))))
             self._hooks.append(sub.register_state_dict_post_hook(
-                lambda module, state_dict, prefix, _, u=is_unit: self._state_dict_hook(module, state_dict, prefix, u)))
+                _Hook(lambda module, state_dict, prefix, _, u=is_unit: self._state_dict_hook(module, state_dict, prefix, u))))
             if is_unit:  # checkpoints see the stored weights, and load into the store
-                self._hooks.append(sub.register_load_state_dict_pre_hook(lambda *args: self._load_state_dict_hook(*args)))
-                self._hooks.append(sub.register_load_state_dict_post_hook(lambda module, _: self._loaded(module)))
+                self._hooks.append(sub.register_load_state_dict_pre_hook(_Hook(lambda *args: self._load_state_dict_hook(*args))))
+                self._hooks.append(sub.register_load_state_dict_post_hook(_Hook(lambda module, _: self._loaded(module))))
         for weight in self._weights:
             self._hook_gradient(weight)
 
@@ -453,7 +462,7 @@ class ParameterOffload:
             param = weight.param
             if _REGISTRY.get(param) is None:
                 continue  # (put back by an earlier call that failed later)
-            await _put_weight_back(self.store, weight.key, param, self.link)
+            await _put_weight_back(self.store, weight.key, param, self.link, weight.stride)
             await self.store.delete(weight.key)
         if self.namespace.live:
             await self.namespace.drop()
@@ -553,8 +562,9 @@ class ParameterOffload:
         base = tensor if id(tensor) in self._weight_of else tensor._base
         weight = self._weight_of.get(id(base)) if base is not None else None
         if weight is not None and weight.param is base and offloaded(base) is not None:
-            return _ParamRef(self, weight, tuple(tensor.size()), tuple(tensor.stride()),
-                             int(tensor.storage_offset() - base.storage_offset()), tensor is base, base._version)
+            offset = tensor.storage_offset() * tensor.element_size() - base.storage_offset() * base.element_size()
+            return _ParamRef(self, weight, tuple(tensor.size()), tuple(tensor.stride()), int(offset), tensor is base, base._version,
+                             tensor.dtype)
         activations = active_activation_offload()
         return activations._pack(tensor) if activations is not None else kept(tensor)
 
@@ -571,7 +581,16 @@ class ParameterOffload:
         if weight.hold is None:  # used in backward outside its units' own backward
             self._hold_weights([weight], weight.units[0])
         data = weight.param.data
-        value = data if packed.whole else data.as_strided(packed.size, packed.stride, data.storage_offset() + packed.offset)
+        if packed.whole:
+            value = data
+        elif packed.dtype in (None, data.dtype):
+            value = data.as_strided(packed.size, packed.stride, data.storage_offset() + packed.offset // data.element_size())
+        else:  # (a float view of a complex parameter: the same bytes seen in its dtype)
+            start = data.storage_offset() * data.element_size() + packed.offset
+            itemsize = packed.dtype.itemsize
+            value = torch.empty(0, dtype=packed.dtype, device=data.device).set_(
+                data.untyped_storage(), start // itemsize, packed.size, packed.stride
+            )
         # A backward that records a graph (create_graph=True: a gradient penalty) saves what it
         # computes with for the next backward, past the hold: it gets its own copy, as the
         # store reuses the buffer once the weight is let go.
@@ -748,7 +767,7 @@ class ParameterOffload:
                 ) from error
             for weight, manager, value in zip(todo, managers, values, strict=True):
                 weight.hold = manager
-                weight.value = value if value.device == weight.param.device else value.to(weight.param.device)
+                weight.value = _laid_out(value if value.device == weight.param.device else value.to(weight.param.device), weight.stride)
                 if not weight.borrowers:  # (a recomputation computes with its copy)
                     weight.param.data = weight.value
                     weight.held_version = weight.param._version
@@ -960,7 +979,7 @@ class ParameterOffload:
                 value = (await self.store.read(weight.key)).to(param.device)
             else:
                 value = await to_device(self.store, weight.key, param.device, self.link)
-            values.append(value.to(param.dtype).view(weight.shape))
+            values.append(_laid_out(value.to(param.dtype).view(weight.shape), weight.stride))
         return values
 
     def _load_state_dict_hook(
@@ -1320,6 +1339,25 @@ class _PackedBelow:
     unpack: Callable[[Any], torch.Tensor]
 
 
+class _Hook:
+    """A hook offload_parameters puts on the module: a module pickled or deep-copied whole
+    (``torch.save(model)``, ``copy.deepcopy``) would carry size-0 placeholders, not its weights,
+    so that is refused with a way out (it failed with "Can't pickle local object")."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self._fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fn(*args, **kwargs)
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "a module under offload_parameters cannot be pickled or deep-copied whole (torch.save(model), "
+            "copy.deepcopy(model)): its weights live in the store, and its parameters hold size-0 placeholders; "
+            "save model.state_dict() (which reads the stored weights), or call detach() first to put them back"
+        )
+
+
 def _in_backward() -> bool:
     """Whether this thread is running a backward pass (autograd's engine sets a graph task)."""
     return torch._C._current_graph_task_id() != -1
@@ -1382,12 +1420,29 @@ def offload_parameters(
     ``position_embedding.weight.shape`` in its own forward, say."""
     return ParameterOffload(module, store, tier, device_tier, ahead, namespace, emulate_device, whole_units)
 
-async def _put_weight_back(store: TierStore, key: str, param: torch.Tensor, link: Link) -> None:
-    """The stored weight ``key`` back into ``param`` (its placeholder's device and dtype), over
-    ``link``; ``param`` is no longer offloaded from then on."""
+async def _put_weight_back(store: TierStore, key: str, param: torch.Tensor, link: Link, stride: tuple[int, ...] | None) -> None:
+    """The stored weight ``key`` back into ``param`` (its placeholder's device and dtype, with
+    ``stride``, its strides when offloaded: ``_Weight.stride``), over ``link``; ``param`` is no
+    longer offloaded from then on."""
     value = (await store.read(key)).to(param.device) if link.lends else await to_device(store, key, param.device, link)
     _REGISTRY.pop(param, None)  # (first: a lent copy given back from now on leaves the weight alone)
-    param.data = value.to(param.dtype)
+    param.data = _laid_out(value.to(param.dtype), stride)
+
+
+def _layout_of(param: torch.Tensor) -> tuple[int, ...] | None:
+    """``_Weight.stride`` of ``param``: its strides if it is not contiguous (those of the dense
+    layout torch gives its copy, ``torch.empty_like``, for one with gaps)."""
+    if param.is_contiguous():
+        return None
+    stride = tuple(torch.empty_like(param, device="meta").stride())
+    return None if stride == tuple(torch.empty(param.shape, device="meta").stride()) else stride
+
+
+def _laid_out(value: torch.Tensor, stride: tuple[int, ...] | None) -> torch.Tensor:
+    """``value`` (a stored weight, contiguous) with ``stride``: a copy so laid out (None: itself)."""
+    if stride is None or tuple(value.stride()) == stride:
+        return value
+    return torch.empty_strided(value.shape, stride, dtype=value.dtype, device=value.device).copy_(value)
 
 
 async def _put_back_if_alive(offloader: weakref.ref[ParameterOffload], dropped: Callable[[], Coroutine[Any, Any, bool]]) -> None:
@@ -1416,17 +1471,17 @@ def _release_when_dropped(store: TierStore, dropped: Callable[[], Coroutine[Any,
         loop.call_soon_threadsafe(lambda: loop.create_task(release()))
 
 
-async def _release_dropped(store: TierStore, namespace: Namespace, link: Link, weights: list[tuple[weakref.ref[torch.Tensor], str]]) -> bool:
+async def _release_dropped(store: TierStore, namespace: Namespace, link: Link, weights: list[tuple[weakref.ref[torch.Tensor], str, tuple[int, ...] | None]]) -> bool:
     """For an offloader collected without ``detach()``: the weights back into those of its
     parameters something else still holds (an optimizer, a list), as ``detach()`` puts them
     back, then its namespace dropped, its weights with it. The last holds of a dropped model
     may still be ending on the loop, after their kernels: the drop waits for them, a minute at
     most (then it warns, and the store's close tries again). Returns whether it is dropped."""
     with contextlib.suppress(Exception):  # (a store closed meanwhile: nothing is left to do)
-        for ref, key in weights:
+        for ref, key, stride in weights:
             param = ref()
             if param is not None and _REGISTRY.get(param) is not None:
-                await _put_weight_back(store, key, param, link)
+                await _put_weight_back(store, key, param, link, stride)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 60
     while namespace.live:
