@@ -15,7 +15,7 @@ import torch
 
 from tierstore.optim import TieredAdamW, native
 from tierstore.optim import precision as codec
-from tierstore.optim.precision import BLOCK, AdamHyper, dynamic_map
+from tierstore.optim.precision import BLOCK, SMALLEST_SCALE, AdamHyper, dynamic_map
 
 pytestmark = [
     pytest.mark.skipif(not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")), reason="no C compiler here"),
@@ -74,7 +74,7 @@ def _reference(tile: dict[str, torch.Tensor], s: torch.Tensor) -> dict[str, torc
     out = {}
     for name, values, signed in (("m", m, True), ("v", v, False)):
         blocks = values.view(-1, BLOCK)
-        absmax = blocks.abs().amax(dim=1).clamp(min=1e-12)
+        absmax = blocks.abs().amax(dim=1).clamp(min=SMALLEST_SCALE)
         book = dynamic_map(signed)
         mid = (book[1:] + book[:-1]) / 2
         if not signed:

@@ -13,7 +13,7 @@ import torch
 
 from tierstore import DiskTier, HostTier, SyncTierStore
 from tierstore.optim import TieredAdamW
-from tierstore.optim.precision import dynamic_map
+from tierstore.optim.precision import SMALLEST_SCALE, dynamic_map
 
 pytestmark = pytest.mark.device_modes
 
@@ -29,7 +29,7 @@ def _kept_8bit(values: torch.Tensor, signed: bool) -> torch.Tensor:
     out = torch.empty_like(flat)
     for start in range(0, flat.numel(), 256):
         block = flat[start : start + 256]
-        scale = block.abs().max().clamp(min=1e-12)
+        scale = block.abs().max().clamp(min=SMALLEST_SCALE)
         codes = (block.unsqueeze(1) / scale - book.unsqueeze(0)).abs().argmin(dim=1)
         out[start : start + 256] = book[codes] * scale
     return out.view_as(values)

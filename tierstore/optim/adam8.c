@@ -9,6 +9,7 @@
  * life (see job_t and the pool below).
  */
 #define _GNU_SOURCE /* (sched_getaffinity, pthread_setname_np) */
+#include <float.h>
 #include <math.h>
 #include <pthread.h>
 #include <sched.h>
@@ -72,7 +73,7 @@ static inline uint32_t abs_bits(float x) { return float_bits(x) & 0x7FFFFFFFu; }
 static inline float absmax_of_bits(uint32_t bits) {
     float best;
     memcpy(&best, &bits, sizeof best);
-    return best < 1e-12f ? 1e-12f : best; /* (clamp: an all-zero block still divides; a NaN stays) */
+    return best < FLT_MIN ? FLT_MIN : best; /* (clamp at precision.SMALLEST_SCALE: an all-zero block still divides; a NaN stays) */
 }
 
 /* The search tables cover normalised magnitudes from 2^(LOW_EXPONENT - 127) to 1 (a normalised

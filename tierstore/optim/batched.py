@@ -25,6 +25,7 @@ import torch
 
 from .precision import (
     BLOCK,
+    SMALLEST_SCALE,
     TILE,
     PackedState,
     StateLayout,
@@ -182,7 +183,7 @@ def _update_batch(states: list[PackedState], grads: list[torch.Tensor], steps: l
             padded = row.new_zeros(plan.total * BLOCK)
             padded.index_copy_(0, plan.padded_at, row)
             absmax = padded.view(-1, BLOCK).abs().amax(dim=1)
-        absmax.clamp_(min=1e-12)  # an all-zero block still divides
+        absmax.clamp_(min=SMALLEST_SCALE)  # an all-zero block still divides
         codes = _nearest_codes(row / absmax.index_select(0, plan.block_of), name == "exp_avg").to(torch.uint8)
         _copy_all(fields[n], codes.split(sizes))
         _copy_all(scales[n], absmax.split(plan.blocks))

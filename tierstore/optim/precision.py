@@ -67,6 +67,10 @@ PRECISIONS = ("fp32", "bf16", "8bit")
 MASTER_WEIGHTS = ("fp32", "lossless")
 #: Elements per quantisation block of 8-bit moments (each with one fp32 scale).
 BLOCK = 256
+#: The least block scale: the smallest normal fp32 number, so that an all-zero block still
+#: divides. (It was 1e-12: a block of second moments below it, the squares of gradients below
+#: 1e-6, was coded against that scale instead of its own, its values off by 2x at 1e-18.)
+SMALLEST_SCALE = torch.finfo(torch.float32).tiny
 
 _MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
@@ -193,7 +197,7 @@ def _coded(values: torch.Tensor, table: torch.Tensor, above: torch.Tensor) -> tu
     # Flat in, blocks made here: a (blocks, BLOCK) input's second size would be a symbol under
     # dynamic shapes, and each element's scale an integer division by it (2.6x slower).
     values = values.view(-1, BLOCK)
-    absmax = values.abs().amax(dim=1).clamp(min=1e-12)  # an all-zero block still divides
+    absmax = values.abs().amax(dim=1).clamp(min=SMALLEST_SCALE)  # an all-zero block still divides
     normal = (values / absmax.unsqueeze(1)).reshape(-1)
     high = normal.view(torch.int32).bitwise_right_shift(16).bitwise_and(0xFFFF)
     return (table[high] + (normal > above[high]).to(torch.int32)).to(torch.uint8), absmax
@@ -306,6 +310,15 @@ def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
     return torch.from_dlpack(tensor.detach())
 
 
+def _for_compiler(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` detached, as a compiled kernel's argument. A dtype view of an entry whose bytes
+    are no whole number of its elements (an 8-bit entry of an odd size: its fp32 scales) gets a
+    storage of its own: inductor rebuilt the view from the entry's storage and failed an internal
+    assertion (``nbytes % dtype_size == 0``), and the compiled codec was off for the process."""
+    tensor = tensor.detach()
+    return _own_storage(tensor) if tensor.untyped_storage().nbytes() % tensor.element_size() else tensor
+
+
 def _same_tile(elements: tuple[torch.Tensor, ...], scales: tuple[torch.Tensor, ...]) -> None:
     """Tell the compiler that ``elements`` all have one size, a tile's, and ``scales`` one
     element per block of it. Traced without duck sizing, each input's size is a symbol of its
@@ -369,7 +382,7 @@ def _codebook(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
 def _coded_packed(values: torch.Tensor, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``_coded`` with ``_codebook``'s packed table: the same codes and scales."""
     values = values.view(-1, BLOCK)
-    absmax = values.abs().amax(dim=1).clamp(min=1e-12)
+    absmax = values.abs().amax(dim=1).clamp(min=SMALLEST_SCALE)
     normal = (values / absmax.unsqueeze(1)).reshape(-1)
     entry = packed[normal.view(torch.int32).bitwise_right_shift(16).bitwise_and(0xFFFF)]
     above = (entry >> 32).to(torch.int32).view(torch.float32)
@@ -401,7 +414,7 @@ class _Compiled:
         on) if compiling failed."""
         # Detached: a view's base (the whole entry, different for every entry and tile) would
         # add guards on it that take longer to check than a tile's kernel runs.
-        args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+        args = tuple(_for_compiler(a) if isinstance(a, torch.Tensor) else a for a in args)
         with self._lock:
             if self._kernels is None:
                 self._kernels = {name: torch.compile(kernel, dynamic=True, options=_OPTIONS) for name, kernel in self._source.items()}
@@ -439,7 +452,7 @@ def _use_compiled(compiled: bool | None, numel: int) -> bool:
 
 def _quantize_eager(values: torch.Tensor, signed: bool, codes: torch.Tensor, scales: torch.Tensor) -> None:
     for_blocks = values.view(-1, values.numel()) if values.numel() < BLOCK else values.view(-1, BLOCK)
-    absmax = for_blocks.abs().amax(dim=1).clamp_(min=1e-12)  # an all-zero block still divides
+    absmax = for_blocks.abs().amax(dim=1).clamp_(min=SMALLEST_SCALE)  # an all-zero block still divides
     scales.copy_(absmax)
     normal = (for_blocks / absmax.unsqueeze(1)).view(-1)
     codes.copy_(_nearest_codes(normal, signed))
