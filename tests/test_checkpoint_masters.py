@@ -84,6 +84,35 @@ def test_a_lossless_master_whose_weight_is_not_the_checkpoints_restarts_with_a_w
     opt.close()
 
 
+@pytest.mark.parametrize("master_weights", ["fp32", "lossless"])
+def test_each_master_that_restarts_from_its_weight_is_named(device_mode: str, master_weights: str) -> None:
+    """A lossless master warned once per optimizer, naming the first parameter only: the others
+    restarted silently. Each one that restarts is named, once (as an fp32 master's is), also
+    when its state is paged in chunks."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n).bfloat16()) for n in (300, 300, 5000)]
+    opt = TieredAdamW(params, lr=1e-2, master_weights=master_weights, offload="host")
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    opt.close()
+    with torch.no_grad():
+        params[1].add_(1.0)  # (no longer the checkpoint's weights)
+        params[2].add_(1.0)
+    again = TieredAdamW(params, lr=1e-2, master_weights=master_weights, offload="host", chunk_bytes=4096)
+    again.load_state_dict(saved)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            again.step()
+        named = sorted(str(w.message).split(":")[0] for w in caught if issubclass(w.category, RuntimeWarning))
+        assert named == (["parameter 1", "parameter 2"] if _ == 0 else []), [str(w.message) for w in caught]
+    again.close()
+
+
 @pytest.mark.parametrize("missing", ["step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"])
 def test_an_entry_lacking_what_adam_needs_is_refused_and_nothing_changes(device_mode: str, missing: str) -> None:
     """A missing ``step`` or moment was filled with zeros: the next update 2x (step) to 36x

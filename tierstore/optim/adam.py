@@ -160,7 +160,8 @@ class TieredAdam(PagedOptimizer):
         #: ``(rows, paged, chunks)`` (``_resident_pieces``; read only: they are shared).
         self._pieces_made: dict[int, tuple[int, bool, Any, list[Piece]]] = {}
         self._warned_foreign = False
-        self._warned_lossless_load = False
+        #: Parameters whose loaded master restarted from the weight: warned once each (not once a chunk).
+        self._warned_restarts: set[int] = set()
         #: Per slot index: the move of its master out of a parameter no longer fp32 (``_keep_master_apart``).
         self._master_moves: dict[int, asyncio.Lock] = {}
         #: Per slot index: its state with the master apart, moved but not yet written whole.
@@ -373,7 +374,7 @@ class TieredAdam(PagedOptimizer):
         elements from ``start`` (``tierstore.optim.lossless_load``): the weight the model holds
         if it is the master truncated; turned back into the master's high halves if it is the
         master rounded (a checkpoint of an fp32 master); if neither, at an update (``update``),
-        the weight, with the low halves restarted at zero and a warning once."""
+        the weight, with the low halves restarted at zero and a warning once for the parameter."""
         loaded = slot.loaded_master
         high = state.high
         assert loaded is not None and high is not None
@@ -384,8 +385,8 @@ class TieredAdam(PagedOptimizer):
             return loaded.high_of_rounded(high, state.view("master_low"), start)
         if which == "neither" and update:
             state.view("master_low").zero_()
-            if not self._warned_lossless_load:
-                self._warned_lossless_load = True
+            if slot.index not in self._warned_restarts:
+                self._warned_restarts.add(slot.index)
                 warn(
                     f"parameter {slot.index}: the model's weight is neither the loaded master truncated (a lossless "
                     "master's checkpoint) nor rounded (an fp32 master's), so the master restarts from the weight (its "
@@ -426,6 +427,9 @@ class TieredAdam(PagedOptimizer):
             weight = (await read_weight_range(slot, start, stop)).reshape(-1)
             if torch.equal(master.to(weight.dtype), weight) or weight.dtype == torch.bfloat16 and torch.equal(_truncated(master), weight):
                 return False  # (rounded: our own checkpoint; truncated: a lossless master's, exact too)
+            if slot.index in self._warned_restarts:
+                return True
+            self._warned_restarts.add(slot.index)
             warn(
                 f"parameter {slot.index}: the master weight loaded from the checkpoint does not round to the parameter's "
                 "value at the first step, so it restarts from the weight (its extra bits lost): the weight moved since "
