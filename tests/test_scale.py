@@ -477,6 +477,15 @@ def test_a_host_tier_too_small_for_anything_is_an_optimizer_capacity_error(capac
         TieredAdamW(torch.nn.Linear(256, 256).parameters(), host_capacity=capacity)
 
 
+@pytest.mark.parametrize("capacity", ["0", "100"])
+def test_a_disk_tier_too_small_for_anything_names_disk_capacity(capacity: str, device_mode: str, tmp_path: Path) -> None:
+    """The namespace record goes to the disk tier: its capacity error advised host_capacity=."""
+    with pytest.raises(OptimizerCapacityError, match=r"tier 'disk' is full.*disk_capacity=") as raised:
+        TieredAdamW([torch.nn.Parameter(torch.randn(300_000))], offload="disk", disk_root=tmp_path / "state",
+                    host_capacity="64MiB", disk_capacity=capacity)
+    assert "host_capacity" not in str(raised.value)
+
+
 @pytest.mark.parametrize("options, error", [
     ({"chunk_bytes": 0}, ValueError), ({"chunk_bytes": "0KiB"}, ValueError), ({"bucket_bytes": 0}, ValueError),
     ({"max_inflight": 2.5}, TypeError), ({"gradient_accumulation_steps": 1.5}, TypeError), ({"max_inflight": True}, TypeError),

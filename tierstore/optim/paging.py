@@ -502,9 +502,12 @@ class PagedOptimizer(torch.optim.Optimizer):
                 return await self.store.claim_unique(DEFAULT_NAMESPACE_BASE, owner=owner)
             return await self.store.claim(name, owner=owner, overwrite=overwrite)
         except TierFullError as error:  # (the namespace's record, a few hundred bytes, did not fit)
+            # (records live on the disk tier where there is one: its room was short, not the host's)
+            on_disk = any(not isinstance(tier, MemoryTier) for tier in self.store.tiers)
+            advice = ("give the disk tier more capacity (disk_capacity=, or a larger DiskTier in store=)" if on_disk
+                      else "give the state tier more capacity (host_capacity=)")
             raise OptimizerCapacityError(
-                f"this configuration cannot fit: the store cannot hold even the optimizer's namespace record ({error}); "
-                "give the state tier more capacity (host_capacity=)"
+                f"this configuration cannot fit: the store cannot hold even the optimizer's namespace record ({error}); {advice}"
             ) from error
 
     async def _adopt(self) -> None:
