@@ -3,9 +3,12 @@ known figures, and from a real optimizer step paging state to disk."""
 
 from __future__ import annotations
 
+import decimal
+import fractions
 import math
 from pathlib import Path
 
+import numpy
 import pytest
 import torch
 
@@ -58,6 +61,22 @@ def test_bytes_written_in_no_time_are_not_said_to_be_nothing() -> None:
 def test_bad_input(args: tuple[object, ...], kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         drive_wear(*args, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("number", [numpy.int64(1200), numpy.float32(1200.0), decimal.Decimal("1200"), fractions.Fraction(1200)],
+                         ids=["numpy int", "numpy float", "Decimal", "Fraction"])
+def test_numbers_of_other_kinds_are_numbers(number: object) -> None:
+    """A rating from a config or a pandas column (numpy's numbers, a Decimal, a Fraction) was
+    refused as "must be a finite number", and a numpy count of bytes or seconds too."""
+    expected = drive_wear(10**9, 1.0, capacity="2TB", rated_tbw=1200)
+    assert drive_wear(10**9, 1.0, capacity="2TB", rated_tbw=number) == expected  # type: ignore[arg-type]
+    assert drive_wear(numpy.int64(10**9), numpy.float64(1.0)) == drive_wear(10**9, 1.0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [numpy.bool_(True), decimal.Decimal("NaN"), decimal.Decimal("Infinity"), numpy.float64("nan")])
+def test_what_is_no_rating_of_those_kinds_is_still_refused(bad: object) -> None:
+    with pytest.raises(ValueError, match="rated_tbw"):
+        drive_wear(1, 1.0, rated_tbw=bad)  # type: ignore[arg-type]
 
 
 def test_time_report_wear_and_summary() -> None:

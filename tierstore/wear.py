@@ -13,9 +13,13 @@ per TB of capacity, as the Samsung 990 Pro and WD SN850X 2 TB are).
 
 from __future__ import annotations
 
+import decimal
 import math
+import numbers
 from dataclasses import asdict, dataclass
 from typing import Any
+
+import numpy
 
 from .units import format_bytes, parse_bytes
 
@@ -83,10 +87,15 @@ class DriveWear:
         )
 
 
+def _is_number(value: object) -> bool:
+    """A real number (numpy's, ``Fraction`` and ``Decimal`` too), not a bool."""
+    return not isinstance(value, (bool, numpy.bool_)) and isinstance(value, (numbers.Real, decimal.Decimal))
+
+
 def valid_rating(rated_tbw: object) -> bool:
     """Whether ``rated_tbw`` (terabytes written) is a rating ``drive_wear`` takes: a number of at
     least a byte's worth whose bytes are finite."""
-    if isinstance(rated_tbw, bool) or not isinstance(rated_tbw, (int, float)):
+    if not _is_number(rated_tbw):
         return False
     try:
         return 1 <= float(rated_tbw) * _TB < math.inf
@@ -101,10 +110,12 @@ def drive_wear(
     writes and its wall time) on a drive of ``capacity`` (bytes or ``"2TB"``) rated for
     ``rated_tbw`` terabytes written (default: 600 per TB of capacity, a typical TLC drive).
     Raises ``ValueError`` for a negative count or time, or a capacity or rating not above 0."""
-    if isinstance(bytes_written, bool) or not isinstance(bytes_written, int) or bytes_written < 0:
+    if isinstance(bytes_written, bool) or not isinstance(bytes_written, numbers.Integral) or bytes_written < 0:
         raise ValueError(f"bytes_written must be a non-negative int, not {bytes_written!r}")
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < math.inf:
+    bytes_written = int(bytes_written)
+    if not _is_number(seconds) or not 0 <= float(seconds) < math.inf:  # type: ignore[arg-type]
         raise ValueError(f"seconds must be a finite number of 0 or more, not {seconds!r}")
+    seconds = float(seconds)
     size = parse_bytes(capacity)
     if size <= 0:
         raise ValueError(f"capacity must be above 0, not {capacity!r}")
@@ -113,5 +124,5 @@ def drive_wear(
     else:
         if not valid_rating(rated_tbw):
             raise ValueError(f"rated_tbw (terabytes written) must be a finite number of at least a byte's worth, not {rated_tbw!r}")
-        rated = int(rated_tbw * _TB)
+        rated = int(float(rated_tbw) * _TB)
     return DriveWear(bytes_written=bytes_written, seconds=float(seconds), capacity=size, rated_bytes=rated)
