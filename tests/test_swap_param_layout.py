@@ -3,7 +3,8 @@ transposed weight, channels_last convolutions) computes, gets its gradient and c
 its strides (it came back contiguous: a reduction over a transposed weight summed in another
 order, its gradient differed in the last bits, and detach() left it contiguous for good), and a
 complex parameter may be used through its float views (``.real``, ``.imag``,
-``torch.view_as_real``: backward raised a storage-bounds RuntimeError)."""
+``torch.view_as_real``: backward raised a storage-bounds RuntimeError) and its conjugate
+views (``w.conj()``, ``w.mH``: the lazy conjugate bit was lost, and x's gradient wrong)."""
 
 from __future__ import annotations
 
@@ -81,16 +82,20 @@ class Complex(nn.Module):
         self.view = view
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.view in ("conj", "mH"):  # (complex views whose bytes are the weight's, their values not)
+            return (x.to(torch.complex64) @ (self.w.conj() if self.view == "conj" else self.w.mH)).abs().sum()
         if self.view == "real":
             w = self.w.real
         elif self.view == "imag":
             w = self.w.imag
+        elif self.view == "conj().imag":
+            w = self.w.conj().imag  # (a negative view)
         else:
             w = torch.view_as_real(self.w)[..., 1]
         return (x @ w).pow(2).sum()  # (mm saves the float view for x's gradient)
 
 
-@pytest.mark.parametrize("view", ["real", "imag", "view_as_real"])
+@pytest.mark.parametrize("view", ["real", "imag", "view_as_real", "conj", "mH", "conj().imag"])
 def test_a_complex_parameter_used_through_a_float_view(store: SyncTierStore, device_mode: str, view: str) -> None:
     torch.manual_seed(0)
     model = Complex(view)

@@ -1,6 +1,8 @@
 """A module under offload_parameters pickled whole (``torch.save(model)``) or deep-copied: its
 parameters hold size-0 placeholders, so a copy would carry no weights. Refused with a way out
-(it failed with "Can't pickle local object ..."); ``state_dict()`` and ``detach()`` then work."""
+(``torch.save`` failed with "Can't pickle local object ...", and ``copy.deepcopy``, as
+``torch.optim.swa_utils.AveragedModel`` makes one, gave a model whose forward failed);
+``state_dict()`` and ``detach()`` then work."""
 
 from __future__ import annotations
 

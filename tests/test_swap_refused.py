@@ -6,7 +6,10 @@ with one warning that says why; gradients are torch's, bit for bit."""
 from __future__ import annotations
 
 import copy
+import gc
+import time
 import warnings
+import weakref
 from collections.abc import Iterator
 
 import pytest
@@ -35,6 +38,16 @@ def _grads(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
 
 
+def _copies_ended(acts: object, timeout: float = 60.0) -> None:
+    """Wait until every copy into the store has ended, stored or refused (each saved tensor
+    here is 512 KiB)."""
+    report = acts.report  # type: ignore[attr-defined]
+    deadline = time.monotonic() + timeout
+    while report.bytes_out // (512 * 1024) + report.refused < report.offloaded + report.refused:
+        assert time.monotonic() < deadline, report
+        time.sleep(0.005)
+
+
 def test_saved_tensors_a_full_tier_refuses_stay_in_memory_for_backward(small: SyncTierStore, device_mode: str) -> None:
     model, plain = _model(), _model()
     x = torch.randn(512, 256)  # (four saved activations of 512 KiB: the host tier holds one)
@@ -44,6 +57,7 @@ def test_saved_tensors_a_full_tier_refuses_stay_in_memory_for_backward(small: Sy
         warnings.simplefilter("always")
         with acts:
             loss = model(x).sum()
+        _copies_ended(acts)  # (else backward may take the tensors before their copies fail)
         loss.backward()  # (raised TierFullError before)
     assert all(torch.equal(a, b) for a, b in zip(_grads(model), _grads(plain), strict=True))
     report = acts.report
@@ -86,3 +100,42 @@ def test_a_refused_tensor_changed_in_place_before_backward_is_torchs_error(small
             loss.backward()
         acts.close()
     assert acts.report.refused >= 1
+
+
+def test_a_graph_with_refused_tensors_dropped_without_backward_is_freed(small: SyncTierStore, device_mode: str) -> None:
+    """A refused output kept as itself (tanh saves its output) made a cycle through its grad_fn
+    that the collector cannot see: a graph dropped without backward (an evaluation under grad
+    mode, a skipped step) was never freed, nor the values it had stored, which filled the tier."""
+    acts = offload_activations(small, min_bytes=0)
+    weight = torch.randn(256, 256, requires_grad=True)
+    alive = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            with acts:
+                hidden = [torch.tanh(torch.randn(512, 256) @ weight) for _ in range(4)]
+                loss = sum(h.sum() for h in hidden)
+            alive += [weakref.ref(h) for h in hidden]
+            del hidden, loss  # (no backward)
+            gc.collect()
+        acts.close()  # (waits for the copies; the values left are deleted)
+    gc.collect()
+    assert acts.report.refused >= 3
+    assert [ref for ref in alive if ref() is not None] == []
+
+
+def test_refused_tensors_are_not_counted_as_brought_back(device_mode: str) -> None:
+    """Refused tensors were counted in ``bytes_in`` and ``prefetched`` (and took the ``ahead``
+    budget meant for real prefetches)."""
+    with SyncTierStore([DeviceTier("cpu", "64MiB"), HostTier("256KiB")]) as store:
+        acts = offload_activations(store, min_bytes=0)
+        model = _model()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with acts:
+                loss = model(torch.randn(512, 256)).sum()  # (every saved activation is 512 KiB: none fits)
+            loss.backward()
+        report = acts.report
+        assert report.refused >= 2 and report.offloaded == 0 and report.bytes_out == 0
+        assert report.bytes_in == 0 and report.prefetched == 0
+        acts.close()

@@ -41,6 +41,7 @@ import contextlib
 import itertools
 import threading
 import time
+import traceback
 import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -49,7 +50,7 @@ from typing import Any
 import torch
 
 from ..device import Link
-from ..errors import KeyNotFoundError, StoreClosedError, UnknownTierError
+from ..errors import KeyNotFoundError, StoreClosedError, TierFullError, UnknownTierError
 from ..flags import require_flag
 from ..namespaces import Namespace
 from ..store import TierStore
@@ -87,6 +88,7 @@ class _Saved:
     #: The tensor itself, when its copy into the store failed (a tier without room, say):
     #: backward gets it, as if it had been too small to offload.
     fallback: torch.Tensor | None = None
+    ahead: bool = False  # fetched ahead of backward's asking (``_fetch_ahead``)
 
 
 class ActivationOffload:
@@ -274,7 +276,7 @@ class ActivationOffload:
                 if refused is not None and saved.tensor is not None:
                     # (it never left: raised at backward, the step was lost for a value still in
                     # memory; one changed in place meanwhile is torch's error there, ``_unchanged``)
-                    saved.fallback = saved.tensor
+                    saved.fallback = kept(saved.tensor)  # (detached: the tensor itself would keep its graph alive)
                     self.report.offloaded -= 1
                     self.report.kept += 1
                     self.report.bytes_kept += saved.nbytes
@@ -289,6 +291,7 @@ class ActivationOffload:
             with contextlib.suppress(KeyNotFoundError):  # (close() dropped the namespace meanwhile)
                 await self.store.delete(saved.key)
         if refused is not None:
+            _clear_frames(refused)  # (kept in ``saved.stored``: its frames held the tensor, a cycle through its grad_fn)
             raise refused
 
     # -- backward ------------------------------------------------------------------------------------
@@ -331,12 +334,16 @@ class ActivationOffload:
         value = saved.fetched.result()
         saved.finalizer.detach()
         _unchanged(saved, value)
-        if value is saved.fallback:
+        refused = value is saved.fallback
+        if refused:
             self._warn_refused(saved)
         ended = time.perf_counter()
         with self._lock:
             self.report.add_stall(started, ended)
-            self.report.add_moved(saved.nbytes, ended - started, out=False)
+            if not refused:
+                self.report.add_moved(saved.nbytes, ended - started, out=False)
+            elif saved.ahead:  # (fetched ahead before its copy failed: nothing was brought back)
+                self.report.prefetched -= 1
         return value
 
     def _warn_refused(self, saved: _Saved) -> None:
@@ -346,9 +353,10 @@ class ActivationOffload:
             return
         self._warned_refusal = True
         refused = saved.stored.exception()
+        advice = ": give the store's tier more room, or a disk tier below it" if isinstance(refused, TierFullError) else ""
         warn(f"offload_activations: the store refused a saved tensor of {format_bytes(saved.nbytes)} "
              f"({type(refused).__name__}: {refused}); it stayed in memory for backward, as do any others refused "
-             "(report.refused counts them): give the store's tier more room, or a disk tier below it")
+             f"(report.refused counts them){advice}")
 
     def _fetch(self, saved: _Saved) -> None:
         """Start bringing ``saved`` back from the store onto its device (on the loop)."""
@@ -371,13 +379,14 @@ class ActivationOffload:
             saved = self._saved.get(nxt)
             if saved is None or saved.finalizer is None or not saved.finalizer.alive:
                 continue
-            if saved.fetched is not None:
+            if saved.fetched is not None or saved.fallback is not None:  # (a refused one never left)
                 continue
             if self._ahead_bytes + saved.nbytes > limit:
                 break
             self._ahead_bytes += saved.nbytes
             self.report.bytes_ahead_peak = max(self.report.bytes_ahead_peak, self._ahead_bytes)
             self._fetch(saved)
+            saved.ahead = True
             self.report.prefetched += 1
 
     def _device_tier(self, device: torch.device) -> str:
@@ -468,8 +477,9 @@ def _is_parameter(tensor: torch.Tensor) -> bool:
 
 
 async def _stored(saved: _Saved) -> bool:
-    """Wait for ``saved``'s copy into the store: True once it is there, False if the store
-    refused it and backward gets the tensor itself (``fallback``); other failures raise."""
+    """Wait for ``saved``'s copy into the store: True once it is there, False if it failed and
+    backward gets the tensor itself (``fallback``, kept for any failure of the copy while the
+    tensor was still held); raises only where nothing was kept."""
     try:
         await asyncio.wrap_future(saved.stored)
     except Exception:
@@ -546,6 +556,17 @@ def _forget(loop: asyncio.AbstractEventLoop, store: TierStore, key: str, stored:
 
     if not loop.is_closed():
         loop.call_soon_threadsafe(lambda: asyncio.ensure_future(drop()))
+
+
+def _clear_frames(error: BaseException) -> None:
+    """Drop the local variables of the frames in ``error``'s tracebacks (its causes' too): the
+    lines stay for the message, the tensors the frames held are let go."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        current = current.__cause__ or current.__context__
 
 
 def kept(tensor: torch.Tensor) -> torch.Tensor:

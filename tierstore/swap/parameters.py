@@ -195,6 +195,10 @@ class _ParamRef:
     #: The view's dtype: a complex parameter's ``.real``, ``.imag`` or ``view_as_real`` is a
     #: float view of it (sizes, strides and offset in its elements).
     dtype: torch.dtype | None = None
+    #: Torch's lazy conjugate and negative bits of the view (``w.conj()``, ``w.mH``, the
+    #: ``.imag`` of those): its bytes are the parameter's, its values are not.
+    conj: bool = False
+    neg: bool = False
 
 
 @dataclass(eq=False)
@@ -564,7 +568,7 @@ class ParameterOffload:
         if weight is not None and weight.param is base and offloaded(base) is not None:
             offset = tensor.storage_offset() * tensor.element_size() - base.storage_offset() * base.element_size()
             return _ParamRef(self, weight, tuple(tensor.size()), tuple(tensor.stride()), int(offset), tensor is base, base._version,
-                             tensor.dtype)
+                             tensor.dtype, tensor.is_conj(), tensor.is_neg())
         activations = active_activation_offload()
         return activations._pack(tensor) if activations is not None else kept(tensor)
 
@@ -591,6 +595,10 @@ class ParameterOffload:
             value = torch.empty(0, dtype=packed.dtype, device=data.device).set_(
                 data.untyped_storage(), start // itemsize, packed.size, packed.stride
             )
+        if packed.conj:  # (as_strided and set_ give the bytes without the bits: the values' signs were lost)
+            value = value.conj()
+        if packed.neg:
+            value = torch._neg_view(value)
         # A backward that records a graph (create_graph=True: a gradient penalty) saves what it
         # computes with for the next backward, past the hold: it gets its own copy, as the
         # store reuses the buffer once the weight is let go.
