@@ -101,15 +101,17 @@ def test_each_master_that_restarts_from_its_weight_is_named(device_mode: str, ma
         params[1].add_(1.0)  # (no longer the checkpoint's weights)
         params[2].add_(1.0)
     again = TieredAdamW(params, lr=1e-2, master_weights=master_weights, offload="host", chunk_bytes=4096)
-    again.load_state_dict(saved)
-    for _ in range(2):
-        for p in params:
-            p.grad = torch.randn_like(p)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            again.step()
-        named = sorted(str(w.message).split(":")[0] for w in caught if issubclass(w.category, RuntimeWarning))
-        assert named == (["parameter 1", "parameter 2"] if _ == 0 else []), [str(w.message) for w in caught]
+    for load in range(2):  # (a second load restarts them again: warned again)
+        again.load_state_dict(saved)
+        for step in range(2):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                again.step()
+            named = sorted(str(w.message).split(":")[0] for w in caught if issubclass(w.category, RuntimeWarning))
+            expected = ["parameter 0", "parameter 1", "parameter 2"] if load else ["parameter 1", "parameter 2"]
+            assert named == (expected if step == 0 else []), [str(w.message) for w in caught]
     again.close()
 
 

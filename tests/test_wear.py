@@ -73,10 +73,13 @@ def test_numbers_of_other_kinds_are_numbers(number: object) -> None:
     assert drive_wear(numpy.int64(10**9), numpy.float64(1.0)) == drive_wear(10**9, 1.0)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("bad", [numpy.bool_(True), decimal.Decimal("NaN"), decimal.Decimal("Infinity"), numpy.float64("nan")])
-def test_what_is_no_rating_of_those_kinds_is_still_refused(bad: object) -> None:
+@pytest.mark.parametrize("bad", [numpy.bool_(True), decimal.Decimal("NaN"), decimal.Decimal("sNaN"), decimal.Decimal("Infinity"),
+                                 numpy.float64("nan"), fractions.Fraction(10**400)])
+def test_what_is_no_rating_or_time_of_those_kinds_is_still_refused(bad: object) -> None:
     with pytest.raises(ValueError, match="rated_tbw"):
         drive_wear(1, 1.0, rated_tbw=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="seconds"):
+        drive_wear(1, bad)  # type: ignore[arg-type]
 
 
 def test_time_report_wear_and_summary() -> None:

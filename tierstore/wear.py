@@ -87,20 +87,22 @@ class DriveWear:
         )
 
 
-def _is_number(value: object) -> bool:
-    """A real number (numpy's, ``Fraction`` and ``Decimal`` too), not a bool."""
-    return not isinstance(value, (bool, numpy.bool_)) and isinstance(value, (numbers.Real, decimal.Decimal))
+def _as_float(value: object) -> float | None:
+    """A real number (numpy's, ``Fraction`` and ``Decimal`` too; not a bool) as a float; None
+    for anything else, and for one no float holds (a signalling NaN, a Fraction past 1e308)."""
+    if isinstance(value, (bool, numpy.bool_)) or not isinstance(value, (numbers.Real, decimal.Decimal)):
+        return None
+    try:
+        return float(value)
+    except (OverflowError, ValueError, ArithmeticError):
+        return None
 
 
 def valid_rating(rated_tbw: object) -> bool:
     """Whether ``rated_tbw`` (terabytes written) is a rating ``drive_wear`` takes: a number of at
     least a byte's worth whose bytes are finite."""
-    if not _is_number(rated_tbw):
-        return False
-    try:
-        return 1 <= float(rated_tbw) * _TB < math.inf
-    except OverflowError:  # (an int too large for a float)
-        return False
+    rating = _as_float(rated_tbw)
+    return rating is not None and 1 <= rating * _TB < math.inf
 
 
 def drive_wear(
@@ -113,9 +115,9 @@ def drive_wear(
     if isinstance(bytes_written, bool) or not isinstance(bytes_written, numbers.Integral) or bytes_written < 0:
         raise ValueError(f"bytes_written must be a non-negative int, not {bytes_written!r}")
     bytes_written = int(bytes_written)
-    if not _is_number(seconds) or not 0 <= float(seconds) < math.inf:  # type: ignore[arg-type]
+    elapsed = _as_float(seconds)
+    if elapsed is None or not 0 <= elapsed < math.inf:
         raise ValueError(f"seconds must be a finite number of 0 or more, not {seconds!r}")
-    seconds = float(seconds)
     size = parse_bytes(capacity)
     if size <= 0:
         raise ValueError(f"capacity must be above 0, not {capacity!r}")
@@ -124,5 +126,5 @@ def drive_wear(
     else:
         if not valid_rating(rated_tbw):
             raise ValueError(f"rated_tbw (terabytes written) must be a finite number of at least a byte's worth, not {rated_tbw!r}")
-        rated = int(float(rated_tbw) * _TB)
-    return DriveWear(bytes_written=bytes_written, seconds=float(seconds), capacity=size, rated_bytes=rated)
+        rated = int(float(rated_tbw) * _TB)  # type: ignore[arg-type]
+    return DriveWear(bytes_written=bytes_written, seconds=elapsed, capacity=size, rated_bytes=rated)

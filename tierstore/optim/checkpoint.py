@@ -32,7 +32,8 @@ those values), ``master`` the exact fp32 master. The param groups leave ``state_
 ``master_weights`` out (DCP's strict loading refuses keys one side lacks, so a checkpoint must
 have torch's keys only); loading never changes them: the loading optimizer
 compresses what it loads as it was built to (an fp32 checkpoint into an 8-bit optimizer is
-quantised; our own compressed checkpoint re-encodes to the same codes). With a lossless master,
+quantised; our own compressed checkpoint re-encodes to the same codes, but for the blocks of
+one saved while scales were raised to 1e-12 whose values lie below it). With a lossless master,
 what is kept of a loaded ``master`` is its low 16 bits: the high half is the model's weight
 (rounded from the master when the checkpoint's optimizer kept an fp32 master: taken back
 exactly at the first update, ``tierstore.optim.lossless_load``).
@@ -421,6 +422,7 @@ async def adam_load_entry(optimizer: TieredAdam, slot: ParamSlot, entry: Mapping
     ranges = [(chunk.start, chunk.stop) for chunk in slot.chunks] if slot.chunks is not None else []
     slot.loaded_master = LoadedMaster.of(rows[0], ranges) if slot.verify_master and layout is not None and layout.lossless else None
     slot.master_checked_chunks.clear()
+    optimizer._warned_restarts.discard(slot.index)  # (a new master: its restart is warned of again)
 
 
 # -- opt.state ----------------------------------------------------------------------------------
