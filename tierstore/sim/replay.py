@@ -61,7 +61,7 @@ from ..errors import TierFullError, TraceError, UnknownTierError
 from ..tensors import storage_nbytes
 from ..tiers.base import MemoryTier
 from .simulator import make_eviction_policy
-from .trace import store_npz
+from .trace import store_npz, store_rows
 
 #: The rows a replay applies besides prefetches (requests, and the writeback and update state
 #: changes); evict rows are skipped (the replay chooses its own).
@@ -119,15 +119,12 @@ def read_store_trace(path: str | Path) -> tuple[list[str], list[_Row]]:
     """The tier names and the rows a replay applies (``REQUESTS`` and prefetches) of a store
     ``.npz`` trace."""
     with store_npz(path) as data:
-        ops = [str(op) for op in data["ops"]]
-        keys = [str(key) for key in data["keys"]]
+        ops, codes, keys, key_ids, sizes, _, _ = store_rows(data, path, timed=False)  # (checked as the simulator checks them)
         tiers = [str(name) for name in data["tiers"]]
-        hits = data["hit"].tolist() if "hit" in data else [-1] * len(data["op"])
-        columns = zip(data["op"].tolist(), data["key"].tolist(), data["nbytes"].tolist(), data["tier"].tolist(), hits, strict=True)
+        hits = data["hit"].tolist() if "hit" in data else [-1] * len(codes)
+        columns = zip(codes.tolist(), key_ids.tolist(), sizes.tolist(), data["tier"].tolist(), hits, strict=True)
         rows = []
         for op_index, key, nbytes, tier, hit in columns:
-            if op_index >= len(ops):
-                raise TraceError(f"{path}: op index {op_index} is not in the trace's ops table {ops}")
             op = ops[op_index]
             if op in REQUESTS or op == "prefetch":
                 rows.append(_Row(op, keys[key], int(nbytes), int(tier), int(hit)))

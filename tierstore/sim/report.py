@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +103,8 @@ def run_all(
     if unknown_engines or not engines:
         raise ValueError(f"unknown engine(s) {sorted(unknown_engines)}; choose tierstore and/or libcachesim")
     first = next(iter(capacities))
-    sizes = [round(f * trace.working_set) for f in SWEEP_FRACTIONS] if sweep else [capacities[first]]
+    # (exact: in floats the 100% point of a working set near 2**63 fell below it)
+    sizes = [round(Fraction(str(f)) * trace.working_set) for f in SWEEP_FRACTIONS] if sweep else [capacities[first]]
     runs: list[tuple[str, str, str, int]] = []
     for eviction in evictions:
         ours = eviction in EVICTION or eviction == "min"
@@ -175,7 +177,9 @@ def plot_curves(results: list[SimResult], trace: Trace, path: Path) -> None:
 
     curves: dict[str, list[tuple[float, float]]] = {}
     for r in results:
-        curves.setdefault(f"{engine_label(r)} + {r.prefetch}", []).append((r.capacity / trace.working_set, r.miss_ratio))
+        # (a working set of 0 bytes, every access an empty value: any capacity holds all of it)
+        share = r.capacity / trace.working_set if trace.working_set else 1.0
+        curves.setdefault(f"{engine_label(r)} + {r.prefetch}", []).append((share, r.miss_ratio))
     figure, axes = plt.subplots(figsize=(7, 4.5))
     # (a sweep of every policy draws more curves than the default cycle's 10 colours: 20
     # colours, 10 markers, and dashed lines past the 20th, so no two curves look alike)

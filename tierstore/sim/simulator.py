@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import PolicyError
-from ..protocols import policy_name
+from ..protocols import EvictionPolicy, PrefetchPolicy, policy_name
 from ..suggestions import read_suggestions
 from ..units import parse_bytes
 from .links import LinkModel
@@ -182,6 +182,7 @@ def simulate(
         prefetch_name = prefetch
     else:
         prefetcher, prefetch_name = prefetch, getattr(prefetch, "name", type(prefetch).__name__)
+        _refuse_incomplete(prefetcher, PrefetchPolicy, "prefetch")
     try:
         if not isinstance(prefetch, str):
             prefetcher.reset()
@@ -249,9 +250,19 @@ def make_eviction_policy(eviction: str | Callable[[], Any], oracle: Callable[[An
         policy = EVICTION[eviction]()
     else:
         raise ValueError(f"unknown eviction policy {eviction!r}; choose from {sorted(EVICTION) + ['min']}")
+    _refuse_incomplete(policy, EvictionPolicy, "eviction")
     if hasattr(policy, "set_capacity"):
         policy.set_capacity(capacity)
     return policy
+
+
+def _refuse_incomplete(policy: Any, protocol: type, role: str) -> None:
+    """Refuse a policy missing a method of ``protocol`` (the store refuses it too): it failed
+    in the middle of the replay with a bare ``AttributeError``."""
+    missing = [name for name in _METHODS[protocol] if not callable(getattr(policy, name, None))]
+    if isinstance(policy, type) or missing:
+        raise TypeError(f"{role} policy {policy_name(policy)!r} does not implement {protocol.__name__}: "
+                        + (f"it has no {', '.join(missing)}" if missing else "give an instance (or, for eviction, a class or factory)"))
 
 
 def _no_victim(policy: Any, victim: Any, tier: str, used: int, size: int, capacity: int) -> str:
@@ -262,6 +273,11 @@ def _no_victim(policy: Any, victim: Any, tier: str, used: int, size: int, capaci
 
 
 _PROTOCOL = ("on_insert", "on_hit", "on_remove", "victim", "reset", "set_capacity", "before_insert")
+#: The methods the simulator calls of each kind of policy.
+_METHODS: dict[type, tuple[str, ...]] = {
+    EvictionPolicy: ("on_insert", "on_hit", "on_remove", "victim", "reset"),
+    PrefetchPolicy: ("on_access", "on_step", "suggest", "reset"),
+}
 
 
 def _batch_path_applies(policy: Any) -> bool:

@@ -24,7 +24,7 @@ import math
 import re
 import warnings
 import zipfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import TraceError
+from ..tracing import OPS
 
 ACCESS, DELETE = 0, 1
 
@@ -222,12 +223,7 @@ def _load_npz(path: Path) -> Trace:
     """A store's trace as the simulator reads it: puts, gets and reads are accesses, a delete
     removes its key, and a pop is both (an access, then the key gone)."""
     with store_npz(path) as data:
-        ops_table = [str(op) for op in _npz_array(data, "ops", "U", path)]
-        codes, key_ids = _npz_array(data, "op", "iu", path).astype(np.int64), _npz_array(data, "key", "iu", path).astype(np.int64)
-        sizes, times = _npz_array(data, "nbytes", "iu", path).astype(np.int64), _npz_array(data, "time", "iuf", path).astype(np.float64)
-        keys = [str(k) for k in _npz_array(data, "keys", "U", path)]
-        steps = _npz_array(data, "step", "iu", path)
-        _check_npz_rows(path, len(ops_table), codes, len(keys), key_ids, sizes, times, steps)
+        ops_table, codes, keys, key_ids, sizes, times, steps = store_rows(data, path)
         op_names = np.asarray(ops_table)[codes]
         keep = ~np.isin(op_names, ("prefetch", "evict", "writeback", "update"))
         kept = op_names[keep]
@@ -242,6 +238,26 @@ def _load_npz(path: Path) -> Trace:
             steps=np.repeat(steps[keep].astype(np.int64), repeats),
             times=np.repeat(times[keep], repeats),
         )
+
+
+def store_rows(
+    data: Any, path: str | Path, timed: bool = True
+) -> tuple[list[str], np.ndarray, list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The columns of a store's ``.npz`` trace (``store_npz``), checked as every reader of one
+    checks them (``TraceError`` for rows no store writes): the ops table, op codes, the keys
+    table, key indexes, sizes, times and steps (``timed``; else zeros, for a reader that needs
+    neither)."""
+    ops_table = [str(op) for op in _npz_array(data, "ops", "U", path)]
+    codes, key_ids = _npz_array(data, "op", "iu", path).astype(np.int64), _npz_array(data, "key", "iu", path).astype(np.int64)
+    sizes = _npz_array(data, "nbytes", "iu", path).astype(np.int64)
+    times = _npz_array(data, "time", "iuf", path).astype(np.float64) if timed else np.zeros(len(codes))
+    keys = [str(k) for k in _npz_array(data, "keys", "U", path)]
+    steps = _npz_array(data, "step", "iu", path) if timed else np.zeros(len(codes), dtype=np.int64)
+    _check_npz_rows(path, len(ops_table), codes, len(keys), key_ids, sizes, times, steps)
+    unknown = sorted({ops_table[code] for code in np.unique(codes).tolist()} - set(OPS))
+    if unknown:  # (counted as accesses by the simulator, refused by the replay: refused by both)
+        raise TraceError(f"{path} is not a trace a store wrote: it has rows of unknown operations {unknown} (a store writes {list(OPS)})")
+    return ops_table, codes, keys, key_ids, sizes, times, steps
 
 
 _KINDS = {"U": "text", "iu": "integers", "iuf": "numbers"}
@@ -402,28 +418,39 @@ def _whole_bytes(text: str) -> int | float | None:
     return int(exact) if exact.is_integer() else exact
 
 
+def _uncommented(handle: Iterable[str], lines: list[int]) -> Iterator[str]:
+    """The lines of ``handle`` but its comments (a line whose first character is ``#``; a key
+    quoted ``"#a"`` is a key: its line starts with the quote), counting every line read in
+    ``lines[0]``."""
+    for line in handle:
+        lines[0] += 1
+        if not line.startswith("#"):
+            yield line
+
+
 def _load_csv_plain(path: Path, key_col: int, size_col: int, delimiter: str) -> Trace:
     keys: list[str] = []
     sizes: list[int] = []
     width = max(key_col, size_col) + 1
+    lines = [0]  # (lines read so far, comments too: for the line number in errors)
     with open(path, newline="", encoding="utf-8-sig") as handle:
-        for number, row in enumerate(csv.reader(handle, delimiter=delimiter)):
-            if not row or row[0].startswith("#"):
+        for number, row in enumerate(csv.reader(_uncommented(handle, lines), delimiter=delimiter)):
+            if not row:
                 continue
             if len(row) < width:
-                raise TraceError(f"{path}:{number + 1}: expected at least {width} columns (key in {key_col}, size in {size_col}), got {row!r}")
+                raise TraceError(f"{path}:{lines[0]}: expected at least {width} columns (key in {key_col}, size in {size_col}), got {row!r}")
             size = _whole_bytes(row[size_col])
             if size is None:
                 if number == 0:
                     continue  # a header line
-                raise TraceError(f"{path}:{number + 1}: size {row[size_col]!r} is not a number")
+                raise TraceError(f"{path}:{lines[0]}: size {row[size_col]!r} is not a number")
             if isinstance(size, float):
                 what = "more bytes than a trace holds (at most 2**63 - 1)" if size == math.inf else "not a whole number of bytes"
-                raise TraceError(f"{path}:{number + 1}: size {row[size_col]!r} is {what}")
+                raise TraceError(f"{path}:{lines[0]}: size {row[size_col]!r} is {what}")
             if size < 0:
-                raise TraceError(f"{path}:{number + 1}: negative size {size}")
+                raise TraceError(f"{path}:{lines[0]}: negative size {size}")
             if size > _MAX_SIZE:
-                raise TraceError(f"{path}:{number + 1}: size {row[size_col]!r} is more bytes than a trace holds (at most 2**63 - 1)")
+                raise TraceError(f"{path}:{lines[0]}: size {row[size_col]!r} is more bytes than a trace holds (at most 2**63 - 1)")
             key = row[key_col]
             keys.append(_as_read(key))
             sizes.append(size)
