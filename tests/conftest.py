@@ -106,3 +106,14 @@ def counters() -> None:
         block_io()
     except (OSError, KeyError, ValueError) as exc:
         pytest.skip(f"/proc/self/io cannot be read: {exc}")
+
+
+@pytest.fixture
+def swap_store() -> Iterator[Any]:
+    """A store for swapping tests: a 64 MiB device tier on the CPU (the emulated device's, in
+    ``device_mode`` "emulated") above a 256 MiB host tier."""
+    from tierstore import DeviceTier, HostTier, SyncTierStore
+
+    store = SyncTierStore([DeviceTier("cpu", "64MiB"), HostTier("256MiB")]).open()
+    yield store
+    store.close()

@@ -9,23 +9,16 @@ views (``w.conj()``, ``w.mH``: the lazy conjugate bit was lost, and x's gradient
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
 from torch import nn
 
-from tierstore import DeviceTier, HostTier, SyncTierStore
+from tierstore import SyncTierStore
 from tierstore.swap import offload_parameters
 
 pytestmark = pytest.mark.device_modes
-
-
-@pytest.fixture
-def store() -> Iterator[SyncTierStore]:
-    sync = SyncTierStore([DeviceTier("cpu", "64MiB"), HostTier("256MiB")]).open()
-    yield sync
-    sync.close()
 
 
 class Transposed(nn.Module):
@@ -48,13 +41,13 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize(("make", "shape"), [(Transposed, (7, 500)), (_channels_last, (2, 16, 12, 12))], ids=["transposed", "channels_last"])
 def test_a_non_contiguous_parameter_keeps_its_strides_and_bits(
-    store: SyncTierStore, device_mode: str, make: Callable[[], nn.Module], shape: tuple[int, ...]
+    swap_store: SyncTierStore, device_mode: str, make: Callable[[], nn.Module], shape: tuple[int, ...]
 ) -> None:
     torch.manual_seed(0)
     model = make()
     plain = copy.deepcopy(model)
     strides = {name: p.stride() for name, p in model.named_parameters()}
-    params = offload_parameters(model, store)
+    params = offload_parameters(model, swap_store)
     x = torch.randn(shape)
     if x.dim() == 4:
         x = x.to(memory_format=torch.channels_last)
@@ -96,11 +89,11 @@ class Complex(nn.Module):
 
 
 @pytest.mark.parametrize("view", ["real", "imag", "view_as_real", "conj", "mH", "conj().imag"])
-def test_a_complex_parameter_used_through_a_float_view(store: SyncTierStore, device_mode: str, view: str) -> None:
+def test_a_complex_parameter_used_through_a_float_view(swap_store: SyncTierStore, device_mode: str, view: str) -> None:
     torch.manual_seed(0)
     model = Complex(view)
     plain = copy.deepcopy(model)
-    offload_parameters(model, store)
+    offload_parameters(model, swap_store)
     x = torch.randn(3, 6, requires_grad=True)
     y = x.detach().clone().requires_grad_()
     loss, expected = model(x * 1), plain(y * 1)

@@ -8,31 +8,23 @@ from __future__ import annotations
 
 import copy
 import io
-from collections.abc import Iterator
 
 import pytest
 import torch
 from torch import nn
 
-from tierstore import DeviceTier, HostTier, SyncTierStore
+from tierstore import SyncTierStore
 from tierstore.swap import offload_parameters
 
 pytestmark = pytest.mark.device_modes
 
 
-@pytest.fixture
-def store() -> Iterator[SyncTierStore]:
-    sync = SyncTierStore([DeviceTier("cpu", "64MiB"), HostTier("256MiB")]).open()
-    yield sync
-    sync.close()
-
-
 @pytest.mark.parametrize("how", ["torch.save", "deepcopy"])
-def test_an_offloaded_module_pickled_whole_is_refused_with_a_way_out(store: SyncTierStore, device_mode: str, how: str) -> None:
+def test_an_offloaded_module_pickled_whole_is_refused_with_a_way_out(swap_store: SyncTierStore, device_mode: str, how: str) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     expected = {name: value.clone() for name, value in model.state_dict().items()}
-    params = offload_parameters(model, store)
+    params = offload_parameters(model, swap_store)
     with pytest.raises(TypeError, match=r"state_dict\(\).*detach\(\)"):
         if how == "torch.save":
             torch.save(model, io.BytesIO())
