@@ -126,5 +126,5 @@ def drive_wear(
     else:
         if not valid_rating(rated_tbw):
             raise ValueError(f"rated_tbw (terabytes written) must be a finite number of at least a byte's worth, not {rated_tbw!r}")
-        rated = int(float(rated_tbw) * _TB)  # type: ignore[arg-type]
+        rated = int(float(rated_tbw) * _TB)
     return DriveWear(bytes_written=bytes_written, seconds=elapsed, capacity=size, rated_bytes=rated)

@@ -276,7 +276,7 @@ def _npz_array(data: Any, name: str, kinds: str, path: str | Path) -> np.ndarray
     return array
 
 
-def _check_npz_rows(path: Path, n_ops: int, codes: np.ndarray, n_keys: int, key_ids: np.ndarray, sizes: np.ndarray,
+def _check_npz_rows(path: str | Path, n_ops: int, codes: np.ndarray, n_keys: int, key_ids: np.ndarray, sizes: np.ndarray,
                     times: np.ndarray, steps: np.ndarray) -> None:
     """``TraceError`` for rows no store writes (a file edited by hand, or damaged)."""
     problems = []
