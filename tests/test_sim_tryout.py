@@ -17,11 +17,14 @@ import torch
 
 from tierstore import DiskTier, HostTier, SyncTierStore, TraceError
 from tierstore.cli import main
-from tierstore.sim import load_trace, loop_trace, replay_store_trace, simulate
+from tierstore.sim import load_evictions, load_trace, loop_trace, replay_store_trace, simulate
 
 
 def test_a_quoted_key_that_starts_with_a_hash_is_a_key(tmp_path: Path) -> None:
     path = tmp_path / "t.csv"
+    path.write_text('key,size\n"line one\n#2 line two",5\n"c",20\n# a comment\n')  # (a quoted key's second line starts with #)
+    trace = load_trace(path)
+    assert [(trace.keys[i], int(n)) for i, n in zip(trace.ids.tolist(), trace.sizes.tolist(), strict=True)] == [("line one\n#2 line two", 5), ("c", 20)]
     path.write_text('# a comment line\n"#a",100\nb,100\n"#a",100\nb,oops\n')
     with pytest.raises(TraceError, match=r"t\.csv:5: size 'oops'"):  # (the line number counts the comment)
         load_trace(path)
@@ -61,12 +64,22 @@ class NoSuggestions:
         pass
 
 
-def test_a_policy_missing_methods_is_refused_before_the_simulation() -> None:
+class NoSteps(NoSuggestions):
+    """A prefetcher without ``on_step``, as the store takes one (it warns at ``mark_step``)."""
+
+    def suggest(self) -> list[tuple[str, str | None]]:
+        return []
+
+
+def test_a_policy_missing_methods_is_refused_before_the_simulation(tmp_path: Path) -> None:
     trace = loop_trace(keys=10, loops=2, size=4096)
     with pytest.raises(TypeError, match=r"eviction policy 'Incomplete' does not implement EvictionPolicy: it has no on_hit, on_remove, victim"):
         simulate(trace, {"host": 16384}, Incomplete)
-    with pytest.raises(TypeError, match=r"prefetch policy 'NoSuggestions' does not implement PrefetchPolicy: it has no on_step, suggest"):
+    with pytest.raises(TypeError, match=r"prefetch policy 'NoSuggestions' does not implement PrefetchPolicy: it has no suggest"):
         simulate(trace, {"host": 16384}, "lru", NoSuggestions())
+    one_step = tmp_path / "one_step.csv"
+    one_step.write_text("".join(f"{key},4096\n" for key in [1, 2, 3, 1, 2, 3]))
+    assert simulate(load_trace(one_step), {"host": 16384}, "lru", NoSteps()).misses  # (one step: on_step is never asked)
 
 
 @pytest.fixture(scope="module")
@@ -98,3 +111,5 @@ def test_a_hand_edited_store_trace_is_refused_by_every_reader(tmp_path: Path, st
         load_trace(path)
     with pytest.raises(TraceError):  # (it replayed: sizes -1024 and 1024.5, no misses)
         replay_store_trace(path, {"host": 16384}, "lru")
+    with pytest.raises(TraceError):
+        load_evictions(path)

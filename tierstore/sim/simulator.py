@@ -276,7 +276,7 @@ _PROTOCOL = ("on_insert", "on_hit", "on_remove", "victim", "reset", "set_capacit
 #: The methods the simulator calls of each kind of policy.
 _METHODS: dict[type, tuple[str, ...]] = {
     EvictionPolicy: ("on_insert", "on_hit", "on_remove", "victim", "reset"),
-    PrefetchPolicy: ("on_access", "on_step", "suggest", "reset"),
+    PrefetchPolicy: ("on_access", "suggest", "reset"),  # (as the store asks, and ``reset``: on_step only where a trace has steps)
 }
 
 

@@ -301,13 +301,12 @@ def load_evictions(path: str | Path) -> list[tuple[str, int]]:
     (``tiers[index]`` of the file names the tier). Empty for traces made before the store
     recorded evictions."""
     with store_npz(path) as data:
-        ops_table = [str(op) for op in _npz_array(data, "ops", "U", path)]
+        ops_table, codes, keys, key_ids, _, _, _ = store_rows(data, path, timed=False)
         if "evict" not in ops_table:
             return []
-        rows = np.flatnonzero(_npz_array(data, "op", "iu", path) == ops_table.index("evict"))
-        keys = _npz_array(data, "keys", "U", path)
-        key_ids, tiers = _npz_array(data, "key", "iu", path)[rows].tolist(), _npz_array(data, "tier", "iu", path)[rows].tolist()
-        return [(str(keys[k]), int(t)) for k, t in zip(key_ids, tiers, strict=True)]
+        rows = np.flatnonzero(codes == ops_table.index("evict"))
+        tiers = _npz_array(data, "tier", "iu", path)[rows].tolist()
+        return [(keys[k], int(t)) for k, t in zip(key_ids[rows].tolist(), tiers, strict=True)]
 
 
 _KEY_NAMES = ("key", "obj_id", "object_id", "id", "obj", "object")
@@ -419,13 +418,15 @@ def _whole_bytes(text: str) -> int | float | None:
 
 
 def _uncommented(handle: Iterable[str], lines: list[int]) -> Iterator[str]:
-    """The lines of ``handle`` but its comments (a line whose first character is ``#``; a key
-    quoted ``"#a"`` is a key: its line starts with the quote), counting every line read in
-    ``lines[0]``."""
+    """The lines of ``handle`` but its comments (a line whose first character is ``#``, outside
+    a quoted field: a key quoted ``"#a"`` is a key, its line starts with the quote, and so is a
+    quoted key's next line that starts with ``#``), counting every line read in ``lines[0]``."""
+    quoted = False  # (inside a quoted field that goes on past the line: an odd count of quotes so far)
     for line in handle:
         lines[0] += 1
-        if not line.startswith("#"):
+        if quoted or not line.startswith("#"):
             yield line
+            quoted ^= line.count('"') % 2 == 1
 
 
 def _load_csv_plain(path: Path, key_col: int, size_col: int, delimiter: str) -> Trace:
