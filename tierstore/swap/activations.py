@@ -85,8 +85,8 @@ class _Saved:
     #: The order of dimensions in which the tensor lay in memory (a transposed one's), stored so
     #: and given back so: backward's kernels pick their paths (and rounding) by strides.
     order: list[int] | None = None
-    #: The tensor itself, when its copy into the store failed (a tier without room, say):
-    #: backward gets it, as if it had been too small to offload.
+    #: The tensor (detached, as ``kept``), when its copy into the store failed (a tier without
+    #: room, say): backward gets it, as if it had been too small to offload.
     fallback: torch.Tensor | None = None
     ahead: bool = False  # fetched ahead of backward's asking (``_fetch_ahead``)
 
