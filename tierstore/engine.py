@@ -784,7 +784,7 @@ class Engine:
                     try:
                         extent = await disk.allocate(meta.nbytes)
                     except TierFullError as exc:
-                        raise self._full_of_old_versions(exc) from None
+                        raise self._full_of_old_versions(exc, disk.extent_size(meta.nbytes)) from None
                     started = time.perf_counter()
                     written = entry
 
@@ -819,12 +819,14 @@ class Engine:
             if version is None:
                 self.drop_if_unused(entry)  # (one made here for a put that gave up)
 
-    def _full_of_old_versions(self, exc: TierFullError) -> TierFullError:
-        """``exc`` (the disk tier full), saying how much of it holds the last written versions
-        of values changed in memory since: kept as the durable copy until the new value is
-        written back, they are in no listing of the tier (a put over a value that filled its
-        memory tier evicted it to the disk first: the tier looked empty and refused a put)."""
-        if getattr(exc, "beyond_capacity", False):
+    def _full_of_old_versions(self, exc: TierFullError, length: int) -> TierFullError:
+        """``exc`` (the disk tier full, asked for an extent of ``length`` bytes), saying how much
+        of it holds the last written versions of values changed in memory since: kept as the
+        durable copy until the new value is written back, they are in no listing of the tier (a
+        put over a value that filled its memory tier evicted it to the disk first: the tier
+        looked empty and refused a put). As it is for an extent beyond the whole tier: no flush
+        would make room for it."""
+        if length > self.disk.capacity:
             return exc
         d = self.disk_index
         kept = 0

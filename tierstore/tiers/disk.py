@@ -487,9 +487,7 @@ class DiskTier(Tier):
             else:
                 value, taken, capacity = (f"{n:,} bytes" for n in (nbytes, length, self.capacity))
                 said = f"a tensor of {value} takes {taken} on tier {self.name!r} (whole blocks of {ALIGNMENT:,} bytes), more than it holds ({capacity})"
-            beyond = TierFullError(said)
-            beyond.beyond_capacity = True  # type: ignore[attr-defined]  # (no flush or delete would make room: said as it is)
-            raise beyond
+            raise TierFullError(said)
         if self.used + length > self.capacity:  # values inline in the catalog take capacity too
             wanted, free = distinct_sizes(length, self.capacity - self.used)
             raise TierFullError(
