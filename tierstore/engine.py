@@ -43,7 +43,7 @@ from .gcpause import gc_paused
 from .keys import check_key, plain_text
 from .prefetching import PrefetchIssuer
 from .process import this_process
-from .protocols import EvictionPolicy, PrefetchPolicy, policy_name
+from .protocols import PREFETCH_CALLED, EvictionPolicy, PrefetchPolicy, missing_methods, policy_name
 from .recency import CopyLRU
 from .room_queue import RoomQueue
 from .stats import StoreCounters
@@ -1546,14 +1546,10 @@ def _make_prefetch(spec: Any) -> PrefetchPolicy:
         if spec not in PREFETCH:
             raise ValueError(f"unknown prefetch policy {spec!r}; choose from {sorted(PREFETCH)}, or give a policy instance or class")
         spec = PREFETCH[spec]
-    # (what the store calls at each access; ``on_step``, at ``mark_step``, is warned of there if
-    # missing, and ``reset`` is the simulator's)
-    used = ("on_access", "suggest")
-
     def is_policy(obj: Any) -> bool:
-        return not isinstance(obj, type) and all(callable(getattr(obj, name, None)) for name in used)
+        return not isinstance(obj, type) and not missing_methods(obj, PREFETCH_CALLED)
 
-    made = isinstance(spec, type) or callable(spec) and not any(hasattr(spec, name) for name in (*used, "on_step"))
+    made = isinstance(spec, type) or callable(spec) and not any(hasattr(spec, name) for name in (*PREFETCH_CALLED, "on_step"))
     policy = spec() if made else spec  # (an instance that has some of the methods is not called)
     if not is_policy(policy):
         raise TypeError(f"prefetch={spec!r:.80} is not a prefetch policy: give an instance, a class or a name of "

@@ -98,6 +98,16 @@ class PrefetchPolicy(Protocol):
 EvictionFactory = Callable[[], EvictionPolicy]
 
 
+#: What the store calls of a prefetch policy at each access; ``on_step``, at ``mark_step``, is
+#: warned of there if missing, and ``reset`` is the simulator's.
+PREFETCH_CALLED = ("on_access", "suggest")
+
+
+def missing_methods(policy: Any, names: Iterable[str]) -> list[str]:
+    """Those of ``names`` that ``policy`` has no method for (no callable attribute)."""
+    return [name for name in names if not callable(getattr(policy, name, None))]
+
+
 def policy_name(policy: Any) -> str:
     """What messages call ``policy``: its class's own ``name``, else its class name (a subclass
     of a shipped policy inherits its ``name`` but is not that policy)."""

@@ -15,7 +15,13 @@ from typing import Any
 import numpy as np
 
 from ..errors import PolicyError
-from ..protocols import EvictionPolicy, PrefetchPolicy, policy_name
+from ..protocols import (
+    PREFETCH_CALLED,
+    EvictionPolicy,
+    PrefetchPolicy,
+    missing_methods,
+    policy_name,
+)
 from ..suggestions import read_suggestions
 from ..units import parse_bytes
 from .links import LinkModel
@@ -259,7 +265,7 @@ def make_eviction_policy(eviction: str | Callable[[], Any], oracle: Callable[[An
 def _refuse_incomplete(policy: Any, protocol: type, role: str) -> None:
     """Refuse a policy missing a method of ``protocol`` (the store refuses it too): it failed
     in the middle of the replay with a bare ``AttributeError``."""
-    missing = [name for name in _METHODS[protocol] if not callable(getattr(policy, name, None))]
+    missing = missing_methods(policy, _METHODS[protocol])
     if isinstance(policy, type) or missing:
         raise TypeError(f"{role} policy {policy_name(policy)!r} does not implement {protocol.__name__}: "
                         + (f"it has no {', '.join(missing)}" if missing else "give an instance (or, for eviction, a class or factory)"))
@@ -276,7 +282,7 @@ _PROTOCOL = ("on_insert", "on_hit", "on_remove", "victim", "reset", "set_capacit
 #: The methods the simulator calls of each kind of policy.
 _METHODS: dict[type, tuple[str, ...]] = {
     EvictionPolicy: ("on_insert", "on_hit", "on_remove", "victim", "reset"),
-    PrefetchPolicy: ("on_access", "suggest", "reset"),  # (as the store asks, and ``reset``: on_step only where a trace has steps)
+    PrefetchPolicy: (*PREFETCH_CALLED, "reset"),  # (as the store asks, and ``reset``: on_step only where a trace has steps)
 }
 
 
