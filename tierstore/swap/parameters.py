@@ -1442,8 +1442,8 @@ def _layout_of(param: torch.Tensor) -> tuple[int, ...] | None:
     layout torch gives its copy, ``torch.empty_like``, for one with gaps)."""
     if param.is_contiguous():
         return None
-    stride = tuple(torch.empty_like(param, device="meta").stride())
-    return None if stride == tuple(torch.empty(param.shape, device="meta").stride()) else stride
+    laid = torch.empty_like(param, device="meta")
+    return None if laid.is_contiguous() else tuple(laid.stride())
 
 
 def _laid_out(value: torch.Tensor, stride: tuple[int, ...] | None) -> torch.Tensor:
