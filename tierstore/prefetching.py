@@ -28,7 +28,8 @@ SUGGESTION_QUEUE = 1024
 
 @dataclass
 class PrefetchResult:
-    """What a prefetch did: keys brought up, already there, dropped for lack of room, failed."""
+    """What a prefetch did: keys brought up, already there, dropped for lack of room, failed;
+    each list in the order the keys were asked (not the order the reads ended)."""
 
     fetched: list[str] = field(default_factory=list)
     already_there: list[str] = field(default_factory=list)
@@ -156,6 +157,9 @@ class PrefetchIssuer:
             await asyncio.gather(*tasks, return_exceptions=True)
             result.cancelled = True
             self._store.counters.prefetch.cancelled += 1
+        rank = {entry.key: i for i, entry in enumerate(entries)}
+        for keys in (result.fetched, result.already_there, result.dropped):
+            keys.sort(key=rank.__getitem__)
         return result
 
     async def _fetch(self, entry: Entry, t: int, result: PrefetchResult) -> None:
