@@ -12,6 +12,7 @@ from typing import Any
 
 from .arguments import non_negative_float, non_negative_int
 from .errors import TierStoreError
+from .outputs import check_image_format, check_output_file
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -94,9 +95,9 @@ def _simulate(args: argparse.Namespace) -> int:
 
     for output in (args.json, args.plot):  # (before the simulation runs, not after)
         if output:
-            _output_folder(Path(output))
+            check_output_file(Path(output))
     if args.plot:
-        _refuse_unknown_image_format(Path(args.plot))
+        check_image_format(Path(args.plot))
     capacities = parse_capacities(args.capacity)
     bench = Path(args.bench_json)
     links = LinkModel.from_bench(bench) if bench.exists() else LinkModel()
@@ -119,35 +120,6 @@ def _simulate(args: argparse.Namespace) -> int:
         if plot_prefetch(results, prefetch_png):
             print(f"prefetch plot: {prefetch_png}")
     return 0
-
-
-def _output_folder(path: Path) -> None:
-    """Make the folder ``path`` is written into, or raise ``ValueError`` saying why it cannot be."""
-    if path.is_dir():
-        raise ValueError(f"{path} is a folder; give the path of the file to write")
-    blocking = next((p for p in (path.parent, *path.parent.parents) if p.exists() and not p.is_dir()), None)
-    if blocking is not None:
-        raise ValueError(f"cannot write {path}: {blocking} is a file, not a folder")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(f"cannot write {path}: {exc.strerror or exc} ({exc.filename or path.parent})") from None
-
-
-def _refuse_unknown_image_format(path: Path) -> None:
-    """``ValueError`` for a plot path whose suffix names no format matplotlib writes (checked
-    before the simulation runs: matplotlib would only refuse it after)."""
-    from .plotting import pyplot
-
-    pyplot()  # (without matplotlib: its clear ImportError, before the simulation)
-    if not path.suffix:
-        return  # (matplotlib's default format, PNG, and its suffix added)
-    from matplotlib.backend_bases import FigureCanvasBase
-
-    formats = FigureCanvasBase.get_supported_filetypes()
-    if path.suffix[1:].lower() not in formats:
-        raise ValueError(f"--plot {path}: matplotlib writes no {path.suffix!r} images; give a file ending in one of "
-                         f"{', '.join('.' + name for name in sorted(formats))}")
 
 
 def _names(text: str) -> list[str]:
@@ -220,16 +192,25 @@ def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if argv and argv[0] in _PASSTHROUGH_RUN:
-        try:
-            return int(_PASSTHROUGH_RUN[argv[0]](argv[1:]))
-        except TierStoreError as exc:
-            print(f"tierstore {argv[0]}: {exc}", file=sys.stderr)
-            return 1
-    args = parser.parse_args(argv)
+        command, run = argv[0], lambda: _PASSTHROUGH_RUN[argv[0]](argv[1:])
+        expected: tuple[type[BaseException], ...] = (TierStoreError, OSError)
+    else:
+        args = parser.parse_args(argv)
+        command, run = args.command, lambda: args.run(args)
+        expected = (TierStoreError, OSError, ValueError)
     try:
-        return int(args.run(args))
-    except (TierStoreError, FileNotFoundError, ValueError) as exc:
-        print(f"tierstore {args.command}: {exc}", file=sys.stderr)
+        return int(run())
+    except KeyboardInterrupt:
+        # Ctrl-C: what each command was writing is removed or left whole by its own cleanup;
+        # a traceback would only say where it stopped. 128 + SIGINT, as a shell reports it.
+        print(f"\ntierstore {command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        raise
+    except expected as exc:
+        # (the file system's refusals, a permission, a full disk, as one line: the errno's text
+        # and the path say it all)
+        print(f"tierstore {command}: {exc}", file=sys.stderr)
         return 1
 
 

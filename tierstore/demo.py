@@ -21,6 +21,7 @@ from .bench.common import milestones, progress
 from .models import GPT, GPTConfig, synthetic_batches
 from .optim import TieredAdamW
 from .optim.precision import MASTER_WEIGHTS, PRECISIONS, keeps_no_master, planned_state_bytes
+from .outputs import check_image_format
 from .store import TierStore
 from .sync import run
 from .tensors import ALIGNMENT
@@ -163,6 +164,11 @@ def check_args(args: argparse.Namespace) -> str | None:
         problem = _unwritable(getattr(args, name))
         if problem:
             return f"--{name} {getattr(args, name)}: {problem}"
+    if args.plot is not None:
+        try:
+            check_image_format(args.plot)
+        except (ValueError, ImportError) as exc:
+            return str(exc)
     return None
 
 

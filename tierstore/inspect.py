@@ -55,7 +55,8 @@ def describe_folder(root: str | Path, verify: bool = False, progress: bool = Fal
         failed = failing_values(root, layout.chunk_size, [r for r in records if r.key not in unreadable], progress)
         if failed:
             shown = ", ".join(repr(k) for k in failed[:10]) + (f" and {len(failed) - 10} more" if len(failed) > 10 else "")
-            problems.append(f"{_entries(len(failed))} fail{'s' if len(failed) == 1 else ''} their checksums (their bytes on "
+            its = "its" if len(failed) == 1 else "their"
+            problems.append(f"{_entries(len(failed))} fail{'s' if len(failed) == 1 else ''} {its} checksums ({its} bytes on "
                             f"disk are corrupt): {shown}")
             damaged = sorted({*damaged, *failed})
     namespaces = _namespaces(root, layout.chunk_size, [r for r in records if r.key not in damaged], index)

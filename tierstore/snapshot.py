@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 import torch
 import zarr.api.asynchronous as zasync
+from zarr.errors import ContainsArrayError
 
 from .errors import KeyNotFoundError, TierFullError
 from .keys import check_key
@@ -346,7 +347,13 @@ async def import_zarr(store: TierStore, path: str | Path, tier: TierRef = None) 
     their paths in the group (``"sub/b"``). Every array is checked (key, dtype, size against
     the store's capacity) before any is read.
     """
-    group = await zasync.open_group(str(path), mode="r")
+    try:
+        group = await zasync.open_group(str(path), mode="r")
+    except ContainsArrayError:
+        raise ValueError(
+            f"{path} is a zarr array, not a group: import_zarr reads the arrays of a group (as export_zarr writes); "
+            "read this one with zarr and put it"
+        ) from None
     members = [(name, node) async for name, node in group.members(max_depth=None) if hasattr(node, "shape")]
     plans = [_plan(name, node) for name, node in members]
     seen: dict[str, str] = {}

@@ -57,6 +57,7 @@ from ..disk.tuning import (
     load_tuning,
     save_tuning,
 )
+from ..outputs import check_output_file
 from ..store import TierStore
 from ..tiers import DeviceTier, DiskTier, HostTier
 from ..units import format_bytes
@@ -584,6 +585,12 @@ def tune_main(folder: Path, volume_mib: int, json_path: Path | None) -> int:
     except OSError as error:
         print(f"tierstore bench --tune: cannot make the folder {folder}: {error.strerror or error}", file=sys.stderr)
         return 2
+    if json_path is not None:
+        try:
+            check_output_file(json_path)  # (now, not after the sweeps)
+        except ValueError as exc:
+            print(f"tierstore bench --tune: --json: {exc}", file=sys.stderr)
+            return 2
     # (values of at least the default chunk, so every sweep measures the default beside the others:
     # a chunk size never compared with it is not saved, and the folder's chunk size is for good)
     value_bytes = max(DEFAULTS.chunk_size, min(64 * MiB, volume_mib * MiB // 2))
@@ -641,7 +648,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tune", type=Path, metavar="DIR", default=None,
                         help=f"sweep chunk size, threads and queue depth on DIR's device and save the best in DIR/{TUNING_FILE}")
     parser.add_argument("--tune-mib", type=positive_int, default=256,
-                        help="MiB moved per setting and direction by --tune (default 256; at least twice the default chunk, 8)")
+                        help="MiB moved per setting and direction by --tune (default 256; at least twice the default chunk, 8; "
+                             "chunks up to half of it are swept: below 32, not all of 1-16 MiB)")
     parser.add_argument("--deepspeed-settings", type=_deepspeed_settings, default="4,32,2", metavar="BLOCK_MIB,QUEUE_DEPTH,PARALLELISM",
                         help="DeepSpeed AIO baseline settings (default 4,32,2), used when deepspeed is importable")
     args = parser.parse_args(argv)
@@ -653,7 +661,45 @@ def main(argv: list[str] | None = None) -> int:
         sizes = args.sizes_mib
     reps = args.reps or (3 if args.quick else 5)
     volume = (args.volume_mib or (128 if args.quick else 512)) * MiB
-    args.dir.mkdir(parents=True, exist_ok=True)
+    problem = _unusable_folder(args.dir)
+    if problem is None:
+        try:
+            check_output_file(json_path)  # (now, not after minutes of measuring)
+        except ValueError as exc:
+            problem = f"--json: {exc}"
+    if problem is not None:
+        print(f"tierstore bench: {problem}", file=sys.stderr)
+        return 2
+    try:
+        return _bench(args, json_path, sizes, reps, volume)
+    finally:
+        _remove_scratch(args.dir, sizes)  # (also when interrupted: each run removes its own as it ends)
+
+
+def _unusable_folder(folder: Path) -> str | None:
+    """Why the benchmark cannot use ``folder`` as scratch (it makes it), or None."""
+    if folder.exists() and not folder.is_dir():
+        return f"--dir {folder} is not a folder"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        return f"cannot make the folder {folder}: {error.strerror or error}"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"--dir {folder}: this user cannot write in it"
+    return None
+
+
+def _remove_scratch(folder: Path, sizes: list[int]) -> None:
+    """The files and folders the benchmark makes in ``folder`` (only those: it may hold others)."""
+    for size in sizes:
+        for name in (f"disk-{size}-0", f"disk-{size}-1", f"links-{size}"):
+            shutil.rmtree(folder / name, ignore_errors=True)
+        (folder / f"raw-{size}").unlink(missing_ok=True)
+    (folder / "raw-rate.bin").unlink(missing_ok=True)
+
+
+def _bench(args: argparse.Namespace, json_path: Path, sizes: list[int], reps: int, volume: int) -> int:
+    """The measurements, table and JSON of ``tierstore bench`` (``main``'s arguments)."""
     rows: list[dict[str, Any]] = []
     latency: list[dict[str, Any]] = []
 

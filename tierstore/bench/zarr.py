@@ -124,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.host_mib, args.epochs = 16, 3
+    if args.folder is not None:
+        args.folder.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix="bench_zarr-", dir=args.folder))
     try:
         result = run(args.host_mib, args.chunk_rows, args.batch, args.epochs, folder)

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
+import os
 import resource
 import shutil
 import struct
@@ -580,6 +582,12 @@ class Catalog:
                 raw = txn.get(_META_KEY)
         except lmdb.Error as exc:
             self.close()
+            # (py-lmdb names a system error by its strerror text alone, with no errno)
+            if any(os.strerror(code) in str(exc) for code in (errno.EACCES, errno.EPERM, errno.EROFS)):
+                raise CatalogError(
+                    f"the catalog in {self.path} cannot be opened: {exc} (the folder's permissions, not damage: this user "
+                    "needs to read and write its files, its lock file included; nothing was changed)"
+                ) from None
             raise CatalogError(
                 f"the catalog in {self.path} cannot be opened: {exc} (LMDB's own header or pages are damaged, or the file is "
                 "no LMDB database; `tierstore repair` mends records, not this: restore the folder from a copy)"

@@ -128,7 +128,7 @@ def block_on_store_loop(store: TierStore, factory: Callable[[], Coroutine[Any, A
     """Run ``factory()`` on ``store``'s loop and wait for it (a blocking call; not on that loop)."""
     loop = store_loop(store)
     if getattr(loop, "_thread_id", None) == threading.get_ident() or _running_loop() is loop:
-        raise RuntimeError("a blocking call from the TierStore's own loop thread would wait for itself; await the async API")
+        raise LoopDeadlockError("a blocking call from the TierStore's own loop thread would wait for itself; await the async API")
     future = _submit(loop, factory)
     try:
         while True:

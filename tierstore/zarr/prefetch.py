@@ -144,6 +144,10 @@ class BurstPrefetcher:
                 continue
             top = max(burst)
             sequential = len(burst) > 1 or min(burst) == reads.last_top + 1
+            if min(burst) <= reads.last_top:
+                # The read went back (the next epoch, a region read again): what was prefetched
+                # ahead may be gone since; look ahead from this burst again.
+                reads.ahead_to = -1
             reads.last_top = top
             if not sequential:
                 continue

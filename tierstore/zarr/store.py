@@ -285,16 +285,20 @@ class TierZarrStore(Store):
             if byte_range is None:
                 value = await store.get(name, t)
                 return _as_bytes(value).cpu().numpy()
-            # A range: pin the value where it is promoted to and copy out only the range.
-            try:
-                async with store.hold(name, t) as held:
-                    raw = _as_bytes(held)
-                    start, end = _byte_slice(raw.numel(), byte_range)
-                    return raw[start:end].cpu().numpy().copy()
-            except TierFullError:
-                raw = _as_bytes(await store.get(name, t))
-                start, end = _byte_slice(raw.numel(), byte_range)
-                return raw[start:end].cpu().numpy()
+            # A range: pin the value where it is promoted to and copy out only the range; one
+            # larger than the tier, or a store with no memory tier (a disk tier holds nothing),
+            # reads the value whole.
+            if isinstance(store.tiers[t], MemoryTier):
+                try:
+                    async with store.hold(name, t) as held:
+                        raw = _as_bytes(held)
+                        start, end = _byte_slice(raw.numel(), byte_range)
+                        return raw[start:end].cpu().numpy().copy()
+                except TierFullError:
+                    pass
+            raw = _as_bytes(await store.get(name, t))
+            start, end = _byte_slice(raw.numel(), byte_range)
+            return raw[start:end].cpu().numpy()
         except KeyNotFoundError:
             return None  # deleted while we waited
 
