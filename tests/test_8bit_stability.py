@@ -50,7 +50,7 @@ def test_an_embedding_trains_without_huge_steps(device_mode: str) -> None:
     embedding = torch.nn.Embedding(300, 64)
     opt = TieredAdamW(embedding.parameters(), lr=1e-3, state_precision="8bit")
     try:
-        for step in range(6):
+        for _step in range(6):
             before = embedding.weight.detach().clone()
             rows = torch.randint(0, 300, (8,))
             embedding(rows).square().sum().backward()

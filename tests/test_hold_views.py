@@ -50,7 +50,7 @@ def test_writes_through_a_kept_view_are_the_value() -> None:
     async def main() -> None:
         async with TierStore([HostTier("4MiB")]) as store:
             await store.put("k", torch.zeros(1000))
-            for n in range(3):
+            for _ in range(3):
                 async with store.hold("k", write=True) as held:
                     held.add_(1)
             assert torch.equal(await store.get("k"), torch.full((1000,), 3.0))
@@ -114,7 +114,7 @@ def test_a_hold_set_on_the_instance_is_asked_in_the_resident_step() -> None:
     model = torch.nn.Linear(64, 32)
     opt = TieredAdamW(model.parameters(), store=store, min_offload_numel=10, emulate_device=False)  # (the resident step: the plain CPU)
     try:
-        for step in range(3):
+        for _step in range(3):
             model(torch.randn(4, 64)).square().mean().backward()
             before = len(asked)
             opt.step()

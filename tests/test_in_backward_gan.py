@@ -63,11 +63,11 @@ def test_gan_loop_with_updates_in_backward(tmp_path: Path, device_mode: str, fre
             warnings.simplefilter("always")
             _train(g, d, opt_g, opt_d, freeze)
         said = [w for w in caught if issubclass(w.category, RuntimeWarning) and "updated during a backward" in str(w.message)]
-        same = all(torch.equal(a, b) for a, b in zip(d.parameters(), ref_d.parameters()))
+        same = all(torch.equal(a, b) for a, b in zip(d.parameters(), ref_d.parameters(), strict=True))
         if freeze:
             assert said == []
             assert same
-            assert all(torch.equal(a, b) for a, b in zip(g.parameters(), ref_g.parameters()))
+            assert all(torch.equal(a, b) for a, b in zip(g.parameters(), ref_g.parameters(), strict=True))
         else:
             # Whether an update in the generator's backward started before zero_grad() dropped
             # it depends on timing (it does on the emulated device); warned exactly when one ran.

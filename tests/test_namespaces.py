@@ -534,16 +534,16 @@ def test_optimizers_stepping_from_two_threads_on_one_store_match_torch(tmp_path:
             errors.append(exc)
 
     batches = [[torch.randn(8, 64) for _ in range(6)] for _ in models]
-    threads = [threading.Thread(target=train, args=(m, o, b), daemon=True) for m, o, b in zip(models, opts, batches)]
+    threads = [threading.Thread(target=train, args=(m, o, b), daemon=True) for m, o, b in zip(models, opts, batches, strict=True)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=120)
     assert not any(thread.is_alive() for thread in threads), "the steps hung"
     assert errors == []
-    for ref, opt, b in zip(refs, ref_opts, batches):
+    for ref, opt, b in zip(refs, ref_opts, batches, strict=True):
         train(ref, opt, b)
-    for model, ref in zip(models, refs):
+    for model, ref in zip(models, refs, strict=True):
         assert_same(model, ref)
     for opt in opts:
         opt.close()
@@ -566,7 +566,7 @@ def test_one_backward_feeding_two_optimizers_on_one_store_match_torch(tmp_path: 
     refs = copy.deepcopy(models)
     store = SyncTierStore([HostTier("200KiB"), DiskTier(tmp_path / "store", "64MiB", chunk_size="64KiB")]).open()
     opts = [TieredAdamW(m.parameters(), lr=1e-2, store=store, min_offload_numel=16, bucket_bytes=8192, step_in_backward=sib)
-            for m, sib in zip(models, in_backward)]
+            for m, sib in zip(models, in_backward, strict=True)]
     ref_opts = [torch.optim.AdamW(r.parameters(), lr=1e-2, fused=True) for r in refs]
     for step in range(5):
         x = torch.randn(8, 64, generator=torch.Generator().manual_seed(step))
@@ -576,7 +576,7 @@ def test_one_backward_feeding_two_optimizers_on_one_store_match_torch(tmp_path: 
                 opt.step()
             for opt in optimizers:
                 opt.zero_grad()
-    for model, ref in zip(models, refs):
+    for model, ref in zip(models, refs, strict=True):
         assert_same(model, ref)
     for opt in opts:
         opt.close()

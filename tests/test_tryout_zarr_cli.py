@@ -110,8 +110,8 @@ def test_ctrl_c_ends_a_command_with_one_line_and_removes_the_bench_scratch(tmp_p
         if child.poll() is None:
             child.kill()
     assert child.returncode == 130, (out, err)
-    assert err.strip().splitlines()[-1] == "tierstore bench: interrupted" and "Traceback" not in err
-    assert sorted(p.name for p in scratch.iterdir()) == ["mine.txt"]
+    assert err.strip().splitlines()[-1] == "tierstore bench: interrupted" and "Traceback" not in err, err
+    assert sorted(p.name for p in scratch.iterdir()) == ["mine.txt"], (out, err)
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv to run as another user")

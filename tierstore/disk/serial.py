@@ -10,6 +10,7 @@ queue, no Python-level lock) is the only thing the two threads share here.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -83,8 +84,6 @@ class SerialExecutor(Executor):
             job = jobs.get()
             if job is _STOP:
                 return
-            try:
+            with contextlib.suppress(BaseException):  # (``run_soon``'s contract: the job reports its own outcome)
                 job()
-            except BaseException:  # (``run_soon``'s contract: the job reports its own outcome)
-                pass
             del job
