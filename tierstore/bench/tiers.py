@@ -389,8 +389,11 @@ async def _in_flight(limit: int, coros: list[Any]) -> None:
     gate = asyncio.Semaphore(limit)
 
     async def one(coro: Any) -> None:
-        async with gate:
-            await coro
+        try:
+            async with gate:
+                await coro
+        finally:
+            coro.close()  # (one cancelled at the gate, Ctrl-C, never started: no "never awaited" warning)
 
     await asyncio.gather(*(one(c) for c in coros))
 
@@ -569,8 +572,11 @@ async def _in_flight_results(limit: int, coros: list[Any]) -> list[Any]:
     gate = asyncio.Semaphore(limit)
 
     async def one(coro: Any) -> Any:
-        async with gate:
-            return await coro
+        try:
+            async with gate:
+                return await coro
+        finally:
+            coro.close()  # (as in ``_in_flight``)
 
     return list(await asyncio.gather(*(one(c) for c in coros)))
 

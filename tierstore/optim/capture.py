@@ -34,8 +34,9 @@ from typing import Any
 import torch
 
 from ..store import TierStore
+from .distributed import LocalShard
 from .reports import Timeline, TimeReport, count_grad_transfer
-from .slots import Capture, ParamSlot, memory_of
+from .slots import Capture, ParamSlot, memory_of, values_fingerprint
 
 #: What step() saw of one parameter: ``(slot, p.grad, its version, a marker of the link, the
 #: tensor to copy if it must be copied: p.grad, or a contiguous copy of it made on the device)``.
@@ -95,7 +96,7 @@ class GradientCapture:
         #: slot in the order they came (a later one replaces its slot's earlier one, as its
         #: ``_start`` would: passes without a step keep one each), and whether a wake-up of the
         #: loop to take them is on its way.
-        self._pending: dict[int, tuple[ParamSlot, torch.Tensor, int, Any, bool]] = {}
+        self._pending: dict[int, tuple[ParamSlot, torch.Tensor, int, Any, bool, torch.Tensor | None]] = {}
         self._wake_sent = False
         #: Whether a hook fired since ``new_step`` (the first of a pass wakes the loop).
         self._hooked = False
@@ -128,7 +129,10 @@ class GradientCapture:
             torch.autograd.Variable._execution_engine.queue_callback(self._after_finalize)
         if ddp or passes % self._hint or grad is None or grad.layout is not torch.strided:
             return  # DDP's hook captures it; or an earlier pass of several; or step() takes it (a sparse one: refuses it)
-        item = (slot, grad, grad._version, slot.link.mark(), False)
+        # A DTensor's local shard (FSDP2): a new view each time and a version that in-place
+        # foreach ops do not move; step() compares the values' fingerprint instead.
+        fingerprint = values_fingerprint(grad) if isinstance(param, LocalShard) else None
+        item = (slot, grad, grad._version, slot.link.mark(), False, fingerprint)
         now = not self._hooked or not slot.link.lends or self.wake_each()
         with self._lock:
             self._pending.pop(slot.index, None)  # (to the end: the order of arrival)
@@ -194,9 +198,12 @@ class GradientCapture:
 
     # -- the loop ---------------------------------------------------------------------------------
 
-    def _start(self, slot: ParamSlot, grad: torch.Tensor, version: int, marker: Any, ddp: bool) -> None:
+    def _start(
+        self, slot: ParamSlot, grad: torch.Tensor, version: int, marker: Any, ddp: bool, fingerprint: torch.Tensor | None = None
+    ) -> None:
         previous = slot.capture
-        capture = Capture(None if ddp else weakref.ref(grad), version, marker=marker, ddp=ddp, memory=None if ddp else memory_of(grad))
+        capture = Capture(None if ddp else weakref.ref(grad), version, marker=marker, ddp=ddp, memory=None if ddp else memory_of(grad),
+                          fingerprint=fingerprint)
         if slot.link.lends:
             capture.lent = grad
         elif not ddp:

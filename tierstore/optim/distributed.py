@@ -123,6 +123,10 @@ def rank_folder(root: str | os.PathLike[str]) -> Path:
     return Path(root)
 
 
+#: The gradient dtypes ZeRO-2's reduce-scatter packs (each rank says its gradients' by an index here).
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.complex64, torch.complex128)
+
+
 class LocalShard:
     """The rank's shard of a DTensor parameter, as a plain tensor for the optimizer's machinery:
     ``data`` is the local tensor (writes land in the parameter), ``grad`` a view of ``p.grad``'s
@@ -481,20 +485,21 @@ class Sharding:
     def reduce_gradients(self) -> None:
         """Average every gradient onto its owner (once a step, before norms or updates), packed
         per dtype in one reduce-scatter whose rank ``r`` segment holds rank ``r``'s elements.
-        Other ranks' gradients of parameters they own nothing of are dropped (set to None)."""
+        A gradient some ranks have and others not (a module used on some ranks only; or unused
+        on all, after ``zero_grad(set_to_none=False)`` kept the zeros of the ranks that own it)
+        counts as zeros where missing, as DDP counts an unused parameter's: the owner's gradient
+        is the average over every rank. Other ranks' gradients of parameters they own nothing of
+        are dropped (set to None)."""
         if self.zero_stage != 2 or self._reduced:
             return
         self._reduced = True
-        present = torch.tensor([p.grad is not None for p in self.params], dtype=torch.int32, device=self.device)
-        dist.all_reduce(present, group=self.group)
-        uneven = [i for i, n in enumerate(present.tolist()) if n not in (0, self.world)]
-        if uneven:
-            raise RuntimeError(f"zero_stage=2: parameters {uneven} have a gradient on some ranks only")
-        with_grad = [p for p, n in zip(self.params, present.tolist(), strict=True) if n]
-        by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        for p in with_grad:
-            by_dtype.setdefault((p.grad.dtype, p.grad.device), []).append(p)  # type: ignore[union-attr]
-        for (dtype, device), params in by_dtype.items():
+        dtypes = self._agreed_grad_dtypes()
+        with_grad = [(p, dtype) for p, dtype in zip(self.params, dtypes, strict=True) if dtype is not None]
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p, dtype in with_grad:
+            by_dtype.setdefault(dtype, []).append(p)
+        for dtype, params in by_dtype.items():
+            device = params[0].device
             segments: list[list[tuple[torch.Tensor, int, int]]] = [[] for _ in range(self.world)]
             for p in params:
                 for rank, start, stop in self.pieces(p):
@@ -506,7 +511,8 @@ class Sharding:
             for r, seg in enumerate(segments):
                 offset = r * width
                 for p, start, stop in seg:
-                    flat[offset : offset + stop - start].copy_(p.grad.reshape(-1)[start:stop])  # type: ignore[union-attr]
+                    if p.grad is not None:  # (none here: zeros)
+                        flat[offset : offset + stop - start].copy_(p.grad.reshape(-1)[start:stop])
                     offset += stop - start
             flat.div_(self.world)  # as DDP's all-reduce hook averages: divide, then sum
             mine = torch.empty(width, dtype=dtype, device=device)
@@ -514,14 +520,37 @@ class Sharding:
             offset = 0
             for p, start, stop in segments[self.rank]:
                 with torch.no_grad():
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p, dtype=dtype)
                     if start == 0 and stop == p.numel():
-                        p.grad.copy_(mine[offset : offset + stop - start].view(p.grad.shape))  # type: ignore[union-attr]
+                        p.grad.copy_(mine[offset : offset + stop - start].view(p.grad.shape))
                     else:  # our rows of a split parameter (the others' rows are left unreduced)
-                        p.grad.view(-1)[start:stop].copy_(mine[offset : offset + stop - start])  # type: ignore[union-attr]
+                        p.grad.view(-1)[start:stop].copy_(mine[offset : offset + stop - start])
                 offset += stop - start
-        for p in with_grad:
+        for p, _ in with_grad:
             if all(rank != self.rank for rank, _, _ in self.pieces(p)):
                 p.grad = None
+
+    def _agreed_grad_dtypes(self) -> list[torch.dtype | None]:
+        """Per parameter, the dtype of its gradient on the ranks that have one (None: no rank
+        has one), gathered from every rank (a collective): the ranks must pack the same
+        reduce-scatters, also where a rank has no gradient to say it by."""
+        codes = torch.tensor([0 if p.grad is None else _GRAD_DTYPES.index(p.grad.dtype) + 1 if p.grad.dtype in _GRAD_DTYPES else -1
+                              for p in self.params], dtype=torch.int32, device=self.device)
+        gathered = [torch.empty_like(codes) for _ in range(self.world)]
+        dist.all_gather(gathered, codes, group=self.group)
+        table = torch.stack(gathered).tolist()
+        dtypes: list[torch.dtype | None] = []
+        for i, column in enumerate(zip(*table, strict=True)):
+            if -1 in column:
+                raise ValueError(f"zero_stage=2: parameter {i} has a gradient of a dtype the reduce-scatter does not take "
+                                 f"(it takes {', '.join(str(d) for d in _GRAD_DTYPES)})")
+            found = {code for code in column if code}
+            if len(found) > 1:
+                raise ValueError(f"zero_stage=2: parameter {i} has gradients of different dtypes on the ranks "
+                                 f"({', '.join(str(_GRAD_DTYPES[code - 1]) for code in sorted(found))})")
+            dtypes.append(_GRAD_DTYPES[found.pop() - 1] if found else None)
+        return dtypes
 
     def end_step(self) -> None:
         self._reduced = False

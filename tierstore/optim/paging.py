@@ -773,10 +773,13 @@ class PagedOptimizer(torch.optim.Optimizer):
                 self._warned_zero2_changes = True
                 warn(
                     f"zero_stage=2: p.grad of parameters {changed[:8]}{' ...' if len(changed) > 8 else ''} changed after "
-                    "backward, before step() averages the gradients across ranks: with zero_stage=2, p.grad holds this "
-                    "rank's own gradient until then, so torch's clip_grad_norm_ clips by this rank's norm, not the "
-                    "global one. Clip with max_grad_norm= or opt.clip_grad_norm_() (they use the global norm), or use "
-                    "zero_stage=1 with DDP (a change that is the same on every rank, such as a constant scale, is fine)",
+                    "backward, before step() averages the gradients across ranks. If the model is wrapped in DDP: "
+                    "zero_stage=2 is for a model not wrapped in it (step() averages the gradients itself: DDP's average "
+                    "is averaged again, with other roundings, and its all-reduce is wasted); use zero_stage=1 with DDP. "
+                    "If it is clipping: with zero_stage=2, p.grad holds this rank's own gradient until step(), so "
+                    "torch's clip_grad_norm_ clips by this rank's norm, not the global one; clip with max_grad_norm= or "
+                    "opt.clip_grad_norm_() (they use the global norm). A change that is the same on every rank, such as "
+                    "a constant scale, is fine",
                     RuntimeWarning,
                 )
         sharding.reduce_gradients()

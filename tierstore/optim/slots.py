@@ -45,19 +45,38 @@ class Capture:
     memory: tuple[int, tuple[int, ...], tuple[int, ...]] | None = None
     #: Not copied when taken: the update copies it over the link into a scratch buffer.
     deferred: bool = False
+    #: ``values_fingerprint`` of the gradient when taken, where its version counter does not
+    #: tell (a DTensor's local shard: ``matches`` compares the values' fingerprint instead).
+    fingerprint: torch.Tensor | None = None
 
     def matches(self, grad: torch.Tensor | None, version: int | None) -> bool:
         """Whether this copy is ``grad`` at ``version`` (``p.grad`` as ``step()`` sees it), in
-        the same memory."""
-        return (
-            grad is not None and self.tensor is not None and self.tensor() is grad and self.version == version
-            and self.memory == memory_of(grad)
-        )
+        the same memory (with a fingerprint: in the same memory, with the same values)."""
+        if grad is None or self.memory != memory_of(grad):
+            return False
+        if self.fingerprint is not None:
+            return torch.equal(self.fingerprint, values_fingerprint(grad))
+        return self.tensor is not None and self.tensor() is grad and self.version == version
 
 
 def memory_of(tensor: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
     """The address, shape and strides of ``tensor``'s data."""
     return tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride())
+
+
+_INTS_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def values_fingerprint(tensor: torch.Tensor) -> torch.Tensor:
+    """A 0-d int64 tensor on ``tensor``'s device that changes when its values change: the sum
+    of its elements' bit patterns (one pass, no sync). For gradients whose version counter does
+    not move: torch's in-place foreach ops on a DTensor (``clip_grad_norm_``'s) leave the local
+    tensor's version as it was. A change that keeps the bits (a scaling by 1.0) is no change."""
+    flat = tensor.detach().reshape(-1)
+    size = flat.element_size()
+    if size not in _INTS_OF_SIZE:  # (complex128: 16 bytes, two int64 each)
+        flat, size = flat.view(torch.int64), 8
+    return flat.view(_INTS_OF_SIZE[size]).sum(dtype=torch.int64)
 
 
 @dataclass(eq=False)
