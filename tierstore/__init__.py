@@ -19,7 +19,7 @@ _LAZY = {
         "EntryHeldError", "FolderReplacedError", "ForeignFolderError", "InvalidKeyError", "InvalidTensorError", "KeyNotFoundError", "LinkClosedError",
         "LoopDeadlockError", "NamespaceClaimedError", "NotAStoreFolderError", "OptimizerClosedError", "PolicyError", "StepIncompleteError", "StoreClosedError",
         "StoreForkedError",
-        "StoreLockedError", "TierFullError", "TierStoreError", "TraceError", "UnknownTierError",
+        "StoreLockedError", "TierFullError", "TierStoreError", "TraceError", "UnknownTierError", "WrongLoopError",
     )},
     "Namespace": ".namespaces",
     "PrefetchHandle": ".prefetching",
@@ -66,6 +66,7 @@ if TYPE_CHECKING:
         TierStoreError,
         TraceError,
         UnknownTierError,
+        WrongLoopError,
     )
     from .namespaces import Namespace
     from .prefetching import PrefetchHandle, PrefetchResult
@@ -131,6 +132,7 @@ __all__ = [
     "TierStoreError",
     "TraceError",
     "UnknownTierError",
+    "WrongLoopError",
     "empty",
     "errors",
     "format_bytes",

@@ -38,6 +38,7 @@ from .errors import (
     TierFullError,
     TierStoreError,
     UnknownTierError,
+    WrongLoopError,
 )
 from .gcpause import gc_paused
 from .keys import check_key, plain_text
@@ -74,6 +75,8 @@ class Engine:
         from policies import LRU, NoPrefetch
 
         self._tiers: list[Tier] = _check_tiers(tiers)
+        #: The loop the store was last opened on (its verbs run there: ``require_open``).
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.names = [tier.name for tier in self._tiers]
         self._by_name = {name: i for i, name in reversed(list(enumerate(self.names)))}  # (the first of a name, as list.index)
         self.disk_index = len(self._tiers) - 1 if isinstance(self._tiers[-1], DiskTier) else None
@@ -178,6 +181,7 @@ class Engine:
             await self._open(trace_path)
 
     async def _open(self, trace_path: Path | None) -> None:
+        self._loop = asyncio.get_running_loop()
         opened: list[Tier] = []
         in_use = [tier.name for tier in self._tiers if tier.is_open]
         if in_use:  # (two stores over one tier object counted the same bytes, each as its own)
@@ -1388,6 +1392,24 @@ class Engine:
             )
         if self.sealed:
             raise StoreClosedError("the store is closing")
+
+    def require_open_here(self) -> None:
+        """``require_open`` for a verb awaited on the running loop: ``WrongLoopError`` if that is
+        not the loop the store was opened on while that one runs (the store's futures would be
+        woken from the other loop without a thread-safe call: a hang). Sync verbs do not check:
+        a thread that runs a loop of its own (a notebook's) may call them."""
+        self.require_open()
+        self.require_loop()
+
+    def require_loop(self) -> None:
+        """``WrongLoopError`` where ``require_open_here`` raises it."""
+        running = asyncio._get_running_loop()
+        if running is not self._loop and self._loop is not None and self._loop.is_running():
+            raise WrongLoopError(
+                "this TierStore was opened on another event loop, which is running: await its verbs on that loop "
+                "(asyncio.run_coroutine_threadsafe(coro, store.loop) from another thread), or use SyncTierStore, "
+                "which any thread may call"
+            )
 
     def _crossing(self, source: int | None, target: int | None) -> tuple[Link, str] | None:
         """The link a copy from tier ``source`` to tier ``target`` crosses (None: the caller's

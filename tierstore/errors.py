@@ -114,6 +114,13 @@ class LoopDeadlockError(TierStoreError, RuntimeError):
     blocking call made on that thread, e.g. from a policy or a zarr codec it runs)."""
 
 
+class WrongLoopError(TierStoreError, RuntimeError):
+    """A verb of an async ``TierStore`` was called on another event loop than the one it was
+    opened on, while that one runs: the store's work and wake-ups belong to its own loop (use
+    ``SyncTierStore`` from several threads, or ``asyncio.run_coroutine_threadsafe`` onto
+    ``store.loop``)."""
+
+
 class PolicyError(TierStoreError, RuntimeError):
     """An eviction policy broke the protocol: it named no victim, or a key it does not track
     (or one it returned before without forgetting it), or its ``victim()`` raised, while a

@@ -155,6 +155,8 @@ def _rows_per_chunk(shape: tuple[int, ...], itemsize: int) -> int:
 def _chunks_for(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
     if not shape:
         return ()
+    if 0 in shape:  # (no chunk is ever written; one as large as the other dimensions would be refused on import)
+        return (1,) * len(shape)
     return (min(max(1, shape[0]), _rows_per_chunk(shape, itemsize)), *(max(1, n) for n in shape[1:]))
 
 
@@ -213,18 +215,22 @@ async def _export_one(store: TierStore, group: Any, name: str, key: str, budget:
                 value = await store.read(key)
             except KeyNotFoundError:
                 return 0
-            data = _to_numpy(value)
+            # (no elements: no chunks, no numpy array, which refuses shapes like (2**31, 0, 2**31))
+            data = _to_numpy(value if value.numel() else torch.empty(0, dtype=value.dtype))
+            shape = tuple(value.shape)
             array = await _whole(group.create_array(
                 name,
-                shape=data.shape,
+                shape=shape,
                 dtype=data.dtype,
-                chunks=_chunks_for(data.shape, data.itemsize),
+                chunks=_chunks_for(shape, data.itemsize),
                 compressors=None,
                 attributes={"tierstore_key": key, "tierstore_dtype": dtype_name(value.dtype)},
             ))
-            if data.size and data.ndim == 0:
+            if not value.numel():
+                pass
+            elif data.ndim == 0:
                 await _whole(array.setitem(Ellipsis, data))
-            elif data.size:
+            else:
                 for start, stop in _slabs(data.shape[0], array.chunks[0]):
                     await _whole(array.setitem(slice(start, stop), data[start:stop]))
             return 1
@@ -311,6 +317,8 @@ def _check_room(store: TierStore, plans: list[_Plan]) -> None:
     for plan in plans:
         array = plan.array
         chunk = math.prod(getattr(array, "shards", None) or array.chunks or (1,)) * np.dtype(array.dtype).itemsize
+        if not plan.nbytes:
+            continue  # (no elements: no chunk is read)
         if plan.nbytes > largest or chunk > max(largest, CHUNK_BYTES):
             raise TierFullError(
                 f"{plan.key!r} ({format_bytes(plan.nbytes)}, zarr chunks of {format_bytes(chunk)}) does not fit "
@@ -370,10 +378,12 @@ async def import_zarr(store: TierStore, path: str | Path, tier: TierRef = None) 
             taken = await budget.acquire(plan.nbytes)
             try:
                 value = empty(plan.shape, plan.dtype)
-                view = _to_numpy(value)
-                if plan.nbytes and not plan.shape:
+                view = _to_numpy(value) if plan.nbytes else None  # (numpy refuses some empty shapes)
+                if view is None:
+                    pass
+                elif not plan.shape:
                     view[...] = await plan.array.getitem(())
-                elif plan.nbytes:
+                else:
                     step = max(plan.array.chunks[0], _rows_per_chunk(plan.shape, view.itemsize) // plan.array.chunks[0] * plan.array.chunks[0])
                     for start, stop in _slabs(plan.shape[0], step):
                         view[start:stop] = await plan.array.getitem(slice(start, stop))

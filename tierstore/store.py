@@ -226,8 +226,9 @@ class TierStore:
         for the close's outcome first (closed: ``StoreClosedError``; failed: it goes on)."""
         engine = self._engine
         if engine.sealed:
+            engine.require_loop()  # (another loop's: its close is not ours to wait for)
             await engine.settled()
-        engine.require_open()
+        engine.require_open_here()
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
@@ -480,7 +481,7 @@ class TierStore:
         try:
             key = check_key(key)
             first = engine.index_of(tier)
-            engine.require_open()
+            engine.require_open_here()  # (called on the store's loop: a coroutine's, or call_now's)
         except TierStoreError:
             return None
         if first == engine.disk_index:
@@ -860,7 +861,7 @@ class TierStore:
             key = check_key(key)
             entry = engine.entries.get(key)
             t = engine.index_of(tier)
-            engine.require_open()
+            engine.require_open_here()  # (called on the store's loop: a coroutine's, or call_now's)
         except TierStoreError:
             return None
         if entry is None or not entry.visible or entry.writer is not None:
@@ -995,7 +996,7 @@ class TierStore:
         from .snapshot import export_zarr
 
         require_flag("overwrite", overwrite)
-        self._engine.require_open()
+        self._engine.require_open_here()
         async with self._engine.freeze():  # a point-in-time view: writers wait until it is written
             return await export_zarr(self, path, overwrite)
 
@@ -1003,7 +1004,7 @@ class TierStore:
         """Put every array of the zarr group at ``path`` into the store."""
         from .snapshot import import_zarr
 
-        self._engine.require_open()
+        self._engine.require_open_here()
         return await import_zarr(self, path, tier)
 
     async def delete(self, key: str) -> None:

@@ -16,10 +16,13 @@ _UNITS = {
     "gb": 1000**3,
     "t": 1000**4,
     "tb": 1000**4,
+    "p": 1000**5,
+    "pb": 1000**5,
     "kib": 1024,
     "mib": 1024**2,
     "gib": 1024**3,
     "tib": 1024**4,
+    "pib": 1024**5,
 }
 _PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
 
@@ -28,7 +31,7 @@ def parse_bytes(size: int | float | str) -> int:
     """Return ``size`` as a whole number of bytes.
 
     Accepts a non-negative int (numpy's too), or a string such as ``"512MiB"``, ``"1.5 GB"``, ``"4096"``.
-    Decimal units (kB, MB, GB, TB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB) of 1024.
+    Decimal units (kB, MB, GB, TB, PB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB, PiB) of 1024.
     """
     if isinstance(size, bool):
         raise TypeError(f"a byte size must be an int or a string like '512MiB', not {size!r}")

@@ -7,6 +7,9 @@ to None) counts. A copy taken when the post-accumulate-grad hook fires is theref
 on the gradient not changing: ``step()`` reads each ``p.grad`` on the training thread, and a copy
 counts only if ``p.grad`` is still the tensor it was taken from, at the same version (torch's
 version counter moves with every in-place change). Otherwise the gradient is copied again, then.
+A DTensor's local gradient (FSDP2) is a new view at each look, and foreach ops change it in place
+without moving its version: its copy counts if the memory and a fingerprint of the values
+(``slots.values_fingerprint``, taken in the hook) are the same.
 
 Where the link lends (plain CPU: device memory is host memory) nothing is copied: the update
 reads ``p.grad`` itself. Where state pages below the state tier (``defer``), a gradient is not

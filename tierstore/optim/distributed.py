@@ -150,9 +150,10 @@ class LocalShard:
 
     @property
     def grad(self) -> torch.Tensor | None:
-        """A new view of ``p.grad``'s local tensor at every access: in-place foreach ops on
-        DTensors (``clip_grad_norm_``'s) move no version counter, so a copy taken when the hook
-        fired cannot be told current; a new object makes ``step()`` take the gradient again."""
+        """A new view of ``p.grad``'s local tensor at every access. In-place foreach ops on
+        DTensors (``clip_grad_norm_``'s) move no version counter, so the copy taken when the hook
+        fired is matched at ``step()`` by the memory and a fingerprint of the values
+        (``Capture.fingerprint``), not by the object and its version."""
         grad = self.dtensor.grad
         if grad is None:
             return None

@@ -1,0 +1,84 @@
+"""A new user's tryout of the store: each test failed before its fix."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierstore import DiskTier, HostTier, TierStore, WrongLoopError, parse_bytes
+
+
+def test_a_verb_awaited_on_another_running_loop_is_refused_not_hung(tmp_path: Path) -> None:
+    """(two loops at once: one side's puts never ended, or the whole process hung)"""
+    store = TierStore([HostTier("256KiB"), DiskTier(tmp_path / "disk", "64MiB")])
+    opened, stop, done = threading.Event(), threading.Event(), threading.Event()
+
+    def loop_a() -> None:
+        async def main() -> None:
+            await store.open()
+            opened.set()
+            i = 0
+            while not stop.is_set():
+                await store.put(f"a{i % 8}", torch.full((30000,), float(i)))
+                i += 1
+                await asyncio.sleep(0)
+            await store.aclose()
+            done.set()
+
+        asyncio.run(main())
+
+    thread = threading.Thread(target=loop_a, daemon=True)
+    thread.start()
+    assert opened.wait(30)
+    try:
+        for verb in (lambda: store.put("b", torch.ones(4)), lambda: store.get("a0"), lambda: store.delete("a1"), lambda: store.flush()):
+            with pytest.raises(WrongLoopError, match="opened on another event loop"):
+                asyncio.run(asyncio.wait_for(verb(), 30))
+        assert "b" not in store
+    finally:
+        stop.set()
+        thread.join(30)
+    assert done.is_set() and not thread.is_alive()
+
+
+def test_a_store_whose_loop_ended_is_used_from_the_next_one(tmp_path: Path) -> None:
+    store = TierStore([HostTier("1MiB")])
+
+    async def first() -> None:
+        await store.open()
+        await store.put("x", torch.arange(4.0))
+
+    async def second() -> torch.Tensor:
+        value = await store.get("x")
+        await store.aclose()
+        return value
+
+    asyncio.run(first())
+    assert torch.equal(asyncio.run(second()), torch.arange(4.0))
+
+
+@pytest.mark.parametrize(("shape", "dtype"), [((0,), torch.float32), ((0, 5_000_000), torch.float32), ((2**31, 0, 2**31), torch.float32),
+                                              ((3, 0, 2), torch.bfloat16), ((0, 2**40), torch.bfloat16)])
+def test_empty_values_round_trip_through_a_zarr_snapshot(tmp_path: Path, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """(``(0, 5_000_000)`` exported with 19 MiB chunks its import refused; ``(2**31, 0, 2**31)``:
+    numpy's "array is too big" failed the export)"""
+
+    async def run() -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        async with TierStore([HostTier("1MiB"), DiskTier(tmp_path / "a", "64MiB")]) as store:
+            await store.put("empty", torch.empty(shape, dtype=dtype))
+            await store.put("x", torch.ones(3))
+            assert await store.export_zarr(tmp_path / "snap") == 2
+        async with TierStore([HostTier("1MiB"), DiskTier(tmp_path / "b", "64MiB")]) as store:
+            assert await store.import_zarr(tmp_path / "snap") == 2
+            return [(key, tuple((value := await store.get(key)).shape), value.dtype) for key in sorted(store.keys())]
+
+    assert asyncio.run(run()) == [("empty", shape, dtype), ("x", (3,), torch.float32)]
+
+
+def test_petabyte_sizes_parse() -> None:
+    """(``"1PiB"``: "cannot read '1PiB' as a byte size", where ``2**50`` was accepted)"""
+    assert parse_bytes("1PiB") == 2**50 and parse_bytes("2PB") == 2 * 1000**5
