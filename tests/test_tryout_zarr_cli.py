@@ -109,7 +109,7 @@ def test_ctrl_c_ends_a_command_with_one_line_and_removes_the_bench_scratch(tmp_p
     finally:
         if child.poll() is None:
             child.kill()
-    assert child.returncode == 130, (out, err)
+    assert child.returncode == -signal.SIGINT, (out, err)  # (ended by the signal after its message: a shell loop stops)
     assert err.strip().splitlines()[-1] == "tierstore bench: interrupted" and "Traceback" not in err, err
     assert sorted(p.name for p in scratch.iterdir()) == ["mine.txt"], (out, err)
 
@@ -128,3 +128,9 @@ def test_a_folder_this_user_cannot_read_is_not_called_damaged(tmp_path: Path) ->
         done = subprocess.run([*as_nobody, command, str(root)], capture_output=True, text=True, env=env, timeout=120)
         assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
         assert "damaged" not in done.stderr and ("Permission denied" in done.stderr), done.stderr
+    # (review) not a CorruptionError either, which code restoring damaged folders from a copy catches
+    opening = ("import sys; from tierstore import SyncTierStore, DiskTier\n"
+               "try:\n    SyncTierStore([DiskTier(sys.argv[1], '16MiB')]).open()\nexcept Exception as exc:\n"
+               "    from tierstore import CorruptionError\n    print(type(exc).__name__, isinstance(exc, PermissionError), isinstance(exc, CorruptionError))")
+    done = subprocess.run([*as_nobody[:-2], "-c", opening, str(root)], capture_output=True, text=True, env=env, timeout=120)
+    assert done.stdout.split()[1:] == ["True", "False"], (done.stdout, done.stderr)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -176,8 +177,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The ``tierstore`` command (``argv``: its arguments, default ``sys.argv[1:]``); the exit
+    status. Run as the program (no ``argv``), Ctrl-C ends it by SIGINT after its one-line
+    message, as the shell expects of an interrupted command (a shell loop stops)."""
     try:
-        return _main(argv)
+        status = _main(argv)
+        if status == _INTERRUPTED and argv is None:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+        return status
     except BrokenPipeError:
         # The reader of our output went away (``tierstore info ... | head``): what it did not read
         # is not wanted. Python's own recipe: point stdout at devnull so that the flush at exit
@@ -186,6 +194,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 141
+
+
+#: The exit status of a command Ctrl-C ended (128 + SIGINT, as a shell reports it).
+_INTERRUPTED = 130
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -202,9 +214,9 @@ def _main(argv: Sequence[str] | None) -> int:
         return int(run())
     except KeyboardInterrupt:
         # Ctrl-C: what each command was writing is removed or left whole by its own cleanup;
-        # a traceback would only say where it stopped. 128 + SIGINT, as a shell reports it.
+        # a traceback would only say where it stopped.
         print(f"\ntierstore {command}: interrupted", file=sys.stderr)
-        return 130
+        return _INTERRUPTED
     except BrokenPipeError:
         raise
     except expected as exc:

@@ -1401,15 +1401,25 @@ class Engine:
         self.require_open()
         self.require_loop()
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The loop the store runs on (see ``require_loop``)."""
+        return self._loop
+
     def require_loop(self) -> None:
-        """``WrongLoopError`` where ``require_open_here`` raises it."""
+        """``WrongLoopError`` where ``require_open_here`` raises it. Awaited on another loop once
+        the store's has ended (a second ``asyncio.run``), the store runs on that one from then on."""
         running = asyncio._get_running_loop()
-        if running is not self._loop and self._loop is not None and self._loop.is_running():
-            raise WrongLoopError(
-                "this TierStore was opened on another event loop, which is running: await its verbs on that loop "
-                "(asyncio.run_coroutine_threadsafe(coro, store.loop) from another thread), or use SyncTierStore, "
-                "which any thread may call"
-            )
+        if running is None or running is self._loop:
+            return
+        if self._loop is None or not self._loop.is_running():
+            self._loop = running
+            return
+        raise WrongLoopError(
+            "this TierStore was opened on another event loop, which is running: await its verbs on that loop "
+            "(asyncio.run_coroutine_threadsafe(coro, store.loop) from another thread), or use SyncTierStore, "
+            "which any thread may call"
+        )
 
     def _crossing(self, source: int | None, target: int | None) -> tuple[Link, str] | None:
         """The link a copy from tier ``source`` to tier ``target`` crosses (None: the caller's

@@ -62,6 +62,11 @@ class CatalogError(CorruptionError, OSError):
     """The on-disk catalog or data files are unreadable, inconsistent or of an unknown format."""
 
 
+class FolderPermissionError(TierStoreError, PermissionError):
+    """A disk tier's folder, or a file in it, cannot be read or written by this user (or its file
+    system is mounted read-only): its permissions, not damage; nothing was changed."""
+
+
 class StoreLockedError(TierStoreError, OSError):
     """The store folder is open already: in another process, or in another object of this one."""
 

@@ -124,7 +124,6 @@ class TierStore:
         self.durable = durable
         if durable and self._engine.disk_index is None:
             raise ValueError("durable=True needs a DiskTier to write through to")
-        self._loop: asyncio.AbstractEventLoop | None = None
         #: Small puts acknowledged before their commit, in the store's life (``_after_staged``).
         self._staged_puts = 0
         self._namespaces = NamespaceRegistry(self)
@@ -138,8 +137,9 @@ class TierStore:
     async def open(self) -> TierStore:
         """Open every tier (the disk tier loads its catalog) and adopt what is on disk."""
         if not self._engine.is_open:
-            self._loop = asyncio.get_running_loop()
             await self._engine.open(self._trace_path)
+        else:
+            self._engine.require_loop()
         return self
 
     async def aclose(self, flush: bool | None = None) -> None:
@@ -147,6 +147,8 @@ class TierStore:
         are cancelled, writes drained), write memory-only entries to disk (if ``flush``,
         default ``flush_on_close``), and close the tiers."""
         require_flag("flush", flush, none="flush_on_close")
+        if self._engine.is_open:
+            self._engine.require_loop()
         await self._run_close_hooks()
         await self._engine.close(self.flush_on_close if flush is None else flush)
 
@@ -232,8 +234,9 @@ class TierStore:
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
-        """The event loop the store was opened on (every verb must run on it), or None."""
-        return self._loop if self.is_open else None
+        """The event loop the store runs on (every verb must run on it: the one it was opened
+        on, or, once that one ended, the next one a verb was awaited on), or None."""
+        return self._engine.loop if self.is_open else None
 
     @property
     def tiers(self) -> list[Tier]:

@@ -30,7 +30,7 @@ import crc32c
 import lmdb
 import torch
 
-from ..errors import CatalogError, DiskFullError, StoreClosedError
+from ..errors import CatalogError, DiskFullError, FolderPermissionError, StoreClosedError
 from ..keys import address_hash, key_digest
 from ..tensors import TensorMeta, dtype_from_name, dtype_name
 from .extents import Extent
@@ -583,8 +583,10 @@ class Catalog:
         except lmdb.Error as exc:
             self.close()
             # (py-lmdb names a system error by its strerror text alone, with no errno)
-            if any(os.strerror(code) in str(exc) for code in (errno.EACCES, errno.EPERM, errno.EROFS)):
-                raise CatalogError(
+            code = next((code for code in (errno.EACCES, errno.EPERM, errno.EROFS) if os.strerror(code) in str(exc)), None)
+            if code is not None:
+                raise FolderPermissionError(
+                    code,
                     f"the catalog in {self.path} cannot be opened: {exc} (the folder's permissions, not damage: this user "
                     "needs to read and write its files, its lock file included; nothing was changed)"
                 ) from None

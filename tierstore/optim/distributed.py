@@ -493,8 +493,8 @@ class Sharding:
         are dropped (set to None)."""
         if self.zero_stage != 2 or self._reduced:
             return
+        dtypes = self._agreed_grad_dtypes()  # (refused on every rank: step() again reduces)
         self._reduced = True
-        dtypes = self._agreed_grad_dtypes()
         with_grad = [(p, dtype) for p, dtype in zip(self.params, dtypes, strict=True) if dtype is not None]
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for p, dtype in with_grad:

@@ -48,15 +48,33 @@ class Capture:
     #: ``values_fingerprint`` of the gradient when taken, where its version counter does not
     #: tell (a DTensor's local shard: ``matches`` compares the values' fingerprint instead).
     fingerprint: torch.Tensor | None = None
+    #: ``(gradient, whether its fingerprint is this one's)``, compared for many at once
+    #: (``compare_fingerprints``: one wait for the device a step, not one per parameter).
+    compared: tuple[torch.Tensor, bool] | None = None
 
     def matches(self, grad: torch.Tensor | None, version: int | None) -> bool:
         """Whether this copy is ``grad`` at ``version`` (``p.grad`` as ``step()`` sees it), in
-        the same memory (with a fingerprint: in the same memory, with the same values)."""
-        if grad is None or self.memory != memory_of(grad):
+        the same memory (with a fingerprint: in the same memory and version, with the same
+        values; the gradient a new view of them)."""
+        if grad is None or self.memory != memory_of(grad) or self.version != version:
             return False
         if self.fingerprint is not None:
+            if self.compared is not None and self.compared[0] is grad:
+                return self.compared[1]
             return torch.equal(self.fingerprint, values_fingerprint(grad))
-        return self.tensor is not None and self.tensor() is grad and self.version == version
+        return self.tensor is not None and self.tensor() is grad
+
+
+def compare_fingerprints(pairs: list[tuple[Capture, torch.Tensor]]) -> None:
+    """For each ``(capture, gradient)`` whose capture has a fingerprint: whether the gradient's
+    values still have it, into ``capture.compared``, with one wait for the device in all."""
+    pairs = [(capture, grad) for capture, grad in pairs if capture.fingerprint is not None]
+    if not pairs:
+        return
+    then = torch.stack([capture.fingerprint for capture, _ in pairs])  # type: ignore[misc]
+    now = torch.stack([values_fingerprint(grad).to(then.device) for _, grad in pairs])
+    for (capture, grad), same in zip(pairs, (then == now).all(dim=1).tolist(), strict=True):
+        capture.compared = (grad, bool(same))
 
 
 def memory_of(tensor: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
@@ -67,16 +85,31 @@ def memory_of(tensor: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ..
 _INTS_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+#: Segments whose sums ``values_fingerprint`` keeps apart (where the values sit matters).
+FINGERPRINT_SEGMENTS = 16
+
+
 def values_fingerprint(tensor: torch.Tensor) -> torch.Tensor:
-    """A 0-d int64 tensor on ``tensor``'s device that changes when its values change: the sum
-    of its elements' bit patterns (one pass, no sync). For gradients whose version counter does
-    not move: torch's in-place foreach ops on a DTensor (``clip_grad_norm_``'s) leave the local
-    tensor's version as it was. A change that keeps the bits (a scaling by 1.0) is no change."""
+    """``2 + FINGERPRINT_SEGMENTS`` int64 values on ``tensor``'s device that change when its
+    values do: the sum of its elements' bit patterns, then the bits of the float64 sums of its
+    values in ``FINGERPRINT_SEGMENTS`` equal segments (one element each if fewer) and of the
+    rest. A negation or a move between segments changes a segment's sum where the plain sum of
+    bit patterns can stay (balanced signs). A few reductions, no copy, no wait for the device.
+    For gradients whose version counter does not move: torch's in-place foreach ops on a
+    DTensor (``clip_grad_norm_``'s) leave the local tensor's version as it was. A change that
+    keeps the bits (a scaling by 1.0) is no change; values exchanged within a segment are not
+    seen."""
     flat = tensor.detach().reshape(-1)
-    size = flat.element_size()
-    if size not in _INTS_OF_SIZE:  # (complex128: 16 bytes, two int64 each)
-        flat, size = flat.view(torch.int64), 8
-    return flat.view(_INTS_OF_SIZE[size]).sum(dtype=torch.int64)
+    ints = flat if flat.element_size() in _INTS_OF_SIZE else flat.view(torch.int64)  # (complex128: two int64 each)
+    out = torch.zeros(2 + FINGERPRINT_SEGMENTS, dtype=torch.int64, device=flat.device)
+    out[0] = ints.view(_INTS_OF_SIZE[ints.element_size()]).sum(dtype=torch.int64)
+    real = torch.view_as_real(flat).reshape(-1) if flat.is_complex() else flat
+    if real.is_floating_point() and real.element_size() >= 2 and real.numel():  # (float8: no sum kernel)
+        count = min(FINGERPRINT_SEGMENTS, real.numel())
+        length = real.numel() // count
+        out[1 : 1 + count] = real[: count * length].view(count, length).sum(dim=1, dtype=torch.float64).view(torch.int64)
+        out[-1] = real[count * length :].sum(dtype=torch.float64).view(torch.int64)
+    return out
 
 
 @dataclass(eq=False)

@@ -25,7 +25,7 @@ from .capture import GradientCapture, Observed
 from .clipping import clip_coefficient, inverse_scale, total_norm
 from .pipeline import UpdatePipeline
 from .resident import Held, ResidentStep
-from .slots import Capture, ParamSlot
+from .slots import Capture, ParamSlot, compare_fingerprints
 
 #: GradScaler's ``(grad_scale, found an inf)`` when ``step()`` runs inside ``GradScaler.step``.
 Scaling = tuple["torch.Tensor | None", bool]
@@ -251,6 +251,8 @@ class StepRunner:
             pipeline.scale = scaling[0]
         changed: list[int] = []  # updated in backward, then p.grad changed
         pending: list[Observed] = []
+        compare_fingerprints([(capture, item[1]) for item in observed if item[1] is not None
+                              for capture in {id(c): c for c in (item[0].used, item[0].capture) if c is not None}.values()])
         for item in observed:
             slot = item[0]
             if slot.used is not None:  # its update started in backward

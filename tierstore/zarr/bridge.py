@@ -98,8 +98,9 @@ def _deadlock() -> LoopDeadlockError:
 async def on_store_loop(store: TierStore, factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
     """Await ``factory()`` on ``store``'s loop, from whatever loop the caller runs on."""
     loop = store_loop(store)
-    if _running_loop() is loop:
-        return await factory()
+    running = _running_loop()
+    if running is loop or (running is not None and not loop.is_running()):
+        return await factory()  # (on the store's loop; or its loop ended: the store runs on this one now)
     future = _submit(loop, factory)
     waiter = asyncio.wrap_future(future)
     # The loop thread inside sync() may be waiting for something else (a slow read of another
