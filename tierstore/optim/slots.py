@@ -54,15 +54,16 @@ class Capture:
 
     def matches(self, grad: torch.Tensor | None, version: int | None) -> bool:
         """Whether this copy is ``grad`` at ``version`` (``p.grad`` as ``step()`` sees it), in
-        the same memory (with a fingerprint: in the same memory and version, with the same
-        values; the gradient a new view of them)."""
-        if grad is None or self.memory != memory_of(grad) or self.version != version:
+        the same memory (with a fingerprint: in the same memory with the same values, the
+        gradient a new view of them; not by version, which tells nothing there either way:
+        foreach ops leave it, and FSDP2 moves it after the hook when accumulating, values kept)."""
+        if grad is None or self.memory != memory_of(grad):
             return False
         if self.fingerprint is not None:
             if self.compared is not None and self.compared[0] is grad:
                 return self.compared[1]
             return torch.equal(self.fingerprint, values_fingerprint(grad))
-        return self.tensor is not None and self.tensor() is grad
+        return self.tensor is not None and self.tensor() is grad and self.version == version
 
 
 def compare_fingerprints(pairs: list[tuple[Capture, torch.Tensor]]) -> None:
