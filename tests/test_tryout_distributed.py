@@ -80,6 +80,35 @@ def fsdp_in_backward(rank: int) -> dict[str, Any]:
     return result
 
 
+def fsdp_norm(rank: int) -> list[bool]:
+    """``opt.clip_grad_norm_`` against torch's norm of the DTensor gradients, per step: it summed
+    the ranks' totals, torch reduces each parameter's norm first (the last bit differed)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from tierstore.optim import TieredAdamW
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 64), torch.nn.Tanh(), torch.nn.Linear(64, 61), torch.nn.Tanh(), torch.nn.Linear(61, 2),
+                                torch.nn.Linear(2, 5))
+    for layer in (model[0], model[2], model[4], model[5]):
+        fully_shard(layer)
+    fully_shard(model)
+    data = torch.randn(6, 6, 24, generator=torch.Generator().manual_seed(rank))
+    opt = TieredAdamW(model.parameters(), lr=1e-2, fused=True, min_offload_numel=4)
+    same = []
+    try:
+        for step in range(4):
+            model(data[step]).pow(2).mean().backward()
+            ours = opt.clip_grad_norm_(1e9)
+            theirs = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+            same.append(torch.equal(torch.as_tensor(ours).float(), theirs.full_tensor().float()))
+            opt.step()
+            opt.zero_grad()
+    finally:
+        opt.close()
+    return same
+
+
 class _Branches(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -126,7 +155,7 @@ def zero2_unused(rank: int) -> dict[str, Any]:
 
 def run_rank(rank: int, world: int, port: int, out: str) -> None:
     with gloo_group(rank, world, port, LIMIT_S):
-        result = {"fsdp_in_backward": fsdp_in_backward(rank), "zero2_unused": zero2_unused(rank)}
+        result = {"fsdp_in_backward": fsdp_in_backward(rank), "zero2_unused": zero2_unused(rank), "fsdp_norm": fsdp_norm(rank)}
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
 
 
@@ -135,5 +164,6 @@ def test_fsdp2_in_backward_and_zero2_unused_gradients(tmp_path: Path) -> None:
         fsdp = r["fsdp_in_backward"]
         assert fsdp["equal"] and fsdp["accumulated_equal"], fsdp
         assert "p.grad changed before step()" in fsdp["clipped_refused"] and "p.grad changed before step()" in fsdp["negated_refused"], fsdp
+        assert all(r["fsdp_norm"]), r["fsdp_norm"]
         zero2 = r["zero2_unused"]
         assert zero2["error"] is None and zero2["worst"] <= 1e-6, zero2

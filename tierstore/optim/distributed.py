@@ -676,6 +676,13 @@ def mesh_total_norm(local_norms: list[torch.Tensor], norm_type: float, groups: S
     DTensor's partial norm is (``x**p``, summed over the mesh's sharded dimensions, ``**(1/p)``;
     max for inf). ``groups``: one process group per sharded mesh dimension (replicas hold the
     same shard, so a replicated dimension (HSDP's) is not reduced over)."""
+    if len(groups) == 1 and norm_type != float("inf") and _same_count(len(local_norms), groups[0]) and local_norms:
+        # As torch's clip_grad_norm_ on DTensor gradients: each parameter's norm reduced over the
+        # ranks first, then the norm of those (the same bits; the sum of the ranks' totals
+        # differs in the last bit).
+        powered = (torch.stack(local_norms) ** norm_type).to(comm_device(groups[0]))
+        dist.all_reduce(powered, group=groups[0])
+        return torch.linalg.vector_norm(powered ** (1.0 / norm_type), norm_type)
     local = torch.linalg.vector_norm(torch.stack(local_norms), norm_type) if local_norms else torch.tensor(0.0)
     if groups:  # (a rank without gradients, or FSDP2's CPU offload under NCCL: where the group reduces)
         local = local.to(comm_device(groups[0]))
@@ -687,6 +694,14 @@ def mesh_total_norm(local_norms: list[torch.Tensor], norm_type: float, groups: S
     for group in groups:
         dist.all_reduce(powered, group=group)
     return powered ** (1.0 / norm_type)
+
+
+def _same_count(count: int, group: Any) -> bool:
+    """Whether every rank of ``group`` has ``count`` norms (a collective: a rank whose gradient
+    list differs must not reduce vectors of other lengths, which would hang or mix them)."""
+    bounds = torch.tensor([count, -count], dtype=torch.int64, device=comm_device(group))
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
+    return bounds.tolist() == [count, -count]
 
 
 def mesh_group(slots: Sequence[ParamSlot]) -> tuple[Any, ...] | None:
