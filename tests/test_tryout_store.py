@@ -47,6 +47,24 @@ def test_a_verb_awaited_on_another_running_loop_is_refused_not_hung(tmp_path: Pa
     assert done.is_set() and not thread.is_alive()
 
 
+def test_a_paused_loop_keeps_its_store_and_a_small_durable_put_is_checked_too(tmp_path: Path) -> None:
+    """(review: a loop paused between ``run_until_complete`` calls still owns the store's work, and
+    another loop took the store over, its get failing with "attached to a different loop"; a small
+    put onto a durable disk tier skipped the check)"""
+    store = TierStore([DiskTier(tmp_path / "disk", "64MiB")])
+    first = asyncio.new_event_loop()
+    try:
+        first.run_until_complete(store.open())
+        first.run_until_complete(store.put("x", torch.ones(4)))
+        for verb in (lambda: store.get("x"), lambda: store.put("k", torch.ones(4)), lambda: store.aclose()):
+            with pytest.raises(WrongLoopError, match="not closed"):
+                asyncio.run(verb())
+        assert store.loop is first and "k" not in store
+        first.run_until_complete(store.aclose())
+    finally:
+        first.close()
+
+
 def test_a_store_whose_loop_ended_is_used_from_the_next_one(tmp_path: Path) -> None:
     """(the zarr adapter refused a later ``asyncio.run``: "the TierStore's event loop is not
     running", while the store's own verbs worked there)"""

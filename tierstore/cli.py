@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -178,14 +177,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``tierstore`` command (``argv``: its arguments, default ``sys.argv[1:]``); the exit
-    status. Run as the program (no ``argv``), Ctrl-C ends it by SIGINT after its one-line
-    message, as the shell expects of an interrupted command (a shell loop stops)."""
+    status. Ctrl-C prints one line; run as the program (no ``argv``), the ``KeyboardInterrupt``
+    then goes on, without its traceback, so Python ends as an interrupted program does (exit
+    handlers run, output is flushed, then SIGINT: a shell loop stops); else 130."""
     try:
-        status = _main(argv)
-        if status == _INTERRUPTED and argv is None:
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGINT)
-        return status
+        return _main(argv)
+    except KeyboardInterrupt:
+        if argv is None:
+            sys.excepthook = _quiet_on_interrupt(sys.excepthook)
+            raise
+        return _INTERRUPTED
     except BrokenPipeError:
         # The reader of our output went away (``tierstore info ... | head``): what it did not read
         # is not wanted. Python's own recipe: point stdout at devnull so that the flush at exit
@@ -198,6 +199,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 #: The exit status of a command Ctrl-C ended (128 + SIGINT, as a shell reports it).
 _INTERRUPTED = 130
+
+
+def _quiet_on_interrupt(hook: Any) -> Any:
+    """``sys.excepthook`` that prints nothing for a ``KeyboardInterrupt`` (its line was printed)."""
+
+    def quiet(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
+        if not issubclass(kind, KeyboardInterrupt):
+            hook(kind, value, traceback)
+
+    return quiet
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -216,7 +227,7 @@ def _main(argv: Sequence[str] | None) -> int:
         # Ctrl-C: what each command was writing is removed or left whole by its own cleanup;
         # a traceback would only say where it stopped.
         print(f"\ntierstore {command}: interrupted", file=sys.stderr)
-        return _INTERRUPTED
+        raise
     except BrokenPipeError:
         raise
     except expected as exc:

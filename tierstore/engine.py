@@ -1408,15 +1408,16 @@ class Engine:
 
     def require_loop(self) -> None:
         """``WrongLoopError`` where ``require_open_here`` raises it. Awaited on another loop once
-        the store's has ended (a second ``asyncio.run``), the store runs on that one from then on."""
+        the store's was closed (a second ``asyncio.run``), the store runs on that one from then
+        on; one only paused (``run_until_complete`` between calls) still owns the store's work."""
         running = asyncio._get_running_loop()
         if running is None or running is self._loop:
             return
-        if self._loop is None or not self._loop.is_running():
+        if self._loop is None or self._loop.is_closed():
             self._loop = running
             return
         raise WrongLoopError(
-            "this TierStore was opened on another event loop, which is running: await its verbs on that loop "
+            "this TierStore was opened on another event loop, which is not closed: await its verbs on that loop "
             "(asyncio.run_coroutine_threadsafe(coro, store.loop) from another thread), or use SyncTierStore, "
             "which any thread may call"
         )

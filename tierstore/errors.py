@@ -63,8 +63,9 @@ class CatalogError(CorruptionError, OSError):
 
 
 class FolderPermissionError(TierStoreError, PermissionError):
-    """A disk tier's folder, or a file in it, cannot be read or written by this user (or its file
-    system is mounted read-only): its permissions, not damage; nothing was changed."""
+    """A disk tier's catalog cannot be opened by this user (or its file system is mounted
+    read-only): the folder's permissions, not damage; nothing was changed. (The folder's other
+    files refused raise the plain ``PermissionError`` of the call.)"""
 
 
 class StoreLockedError(TierStoreError, OSError):
@@ -121,7 +122,7 @@ class LoopDeadlockError(TierStoreError, RuntimeError):
 
 class WrongLoopError(TierStoreError, RuntimeError):
     """A verb of an async ``TierStore`` was called on another event loop than the one it was
-    opened on, while that one runs: the store's work and wake-ups belong to its own loop (use
+    opened on, while that one is not closed: the store's work and wake-ups belong to its own loop (use
     ``SyncTierStore`` from several threads, or ``asyncio.run_coroutine_threadsafe`` onto
     ``store.loop``)."""
 

@@ -548,7 +548,7 @@ class TierStore:
             if engine.index_of(tier) != d:
                 return None  # (a memory tier first: the put caches there)
             key = check_key(key)
-            engine.require_open()
+            engine.require_open_here()  # (refused: the full put says why)
         except TierStoreError:
             return None
         if not _plain_cpu(tensor):

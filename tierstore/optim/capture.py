@@ -134,7 +134,9 @@ class GradientCapture:
             return  # DDP's hook captures it; or an earlier pass of several; or step() takes it (a sparse one: refuses it)
         # A DTensor's local shard (FSDP2): a new view each time and a version that in-place
         # foreach ops do not move; step() compares the values' fingerprint instead.
-        fingerprint = values_fingerprint(grad) if isinstance(param, LocalShard) else None
+        # (Only where step() will ask: a copy taken now, or an update in backward; a lent
+        # gradient is read as it is at step() otherwise.)
+        fingerprint = values_fingerprint(grad) if isinstance(param, LocalShard) and (self._in_backward or not slot.link.lends) else None
         item = (slot, grad, grad._version, slot.link.mark(), False, fingerprint)
         now = not self._hooked or not slot.link.lends or self.wake_each()
         with self._lock:

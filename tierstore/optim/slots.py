@@ -69,13 +69,15 @@ class Capture:
 def compare_fingerprints(pairs: list[tuple[Capture, torch.Tensor]]) -> None:
     """For each ``(capture, gradient)`` whose capture has a fingerprint: whether the gradient's
     values still have it, into ``capture.compared``, with one wait for the device in all."""
-    pairs = [(capture, grad) for capture, grad in pairs if capture.fingerprint is not None]
-    if not pairs:
-        return
-    then = torch.stack([capture.fingerprint for capture, _ in pairs])  # type: ignore[misc]
-    now = torch.stack([values_fingerprint(grad).to(then.device) for _, grad in pairs])
-    for (capture, grad), same in zip(pairs, (then == now).all(dim=1).tolist(), strict=True):
-        capture.compared = (grad, bool(same))
+    by_device: dict[torch.device, list[tuple[Capture, torch.Tensor]]] = {}
+    for capture, grad in pairs:
+        if capture.fingerprint is not None:
+            by_device.setdefault(capture.fingerprint.device, []).append((capture, grad))
+    for device, group in by_device.items():  # (FSDP2's CPU offload of some modules: two devices)
+        then = torch.stack([capture.fingerprint for capture, _ in group])  # type: ignore[misc]
+        now = torch.stack([values_fingerprint(grad).to(device) for _, grad in group])
+        for (capture, grad), same in zip(group, (then == now).all(dim=1).tolist(), strict=True):
+            capture.compared = (grad, bool(same))
 
 
 def memory_of(tensor: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
@@ -100,17 +102,21 @@ def values_fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     DTensor (``clip_grad_norm_``'s) leave the local tensor's version as it was. A change that
     keeps the bits (a scaling by 1.0) is no change; values exchanged within a segment are not
     seen."""
-    flat = tensor.detach().reshape(-1)
+    flat = tensor.detach().contiguous().view(-1)
     ints = flat if flat.element_size() in _INTS_OF_SIZE else flat.view(torch.int64)  # (complex128: two int64 each)
-    out = torch.zeros(2 + FINGERPRINT_SEGMENTS, dtype=torch.int64, device=flat.device)
-    out[0] = ints.view(_INTS_OF_SIZE[ints.element_size()]).sum(dtype=torch.int64)
-    real = torch.view_as_real(flat).reshape(-1) if flat.is_complex() else flat
+    parts = [ints.view(_INTS_OF_SIZE[ints.element_size()]).sum(dtype=torch.int64).view(1)]
+    real = torch.view_as_real(flat).view(-1) if flat.is_complex() else flat
+    count = 0
     if real.is_floating_point() and real.element_size() >= 2 and real.numel():  # (float8: no sum kernel)
         count = min(FINGERPRINT_SEGMENTS, real.numel())
         length = real.numel() // count
-        out[1 : 1 + count] = real[: count * length].view(count, length).sum(dim=1, dtype=torch.float64).view(torch.int64)
-        out[-1] = real[count * length :].sum(dtype=torch.float64).view(torch.int64)
-    return out
+        parts.append(real[: count * length].view(count, length).sum(dim=1, dtype=torch.float64).view(torch.int64))
+        parts.append(real[count * length :].sum(dtype=torch.float64).view(torch.int64).view(1))
+    else:
+        parts.append(torch.zeros(1, dtype=torch.int64, device=flat.device))
+    if count < FINGERPRINT_SEGMENTS:
+        parts.append(torch.zeros(FINGERPRINT_SEGMENTS - count, dtype=torch.int64, device=flat.device))
+    return torch.cat(parts)
 
 
 @dataclass(eq=False)

@@ -48,6 +48,13 @@ def store_loop(store: TierStore) -> asyncio.AbstractEventLoop:
     return loop
 
 
+def _zarr_loop() -> asyncio.AbstractEventLoop | None:
+    """The loop zarr's blocking API runs its coroutines on (None until it made one)."""
+    import zarr.core.sync
+
+    return zarr.core.sync.loop[0]
+
+
 def _running_loop() -> asyncio.AbstractEventLoop | None:
     try:
         return asyncio.get_running_loop()
@@ -99,8 +106,10 @@ async def on_store_loop(store: TierStore, factory: Callable[[], Coroutine[Any, A
     """Await ``factory()`` on ``store``'s loop, from whatever loop the caller runs on."""
     loop = store_loop(store)
     running = _running_loop()
-    if running is loop or (running is not None and not loop.is_running()):
-        return await factory()  # (on the store's loop; or its loop ended: the store runs on this one now)
+    if running is loop or (running is not None and loop.is_closed() and running is not _zarr_loop()):
+        # (on the store's loop; or its loop was closed, a second asyncio.run: the store runs on
+        # the caller's from now on; not on zarr's own loop, which would keep it for good)
+        return await factory()
     future = _submit(loop, factory)
     waiter = asyncio.wrap_future(future)
     # The loop thread inside sync() may be waiting for something else (a slow read of another
