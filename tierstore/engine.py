@@ -1395,7 +1395,7 @@ class Engine:
 
     def require_open_here(self) -> None:
         """``require_open`` for a verb awaited on the running loop: ``WrongLoopError`` if that is
-        not the loop the store was opened on while that one runs (the store's futures would be
+        not the store's loop while that one is not closed (the store's futures would be
         woken from the other loop without a thread-safe call: a hang). Sync verbs do not check:
         a thread that runs a loop of its own (a notebook's) may call them."""
         self.require_open()

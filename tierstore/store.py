@@ -235,7 +235,7 @@ class TierStore:
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
         """The event loop the store runs on (every verb must run on it: the one it was opened
-        on, or, once that one ended, the next one a verb was awaited on), or None."""
+        on, or, once that one was closed, the next one a verb was awaited on), or None."""
         return self._engine.loop if self.is_open else None
 
     @property
