@@ -1413,6 +1413,12 @@ class Engine:
         running = asyncio._get_running_loop()
         if running is None or running is self._loop:
             return
+        from .sync import is_loop_thread_loop
+
+        if is_loop_thread_loop(running):
+            # (the library's own bridge: ``sync.run`` from code given an async store, such as
+            # ``offload_parameters`` called from the store's loop thread while it waits)
+            return
         if self._loop is None or self._loop.is_closed():
             self._loop = running
             return

@@ -98,6 +98,11 @@ def _serve_loop(loop: asyncio.AbstractEventLoop) -> None:
     loop.run_forever()
 
 
+def is_loop_thread_loop(loop: asyncio.AbstractEventLoop | None) -> bool:
+    """Whether ``loop`` is the process's tierstore loop (``loop_thread``), without starting it."""
+    return loop is not None and loop is _loop
+
+
 def loop_thread() -> asyncio.AbstractEventLoop:
     """The process's tierstore event loop, started on first use in a daemon thread."""
     global _loop, _thread
