@@ -226,11 +226,9 @@ async def _export_one(store: TierStore, group: Any, name: str, key: str, budget:
                 compressors=None,
                 attributes={"tierstore_key": key, "tierstore_dtype": dtype_name(value.dtype)},
             ))
-            if not value.numel():
-                pass
-            elif data.ndim == 0:
+            if value.numel() and data.ndim == 0:
                 await _whole(array.setitem(Ellipsis, data))
-            else:
+            elif value.numel():
                 for start, stop in _slabs(data.shape[0], array.chunks[0]):
                     await _whole(array.setitem(slice(start, stop), data[start:stop]))
             return 1
@@ -379,11 +377,9 @@ async def import_zarr(store: TierStore, path: str | Path, tier: TierRef = None) 
             try:
                 value = empty(plan.shape, plan.dtype)
                 view = _to_numpy(value) if plan.nbytes else None  # (numpy refuses some empty shapes)
-                if view is None:
-                    pass
-                elif not plan.shape:
+                if view is not None and not plan.shape:
                     view[...] = await plan.array.getitem(())
-                else:
+                elif view is not None:
                     step = max(plan.array.chunks[0], _rows_per_chunk(plan.shape, view.itemsize) // plan.array.chunks[0] * plan.array.chunks[0])
                     for start, stop in _slabs(plan.shape[0], step):
                         view[start:stop] = await plan.array.getitem(slice(start, stop))

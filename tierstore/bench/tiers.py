@@ -583,20 +583,10 @@ async def _in_flight_results(limit: int, coros: list[Any]) -> list[Any]:
 
 def tune_main(folder: Path, volume_mib: int, json_path: Path | None) -> int:
     """``tierstore bench --tune FOLDER``: sweep, print, save the best beside the store."""
-    if folder.exists() and not folder.is_dir():
-        print(f"tierstore bench --tune: {folder} is not a folder", file=sys.stderr)
+    problem = _unusable("--tune", folder, json_path, mode=0o700)  # (a store's folder: 0700, as DiskTier makes it)
+    if problem is not None:
+        print(f"tierstore bench: {problem}", file=sys.stderr)
         return 2
-    try:
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # a store's folder: 0700, as DiskTier makes it
-    except OSError as error:
-        print(f"tierstore bench --tune: cannot make the folder {folder}: {error.strerror or error}", file=sys.stderr)
-        return 2
-    if json_path is not None:
-        try:
-            check_output_file(json_path)  # (now, not after the sweeps)
-        except ValueError as exc:
-            print(f"tierstore bench --tune: --json: {exc}", file=sys.stderr)
-            return 2
     # (values of at least the default chunk, so every sweep measures the default beside the others:
     # a chunk size never compared with it is not saved, and the folder's chunk size is for good)
     value_bytes = max(DEFAULTS.chunk_size, min(64 * MiB, volume_mib * MiB // 2))
@@ -667,12 +657,7 @@ def main(argv: list[str] | None = None) -> int:
         sizes = args.sizes_mib
     reps = args.reps or (3 if args.quick else 5)
     volume = (args.volume_mib or (128 if args.quick else 512)) * MiB
-    problem = _unusable_folder(args.dir)
-    if problem is None:
-        try:
-            check_output_file(json_path)  # (now, not after minutes of measuring)
-        except ValueError as exc:
-            problem = f"--json: {exc}"
+    problem = _unusable("--dir", args.dir, json_path)
     if problem is not None:
         print(f"tierstore bench: {problem}", file=sys.stderr)
         return 2
@@ -682,16 +667,23 @@ def main(argv: list[str] | None = None) -> int:
         _remove_scratch(args.dir, sizes)  # (also when interrupted: each run removes its own as it ends)
 
 
-def _unusable_folder(folder: Path) -> str | None:
-    """Why the benchmark cannot use ``folder`` as scratch (it makes it), or None."""
+def _unusable(option: str, folder: Path, json_path: Path | None, mode: int = 0o777) -> str | None:
+    """Why the benchmark cannot work in ``folder`` (given as ``option``; it makes it, with
+    ``mode``) or write its JSON at ``json_path``, or None: checked before it measures, not
+    after."""
     if folder.exists() and not folder.is_dir():
-        return f"--dir {folder} is not a folder"
+        return f"{option} {folder} is not a folder"
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(mode=mode, parents=True, exist_ok=True)
     except OSError as error:
-        return f"cannot make the folder {folder}: {error.strerror or error}"
+        return f"{option}: cannot make the folder {folder}: {error.strerror or error}"
     if not os.access(folder, os.W_OK | os.X_OK):
-        return f"--dir {folder}: this user cannot write in it"
+        return f"{option} {folder}: this user cannot write in it"
+    if json_path is not None:
+        try:
+            check_output_file(json_path)
+        except ValueError as exc:
+            return f"--json: {exc}"
     return None
 
 
