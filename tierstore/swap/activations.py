@@ -116,12 +116,13 @@ class ActivationOffload:
         for tier_ in self.store.tiers:  # a contradicting emulate_device raises here, not in forward
             if isinstance(tier_, DeviceTier):
                 self.link(tier_.device)
-        self.namespace: Namespace = run(_claim(self.store, namespace, "swap/act/", type(self).__name__))
+        # (the sizes read before the claim: a typo in one leaves no namespace claimed)
         self.min_bytes = parse_bytes(min_bytes)
-        self.tier = tier
-        self.device_tier = device_tier
         self.max_in_flight = parse_bytes(max_in_flight)
         self.ahead = parse_bytes(ahead)
+        self.tier = tier
+        self.device_tier = device_tier
+        self.namespace: Namespace = run(_claim(self.store, namespace, "swap/act/", type(self).__name__))
         self.prefix = self.namespace.name.rstrip("/")
         self.report = SwapReport("activations")
         self._warned_refusal = False  # (once per offloader: a full tier refuses many in a row)

@@ -212,6 +212,26 @@ class _Reading:
     read: dict[str, weakref.ref[torch.Tensor]] = field(default_factory=dict)
 
 
+def _forwardless(module: nn.Module) -> bool:
+    """Whether ``module`` has no forward of its own (``nn.ParameterList``, ``nn.ParameterDict``,
+    ``nn.ModuleList``...): the module holding it reads its weights in its own forward."""
+    return type(module).forward is nn.Module.forward
+
+
+def _own_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``module``'s own parameters and those of the modules without a forward it holds (and
+    they hold, and so on), by name relative to ``module``, each once: the weights its forward
+    reads."""
+    found: dict[int, tuple[str, nn.Parameter]] = {}
+    reach = [("", module)]
+    while reach:
+        prefix, holder = reach.pop(0)
+        for own, param in holder.named_parameters(recurse=False):
+            found.setdefault(id(param), (prefix + own, param))
+        reach += [(f"{prefix}{name}.", child) for name, child in holder.named_children() if _forwardless(child)]
+    return list(found.values())
+
+
 @dataclass(eq=False)
 class _Unit:
     name: str
@@ -219,6 +239,10 @@ class _Unit:
     weights: list[_Weight]
     #: Bytes of its weights (their data is a zero-size placeholder while they are in the store).
     nbytes: int = 0
+    #: The id of the forward hook letting go of its weights (``_after_forward``), once made.
+    release_hook: int = -1
+    #: Whether a forward hook registered after it was warned of (``_warn_later_hooks``).
+    warned: bool = False
 
 
 @dataclass(frozen=True)
@@ -264,8 +288,8 @@ class ParameterOffload:
         self.device = device.device
         #: The link weights cross (the device tier's: see ``crossing.swap_link``).
         self.link: Link = swap_link(self.store, self.device, emulate_device)
+        self.ahead = parse_bytes(ahead)  # (read before the claim: a typo leaves no namespace claimed)
         self.namespace: Namespace = run(_claim(self.store, namespace, "swap/params/", type(self).__name__))
-        self.ahead = parse_bytes(ahead)
         self.prefix = self.namespace.name.rstrip("/")
         self.report = SwapReport("parameters")
         self._loop = loop_thread()
@@ -329,11 +353,13 @@ class ParameterOffload:
         for name, sub in self.module.named_modules():
             if any(not outer or name.startswith(outer + ".") for outer in whole):
                 continue  # (its weights are its whole unit's)
+            if name and _forwardless(sub):
+                continue  # (its weights are read by the module holding it: they are that one's unit's)
             recurse = isinstance(sub, self.whole_units)
             if recurse:
                 whole.append(name)
             weights = []
-            for own, param in sub.named_parameters(recurse=recurse):
+            for own, param in sub.named_parameters(recurse=True) if recurse else _own_parameters(sub):
                 weight = self._weight_of.get(id(param))
                 if weight is None:  # the first module using a tied weight names its key
                     if offloaded(param) is not None:
@@ -364,8 +390,10 @@ class ParameterOffload:
         for index, unit in enumerate(self._units):
             self._hooks.append(unit.module.register_forward_pre_hook(_Hook(lambda *_, i=index: self._unit_hooks()[0](i)), prepend=True))
             # always_call: a forward that raises still lets go of the unit's weights
-            self._hooks.append(unit.module.register_forward_hook(
-                _Hook(lambda _, args, output, i=index: self._unit_hooks()[1](i, output)), always_call=True))
+            release = unit.module.register_forward_hook(
+                _Hook(lambda _, args, output, i=index: self._unit_hooks()[1](i, output)), always_call=True)
+            unit.release_hook = release.id
+            self._hooks.append(release)
         # (prepended last: where the root is a unit too, the root's runs before the unit's, which
         # would otherwise hold the weights the root's then takes for an aborted forward's)
         self._hooks.append(self.module.register_forward_pre_hook(_Hook(lambda *_: self._root_hooks()[0]()), prepend=True))
@@ -612,6 +640,19 @@ class ParameterOffload:
         self._hold(index, forward=True)
         if torch.is_grad_enabled():
             self._starts.setdefault((threading.get_ident(), index), []).append(_next_sequence_nr())
+        unit = self._units[index]
+        if not unit.warned and next(reversed(unit.module._forward_hooks), unit.release_hook) != unit.release_hook:
+            self._warn_later_hooks(unit)
+
+    def _warn_later_hooks(self, unit: _Unit) -> None:
+        """Warn (once per unit) that a forward hook was registered on ``unit``'s module after
+        ``offload_parameters``: torch runs it after ours, which let go of the weights, so it
+        would read the zero-size placeholder. (Reordering torch's hooks would hand ours what
+        such a hook returned instead of the unit's output.)"""
+        unit.warned = True
+        warn(f"offload_parameters: a forward hook was registered on {unit.name} ({type(unit.module).__name__}) after its "
+             "weights were offloaded: it runs after they are let go, and reads a zero-size placeholder for them. Register "
+             "forward hooks that read the weights before offload_parameters (forward pre-hooks see them either way)")
 
     def _after_forward(self, index: int, output: Any) -> None:
         """Let go after the unit's forward, and hook the part of the autograd graph it made:
