@@ -167,3 +167,14 @@ def test_fsdp2_in_backward_and_zero2_unused_gradients(tmp_path: Path) -> None:
         assert all(r["fsdp_norm"]), r["fsdp_norm"]
         zero2 = r["zero2_unused"]
         assert zero2["error"] is None and zero2["worst"] <= 1e-6, zero2
+
+
+def test_zero_stage_2_with_step_in_backward_is_refused_when_made() -> None:
+    """(tryout) It was accepted, and the first step() raised "p.grad changed before step()" after
+    each rank had updated what it owns from its own, unreduced gradients."""
+    import pytest
+
+    from tierstore.optim import TieredAdamW
+
+    with pytest.raises(ValueError, match="step_in_backward=True with zero_stage=2"):
+        TieredAdamW(_net().parameters(), process_group=True, zero_stage=2, step_in_backward=True)

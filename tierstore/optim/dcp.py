@@ -427,6 +427,10 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
             for fqn in [f for f, obj in self.state_dict.items() if f not in saved and not isinstance(obj, torch.Tensor)]:
                 if _PARAM_GROUPS in self.mappings.get(fqn, ()):
                     del self.state_dict[fqn]
+            # an fp32 master torch's AdamW does not keep (a bf16 model's: its weight is its
+            # state) starts from the parameter's weight, as load_state_dict starts it
+            for fqn in [f for f, source in self._sources.items() if source.name == "master" and f not in saved]:
+                del self.state_dict[fqn], self._sources[fqn], self._shapes[fqn]
         plan = super().create_local_plan()
         if any(fqn not in self.state_dict for fqn in self._sources):
             raise ValueError("a checkpoint in DCP's format of torch < 2.4 cannot be loaded streaming")
@@ -563,34 +567,49 @@ def _stream_in(
     groups = _passes(state, buffer_bytes)
     count = _pass_count(len(groups), load_kwargs.get("process_group"))
     loaded: set[int] = set()
-    loaded_groups: list[dict[str, Any]] | None = None
+    # The param groups first (a pass of their own): a checkpoint whose groups do not fit is
+    # refused before anything changes.
+    settings: dict[str, Any] = {"param_groups": placeholders["param_groups"]}
+    dcp.load({key: settings}, checkpoint_id=checkpoint_id, planner=StreamingLoadPlanner(), **load_kwargs)
+    loaded_groups = settings["param_groups"]
+    _check_groups(optimizer, loaded_groups)
     optimizer._unmark_saved()  # (state saved for groups still to come: its counts go before any is written)
     # (no step count is cleared up front: each parameter's is replaced as its state is written,
     # so a load that fails part-way leaves every parameter with its loaded or its old state)
     for index in range(count):
         part: dict[str, Any] = {"state": {fqn: state[fqn] for fqn in (groups[index] if index < len(groups) else [])}}
-        if index == 0:
-            part["param_groups"] = placeholders["param_groups"]
         planner = StreamingLoadPlanner()
-        dcp.load({key: part} if part["state"] or index == 0 else {}, checkpoint_id=checkpoint_id, planner=planner, **load_kwargs)
+        dcp.load({key: part} if part["state"] else {}, checkpoint_id=checkpoint_id, planner=planner, **load_kwargs)
         loaded.update(source.slot.index for source in planner.loaded)
-        if index == 0:
-            loaded_groups = part["param_groups"]
     for slot in optimizer._slots:
         if slot.index not in loaded:  # frozen, or another rank's: nothing of it is kept here
             slot.resident = None
             optimizer._step_counts.pop(slot.index, None)
             run(optimizer.delete_state(slot))
-    _set_groups(optimizer, loaded_groups or [])
+    _set_groups(optimizer, loaded_groups)
     optimizer._drop_saved_for_later()  # (the loaded state is the state from now on; groups added later start over)
+
+
+def _check_groups(optimizer: TieredAdam, saved: list[dict[str, Any]]) -> None:
+    """``ValueError`` where the saved param groups do not fit the optimizer's: another number of
+    groups or of parameters in one (torch's checks), or another ``amsgrad`` (the state would
+    have to change layout: ``load_state_dict`` converts it, a streamed load writes each
+    parameter's state in the layout it has)."""
+    if len(saved) != len(optimizer.param_groups):
+        raise ValueError("loaded state dict has a different number of parameter groups")
+    for index, (group, own) in enumerate(zip(saved, optimizer.param_groups, strict=True)):
+        if len(group["params"]) != len(own["params"]):
+            raise ValueError("loaded state dict contains a parameter group that doesn't match the size of optimizer's group")
+        if "amsgrad" in group and bool(group["amsgrad"]) != bool(own["amsgrad"]):
+            raise ValueError(
+                f"param group {index} was saved with amsgrad={bool(group['amsgrad'])} and is amsgrad={bool(own['amsgrad'])} "
+                "here: load_optimizer writes the state in the layout the optimizer has, so nothing was loaded. Make the "
+                "optimizer with the checkpoint's amsgrad (opt.load_state_dict of a whole state dict converts it)")
 
 
 def _set_groups(optimizer: TieredAdam, saved: list[dict[str, Any]]) -> None:
     """The saved hyperparameters into the optimizer's param groups (as ``load_state_dict``)."""
-    if len(saved) != len(optimizer.param_groups):
-        raise ValueError("loaded state dict has a different number of parameter groups")
+    _check_groups(optimizer, saved)
     for group, own in zip(saved, optimizer.param_groups, strict=True):
-        if len(group["params"]) != len(own["params"]):
-            raise ValueError("loaded state dict contains a parameter group that doesn't match the size of optimizer's group")
         own.update({k: v for k, v in group.items() if k not in _STORAGE_KEYS})
         own.setdefault("decoupled_weight_decay", optimizer.decoupled_weight_decay)

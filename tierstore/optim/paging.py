@@ -230,6 +230,12 @@ class PagedOptimizer(torch.optim.Optimizer):
                 "the reduce-scatter, so ranks would disagree on skipped steps (and wait for each other); use zero_stage=1 "
                 "with DDP (its all-reduce comes first), or the default unscale_in_step=True"
             )
+        if step_in_backward and process_group not in (None, False) and zero_stage == 2:
+            raise ValueError(
+                "step_in_backward=True with zero_stage=2: zero_stage=2 reduce-scatters the gradients in step(), after "
+                "backward, so an update in backward would use this rank's own gradients, not the averaged ones; use "
+                "zero_stage=1 with DDP and attach_ddp (updates start as DDP's buckets are averaged), or step_in_backward=False"
+            )
         self._step_supports_amp_scaling = unscale_in_step
         if offload not in ("host", "disk"):
             raise ValueError(f"offload must be 'host' or 'disk', not {offload!r}")
