@@ -257,7 +257,7 @@ def test_suggestions_the_trace_cannot_take_are_skipped_as_a_live_store_skips_the
     trace = Trace.from_accesses([f"k{i % 8}" for i in range(40)], [4096] * 40)
     capacities = {"fast": 3 * 4096, "slow": 1 << 20}
     plain = simulate(trace, capacities).misses
-    for odd in ([((1, "nosuchtier"))], [(999, None)], [(-1, None)], [("k1", None)]):
+    for odd in ([((1, "nosuchtier"))], [(999, None)], [(-1, None)], [("k99", None)]):
         assert simulate(trace, capacities, prefetch=Suggests(lambda key, odd=odd: odd)).misses == plain, odd
     useful = simulate(trace, capacities, prefetch=Suggests(lambda key: [((key + 1) % 8, "fast")])).misses
     assert useful < plain

@@ -84,26 +84,36 @@ _PASSTHROUGH_RUN = {"demo": _demo, "bench": _bench}
 def _simulate(args: argparse.Namespace) -> int:
     from .sim.links import LinkModel
     from .sim.report import (
+        check_writable,
         format_table,
         open_trace,
         parse_capacities,
         parse_columns,
         plot_curves,
+        plot_file,
         plot_prefetch,
         run_all,
     )
+    from .sim.simulator import check_capacity_tiers
 
     for output in (args.json, args.plot):  # (before the simulation runs, not after)
         if output:
             check_output_file(Path(output))
     if args.plot:
         check_image_format(Path(args.plot))
+    plot = plot_file(Path(args.plot)) if args.plot else None  # (the name matplotlib writes: checked and said)
+    if plot:
+        check_output_file(plot)
+    for option, output in (("--json", args.json), ("--plot", plot)):
+        if output:
+            check_writable(Path(output), option)
     capacities = parse_capacities(args.capacity)
     bench = Path(args.bench_json)
     links = LinkModel.from_bench(bench) if bench.exists() else LinkModel()
     if args.links:
         links.override(args.links, capacities)
     trace = open_trace(args.trace, parse_columns(args.columns))
+    check_capacity_tiers(trace, capacities, "--capacity")
     results = run_all(
         trace, capacities, _names(args.eviction), _names(args.prefetch), links, sweep=args.sweep, think=args.think,
         engines=tuple(_names(args.engine)),
@@ -113,10 +123,10 @@ def _simulate(args: argparse.Namespace) -> int:
         out = Path(args.json)
         out.write_text(json.dumps([r.to_json() for r in results], indent=2))
         print(f"\nJSON: {out}")
-    if args.plot:
-        plot_curves(results, trace, Path(args.plot))
-        print(f"plot: {args.plot}")
-        prefetch_png = Path(args.plot).with_name(Path(args.plot).stem + "_prefetch.png")
+    if plot:
+        plot_curves(results, trace, plot)
+        print(f"plot: {plot}")
+        prefetch_png = plot.with_name(plot.stem + "_prefetch.png")
         if plot_prefetch(results, prefetch_png):
             print(f"prefetch plot: {prefetch_png}")
     return 0
@@ -163,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--columns", help="CSV columns to read, 0-based or by header name, e.g. key=1,size=3 (default key=0,size=1)")
     sim.add_argument("--sweep", action="store_true", help="sweep the first tier from 5%% to 100%% of the working set")
     sim.add_argument("--json", help="write one record per combination here")
-    sim.add_argument("--plot", help="write miss-ratio curves (PNG) here")
+    sim.add_argument("--plot", help="write miss-ratio curves here, in the format its suffix names (without one: PNG, .png added)")
     sim.add_argument("--links", help="link model overrides, e.g. disk->host=2.5GB/s@100us,host->device=20GB/s")
     sim.add_argument("--bench-json", default="benchmarks/results/bench_tiers.json", help="take disk link speeds from this bench output if present")
     sim.add_argument("--think", type=non_negative_float, default=None, help="compute seconds per access (default: the trace's own timing, else 0)")

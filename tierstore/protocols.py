@@ -76,7 +76,9 @@ class PrefetchPolicy(Protocol):
     the tier asked for (or landed on) and whether it was a hit (a put never is); ``on_step`` when the user marks the end of a
     repeated phase (``store.mark_step()``); ``suggest`` right after each access, returning
     ``(key, tier)`` pairs (``tier`` a tier name, or None for the tier of the access) in the order
-    they should be fetched. The store skips keys already there or on their way.
+    they should be fetched. The store skips keys already there or on their way. The simulator
+    gives ``on_access`` the trace's int key ids, and takes a suggested key by that id or by its
+    name (a ``str``, as the store takes it); it skips keys and tiers the trace lacks, as the store does.
 
     Optional: ``set_capacities({tier name: bytes})`` is called once with the tiers' sizes, so a
     policy can size how far it looks ahead; ``next_use(key)`` exposes the future it sees;

@@ -18,11 +18,13 @@ _UNITS = {
     "tb": 1000**4,
     "p": 1000**5,
     "pb": 1000**5,
+    "eb": 1000**6,  # (no bare "e": "1e" reads as a number cut short)
     "kib": 1024,
     "mib": 1024**2,
     "gib": 1024**3,
     "tib": 1024**4,
     "pib": 1024**5,
+    "eib": 1024**6,
 }
 _PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
 
@@ -31,7 +33,7 @@ def parse_bytes(size: int | float | str) -> int:
     """Return ``size`` as a whole number of bytes.
 
     Accepts a non-negative int (numpy's too), or a string such as ``"512MiB"``, ``"1.5 GB"``, ``"4096"``.
-    Decimal units (kB, MB, GB, TB, PB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB, PiB) of 1024.
+    Decimal units (kB, MB, GB, TB, PB, EB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB, PiB, EiB) of 1024.
     """
     if isinstance(size, bool):
         raise TypeError(f"a byte size must be an int or a string like '512MiB', not {size!r}")
@@ -64,8 +66,8 @@ def parse_bytes(size: int | float | str) -> int:
 def format_bytes(nbytes: float) -> str:
     """Return ``nbytes`` in binary units, e.g. ``"1.5 GiB"``."""
     value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        if abs(value) < 1024 or unit == "EiB":
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")

@@ -60,7 +60,7 @@ from typing import Any
 from ..errors import TierFullError, TraceError, UnknownTierError
 from ..tensors import storage_nbytes
 from ..tiers.base import MemoryTier
-from .simulator import make_eviction_policy
+from .simulator import check_one_instance, make_eviction_policy
 from .trace import store_npz, store_rows
 
 #: The rows a replay applies besides prefetches (requests, and the writeback and update state
@@ -150,7 +150,8 @@ def replay_store_trace(
         If the trace names one tier more, that last tier is the disk tier.
     eviction:
         A policy name (lru, fifo, lfu, arc, s3fifo, min) or a factory called once per tier
-        that evicts; ``min`` sees the future of the trace's request rows (``NextUse``).
+        that evicts (an instance where one tier evicts); ``min`` sees the future of the trace's
+        request rows (``NextUse``).
     accounting:
         Unopened memory tiers of the classes and capacities of the store's (one per capacity)
         to allocate from, so that room is accounted as the store accounts it; they are used up
@@ -174,6 +175,7 @@ def replay_store_trace(
         sizes = [int(capacity) for capacity in capacities]
     if len(names) not in (len(sizes), len(sizes) + 1) or not sizes:
         raise UnknownTierError(f"{len(sizes)} memory tier capacities for a trace of tiers {names} (a disk tier may be one more)")
+    check_one_instance(eviction, names[: len(sizes) if len(names) > len(sizes) else len(sizes) - 1])  # (the tiers that evict)
     if accounting is None:
         rooms: list[_Room] = [_Bytes(capacity) for capacity in sizes]
     else:

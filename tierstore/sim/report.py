@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+import os
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -24,21 +26,9 @@ def open_trace(spec: str, columns: dict[str, int | str] | None = None) -> Trace:
     ``scan:keys=1000``, ``loop:keys=100,loops=10``."""
     kind, _, params = spec.partition(":")
     if kind in GENERATORS and not Path(spec).exists():
-        kwargs: dict[str, Any] = {}
-        for item in filter(None, params.split(",")):
-            name, _, value = item.partition("=")
-            if name == "alpha":
-                kwargs[name] = float(value)
-            elif name == "size":
-                kwargs[name] = parse_bytes(value)
-            elif value.strip().isdigit():
-                kwargs[name] = int(value)
-            else:
-                raise ValueError(f"{kind} trace: {name}={value!r} is not a count (a whole number of 0 or more)")
-        try:
-            trace = GENERATORS[kind](**kwargs)
-        except TypeError as exc:
-            raise ValueError(f"bad parameters for the {kind} trace: {exc}") from None
+        if columns:
+            raise ValueError(f"columns (--columns) pick a CSV trace's columns, and {spec!r} is a synthetic trace; leave them out")
+        trace = GENERATORS[kind](**_generator_arguments(kind, params, spec))
         if not len(trace):
             raise ValueError(f"the {kind} trace {spec!r} makes no accesses: give its counts (keys=, ...) 1 or more")
         return trace
@@ -46,6 +36,35 @@ def open_trace(spec: str, columns: dict[str, int | str] | None = None) -> Trace:
     if not path.exists():
         raise FileNotFoundError(f"no trace file {spec!r} (and not a synthetic trace: {', '.join(GENERATORS)})")
     return load_trace(path, columns)
+
+
+def _generator_arguments(kind: str, params: str, spec: str) -> dict[str, Any]:
+    """The keyword arguments ``name=value,...`` of a synthetic trace's generator, each a parameter
+    it has, given once (a second one silently replaced the first), read as its kind of value."""
+    known = list(inspect.signature(GENERATORS[kind]).parameters)
+    arguments: dict[str, Any] = {}
+    for item in filter(None, params.split(",")):
+        name, _, value = item.partition("=")
+        name = name.strip()
+        if name not in known:
+            raise ValueError(f"unknown parameter {name!r} for {kind} traces; valid: {', '.join(known)}")
+        if name in arguments:
+            raise ValueError(f"parameter {name!r} is given twice in {spec!r}; give each parameter once")
+        if name == "alpha":
+            try:
+                arguments[name] = float(value)
+            except ValueError:
+                raise ValueError(f"{kind} trace: alpha={value!r} is not a number") from None
+        elif name == "size":
+            try:
+                arguments[name] = parse_bytes(value)
+            except ValueError as exc:
+                raise ValueError(f"{kind} trace: size={value!r}: {exc}") from None
+        elif value.strip().isdigit():
+            arguments[name] = int(value)
+        else:
+            raise ValueError(f"{kind} trace: {name}={value!r} is not a count (a whole number of 0 or more)")
+    return arguments
 
 
 def parse_columns(spec: str | None) -> dict[str, int | str] | None:
@@ -77,6 +96,30 @@ def parse_capacities(spec: str) -> dict[str, int]:
     if not capacities:
         raise ValueError("no capacity given; write e.g. host=2GiB")
     return capacities
+
+
+def plot_file(path: Path) -> Path:
+    """``path`` as matplotlib writes a plot there: one without a suffix gets its default
+    format's (``mrc``: ``mrc.png``)."""
+    if path.suffix:
+        return path
+    from ..plotting import pyplot
+
+    return path.with_name(f"{path.name.rstrip('.')}.{pyplot().rcParams['savefig.format']}")
+
+
+def check_writable(path: Path, option: str) -> None:
+    """``ValueError`` unless a file can be written at ``path`` (its folder exists: see
+    ``outputs.check_output_file``): a file system that refuses it (``/proc``, read-only, no
+    permission) said so only after the run. A file that was not there is not left behind."""
+    existed = os.path.lexists(path)
+    try:
+        with open(path, "ab"):  # (appends nothing: a file there keeps its bytes)
+            pass
+    except OSError as exc:
+        raise ValueError(f"{option} {path}: cannot write there ({exc.strerror or exc})") from None
+    if not existed:
+        path.unlink(missing_ok=True)
 
 
 def run_all(

@@ -10,11 +10,11 @@ import operator
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
-from ..errors import PolicyError
+from ..errors import PolicyError, UnknownTierError
 from ..protocols import (
     PREFETCH_CALLED,
     EvictionPolicy,
@@ -155,40 +155,41 @@ class _Tier:
 def simulate(
     trace: Trace,
     capacities: dict[str, int],
-    eviction: str | Callable[[], Any] = "lru",
-    prefetch: str | Any = "none",
+    eviction: str | EvictionPolicy | Callable[[], Any] = "lru",
+    prefetch: str | PrefetchPolicy | Callable[[], Any] = "none",
     links: LinkModel | None = None,
     think: float | None = None,
 ) -> SimResult:
     """Replay ``trace``. ``capacities`` maps tier names to bytes, fastest first (the disk below
-    them holds everything). ``eviction`` is a policy name (``policies.EVICTION``, or ``min``)
-    or a factory; ``prefetch`` a name (``policies.PREFETCH``) or a policy instance. ``think``
-    is compute time per access in seconds (default: the trace's own gaps, else 0).
+    them holds everything; a store's trace takes its own tiers' names). ``eviction`` is a policy
+    name (``policies.EVICTION``, or ``min``), a class or factory called once per tier, or, with
+    one tier, an instance; ``prefetch`` a name (``policies.PREFETCH``), an instance, or a class
+    or factory, as ``TierStore`` takes them. An instance is ``reset()`` first. ``think`` is
+    compute time per access in seconds (default: the trace's own gaps, else 0).
+
+    Policies see the trace's keys as int ids (``trace.keys[id]`` is the name); a prefetch policy
+    may suggest a key by its id or, as in a live store, by its name.
 
     One tier without prefetch is the hot path: a policy with a ``replay(keys, sizes, capacity)``
     method runs the whole trace in its own loop when the trace has no deletes and one size per
     key (tests hold each such method to the protocol loop's answers)."""
-    from policies import PREFETCH, NoPrefetch
+    from policies import NoPrefetch
 
     if not capacities:
         raise ValueError("give at least one tier capacity, e.g. {'host': 2 << 30}")
     capacities = {name: _capacity(name, capacity) for name, capacity in capacities.items()}
     trace.check()
+    check_capacity_tiers(trace, capacities)
+    check_one_instance(eviction, list(capacities))
     links = links or LinkModel()
     oracle = _Oracle(trace)
-    eviction_name = eviction if isinstance(eviction, str) else getattr(eviction, "name", getattr(eviction, "__name__", "custom"))
+    eviction_name = _label(eviction)
 
     tiers = []
     for name, capacity in capacities.items():
         tiers.append(_Tier(name, int(capacity), make_eviction_policy(eviction, oracle, capacity)))
-    if isinstance(prefetch, str):
-        if prefetch not in PREFETCH:
-            raise ValueError(f"unknown prefetch policy {prefetch!r}; choose from {sorted(PREFETCH)}")
-        prefetcher: Any = PREFETCH[prefetch]()
-        prefetch_name = prefetch
-    else:
-        prefetcher, prefetch_name = prefetch, getattr(prefetch, "name", type(prefetch).__name__)
-        _refuse_incomplete(prefetcher, PrefetchPolicy, "prefetch")
+    prefetcher = make_prefetch_policy(prefetch)
+    prefetch_name = prefetch if isinstance(prefetch, str) else getattr(prefetcher, "name", type(prefetcher).__name__)
     try:
         if not isinstance(prefetch, str):
             prefetcher.reset()
@@ -243,32 +244,96 @@ def _raised_in(exc: BaseException, roles: dict[int, str]) -> tuple[str, Any, str
     return None
 
 
-def make_eviction_policy(eviction: str | Callable[[], Any], oracle: Callable[[Any], float], capacity: int) -> Any:
-    """An eviction policy from a name (``policies.EVICTION``, or ``min``) or a factory, sized
-    for ``capacity``; ``min`` sees the future through ``oracle``."""
+def check_capacity_tiers(trace: Trace, capacities: dict[str, int], option: str = "capacities") -> None:
+    """``UnknownTierError`` when ``capacities`` name tiers a store's trace does not have, or
+    give them in another order than its store had them (fastest first); for other traces, whose
+    tiers are unknown, any names do."""
+    if trace.tiers is None:
+        return
+    unknown = [name for name in capacities if name not in trace.tiers]
+    if unknown:
+        raise UnknownTierError(f"{option}: no tier {unknown[0]!r} in the trace's store; its tiers are {', '.join(trace.tiers)}")
+    if sorted(capacities, key=trace.tiers.index) != list(capacities):
+        raise UnknownTierError(f"{option}: tiers {', '.join(capacities)} are not in the order of the trace's store "
+                               f"({', '.join(trace.tiers)}); give them fastest first")
+
+
+def _is_factory(spec: Any, methods: tuple[str, ...]) -> TypeGuard[Callable[[], Any]]:
+    """Whether a policy argument is to be called for a policy (a class, or a factory: a callable
+    with none of the protocol's ``methods``) rather than used as the policy itself."""
+    return isinstance(spec, type) or callable(spec) and not any(hasattr(spec, name) for name in methods)
+
+
+def check_one_instance(eviction: Any, tiers: list[str]) -> None:
+    """``TypeError`` for one eviction policy instance given for several tiers (as the store
+    refuses it): each tier needs a policy of its own."""
+    if not isinstance(eviction, str) and not _is_factory(eviction, _METHODS[EvictionPolicy]) and len(tiers) > 1:
+        raise TypeError(f"one eviction policy instance ({policy_name(eviction)!r}) cannot serve the {len(tiers)} tiers "
+                        f"{', '.join(tiers)}: pass its class or a factory")
+
+
+def _label(eviction: Any) -> str:
+    """What results call an eviction policy argument: its name, or the policy's (or factory's)."""
+    if isinstance(eviction, str):
+        return eviction
+    if _is_factory(eviction, _METHODS[EvictionPolicy]):
+        return getattr(eviction, "name", getattr(eviction, "__name__", "custom"))
+    return getattr(eviction, "name", type(eviction).__name__)
+
+
+def make_eviction_policy(eviction: str | EvictionPolicy | Callable[[], Any], oracle: Callable[[Any], float], capacity: int) -> Any:
+    """An eviction policy from a name (``policies.EVICTION``, or ``min``), a class or factory,
+    or an instance (``reset()`` here: it may have served before), sized for ``capacity``;
+    ``min`` sees the future through ``oracle``."""
     from policies import EVICTION, MIN
 
-    if callable(eviction) and not isinstance(eviction, str):
+    policy: Any
+    given = False  # (an instance: not made here)
+    if isinstance(eviction, str):
+        if eviction == "min":
+            policy = MIN(oracle)
+        elif eviction in EVICTION:
+            policy = EVICTION[eviction]()
+        else:
+            raise ValueError(f"unknown eviction policy {eviction!r}; choose from {sorted(EVICTION) + ['min']}")
+    elif _is_factory(eviction, _METHODS[EvictionPolicy]):
         policy = eviction()
-    elif eviction == "min":
-        policy = MIN(oracle)
-    elif eviction in EVICTION:
-        policy = EVICTION[eviction]()
     else:
-        raise ValueError(f"unknown eviction policy {eviction!r}; choose from {sorted(EVICTION) + ['min']}")
+        policy, given = eviction, True
     _refuse_incomplete(policy, EvictionPolicy, "eviction")
+    if given:
+        try:
+            policy.reset()
+        except Exception as exc:
+            raise PolicyError(f"eviction policy {policy_name(policy)!r} raised {exc!r} in reset(): the simulation did not start") from exc
     if hasattr(policy, "set_capacity"):
         policy.set_capacity(capacity)
+    return policy
+
+
+def make_prefetch_policy(prefetch: str | PrefetchPolicy | Callable[[], Any]) -> Any:
+    """A prefetch policy from a name (``policies.PREFETCH``), an instance, or a class or factory
+    (called once), as ``TierStore(prefetch=...)`` takes them."""
+    from policies import PREFETCH
+
+    if isinstance(prefetch, str):
+        if prefetch not in PREFETCH:
+            raise ValueError(f"unknown prefetch policy {prefetch!r}; choose from {sorted(PREFETCH)}")
+        return PREFETCH[prefetch]()
+    policy: Any = prefetch() if _is_factory(prefetch, (*_METHODS[PrefetchPolicy], "on_step")) else prefetch
+    _refuse_incomplete(policy, PrefetchPolicy, "prefetch")
     return policy
 
 
 def _refuse_incomplete(policy: Any, protocol: type, role: str) -> None:
     """Refuse a policy missing a method of ``protocol`` (the store refuses it too): it failed
     in the middle of the replay with a bare ``AttributeError``."""
+    if isinstance(policy, type):  # (a factory that gave a class)
+        raise TypeError(f"{role} policy {policy.__name__!r} does not implement {protocol.__name__}: "
+                        "a factory gave the class, not an instance")
     missing = missing_methods(policy, _METHODS[protocol])
-    if isinstance(policy, type) or missing:
-        raise TypeError(f"{role} policy {policy_name(policy)!r} does not implement {protocol.__name__}: "
-                        + (f"it has no {', '.join(missing)}" if missing else "give an instance (or, for eviction, a class or factory)"))
+    if missing:
+        raise TypeError(f"{role} policy {policy_name(policy)!r} does not implement {protocol.__name__}: it has no {', '.join(missing)}")
 
 
 def _no_victim(policy: Any, victim: Any, tier: str, used: int, size: int, capacity: int) -> str:
@@ -392,6 +457,8 @@ class _Replay:
         #: Keys a prefetch pushed out of each tier (until they are admitted there again).
         self.pushed_out: list[set[int]] = [set() for _ in tiers]
         self.prefetching = False
+        #: The trace's key ids by name, for suggestions by name (built at the first one).
+        self.ids_by_name: dict[str, int] | None = None
 
     def run(self) -> None:
         trace, result, tiers = self.trace, self.result, self.tiers
@@ -520,6 +587,19 @@ class _Replay:
         self.pushed_out[t].discard(key)
         return True
 
+    def _key_id(self, key: Any) -> int | None:
+        """The id of a suggested key: an id as policies are given them (numpy's integers too), or
+        a key's name as a live store's policy suggests it; None for one the trace lacks."""
+        if isinstance(key, str):
+            if self.ids_by_name is None:
+                self.ids_by_name = {name: i for i, name in enumerate(self.trace.keys)}
+            return self.ids_by_name.get(key)
+        try:
+            key = operator.index(key)
+        except TypeError:
+            return None
+        return key if 0 <= key < len(self.size_of) else None
+
     def _prefetch(self) -> None:
         try:
             suggestions = read_suggestions(self.prefetcher)
@@ -527,13 +607,10 @@ class _Replay:
             if _raised_in(exc, {id(self.prefetcher): "prefetch"}) is not None:
                 raise
             raise PolicyError(f"prefetch policy {policy_name(self.prefetcher)!r}: {exc}") from exc
-        for key, tier_name in suggestions:
+        for suggested, tier_name in suggestions:
             t = self.index.get(tier_name, -1) if tier_name is not None else 0
-            try:
-                key = operator.index(key)  # (a trace's keys are numbers: numpy's too)
-            except TypeError:
-                continue
-            if t < 0 or not 0 <= key < len(self.size_of):
+            key = self._key_id(suggested)
+            if t < 0 or key is None:
                 continue  # a tier or key the trace lacks: skipped, as a live store skips it
             tier = self.tiers[t]
             if key in tier.resident:

@@ -51,6 +51,7 @@ class Trace:
     ops: np.ndarray  # uint8: ACCESS or DELETE
     steps: np.ndarray  # int64: step number of each access (mark_step count)
     times: np.ndarray | None = None  # float64 seconds, when known
+    tiers: list[str] | None = None  # a store trace's tier names, fastest first (None: not known)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -111,9 +112,12 @@ def load_trace(path: str | Path, columns: Mapping[str, int | str] | None = None,
     path = Path(path)
     if path.is_dir():
         raise TraceError(f"{path} is a folder; give a trace file (.npz, a key,size CSV or an oracleGeneral .bin)")
+    binary = "a store trace (.npz)" if path.suffix == ".npz" else "an oracleGeneral trace" if _is_oracle_general(path) else None
+    if columns and binary:
+        raise TraceError(f"columns (--columns) pick a CSV trace's columns, and {path} is {binary}, whose columns are fixed; leave them out")
     if path.suffix == ".npz":
         return _load_npz(path)
-    if path.suffix == ".bin" or "oracleGeneral" in path.name:
+    if _is_oracle_general(path):
         if path.suffix in (".zst", ".gz", ".xz"):
             raise TraceError(f"{path}: compressed oracleGeneral traces are not read; decompress it first")
         return load_oracle_general(path)
@@ -123,6 +127,10 @@ def load_trace(path: str | Path, columns: Mapping[str, int | str] | None = None,
         offset, byte = _first_bad_byte(path)
         raise TraceError(f"{path} is not UTF-8 text (byte {byte:#04x} at offset {offset:,}); "
                          "give a key,size CSV, a store .npz or an oracleGeneral .bin") from None
+
+
+def _is_oracle_general(path: Path) -> bool:
+    return path.suffix == ".bin" or "oracleGeneral" in path.name
 
 
 def _first_bad_byte(path: Path) -> tuple[int, int]:
@@ -227,6 +235,8 @@ def _load_npz(path: Path) -> Trace:
         op_names = np.asarray(ops_table)[codes]
         keep = ~np.isin(op_names, ("prefetch", "evict", "writeback", "update"))
         kept = op_names[keep]
+        if not (kept != "delete").any():  # (as an empty CSV is: no miss ratio to give)
+            raise TraceError(f"{path} holds no accesses")
         repeats = np.where(kept == "pop", 2, 1)
         ops = np.repeat(np.where(kept == "delete", DELETE, ACCESS).astype(np.uint8), repeats)
         ops[np.cumsum(repeats)[kept == "pop"] - 1] = DELETE  # (a pop's second row: the key goes)
@@ -237,6 +247,7 @@ def _load_npz(path: Path) -> Trace:
             ops=ops,
             steps=np.repeat(steps[keep].astype(np.int64), repeats),
             times=np.repeat(times[keep], repeats),
+            tiers=store_tiers(data, path),
         )
 
 
@@ -254,6 +265,8 @@ def store_rows(
     keys = [str(k) for k in _npz_array(data, "keys", "U", path)]
     steps = _npz_array(data, "step", "iu", path) if timed else np.zeros(len(codes), dtype=np.int64)
     _check_npz_rows(path, len(ops_table), codes, len(keys), key_ids, sizes, times, steps)
+    _check_names(path, "keys", keys)
+    _check_tier_columns(data, path, len(codes))
     unknown = sorted({ops_table[code] for code in np.unique(codes).tolist()} - set(OPS))
     if unknown:  # (counted as accesses by the simulator, refused by the replay: refused by both)
         raise TraceError(f"{path} is not a trace a store wrote: it has rows of unknown operations {unknown} (a store writes {list(OPS)})")
@@ -294,6 +307,42 @@ def _check_npz_rows(path: str | Path, n_ops: int, codes: np.ndarray, n_keys: int
         problems.append("columns of different lengths")
     if problems:
         raise TraceError(f"{path} is not a trace a store wrote: it has {', '.join(problems)}")
+
+
+def store_tiers(data: Any, path: str | Path) -> list[str] | None:
+    """The tier names of a store's ``.npz`` trace (``store_npz``), fastest first; None when it
+    has no ``tiers`` table."""
+    if "tiers" not in data.files:
+        return None
+    tiers = [str(name) for name in _npz_array(data, "tiers", "U", path)]
+    _check_names(path, "tiers", tiers)
+    return tiers
+
+
+def _check_names(path: str | Path, table: str, names: list[str]) -> None:
+    """``TraceError`` for a name twice in a trace's ``keys`` or ``tiers`` table: rows pointing
+    at either copy would be counted as two keys (tiers) where the store had one."""
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise TraceError(f"{path} is not a trace a store wrote: its {table} table names {name!r} twice")
+        seen.add(name)
+
+
+def _check_tier_columns(data: Any, path: str | Path, rows: int) -> None:
+    """``TraceError`` for a ``tier`` or ``before`` column whose indexes reach outside the
+    trace's ``tiers`` table (-1 is none) or that is not one value per row."""
+    tiers = store_tiers(data, path)
+    for column in ("tier", "before"):
+        if column not in data.files:
+            continue
+        indexes = _npz_array(data, column, "iu", path).astype(np.int64)
+        if len(indexes) != rows:
+            raise TraceError(f"{path} is not a trace a store wrote: it has columns of different lengths ({column} {len(indexes)}, op {rows})")
+        if tiers is not None and len(indexes) and (indexes.min() < -1 or indexes.max() >= len(tiers)):
+            bad = int(indexes[(indexes < -1) | (indexes >= len(tiers))][0])
+            raise TraceError(f"{path} is not a trace a store wrote: its {column!r} column holds tier index {bad}, outside its "
+                             f"table of {len(tiers)} tiers ({', '.join(tiers)}; -1 for none)")
 
 
 def load_evictions(path: str | Path) -> list[tuple[str, int]]:
