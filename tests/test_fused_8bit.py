@@ -148,7 +148,9 @@ def test_fused_kernel_traces_once_for_steps_tiles_and_learning_rates(monkeypatch
             for _ in range(2):
                 state.update(_grad(numel, generator, torch.float32), step, _torch_adam(hyper), hyper)
 
-    updates([4096 + 2 * BLOCK, 2 * 4096 + BLOCK], [1e-3, 2e-3])  # traced: a tile of many blocks, one of one block (its own graph)
+    # traced: a tile of many blocks, one of one block (its own graph), and a last block cut short
+    # (alone, the file's other tests had not traced that one: a graph more below)
+    updates([4096 + 2 * BLOCK, 2 * 4096 + BLOCK, 4096 + 3 * BLOCK + 5], [1e-3, 2e-3, 4e-3])
     _require_compiled()
     graphs = counters["stats"]["unique_graphs"]
     updates([3 * 4096 + 5 * BLOCK, 4 * BLOCK, 4096 + 7 * BLOCK + 11, 6 * 4096], [1e-4, 3e-2, 5e-3, 1e-3])

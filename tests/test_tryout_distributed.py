@@ -153,9 +153,32 @@ def zero2_unused(rank: int) -> dict[str, Any]:
     return result
 
 
+def amsgrad_on_one_rank(rank: int, out: str) -> str | None:
+    """(review) ``load_optimizer`` into an optimizer whose ``amsgrad`` differs from the
+    checkpoint's on one rank only: that rank raised and the other waited in the next
+    ``dcp.load`` until the process group timed out. What each rank raised."""
+    from tierstore.optim import TieredAdamW, load_optimizer, save_optimizer
+
+    model = _net()
+    saver = TieredAdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 8)).square().mean().backward()
+    saver.step()
+    save_optimizer(saver, Path(out, "amsgrad"), model)
+    saver.close()
+    opt = TieredAdamW(model.parameters(), lr=1e-2, amsgrad=rank == 1)
+    try:
+        load_optimizer(opt, Path(out, "amsgrad"), model)
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        opt.close()
+    return None
+
+
 def run_rank(rank: int, world: int, port: int, out: str) -> None:
     with gloo_group(rank, world, port, LIMIT_S):
-        result = {"fsdp_in_backward": fsdp_in_backward(rank), "zero2_unused": zero2_unused(rank), "fsdp_norm": fsdp_norm(rank)}
+        result = {"fsdp_in_backward": fsdp_in_backward(rank), "zero2_unused": zero2_unused(rank), "fsdp_norm": fsdp_norm(rank),
+                  "amsgrad_on_one_rank": amsgrad_on_one_rank(rank, out)}
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
 
 
@@ -167,6 +190,7 @@ def test_fsdp2_in_backward_and_zero2_unused_gradients(tmp_path: Path) -> None:
         assert all(r["fsdp_norm"]), r["fsdp_norm"]
         zero2 = r["zero2_unused"]
         assert zero2["error"] is None and zero2["worst"] <= 1e-6, zero2
+        assert "saved with amsgrad=False and is amsgrad=True here" in (r["amsgrad_on_one_rank"] or ""), r["amsgrad_on_one_rank"]
 
 
 def test_zero_stage_2_with_step_in_backward_is_refused_when_made() -> None:

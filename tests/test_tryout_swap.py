@@ -89,9 +89,12 @@ def test_a_forward_hook_registered_after_offloading_is_warned_of_once(device_mod
     model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
     model[2].register_forward_hook(lambda module, args, output: None)  # (before: it sees the weights, no warning)
     x = torch.randn(4, 16)
+    seen: list[float] = []
     with _store() as store:
         params = offload_parameters(model, store)
         try:
+            # (prepended: it runs before the weights are let go, and sees them)
+            model[0].register_forward_hook(lambda module, args, output: seen.append(float(module.weight.detach().norm())), prepend=True)
             with warnings.catch_warnings():
                 warnings.simplefilter("error")
                 model(x).sum().backward()
@@ -99,6 +102,7 @@ def test_a_forward_hook_registered_after_offloading_is_warned_of_once(device_mod
             with pytest.warns(UserWarning, match=r"forward hook was registered on 0 \(Linear\) after its weights were offloaded") as caught:
                 model(x).sum().backward()
             assert caught[0].filename == __file__
+            assert seen and all(norm > 0 for norm in seen)
             with warnings.catch_warnings():
                 warnings.simplefilter("error")
                 model(x).sum().backward()

@@ -125,6 +125,7 @@ class TieredAdam(PagedOptimizer):
         capturable: bool = False,
         differentiable: bool = False,
         fused: bool | None = None,
+        decoupled_weight_decay: bool | None = None,
         state_precision: str = "fp32",
         master_weights: str = "fp32",
         **paging: Any,
@@ -148,6 +149,9 @@ class TieredAdam(PagedOptimizer):
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
         if not (all(isinstance(beta, float) for beta in betas) or all(isinstance(beta, torch.Tensor) for beta in betas)):
             raise ValueError("betas must be either both floats or both Tensors")
+        for index, beta in enumerate(betas):  # (as torch refuses them: every step() would fail otherwise)
+            if isinstance(beta, torch.Tensor) and foreach and not capturable:
+                raise ValueError(f"betas[{index}] as a Tensor is not supported for capturable=False and foreach=True")
         if capturable or differentiable:
             raise ValueError("capturable and differentiable are not supported: the update runs on the host")
         if fused and foreach:
@@ -175,7 +179,8 @@ class TieredAdam(PagedOptimizer):
         defaults = {
             "lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "amsgrad": amsgrad,
             "maximize": maximize, "foreach": foreach, "capturable": False, "differentiable": False,
-            "fused": fused, "decoupled_weight_decay": self.decoupled_weight_decay,
+            "fused": fused,
+            "decoupled_weight_decay": self.decoupled_weight_decay if decoupled_weight_decay is None else bool(decoupled_weight_decay),
             "state_precision": state_precision, "master_weights": master_weights,
         }
         super().__init__(params, defaults, **paging)
@@ -420,6 +425,7 @@ class TieredAdam(PagedOptimizer):
                 # until the update writes the weight: a step that fails before asks again)
                 slot.note_seen()
                 return False
+            from_weight = slot.master_from_weight
             slot.master_checked(chunk)  # (decided once: a retry or a later step does not ask again)
             slot.note_seen()  # (the model's load after the optimizer's is taken into account here, not again)
             if master is None:  # (lossless: its high half is the weight now, its loaded low half kept)
@@ -427,6 +433,8 @@ class TieredAdam(PagedOptimizer):
             weight = (await read_weight_range(slot, start, stop)).reshape(-1)
             if torch.equal(master.to(weight.dtype), weight) or weight.dtype == torch.bfloat16 and torch.equal(_truncated(master), weight):
                 return False  # (rounded: our own checkpoint; truncated: a lossless master's, exact too)
+            if from_weight:
+                return True  # (no master was saved: the weight as it is now, the model loaded after the optimizer)
             if slot.index in self._warned_restarts:
                 return True
             self._warned_restarts.add(slot.index)
@@ -1204,6 +1212,9 @@ class TieredAdamW(TieredAdam):
 
     def __init__(self, params: Iterable[Any], lr: float | torch.Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, **kwargs: Any) -> None:
+        if "decoupled_weight_decay" in kwargs:  # (torch's AdamW takes none: it is always decoupled)
+            raise TypeError("TieredAdamW got an unexpected keyword argument 'decoupled_weight_decay' (it is always "
+                            "decoupled; TieredAdam takes it)")
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
 
 

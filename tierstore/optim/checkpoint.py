@@ -73,6 +73,16 @@ _STORAGE_KEYS = ("params", "state_precision", "master_weights")
 _ROWS = ("master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
+def keep_decoupling(optimizer: PagedOptimizer, group: dict[str, Any]) -> None:
+    """``decoupled_weight_decay`` of a param group just loaded: always True for ``TieredAdamW``
+    (torch's AdamW sets it after any load: one loading ``torch.optim.Adam``'s checkpoint stays
+    AdamW), the checkpoint's (or the optimizer's default) for ``TieredAdam``."""
+    if type(optimizer).decoupled_weight_decay:  # type: ignore[attr-defined]
+        group["decoupled_weight_decay"] = True
+    else:
+        group.setdefault("decoupled_weight_decay", optimizer.defaults.get("decoupled_weight_decay", False))
+
+
 def saved_index(optimizer: PagedOptimizer, slot: ParamSlot) -> int:
     """The index of ``slot``'s parameter among all the optimizer's parameters (as saved)."""
     sharding = optimizer._sharding
@@ -354,7 +364,7 @@ def adam_load_state_dict(optimizer: TieredAdam, state_dict: dict[str, Any]) -> N
     for saved, group in zip(groups, optimizer.param_groups, strict=True):
         # deep copies, as torch takes: a tensor lr shared with the source would follow its scheduler
         group.update({k: copy.deepcopy(v) for k, v in saved.items() if k not in _STORAGE_KEYS})
-        group.setdefault("decoupled_weight_decay", optimizer.decoupled_weight_decay)
+        keep_decoupling(optimizer, group)
     run(_adam_load(optimizer, saved_state))
 
 
@@ -401,7 +411,7 @@ async def adam_load_entry(optimizer: TieredAdam, slot: ParamSlot, entry: Mapping
     state (as never updated); a missing ``master`` is the parameter's current weight."""
     if not entry or _fresh(entry):
         slot.resident = None
-        slot.verify_master, slot.loaded_master = False, None  # (an earlier load's master is gone)
+        slot.verify_master, slot.master_from_weight, slot.loaded_master = False, False, None  # (an earlier load's master is gone)
         slot.master_checked_chunks.clear()
         optimizer._step_counts.pop(slot.index, None)
         await optimizer.delete_state(slot)
@@ -417,10 +427,12 @@ async def adam_load_entry(optimizer: TieredAdam, slot: ParamSlot, entry: Mapping
     await optimizer.write_state_rows(slot, rows)
     # A lower-precision parameter's master is checked against the weight at its first update,
     # once the model's weights are loaded too, in whichever order (``TieredAdam._reloads``).
-    slot.verify_master = "master" in entry and weight.dtype != torch.float32
+    slot.verify_master = weight.dtype != torch.float32
+    slot.master_from_weight = slot.verify_master and "master" not in entry
     layout = optimizer._layout(slot)
     ranges = [(chunk.start, chunk.stop) for chunk in slot.chunks] if slot.chunks is not None else []
-    slot.loaded_master = LoadedMaster.of(rows[0], ranges) if slot.verify_master and layout is not None and layout.lossless else None
+    lossless = slot.verify_master and not slot.master_from_weight and layout is not None and layout.lossless
+    slot.loaded_master = LoadedMaster.of(rows[0], ranges) if lossless else None
     slot.master_checked_chunks.clear()
     optimizer._warned_restarts.discard(slot.index)  # (a new master: its restart is warned of again)
 

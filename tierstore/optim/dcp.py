@@ -67,6 +67,7 @@ from .checkpoint import (
     _others,
     adam_entry,
     adam_load_entry,
+    keep_decoupling,
     model_param,
     saved_groups,
     saved_index,
@@ -485,15 +486,22 @@ def _passes(state: dict[Any, dict[str, Any]], budget: int) -> list[list[Any]]:
     return groups
 
 
-def _pass_count(mine: int, process_group: Any) -> int:
-    """The largest pass count of all ranks (every rank calls ``dcp.load`` as often)."""
+def _pass_count(mine: int, problem: str | None, process_group: Any) -> int:
+    """The largest pass count of all ranks (every rank calls ``dcp.load`` as often); a
+    ``ValueError`` on every rank where one found ``problem`` (none goes on into a collective
+    the others have left)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
+        if problem is not None:
+            raise ValueError(problem)
         return mine
-    counts: list[Any] = [None] * dist.get_world_size(process_group)
-    dist.all_gather_object(counts, mine, group=process_group)
-    return max(counts)
+    answers: list[Any] = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(answers, (mine, problem), group=process_group)
+    problems = [(rank, said) for rank, (_, said) in enumerate(answers) if said is not None]
+    if problems:
+        raise ValueError(problem if problem is not None else f"rank {problems[0][0]}: {problems[0][1]}")
+    return max(count for count, _ in answers)
 
 
 def load_optimizer(
@@ -510,8 +518,11 @@ def load_optimizer(
     Loads what ``save_optimizer`` or ``dcp.save({key: get_optimizer_state_dict(model, opt)})``
     wrote (from ``TieredAdamW`` or ``torch.optim.AdamW``, with any rank count: DCP reshards),
     as ``set_optimizer_state_dict`` would: the state, the step counts and the param groups'
-    hyperparameters. Load the model's weights first: the fp32 master weight of an fp32 parameter
-    is the parameter itself. At most ``max(buffer_bytes, largest parameter's state)`` of state
+    hyperparameters, except that a checkpoint saved with another ``amsgrad`` is refused
+    (``ValueError`` on every rank, nothing loaded: the state is written in the layout the
+    optimizer has). Load the model's weights first: the fp32 master weight of an fp32 parameter
+    is the parameter itself. A lower-precision parameter's master that the checkpoint lacks
+    (torch's AdamW keeps none) is the weight as the first update finds it. At most ``max(buffer_bytes, largest parameter's state)`` of state
     is assembled at once (the parameters are loaded in that many passes of ``dcp.load``); see the
     module docstring for the whole bound. Call it on every rank, as ``dcp.load``.
 
@@ -565,14 +576,13 @@ def _stream_in(
     placeholders = optimizer_state_dict(optimizer, model)
     state = {fqn: entry for fqn, entry in placeholders["state"].items() if entry}
     groups = _passes(state, buffer_bytes)
-    count = _pass_count(len(groups), load_kwargs.get("process_group"))
     loaded: set[int] = set()
     # The param groups first (a pass of their own): a checkpoint whose groups do not fit is
-    # refused before anything changes.
+    # refused, on every rank, before anything changes.
     settings: dict[str, Any] = {"param_groups": placeholders["param_groups"]}
     dcp.load({key: settings}, checkpoint_id=checkpoint_id, planner=StreamingLoadPlanner(), **load_kwargs)
     loaded_groups = settings["param_groups"]
-    _check_groups(optimizer, loaded_groups)
+    count = _pass_count(len(groups), _groups_problem(optimizer, loaded_groups), load_kwargs.get("process_group"))
     optimizer._unmark_saved()  # (state saved for groups still to come: its counts go before any is written)
     # (no step count is cleared up front: each parameter's is replaced as its state is written,
     # so a load that fails part-way leaves every parameter with its loaded or its old state)
@@ -590,26 +600,28 @@ def _stream_in(
     optimizer._drop_saved_for_later()  # (the loaded state is the state from now on; groups added later start over)
 
 
-def _check_groups(optimizer: TieredAdam, saved: list[dict[str, Any]]) -> None:
-    """``ValueError`` where the saved param groups do not fit the optimizer's: another number of
+def _groups_problem(optimizer: TieredAdam, saved: list[dict[str, Any]]) -> str | None:
+    """Why the saved param groups do not fit the optimizer's (None: they do): another number of
     groups or of parameters in one (torch's checks), or another ``amsgrad`` (the state would
     have to change layout: ``load_state_dict`` converts it, a streamed load writes each
     parameter's state in the layout it has)."""
     if len(saved) != len(optimizer.param_groups):
-        raise ValueError("loaded state dict has a different number of parameter groups")
+        return "loaded state dict has a different number of parameter groups"
     for index, (group, own) in enumerate(zip(saved, optimizer.param_groups, strict=True)):
         if len(group["params"]) != len(own["params"]):
-            raise ValueError("loaded state dict contains a parameter group that doesn't match the size of optimizer's group")
+            return "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"
         if "amsgrad" in group and bool(group["amsgrad"]) != bool(own["amsgrad"]):
-            raise ValueError(
-                f"param group {index} was saved with amsgrad={bool(group['amsgrad'])} and is amsgrad={bool(own['amsgrad'])} "
-                "here: load_optimizer writes the state in the layout the optimizer has, so nothing was loaded. Make the "
-                "optimizer with the checkpoint's amsgrad (opt.load_state_dict of a whole state dict converts it)")
+            return (f"param group {index} was saved with amsgrad={bool(group['amsgrad'])} and is amsgrad={bool(own['amsgrad'])} "
+                    "here: load_optimizer writes the state in the layout the optimizer has, so nothing was loaded. Make the "
+                    "optimizer with the checkpoint's amsgrad (opt.load_state_dict of a whole state dict converts it)")
+    return None
 
 
 def _set_groups(optimizer: TieredAdam, saved: list[dict[str, Any]]) -> None:
     """The saved hyperparameters into the optimizer's param groups (as ``load_state_dict``)."""
-    _check_groups(optimizer, saved)
+    problem = _groups_problem(optimizer, saved)
+    if problem is not None:
+        raise ValueError(problem)
     for group, own in zip(saved, optimizer.param_groups, strict=True):
         own.update({k: v for k, v in group.items() if k not in _STORAGE_KEYS})
-        own.setdefault("decoupled_weight_decay", optimizer.decoupled_weight_decay)
+        keep_decoupling(optimizer, own)

@@ -164,6 +164,10 @@ class ParamSlot:
     #: what it rounds to, else restarts it from the parameter (``TieredAdam._reloads``); a
     #: chunked parameter, chunk by chunk (those checked in ``master_checked_chunks``).
     verify_master: bool = False
+    #: The checkpoint had no master (torch's AdamW keeps none for a bf16 model): the one loaded
+    #: is the weight at the load, and the first update takes the weight as it is then, silently
+    #: (the model's weights may be loaded after the optimizer's state).
+    master_from_weight: bool = False
     master_checked_chunks: set[int] = field(default_factory=set)
     #: With a lossless master, what the load kept to tell which weight the model holds
     #: (``tierstore.optim.lossless_load.LoadedMaster``), until the master is checked.
@@ -192,13 +196,13 @@ class ParamSlot:
             self.master_checked_chunks.add(chunk.index)
             if self.chunks is not None and len(self.master_checked_chunks) < len(self.chunks):
                 return
-        self.verify_master = False
+        self.verify_master = self.master_from_weight = False
         self.master_checked_chunks.clear()
         self.loaded_master = None
 
     def note_written(self) -> None:
         """The optimizer wrote the parameter (or its master is the parameter's value now)."""
-        self.verify_master = False
+        self.verify_master = self.master_from_weight = False
         self.master_checked_chunks.clear()
         self.loaded_master = None
         self.note_seen()

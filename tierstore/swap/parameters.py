@@ -223,12 +223,15 @@ def _own_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     they hold, and so on), by name relative to ``module``, each once: the weights its forward
     reads."""
     found: dict[int, tuple[str, nn.Parameter]] = {}
-    reach = [("", module)]
+    reach, walked = [("", module)], {id(module)}
     while reach:
         prefix, holder = reach.pop(0)
         for own, param in holder.named_parameters(recurse=False):
             found.setdefault(id(param), (prefix + own, param))
-        reach += [(f"{prefix}{name}.", child) for name, child in holder.named_children() if _forwardless(child)]
+        for name, child in holder.named_children():
+            if _forwardless(child) and id(child) not in walked:  # (a container held twice is walked once)
+                walked.add(id(child))
+                reach.append((f"{prefix}{name}.", child))
     return list(found.values())
 
 
@@ -651,8 +654,9 @@ class ParameterOffload:
         such a hook returned instead of the unit's output.)"""
         unit.warned = True
         warn(f"offload_parameters: a forward hook was registered on {unit.name} ({type(unit.module).__name__}) after its "
-             "weights were offloaded: it runs after they are let go, and reads a zero-size placeholder for them. Register "
-             "forward hooks that read the weights before offload_parameters (forward pre-hooks see them either way)")
+             "weights were offloaded: it runs after they are let go, so if it reads them it reads a zero-size placeholder. "
+             "Register such hooks before offload_parameters or with register_forward_hook(..., prepend=True) (forward "
+             "pre-hooks see the weights either way)")
 
     def _after_forward(self, index: int, output: Any) -> None:
         """Let go after the unit's forward, and hook the part of the autograd graph it made:
