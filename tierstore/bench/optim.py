@@ -21,7 +21,9 @@ Reproduce:  python benchmarks/bench_optim.py [--quick] [--json FILE] [--dir FOLD
     update) and against the disk time of the step's bytes (read and written, from the store's
     link counters) at the raw pread/pwrite rates measured in the same run: step / max(both),
     taking turns in blocks as (b) does, beside the same store with its disk files in the page
-    cache (``direct=False``: what of the gap is the store's rather than the disk's); and ``TieredAdamW.step()`` with all state resident in a host tier on 64M parameters (8 x 8M;
+    cache (``direct=False``: what of the gap is the store's rather than the disk's), with the CPU
+    time of that store's ``step()`` by thread (``step_cpu``: training, loop, disk, OpenMP's
+    spinning); and ``TieredAdamW.step()`` with all state resident in a host tier on 64M parameters (8 x 8M;
     ``--quick``: 8 x 1M) against ``torch.optim.AdamW(fused=True)`` on the same tensors,
     alternating: the throughput ratio.
 (c) the same step on the emulated device (``--link``, default ``25GB/s,10us``: the CPU's tensors
@@ -42,6 +44,7 @@ from __future__ import annotations
 import argparse
 import copy
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -238,6 +241,8 @@ def disk_step(args: argparse.Namespace, read_gbs: float, write_gbs: float, progr
         return (float(_link_bytes(links, "disk->")), float(_link_bytes(links, "->disk")))
 
     times, counted = _train_in_blocks(args, config, {name: (models[name], opt) for name, opt in opts.items()}, moved, progress)
+    cpu = {name: step_cpu(models[name], opts[name], synthetic_batches(config, args.batch, seed=2, device=args.device), stores.get(name))
+           for name in ("torch", "page cache")}
     for name, store in stores.items():
         opts[name].close()
         run(store.aclose())
@@ -248,7 +253,39 @@ def disk_step(args: argparse.Namespace, read_gbs: float, write_gbs: float, progr
     return {"state_mib": state_bytes / MiB, "torch_step_ms": torch_step * 1e3, "step_ms": disk_step_s * 1e3,
             "read_mib": store_read / MiB, "written_mib": store_written / MiB, "transfer_ms": transfer * 1e3,
             "vs_bound": disk_step_s / max(torch_step, transfer),
-            "page_cache_step_ms": cached_step_s * 1e3, "page_cache_vs_torch": cached_step_s / torch_step}
+            "page_cache_step_ms": cached_step_s * 1e3, "page_cache_vs_torch": cached_step_s / torch_step,
+            "step_cpu_ms": cpu}
+
+
+#: Threads whose CPU time ``step_cpu`` reports apart (by name prefix), beside the training thread's.
+_CPU_THREADS = {"store loop": "tierstore-loop", "disk threads": "tierstore-disk"}
+
+
+def step_cpu(model: GPT, opt: Any, batches: Any, store: TierStore | None, steps: int = 9) -> dict[str, float]:
+    """CPU time (ms, medians over ``steps``) that one ``opt.step()`` (and the store settling after
+    it) costs: the whole process, the training thread, the store's loop and disk threads, and the
+    rest (other threads: the training thread's OpenMP team, which spins after each parallel
+    kernel). Unlike wall time, it does not grow with other processes' load, and it says where
+    the step's work is."""
+    def threads(prefix: str) -> float:
+        return sum(time.clock_gettime(time.pthread_getcpuclockid(t.ident)) for t in threading.enumerate()
+                   if t.name.startswith(prefix) and t.ident is not None)
+
+    samples: dict[str, list[float]] = {name: [] for name in ("process", "training thread", *_CPU_THREADS, "other threads")}
+    for _ in range(steps):
+        opt.zero_grad()
+        model.loss(next(batches)).backward()
+        before = {name: threads(prefix) for name, prefix in _CPU_THREADS.items()}
+        process, training = time.process_time(), time.thread_time()
+        opt.step()
+        if store is not None:
+            settle_store(store)
+        spent = {"process": time.process_time() - process, "training thread": time.thread_time() - training}
+        spent.update({name: threads(prefix) - before[name] for name, prefix in _CPU_THREADS.items()})
+        spent["other threads"] = spent["process"] - sum(value for name, value in spent.items() if name != "process")
+        for name, value in spent.items():
+            samples[name].append(value * 1e3)
+    return {name: median(values) for name, values in samples.items()}
 
 
 def host_step(numel: int, tensors: int, reps: int, progress: tqdm) -> dict[str, Any]:
@@ -474,6 +511,11 @@ def report(
         if "page_cache_step_ms" in disk:
             print(f"    the same store with its disk files in the page cache (reads and writes are memory copies): "
                   f"{disk['page_cache_step_ms']:.1f} ms, {disk['page_cache_vs_torch']:.2f}x torch's step (the part of the gap that is not the disk's)")
+        if "step_cpu_ms" in disk:
+            ours, theirs = disk["step_cpu_ms"]["page cache"], disk["step_cpu_ms"]["torch"]
+            print(f"    CPU time of one step() (page cache; torch's: {theirs['process']:.1f} ms): {ours['process']:.1f} ms = training thread "
+                  f"{ours['training thread']:.1f} + store loop {ours['store loop']:.1f} + disk threads {ours['disk threads']:.1f} + "
+                  f"other threads (OpenMP's spinning) {ours['other threads']:.1f}")
         print(f"    host-resident step(), {host['params'] / 1e6:.0f}M parameters in {host['tensors']} tensors: {host['step_ms']:.1f} ms; "
               f"torch AdamW(fused=True) {host['torch_fused_ms']:.1f} ms; throughput {host['throughput_ratio']:.2f}x torch's; "
               f"ours: update {host['update_ms']:.1f} ms + the rest of step() {host['rest_ms']:.1f} ms")
