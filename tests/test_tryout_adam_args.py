@@ -49,6 +49,12 @@ def test_tensor_betas_with_foreach_are_refused_when_made_as_torch_refuses_them(d
     for optimizer in (torch.optim.AdamW, TieredAdamW):
         with pytest.raises(ValueError, match=r"betas\[0\] as a Tensor is not supported for capturable=False and foreach=True"):
             optimizer(params, betas=(torch.tensor(0.9), torch.tensor(0.999)), foreach=True)
+    opt = TieredAdamW([nn.Parameter(torch.randn(4))], foreach=True)
+    try:  # (review: a group added with them failed at every step(), as if it could be retried)
+        with pytest.raises(ValueError, match=r"betas\[0\] as a Tensor is not supported"):
+            opt.add_param_group({"params": params, "betas": (torch.tensor(0.9), torch.tensor(0.999))})
+    finally:
+        opt.close()
 
 
 def test_tiered_adam_takes_torchs_decoupled_weight_decay(device_mode: str) -> None:

@@ -94,7 +94,6 @@ def _simulate(args: argparse.Namespace) -> int:
         plot_prefetch,
         run_all,
     )
-    from .sim.simulator import check_capacity_tiers
 
     for output in (args.json, args.plot):  # (before the simulation runs, not after)
         if output:
@@ -113,7 +112,6 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.links:
         links.override(args.links, capacities)
     trace = open_trace(args.trace, parse_columns(args.columns))
-    check_capacity_tiers(trace, capacities, "--capacity")
     results = run_all(
         trace, capacities, _names(args.eviction), _names(args.prefetch), links, sweep=args.sweep, think=args.think,
         engines=tuple(_names(args.engine)),

@@ -197,6 +197,10 @@ class TieredAdam(PagedOptimizer):
             raise ValueError("capturable and differentiable are not supported: the update runs on the host")
         if param_group.get("fused") and param_group.get("foreach"):
             raise ValueError("fused and foreach cannot both be True")
+        foreach = param_group.get("foreach", defaults.get("foreach"))
+        for index, beta in enumerate(param_group.get("betas", ())):  # (as the constructor refuses them)
+            if isinstance(beta, torch.Tensor) and foreach:
+                raise ValueError(f"betas[{index}] as a Tensor is not supported for capturable=False and foreach=True")
         params = param_group["params"]
         if not isinstance(params, set):  # (torch's own check refuses a set, with its message)
             params = [params] if isinstance(params, torch.Tensor) else list(params)

@@ -194,6 +194,10 @@ async def adam_entry(optimizer: TieredAdam, slot: ParamSlot) -> dict[str, torch.
         if row == 0 and slot.param.dtype == torch.float32:
             continue  # the weight itself is the master: torch keeps none
         entry[name] = _laid_out(slot, packed[row].clone())
+    if slot.master_from_weight and not slot.master_checked_chunks:
+        # (a checkpoint without a master, loaded before the model maybe: the first update takes
+        # the weight as it is then, and so does a state dict taken before it)
+        entry["master"] = _laid_out(slot, (await optimizer._weight(slot)).reshape(-1).float().clone())
     return entry
 
 

@@ -14,7 +14,7 @@ from typing import Any, TypeGuard
 
 import numpy as np
 
-from ..errors import PolicyError, UnknownTierError
+from ..errors import PolicyError
 from ..protocols import (
     PREFETCH_CALLED,
     EvictionPolicy,
@@ -161,7 +161,8 @@ def simulate(
     think: float | None = None,
 ) -> SimResult:
     """Replay ``trace``. ``capacities`` maps tier names to bytes, fastest first (the disk below
-    them holds everything; a store's trace takes its own tiers' names). ``eviction`` is a policy
+    them holds everything; any names: a store's trace may be replayed against other tiers than
+    its store's). ``eviction`` is a policy
     name (``policies.EVICTION``, or ``min``), a class or factory called once per tier, or, with
     one tier, an instance; ``prefetch`` a name (``policies.PREFETCH``), an instance, or a class
     or factory, as ``TierStore`` takes them. An instance is ``reset()`` first. ``think`` is
@@ -179,7 +180,6 @@ def simulate(
         raise ValueError("give at least one tier capacity, e.g. {'host': 2 << 30}")
     capacities = {name: _capacity(name, capacity) for name, capacity in capacities.items()}
     trace.check()
-    check_capacity_tiers(trace, capacities)
     check_one_instance(eviction, list(capacities))
     links = links or LinkModel()
     oracle = _Oracle(trace)
@@ -242,20 +242,6 @@ def _raised_in(exc: BaseException, roles: dict[int, str]) -> tuple[str, Any, str
             return roles[id(owner)], owner, tb.tb_frame.f_code.co_name
         tb = tb.tb_next
     return None
-
-
-def check_capacity_tiers(trace: Trace, capacities: dict[str, int], option: str = "capacities") -> None:
-    """``UnknownTierError`` when ``capacities`` name tiers a store's trace does not have, or
-    give them in another order than its store had them (fastest first); for other traces, whose
-    tiers are unknown, any names do."""
-    if trace.tiers is None:
-        return
-    unknown = [name for name in capacities if name not in trace.tiers]
-    if unknown:
-        raise UnknownTierError(f"{option}: no tier {unknown[0]!r} in the trace's store; its tiers are {', '.join(trace.tiers)}")
-    if sorted(capacities, key=trace.tiers.index) != list(capacities):
-        raise UnknownTierError(f"{option}: tiers {', '.join(capacities)} are not in the order of the trace's store "
-                               f"({', '.join(trace.tiers)}); give them fastest first")
 
 
 def _is_factory(spec: Any, methods: tuple[str, ...]) -> TypeGuard[Callable[[], Any]]:
