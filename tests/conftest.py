@@ -117,3 +117,21 @@ def swap_store() -> Iterator[Any]:
     store = SyncTierStore([DeviceTier("cpu", "64MiB"), HostTier("256MiB")]).open()
     yield store
     store.close()
+
+
+@pytest.fixture(scope="module")
+def store_trace(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The arrays of a store's trace (tiers host and disk, six keys put and read), for the
+    simulator's tests to edit."""
+    import numpy as np
+
+    from tierstore import DiskTier, HostTier, SyncTierStore
+
+    folder = tmp_path_factory.mktemp("store_trace")
+    out = folder / "t.npz"
+    with SyncTierStore([HostTier("16KiB"), DiskTier(folder / "disk", "1MiB")], trace=out) as store:
+        for i in range(6):
+            store.put(f"k{i}", torch.zeros(1024, dtype=torch.uint8))
+            store.get(f"k{i}")
+    with np.load(out) as archive:
+        return {name: archive[name] for name in archive.files}

@@ -8,14 +8,12 @@ way by ``load_trace`` and another by ``replay_store_trace``."""
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
-from tierstore import DiskTier, HostTier, SyncTierStore, TraceError
+from tierstore import TraceError
 from tierstore.cli import main
 from tierstore.sim import load_evictions, load_trace, loop_trace, replay_store_trace, simulate
 
@@ -80,17 +78,6 @@ def test_a_policy_missing_methods_is_refused_before_the_simulation(tmp_path: Pat
     one_step = tmp_path / "one_step.csv"
     one_step.write_text("".join(f"{key},4096\n" for key in [1, 2, 3, 1, 2, 3]))
     assert simulate(load_trace(one_step), {"host": 16384}, "lru", NoSteps()).misses  # (one step: on_step is never asked)
-
-
-@pytest.fixture(scope="module")
-def store_trace() -> dict[str, np.ndarray]:
-    folder = Path(tempfile.mkdtemp())
-    out = folder / "t.npz"
-    with SyncTierStore([HostTier("16KiB"), DiskTier(folder / "disk", "1MiB")], trace=out) as store:
-        for i in range(6):
-            store.put(f"k{i}", torch.zeros(1024, dtype=torch.uint8))
-            store.get(f"k{i}")
-    return dict(np.load(out))
 
 
 @pytest.mark.parametrize("edit", ["unknown op", "negative size", "float sizes"])

@@ -9,16 +9,14 @@ sizes past 1024 TiB were shown in TiB."""
 
 from __future__ import annotations
 
-import tempfile
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
-from tierstore import DiskTier, HostTier, SyncTierStore, TraceError
+from tierstore import TraceError
 from tierstore.cli import main
 from tierstore.sim import (
     Trace,
@@ -121,19 +119,6 @@ def test_a_plot_without_a_suffix_is_written_and_named_as_matplotlib_writes_it(
     assert main(["simulate", "loop:keys=3", "--capacity", "host=1MiB", "--plot", str(out)]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == f"plot: {out}.png"
     assert (tmp_path / "out.png").stat().st_size > 0 and not out.exists()
-
-
-@pytest.fixture(scope="module")
-def store_trace() -> dict[str, np.ndarray]:
-    """The arrays of a store's trace (tiers host and disk)."""
-    folder = Path(tempfile.mkdtemp())
-    out = folder / "t.npz"
-    with SyncTierStore([HostTier("16KiB"), DiskTier(folder / "disk", "1MiB")], trace=out) as store:
-        for i in range(6):
-            store.put(f"k{i}", torch.zeros(1024, dtype=torch.uint8))
-            store.get(f"k{i}")
-    with np.load(out) as archive:
-        return {name: archive[name] for name in archive.files}
 
 
 def test_an_empty_store_trace_is_refused_as_an_empty_csv_is(

@@ -12,7 +12,7 @@ from typing import Any
 
 from .arguments import non_negative_float, non_negative_int
 from .errors import TierStoreError
-from .outputs import check_image_format, check_output_file
+from .outputs import check_image_format, check_output_file, check_writable, plot_file
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -84,13 +84,11 @@ _PASSTHROUGH_RUN = {"demo": _demo, "bench": _bench}
 def _simulate(args: argparse.Namespace) -> int:
     from .sim.links import LinkModel
     from .sim.report import (
-        check_writable,
         format_table,
         open_trace,
         parse_capacities,
         parse_columns,
         plot_curves,
-        plot_file,
         plot_prefetch,
         run_all,
     )

@@ -3,6 +3,7 @@ minutes of work loses what the work made."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 
@@ -34,3 +35,27 @@ def check_image_format(path: Path, option: str = "--plot") -> None:
     if path.suffix[1:].lower() not in formats:
         raise ValueError(f"{option} {path}: matplotlib writes no {path.suffix!r} images; give a file ending in one of "
                          f"{', '.join('.' + name for name in sorted(formats))}")
+
+
+def plot_file(path: Path) -> Path:
+    """``path`` as matplotlib writes a plot there: one without a suffix gets its default
+    format's (``mrc``: ``mrc.png``)."""
+    if path.suffix:
+        return path
+    from .plotting import pyplot
+
+    return path.with_name(f"{path.name.rstrip('.')}.{pyplot().rcParams['savefig.format']}")
+
+
+def check_writable(path: Path, option: str) -> None:
+    """``ValueError`` unless a file can be written at ``path`` (its folder exists: see
+    ``check_output_file``): a file system that refuses it (``/proc``, read-only, no
+    permission) said so only after the run. A file that was not there is not left behind."""
+    existed = os.path.lexists(path)
+    try:
+        with open(path, "ab"):  # (appends nothing: a file there keeps its bytes)
+            pass
+    except OSError as exc:
+        raise ValueError(f"{option} {path}: cannot write there ({exc.strerror or exc})") from None
+    if not existed:
+        path.unlink(missing_ok=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import os
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -96,30 +95,6 @@ def parse_capacities(spec: str) -> dict[str, int]:
     if not capacities:
         raise ValueError("no capacity given; write e.g. host=2GiB")
     return capacities
-
-
-def plot_file(path: Path) -> Path:
-    """``path`` as matplotlib writes a plot there: one without a suffix gets its default
-    format's (``mrc``: ``mrc.png``)."""
-    if path.suffix:
-        return path
-    from ..plotting import pyplot
-
-    return path.with_name(f"{path.name.rstrip('.')}.{pyplot().rcParams['savefig.format']}")
-
-
-def check_writable(path: Path, option: str) -> None:
-    """``ValueError`` unless a file can be written at ``path`` (its folder exists: see
-    ``outputs.check_output_file``): a file system that refuses it (``/proc``, read-only, no
-    permission) said so only after the run. A file that was not there is not left behind."""
-    existed = os.path.lexists(path)
-    try:
-        with open(path, "ab"):  # (appends nothing: a file there keeps its bytes)
-            pass
-    except OSError as exc:
-        raise ValueError(f"{option} {path}: cannot write there ({exc.strerror or exc})") from None
-    if not existed:
-        path.unlink(missing_ok=True)
 
 
 def run_all(
